@@ -1,0 +1,106 @@
+"""Typed, validated configuration of a parallel layout.
+
+Every check runs at construction, before any process group exists, and raises a
+``ValueError`` that names the field, the value, the constraint and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+DataParallel = Literal["fsdp", "ddp", "none"]
+
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
+DATA_PARALLEL_ENGINES: tuple[str, ...] = ("fsdp", "ddp", "none")
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} ({value!r}) must be a positive integer; use 1 to disable it.")
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """The sizes and engines of one parallel layout.
+
+    Data parallelism is inferred: ``data_parallel_size = world_size / (tensor_parallel *
+    pipeline_parallel)``; expert parallelism is carved out of the data-parallel ranks.
+    """
+
+    tensor_parallel: int = 1
+    """Ranks that split each layer's weights (attention heads, FFN inner dim)."""
+    pipeline_parallel: int = 1
+    """Number of pipeline ranks; consecutive blocks form one stage per rank (or ``virtual_pipeline``
+    stages per rank with the interleaved schedule)."""
+    expert_parallel: int = 1
+    """Ranks over which MoE experts are spread; must divide the data-parallel size."""
+    virtual_pipeline: int = 1
+    """Pipeline stages per rank (Megatron's virtual pipeline); > 1 needs ``interleaved_1f1b``."""
+    micro_batches: int | None = None
+    """Micro-batches per optimizer step under pipeline parallelism; default ``pipeline_parallel``
+    (times ``virtual_pipeline`` for the interleaved schedule)."""
+    schedule: Schedule = "1f1b"
+    """Pipeline schedule: ``gpipe``, ``1f1b`` or ``interleaved_1f1b``."""
+    data_parallel: DataParallel = "fsdp"
+    """Data-parallel engine: ``fsdp`` (FSDP2 ``fully_shard``, ZeRO-3 role), ``ddp`` or ``none``."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel", "pipeline_parallel", "expert_parallel", "virtual_pipeline"):
+            _positive(name, getattr(self, name))
+        if self.micro_batches is not None:
+            _positive("micro_batches", self.micro_batches)
+        if self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"schedule ({self.schedule!r}) is not a known pipeline schedule; "
+                f"choose one of {', '.join(SCHEDULES)}."
+            )
+        if self.data_parallel not in DATA_PARALLEL_ENGINES:
+            raise ValueError(
+                f"data_parallel ({self.data_parallel!r}) is not a known engine; "
+                f"choose one of {', '.join(DATA_PARALLEL_ENGINES)}."
+            )
+        self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        pp, v = self.pipeline_parallel, self.virtual_pipeline
+        if v > 1 and pp == 1:
+            raise ValueError(
+                f"virtual_pipeline ({v}) needs pipeline_parallel > 1 (got 1); "
+                "set pipeline_parallel >= 2 or virtual_pipeline=1."
+            )
+        if v > 1 and self.schedule != "interleaved_1f1b":
+            raise ValueError(
+                f"virtual_pipeline ({v}) needs schedule='interleaved_1f1b' "
+                f"(got {self.schedule!r}); set schedule='interleaved_1f1b' or virtual_pipeline=1."
+            )
+        if self.schedule == "interleaved_1f1b" and pp > 1 and v == 1:
+            raise ValueError(
+                "schedule='interleaved_1f1b' needs virtual_pipeline >= 2 (got 1); "
+                "set virtual_pipeline=2 or use schedule='1f1b'."
+            )
+        n = self.num_micro_batches
+        if pp > 1 and self.schedule in ("1f1b", "interleaved_1f1b") and n < pp:
+            raise ValueError(
+                f"micro_batches ({n}) must be >= pipeline_parallel ({pp}) for the "
+                f"{self.schedule} schedule; set micro_batches to at least {pp}."
+            )
+        rounds = max(1, n // pp)
+        if self.schedule == "interleaved_1f1b" and pp > 1 and n % rounds != 0:
+            raise ValueError(
+                f"micro_batches ({n}) must be a multiple of its rounds ({rounds} = "
+                f"micro_batches // pipeline_parallel) for interleaved_1f1b; use {rounds * pp}."
+            )
+
+    @property
+    def num_micro_batches(self) -> int:
+        """Micro-batches per step (1 without pipeline parallelism)."""
+        if self.micro_batches is not None:
+            return self.micro_batches
+        return self.pipeline_parallel if self.pipeline_parallel > 1 else 1
+
+    @property
+    def num_stages(self) -> int:
+        """Total pipeline stages: ``pipeline_parallel * virtual_pipeline``."""
+        return self.pipeline_parallel * self.virtual_pipeline

@@ -1,0 +1,81 @@
+"""Run a function in a real multi-process gloo world (tests and benchmarks).
+
+Process start-up costs seconds on small machines, so callers run many checks in one world:
+``spawn(fn, 8, ...)`` calls ``fn(rank, world_size, *args)`` in 8 fresh processes with the
+default process group initialised, and returns every rank's return value.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(
+    fn: Callable[..., Any], rank: int, world: int, port: int, out: Any, args: tuple[Any, ...]
+) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        result = fn(rank, world, *args)
+        out.put((rank, True, result))
+    except BaseException:
+        out.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 900) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results.
+
+    ``fn`` must be importable (module level). A failure on any rank raises ``RuntimeError``
+    carrying that rank's traceback.
+    """
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world_size, port, out, args), daemon=False)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        while len(results) + len(errors) < world_size:
+            try:
+                rank, ok, value = out.get(timeout=timeout)
+            except queue.Empty:
+                raise RuntimeError(f"world of {world_size} timed out after {timeout}s") from None
+            if ok:
+                results[rank] = value
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else 60)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("a rank failed\n" + "\n".join(errors))
+    return [results[r] for r in range(world_size)]
