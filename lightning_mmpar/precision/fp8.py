@@ -137,6 +137,7 @@ class CastMeta:
         self.saturated = torch.zeros((), dtype=torch.int64)
         self.overflow = torch.zeros((), dtype=torch.int64)
         self.nonfinite = torch.zeros((), dtype=torch.int64)
+        self.shape: list[int] = []
 
     def reset_history(self) -> None:
         """Empty the amax history (the next cast scales from its own amax)."""
@@ -162,6 +163,7 @@ class CastMeta:
     def cast(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Quantise ``x``: return ``(q, inv_scale)`` with ``x ~= q.float() * inv_scale``."""
         self._to(x.device)
+        self.shape = list(x.shape)
         amax = x.detach().abs().amax().float()
         s = self.scale(amax)
         scaled = x.detach().float() * s

@@ -1,0 +1,367 @@
+"""FP8FallbackCallback: on an FP8 anomaly, fall back to BF16 and redo the step (TECHNIQUES 1.7).
+
+Mechanism (automatic optimization):
+
+* ``on_train_batch_start`` keeps the batches of the current accumulation window.
+* ``on_before_optimizer_step`` (gradients are synchronised, the optimizer has not stepped):
+  the :class:`GradientDriftMonitor` inspects the gradients (non-finite / exploding, collective)
+  and this callback reads every :class:`Float8Linear`'s cast statistics (amax overflow,
+  non-finite amax); one all-reduce makes the decision collective, so all ranks either redo
+  or go on together and DDP cannot deadlock. On an anomaly: the offending modules (union over
+  ranks; all FP8 modules from the second attempt on) switch to ``fallback_precision``, the
+  last stable in-memory snapshot of weights, buffers and optimizer state is restored, gradients
+  are zeroed and forward/backward of the same batches is re-run through
+  ``trainer.strategy.training_step`` / ``trainer.strategy.backward`` (so DDP, ``mm_parallel`` and
+  precision plugins behave as in the original step), gradients are inspected again and clipped
+  to ``clip_grad_norm``. Lightning then performs the optimizer step on the recomputed gradients.
+* ``on_train_batch_end`` (after the step): replica drift (from the monitor) triggers the same
+  recovery plus the optimizer step itself; a clean step refreshes the snapshot.
+
+At most ``max_retries`` attempts per step, then :class:`FP8FallbackError`. Nothing is skipped
+silently: every redone step, every step lost to a rollback to an older snapshot and every
+precision switch is counted, logged and written to ``anomalies.jsonl``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_mmpar.callbacks.anomalies import (
+    Anomaly,
+    all_gather_objects,
+    all_reduce_sum,
+    log,
+    rank,
+)
+from lightning_mmpar.callbacks.grad_drift import GradientDriftMonitor, GradReport
+from lightning_mmpar.callbacks.snapshot import Snapshot
+from lightning_mmpar.precision.fp8 import Float8Linear, fp8_modules, set_precision
+
+
+class FP8FallbackError(RuntimeError):
+    """Raised when a step is still anomalous after ``max_retries`` recoveries."""
+
+
+@dataclass(kw_only=True)
+class FallbackConfig:
+    """Configuration of :class:`FP8FallbackCallback`."""
+
+    max_retries: int = 2
+    """Recoveries per step before :class:`FP8FallbackError`."""
+    clip_grad_norm: float | None = 1.0
+    """Clip the recomputed gradients to this total norm (``None``: no clipping)."""
+    fallback_precision: Literal["bf16", "fp32"] = "bf16"
+    """Precision offending modules are switched to."""
+    return_to_fp8_after: int | None = None
+    """Switch fallen-back modules to FP8 again after this many clean steps (``None``: never)."""
+    snapshot_every_n_steps: int = 1
+    """Refresh the in-memory snapshot every N clean, drift-checked steps."""
+    snapshot_device: Literal["same", "cpu"] = "same"
+    """Where snapshot tensors live (``cpu`` saves accelerator memory, costs copies)."""
+    check_fp8_stats: bool = True
+    """Treat FP8 amax overflow / non-finite amax as anomalies."""
+    check_drift: bool = True
+    """Treat replica drift reported by the monitor as an anomaly."""
+
+    def __post_init__(self) -> None:
+        if self.max_retries < 1:
+            raise ValueError(f"max_retries ({self.max_retries}) must be >= 1, e.g. 2.")
+        if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
+            raise ValueError(f"clip_grad_norm ({self.clip_grad_norm}) must be > 0 or None.")
+        if self.fallback_precision not in ("bf16", "fp32"):
+            raise ValueError(
+                f"fallback_precision ({self.fallback_precision!r}) must be 'bf16' or 'fp32'."
+            )
+        if self.return_to_fp8_after is not None and self.return_to_fp8_after < 1:
+            raise ValueError(f"return_to_fp8_after ({self.return_to_fp8_after}) must be >= 1.")
+        if self.snapshot_every_n_steps < 1:
+            raise ValueError(
+                f"snapshot_every_n_steps ({self.snapshot_every_n_steps}) must be >= 1."
+            )
+        if self.snapshot_device not in ("same", "cpu"):
+            raise ValueError(f"snapshot_device ({self.snapshot_device!r}) must be 'same' or 'cpu'.")
+
+
+@dataclass(kw_only=True)
+class Decision:
+    """Collective outcome of one check."""
+
+    anomalous: bool
+    """All ranks agree a recovery is needed."""
+    modules: list[str] = field(default_factory=list)
+    """FP8 modules to blame (union over ranks)."""
+    reasons: list[dict[str, Any]] = field(default_factory=list)
+    """FP8 cast events of all ranks: ``{rank, module, site, kind, amax, shape}``."""
+
+
+def _module_of(param: str) -> str:
+    return param.rpartition(".")[0]
+
+
+class FP8FallbackCallback(Callback):
+    """Fall back from FP8 to BF16 on anomalies, restore a snapshot and redo the step.
+
+    Uses the :class:`GradientDriftMonitor` found in ``trainer.callbacks`` (or ``monitor``);
+    without one it creates and drives its own.
+    """
+
+    def __init__(
+        self,
+        config: FallbackConfig | None = None,
+        monitor: GradientDriftMonitor | None = None,
+        **overrides: Any,
+    ) -> None:
+        self.config = config or FallbackConfig(**overrides)
+        self.monitor = monitor
+        self._drive = False
+        self.snapshot = Snapshot(device=self.config.snapshot_device)
+        self.counters = {"redone_steps": 0, "rolled_back_steps": 0, "fallbacks": 0,
+                         "attempts": 0, "returns_to_fp8": 0}  # fmt: skip
+        self.fallen: set[str] = set()
+        self._window: list[tuple[Any, int]] = []
+        self._clean_steps = 0
+        self._last_step = -1
+
+    # ------------------------------------------------------------------ lifecycle
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.monitor is None:
+            found = [c for c in trainer.callbacks if isinstance(c, GradientDriftMonitor)]  # type: ignore[attr-defined]
+            self.monitor, self._drive = (
+                (found[0], False) if found else (GradientDriftMonitor(), True)
+            )
+        self.monitor.action = "handed to FP8FallbackCallback"
+        if self._drive:
+            self.monitor.setup(trainer, pl_module, stage)
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._drive:
+            self.mon.on_fit_start(trainer, pl_module)
+        self.snapshot.take(trainer, pl_module)
+        self._last_step = trainer.global_step
+        mods = fp8_modules(pl_module)
+        rank_zero_info(
+            f"FP8FallbackCallback: {sum(m.precision == 'fp8' for m in mods.values())} of "
+            f"{len(mods)} Float8Linear modules in fp8; fallback -> {self.config.fallback_precision}"
+        )
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._drive:
+            self.mon.teardown(trainer, pl_module, stage)
+
+    @property
+    def mon(self) -> GradientDriftMonitor:
+        """The monitor in use (available after ``setup``)."""
+        if self.monitor is None:
+            raise RuntimeError("FP8FallbackCallback.monitor is set in setup(); call fit first.")
+        return self.monitor
+
+    # ------------------------------------------------------------------ hooks
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._drive:
+            self.mon.on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        if trainer.global_step != self._last_step or not self._window:
+            self._window = []
+            for m in fp8_modules(pl_module).values():
+                m.reset_fp8_stats()
+        self._window.append((batch, batch_idx))
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        report = self.mon.inspect_gradients(trainer, pl_module)
+        decision = self._decide(pl_module, report)
+        if decision.anomalous:
+            self._recover(trainer, pl_module, optimizer, decision, report, after_step=False)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+        batch_idx: int,
+    ) -> None:  # fmt: skip
+        if self._drive:
+            self.mon.on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if trainer.global_step == self._last_step:
+            return  # accumulating: no optimizer step yet
+        self._last_step = trainer.global_step
+        checked = trainer.global_step % self.mon.config.check_every_n_steps == 0
+        drift = self.mon.check_replicas(trainer, pl_module) if checked else []
+        if drift and self.config.check_drift:
+            names = {_module_of(d.name) for d in drift}
+            mods = sorted(n for n in names if n in fp8_modules(pl_module))
+            reasons = [{"kind": "replica_drift", "param": d.name, "shape": d.shape,
+                        "drifting_ranks": d.drifting_ranks} for d in drift]  # fmt: skip
+            decision = Decision(anomalous=True, modules=mods, reasons=reasons)
+            self._recover(
+                trainer, pl_module, trainer.optimizers[0], decision, None, after_step=True
+            )
+        else:
+            self._on_clean_step(trainer, pl_module, checked)
+        if self.mon.config.log_metrics:
+            for k, v in self.counters.items():
+                pl_module.log(f"fp8_fallback/{k}", float(v), on_step=True, on_epoch=False)
+
+    # ------------------------------------------------------------------ decisions
+    def _decide(self, pl_module: pl.LightningModule, report: GradReport) -> Decision:
+        """Collective: anomalous if the monitor says so or any rank saw an FP8 cast event."""
+        me, fp8 = rank(), fp8_modules(pl_module)
+        events = self._fp8_events(fp8) if self.config.check_fp8_stats else []
+        blamed = {_module_of(p) for p in report.nonfinite_params}
+        blamed |= {_module_of(o["param"]) for o in report.origin}
+        blamed &= {n for n, m in fp8.items() if m.precision == "fp8"}
+        total = all_reduce_sum(torch.tensor([float(len(events))], dtype=torch.float64))
+        if not report.anomalous and float(total[0]) == 0:
+            return Decision(anomalous=False)
+        gathered = all_gather_objects((events, sorted(blamed)))
+        reasons = [e for ev, _ in gathered for e in ev]
+        mods = {e["module"] for e in reasons} | {m for _, b in gathered for m in b}
+        log.debug("rank %d: FP8 decision over %d events", me, len(reasons))
+        return Decision(anomalous=True, modules=sorted(mods), reasons=reasons)
+
+    @staticmethod
+    def _fp8_events(fp8: dict[str, Float8Linear]) -> list[dict[str, Any]]:
+        live = [
+            (n, s, c) for n, m in fp8.items() if m.precision == "fp8" for s, c in m.meta.items()
+        ]
+        if not live:
+            return []
+        flags = torch.stack(
+            [torch.stack([c.overflow.cpu(), c.nonfinite.cpu()]) for _, _, c in live]
+        )
+        out = []
+        for (name, site, c), (ov, nf) in zip(live, flags.tolist(), strict=True):
+            if ov or nf:
+                out.append({"rank": rank(), "module": name, "site": site,
+                            "kind": "fp8_nonfinite" if nf else "fp8_overflow",
+                            "amax": float(c.amax), "shape": c.shape})  # fmt: skip
+        return out
+
+    # ------------------------------------------------------------------ recovery
+    def _recover(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any,
+        decision: Decision, report: GradReport | None, *, after_step: bool,
+    ) -> None:  # fmt: skip
+        """Switch precision, restore, redo - until clean or ``max_retries`` is exhausted."""
+        attempt = 0
+        while decision.anomalous:
+            attempt += 1
+            self.counters["attempts"] += 1
+            if attempt > self.config.max_retries:
+                raise FP8FallbackError(
+                    f"rank {rank()}: step {trainer.global_step} still anomalous after "
+                    f"{self.config.max_retries} recoveries (reasons: {decision.reasons[:4]}); "
+                    f"raise FallbackConfig.max_retries or inspect {self.mon.anomalies.path}."
+                )
+            switched = self._switch(pl_module, decision, attempt)
+            restored = self.snapshot.restore(trainer, pl_module)
+            lost = max(0, trainer.global_step - (1 if after_step else 0) - restored)
+            self.counters["rolled_back_steps"] += lost
+            report = self._redo(trainer, pl_module, optimizer, step=after_step)
+            self._record(trainer, pl_module, decision, report, switched, attempt, restored, lost)
+            if after_step:
+                drift = self.mon.check_replicas(trainer, pl_module, force=True)
+                decision = self._decide(pl_module, report)
+                if drift and not decision.anomalous:
+                    decision = Decision(anomalous=True, reasons=[{"kind": "replica_drift"}])
+            else:
+                decision = self._decide(pl_module, report)
+        self.counters["redone_steps"] += 1
+        self._clean_steps = 0
+        if after_step:
+            self.snapshot.take(trainer, pl_module)
+
+    def _switch(self, pl_module: pl.LightningModule, decision: Decision, attempt: int) -> list[str]:
+        names = decision.modules if attempt == 1 and decision.modules else None
+        switched = set_precision(pl_module, self.config.fallback_precision, names)
+        self.fallen |= set(switched)
+        if switched:
+            self.counters["fallbacks"] += len(switched)
+        return switched
+
+    def _redo(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, *, step: bool
+    ) -> GradReport:
+        """Zero gradients, recompute them on the window's batches; optimizer step if ``step``."""
+        for opt in trainer.optimizers:
+            opt.zero_grad(set_to_none=True)
+        for m in fp8_modules(pl_module).values():
+            m.reset_fp8_stats()
+        scale = 1.0 / trainer.accumulate_grad_batches
+        previous_fx = pl_module._current_fx_name
+        pl_module._current_fx_name = "training_step"  # re-logged values overwrite, not clash
+        try:
+            for batch, idx in self._window:
+                out: Any = trainer.strategy.training_step(batch, idx)
+                loss: Tensor = out["loss"] if isinstance(out, dict) else out
+                trainer.strategy.backward(loss * scale, optimizer)
+        finally:
+            pl_module._current_fx_name = previous_fx
+        report = self.mon.inspect_gradients(trainer, pl_module, force=True)
+        if self.config.clip_grad_norm is not None and not report.anomalous:
+            pl_module.clip_gradients(optimizer, self.config.clip_grad_norm, "norm")
+        if step and not report.anomalous:  # recovery after Lightning's step: step ourselves
+            for opt in trainer.optimizers:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        return report
+
+    def _record(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, decision: Decision,
+        report: GradReport, switched: list[str], attempt: int, restored: int, lost: int,
+    ) -> None:  # fmt: skip
+        mods = fp8_modules(pl_module)
+        action = (
+            f"switched {switched or 'no module'} to {self.config.fallback_precision}, restored "
+            f"snapshot of step {restored} ({lost} later steps rolled back), redid step "
+            f"{trainer.global_step} (attempt {attempt}/{self.config.max_retries}), clipped grad "
+            f"norm to {self.config.clip_grad_norm}; redone gradients "
+            f"{'still anomalous' if report.anomalous else 'clean'}"
+        )
+        for name in switched or [None]:  # type: ignore[list-item]
+            shape = list(mods[name].weight.shape) if name in mods else None
+            self.mon.anomalies.record(Anomaly(
+                kind="fp8_fallback", step=trainer.global_step, rank=rank(), group="world",
+                param=name, shape=shape, action=action,
+                values={"attempt": attempt, "reasons": decision.reasons[:16],
+                        "origin": report.origin[:16], "grad_norm_after_redo": report.grad_norm,
+                        "restored_step": restored, "rolled_back_steps": lost},
+            ))  # fmt: skip
+
+    def _on_clean_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checked: bool
+    ) -> None:
+        self._clean_steps += 1
+        if checked and trainer.global_step % self.config.snapshot_every_n_steps == 0:
+            self.snapshot.take(trainer, pl_module)
+        n = self.config.return_to_fp8_after
+        if n is not None and self.fallen and self._clean_steps >= n:
+            back = set_precision(pl_module, "fp8", sorted(self.fallen))
+            self.fallen -= set(back)
+            self.counters["returns_to_fp8"] += len(back)
+            self.mon.anomalies.record(Anomaly(
+                kind="fp8_return", step=trainer.global_step, rank=rank(), group="world",
+                param=", ".join(back), action=f"switched back to fp8 after {n} clean steps",
+            ))  # fmt: skip
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"counters": dict(self.counters), "fallen": sorted(self.fallen)}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.counters.update(state_dict.get("counters", {}))
+        self.fallen = set(state_dict.get("fallen", []))

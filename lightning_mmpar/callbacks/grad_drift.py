@@ -1,0 +1,434 @@
+"""GradientDriftMonitor: replica drift, gradient noise scale, non-finite/exploding gradients.
+
+TECHNIQUES 1.6. Comparing a gradient's norm before and after the data-parallel all-reduce
+against a fixed threshold fires constantly: the average of ``n`` noisy gradients is legitimately
+shorter than each of them. What the check is meant to catch is split into three parts:
+
+(a) **replica drift** - after every (``check_every_n_steps``-th) optimizer step, parameters
+    that must be identical across a group are fingerprinted and compared (:mod:`.replicas`);
+(b) **local/global gradient-norm ratio** as a statistic: with per-rank micro-batch size ``b``
+    and global batch ``B = b * accumulate * dp``, ``E|g_b|^2 = |G|^2 + tr(S)/b``, so the two
+    measured norms give unbiased estimates (McCandlish et al. 2018, App. A.1)::
+
+        |G|^2 = (B |g_B|^2 - b |g_b|^2) / (B - b),   tr(S) = (|g_b|^2 - |g_B|^2) / (1/b - 1/B)
+
+    and the *simple noise scale* ``B_simple = EMA(tr S) / EMA(|G|^2)`` is logged;
+(c) **non-finite or exploding** gradient norms per named module (norm > ``explode_factor``
+    times its EMA after ``warmup_steps``, or above ``max_module_grad_norm``).
+
+How the local (pre-sync) gradient is captured: a tensor hook on every parameter
+(``param.register_hook``) runs before the gradient is accumulated into ``param.grad``; DDP's
+reducer hooks run *after* accumulation, so the hook sees this rank's own gradient under DDP,
+under ``mm_parallel`` and on a single device. Under Lightning's FSDP strategies the local
+gradient of a sharded parameter is not observable this way; there the noise scale is not
+computed (non-finite/exploding and replica checks are unaffected, the latter being empty since
+nothing is replicated). Under TP each rank estimates over the coordinates it holds; the logged
+values average all ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_mmpar.callbacks import replicas
+from lightning_mmpar.callbacks.anomalies import (
+    Anomaly,
+    AnomalyLog,
+    all_gather_objects,
+    all_reduce_sum,
+    rank,
+    world_size,
+)
+
+
+@dataclass(kw_only=True)
+class DriftConfig:
+    """Configuration of :class:`GradientDriftMonitor`."""
+
+    log_dir: str | None = None
+    """Directory of ``anomalies.jsonl``; default ``trainer.log_dir``."""
+    check_every_n_steps: int = 1
+    """Replica check frequency in optimizer steps."""
+    rtol: float = 1e-6
+    """Drift tolerance relative to ``sum(|p|)`` of a parameter."""
+    atol: float = 0.0
+    """Absolute drift tolerance on the fingerprints."""
+    on_drift: Literal["report", "resync", "raise"] = "report"
+    """``resync`` broadcasts drifting parameters from the reference rank."""
+    max_full_compare: int = 8
+    """At most this many drifting parameters are gathered in full per group and step."""
+    module_depth: int = 2
+    """Name components that define a module for per-module norms (``layers.3``)."""
+    explode_factor: float = 10.0
+    """A module norm above this multiple of its EMA is exploding."""
+    max_module_grad_norm: float | None = None
+    """Absolute per-module gradient-norm limit (``None``: only the relative test)."""
+    warmup_steps: int = 5
+    """Steps before the relative explosion test is armed."""
+    ema_beta: float = 0.9
+    """EMA coefficient of module norms and of the noise-scale terms."""
+    batch_size: int | None = None
+    """Per-rank micro-batch size; default: first dimension of the first tensor in the batch."""
+    expert_patterns: tuple[str, ...] = ("*experts*",)
+    """Parameter-name patterns of expert weights (replicated over ``edp``, not ``dp``)."""
+    max_records_per_step: int = 32
+    """Cap on JSON records one rank writes per step and check."""
+    log_metrics: bool = True
+    """Log ``stability/*`` metrics through the LightningModule's logger."""
+
+    def __post_init__(self) -> None:
+        positive = (
+            "check_every_n_steps",
+            "max_full_compare",
+            "module_depth",
+            "max_records_per_step",
+        )
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be >= 1.")
+        if self.on_drift not in ("report", "resync", "raise"):
+            raise ValueError(f"on_drift ({self.on_drift!r}) must be 'report', 'resync' or 'raise'.")
+        if self.explode_factor <= 1.0:
+            raise ValueError(f"explode_factor ({self.explode_factor}) must be > 1, e.g. 10.0.")
+        if not 0.0 <= self.ema_beta < 1.0:
+            raise ValueError(f"ema_beta ({self.ema_beta}) must be in [0, 1), e.g. 0.9.")
+        if self.rtol < 0 or self.atol < 0:
+            raise ValueError(f"rtol ({self.rtol}) and atol ({self.atol}) must be >= 0.")
+
+
+@dataclass(kw_only=True)
+class GradReport:
+    """Outcome of one gradient inspection (collective fields agree on every rank)."""
+
+    step: int
+    """``trainer.global_step``."""
+    anomalous: bool
+    """Any rank saw a non-finite or exploding gradient (collective)."""
+    grad_norm: float
+    """Norm of the synchronised gradient held by this rank."""
+    local_global_ratio: float | None = None
+    """``sqrt(mean |g_b|^2 / mean |g_B|^2)`` over ranks."""
+    noise_scale: float | None = None
+    """``B_simple`` from the EMAs (``None`` until both EMAs are positive)."""
+    nonfinite_params: list[str] = field(default_factory=list)
+    """This rank's parameters with a non-finite synchronised gradient."""
+    origin: list[dict[str, Any]] = field(default_factory=list)
+    """All ranks' non-finite *local* gradients: ``{rank, param, shape, norm}``."""
+    exploding_modules: list[str] = field(default_factory=list)
+    """This rank's modules whose gradient norm exploded."""
+
+
+def noise_scale_terms(
+    small_sq: float, big_sq: float, b_small: float, b_big: float
+) -> tuple[float, float]:
+    """Unbiased ``(|G|^2, tr(S))`` from mean squared norms at batch sizes ``b_small < b_big``."""
+    if b_big <= b_small:
+        raise ValueError(f"b_big ({b_big}) must exceed b_small ({b_small}).")
+    g2 = (b_big * big_sq - b_small * small_sq) / (b_big - b_small)
+    trace = (small_sq - big_sq) / (1.0 / b_small - 1.0 / b_big)
+    return g2, trace
+
+
+def _local(t: Tensor) -> Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class LocalGradCapture:
+    """Tensor hooks recording each parameter's squared local gradient norm before sync."""
+
+    def __init__(self, named: Sequence[tuple[str, Tensor]]) -> None:
+        self.names = [n for n, _ in named]
+        self.shapes = [list(_local(p).shape) for _, p in named]
+        self.sq: Tensor | None = None
+        self.fired = [0] * len(named)
+        self.handles = [p.register_hook(partial(self._hook, i)) for i, (_, p) in enumerate(named)]
+
+    def _hook(self, i: int, grad: Tensor) -> None:
+        n = torch.linalg.vector_norm(_local(grad).detach(), dtype=torch.float64)
+        if self.sq is None or self.sq.device != n.device:
+            self.sq = torch.zeros(len(self.names), dtype=torch.float64, device=n.device)
+        self.sq[i] += n * n
+        self.fired[i] += 1
+
+    def take(self) -> tuple[list[float], int]:
+        """Per-parameter summed squares since the last call, and the number of backwards."""
+        sq = self.sq.tolist() if self.sq is not None else [0.0] * len(self.names)
+        count = max(self.fired, default=0)
+        self.sq, self.fired = None, [0] * len(self.names)
+        return sq, count
+
+    def remove(self) -> None:
+        """Unregister all hooks."""
+        for h in self.handles:
+            h.remove()
+
+
+def _grad_norms(named: Sequence[tuple[str, Tensor]]) -> list[float]:
+    """float64 norm of each gradient (local shard for DTensors), one host sync."""
+    if not named:
+        return []
+    grads = [_local(p.grad) for _, p in named if p.grad is not None]
+    vals = [torch.linalg.vector_norm(g, dtype=torch.float64).cpu() for g in grads]
+    return [float(v) for v in torch.stack(vals).tolist()]
+
+
+def _batch_size(batch: Any) -> int | None:
+    if isinstance(batch, Tensor):
+        return int(batch.shape[0]) if batch.ndim else None
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, list | tuple):
+        for item in batch:
+            b = _batch_size(item)
+            if b is not None:
+                return b
+    return None
+
+
+class GradientDriftMonitor(Callback):
+    """Detect replica drift and non-finite/exploding gradients; estimate the noise scale.
+
+    Works in any Trainer. Anomalies go to ``<log_dir>/anomalies.jsonl`` and the log; metrics
+    ``stability/grad_norm``, ``stability/local_global_ratio``, ``stability/noise_scale`` go to
+    the LightningModule's logger. It only observes (``on_drift="resync"`` aside); pair it with
+    :class:`FP8FallbackCallback` to act on anomalies.
+    """
+
+    def __init__(self, config: DriftConfig | None = None, **overrides: Any) -> None:
+        self.config = config or DriftConfig(**overrides)
+        self.anomalies = AnomalyLog(None)
+        self.action = "reported"
+        self.last_report: GradReport | None = None
+        self.groups: list[replicas.ReplicaGroup] = []
+        self.capture: LocalGradCapture | None = None
+        self._batch: int | None = None
+        self._inspected_step = -1
+        self._checked_step = -1
+        self._module_ema: dict[str, float] = {}
+        self._ema_g2: float | None = None
+        self._ema_trace: float | None = None
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        log_dir = self.config.log_dir or trainer.log_dir or trainer.default_root_dir
+        self.anomalies = AnomalyLog(Path(log_dir) / "anomalies.jsonl")
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        named = list(pl_module.named_parameters())
+        self.groups = replicas.build_groups(trainer, pl_module, self.config.expert_patterns)
+        if self.capture is None and not isinstance(trainer.strategy, FSDPStrategy):
+            self.capture = LocalGradCapture([(n, p) for n, p in named if p.requires_grad])
+        rank_zero_info(
+            f"GradientDriftMonitor: replica groups {[(g.name, len(g.params)) for g in self.groups]}"
+            f", local-gradient capture {'on' if self.capture else 'off (FSDP)'}, "
+            f"anomalies -> {self.anomalies.path}"
+        )
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.capture is not None:
+            self.capture.remove()
+            self.capture = None
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._batch = self.config.batch_size or _batch_size(batch)
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        self.inspect_gradients(trainer, pl_module)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+        batch_idx: int,
+    ) -> None:  # fmt: skip
+        if trainer.global_step % self.config.check_every_n_steps == 0:
+            self.check_replicas(trainer, pl_module)
+
+    def _dp_size(self, trainer: pl.Trainer) -> int:
+        dims = getattr(trainer.strategy, "parallel_dims", None)
+        return int(dims.dp) if dims is not None and hasattr(dims, "dp") else world_size()
+
+    def inspect_gradients(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, force: bool = False
+    ) -> GradReport:
+        """Collective: check this step's gradients (memoised per step unless ``force``)."""
+        step = trainer.global_step
+        if self.last_report is not None and self._inspected_step == step and not force:
+            return self.last_report
+        self._inspected_step = step
+        named = [(n, p) for n, p in pl_module.named_parameters() if p.grad is not None]
+        norms = _grad_norms(named)
+        modules = self._module_norms(named, norms)
+        exploding = self._exploding(modules, step)
+        nonfinite = [n for (n, _), v in zip(named, norms, strict=True) if not math.isfinite(v)]
+        local_sq, count = self.capture.take() if self.capture else ([], 0)
+        local_bad = [
+            {"rank": rank(), "param": n, "shape": s, "norm": math.sqrt(v) if v >= 0 else v}
+            for n, s, v in zip(self.capture.names, self.capture.shapes, local_sq, strict=True)
+            if not math.isfinite(v)
+        ] if self.capture else []  # fmt: skip
+        big = sum(v * v for v in norms)
+        small = sum(local_sq) * trainer.accumulate_grad_batches**2 / max(count, 1)
+        ok_s, ok_b = count > 0 and math.isfinite(small), math.isfinite(big)
+        vec = torch.tensor(
+            [small if ok_s else 0.0, float(ok_s), big if ok_b else 0.0, float(ok_b),
+             len(nonfinite), len(local_bad), len(exploding)], dtype=torch.float64,
+        )  # fmt: skip
+        tot = all_reduce_sum(vec).tolist()
+        origin = [o for rk in all_gather_objects(local_bad) for o in rk] if tot[5] > 0 else []
+        report = GradReport(
+            step=step, anomalous=tot[4] + tot[5] + tot[6] > 0, grad_norm=math.sqrt(big),
+            nonfinite_params=nonfinite, origin=origin, exploding_modules=exploding,
+        )  # fmt: skip
+        if tot[1] > 0 and tot[3] > 0:
+            self._noise_scale(report, tot[0] / tot[1], tot[2] / tot[3], trainer)
+        self._record_grad_anomalies(report, named, norms, modules, local_bad)
+        self.last_report = report
+        if self.config.log_metrics:
+            self._log_metrics(pl_module, report)
+        return report
+
+    def _module_norms(
+        self, named: Sequence[tuple[str, Tensor]], norms: list[float]
+    ) -> dict[str, float]:
+        sq: dict[str, float] = {}
+        for (n, _), v in zip(named, norms, strict=True):
+            mod = ".".join(n.split(".")[:-1][: self.config.module_depth]) or "<root>"
+            sq[mod] = sq.get(mod, 0.0) + v * v
+        return {m: math.sqrt(v) if v >= 0 else v for m, v in sq.items()}
+
+    def _exploding(self, modules: dict[str, float], step: int) -> list[str]:
+        cfg, out = self.config, []
+        for m, v in modules.items():
+            if not math.isfinite(v):
+                continue
+            ema = self._module_ema.get(m)
+            rel = ema is not None and step >= cfg.warmup_steps and v > cfg.explode_factor * ema
+            if rel or (cfg.max_module_grad_norm is not None and v > cfg.max_module_grad_norm):
+                out.append(m)
+                continue
+            self._module_ema[m] = v if ema is None else cfg.ema_beta * ema + (1 - cfg.ema_beta) * v
+        return out
+
+    def _noise_scale(
+        self, report: GradReport, small: float, big: float, trainer: pl.Trainer
+    ) -> None:
+        report.local_global_ratio = math.sqrt(small / big) if big > 0 else None
+        dp, b = self._dp_size(trainer), self._batch
+        if dp < 2 or b is None:
+            return
+        g2, trace = noise_scale_terms(small, big, b, b * trainer.accumulate_grad_batches * dp)
+        beta = self.config.ema_beta
+        self._ema_g2 = g2 if self._ema_g2 is None else beta * self._ema_g2 + (1 - beta) * g2
+        self._ema_trace = (
+            trace if self._ema_trace is None else beta * self._ema_trace + (1 - beta) * trace
+        )
+        if self._ema_g2 > 0 and self._ema_trace > 0:
+            report.noise_scale = self._ema_trace / self._ema_g2
+
+    def _record_grad_anomalies(
+        self, report: GradReport, named: Sequence[tuple[str, Tensor]], norms: list[float],
+        modules: dict[str, float], local_bad: list[dict[str, Any]],
+    ) -> None:  # fmt: skip
+        me, step, cap = rank(), report.step, self.config.max_records_per_step
+        shapes = {n: list(_local(p).shape) for n, p in named}
+        norm_of = dict(zip([n for n, _ in named], norms, strict=True))
+        recs = [
+            Anomaly(kind="nonfinite_local_grad", step=step, rank=me, group="local",
+                    param=o["param"], shape=o["shape"], values={"local_norm": o["norm"]},
+                    action=self.action)
+            for o in local_bad
+        ] + [
+            Anomaly(kind="nonfinite_grad", step=step, rank=me, group="world", param=n,
+                    shape=shapes[n], values={"norm": norm_of[n], "origin": report.origin},
+                    action=self.action)
+            for n in report.nonfinite_params
+        ] + [
+            Anomaly(kind="exploding_grad", step=step, rank=me, group="local", param=m,
+                    values={"norm": modules[m], "ema": self._module_ema.get(m),
+                            "explode_factor": self.config.explode_factor},
+                    action=self.action)
+            for m in report.exploding_modules
+        ]  # fmt: skip
+        for a in recs[:cap]:
+            self.anomalies.record(a)
+
+    def _log_metrics(self, pl_module: pl.LightningModule, report: GradReport) -> None:
+        vals = {
+            "stability/grad_norm": report.grad_norm,
+            "stability/local_global_ratio": report.local_global_ratio,
+            "stability/noise_scale": report.noise_scale,
+            "stability/anomalies": float(len(self.anomalies.records)),
+        }
+        for k, v in vals.items():
+            if v is not None and math.isfinite(v):
+                pl_module.log(k, v, on_step=True, on_epoch=False)
+
+    def check_replicas(
+        self, trainer: pl.Trainer, pl_module: nn.Module, *, force: bool = False
+    ) -> list[replicas.Drift]:
+        """Collective: compare replicated parameters (memoised per step unless ``force``)."""
+        if self._checked_step == trainer.global_step and not force:
+            return []
+        self._checked_step = trainer.global_step
+        found: list[replicas.Drift] = []
+        for rg in self.groups:
+            drift = replicas.check_group(rg, self.config.rtol, self.config.atol,
+                                         self.config.max_full_compare)  # fmt: skip
+            action = self.action
+            if drift and self.config.on_drift == "resync":
+                replicas.resync(rg, drift)
+                action = f"resynced from reference rank ({self.action})"
+            for d in drift[: self.config.max_records_per_step]:
+                self.anomalies.record(Anomaly(
+                    kind="replica_drift", step=trainer.global_step, rank=rank(), group=rg.name,
+                    param=d.name, shape=d.shape, action=action,
+                    values={"drifting_ranks": d.drifting_ranks, "this_rank_drifts":
+                            rank() in d.drifting_ranks, "reference_rank": d.reference_rank,
+                            "fingerprints": d.fingerprints, "max_abs_diff": d.max_abs_diff,
+                            "worst_index": d.worst_index},
+                ))  # fmt: skip
+            found += drift
+        if found and self.config.on_drift == "raise":
+            raise RuntimeError(
+                f"GradientDriftMonitor: replica drift at step {trainer.global_step} in "
+                f"{sorted({d.name for d in found})}; see {self.anomalies.path}."
+            )
+        return found
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "module_ema": self._module_ema,
+            "ema_g2": self._ema_g2,
+            "ema_trace": self._ema_trace,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._module_ema = dict(state_dict.get("module_ema", {}))
+        self._ema_g2 = state_dict.get("ema_g2")
+        self._ema_trace = state_dict.get("ema_trace")
