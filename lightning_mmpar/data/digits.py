@@ -44,8 +44,17 @@ def fill(template: str, label: int) -> str:
 class DigitsDataset(Dataset[dict[str, torch.Tensor]]):
     """Precomputed tensors of one split; items are dicts of ``[3, H, W]`` / ``[T]`` tensors."""
 
-    def __init__(self, *, images: torch.Tensor, labels: torch.Tensor, text: dict[str, Any]):
+    def __init__(
+        self,
+        *,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        text: dict[str, torch.Tensor],
+        indices: torch.Tensor,
+    ) -> None:
         self.images, self.labels, self.text = images, labels, text
+        self.indices = indices
+        """Position of each sample in ``sklearn.datasets.load_digits()``."""
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -151,7 +160,7 @@ class DigitsCaptions(pl.LightningDataModule):
     ) -> DigitsDataset:
         text = self.tokenizer([captions[i] for i in idx], self.max_length)
         index = torch.as_tensor(idx)
-        return DigitsDataset(images=images[index], labels=labels[index], text=text)
+        return DigitsDataset(images=images[index], labels=labels[index], text=text, indices=index)
 
     def train_dataloader(self) -> DataLoader[dict[str, torch.Tensor]]:
         """Shuffled, last partial batch dropped (equal batches on every dp rank)."""
