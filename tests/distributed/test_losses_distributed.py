@@ -7,6 +7,8 @@ over the group, so a rank's local feature gradient is ``dp * dL/dx_local``; dp g
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -107,6 +109,7 @@ def _check_caption_dtensor() -> None:
         )
         with torch.no_grad():
             for p, q in zip(tp_head.parameters(), head.parameters(), strict=True):
+                assert isinstance(p, DTensor)
                 p.copy_(distribute_tensor(q.detach(), mesh, p.placements))
         logits = tp_head(hidden)
         assert isinstance(logits, DTensor) and logits.placements == (Shard(2),)
@@ -127,7 +130,7 @@ def _check_metrics(rank: int, world: int, group: dist.ProcessGroup | None) -> No
     labels = torch.arange(5 * world) % 3
     classes = _batch([3], seed=5)[0]
     rows = slice(5 * rank, 5 * rank + 5)
-    kw = {"process_group": group} if group is not None else {}
+    kw: dict[str, Any] = {"process_group": group} if group is not None else {}
     # The single-process references must not sync: they already saw every sample.
     recall = RetrievalRecall(ks=(1, 2), **kw)
     full_recall = RetrievalRecall(ks=(1, 2), sync_on_compute=False)
@@ -162,6 +165,7 @@ def two_rank_checks(rank: int, world: int) -> list[str]:
 def dp2_tp2_checks(rank: int, world: int) -> dict[str, float]:
     """dp=2 x tp=2: dp groups [[0, 2], [1, 3]]; tp peers (0, 1) and (2, 3) share samples."""
     dp_group, _ = dist.new_subgroups_by_enumeration([[0, 2], [1, 3]])
+    assert isinstance(dp_group, dist.ProcessGroup)
     dp_rank = dist.get_rank(dp_group)
     assert dp_rank == rank // 2
     _check_contrastive(dp_rank, 2, [4, 4], dp_group, local=False)

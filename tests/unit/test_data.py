@@ -85,7 +85,7 @@ def test_digits_batches_split_and_pixels(digits: DigitsCaptions) -> None:
 def test_digits_captions_match_labels_and_hold_out_prompt(digits: DigitsCaptions) -> None:
     assert digits.train is not None
     prompts = {fill(TEMPLATES[-1], c) for c in range(10)}
-    seen_templates = set()
+    seen_templates: set[str] = set()
     for ids, label in zip(
         digits.train.text["input_ids"][:300], digits.train.labels[:300], strict=True
     ):
