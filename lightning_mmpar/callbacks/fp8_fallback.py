@@ -38,7 +38,6 @@ from lightning_mmpar.callbacks.anomalies import (
     Anomaly,
     all_gather_objects,
     all_reduce_sum,
-    log,
     rank,
 )
 from lightning_mmpar.callbacks.grad_drift import GradientDriftMonitor, GradReport
@@ -220,17 +219,19 @@ class FP8FallbackCallback(Callback):
         """Collective: anomalous if the monitor says so or any rank saw an FP8 cast event."""
         me, fp8 = rank(), fp8_modules(pl_module)
         events = self._fp8_events(fp8) if self.config.check_fp8_stats else []
-        blamed = {_module_of(p) for p in report.nonfinite_params}
-        blamed |= {_module_of(o["param"]) for o in report.origin}
-        blamed &= {n for n, m in fp8.items() if m.precision == "fp8"}
         total = all_reduce_sum(torch.tensor([float(len(events))], dtype=torch.float64))
         if not report.anomalous and float(total[0]) == 0:
             return Decision(anomalous=False)
-        gathered = all_gather_objects((events, sorted(blamed)))
-        reasons = [e for ev, _ in gathered for e in ev]
-        mods = {e["module"] for e in reasons} | {m for _, b in gathered for m in b}
-        log.debug("rank %d: FP8 decision over %d events", me, len(reasons))
-        return Decision(anomalous=True, modules=sorted(mods), reasons=reasons)
+        events += [{"rank": me, "kind": "nonfinite_grad", "param": p, "module": _module_of(p)}
+                   for p in report.nonfinite_params]  # fmt: skip
+        events += [{"rank": me, "kind": "exploding_grad", "module": m}
+                   for m in report.exploding_modules]  # fmt: skip
+        reasons = [e for ev in all_gather_objects(events) for e in ev]
+        reasons += [{"kind": "nonfinite_local_grad", "module": _module_of(o["param"]), **o}
+                    for o in report.origin]  # fmt: skip
+        live = {n for n, m in fp8.items() if m.precision == "fp8"}
+        mods = sorted({e["module"] for e in reasons} & live)
+        return Decision(anomalous=True, modules=mods, reasons=reasons)
 
     @staticmethod
     def _fp8_events(fp8: dict[str, Float8Linear]) -> list[dict[str, Any]]:
@@ -285,7 +286,8 @@ class FP8FallbackCallback(Callback):
             self.snapshot.take(trainer, pl_module)
 
     def _switch(self, pl_module: pl.LightningModule, decision: Decision, attempt: int) -> list[str]:
-        names = decision.modules if attempt == 1 and decision.modules else None
+        # attempt 1: only the blamed modules (none if FP8 is not implicated); later: all
+        names = decision.modules if attempt == 1 else None
         switched = set_precision(pl_module, self.config.fallback_precision, names)
         self.fallen |= set(switched)
         if switched:
@@ -337,7 +339,7 @@ class FP8FallbackCallback(Callback):
                 kind="fp8_fallback", step=trainer.global_step, rank=rank(), group="world",
                 param=name, shape=shape, action=action,
                 values={"attempt": attempt, "reasons": decision.reasons[:16],
-                        "origin": report.origin[:16], "grad_norm_after_redo": report.grad_norm,
+                        "grad_norm_after_redo": report.grad_norm,
                         "restored_step": restored, "rolled_back_steps": lost},
             ))  # fmt: skip
 

@@ -214,6 +214,7 @@ class GradientDriftMonitor(Callback):
         self.action = "reported"
         self.last_report: GradReport | None = None
         self.groups: list[replicas.ReplicaGroup] = []
+        self.last_drift: list[replicas.Drift] = []
         self.capture: LocalGradCapture | None = None
         self._batch: int | None = None
         self._inspected_step = -1
@@ -392,7 +393,7 @@ class GradientDriftMonitor(Callback):
     ) -> list[replicas.Drift]:
         """Collective: compare replicated parameters (memoised per step unless ``force``)."""
         if self._checked_step == trainer.global_step and not force:
-            return []
+            return self.last_drift
         self._checked_step = trainer.global_step
         found: list[replicas.Drift] = []
         for rg in self.groups:
@@ -412,6 +413,7 @@ class GradientDriftMonitor(Callback):
                             "worst_index": d.worst_index},
                 ))  # fmt: skip
             found += drift
+        self.last_drift = found
         if found and self.config.on_drift == "raise":
             raise RuntimeError(
                 f"GradientDriftMonitor: replica drift at step {trainer.global_step} in "

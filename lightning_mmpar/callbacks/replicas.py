@@ -142,8 +142,9 @@ def check_group(rg: ReplicaGroup, rtol: float, atol: float, max_full: int) -> li
     dev = comm_device(rg.group)
     ranks = dist.get_process_group_ranks(rg.group)
     local = fingerprints(rg.params, dev)
-    table = torch.empty(len(ranks), *local.shape, dtype=local.dtype, device=dev)
-    dist.all_gather_into_tensor(table, local, group=rg.group)
+    flat = torch.empty(len(ranks) * local.shape[0], 2, dtype=local.dtype, device=dev)
+    dist.all_gather_into_tensor(flat, local, group=rg.group)  # gloo wants the [G*P, 2] form
+    table = flat.reshape(len(ranks), *local.shape)
     drifting, ref = find_drift(table.cpu(), rtol, atol)
     bad = drifting.any(0).nonzero().flatten().tolist()[:max_full]
     out = []
