@@ -1,0 +1,188 @@
+"""Import from / export to open_clip and transformers formats (bit-exact round trip).
+
+Sources are objects or local directories, never the network: an open_clip model (or its
+``.visual``) or a directory written by open_clip's ``save_for_hf`` (``open_clip_config.json``),
+and a ``LlamaForCausalLM`` or a directory written by ``save_pretrained``.
+
+Key mapping: the vision tower's state dict *is* open_clip's ``visual`` state dict (prefix
+``vision.`` in the fusion model); the language tower's keys are ``LlamaForCausalLM``'s with
+``model.`` dropped (``model.layers.0.mlp.up_proj.weight`` <-> ``language.layers.0.mlp.up_proj.weight``;
+``lm_head.weight`` <-> ``language.lm_head.weight``).
+
+Export functions take a *full* fusion state dict: ``model.state_dict()`` of an unsharded model,
+or :func:`lightning_mmpar.parallel.tensor.full_state_dict` of a tensor-parallel one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_mmpar.models.adapter import AdapterConfig
+from lightning_mmpar.models.fusion import FusionConfig, FusionModel
+from lightning_mmpar.models.language import LanguageConfig
+from lightning_mmpar.models.vision import VisionConfig
+
+JOINT_ONLY_KEYS = ("image_norm.", "self_attn.temperature.")
+"""Language parameters with no LLaMA counterpart (joint attention); dropped on export."""
+
+
+def vision_config_from_open_clip(visual: nn.Module) -> VisionConfig:
+    """Read a :class:`VisionConfig` off an open_clip ``VisionTransformer`` instance."""
+    if getattr(visual, "attn_pool", None) is not None:
+        raise ValueError("open_clip attentional pooling is not supported by VisionTower.")
+    blocks = visual.transformer.resblocks  # type: ignore[union-attr]
+    first = blocks[0]
+    if not isinstance(first.attn, nn.MultiheadAttention):
+        raise ValueError(
+            "open_clip 'custom' blocks (qk_norm, scaled cosine attention) are not supported; "
+            "use block_type='default'."
+        )
+    width = visual.conv1.out_channels  # type: ignore[union-attr]
+    ls = first.ls_1.gamma.flatten()[0].item() if hasattr(first.ls_1, "gamma") else None
+    act = "gelu" if isinstance(first.mlp.gelu, nn.GELU) else "quick_gelu"
+    return VisionConfig(
+        image_size=visual.image_size[0],  # type: ignore[index]
+        patch_size=visual.patch_size[0],  # type: ignore[index]
+        width=width,
+        layers=len(blocks),
+        heads=first.attn.num_heads,
+        mlp_ratio=first.mlp.c_fc.out_features / width,
+        output_dim=visual.proj.shape[1],  # type: ignore[union-attr]
+        pool_type=visual.pool_type,  # type: ignore[arg-type]
+        final_ln_after_pool=bool(visual.final_ln_after_pool),
+        no_ln_pre=isinstance(visual.ln_pre, nn.Identity),
+        ls_init_value=ls,
+        act=act,  # type: ignore[arg-type]
+    )
+
+
+def import_open_clip_visual(source: nn.Module | str | Path) -> tuple[VisionConfig, dict[str, Tensor]]:
+    """``(config, visual state dict)`` from an open_clip model/``.visual`` or a local directory."""
+    if isinstance(source, str | Path):
+        import open_clip
+
+        source = open_clip.create_model(f"local-dir:{source}", load_weights=True)
+    visual = getattr(source, "visual", source)
+    return vision_config_from_open_clip(visual), dict(visual.state_dict())
+
+
+def language_config_from_llama(config: Any) -> LanguageConfig:
+    """Translate a transformers ``LlamaConfig`` (default RoPE only)."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"rope_type {rope['rope_type']!r} is not supported; only 'default'.")
+    if config.hidden_act != "silu":
+        raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu'.")
+    return LanguageConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=getattr(config, "head_dim", None),
+        rms_norm_eps=config.rms_norm_eps,
+        rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
+        attention_bias=config.attention_bias,
+        mlp_bias=config.mlp_bias,
+    )
+
+
+def llama_config(config: LanguageConfig) -> Any:
+    """The ``LlamaConfig`` describing a :class:`LanguageConfig` (untied embeddings)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.dim_per_head,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+        attention_bias=config.attention_bias,
+        mlp_bias=config.mlp_bias,
+        tie_word_embeddings=False,
+    )
+
+
+def import_llama(source: nn.Module | str | Path) -> tuple[LanguageConfig, dict[str, Tensor]]:
+    """``(config, language-tower state dict)`` from a ``LlamaForCausalLM`` or local directory."""
+    if isinstance(source, str | Path):
+        from transformers import LlamaForCausalLM
+
+        source = LlamaForCausalLM.from_pretrained(str(source), local_files_only=True)
+    state = {k.removeprefix("model."): v for k, v in source.state_dict().items()}
+    if "lm_head.weight" not in state:  # tied checkpoints may omit it
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    return language_config_from_llama(source.config), state
+
+
+def build_fusion_model(
+    visual: nn.Module | str | Path,
+    llama: nn.Module | str | Path,
+    *,
+    adapter: AdapterConfig | None = None,
+    contrastive_dim: int = 512,
+    **language_options: Any,
+) -> FusionModel:
+    """A :class:`FusionModel` with pretrained towers; projector, adapters and heads start fresh.
+
+    ``language_options`` override :class:`LanguageConfig` fields (e.g. ``joint_attention=True``).
+    """
+    vision_cfg, vision_state = import_open_clip_visual(visual)
+    language_cfg, language_state = import_llama(llama)
+    language_cfg = dataclasses.replace(language_cfg, **language_options)
+    config = FusionConfig(
+        vision=vision_cfg,
+        language=language_cfg,
+        adapter=adapter or AdapterConfig(),
+        contrastive_dim=contrastive_dim,
+    )
+    model = FusionModel(config)
+    model.vision.load_state_dict(vision_state, strict=True)
+    missing, unexpected = model.language.load_state_dict(language_state, strict=False)
+    stray = [k for k in missing if not any(t in k for t in JOINT_ONLY_KEYS)]
+    if stray or unexpected:
+        raise ValueError(f"LLaMA weights do not fit: missing {stray}, unexpected {unexpected}.")
+    return model
+
+
+def _state(source: FusionModel | Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+    return source.state_dict() if isinstance(source, nn.Module) else source
+
+
+def export_open_clip_visual(source: FusionModel | Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """open_clip ``visual`` state dict (load with ``visual.load_state_dict(sd, strict=True)``)."""
+    return {k.removeprefix("vision."): v for k, v in _state(source).items() if k.startswith("vision.")}
+
+
+def export_llama(source: FusionModel | Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """``LlamaForCausalLM`` state dict (joint-attention extras dropped)."""
+    out = {}
+    for key, value in _state(source).items():
+        if not key.startswith("language.") or any(t in key for t in JOINT_ONLY_KEYS):
+            continue
+        key = key.removeprefix("language.")
+        out[key if key.startswith("lm_head.") else f"model.{key}"] = value
+    return out
+
+
+def save_llama_pretrained(
+    source: FusionModel | Mapping[str, Tensor], config: LanguageConfig, path: str | Path
+) -> None:
+    """Write a ``save_pretrained`` directory loadable by ``LlamaForCausalLM.from_pretrained``."""
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(llama_config(config))
+    model.load_state_dict(export_llama(source), strict=True, assign=True)
+    model.save_pretrained(str(path))

@@ -1,0 +1,199 @@
+"""Fusion model parity against the open_clip / transformers oracles (single process, tiny configs)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from open_clip.transformer import QuickGELU, VisionTransformer
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from lightning_mmpar.models.adapter import AdapterConfig
+from lightning_mmpar.models.convert import (
+    build_fusion_model,
+    export_llama,
+    export_open_clip_visual,
+    import_llama,
+    save_llama_pretrained,
+)
+from lightning_mmpar.models.fusion import FusionModel, freeze_for_finetuning
+from lightning_mmpar.models.language import LanguageConfig, LlamaAttention
+from lightning_mmpar.models.vision import VisionConfig, VisionTower
+
+TOL = 1e-5
+
+
+def tiny_open_clip(**kw: object) -> VisionTransformer:
+    args: dict = dict(image_size=16, patch_size=4, width=32, layers=2, heads=4, mlp_ratio=2.0)
+    args.update(output_dim=24, output_tokens=True)
+    args.update(kw)
+    torch.manual_seed(0)
+    return VisionTransformer(**args).eval()
+
+
+def tiny_llama(**kw: object) -> LlamaForCausalLM:
+    args: dict = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2)
+    args.update(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    args.update(kw)
+    torch.manual_seed(1)
+    return LlamaForCausalLM(LlamaConfig(**args)).eval()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"pool_type": "avg", "final_ln_after_pool": True},
+        {"act_layer": QuickGELU, "ls_init_value": 0.5, "no_ln_pre": True},
+    ],
+)
+def test_vision_matches_open_clip(options: dict) -> None:
+    ref = tiny_open_clip(**options)
+    for p in ref.parameters():  # LayerScale/LN start at constants; make every weight distinct
+        p.data.add_(0.01 * torch.randn_like(p))
+    from lightning_mmpar.models.convert import vision_config_from_open_clip
+
+    ours = VisionTower(vision_config_from_open_clip(ref)).eval()
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    images = torch.randn(3, 3, 16, 16)
+    pooled, tokens = ours(images)
+    ref_pooled, ref_tokens = ref(images)
+    assert tokens.shape == (3, 16, 32)
+    torch.testing.assert_close(pooled, ref_pooled, atol=TOL, rtol=0)
+    torch.testing.assert_close(tokens, ref_tokens, atol=TOL, rtol=0)
+    assert set(ours.state_dict()) == set(ref.state_dict())
+
+
+def test_language_matches_llama() -> None:
+    ref = tiny_llama()
+    config, state = import_llama(ref)
+    from lightning_mmpar.models.language import LanguageModel
+
+    ours = LanguageModel(config).eval()
+    ours.load_state_dict(state, strict=True)
+    ids = torch.randint(0, 64, (2, 9))
+    torch.testing.assert_close(ours(ids), ref(ids).logits, atol=TOL, rtol=0)
+
+
+def test_fusion_with_closed_gates_is_llama_and_open_clip() -> None:
+    ref_v, ref_l = tiny_open_clip(), tiny_llama()
+    model = build_fusion_model(ref_v, ref_l, adapter=AdapterConfig(heads=2, width=16, ffn_width=24))
+    model.eval()
+    for adapter in model.adapters:
+        adapter.attn_gate.alpha.data.zero_()
+        adapter.ffn_gate.alpha.data.zero_()
+    images, ids = torch.randn(2, 3, 16, 16), torch.randint(0, 64, (2, 7))
+    out = model(images, ids)
+    torch.testing.assert_close(out.logits, ref_l(ids).logits, atol=TOL, rtol=0)
+    img = torch.nn.functional.normalize(model.image_head(ref_v(images)[0]), dim=-1)
+    torch.testing.assert_close(out.image_features, img, atol=TOL, rtol=0)
+    assert torch.allclose(out.text_features.norm(dim=-1), torch.ones(2))
+
+
+@pytest.mark.parametrize("gate_init", [0.0, 0.1])
+def test_adapter_gradients_cross_the_boundary_at_step_one(gate_init: float) -> None:
+    adapter = AdapterConfig(dropout=0.0, gate_init=gate_init)
+    model = build_fusion_model(tiny_open_clip(), tiny_llama(), adapter=adapter)
+    out = model(torch.randn(2, 3, 16, 16), torch.randint(0, 64, (2, 5)))
+    out.logits.square().mean().backward()
+    params = dict(model.named_parameters())
+    for name in ("projector.weight", "adapters.0.attn.k_proj.weight", "vision.conv1.weight"):
+        grad = params[name].grad
+        assert grad is not None
+        assert (grad.abs().sum() > 0) == (gate_init != 0.0), name  # Flamingo's 0 blocks them
+
+
+def hand_joint_attention(attn: LlamaAttention, x: torch.Tensor, img: torch.Tensor) -> torch.Tensor:
+    """Loop reference: logit_ij = q_i . k_j / sqrt(d) * t[m(j)], image keys + causal text keys."""
+    n_img, n_txt, hd = img.shape[1], x.shape[1], attn.head_dim
+    t_img, t_txt = attn.temperature.temperature.tolist()  # type: ignore[union-attr]
+    cfg = LlamaConfig(hidden_size=32, num_attention_heads=4, head_dim=hd, max_position_embeddings=64)
+    rope = LlamaRotaryEmbedding(cfg)
+    seq = torch.cat([img, x], dim=1)
+    pos = torch.arange(n_img + n_txt)[None]
+    cos, sin = rope(seq, pos)
+    heads = lambda t: t.unflatten(-1, (-1, hd)).transpose(1, 2)  # noqa: E731
+    q = heads(attn.q_proj(seq))
+    k, v = heads(attn.k_proj(seq)), heads(attn.v_proj(seq))
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    groups = q.shape[1] // k.shape[1]
+    out = torch.zeros(x.shape[0], q.shape[1], n_txt, hd)
+    for b in range(x.shape[0]):
+        for h in range(q.shape[1]):
+            for i in range(n_txt):
+                qi = q[b, h, n_img + i]
+                keys = [j for j in range(n_img + n_txt) if j < n_img or j - n_img <= i]
+                logits = [
+                    float(qi @ k[b, h // groups, j]) / math.sqrt(hd) * (t_img if j < n_img else t_txt)
+                    for j in keys
+                ]
+                top = max(logits)
+                weights = [math.exp(s - top) for s in logits]
+                for j, w in zip(keys, weights, strict=True):
+                    out[b, h, i] += w / sum(weights) * v[b, h // groups, j]
+    return attn.o_proj(out.transpose(1, 2).flatten(2))
+
+
+@pytest.mark.parametrize("temps", [(1.0, 0.7), (0.5, 1.3)])
+def test_modality_temperature_matches_hand_reference(temps: tuple[float, float]) -> None:
+    config = LanguageConfig(
+        vocab_size=16, hidden_size=32, intermediate_size=8, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, joint_attention=True,
+        image_temperature=temps[0], text_temperature=temps[1], learnable_temperature=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    attn = LlamaAttention(config)
+    x, img = torch.randn(2, 3, 32), torch.randn(2, 2, 32)  # 3 text tokens, 2 image tokens
+    with torch.no_grad():
+        expected = hand_joint_attention(attn, x, img)
+    got = attn(x, img)
+    torch.testing.assert_close(got, expected, atol=TOL, rtol=0)
+    got.sum().backward()
+    grad = attn.temperature.temperature.grad  # type: ignore[union-attr]
+    assert grad is not None and bool((grad != 0).all())
+
+
+def test_round_trip_is_bit_exact(tmp_path: Path) -> None:
+    ref_v, ref_l = tiny_open_clip(), tiny_llama()
+    model = build_fusion_model(ref_v, ref_l, joint_attention=True)
+    visual, llama = export_open_clip_visual(model), export_llama(model)
+    for exported, original in ((visual, ref_v.state_dict()), (llama, ref_l.state_dict())):
+        assert set(exported) == set(original)
+        for key, value in original.items():
+            assert torch.equal(exported[key], value), key
+    save_llama_pretrained(model, model.config.language, tmp_path / "llama")
+    reloaded = LlamaForCausalLM.from_pretrained(str(tmp_path / "llama"), local_files_only=True)
+    for key, value in ref_l.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[key], value), key
+    again = build_fusion_model(ref_v, tmp_path / "llama")
+    for key, value in export_llama(again).items():
+        assert torch.equal(value, llama[key]), key
+
+
+def test_pipeline_blocks_cover_every_parameter_once() -> None:
+    model = build_fusion_model(tiny_open_clip(), tiny_llama(), joint_attention=True).eval()
+    blocks = model.pipeline_blocks()
+    kinds = [b.kind for b in blocks]
+    assert kinds == sorted(kinds, key=["vision", "aligner", "language"].index)
+    names = [n for m in model.block_parameter_names(blocks) for n in m.values()]
+    expected = {n for n, _ in model.named_parameters()}
+    assert sorted(names) == sorted(expected)
+    images, ids = torch.randn(2, 3, 16, 16), torch.randint(0, 64, (2, 5))
+    state: tuple = model.pipeline_inputs(images, ids)
+    for block in blocks:
+        state = block(*state)
+    torch.testing.assert_close(state[0], model(images, ids).logits, atol=0, rtol=0)
+
+
+def test_freeze_policy_and_config_errors() -> None:
+    model = build_fusion_model(tiny_open_clip(), tiny_llama(num_hidden_layers=3))
+    freeze_for_finetuning(model, train_decoder_layers=2)
+    trainable = {n.split(".")[0] for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {"projector", "adapters", "language", "image_head", "text_head", "logit_scale"}
+    assert not any(p.requires_grad for p in model.language.layers[2].parameters())
+    with pytest.raises(ValueError, match=r"VisionConfig.width \(30\) must be divisible by heads \(4\)"):
+        VisionConfig(width=30, heads=4)
+    assert isinstance(model, FusionModel)
