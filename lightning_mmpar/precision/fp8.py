@@ -189,7 +189,9 @@ def fp8_matmul(
         return torch._scaled_mm(
             a.contiguous(), b_col, scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype
         )
-    return ((a.float() * inv_a) @ (b.float() * inv_b)).to(out_dtype)
+    # same operations as ATen's CPU _scaled_mm (contiguous operands, scale, fp32 matmul),
+    # so the emulation is bit-identical to it on CPU
+    return ((a.contiguous().float() * inv_a) @ (b.contiguous().float() * inv_b)).to(out_dtype)
 
 
 def _aligned(a: Tensor, b: Tensor) -> bool:

@@ -6,10 +6,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from stability_worker import ddp_world, read_jsonl
 
 from lightning_mmpar.testing import spawn
-
-from stability_worker import ddp_world, read_jsonl
 
 pytestmark = pytest.mark.distributed
 
