@@ -31,7 +31,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -50,6 +49,13 @@ from lightning_mmpar.callbacks.anomalies import (
     all_reduce_sum,
     rank,
     world_size,
+)
+from lightning_mmpar.callbacks.grad_stats import (
+    LocalGradCapture,
+    batch_size_of,
+    grad_norms,
+    local_tensor,
+    noise_scale_terms,
 )
 
 
@@ -130,75 +136,6 @@ class GradReport:
     """This rank's modules whose gradient norm exploded."""
 
 
-def noise_scale_terms(
-    small_sq: float, big_sq: float, b_small: float, b_big: float
-) -> tuple[float, float]:
-    """Unbiased ``(|G|^2, tr(S))`` from mean squared norms at batch sizes ``b_small < b_big``."""
-    if b_big <= b_small:
-        raise ValueError(f"b_big ({b_big}) must exceed b_small ({b_small}).")
-    g2 = (b_big * big_sq - b_small * small_sq) / (b_big - b_small)
-    trace = (small_sq - big_sq) / (1.0 / b_small - 1.0 / b_big)
-    return g2, trace
-
-
-def _local(t: Tensor) -> Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-class LocalGradCapture:
-    """Tensor hooks recording each parameter's squared local gradient norm before sync."""
-
-    def __init__(self, named: Sequence[tuple[str, Tensor]]) -> None:
-        self.names = [n for n, _ in named]
-        self.shapes = [list(_local(p).shape) for _, p in named]
-        self.sq: Tensor | None = None
-        self.fired = [0] * len(named)
-        self.handles = [p.register_hook(partial(self._hook, i)) for i, (_, p) in enumerate(named)]
-
-    def _hook(self, i: int, grad: Tensor) -> None:
-        n = torch.linalg.vector_norm(_local(grad).detach(), dtype=torch.float64)
-        if self.sq is None or self.sq.device != n.device:
-            self.sq = torch.zeros(len(self.names), dtype=torch.float64, device=n.device)
-        self.sq[i] += n * n
-        self.fired[i] += 1
-
-    def take(self) -> tuple[list[float], int]:
-        """Per-parameter summed squares since the last call, and the number of backwards."""
-        sq = self.sq.tolist() if self.sq is not None else [0.0] * len(self.names)
-        count = max(self.fired, default=0)
-        self.sq, self.fired = None, [0] * len(self.names)
-        return sq, count
-
-    def remove(self) -> None:
-        """Unregister all hooks."""
-        for h in self.handles:
-            h.remove()
-
-
-def _grad_norms(named: Sequence[tuple[str, Tensor]]) -> list[float]:
-    """float64 norm of each gradient (local shard for DTensors), one host sync."""
-    if not named:
-        return []
-    grads = [_local(p.grad) for _, p in named if p.grad is not None]
-    vals = [torch.linalg.vector_norm(g, dtype=torch.float64).cpu() for g in grads]
-    return [float(v) for v in torch.stack(vals).tolist()]
-
-
-def _batch_size(batch: Any) -> int | None:
-    if isinstance(batch, Tensor):
-        return int(batch.shape[0]) if batch.ndim else None
-    if isinstance(batch, dict):
-        batch = list(batch.values())
-    if isinstance(batch, list | tuple):
-        for item in batch:
-            b = _batch_size(item)
-            if b is not None:
-                return b
-    return None
-
-
 class GradientDriftMonitor(Callback):
     """Detect replica drift and non-finite/exploding gradients; estimate the noise scale.
 
@@ -252,7 +189,7 @@ class GradientDriftMonitor(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._batch = self.config.batch_size or _batch_size(batch)
+        self._batch = self.config.batch_size or batch_size_of(batch)
 
     @override
     def on_before_optimizer_step(
@@ -281,7 +218,7 @@ class GradientDriftMonitor(Callback):
             return self.last_report
         self._inspected_step = step
         named = [(n, p) for n, p in pl_module.named_parameters() if p.grad is not None]
-        norms = _grad_norms(named)
+        norms = grad_norms(named)
         modules = self._module_norms(named, norms)
         exploding = self._exploding(modules, step)
         nonfinite = [n for (n, _), v in zip(named, norms, strict=True) if not math.isfinite(v)]
@@ -355,7 +292,7 @@ class GradientDriftMonitor(Callback):
         modules: dict[str, float], local_bad: list[dict[str, Any]],
     ) -> None:  # fmt: skip
         me, step, cap = rank(), report.step, self.config.max_records_per_step
-        shapes = {n: list(_local(p).shape) for n, p in named}
+        shapes = {n: list(local_tensor(p).shape) for n, p in named}
         norm_of = dict(zip([n for n, _ in named], norms, strict=True))
         recs = [
             Anomaly(kind="nonfinite_local_grad", step=step, rank=me, group="local",
