@@ -8,3 +8,12 @@ from lightning_mmpar.topology import ParallelDims
 
 __all__ = ["ParallelConfig", "ParallelDims"]
 __version__ = "0.1.0"
+
+from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry
+
+from lightning_mmpar.strategy import MultimodalParallelStrategy
+
+if MultimodalParallelStrategy.strategy_name not in _StrategyRegistry:
+    MultimodalParallelStrategy.register_strategies(_StrategyRegistry)
+
+__all__ += ["MultimodalParallelStrategy"]

@@ -7,6 +7,7 @@ default process group initialised, and returns every rank's return value.
 
 from __future__ import annotations
 
+import io
 import os
 import queue
 import socket
@@ -35,7 +36,9 @@ def _entry(
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         result = fn(rank, world, *args)
-        out.put((rank, True, result))
+        buf = io.BytesIO()  # plain bytes: shared-memory tensors die with this process
+        torch.save(result, buf)
+        out.put((rank, True, buf.getvalue()))
     except BaseException:
         out.put((rank, False, traceback.format_exc()))
     finally:
@@ -67,7 +70,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
             except queue.Empty:
                 raise RuntimeError(f"world of {world_size} timed out after {timeout}s") from None
             if ok:
-                results[rank] = value
+                results[rank] = torch.load(io.BytesIO(value), weights_only=False)
             else:
                 errors.append(f"rank {rank}:\n{value}")
                 break

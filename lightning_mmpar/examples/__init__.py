@@ -1,0 +1,1 @@
+"""Small runnable examples of the strategy (also used by the tests)."""

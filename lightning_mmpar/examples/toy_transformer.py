@@ -1,0 +1,150 @@
+"""A small causal transformer LM written the way the strategy expects.
+
+It implements :class:`~lightning_mmpar.parallel.pipeline.PipelineModule` (ordered blocks, inputs,
+loss) and applies tensor-parallel plans in ``configure_model`` on ``self.device_mesh["tp"]``:
+attention q/k/v column-parallel by heads and the output projection row-parallel; the MLP
+column- then row-parallel ("Y = GeLU(XA) B; A split by columns, B by rows": one all-reduce).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import Tensor, nn
+
+
+@dataclass(kw_only=True)
+class ToyConfig:
+    """Sizes of the toy transformer."""
+
+    vocab: int = 64
+    """Vocabulary size."""
+    dim: int = 32
+    """Hidden size."""
+    heads: int = 4
+    """Attention heads (divisible by the tensor-parallel size)."""
+    layers: int = 4
+    """Transformer blocks."""
+    seq: int = 8
+    """Sequence length."""
+    lr: float = 1e-2
+    """AdamW learning rate."""
+
+
+class Embed(nn.Module):
+    def __init__(self, cfg: ToyConfig) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab, cfg.dim)
+        self.pos = nn.Parameter(torch.randn(cfg.seq, cfg.dim) * 0.02)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.tok(tokens) + self.pos[: tokens.shape[1]]
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ToyConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.dim // cfg.heads
+        self.norm1 = nn.LayerNorm(cfg.dim)
+        self.q = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.k = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.v = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.o = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.norm2 = nn.LayerNorm(cfg.dim)
+        self.up = nn.Linear(cfg.dim, 4 * cfg.dim)
+        self.down = nn.Linear(4 * cfg.dim, cfg.dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        h = self.norm1(x)
+        # head count comes from the local shard: under TP each rank holds heads/tp heads
+        q, k, v = (p(h).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k,
+                                                                                  self.v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, -1))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class Head(nn.Module):
+    def __init__(self, cfg: ToyConfig) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(cfg.dim)
+        self.out = nn.Linear(cfg.dim, cfg.vocab)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(self.norm(x))
+
+
+def tensor_parallel_plan() -> dict[str, Any]:
+    """Plan for one :class:`Block`, in ``parallelize_module`` form."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
+            "o": RowwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()}
+
+
+class ToyTransformer(LightningModule):
+    """Embedding -> ``layers`` x Block -> Head; next-token cross-entropy."""
+
+    def __init__(self, cfg: ToyConfig | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg or ToyConfig()
+        self.embed = Embed(self.cfg)
+        self.layers = nn.ModuleList(Block(self.cfg) for _ in range(self.cfg.layers))
+        self.head = Head(self.cfg)
+
+    def configure_model(self) -> None:
+        mesh = self.device_mesh
+        if mesh is None or mesh["tp"].size() == 1:
+            return
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        heads = self.cfg.heads
+        if heads % mesh["tp"].size():
+            raise ValueError(f"heads ({heads}) must be divisible by tensor_parallel "
+                             f"({mesh['tp'].size()}).")
+        for block in self.layers:
+            if isinstance(block, Block):
+                parallelize_module(block, mesh["tp"], tensor_parallel_plan())
+
+    # PipelineModule protocol
+    def pipeline_blocks(self) -> list[nn.Module]:
+        return [self.embed, *self.layers, self.head]
+
+    def pipeline_inputs(self, batch: Tensor) -> tuple[tuple[Tensor, ...], Tensor]:
+        return (batch[:, :-1],), batch[:, 1:]
+
+    def pipeline_loss(self, logits: Tensor, target: Tensor) -> Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.embed(tokens)
+        for block in self.layers:
+            x = block(x)
+        return self.head(x)
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        # Runs under any other strategy; mm_parallel drives PipelineModules itself.
+        inputs, target = self.pipeline_inputs(batch)
+        loss = self.pipeline_loss(self(*inputs), target)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.cfg.lr)
+
+
+def make_tokens(n: int, cfg: ToyConfig, seed: int = 0) -> Tensor:
+    """``n`` sequences of ``seq + 1`` tokens following a learnable rule (next = 3*prev+1 mod V)."""
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, cfg.vocab, (n, 1), generator=g)
+    steps = [start]
+    for _ in range(cfg.seq):
+        steps.append((steps[-1] * 3 + 1) % cfg.vocab)
+    noise = torch.rand(n, cfg.seq + 1, generator=g) < 0.1
+    seqs = torch.cat(steps, dim=1)
+    return torch.where(noise, torch.randint(0, cfg.vocab, seqs.shape, generator=g), seqs)

@@ -1,0 +1,101 @@
+"""Data parallelism on the ``dp`` mesh: FSDP2 ``fully_shard`` (ZeRO-3 role) or gradient all-reduce.
+
+FSDP2 averages gradients with a reduce-scatter inside backward. Parameters it does not manage
+(``data_parallel="ddp"``, or parameters held directly by the root module) are averaged by
+:func:`sync_gradients`: one coalesced all-reduce per dtype over the dp group,
+``g <- (1/dp) * sum_r g_r``, which is what DDP computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def has_fsdp(module: nn.Module) -> bool:
+    """Whether any submodule is already sharded with ``fully_shard``."""
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+def fsdp_managed(module: nn.Module) -> set[int]:
+    """Ids of the parameters managed by some ``fully_shard`` unit under ``module``."""
+    return {id(p) for m in module.modules() if isinstance(m, FSDPModule) for p in m.parameters()}
+
+
+def _has_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def shard_blocks(blocks: Iterable[nn.Module], root: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
+    """``fully_shard`` each block (one all-gather unit each), then ``root`` over what remains."""
+    for block in blocks:
+        if _has_params(block) and not isinstance(block, FSDPModule):
+            fully_shard(block, mesh=dp_mesh)
+    if _has_params(root):
+        fully_shard(root, mesh=dp_mesh)
+    return root
+
+
+def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh) -> None:
+    """Shard a plain module tree: every child of every ``ModuleList`` (transformer layers), then
+    every direct child of ``module`` that holds parameters. Parameters registered directly on
+    ``module`` stay replicated; :func:`sync_gradients` averages them."""
+    lists = [m for m in module.modules() if isinstance(m, nn.ModuleList)]
+    for layers in lists:
+        for layer in layers:
+            if _has_params(layer) and not isinstance(layer, FSDPModule):
+                fully_shard(layer, mesh=dp_mesh)
+    for child in module.children():
+        if _has_params(child) and not isinstance(child, FSDPModule):
+            fully_shard(child, mesh=dp_mesh)
+
+
+def replicated_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """Trainable parameters that no FSDP unit averages."""
+    managed = fsdp_managed(module)
+    return [p for p in module.parameters() if p.requires_grad and id(p) not in managed]
+
+
+@torch.no_grad()
+def broadcast_parameters(params: Iterable[Tensor], group: dist.ProcessGroup) -> None:
+    """Copy group rank 0's values into every replica (what DDP does at construction)."""
+    for p in params:
+        dist.broadcast(_local(p.data), group_src=0, group=group)
+
+
+@torch.no_grad()
+def sync_gradients(params: Iterable[Tensor], group: dist.ProcessGroup) -> None:
+    """Average gradients over ``group`` with one coalesced all-reduce per dtype."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            g = _local(p.grad)
+            by_dtype.setdefault(g.dtype, []).append(g)
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        flat.div_(size)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def tensors_of(obj: object) -> list[Tensor]:
+    """Every tensor in a nested structure."""
+    leaves, _ = tree_flatten(obj)
+    return [x for x in leaves if isinstance(x, Tensor)]

@@ -1,0 +1,195 @@
+"""Pipeline parallelism over an ordered list of blocks, on ``torch.distributed.pipelining``.
+
+A LightningModule opts in by implementing :class:`PipelineModule`: it hands the strategy an
+ordered list of blocks, says how a batch becomes (inputs, target), and computes the loss on the
+last block's output. The strategy cuts the list into ``pp * v`` stages, keeps this rank's stages
+(stage ``s`` lives on pipeline rank ``s % pp``, the loop layout of Megatron's virtual pipeline),
+drops every other block from the module (so state dicts hold only owned parameters, under their
+original names), and drives a GPipe / 1F1B / Interleaved1F1B schedule.
+
+Block contract: ``block(*tensors) -> Tensor | tuple[Tensor, ...]``; a tuple is unpacked into the
+next block's arguments, so a stage boundary may carry several tensors (text hidden states and
+image tokens, say).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+
+from lightning_mmpar.config import ParallelConfig
+
+
+@runtime_checkable
+class PipelineModule(Protocol):
+    """What a LightningModule implements to be pipelined by ``mm_parallel``."""
+
+    def pipeline_blocks(self) -> Sequence[nn.Module]:
+        """Ordered blocks; each is a submodule of the LightningModule."""
+        ...
+
+    def pipeline_inputs(self, batch: Any) -> tuple[tuple[Tensor, ...], Any]:
+        """Split a batch into the first block's positional inputs and the loss target."""
+        ...
+
+    def pipeline_loss(self, output: Any, target: Any) -> Tensor:
+        """Mean loss of one (micro-)batch from the last block's output."""
+        ...
+
+
+class PipelineChunk(nn.Module):
+    """Consecutive blocks run as one stage: ``y = b_k(...b_1(*x))``, tuples unpacked."""
+
+    def __init__(self, blocks: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, *args: Tensor) -> Tensor | tuple[Tensor, ...]:
+        for block in self.blocks:
+            out = block(*args)
+            args = out if isinstance(out, tuple) else (out,)
+        return args[0] if len(args) == 1 else args
+
+
+class _Dropped(nn.Module):
+    """Placeholder for a block that lives on another pipeline rank."""
+
+    def __init__(self, stage: int) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, *args: Any) -> Any:
+        raise RuntimeError(
+            f"this block lives on pipeline stage {self.stage} of another rank; run the model "
+            "through the strategy's pipeline schedule, not by calling it directly."
+        )
+
+
+def partition(num_blocks: int, num_stages: int) -> list[range]:
+    """Equal split of ``num_blocks`` into ``num_stages`` contiguous ranges (earlier stages get
+    the remainder)."""
+    if num_blocks < num_stages:
+        raise ValueError(
+            f"pipeline stages ({num_stages} = pipeline_parallel * virtual_pipeline) exceed the "
+            f"model's pipeline blocks ({num_blocks}); use at most {num_blocks} stages or a deeper "
+            "model."
+        )
+    base, extra = divmod(num_blocks, num_stages)
+    bounds = [0]
+    for s in range(num_stages):
+        bounds.append(bounds[-1] + base + (1 if s < extra else 0))
+    return [range(bounds[s], bounds[s + 1]) for s in range(num_stages)]
+
+
+def _drop_blocks(root: nn.Module, blocks: Sequence[nn.Module], stage_of: list[int]) -> None:
+    """Replace the blocks this rank does not own by placeholders, in place."""
+    names = {id(m): name for name, m in root.named_modules()}
+    for block, stage in zip(blocks, stage_of, strict=True):
+        name = names.get(id(block))
+        if name is None or name == "":
+            raise ValueError(
+                "pipeline_blocks() must return submodules of the LightningModule; "
+                f"got a {type(block).__name__} that is not registered under it."
+            )
+        parent_name, _, child = name.rpartition(".")
+        parent = root.get_submodule(parent_name)
+        parent._modules[child] = _Dropped(stage)
+
+
+class PipelineEngine:
+    """This rank's stages and schedule for one :class:`PipelineModule`.
+
+    Gradients are scaled by ``1 / micro_batches`` (``scale_grads``), so with a ``pipeline_loss``
+    that averages over its micro-batch the gradients equal the full batch's mean loss.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        config: ParallelConfig,
+        pp_group: dist.ProcessGroup,
+        device: torch.device,
+        wrap_chunk: Any = None,
+    ) -> None:
+        if not isinstance(module, PipelineModule):
+            raise TypeError(
+                f"pipeline_parallel={config.pipeline_parallel} needs the LightningModule "
+                f"({type(module).__name__}) to implement pipeline_blocks(), pipeline_inputs() "
+                "and pipeline_loss(); see lightning_mmpar.parallel.pipeline.PipelineModule."
+            )
+        self.module = module
+        self.config = config
+        self.group = pp_group
+        pp = dist.get_world_size(pp_group)
+        self.pp_rank = dist.get_rank(pp_group)
+        blocks = list(module.pipeline_blocks())
+        ranges = partition(len(blocks), config.num_stages)
+        self.stage_ids = list(range(self.pp_rank, config.num_stages, pp))
+        stage_of = [s for s, r in enumerate(ranges) for _ in r]
+        owned = set(self.stage_ids)
+        self.chunks = [PipelineChunk([blocks[i] for i in ranges[s]]) for s in self.stage_ids]
+        _drop_blocks(module, [b for b, s in zip(blocks, stage_of, strict=True) if s not in owned],
+                     [s for s in stage_of if s not in owned])
+        if wrap_chunk is not None:
+            self.chunks = [wrap_chunk(c) for c in self.chunks]
+        self.stages = [
+            PipelineStage(c, s, config.num_stages, device, group=pp_group)
+            for c, s in zip(self.chunks, self.stage_ids, strict=True)
+        ]
+        self.schedule = self._build_schedule()
+
+    def _build_schedule(self) -> Any:
+        n = self.config.num_micro_batches
+        loss_fn = self.module.pipeline_loss  # type: ignore[attr-defined]
+        if self.config.schedule == "interleaved_1f1b":
+            return ScheduleInterleaved1F1B(self.stages, n, loss_fn=loss_fn)
+        cls = ScheduleGPipe if self.config.schedule == "gpipe" else Schedule1F1B
+        return cls(self.stages[0], n, loss_fn=loss_fn)
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last(self) -> bool:
+        return self.config.num_stages - 1 in self.stage_ids
+
+    def _run(self, batch: Any, train: bool) -> Tensor:
+        inputs, target = self.module.pipeline_inputs(batch)  # type: ignore[attr-defined]
+        args = inputs if self.has_first else ()
+        tgt = target if self.has_last else None
+        losses: list[Tensor] = []
+        if train:
+            self.schedule.step(*args, target=tgt, losses=losses, return_outputs=False)
+        else:
+            self.schedule.eval(*args, target=tgt, losses=losses)
+        return self._broadcast_loss(losses)
+
+    def train_step(self, batch: Any) -> Tensor:
+        """Forward and backward of one batch; returns the mean loss (detached, on every rank)."""
+        return self._run(batch, train=True)
+
+    @torch.no_grad()
+    def eval_step(self, batch: Any) -> Tensor:
+        """Forward-only pass of one batch; returns the mean loss on every rank."""
+        return self._run(batch, train=False)
+
+    def _broadcast_loss(self, losses: list[Tensor]) -> Tensor:
+        device = self.stages[0].device
+        if self.has_last:
+            loss = torch.stack([x.detach().float() for x in losses]).mean().to(device)
+        else:
+            loss = torch.zeros((), device=device)
+        last_rank = (self.config.num_stages - 1) % dist.get_world_size(self.group)
+        dist.broadcast(loss, group_src=last_rank, group=self.group)
+        return loss

@@ -1,0 +1,299 @@
+"""``MultimodalParallelStrategy``: Lightning glue over topology, pipeline, data parallel, checkpoints.
+
+Order of set-up (each step a function in :mod:`lightning_mmpar.parallel` taking a module and a mesh):
+
+1. ``setup_environment``: processes and the default group exist; build the ``pp, edp, ep, tp``
+   mesh (``dp`` flattened) and hand it to the LightningModule as ``self.device_mesh``.
+2. Lightning calls ``configure_model()``: the module applies tensor-parallel plans on
+   ``self.device_mesh["tp"]`` (Lightning's ModelParallelStrategy convention).
+3. ``setup``: pipeline split (modules implementing
+   :class:`~lightning_mmpar.parallel.pipeline.PipelineModule`), then data parallel (FSDP2 per
+   block on ``dp``, or gradient all-reduce), then optimizers.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_mmpar.config import DataParallel, ParallelConfig, Schedule
+from lightning_mmpar.parallel import checkpoint as ckpt
+from lightning_mmpar.parallel import data as dpar
+from lightning_mmpar.parallel.pipeline import PipelineChunk, PipelineEngine, PipelineModule
+from lightning_mmpar.topology import ParallelDims
+
+
+class MultimodalParallelStrategy(ModelParallelStrategy):
+    """Tensor x pipeline x expert x data parallelism in one Lightning strategy.
+
+    Args:
+        tensor_parallel: ranks per tensor-parallel group (Megatron's
+            ``--tensor-model-parallel-size``).
+        pipeline_parallel: pipeline ranks (``--pipeline-model-parallel-size``).
+        expert_parallel: expert-parallel ranks, carved out of the data-parallel ranks.
+        virtual_pipeline: stages per pipeline rank (interleaved 1F1B).
+        micro_batches: micro-batches per step under pipeline parallelism (default: pp).
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
+        data_parallel: ``"fsdp"`` (FSDP2 on the dp axis), ``"ddp"`` or ``"none"``.
+        config: a complete :class:`ParallelConfig` instead of the individual sizes.
+
+    Data parallelism is ``world_size / (tensor_parallel * pipeline_parallel)``. A LightningModule
+    that implements ``PipelineModule`` has its steps run by the strategy (any pp, 1 included) and
+    ``train_loss`` / ``val_loss`` / ``test_loss`` logged; any other module runs its own steps
+    (pp must then be 1).
+    """
+
+    strategy_name = "mm_parallel"
+
+    def __init__(
+        self,
+        tensor_parallel: int = 1,
+        pipeline_parallel: int = 1,
+        expert_parallel: int = 1,
+        virtual_pipeline: int = 1,
+        micro_batches: int | None = None,
+        schedule: Schedule = "1f1b",
+        data_parallel: DataParallel = "fsdp",
+        config: ParallelConfig | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(process_group_backend=process_group_backend, timeout=timeout)
+        self.config = config or ParallelConfig(
+            tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
+            expert_parallel=expert_parallel, virtual_pipeline=virtual_pipeline,
+            micro_batches=micro_batches, schedule=schedule, data_parallel=data_parallel,
+        )
+        self._dims: ParallelDims | None = None
+        self.pipeline: PipelineEngine | None = None
+        self._chunk: PipelineChunk | None = None
+        self._replicated: list[nn.Parameter] = []
+        self._pipeline_grads: list[Tensor | None] | None = None
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls,
+            description="Tensor, pipeline, expert and data parallelism for multimodal models",
+        )
+
+    # ---------------------------------------------------------------- topology
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        """Degrees and meshes of this run (validated when the Trainer is built)."""
+        if self._dims is None:
+            self._dims = self._make_dims()
+        return self._dims
+
+    def _make_dims(self) -> ParallelDims:
+        c = self.config
+        return ParallelDims(world_size=self.num_nodes * self.num_processes,
+                            tp=c.tensor_parallel, pp=c.pipeline_parallel, ep=c.expert_parallel)
+
+    @property
+    @override
+    def device_mesh(self) -> DeviceMesh:
+        return self.parallel_dims.mesh
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        dp = self.parallel_dims.get_mesh("dp")
+        return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
+
+    @override
+    def _configure_launcher(self) -> None:
+        self._dims = self._make_dims()  # layout errors surface when the Trainer is built
+        super()._configure_launcher()
+
+    @override
+    def setup_environment(self) -> None:
+        self._setup_distributed()
+        self._dims = self._make_dims()
+        mesh = self._dims.build_mesh(self.root_device.type)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = mesh
+
+    # ---------------------------------------------------------------- model set-up
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        _materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._parallelize(self.lightning_module)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _parallelize(self, module: LightningModule) -> None:
+        if self.pipeline is not None or self._chunk is not None:
+            return  # already set up by an earlier fit/validate call on this strategy
+        dims, cfg = self.parallel_dims, self.config
+        if cfg.pipeline_parallel > 1 and not isinstance(module, PipelineModule):
+            raise TypeError(
+                f"pipeline_parallel={cfg.pipeline_parallel} needs {type(module).__name__} to "
+                "implement pipeline_blocks(), pipeline_inputs() and pipeline_loss() "
+                "(lightning_mmpar.parallel.pipeline.PipelineModule); or set pipeline_parallel=1."
+            )
+        shard = cfg.data_parallel == "fsdp" and dims.dp > 1 and not dpar.has_fsdp(module)
+        dp_mesh = dims.get_mesh("dp")
+
+        def wrap(chunk: PipelineChunk) -> nn.Module:
+            return dpar.shard_blocks(chunk.blocks, chunk, dp_mesh) if shard else chunk
+
+        if cfg.pipeline_parallel > 1:
+            pp_group = dims.get_mesh("pp").get_group()
+            self.pipeline = PipelineEngine(module, cfg, pp_group, self.root_device, wrap)
+        elif isinstance(module, PipelineModule):
+            self._chunk = PipelineChunk(list(module.pipeline_blocks()))
+            wrap(self._chunk)
+        elif shard:
+            dpar.apply_fsdp(module, dp_mesh)
+        if dims.dp > 1 and cfg.data_parallel != "none":
+            self._replicated = dpar.replicated_parameters(module)
+            dpar.broadcast_parameters(self._replicated, dp_mesh.get_group())
+
+    # ---------------------------------------------------------------- steps
+    def _pipelined(self) -> bool:
+        return self.pipeline is not None or self._chunk is not None
+
+    def _loss(self, batch: Any, train: bool) -> Tensor:
+        module = self.lightning_module
+        if self.pipeline is not None:
+            return self.pipeline.train_step(batch) if train else self.pipeline.eval_step(batch)
+        assert self._chunk is not None
+        inputs, target = module.pipeline_inputs(batch)  # type: ignore[attr-defined]
+        return module.pipeline_loss(self._chunk(*inputs), target)  # type: ignore[attr-defined]
+
+    def _log(self, name: str, loss: Tensor) -> None:
+        """Log the data-parallel mean, so every rank logs the same value."""
+        value = loss.detach().clone()
+        dp = self.parallel_dims.get_mesh("dp")
+        if dp.size() > 1:
+            torch.distributed.all_reduce(value, group=dp.get_group())
+            value /= dp.size()
+        self.lightning_module.log(name, value, prog_bar=True, batch_size=1)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._pipelined():
+            return super().training_step(*args, **kwargs)
+        if self.pipeline is None:
+            loss = self._loss(args[0], train=True)
+        else:
+            # Lightning zeroes gradients between training_step and backward: keep the
+            # pipeline's gradients aside and hand them back in backward().
+            params = list(self.lightning_module.parameters())
+            before = [p.grad for p in params]
+            for p in params:
+                p.grad = None
+            loss = self._loss(args[0], train=True)
+            self._pipeline_grads = [p.grad for p in params]
+            for p, g in zip(params, before, strict=True):
+                p.grad = g
+        self._log("train_loss", loss)
+        return loss
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._pipelined():
+            return super().validation_step(*args, **kwargs)
+        loss = self._loss(args[0], train=False)
+        self._log("val_loss", loss)
+        return loss
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._pipelined():
+            return super().test_step(*args, **kwargs)
+        loss = self._loss(args[0], train=False)
+        self._log("test_loss", loss)
+        return loss
+
+    @override
+    def backward(
+        self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
+    ) -> Tensor:
+        module = self.lightning_module
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        if self._pipeline_grads is not None:
+            self._restore_pipeline_grads()
+        else:
+            self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+        if self._replicated:
+            dpar.sync_gradients(self._replicated, self.parallel_dims.get_mesh("dp").get_group())
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def _restore_pipeline_grads(self) -> None:
+        assert self._pipeline_grads is not None
+        scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
+        for p, g in zip(self.lightning_module.parameters(), self._pipeline_grads, strict=True):
+            if g is None:
+                continue
+            g = g * scale if scale != 1.0 else g
+            p.grad = g if p.grad is None else p.grad + g
+        self._pipeline_grads = None
+
+    # ---------------------------------------------------------------- checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # the shards are written by save_checkpoint()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return {}
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} does not take storage_options.")
+        path = Path(self.broadcast(str(filepath)))
+        partial = ckpt.partial_path(path)
+        if self.is_global_zero:
+            ckpt.remove(partial)
+            partial.mkdir(parents=True)
+        self.barrier()
+        meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        assert self.model is not None
+        ckpt.save_sharded(partial, self.model, self.optimizers, meta, self.is_global_zero)
+        self.barrier()
+        if self.is_global_zero:
+            ckpt.commit(path)
+        self.barrier()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict:
+        path = ckpt.resolve(Path(self.broadcast(str(checkpoint_path))))
+        assert self.model is not None and self.lightning_module is not None
+        return ckpt.load_sharded(path, self.model, self.optimizers,
+                                 strict=self.lightning_module.strict_loading)
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.is_global_zero:
+            ckpt.remove(Path(filepath))
+
