@@ -71,8 +71,12 @@ def main() -> int:
         set_precision(model, prec)  # type: ignore[arg-type]
         fwd = time_ms(model, x, a.iters, backward=False)
         step = time_ms(model, x, a.iters, backward=True)
-        res[prec] = {"forward_ms": fwd, "fwd_bwd_ms": step,
-                     "forward_tflops": flops / fwd / 1e9, "fwd_bwd_tflops": 3 * flops / step / 1e9}  # fmt: skip
+        res[prec] = {
+            "forward_ms": fwd,
+            "fwd_bwd_ms": step,
+            "forward_tflops": flops / fwd / 1e9,
+            "fwd_bwd_tflops": 3 * flops / step / 1e9,
+        }
     bf, f8 = res["bf16"], res["fp8"]
     assert isinstance(bf, dict) and isinstance(f8, dict)
     res["speedup_fp8_vs_bf16_forward"] = bf["forward_ms"] / f8["forward_ms"]
