@@ -67,7 +67,7 @@ class TanhGate(nn.Module):
 
 
 class CrossAttention(nn.Module):
-    """``y = softmax(q k^T / sqrt(d)) v W_o^T``; ``q = h W_q^T``, ``k = img W_k^T``, ``v = img W_v^T``.
+    """``y = softmax(q k^T / sqrt(d)) v W_o^T``; ``q = h W_q^T``, ``k, v = img W_k^T, img W_v^T``.
 
     Local head counts come from the projection widths, so the module runs on head shards.
     """

@@ -6,8 +6,8 @@ and a ``LlamaForCausalLM`` or a directory written by ``save_pretrained``.
 
 Key mapping: the vision tower's state dict *is* open_clip's ``visual`` state dict (prefix
 ``vision.`` in the fusion model); the language tower's keys are ``LlamaForCausalLM``'s with
-``model.`` dropped (``model.layers.0.mlp.up_proj.weight`` <-> ``language.layers.0.mlp.up_proj.weight``;
-``lm_head.weight`` <-> ``language.lm_head.weight``).
+``model.`` dropped (``model.layers.0.mlp.up_proj.weight`` <->
+``language.layers.0.mlp.up_proj.weight``; ``lm_head.weight`` <-> ``language.lm_head.weight``).
 
 Export functions take a *full* fusion state dict: ``model.state_dict()`` of an unsharded model,
 or :func:`lightning_mmpar.parallel.tensor.full_state_dict` of a tensor-parallel one.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -32,43 +32,48 @@ JOINT_ONLY_KEYS = ("image_norm.", "self_attn.temperature.")
 """Language parameters with no LLaMA counterpart (joint attention); dropped on export."""
 
 
-def vision_config_from_open_clip(visual: nn.Module) -> VisionConfig:
+def vision_config_from_open_clip(visual: Any) -> VisionConfig:
     """Read a :class:`VisionConfig` off an open_clip ``VisionTransformer`` instance."""
     if getattr(visual, "attn_pool", None) is not None:
         raise ValueError("open_clip attentional pooling is not supported by VisionTower.")
-    blocks = visual.transformer.resblocks  # type: ignore[union-attr]
+    blocks = visual.transformer.resblocks
     first = blocks[0]
     if not isinstance(first.attn, nn.MultiheadAttention):
         raise ValueError(
             "open_clip 'custom' blocks (qk_norm, scaled cosine attention) are not supported; "
             "use block_type='default'."
         )
-    width = visual.conv1.out_channels  # type: ignore[union-attr]
+    width = visual.conv1.out_channels
     ls = first.ls_1.gamma.flatten()[0].item() if hasattr(first.ls_1, "gamma") else None
-    act = "gelu" if isinstance(first.mlp.gelu, nn.GELU) else "quick_gelu"
+    act: Literal["gelu", "quick_gelu"] = (
+        "gelu" if isinstance(first.mlp.gelu, nn.GELU) else "quick_gelu"
+    )
     return VisionConfig(
-        image_size=visual.image_size[0],  # type: ignore[index]
-        patch_size=visual.patch_size[0],  # type: ignore[index]
+        image_size=visual.image_size[0],
+        patch_size=visual.patch_size[0],
         width=width,
         layers=len(blocks),
         heads=first.attn.num_heads,
         mlp_ratio=first.mlp.c_fc.out_features / width,
-        output_dim=visual.proj.shape[1],  # type: ignore[union-attr]
-        pool_type=visual.pool_type,  # type: ignore[arg-type]
+        output_dim=visual.proj.shape[1],
+        pool_type=visual.pool_type,
         final_ln_after_pool=bool(visual.final_ln_after_pool),
         no_ln_pre=isinstance(visual.ln_pre, nn.Identity),
         ls_init_value=ls,
-        act=act,  # type: ignore[arg-type]
+        act=act,
     )
 
 
-def import_open_clip_visual(source: nn.Module | str | Path) -> tuple[VisionConfig, dict[str, Tensor]]:
+def import_open_clip_visual(
+    source: nn.Module | str | Path,
+) -> tuple[VisionConfig, dict[str, Tensor]]:
     """``(config, visual state dict)`` from an open_clip model/``.visual`` or a local directory."""
+    model: Any = source
     if isinstance(source, str | Path):
         import open_clip
 
-        source = open_clip.create_model(f"local-dir:{source}", load_weights=True)
-    visual = getattr(source, "visual", source)
+        model = open_clip.create_model(f"local-dir:{source}", load_weights=True)
+    visual = getattr(model, "visual", model)
     return vision_config_from_open_clip(visual), dict(visual.state_dict())
 
 
@@ -116,14 +121,15 @@ def llama_config(config: LanguageConfig) -> Any:
 
 def import_llama(source: nn.Module | str | Path) -> tuple[LanguageConfig, dict[str, Tensor]]:
     """``(config, language-tower state dict)`` from a ``LlamaForCausalLM`` or local directory."""
+    model: Any = source
     if isinstance(source, str | Path):
         from transformers import LlamaForCausalLM
 
-        source = LlamaForCausalLM.from_pretrained(str(source), local_files_only=True)
-    state = {k.removeprefix("model."): v for k, v in source.state_dict().items()}
+        model = LlamaForCausalLM.from_pretrained(str(source), local_files_only=True)
+    state = {k.removeprefix("model."): v for k, v in model.state_dict().items()}
     if "lm_head.weight" not in state:  # tied checkpoints may omit it
         state["lm_head.weight"] = state["embed_tokens.weight"]
-    return language_config_from_llama(source.config), state
+    return language_config_from_llama(model.config), state
 
 
 def build_fusion_model(
@@ -162,7 +168,9 @@ def _state(source: FusionModel | Mapping[str, Tensor]) -> Mapping[str, Tensor]:
 
 def export_open_clip_visual(source: FusionModel | Mapping[str, Tensor]) -> dict[str, Tensor]:
     """open_clip ``visual`` state dict (load with ``visual.load_state_dict(sd, strict=True)``)."""
-    return {k.removeprefix("vision."): v for k, v in _state(source).items() if k.startswith("vision.")}
+    return {
+        k.removeprefix("vision."): v for k, v in _state(source).items() if k.startswith("vision.")
+    }
 
 
 def export_llama(source: FusionModel | Mapping[str, Tensor]) -> dict[str, Tensor]:

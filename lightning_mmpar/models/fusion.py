@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -114,7 +114,9 @@ class FusionModel(nn.Module):
     ) -> tuple[Tensor, Tensor, Tensor]:
         """The tuple block 0 takes; ``attention_mask`` (right padding) picks each last token."""
         if attention_mask is None:
-            last = torch.full((input_ids.shape[0],), input_ids.shape[1] - 1, device=input_ids.device)
+            last = torch.full(
+                (input_ids.shape[0],), input_ids.shape[1] - 1, device=input_ids.device
+            )
         else:
             last = attention_mask.long().sum(dim=1) - 1
         return images, input_ids, last
@@ -122,10 +124,10 @@ class FusionModel(nn.Module):
     def pipeline_blocks(self) -> list[nn.Module]:
         """Ordered blocks (vision, aligner, language), each mapping a tuple to a tuple."""
         blocks: list[nn.Module] = [VisionStem(self.vision)]
-        blocks += [VisionLayer(b) for b in self.vision.transformer.resblocks]
+        blocks += [VisionLayer(cast(VisionBlock, b)) for b in self.vision.transformer.resblocks]
         blocks += [VisionPool(self.vision), Bridge(self.projector, self.language.embed_tokens)]
-        blocks += [AdapterLayer(a) for a in self.adapters]
-        blocks += [DecoderLayer(layer) for layer in self.language.layers]
+        blocks += [AdapterLayer(cast(CrossModalAdapter, a)) for a in self.adapters]
+        blocks += [DecoderLayer(cast(LlamaDecoderLayer, d)) for d in self.language.layers]
         blocks.append(Head(self))
         return blocks
 

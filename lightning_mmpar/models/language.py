@@ -80,7 +80,9 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rope_cos_sin(positions: Tensor, dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def rope_cos_sin(
+    positions: Tensor, dim: int, theta: float, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
     """Llama default RoPE: ``inv_freq = theta^(-2i/d)``, angles duplicated over both halves."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
@@ -114,7 +116,9 @@ class ModalityTemperature(nn.Module):
 
     def forward(self, k: Tensor, n_image: int) -> Tensor:
         n_text = k.shape[-2] - n_image
-        scale = torch.cat([self.temperature[:1].expand(n_image), self.temperature[1:].expand(n_text)])
+        scale = torch.cat(
+            [self.temperature[:1].expand(n_image), self.temperature[1:].expand(n_text)]
+        )
         return k * scale[:, None].to(k.dtype)
 
 
@@ -146,7 +150,11 @@ class LlamaAttention(nn.Module):
         return x.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
 
     def forward(self, x: Tensor, image: Tensor | None = None) -> Tensor:
-        q, k, v = self._heads(self.q_proj(x)), self._heads(self.k_proj(x)), self._heads(self.v_proj(x))
+        q, k, v = (
+            self._heads(self.q_proj(x)),
+            self._heads(self.k_proj(x)),
+            self._heads(self.v_proj(x)),
+        )
         n_text = x.shape[1]
         n_image = 0 if image is None or self.temperature is None else image.shape[1]
         pos = torch.arange(n_image + n_text, device=q.device)
@@ -216,7 +224,9 @@ class LanguageModel(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 

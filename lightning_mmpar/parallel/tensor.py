@@ -86,7 +86,9 @@ class FusedQKVColwiseParallel(ColwiseParallel):
         for pname, param in list(module.named_parameters(recurse=False)):
             relaid = rank_major_qkv(param.detach(), tp)
             dist_param = nn.Parameter(
-                distribute_tensor(relaid, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank),
+                distribute_tensor(
+                    relaid, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank
+                ),
                 requires_grad=param.requires_grad,
             )
             module.register_parameter(pname, dist_param)
@@ -135,8 +137,16 @@ def validate_tensor_parallel(
     checks += [
         ("adapters.*.attn", "AdapterConfig.heads", a.heads),
         ("adapters.*.mlp", "AdapterConfig.ffn_width", a.ffn_width),
-        ("language.layers.*.self_attn", "LanguageConfig.num_attention_heads", lang.num_attention_heads),
-        ("language.layers.*.self_attn", "LanguageConfig.num_key_value_heads", lang.num_key_value_heads),
+        (
+            "language.layers.*.self_attn",
+            "LanguageConfig.num_attention_heads",
+            lang.num_attention_heads,
+        ),
+        (
+            "language.layers.*.self_attn",
+            "LanguageConfig.num_key_value_heads",
+            lang.num_key_value_heads,
+        ),
         ("language.layers.*.mlp", "LanguageConfig.intermediate_size", lang.intermediate_size),
         ("language.embed_tokens/lm_head", "LanguageConfig.vocab_size", lang.vocab_size),
     ]
@@ -229,7 +239,7 @@ def language_plan(language: LanguageModel, *, sequence_parallel: bool) -> dict[s
         plan[f"{p}.mlp.gate_proj"] = ColwiseParallel()
         plan[f"{p}.mlp.up_proj"] = ColwiseParallel()
         plan[f"{p}.mlp.down_proj"] = RowwiseParallel(output_layouts=seq)
-        joint = layer.self_attn.temperature is not None
+        joint = getattr(layer.self_attn, "temperature", None) is not None
         if joint:
             plan[f"{p}.self_attn.temperature"] = HeadShardedReplicate()
         if sequence_parallel:
@@ -294,7 +304,9 @@ def apply_tensor_parallel(
     )
     parallelize_module(model.adapters, vl_mesh, vl_plan)
     parallelize_module(model.adapters, tp_mesh, tp_plan)
-    parallelize_module(model.language, tp_mesh, language_plan(model.language, sequence_parallel=sequence_parallel))
+    parallelize_module(
+        model.language, tp_mesh, language_plan(model.language, sequence_parallel=sequence_parallel)
+    )
     if sequence_parallel:
         model.language.embed_tokens.register_forward_pre_hook(_check_sequence(tp))
         text_in = PrepareModuleInput(
@@ -328,7 +340,6 @@ def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
 def local_value(t: Tensor) -> Tensor:
     """``t.full_tensor()`` for a DTensor, else ``t`` (tests and logging; collective)."""
     return t.full_tensor() if isinstance(t, DTensor) else t
-
 
 
 def full_gradients(model: nn.Module) -> dict[str, Tensor]:

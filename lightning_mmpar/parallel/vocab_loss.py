@@ -56,7 +56,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return g.to(ctx.dtype), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100) -> Tensor:
+def vocab_parallel_cross_entropy(
+    logits: Tensor, target: Tensor, *, ignore_index: int = -100
+) -> Tensor:
     """Mean token cross-entropy of ``logits [..., V]`` against ``target [...]``.
 
     ``logits`` is either a plain tensor (``F.cross_entropy``) or a DTensor sharded on the vocab
@@ -70,7 +72,9 @@ def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, *, ignore_index
     if logits.device_mesh.ndim != 1 or not (
         isinstance(placement, Shard) and placement.dim in (-1, logits.ndim - 1)
     ):
-        raise ValueError(f"logits must be sharded on the vocab dim of a 1-D mesh (got {placement}).")
+        raise ValueError(
+            f"logits must be sharded on the vocab dim of a 1-D mesh (got {placement})."
+        )
     mesh = logits.device_mesh
     local = logits.to_local()
     start = mesh.get_local_rank() * local.shape[-1]

@@ -47,9 +47,14 @@ def towers() -> tuple[VisionTransformer, LlamaForCausalLM]:
     )
     llama = LlamaForCausalLM(
         LlamaConfig(
-            vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-            num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
-        )  # fmt: skip
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            max_position_embeddings=64,
+        )
     )
     return visual, llama
 
@@ -148,5 +153,3 @@ def test_tensor_parallel_matches_unsharded(world: int) -> None:
     worst = {k: max(r[k] for rank in results for r in rank) for k in results[0][0]}
     print(f"tp={world} worst |diff|: {worst}")
     assert all(v <= ATOL for v in worst.values())
-
-

@@ -1,4 +1,4 @@
-"""Fusion model parity against the open_clip / transformers oracles (single process, tiny configs)."""
+"""Fusion model parity against the open_clip / transformers oracles (one process, tiny configs)."""
 
 from __future__ import annotations
 
@@ -110,7 +110,9 @@ def hand_joint_attention(attn: LlamaAttention, x: torch.Tensor, img: torch.Tenso
     """Loop reference: logit_ij = q_i . k_j / sqrt(d) * t[m(j)], image keys + causal text keys."""
     n_img, n_txt, hd = img.shape[1], x.shape[1], attn.head_dim
     t_img, t_txt = attn.temperature.temperature.tolist()  # type: ignore[union-attr]
-    cfg = LlamaConfig(hidden_size=32, num_attention_heads=4, head_dim=hd, max_position_embeddings=64)
+    cfg = LlamaConfig(
+        hidden_size=32, num_attention_heads=4, head_dim=hd, max_position_embeddings=64
+    )
     rope = LlamaRotaryEmbedding(cfg)
     seq = torch.cat([img, x], dim=1)
     pos = torch.arange(n_img + n_txt)[None]
@@ -127,7 +129,9 @@ def hand_joint_attention(attn: LlamaAttention, x: torch.Tensor, img: torch.Tenso
                 qi = q[b, h, n_img + i]
                 keys = [j for j in range(n_img + n_txt) if j < n_img or j - n_img <= i]
                 logits = [
-                    float(qi @ k[b, h // groups, j]) / math.sqrt(hd) * (t_img if j < n_img else t_txt)
+                    float(qi @ k[b, h // groups, j])
+                    / math.sqrt(hd)
+                    * (t_img if j < n_img else t_txt)
                     for j in keys
                 ]
                 top = max(logits)
@@ -192,8 +196,17 @@ def test_freeze_policy_and_config_errors() -> None:
     model = build_fusion_model(tiny_open_clip(), tiny_llama(num_hidden_layers=3))
     freeze_for_finetuning(model, train_decoder_layers=2)
     trainable = {n.split(".")[0] for n, p in model.named_parameters() if p.requires_grad}
-    assert trainable == {"projector", "adapters", "language", "image_head", "text_head", "logit_scale"}
+    assert trainable == {
+        "projector",
+        "adapters",
+        "language",
+        "image_head",
+        "text_head",
+        "logit_scale",
+    }
     assert not any(p.requires_grad for p in model.language.layers[2].parameters())
-    with pytest.raises(ValueError, match=r"VisionConfig.width \(30\) must be divisible by heads \(4\)"):
+    with pytest.raises(
+        ValueError, match=r"VisionConfig.width \(30\) must be divisible by heads \(4\)"
+    ):
         VisionConfig(width=30, heads=4)
     assert isinstance(model, FusionModel)
