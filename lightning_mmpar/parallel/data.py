@@ -57,6 +57,8 @@ def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh) -> None:
             if _has_params(layer) and not isinstance(layer, FSDPModule):
                 fully_shard(layer, mesh=dp_mesh)
     for child in module.children():
+        if isinstance(child, nn.ModuleList | nn.ModuleDict):
+            continue  # containers have no forward; their layers are sharded above
         if _has_params(child) and not isinstance(child, FSDPModule):
             fully_shard(child, mesh=dp_mesh)
 

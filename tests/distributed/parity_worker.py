@@ -2,92 +2,193 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch import Callback, Trainer
+import torch.nn.functional as F
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from lightning_mmpar import MultimodalParallelStrategy
-from lightning_mmpar.examples.toy_transformer import ToyConfig, ToyTransformer, make_tokens
+from lightning_mmpar.examples.toy_transformer import (
+    Block,
+    Embed,
+    Head,
+    ToyConfig,
+    ToyTransformer,
+    make_tokens,
+    tensor_parallel_plan,
+)
 
 GLOBAL_BATCH = 8
 STEPS = 10
 
 
-class LossRecorder(Callback):
+class Recorder(Callback):
+    """Logged loss per step and the full (unsharded) gradients of the first step."""
+
     def __init__(self) -> None:
         self.losses: list[float] = []
+        self.grads: dict[str, Tensor] = {}
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: Any, optimizer: Any) -> None:
+        if trainer.global_step == 0 and not self.grads:
+            for name, p in pl_module.named_parameters():
+                if p.grad is not None:
+                    g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                    self.grads[name] = g.detach().clone()
 
     def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
 
 
-def reference(steps: int = STEPS, cfg: ToyConfig | None = None) -> dict[str, Any]:
-    """Plain single-process torch loop over the same global batches."""
-    cfg = cfg or ToyConfig()
+def global_batches(steps: int, cfg: ToyConfig) -> Tensor:
+    """The data in the order Lightning's DistributedSampler(shuffle=True, seed=0) visits it:
+    the union of the dp ranks' k-th batches is slice k of this permutation."""
+    data = make_tokens(steps * GLOBAL_BATCH, cfg)
+    return data[torch.randperm(len(data), generator=torch.Generator().manual_seed(0))]
+
+
+def reference(steps: int = STEPS) -> dict[str, Any]:
+    """Plain single-process torch loop (no Lightning, no strategy) over the same global batches."""
+    cfg = ToyConfig()
     torch.manual_seed(0)
     model = ToyTransformer(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    data = make_tokens(steps * GLOBAL_BATCH, cfg)
-    # Lightning shards training data with DistributedSampler(shuffle=True, seed=0): the union
-    # of the dp ranks' k-th batches is slice k of this permutation.
-    data = data[torch.randperm(len(data), generator=torch.Generator().manual_seed(0))]
-    losses = []
+    data = global_batches(steps, cfg)
+    losses, grads = [], {}
     for k in range(steps):
         batch = data[k * GLOBAL_BATCH : (k + 1) * GLOBAL_BATCH]
         loss = model.pipeline_loss(model(batch[:, :-1]), batch[:, 1:])
         opt.zero_grad()
         loss.backward()
+        if k == 0:
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         opt.step()
         losses.append(loss.item())
-    return {
-        "losses": losses,
-        "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
-    }
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"losses": losses, "grads": grads, "weights": weights}
 
 
-def full_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+def full_weights(module: nn.Module) -> dict[str, Tensor]:
     sd = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
     return {k: v.detach().clone() for k, v in sd.items()}
 
 
+def _trainer(strategy: Any, world: int, steps: int, callbacks: list[Any]) -> Trainer:
+    return Trainer(
+        strategy=strategy, accelerator="cpu", devices=world, max_steps=steps, logger=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+        num_sanity_val_steps=0,
+    )
+
+
 def fit_layout(
-    rank: int,
-    world: int,
-    dp: int,
-    pp: int,
-    tp: int,
-    schedule: str = "1f1b",
-    v: int = 1,
-    micro_batches: int | None = None,
-    data_parallel: str = "fsdp",
-    steps: int = STEPS,
+    rank: int, world: int, dp: int, pp: int, tp: int, schedule: str = "1f1b", v: int = 1,
+    data_parallel: str = "fsdp", steps: int = STEPS,
 ) -> dict[str, Any]:
+    """Train the toy LM with one layout; return losses, first-step grads and final weights."""
     cfg = ToyConfig()
     torch.manual_seed(0)
     model = ToyTransformer(cfg)
-    data = make_tokens(steps * GLOBAL_BATCH, cfg)
     strategy = MultimodalParallelStrategy(
-        tensor_parallel=tp,
-        pipeline_parallel=pp,
-        virtual_pipeline=v,
-        schedule=schedule,
-        micro_batches=micro_batches,
-        data_parallel=data_parallel,
+        tensor_parallel=tp, pipeline_parallel=pp, virtual_pipeline=v, schedule=schedule,
+        micro_batches=2 * pp if pp > 1 else None, data_parallel=data_parallel,
     )
-    rec = LossRecorder()
-    trainer = Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=world,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[rec],
-    )
-    trainer.fit(model, DataLoader(data, batch_size=GLOBAL_BATCH // dp))
-    return {"losses": rec.losses, "weights": full_weights(model)}
+    rec = Recorder()
+    trainer = _trainer(strategy, world, steps, [rec])
+    trainer.fit(model, DataLoader(make_tokens(steps * GLOBAL_BATCH, cfg),
+                                  batch_size=GLOBAL_BATCH // dp))
+    return {"losses": rec.losses, "grads": rec.grads, "weights": full_weights(model)}
+
+
+class PlainLM(LightningModule):
+    """Written the ordinary Lightning way: no mm-specific code; TP in configure_model."""
+
+    def __init__(self, cfg: ToyConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = Embed(cfg)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.head = Head(cfg)
+
+    def configure_model(self) -> None:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        for block in self.layers:
+            parallelize_module(block, self.device_mesh["tp"], tensor_parallel_plan())
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.embed(tokens)
+        for block in self.layers:
+            x = block(x)
+        return self.head(x)
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        logits = self(batch[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.cfg.lr)
+
+
+def fit_plain(rank: int, world: int, tp: int, data_parallel: str) -> dict[str, Any]:
+    cfg = ToyConfig()
+    torch.manual_seed(0)
+    model = PlainLM(cfg)
+    rec = Recorder()
+    strategy = MultimodalParallelStrategy(tensor_parallel=tp, data_parallel=data_parallel)
+    trainer = _trainer(strategy, world, STEPS, [rec])
+    dp = world // tp
+    trainer.fit(model, DataLoader(make_tokens(STEPS * GLOBAL_BATCH, cfg),
+                                  batch_size=GLOBAL_BATCH // dp))
+    return {"losses": rec.losses, "grads": rec.grads, "weights": full_weights(model)}
+
+
+def resume_and_reshard(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Save at step 5 in one layout, resume to step 10 in the same and in other layouts."""
+    cfg = ToyConfig()
+    out: dict[str, Any] = {}
+    layouts = {"tp2pp2": (2, 2), "tp1pp1": (1, 1)}
+    for name, (tp, pp) in layouts.items():
+        torch.manual_seed(0)
+        model = ToyTransformer(cfg)
+        ckpt = ModelCheckpoint(dirpath=Path(root) / name, every_n_train_steps=5,
+                               save_top_k=-1, filename="{step}")
+        strategy = MultimodalParallelStrategy(tensor_parallel=tp, pipeline_parallel=pp)
+        trainer = _trainer(strategy, world, 5, [ckpt])
+        dp = world // (tp * pp)
+        trainer.fit(model, DataLoader(make_tokens(STEPS * GLOBAL_BATCH, cfg),
+                                      batch_size=GLOBAL_BATCH // dp))
+    for saved in layouts:
+        for name, (tp, pp) in layouts.items():
+            torch.manual_seed(1)  # different init: every weight must come from the checkpoint
+            model = ToyTransformer(cfg)
+            rec = Recorder()
+            strategy = MultimodalParallelStrategy(tensor_parallel=tp, pipeline_parallel=pp)
+            trainer = _trainer(strategy, world, STEPS, [rec])
+            dp = world // (tp * pp)
+            trainer.fit(model, DataLoader(make_tokens(STEPS * GLOBAL_BATCH, cfg),
+                                          batch_size=GLOBAL_BATCH // dp),
+                        ckpt_path=str(Path(root) / saved / "step=5.ckpt"))
+            out[f"{saved}->{name}"] = {"losses": rec.losses, "weights": full_weights(model)}
+    return out
+
+
+def run_many(rank: int, world: int, jobs: list[tuple[str, str, tuple[Any, ...]]],
+             root: str = "") -> dict[str, Any]:
+    """Several fits in one world (process start-up dominates on small machines)."""
+    fns = {"layout": fit_layout, "plain": fit_plain, "resume": resume_and_reshard}
+    out = {}
+    for name, fn, args in jobs:
+        extra = (root,) if fn == "resume" else ()
+        out[name] = fns[fn](rank, world, *args, *extra)
+    return out

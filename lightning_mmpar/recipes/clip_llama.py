@@ -1,0 +1,326 @@
+"""CLIP-ViT + adapter + LLaMA fine-tuning recipe: a LightningModule and its LightningCLI.
+
+``python -m lightning_mmpar.recipes.clip_llama fit --config recipes/clip_llama_cpu.yaml``
+
+Loss (TECHNIQUES 1.5, 4)::
+
+    L = w_c * InfoNCE(u, v; dp group) + w_cap * CE_vocab-parallel(caption) + MML(u, v; EMA heads)
+
+with ``u`` the image features and ``v`` the text-only features (see :mod:`.blocks`). Under
+``mm_parallel`` the module is a :class:`~lightning_mmpar.parallel.pipeline.PipelineModule`: the
+strategy runs its blocks through the pipeline (any pp) and calls :meth:`pipeline_loss` on the last
+stage, where every term and metric is computed; other strategies (DeepSpeed, DDP, one device) run
+:meth:`training_step`, which chains the same blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from lightning_mmpar.losses.caption import caption_loss
+from lightning_mmpar.losses.contrastive import ContrastiveLoss
+from lightning_mmpar.losses.mml import MMLLoss
+from lightning_mmpar.models.fusion import FusionConfig, FusionModel, freeze_for_finetuning
+from lightning_mmpar.recipes import parallel_env as penv
+from lightning_mmpar.recipes.blocks import Head, RecipeOutput, recipe_blocks
+from lightning_mmpar.recipes.config import (
+    FinetuneConfig,
+    LossConfig,
+    OptimConfig,
+    TensorParallelOptions,
+)
+from lightning_mmpar.recipes.evaluation import RecipeMetrics, digit_token_classes, named_digit
+
+TERMS: tuple[str, ...] = ("contrastive", "caption", "mml")
+"""Loss terms logged as ``train/<term>`` and ``val/<term>``."""
+
+
+class ClipLlamaModule(LightningModule):
+    """The fusion model trained with contrastive + caption + MML losses.
+
+    Args:
+        fusion: tower sizes, adapter, contrastive width and initial temperature
+            (``logit_scale_init = 1 / temperature``). ``language.vocab_size`` is replaced by
+            ``vocab_size`` padded to ``tensor_parallel.vocab_multiple``.
+        finetune: which parts train (default: the TECHNIQUES 1.5 policy).
+        loss: weights of the terms and the EMA momentum.
+        optim: AdamW and its schedule.
+        tensor_parallel: options of the tensor-parallel plans (the degree comes from the strategy).
+        vocab_size: tokenizer vocabulary (linked from ``data.vocab_size`` by the CLI).
+    """
+
+    def __init__(
+        self,
+        *,
+        fusion: FusionConfig = FusionConfig(),  # noqa: B008 - LightningCLI prints the fields
+        finetune: FinetuneConfig = FinetuneConfig(),  # noqa: B008
+        loss: LossConfig = LossConfig(),  # noqa: B008
+        optim: OptimConfig = OptimConfig(),  # noqa: B008
+        tensor_parallel: TensorParallelOptions = TensorParallelOptions(),  # noqa: B008
+        vocab_size: int = 64,
+    ) -> None:
+        super().__init__()
+        self.fusion_config = fusion
+        self.finetune = finetune
+        self.loss_config = loss
+        self.optim = optim
+        self.tp_options = tensor_parallel
+        self.vocab_size = vocab_size
+        self.blocks: nn.ModuleList | None = None
+        self._terms = torch.zeros(len(TERMS) + 1)
+        self._metrics: RecipeMetrics | None = None
+        self._losses: tuple[ContrastiveLoss, MMLLoss] | None = None
+        self._prompts: dict[str, Tensor] = {}
+        self._digit_classes = torch.zeros(0, dtype=torch.long)
+        self._tokenizer: Any = None
+
+    # ------------------------------------------------------------------ model
+    def _resolved_config(self, tp: int) -> FusionConfig:
+        multiple = math.lcm(self.tp_options.vocab_multiple, tp)
+        vocab = -(-self.vocab_size // multiple) * multiple
+        cfg = self.fusion_config
+        language = type(cfg.language)(**{**vars(cfg.language), "vocab_size": vocab})
+        return type(cfg)(**{**vars(cfg), "language": language})
+
+    def configure_model(self) -> None:
+        """Build the fusion model, apply the TP plans, freeze per policy, cut the blocks."""
+        if self.blocks is not None:
+            return
+        tp_mesh = penv.tp_mesh(self)
+        model = FusionModel(self._resolved_config(tp_mesh.size() if tp_mesh else 1))
+        if tp_mesh is not None:
+            from lightning_mmpar.parallel.tensor import apply_tensor_parallel
+
+            o = self.tp_options
+            apply_tensor_parallel(
+                model, tp_mesh, vision_parallel=o.vision_parallel,
+                sequence_parallel=o.sequence_parallel, vl_combine=o.vl_combine,
+                vl_group=penv.vl_group(self),
+            )
+        self._freeze(model)
+        self.blocks = nn.ModuleList(recipe_blocks(model, self.loss_config.mml.momentum))
+
+    def _freeze(self, model: FusionModel) -> None:
+        f = self.finetune
+        n = len(model.language.layers) if f.train_decoder_layers < 0 else f.train_decoder_layers
+        freeze_for_finetuning(model, train_vision=f.train_vision, train_decoder_layers=n)
+        if f.train_embeddings:
+            for m in (model.language.embed_tokens, model.language.norm, model.language.lm_head):
+                m.requires_grad_(True)
+
+    @property
+    def head(self) -> Head | None:
+        """The last block when this rank owns it (always, without pipeline parallelism)."""
+        last = self.blocks[-1] if self.blocks is not None else None
+        return last if isinstance(last, Head) else None
+
+    def setup(self, stage: str) -> None:
+        """Losses and metrics on the dp group; prompts, tokenizer and digit tokens from data."""
+        group = penv.dp_group(self.trainer)
+        self._losses = (ContrastiveLoss(group=group),
+                        MMLLoss(config=self.loss_config.mml, group=group))
+        self._metrics = RecipeMetrics(group)
+        data = self.trainer.datamodule
+        if data is not None and hasattr(data, "class_prompts"):
+            image_size = getattr(data, "image_size", self.fusion_config.vision.image_size)
+            if image_size != self.fusion_config.vision.image_size:
+                raise ValueError(
+                    f"data.image_size ({image_size}) must equal model.fusion.vision.image_size "
+                    f"({self.fusion_config.vision.image_size}); set both to the same value."
+                )
+            self._prompts = data.class_prompts()
+            self._tokenizer = data.tokenizer
+            self._digit_classes = digit_token_classes(data.tokenizer, self.vocab_size)
+
+    # ------------------------------------------------------------------ PipelineModule
+    def pipeline_blocks(self) -> list[nn.Module]:
+        """The recipe's blocks (vision, aligner, language, head)."""
+        assert self.blocks is not None, "configure_model() builds the blocks"
+        return list(self.blocks)
+
+    def pipeline_inputs(self, batch: dict[str, Tensor]) -> tuple[tuple[Tensor, ...], Tensor]:
+        """``(images, ids, last, prompt ids, prompt last)`` and ``[target_ids | label]``."""
+        ids = batch["input_ids"]
+        b = ids.shape[0]
+        prompts = self._prompts or {"input_ids": ids[:1], "attention_mask": batch["attention_mask"][:1]}
+        p_ids = prompts["input_ids"].to(ids.device)
+        p_last = prompts["attention_mask"].to(ids.device).sum(1) - 1
+        inputs = (
+            batch["images"], ids, batch["attention_mask"].sum(1) - 1,
+            p_ids.unsqueeze(0).expand(b, -1, -1).contiguous(),
+            p_last.unsqueeze(0).expand(b, -1).contiguous(),
+        )
+        labels = batch.get("labels", torch.full((b,), -1, dtype=torch.long, device=ids.device))
+        return inputs, torch.cat([batch["target_ids"], labels[:, None]], dim=1)
+
+    def pipeline_loss(self, out: RecipeOutput, target: Tensor) -> Tensor:
+        """Weighted sum of the three terms on one (micro-)batch; metrics in eval mode."""
+        assert self._losses is not None, "setup() builds the losses"
+        target_ids, labels = target[:, :-1], target[:, -1]
+        contrastive_fn, mml_fn = self._losses
+        scale = out.logit_scale[0]
+        cap = caption_loss(out.logits, target_ids, loss_parallel=isinstance(out.logits, DTensor))
+        if isinstance(cap, DTensor):
+            cap = cap.to_local()
+        con = contrastive_fn(out.image_features, out.text_features, scale)
+        mml = mml_fn(out.image_features, out.text_features, out.momentum_image,
+                     out.momentum_text, scale)
+        assert isinstance(con, Tensor) and isinstance(mml, Tensor)
+        lc = self.loss_config
+        total = lc.contrastive_weight * con + lc.caption_weight * cap + mml
+        self._terms += torch.stack([con.detach(), cap.detach(), mml.detach(),
+                                    torch.ones(())]).float().cpu()
+        if not self.training and self._metrics is not None and self._prompts:
+            self._metrics.update(out, target_ids, labels, self._digit_classes)
+        return total
+
+    def forward(self, batch: dict[str, Tensor]) -> RecipeOutput:
+        """All blocks in order (needs every block on this rank: pipeline_parallel 1)."""
+        inputs, _ = self.pipeline_inputs(batch)
+        return self._run(inputs)
+
+    def _run(self, state: tuple[Tensor, ...]) -> RecipeOutput:
+        assert self.blocks is not None
+        if self.head is None or len(self.blocks) == 0:
+            raise RuntimeError("generation and forward() need pipeline_parallel=1 (all blocks).")
+        out: Any = state
+        for block in self.blocks:
+            out = block(*out)
+        return RecipeOutput(*out)
+
+    # ------------------------------------------------------------------ steps (other strategies)
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        inputs, target = self.pipeline_inputs(batch)
+        loss = self.pipeline_loss(self._run(inputs), target)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        inputs, target = self.pipeline_inputs(batch)
+        loss = self.pipeline_loss(self._run(inputs), target)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        inputs, target = self.pipeline_inputs(batch)
+        loss = self.pipeline_loss(self._run(inputs), target)
+        self.log("test_loss", loss, sync_dist=True)
+        return loss
+
+    # ------------------------------------------------------------------ hooks
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.head is not None:
+            self.head.ema_update()
+        self._log_terms("train")
+
+    def on_validation_epoch_start(self) -> None:
+        self._start_eval()
+
+    def on_test_epoch_start(self) -> None:
+        self._start_eval()
+
+    def _start_eval(self) -> None:
+        self._terms.zero_()
+        if self._metrics is not None:
+            self._metrics.reset()
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_eval("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._log_eval("test")
+
+    def _log_terms(self, prefix: str) -> None:
+        sums = penv.from_last_stage(self.trainer, self._terms.clone(), self.head is not None)
+        sums = penv.dp_sum(self.trainer, sums)
+        self._terms.zero_()
+        for i, name in enumerate(TERMS):
+            self.log(f"{prefix}/{name}", sums[i] / sums[-1].clamp(min=1), batch_size=1,
+                     prog_bar=prefix == "train" and name != "mml")
+
+    def _log_eval(self, prefix: str) -> None:
+        self._log_terms(prefix)
+        if self._metrics is None or not self._prompts:
+            return
+        names = ("zero_shot_acc", "i2t_recall@1", "i2t_recall@5", "t2i_recall@1",
+                 "t2i_recall@5", "caption_acc_tf")
+        values = torch.zeros(len(names))
+        if self.head is not None:
+            computed = self._metrics.compute()
+            values = torch.tensor([computed[n] for n in names])
+        values = penv.from_last_stage(self.trainer, values, self.head is not None)
+        for name, value in zip(names, values, strict=True):
+            self.log(f"{prefix}/{name}", value, batch_size=1, prog_bar=name == "zero_shot_acc")
+
+    # ------------------------------------------------------------------ generation
+    @torch.no_grad()
+    def generate(self, images: Tensor, max_length: int) -> Tensor:
+        """Greedy captions ``[B, max_length]`` from ``<bos>`` (pipeline_parallel 1 only).
+
+        Always runs ``max_length - 1`` steps so every data-parallel rank calls FSDP's gathers
+        the same number of times.
+        """
+        tok = self._tokenizer
+        bos, eos, pad = (tok.bos_id, tok.eos_id, tok.pad_id) if tok else (1, 2, 0)
+        b = images.shape[0]
+        ids = torch.full((b, max_length), pad, dtype=torch.long, device=images.device)
+        ids[:, 0] = bos
+        done = torch.zeros(b, dtype=torch.bool, device=images.device)
+        p_last = torch.zeros(b, 1, dtype=torch.long, device=images.device)
+        for t in range(1, max_length):
+            last = torch.full((b,), t - 1, dtype=torch.long, device=images.device)
+            out = self._run((images, ids, last, ids[:, None].clone(), p_last))
+            logits = out.logits.full_tensor() if isinstance(out.logits, DTensor) else out.logits
+            nxt = torch.where(done, pad, logits[:, t - 1, : self.vocab_size].argmax(-1))
+            ids[:, t] = nxt
+            done |= nxt == eos
+        return ids
+
+    def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> list[dict[str, Any]]:
+        """Greedy captions of a batch of images, with the digit each names."""
+        ids = self.generate(batch["images"], batch["input_ids"].shape[1])
+        labels = batch.get("labels")
+        rows = []
+        for i, row in enumerate(ids.tolist()):
+            caption = self._tokenizer.decode(row) if self._tokenizer else str(row)
+            item: dict[str, Any] = {"caption": caption,
+                                    "digit": named_digit(row, self._digit_classes)}
+            if labels is not None:
+                item["label"] = int(labels[i])
+            rows.append(item)
+        return rows
+
+    # ------------------------------------------------------------------ optimizer
+    def configure_optimizers(self) -> Any:
+        params = [p for p in self.parameters() if p.requires_grad]
+        decay = [p for p in params if p.ndim >= 2]
+        no_decay = [p for p in params if p.ndim < 2]
+        o = self.optim
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": o.weight_decay},
+             {"params": no_decay, "weight_decay": 0.0}],
+            lr=o.lr, foreach=False,
+        )
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, penv.warmup_cosine(o, total))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def main(args: list[str] | None = None) -> None:
+    """The recipe's LightningCLI (``fit``, ``validate``, ``test``, ``predict``)."""
+    from lightning_mmpar.recipes.cli import run_cli
+
+    run_cli(args)
+
+
+__all__ = ["ClipLlamaModule", "main"]
+
+if __name__ == "__main__":
+    main()
+

@@ -1,0 +1,72 @@
+"""Typed configuration of the CLIP-LLaMA recipe (the ``model:`` section of its YAML)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from lightning_mmpar.losses.mml import MMLConfig
+
+
+@dataclass(kw_only=True)
+class FinetuneConfig:
+    """Which parts train (TECHNIQUES 1.5: ViT frozen, adapter + first two decoder layers)."""
+
+    train_vision: bool = False
+    """Train the ViT. The 1.5 policy freezes it (pretrained towers); with from-scratch towers a
+    frozen random ViT limits accuracy, so the CPU recipe turns this on."""
+    train_decoder_layers: int = 2
+    """Train the first N LLaMA decoder layers (the rest are frozen); -1 trains all."""
+    train_embeddings: bool = False
+    """Train ``embed_tokens``, the final norm and ``lm_head`` (frozen by the 1.5 policy)."""
+
+    def __post_init__(self) -> None:
+        if self.train_decoder_layers < -1:
+            raise ValueError(
+                f"train_decoder_layers ({self.train_decoder_layers}) must be >= 0, or -1 for all."
+            )
+
+
+@dataclass(kw_only=True)
+class LossConfig:
+    """Weights of the three loss terms (each is logged on its own)."""
+
+    contrastive_weight: float = 1.0
+    """Multiplier of the CLIP InfoNCE term (dp-group gather)."""
+    caption_weight: float = 1.0
+    """Multiplier of the caption (LM) cross-entropy."""
+    mml: MMLConfig = field(default_factory=MMLConfig)
+    """Momentum-distillation term: ``weight`` and EMA ``momentum`` of the momentum heads."""
+
+    def __post_init__(self) -> None:
+        for name in ("contrastive_weight", "caption_weight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be >= 0; 0 disables it.")
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """AdamW with linear warm-up and cosine decay to ``min_lr_ratio * lr``."""
+
+    lr: float = 1e-3
+    """Peak learning rate."""
+    weight_decay: float = 0.01
+    """AdamW weight decay (not applied to norms, biases, gates and the logit scale)."""
+    warmup_steps: int = 20
+    """Linear warm-up steps."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of ``lr`` (cosine schedule over ``max_steps``)."""
+
+
+@dataclass(kw_only=True)
+class TensorParallelOptions:
+    """How :func:`lightning_mmpar.parallel.tensor.apply_tensor_parallel` shards the model."""
+
+    vision_parallel: Literal["tp", "replicate"] = "tp"
+    """Shard the ViT by heads (``tp``) or keep a full copy per tp rank (``replicate``)."""
+    sequence_parallel: bool = False
+    """Shard the text residual stream along the sequence (text length must divide by tp)."""
+    vl_combine: Literal["all_reduce", "all_gather"] = "all_reduce"
+    """Combine of the cross-attention heads (TECHNIQUES 1.3), on the vision-language group."""
+    vocab_multiple: int = 8
+    """The LM vocabulary is padded to a multiple of this (and of tp) so it shards evenly."""

@@ -1,0 +1,89 @@
+"""Evaluation of the CLIP-LLaMA recipe: zero-shot accuracy, retrieval, caption accuracy.
+
+Metrics are updated where the last pipeline stage lives and combined over the data-parallel
+group only (tp/pp peers hold copies of the same samples). "Caption accuracy" is measured two
+ways:
+
+* teacher-forced (every layout, pipelined too): at the first caption position whose target is a
+  digit word (``five`` or ``5``), the argmax token names the image's digit;
+* greedy (pp = 1): the caption decoded from ``<bos>`` names the image's digit first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_mmpar.data.digits import CLASS_NAMES
+from lightning_mmpar.data.tokenizer import WordTokenizer
+from lightning_mmpar.metrics import RetrievalRecall, ZeroShotAccuracy
+
+
+def digit_token_classes(tokenizer: WordTokenizer, vocab_size: int) -> Tensor:
+    """``[V]`` long: the digit class each token names (``five``, ``5``), -1 for other tokens."""
+    classes = torch.full((vocab_size,), -1, dtype=torch.long)
+    for label, name in enumerate(CLASS_NAMES):
+        for word in (name, str(label)):
+            ids = tokenizer.encode(word)[1:-1]
+            if len(ids) == 1 and ids[0] != tokenizer.unk_id:
+                classes[ids[0]] = label
+    return classes
+
+
+def named_digit(ids: Sequence[int], classes: Tensor) -> int:
+    """The first digit class named in a token sequence, or -1."""
+    for i in ids:
+        if 0 <= i < classes.numel() and int(classes[i]) >= 0:
+            return int(classes[i])
+    return -1
+
+
+def teacher_forced_hits(logits: Tensor, target_ids: Tensor, labels: Tensor, classes: Tensor) -> Tensor:
+    """``[B]`` bool: at the first digit-word target position the prediction names ``labels``."""
+    pred = logits[:, :-1].argmax(-1)  # position t predicts token t + 1
+    tgt = target_ids[:, 1:].clamp(min=0)
+    is_digit = classes.to(tgt.device)[tgt] >= 0
+    first = torch.where(is_digit.any(1), is_digit.float().argmax(1), torch.zeros_like(labels))
+    rows = torch.arange(labels.shape[0], device=labels.device)
+    named = classes.to(pred.device)[pred[rows, first]]
+    return is_digit.any(1) & (named == labels)
+
+
+class RecipeMetrics:
+    """Zero-shot accuracy, recall@1/@5 both ways and caption accuracy over the dp group."""
+
+    def __init__(self, dp_group: dist.ProcessGroup | None) -> None:
+        kw: dict[str, Any] = {"process_group": dp_group} if dp_group is not None else {}
+        self.group = dp_group
+        self.zero_shot = ZeroShotAccuracy(**kw)
+        self.retrieval = RetrievalRecall(ks=(1, 5), **kw)
+        self.caption_hits = torch.zeros(2)
+
+    def reset(self) -> None:
+        """Forget every sample seen."""
+        self.zero_shot.reset()
+        self.retrieval.reset()
+        self.caption_hits.zero_()
+
+    def update(self, out: Any, target_ids: Tensor, labels: Tensor, classes: Tensor) -> None:
+        """One (micro-)batch of :class:`~lightning_mmpar.recipes.blocks.RecipeOutput`."""
+        self.zero_shot.update(out.image_features.detach(), out.class_features, labels)
+        self.retrieval.update(out.image_features.detach(), out.text_features.detach())
+        logits = out.logits.full_tensor() if hasattr(out.logits, "full_tensor") else out.logits
+        hits = teacher_forced_hits(logits.detach(), target_ids, labels, classes)
+        self.caption_hits += torch.tensor([hits.sum().item(), hits.numel()], dtype=torch.float)
+
+    def compute(self) -> dict[str, float]:
+        """Every metric over all dp ranks (collective over the dp group)."""
+        values = {"zero_shot_acc": float(self.zero_shot.compute())}
+        values.update({k: float(v) for k, v in self.retrieval.compute().items()})
+        hits = self.caption_hits.clone()
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(hits, group=self.group)
+        values["caption_acc_tf"] = float(hits[0] / hits[1].clamp(min=1))
+        return values
+
