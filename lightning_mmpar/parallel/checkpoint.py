@@ -35,6 +35,10 @@ from torch.optim import Optimizer
 
 log = logging.getLogger(__name__)
 
+# Flat keys ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr") let every pipeline rank save and
+# load its own parameters' optimizer state and hyper-parameters, in any layout.
+OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
 METADATA_FILE = "meta.pt"
 PARTIAL_SUFFIX = ".partial"
 PREVIOUS_SUFFIX = ".previous"
@@ -87,7 +91,7 @@ def save_sharded(
     """Write model + optimizer shards with DCP and ``metadata`` (rank 0) into ``path``."""
     state: dict[str, Any] = {"state_dict": get_model_state_dict(model)}
     for i, opt in enumerate(optimizers):
-        state[f"optimizer_{i}"] = get_optimizer_state_dict(model, opt)
+        state[f"optimizer_{i}"] = get_optimizer_state_dict(model, opt, options=OPTIM_OPTIONS)
     dcp.save(state, checkpoint_id=path)
     if is_rank_zero:
         torch.save(metadata, path / METADATA_FILE)
@@ -105,8 +109,10 @@ def load_sharded(
     set_model_state_dict(model, model_state["state_dict"], options=StateDictOptions(strict=strict))
     for i, opt in enumerate(optimizers):
         key = f"optimizer_{i}"
-        optim_state = {key: get_optimizer_state_dict(model, opt)}
+        optim_state = {key: get_optimizer_state_dict(model, opt, options=OPTIM_OPTIONS)}
         dcp.load(optim_state, checkpoint_id=path)
-        set_optimizer_state_dict(model, opt, optim_state_dict=optim_state[key])
+        set_optimizer_state_dict(
+            model, opt, optim_state_dict=optim_state[key], options=OPTIM_OPTIONS
+        )
     metadata: dict[str, Any] = torch.load(path / METADATA_FILE, weights_only=False)
     return metadata

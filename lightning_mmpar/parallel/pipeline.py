@@ -4,8 +4,8 @@ A LightningModule opts in by implementing :class:`PipelineModule`: it hands the 
 ordered list of blocks, says how a batch becomes (inputs, target), and computes the loss on the
 last block's output. The strategy cuts the list into ``pp * v`` stages, keeps this rank's stages
 (stage ``s`` lives on pipeline rank ``s % pp``, the loop layout of Megatron's virtual pipeline),
-drops every other block from the module (so state dicts hold only owned parameters, under their
-original names), and drives a GPipe / 1F1B / Interleaved1F1B schedule.
+unregisters the parameters of every other block (so state dicts and optimizers hold only owned
+parameters, under their original names), and drives a GPipe / 1F1B / Interleaved1F1B schedule.
 
 Block contract: ``block(*tensors) -> Tensor | tuple[Tensor, ...]``; a tuple is unpacked into the
 next block's arguments, so a stage boundary may carry several tensors (text hidden states and
@@ -61,20 +61,6 @@ class PipelineChunk(nn.Module):
         return args[0] if len(args) == 1 else args
 
 
-class _Dropped(nn.Module):
-    """Placeholder for a block that lives on another pipeline rank."""
-
-    def __init__(self, stage: int) -> None:
-        super().__init__()
-        self.stage = stage
-
-    def forward(self, *args: Any) -> Any:
-        raise RuntimeError(
-            f"this block lives on pipeline stage {self.stage} of another rank; run the model "
-            "through the strategy's pipeline schedule, not by calling it directly."
-        )
-
-
 def partition(num_blocks: int, num_stages: int) -> list[range]:
     """Equal split of ``num_blocks`` into ``num_stages`` contiguous ranges (earlier stages get
     the remainder)."""
@@ -91,19 +77,24 @@ def partition(num_blocks: int, num_stages: int) -> list[range]:
     return [range(bounds[s], bounds[s + 1]) for s in range(num_stages)]
 
 
-def _drop_blocks(root: nn.Module, blocks: Sequence[nn.Module], stage_of: list[int]) -> None:
-    """Replace the blocks this rank does not own by placeholders, in place."""
-    names = {id(m): name for name, m in root.named_modules()}
-    for block, stage in zip(blocks, stage_of, strict=True):
-        name = names.get(id(block))
-        if name is None or name == "":
-            raise ValueError(
-                "pipeline_blocks() must return submodules of the LightningModule; "
-                f"got a {type(block).__name__} that is not registered under it."
-            )
-        parent_name, _, child = name.rpartition(".")
-        parent = root.get_submodule(parent_name)
-        parent._modules[child] = _Dropped(stage)
+def _drop_parameters(root: nn.Module, owned: Sequence[nn.Module],
+                     others: Sequence[nn.Module]) -> int:
+    """Unregister, everywhere under ``root``, the parameters and buffers of blocks on other ranks.
+
+    Blocks may be registered submodules or unregistered wrappers around them; either way the
+    tensors disappear from ``root``'s state dict and optimizer, and this rank's own tensors
+    keep their original names. Returns the number of parameters dropped.
+    """
+    keep = {id(t) for b in owned for t in (*b.parameters(), *b.buffers())}
+    drop = {id(t) for b in others for t in (*b.parameters(), *b.buffers())} - keep
+    count = 0
+    for module in (*root.modules(), *others):
+        for table in (module._parameters, module._buffers):
+            for name, t in list(table.items()):
+                if t is not None and id(t) in drop:
+                    del table[name]
+                    count += table is module._parameters
+    return count
 
 
 class PipelineEngine:
@@ -138,8 +129,11 @@ class PipelineEngine:
         stage_of = [s for s, r in enumerate(ranges) for _ in r]
         owned = set(self.stage_ids)
         self.chunks = [PipelineChunk([blocks[i] for i in ranges[s]]) for s in self.stage_ids]
-        _drop_blocks(module, [b for b, s in zip(blocks, stage_of, strict=True) if s not in owned],
-                     [s for s in stage_of if s not in owned])
+        _drop_parameters(
+            module,
+            [b for b, s in zip(blocks, stage_of, strict=True) if s in owned],
+            [b for b, s in zip(blocks, stage_of, strict=True) if s not in owned],
+        )
         if wrap_chunk is not None:
             self.chunks = [wrap_chunk(c) for c in self.chunks]
         self.stages = [
