@@ -55,6 +55,12 @@ class RecipeOutput(NamedTuple):
     """``[K, C]`` l2-normalised class-prompt features (zeros in training mode)."""
 
 
+def _index(t: Tensor, size: int) -> Tensor:
+    """Indices clamped into ``[0, size)``: a no-op on real data, but torch's pipeline stages infer
+    shapes by running a stage on *uninitialised* received tensors, which must not crash."""
+    return t.clamp(0, size - 1)
+
+
 def _broadcast_rows(x: Tensor, rows: int) -> Tensor:
     return x.unsqueeze(0).expand(rows, *x.shape).contiguous()
 
@@ -110,12 +116,13 @@ class Bridge(nn.Module):
         self, tokens: Tensor, pooled: Tensor, ids: Tensor, last: Tensor, p_ids: Tensor,
         p_last: Tensor,
     ) -> tuple[Tensor, ...]:
-        h = self.embed_tokens(ids)
+        vocab = self.embed_tokens.num_embeddings
+        h = self.embed_tokens(_index(ids, vocab))
         dim = h.shape[-1]
         if self.training:
             hp = h.new_zeros(*p_ids.shape, dim)
         else:
-            hp = _broadcast_rows(self.embed_tokens(p_ids[0]), p_ids.shape[0])
+            hp = _broadcast_rows(self.embed_tokens(_index(p_ids[0], vocab)), p_ids.shape[0])
         return self.projector(tokens), pooled, h, h.clone(), last, hp, p_last
 
 
@@ -160,19 +167,20 @@ class Head(nn.Module):
 
     def _text(self, h: Tensor, last: Tensor) -> Tensor:
         rows = torch.arange(h.shape[0], device=h.device)
-        return self.norm(h)[rows, last]
+        return self.norm(h)[rows, _index(last, h.shape[1])]
 
     def forward(
         self, img: Tensor, pooled: Tensor, h: Tensor, ht: Tensor, last: Tensor, hp: Tensor,
         p_last: Tensor,
-    ) -> RecipeOutput:
+    ) -> tuple[Tensor, ...]:
+        """A plain tuple in :class:`RecipeOutput` order (pipeline stages reject NamedTuples)."""
         text_embed = self._text(ht, last)
         m_img, m_txt = self.momentum(pooled, text_embed)
         if self.training:
             classes = pooled.new_zeros(hp.shape[1], m_img.shape[-1])
         else:
             classes = F.normalize(self.text_head.proj(self._text(hp[0], p_last[0])), dim=-1)
-        return RecipeOutput(
+        return tuple(RecipeOutput(
             logits=self.lm_head(self.norm(h)),
             image_features=F.normalize(self.image_head(pooled), dim=-1),
             text_features=F.normalize(self.text_head.proj(text_embed), dim=-1),
@@ -180,7 +188,7 @@ class Head(nn.Module):
             momentum_image=m_img,
             momentum_text=m_txt,
             class_features=classes,
-        )
+        ))
 
     def ema_update(self) -> None:
         """One EMA step of the momentum heads towards the live heads."""

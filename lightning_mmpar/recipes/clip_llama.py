@@ -118,7 +118,9 @@ class ClipLlamaModule(LightningModule):
     def head(self) -> Head | None:
         """The last block when this rank owns it (always, without pipeline parallelism)."""
         last = self.blocks[-1] if self.blocks is not None else None
-        return last if isinstance(last, Head) else None
+        if not isinstance(last, Head) or not penv.owns_last_stage(self._trainer):
+            return None
+        return last
 
     def setup(self, stage: str) -> None:
         """Losses and metrics on the dp group; prompts, tokenizer and digit tokens from data."""
@@ -159,9 +161,10 @@ class ClipLlamaModule(LightningModule):
         labels = batch.get("labels", torch.full((b,), -1, dtype=torch.long, device=ids.device))
         return inputs, torch.cat([batch["target_ids"], labels[:, None]], dim=1)
 
-    def pipeline_loss(self, out: RecipeOutput, target: Tensor) -> Tensor:
+    def pipeline_loss(self, output: tuple[Tensor, ...], target: Tensor) -> Tensor:
         """Weighted sum of the three terms on one (micro-)batch; metrics in eval mode."""
         assert self._losses is not None, "setup() builds the losses"
+        out = RecipeOutput(*output)
         target_ids, labels = target[:, :-1], target[:, -1]
         contrastive_fn, mml_fn = self._losses
         scale = out.logit_scale[0]
@@ -295,6 +298,24 @@ class ClipLlamaModule(LightningModule):
                 item["label"] = int(labels[i])
             rows.append(item)
         return rows
+
+    @torch.no_grad()
+    def generate_accuracy(self, dataloader: Any) -> float | None:
+        """Fraction of images whose greedy caption names their digit first (dp-summed);
+        None under pipeline parallelism (generation needs every block on the rank)."""
+        if penv.pipeline_parallel(self._trainer) > 1 or self.head is None:
+            return None
+        was_training = self.training
+        self.eval()
+        hits = torch.zeros(2)
+        for batch in dataloader:
+            images = batch["images"].to(self.device)
+            ids = self.generate(images, batch["input_ids"].shape[1])
+            named = torch.tensor([named_digit(r, self._digit_classes) for r in ids.tolist()])
+            hits += torch.tensor([float((named == batch["labels"]).sum()), float(len(named))])
+        self.train(was_training)
+        hits = penv.dp_sum(self.trainer, hits) if self._trainer is not None else hits
+        return float(hits[0] / hits[1].clamp(min=1))
 
     # ------------------------------------------------------------------ optimizer
     def configure_optimizers(self) -> Any:

@@ -57,7 +57,11 @@ class RecipeMetrics:
     """Zero-shot accuracy, recall@1/@5 both ways and caption accuracy over the dp group."""
 
     def __init__(self, dp_group: dist.ProcessGroup | None) -> None:
-        kw: dict[str, Any] = {"process_group": dp_group} if dp_group is not None else {}
+        # Without a dp group nothing is combined (torchmetrics would otherwise sync over WORLD,
+        # which holds tp/pp peers that never call compute()).
+        kw: dict[str, Any] = (
+            {"process_group": dp_group} if dp_group is not None else {"sync_on_compute": False}
+        )
         self.group = dp_group
         self.zero_shot = ZeroShotAccuracy(**kw)
         self.retrieval = RetrievalRecall(ks=(1, 5), **kw)

@@ -61,6 +61,13 @@ def pipeline_parallel(trainer: Trainer | None) -> int:
     return ours.parallel_dims.pp if ours is not None else 1
 
 
+def owns_last_stage(trainer: Trainer | None) -> bool:
+    """Whether this rank runs the last pipeline stage (always true without a pipeline)."""
+    ours = _ours(trainer)
+    pipeline = ours.pipeline if ours is not None else None
+    return pipeline is None or pipeline.has_last
+
+
 def from_last_stage(trainer: Trainer, values: Tensor, owner: bool) -> Tensor:
     """Broadcast ``values`` from the pipeline rank that owns the last stage to its pp peers."""
     ours = _ours(trainer)

@@ -1,0 +1,147 @@
+"""End-of-run summary: layout, steps, time, accuracy, checkpoint; JSON and plots next to the logs.
+
+Collects every logged scalar per step (training terms) and per validation, and at the end of
+``fit`` (rank 0): prints a summary, writes ``summary.json`` and, when matplotlib is installed,
+``loss.png`` and ``accuracy.png`` into the logger's directory (or ``default_root_dir``). When the
+module can generate (``generate_accuracy(dataloader)``, pipeline_parallel 1), the greedy caption
+accuracy over the validation set is measured first (a collective over all ranks).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+
+class RunSummary(Callback):
+    """Print and save a run summary (``summary.json``) and loss/accuracy plots.
+
+    Args:
+        filename: name of the JSON file written next to the logs.
+        plots: draw ``loss.png`` and ``accuracy.png`` (matplotlib).
+    """
+
+    def __init__(self, filename: str = "summary.json", plots: bool = True) -> None:
+        self.filename = filename
+        self.plots = plots
+        self.train: list[dict[str, float]] = []
+        self.val: list[dict[str, float]] = []
+        self._start = 0.0
+        self.summary: dict[str, Any] = {}
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._start = time.perf_counter()
+
+    @staticmethod
+    def _scalars(trainer: Trainer, prefixes: tuple[str, ...]) -> dict[str, float]:
+        return {k: float(v) for k, v in trainer.callback_metrics.items()
+                if k.startswith(prefixes) and getattr(v, "numel", lambda: 1)() == 1}
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+        batch_idx: int,
+    ) -> None:
+        row = self._scalars(trainer, ("train",))
+        self.train.append({"step": trainer.global_step, **row})
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.sanity_checking:
+            row = self._scalars(trainer, ("val",))
+            self.val.append({"step": trainer.global_step, **row})
+
+    def _out_dir(self, trainer: Trainer) -> Path:
+        log_dir = trainer.log_dir if trainer.logger is not None else None
+        return Path(log_dir or trainer.default_root_dir)
+
+    @override
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        from lightning_mmpar.recipes.parallel_env import layout
+
+        wall = time.perf_counter() - self._start
+        caption = None
+        measure = getattr(pl_module, "generate_accuracy", None)
+        if measure is not None and trainer.datamodule is not None:
+            caption = measure(trainer.datamodule.val_dataloader())
+        last_val = self.val[-1] if self.val else {}
+        ckpt = getattr(trainer.checkpoint_callback, "last_model_path", "") or None
+        self.summary = {
+            "layout": layout(trainer),
+            "steps": trainer.global_step,
+            "wall_time_s": round(wall, 1),
+            "zero_shot_acc": last_val.get("val/zero_shot_acc"),
+            "caption_acc_greedy": caption,
+            "caption_acc_teacher_forced": last_val.get("val/caption_acc_tf"),
+            "retrieval": {k.removeprefix("val/"): v for k, v in last_val.items()
+                          if "recall" in k},
+            "final_train": self.train[-1] if self.train else {},
+            "checkpoint": ckpt,
+        }
+        if not trainer.is_global_zero:
+            return
+        out = self._out_dir(trainer)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / self.filename
+        path.write_text(json.dumps({**self.summary, "history": {"train": self.train,
+                                                               "val": self.val}}, indent=2))
+        plots = self._plot(out) if self.plots else []
+        rank_zero_info(_format(self.summary, path, plots))
+
+    def _plot(self, out: Path) -> list[Path]:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return []
+        written = []
+        for name, rows, keys in (
+            ("loss.png", self.train, ("train_loss", "train/contrastive", "train/caption",
+                                      "train/mml")),
+            ("accuracy.png", self.val, ("val/zero_shot_acc", "val/caption_acc_tf",
+                                        "val/i2t_recall@1", "val/t2i_recall@1")),
+        ):
+            fig, ax = plt.subplots(figsize=(6, 4))
+            for key in keys:
+                pts = [(r["step"], r[key]) for r in rows if key in r]
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), label=key, marker="." if rows is self.val
+                            else None)
+            ax.set_xlabel("step")
+            ax.legend()
+            fig.tight_layout()
+            fig.savefig(out / name)
+            plt.close(fig)
+            written.append(out / name)
+        return written
+
+
+def _format(s: dict[str, Any], path: Path, plots: list[Path]) -> str:
+    lay = s["layout"]
+    lines = [
+        "=" * 72,
+        f"run summary  ({lay['strategy']}: world {lay['world']} = tp {lay['tp']} x pp "
+        f"{lay['pp']} x dp {lay['dp']}, virtual stages {lay['virtual']})",
+        f"  steps {s['steps']}   wall time {s['wall_time_s']} s",
+        f"  zero-shot accuracy (held-out digits)  {_pct(s['zero_shot_acc'])}",
+        f"  caption names the digit: greedy {_pct(s['caption_acc_greedy'])}, "
+        f"teacher-forced {_pct(s['caption_acc_teacher_forced'])}",
+        "  retrieval  " + "  ".join(f"{k} {_pct(v)}" for k, v in s["retrieval"].items()),
+        f"  checkpoint  {s['checkpoint']}",
+        f"  summary     {path}" + "".join(f"\n  plot        {p}" for p in plots),
+        "=" * 72,
+    ]
+    return "\n".join(lines)
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"
