@@ -4,8 +4,9 @@ Sources are objects or local directories, never the network: an open_clip model 
 ``.visual``) or a directory written by open_clip's ``save_for_hf`` (``open_clip_config.json``),
 and a ``LlamaForCausalLM`` or a directory written by ``save_pretrained``.
 
-Key mapping: the vision tower's state dict *is* open_clip's ``visual`` state dict (prefix
-``vision.`` in the fusion model); the language tower's keys are ``LlamaForCausalLM``'s with
+Key mapping: the vision tower's state dict has open_clip's ``visual`` keys (prefix ``vision.`` in
+the fusion model; the fused ``attn.in_proj_*`` carry a leading q/k/v dim of 3, folded back on
+export); the language tower's keys are ``LlamaForCausalLM``'s with
 ``model.`` dropped (``model.layers.0.mlp.up_proj.weight`` <->
 ``language.layers.0.mlp.up_proj.weight``; ``lm_head.weight`` <-> ``language.lm_head.weight``).
 
@@ -26,7 +27,7 @@ from torch import Tensor, nn
 from lightning_mmpar.models.adapter import AdapterConfig
 from lightning_mmpar.models.fusion import FusionConfig, FusionModel
 from lightning_mmpar.models.language import LanguageConfig
-from lightning_mmpar.models.vision import VisionConfig
+from lightning_mmpar.models.vision import VisionConfig, open_clip_fused_layout
 
 JOINT_ONLY_KEYS = ("image_norm.", "self_attn.temperature.")
 """Language parameters with no LLaMA counterpart (joint attention); dropped on export."""
@@ -167,9 +168,15 @@ def _state(source: FusionModel | Mapping[str, Tensor]) -> Mapping[str, Tensor]:
 
 
 def export_open_clip_visual(source: FusionModel | Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """open_clip ``visual`` state dict (load with ``visual.load_state_dict(sd, strict=True)``)."""
+    """open_clip ``visual`` state dict (load with ``visual.load_state_dict(sd, strict=True)``).
+
+    The fused ``attn.in_proj_weight`` / ``_bias`` go from ``[3, D, D]`` / ``[3, D]`` back to
+    open_clip's ``[3 D, D]`` / ``[3 D]`` (same values, row order ``[W_q; W_k; W_v]``).
+    """
     return {
-        k.removeprefix("vision."): v for k, v in _state(source).items() if k.startswith("vision.")
+        k.removeprefix("vision."): open_clip_fused_layout(k, v)
+        for k, v in _state(source).items()
+        if k.startswith("vision.")
     }
 
 

@@ -6,14 +6,19 @@ options: learnable positional embedding, ``pool_type`` ``tok``/``avg``, ``final_
 ``no_ln_pre``, LayerScale, GELU or QuickGELU; not supported: attentional pooling, the
 ``custom`` block type (qk-norm, scaled-cosine attention) and patch dropout.
 
-Attention keeps open_clip's fused ``attn.in_proj_weight`` ``[3 D, D]`` (rows ``[W_q; W_k; W_v]``)
-in the state dict, stored as the ``attn.in_proj`` Linear so a tensor-parallel plan can shard it by
-whole heads; the forward derives the local head count from the projection width, so the same code
-runs on a full weight or on a head shard ``[W_q,r; W_k,r; W_v,r]``.
+Attention keeps open_clip's fused ``attn.in_proj_weight`` / ``attn.in_proj_bias`` keys (rows
+``[W_q; W_k; W_v]``), stored in :class:`FusedQKV` as ``[3, D, D]`` / ``[3, D]`` (open_clip's
+``[3 D, D]`` / ``[3 D]`` viewed with q, k, v on dim 0). State dicts carry that ``[3, D, D]`` shape,
+so a tensor-parallel shard of whole heads (``Shard(1)``) is a plain DTensor whose global value is
+the canonical weight at every TP size; open_clip's ``[3 D, D]`` loads unchanged (the load hook
+reshapes it) and :func:`open_clip_fused_layout` / ``export_open_clip_visual`` give it back. The
+forward derives the local head count from the projection width, so the same code runs on the full
+weight or on a head shard.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -99,27 +104,76 @@ def _rename_keys(state: dict[str, Any], prefix: str, pairs: tuple[tuple[str, str
 
 
 _FUSED_NAMES = (("in_proj.weight", "in_proj_weight"), ("in_proj.bias", "in_proj_bias"))
+_FUSED_NDIM = {"in_proj_weight": 2, "in_proj_bias": 1}
+"""open_clip's rank of each fused tensor; ours carries one more leading dim (q, k, v)."""
+
+
+def open_clip_fused_layout(key: str, value: Tensor) -> Tensor:
+    """``value`` in open_clip's shape: ``[3, D, D] -> [3 D, D]`` and ``[3, D] -> [3 D]`` for the
+    fused ``attn.in_proj_*`` keys (a view, same values); any other tensor unchanged."""
+    name = key.rsplit(".", 1)[-1]
+    if name in _FUSED_NDIM and key.endswith(f"attn.{name}") and value.ndim == _FUSED_NDIM[name] + 1:
+        return value.flatten(0, 1)
+    return value
+
+
+class FusedQKV(nn.Module):
+    """open_clip's fused q/k/v projection, ``[q, k, v] = x W_in^T + b_in``, ``W_in = [W_q; W_k;
+    W_v]``, held as ``weight [3, D_out, D_in]`` and ``bias [3, D_out]``.
+
+    Returns ``(q, k, v)``, each ``x W_c^T + b_c``. Sharding ``D_out`` (dim 1) by whole heads keeps
+    the global value canonical; ``forward`` only indexes dim 0, so it runs on the full parameter
+    or on a shard.
+    """
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(3, out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(3, out_features))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``nn.Linear(D_in, 3 D_out)``'s initialisation of the fused ``[3 D_out, D_in]``."""
+        bound = self.weight.shape[-1] ** -0.5
+        with torch.no_grad():
+            nn.init.kaiming_uniform_(self.weight.view(-1, self.weight.shape[-1]), a=math.sqrt(5))
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v = (F.linear(x, self.weight[c], self.bias[c]) for c in range(3))
+        return q, k, v
 
 
 class VisionAttention(nn.Module):
     """Multi-head self-attention with open_clip's fused projection.
 
-    ``qkv = x W_in^T + b_in`` with ``W_in = [W_q; W_k; W_v]`` (``[3 H d, D]``), heads of ``d =
-    D / H``; ``y = softmax(q k^T / sqrt(d)) v W_o^T + b_o``. State-dict keys are open_clip's
-    (``in_proj_weight``, ``in_proj_bias``, ``out_proj.*``); the parameter lives in ``in_proj``.
+    ``[q, k, v] = x W_in^T + b_in`` with ``W_in = [W_q; W_k; W_v]`` (:class:`FusedQKV`), heads of
+    ``d = D / H``; ``y = softmax(q k^T / sqrt(d)) v W_o^T + b_o``. State-dict keys are open_clip's
+    (``in_proj_weight`` ``[3, D, D]``, ``in_proj_bias`` ``[3, D]``, ``out_proj.*``); open_clip's
+    ``[3 D, D]`` / ``[3 D]`` load too.
     """
 
     def __init__(self, width: int, heads: int) -> None:
         super().__init__()
         self.head_dim = width // heads
-        self.in_proj = nn.Linear(width, 3 * width)
+        self.in_proj = FusedQKV(width, width)
         self.out_proj = nn.Linear(width, width)
         self._register_state_dict_hook(_save_fused)
         self._register_load_state_dict_pre_hook(_load_fused)
 
+    @property
+    def in_proj_weight(self) -> Tensor:
+        """``in_proj.weight`` under its state-dict name (``torch.distributed.checkpoint``
+        resolves state-dict keys as attributes)."""
+        return self.in_proj.weight
+
+    @property
+    def in_proj_bias(self) -> Tensor:
+        """``in_proj.bias`` under its state-dict name."""
+        return self.in_proj.bias
+
     def forward(self, x: Tensor) -> Tensor:
-        q, k, v = self.in_proj(x).chunk(3, dim=-1)
-        q, k, v = (t.unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for t in self.in_proj(x))
         out = F.scaled_dot_product_attention(q, k, v)
         return self.out_proj(out.transpose(1, 2).flatten(2))
 
@@ -129,6 +183,10 @@ def _save_fused(module: nn.Module, state: dict[str, Any], prefix: str, _meta: An
 
 
 def _load_fused(state: dict[str, Any], prefix: str, *_args: Any) -> None:
+    for name, ndim in _FUSED_NDIM.items():
+        value = state.get(prefix + name)
+        if isinstance(value, Tensor) and value.ndim == ndim:  # open_clip's [3 D, D] / [3 D]
+            state[prefix + name] = value.unflatten(0, (3, -1))
     _rename_keys(state, prefix, tuple((new, old) for old, new in _FUSED_NAMES))
 
 

@@ -14,6 +14,10 @@ projection. The embedding is vocab-parallel (rows split, outputs all-reduced) an
 column parallel, returning logits as a vocab-sharded DTensor for
 :func:`lightning_mmpar.parallel.vocab_loss.vocab_parallel_cross_entropy`.
 
+Every sharded parameter's global value is the unsharded model's (open_clip's fused ``in_proj`` is
+held ``[3, D, D]`` and sharded on its head dim, not re-ordered), so ``get_model_state_dict`` of a
+sharded model is the unsharded state dict, sharded, and DCP checkpoints reshard across TP sizes.
+
 Sequence parallel (``sequence_parallel=True``) shards the text residual stream along the
 sequence (norms, gates, dropout run on ``T / p`` tokens; all-gather before attention/FFN,
 reduce-scatter after). It covers the language tower, the adapters and the text side of the head;
@@ -58,41 +62,37 @@ __all__ = [
 
 VisionParallel = Literal["tp", "replicate"]
 VLCombine = Literal["all_reduce", "all_gather"]
-RELAYOUT_ATTR = "_mmpar_qkv_tp"
-"""Attribute set on a re-laid-out fused ``in_proj``: the TP degree of its rank-major layout."""
 
 
-def rank_major_qkv(t: Tensor, tp: int, *, inverse: bool = False) -> Tensor:
-    """Re-order fused rows ``[Q; K; V]`` to ``[Q_0; K_0; V_0; ...; Q_p; K_p; V_p]`` (or back).
+class FusedQKVColwiseParallel(ParallelStyle):
+    """Column parallel for open_clip's fused q/k/v projection (:class:`FusedQKV`), by whole heads.
 
-    ``Q_r`` is rank ``r``'s contiguous block of whole heads, so a plain ``Shard(0)`` of the
-    result gives each rank the q, k and v rows of the same heads.
-    """
-    if inverse:
-        return t.reshape(tp, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
-    return t.reshape(3, tp, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
-
-
-class FusedQKVColwiseParallel(ColwiseParallel):
-    """Column parallel for open_clip's fused ``in_proj`` (``[3 D, D]``), sharded by whole heads.
-
-    The full weight is re-laid out rank-major (:func:`rank_major_qkv`) and sharded ``Shard(0)``;
-    rank ``r`` computes ``[q_r, k_r, v_r] = x [W_q,r; W_k,r; W_v,r]^T``, which the attention's
-    ``chunk(3)`` splits into its local heads. :func:`full_state_dict` restores open_clip's layout.
+    ``weight [3, D, D_in]`` and ``bias [3, D]`` become ``Shard(1)`` DTensors: rank ``r`` holds
+    ``[W_q,r; W_k,r; W_v,r]`` (its ``H / p`` heads of each), while the DTensor's global value stays
+    the canonical, TP-size-independent weight (``full_tensor().flatten(0, 1)`` is open_clip's
+    ``in_proj_weight``), so DCP checkpoints reshard across TP sizes. The input is read as
+    ``Replicate`` (its gradient, partial per rank, is all-reduced) and ``q, k, v`` come back as
+    local ``[..., D / p]`` tensors for the attention's local heads.
     """
 
-    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
-        tp = device_mesh.size()
-        for pname, param in list(module.named_parameters(recurse=False)):
-            relaid = rank_major_qkv(param.detach(), tp)
-            dist_param = nn.Parameter(
-                distribute_tensor(
-                    relaid, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank
-                ),
-                requires_grad=param.requires_grad,
-            )
-            module.register_parameter(pname, dist_param)
-        setattr(module, RELAYOUT_ATTR, tp)
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        src = self.src_data_rank
+
+        def partition(_name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for pname, p in list(mod.named_parameters(recurse=False)):
+                dt = distribute_tensor(p.detach(), mesh, [Shard(1)], src_data_rank=src)
+                mod.register_parameter(pname, nn.Parameter(dt, requires_grad=p.requires_grad))
+
+        def inputs(_mod: nn.Module, args: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+            x = args[0]
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+            return (x, *args[1:])
+
+        def outputs(_mod: nn.Module, out: tuple[DTensor, ...], _mesh: DeviceMesh) -> Any:
+            return tuple(t.to_local() for t in out)
+
+        return distribute_module(module, device_mesh, partition, inputs, outputs)  # type: ignore[arg-type]
 
 
 class HeadShardedReplicate(ParallelStyle):
@@ -319,22 +319,15 @@ def apply_tensor_parallel(
 
 
 def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """Unsharded state dict in the model's canonical (open_clip / LLaMA) layout.
-
-    Collective over the tp group: DTensors are gathered with ``full_tensor()`` and re-laid-out
-    fused ``in_proj`` weights are restored to ``[W_q; W_k; W_v]``.
+    """Unsharded state dict: ``model.state_dict()`` with every DTensor gathered (collective over
+    its mesh). Equals the unsharded model's ``state_dict()`` at every TP size (the fused
+    ``in_proj`` is sharded in its canonical layout); export with ``export_open_clip_visual`` /
+    ``export_llama``.
     """
-    state = {
+    return {
         k: (v.full_tensor() if isinstance(v, DTensor) else v).detach()
         for k, v in model.state_dict().items()
     }
-    for name, module in model.named_modules():
-        tp = getattr(module, RELAYOUT_ATTR, None)
-        if tp is not None:
-            for suffix in ("_weight", "_bias"):
-                if name + suffix in state:
-                    state[name + suffix] = rank_major_qkv(state[name + suffix], tp, inverse=True)
-    return state
 
 
 def local_value(t: Tensor) -> Tensor:
@@ -343,16 +336,14 @@ def local_value(t: Tensor) -> Tensor:
 
 
 def full_gradients(model: nn.Module) -> dict[str, Tensor]:
-    """Unsharded gradients by parameter name, in the canonical layout (collective, like
-    :func:`full_state_dict`); parameters without a gradient are left out."""
+    """Unsharded gradients by parameter name, shaped like the unsharded model's parameters
+    (collective, like :func:`full_state_dict`); parameters without a gradient are left out."""
     grads: dict[str, Tensor] = {}
-    relaid = {f"{n}.{s}": getattr(m, RELAYOUT_ATTR) for n, m in model.named_modules()
-              if hasattr(m, RELAYOUT_ATTR) for s in ("weight", "bias")}  # fmt: skip
     for name, param in model.named_parameters():
         if param.grad is None:
             continue
         grad = local_value(param.grad)
         if isinstance(grad, DTensor):  # a Partial gradient's full_tensor() is already reduced
             grad = grad.full_tensor()
-        grads[name] = rank_major_qkv(grad, relaid[name], inverse=True) if name in relaid else grad
+        grads[name] = grad
     return grads

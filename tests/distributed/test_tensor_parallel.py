@@ -3,18 +3,26 @@
 One world per size runs every variant (vision tp / replicate, all-reduce / all-gather combine,
 sequence parallel on / off, joint attention with a learnable temperature) and compares the loss,
 the logits, both feature sets and the gradient of every parameter with the single-process model.
+Both worlds check that ``get_model_state_dict`` holds canonical (TP-size-independent) DTensors;
+the 4-rank world also saves DCP checkpoints at tp2 (on a dp2 x tp2 mesh) and tp4 and loads each
+into the other layout and into an unsharded model.
 """
 
 from __future__ import annotations
 
 import copy
+import shutil
+import tempfile
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from open_clip.transformer import VisionTransformer
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_mmpar.models.adapter import AdapterConfig
@@ -117,10 +125,8 @@ def check_variant(tp_mesh: Any, vl_group: Any, variant: dict[str, Any]) -> dict[
 def check_export(tp_mesh: Any) -> None:
     visual, llama = towers()
     model = apply_tensor_parallel(build_fusion_model(visual, llama), tp_mesh)
-    assert model.vision.transformer.resblocks[0].attn.in_proj.weight.to_local().shape == (
-        3 * 32 // tp_mesh.size(),
-        32,
-    )
+    weight = model.get_submodule("vision.transformer.resblocks.0.attn.in_proj").weight
+    assert isinstance(weight, DTensor) and weight.to_local().shape == (3, 32 // tp_mesh.size(), 32)
     state = full_state_dict(model)
     for exported, original in (
         (export_open_clip_visual(state), visual.state_dict()),
@@ -129,6 +135,77 @@ def check_export(tp_mesh: Any) -> None:
         assert set(exported) == set(original)
         for key, value in original.items():
             assert torch.equal(exported[key], value), f"{key} changed in the round trip"
+
+
+def check_canonical_state_dict(tp_mesh: DeviceMesh) -> None:
+    """The DCP view of a TP model is the unsharded model's, whatever the TP size."""
+    torch.manual_seed(1)
+    ref = build(False)
+    model = apply_tensor_parallel(copy.deepcopy(ref), tp_mesh)
+    state, ref_state = get_model_state_dict(model), ref.state_dict()
+    for i in range(len(ref.vision.transformer.resblocks)):
+        for suffix in ("weight", "bias"):
+            key = f"vision.transformer.resblocks.{i}.attn.in_proj_{suffix}"
+            value = state[key]
+            assert isinstance(value, DTensor) and value.placements == (Shard(1),), key
+            assert torch.equal(value.full_tensor(), ref_state[key]), key
+    for key, value in full_state_dict(model).items():
+        assert torch.equal(value, ref_state[key]), key
+
+
+def forward(model: FusionModel, batch: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    with torch.no_grad():
+        out = model(*batch)
+    return [local_value(out.logits), out.image_features, out.text_features]
+
+
+def load_checkpoint(model: FusionModel, path: str) -> FusionModel:
+    state = {"m": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["m"])
+    return model
+
+
+def check_checkpoint_reshards(rank: int) -> dict[str, float]:
+    """Save at tp2 (dp2 x tp2 mesh) and tp4, load each into the other and into a plain model."""
+    where = [tempfile.mkdtemp(prefix="mmpar-tp-dcp-") if rank == 0 else None]
+    dist.broadcast_object_list(where, src=0)
+    meshes = {
+        2: init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"],
+        4: init_device_mesh("cpu", (4,), mesh_dim_names=("tp",)),
+    }
+    torch.manual_seed(1)
+    ref = build(True)
+    torch.manual_seed(3)
+    other = build(True)  # different weights, overwritten by every load
+    batch = (torch.randn(2, 3, 16, 16), torch.randint(0, 64, (2, 8)))
+    ref_state, ref_out = ref.state_dict(), forward(ref, batch)
+    worst = 0.0
+    try:
+        for src, dst in ((2, 4), (4, 2)):
+            path = f"{where[0]}/tp{src}"
+            saved = apply_tensor_parallel(copy.deepcopy(ref), meshes[src])
+            dcp.save({"m": get_model_state_dict(saved)}, checkpoint_id=path)
+            loaded = apply_tensor_parallel(copy.deepcopy(other), meshes[dst])
+            direct = apply_tensor_parallel(copy.deepcopy(ref), meshes[dst])
+            load_checkpoint(loaded, path)
+            plain = load_checkpoint(copy.deepcopy(other), path)
+            for what, state in (("tp", full_state_dict(loaded)), ("plain", plain.state_dict())):
+                assert set(state) == set(ref_state), what
+                for key, value in ref_state.items():
+                    assert torch.equal(state[key], value), f"tp{src} -> {what}{dst}: {key}"
+            for got, same_layout, want in zip(
+                forward(loaded, batch), forward(direct, batch), ref_out, strict=True
+            ):
+                assert torch.equal(got, same_layout), f"tp{src} -> tp{dst} forward"
+                worst = max(worst, max_diff(got, want, f"tp{src} -> tp{dst} vs unsharded"))
+            for got, want in zip(forward(plain, batch), ref_out, strict=True):
+                assert torch.equal(got, want), f"tp{src} -> unsharded forward"
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(str(where[0]), ignore_errors=True)
+    return {"checkpoint": worst}
 
 
 def check_sequence_error(tp_mesh: Any) -> None:
@@ -142,14 +219,19 @@ def tp_world(rank: int, world: int) -> list[dict[str, float]]:
     vl_group, _ = dist.new_subgroups_by_enumeration([list(range(world))])
     results = [check_variant(tp_mesh, vl_group, v) for v in VARIANTS]
     check_export(tp_mesh)
+    check_canonical_state_dict(tp_mesh)
     if world == 2:
         check_sequence_error(tp_mesh)
+    if world == 4:
+        results.append(check_checkpoint_reshards(rank))
     return results
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_tensor_parallel_matches_unsharded(world: int) -> None:
     results = spawn(tp_world, world)
-    worst = {k: max(r[k] for rank in results for r in rank) for k in results[0][0]}
+    worst = {k: max(r[k] for rank in results for r in rank if k in r) for k in results[0][0]}
+    if world == 4:
+        worst["checkpoint"] = max(rank[-1]["checkpoint"] for rank in results)
     print(f"tp={world} worst |diff|: {worst}")
     assert all(v <= ATOL for v in worst.values())

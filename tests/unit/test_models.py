@@ -21,7 +21,12 @@ from lightning_mmpar.models.convert import (
 )
 from lightning_mmpar.models.fusion import FusionModel, freeze_for_finetuning
 from lightning_mmpar.models.language import LanguageConfig, LlamaAttention
-from lightning_mmpar.models.vision import VisionConfig, VisionTower
+from lightning_mmpar.models.vision import (
+    FusedQKV,
+    VisionConfig,
+    VisionTower,
+    open_clip_fused_layout,
+)
 
 TOL = 1e-5
 
@@ -65,6 +70,32 @@ def test_vision_matches_open_clip(options: dict) -> None:
     torch.testing.assert_close(pooled, ref_pooled, atol=TOL, rtol=0)
     torch.testing.assert_close(tokens, ref_tokens, atol=TOL, rtol=0)
     assert set(ours.state_dict()) == set(ref.state_dict())
+    for key, value in ref.state_dict().items():  # same values; fused in_proj as [3, D, D]
+        assert torch.equal(open_clip_fused_layout(key, ours.state_dict()[key]), value), key
+
+
+def test_fused_qkv_is_open_clip_viewed_by_q_k_v() -> None:
+    ref = tiny_open_clip()
+    from lightning_mmpar.models.convert import vision_config_from_open_clip
+
+    ours = VisionTower(vision_config_from_open_clip(ref))
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    proj, ref_state = ours.get_submodule("transformer.resblocks.0.attn.in_proj"), ref.state_dict()
+    assert isinstance(proj, FusedQKV)
+    assert proj.weight.shape == (3, 32, 32) and proj.bias.shape == (3, 32)
+    assert torch.equal(
+        proj.weight.flatten(0, 1), ref_state["transformer.resblocks.0.attn.in_proj_weight"]
+    )
+    assert torch.equal(proj.bias.flatten(), ref_state["transformer.resblocks.0.attn.in_proj_bias"])
+    state = ours.state_dict()  # our own [3, D, D] layout loads back too
+    assert state["transformer.resblocks.0.attn.in_proj_weight"].shape == (3, 32, 32)
+    again = VisionTower(ours.config)
+    again.load_state_dict(state, strict=True)
+    assert all(torch.equal(v, again.state_dict()[k]) for k, v in state.items())
+    fresh = VisionTower(ours.config).get_submodule("transformer.resblocks.0.attn.in_proj")
+    assert isinstance(fresh, FusedQKV)  # nn.Linear(D, 3 D)'s init range
+    for p in (fresh.weight, fresh.bias):
+        assert 0.8 * 32**-0.5 < float(p.detach().abs().max()) <= 32**-0.5
 
 
 def test_language_matches_llama() -> None:

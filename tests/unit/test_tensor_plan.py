@@ -6,7 +6,6 @@ import dataclasses
 from typing import Any
 
 import pytest
-import torch
 
 from lightning_mmpar.models.adapter import AdapterConfig
 from lightning_mmpar.models.fusion import FusionConfig
@@ -14,7 +13,6 @@ from lightning_mmpar.models.language import LanguageConfig
 from lightning_mmpar.models.vision import VisionConfig
 from lightning_mmpar.parallel.tensor import (
     apply_tensor_parallel,
-    rank_major_qkv,
     validate_tensor_parallel,
 )
 
@@ -73,17 +71,3 @@ def test_option_errors() -> None:
         apply_tensor_parallel(None, None, vision_parallel="sharded")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"vl_combine \('sum'\) must be 'all_reduce' or"):
         apply_tensor_parallel(None, None, vl_combine="sum")  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize("tp", [1, 2, 4])
-def test_rank_major_relayout_gives_whole_heads_and_inverts(tp: int) -> None:
-    width = 8
-    fused = torch.arange(3 * width * 2, dtype=torch.float32).reshape(3 * width, 2)
-    relaid = rank_major_qkv(fused, tp)
-    q, k, v = fused.chunk(3)
-    for r, shard in enumerate(relaid.chunk(tp)):
-        expected = torch.cat([t.chunk(tp)[r] for t in (q, k, v)])
-        assert torch.equal(shard, expected)
-    assert torch.equal(rank_major_qkv(relaid, tp, inverse=True), fused)
-    bias = torch.arange(3 * width, dtype=torch.float32)
-    assert torch.equal(rank_major_qkv(rank_major_qkv(bias, tp), tp, inverse=True), bias)
