@@ -1,4 +1,4 @@
-"""lightning_mmpar: tensor, pipeline, expert and data parallelism for multimodal models in Lightning.
+"""lightning_mmpar: tensor, pipeline, expert and data parallelism for multimodal Lightning models.
 
 Importing the package registers the ``"mm_parallel"`` strategy with Lightning.
 """

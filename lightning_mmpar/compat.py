@@ -31,5 +31,5 @@ def new_subgroups(groups: list[list[int]]) -> dist.ProcessGroup:
     Collective: every rank creates every group, in the same order.
     """
     group, _ = dist.new_subgroups_by_enumeration(groups)
-    assert group is not None
+    assert isinstance(group, dist.ProcessGroup)
     return group

@@ -1,6 +1,6 @@
-"""``MultimodalParallelStrategy``: Lightning glue over topology, pipeline, data parallel, checkpoints.
+"""``MultimodalParallelStrategy``: Lightning glue over topology, pipeline, data, checkpoints.
 
-Order of set-up (each step a function in :mod:`lightning_mmpar.parallel` taking a module and a mesh):
+Set-up order (each step a function in :mod:`lightning_mmpar.parallel` taking a module, a mesh):
 
 1. ``setup_environment``: processes and the default group exist; build the ``pp, edp, ep, tp``
    mesh (``dp`` flattened) and hand it to the LightningModule as ``self.device_mesh``.
@@ -74,9 +74,13 @@ class MultimodalParallelStrategy(ModelParallelStrategy):
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self.config = config or ParallelConfig(
-            tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
-            expert_parallel=expert_parallel, virtual_pipeline=virtual_pipeline,
-            micro_batches=micro_batches, schedule=schedule, data_parallel=data_parallel,
+            tensor_parallel=tensor_parallel,
+            pipeline_parallel=pipeline_parallel,
+            expert_parallel=expert_parallel,
+            virtual_pipeline=virtual_pipeline,
+            micro_batches=micro_batches,
+            schedule=schedule,
+            data_parallel=data_parallel,
         )
         self._dims: ParallelDims | None = None
         self.pipeline: PipelineEngine | None = None
@@ -87,7 +91,8 @@ class MultimodalParallelStrategy(ModelParallelStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
-            cls.strategy_name, cls,
+            cls.strategy_name,
+            cls,
             description="Tensor, pipeline, expert and data parallelism for multimodal models",
         )
 
@@ -101,8 +106,12 @@ class MultimodalParallelStrategy(ModelParallelStrategy):
 
     def _make_dims(self) -> ParallelDims:
         c = self.config
-        return ParallelDims(world_size=self.num_nodes * self.num_processes,
-                            tp=c.tensor_parallel, pp=c.pipeline_parallel, ep=c.expert_parallel)
+        return ParallelDims(
+            world_size=self.num_nodes * self.num_processes,
+            tp=c.tensor_parallel,
+            pp=c.pipeline_parallel,
+            ep=c.expert_parallel,
+        )
 
     @property
     @override
@@ -136,7 +145,7 @@ class MultimodalParallelStrategy(ModelParallelStrategy):
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        self._parallelize(self.lightning_module)
+        self._parallelize(self._module)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -173,16 +182,22 @@ class MultimodalParallelStrategy(ModelParallelStrategy):
             dpar.broadcast_parameters(self._replicated, dp_mesh.get_group())
 
     # ---------------------------------------------------------------- steps
+    @property
+    def _module(self) -> Any:
+        """The LightningModule (typed ``Any``: it also implements ``PipelineModule``)."""
+        assert self.lightning_module is not None
+        return self.lightning_module
+
     def _pipelined(self) -> bool:
         return self.pipeline is not None or self._chunk is not None
 
     def _loss(self, batch: Any, train: bool) -> Tensor:
-        module = self.lightning_module
+        module = self._module
         if self.pipeline is not None:
             return self.pipeline.train_step(batch) if train else self.pipeline.eval_step(batch)
         assert self._chunk is not None
-        inputs, target = module.pipeline_inputs(batch)  # type: ignore[attr-defined]
-        return module.pipeline_loss(self._chunk(*inputs), target)  # type: ignore[attr-defined]
+        inputs, target = module.pipeline_inputs(batch)
+        return module.pipeline_loss(self._chunk(*inputs), target)
 
     def _log(self, name: str, loss: Tensor) -> None:
         """Log the data-parallel mean, so every rank logs the same value."""
@@ -191,7 +206,7 @@ class MultimodalParallelStrategy(ModelParallelStrategy):
         if dp.size() > 1:
             torch.distributed.all_reduce(value, group=dp.get_group())
             value /= dp.size()
-        self.lightning_module.log(name, value, prog_bar=True, batch_size=1)
+        self._module.log(name, value, prog_bar=True, batch_size=1)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -202,7 +217,7 @@ class MultimodalParallelStrategy(ModelParallelStrategy):
         else:
             # Lightning zeroes gradients between training_step and backward: keep the
             # pipeline's gradients aside and hand them back in backward().
-            params = list(self.lightning_module.parameters())
+            params = list(self._module.parameters())
             before = [p.grad for p in params]
             for p in params:
                 p.grad = None
@@ -233,7 +248,7 @@ class MultimodalParallelStrategy(ModelParallelStrategy):
     def backward(
         self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
     ) -> Tensor:
-        module = self.lightning_module
+        module = self._module
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         if self._pipeline_grads is not None:
@@ -248,8 +263,8 @@ class MultimodalParallelStrategy(ModelParallelStrategy):
 
     def _restore_pipeline_grads(self) -> None:
         assert self._pipeline_grads is not None
-        scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
-        for p, g in zip(self.lightning_module.parameters(), self._pipeline_grads, strict=True):
+        scale = 1.0 / self._module.trainer.accumulate_grad_batches
+        for p, g in zip(self._module.parameters(), self._pipeline_grads, strict=True):
             if g is None:
                 continue
             g = g * scale if scale != 1.0 else g
@@ -289,11 +304,11 @@ class MultimodalParallelStrategy(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict:
         path = ckpt.resolve(Path(self.broadcast(str(checkpoint_path))))
         assert self.model is not None and self.lightning_module is not None
-        return ckpt.load_sharded(path, self.model, self.optimizers,
-                                 strict=self.lightning_module.strict_loading)
+        return ckpt.load_sharded(
+            path, self.model, self.optimizers, strict=self._module.strict_loading
+        )
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         if self.is_global_zero:
             ckpt.remove(Path(filepath))
-

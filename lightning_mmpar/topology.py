@@ -96,8 +96,9 @@ class ParallelDims:
         ranks = torch.arange(self.world_size).reshape(self.shape)
         keep = [MESH_DIMS.index(d) for d in dims]
         rest = [i for i in range(len(MESH_DIMS)) if i not in keep]
-        flat = ranks.permute(*rest, *keep).reshape(-1, int(torch.tensor(
-            [self.shape[i] for i in keep]).prod()))
+        flat = ranks.permute(*rest, *keep).reshape(
+            -1, int(torch.tensor([self.shape[i] for i in keep]).prod())
+        )
         return sorted(row.tolist() for row in flat)
 
     def _check_name(self, name: str) -> None:

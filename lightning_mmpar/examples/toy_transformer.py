@@ -62,8 +62,9 @@ class Block(nn.Module):
         b, t, _ = x.shape
         h = self.norm1(x)
         # head count comes from the local shard: under TP each rank holds heads/tp heads
-        q, k, v = (p(h).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k,
-                                                                                  self.v))
+        q, k, v = (
+            p(h).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v)
+        )
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.o(a.transpose(1, 2).reshape(b, t, -1))
         return x + self.down(F.gelu(self.up(self.norm2(x))))
@@ -83,8 +84,14 @@ def tensor_parallel_plan() -> dict[str, Any]:
     """Plan for one :class:`Block`, in ``parallelize_module`` form."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    return {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
-            "o": RowwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()}
+    return {
+        "q": ColwiseParallel(),
+        "k": ColwiseParallel(),
+        "v": ColwiseParallel(),
+        "o": RowwiseParallel(),
+        "up": ColwiseParallel(),
+        "down": RowwiseParallel(),
+    }
 
 
 class ToyTransformer(LightningModule):
@@ -105,8 +112,9 @@ class ToyTransformer(LightningModule):
 
         heads = self.cfg.heads
         if heads % mesh["tp"].size():
-            raise ValueError(f"heads ({heads}) must be divisible by tensor_parallel "
-                             f"({mesh['tp'].size()}).")
+            raise ValueError(
+                f"heads ({heads}) must be divisible by tensor_parallel ({mesh['tp'].size()})."
+            )
         for block in self.layers:
             if isinstance(block, Block):
                 parallelize_module(block, mesh["tp"], tensor_parallel_plan())

@@ -76,8 +76,9 @@ def resolve(path: Path) -> Path:
     short between its two renames."""
     previous = _sibling(path, PREVIOUS_SUFFIX)
     if not path.exists() and previous.exists():
-        log.warning("checkpoint %s was being replaced when a save stopped; loading %s", path,
-                    previous)
+        log.warning(
+            "checkpoint %s was being replaced when a save stopped; loading %s", path, previous
+        )
         return previous
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
@@ -85,7 +86,10 @@ def resolve(path: Path) -> Path:
 
 
 def save_sharded(
-    path: Path, model: nn.Module, optimizers: Sequence[Optimizer], metadata: dict[str, Any],
+    path: Path,
+    model: nn.Module,
+    optimizers: Sequence[Optimizer],
+    metadata: dict[str, Any],
     is_rank_zero: bool,
 ) -> None:
     """Write model + optimizer shards with DCP and ``metadata`` (rank 0) into ``path``."""

@@ -77,8 +77,9 @@ def partition(num_blocks: int, num_stages: int) -> list[range]:
     return [range(bounds[s], bounds[s + 1]) for s in range(num_stages)]
 
 
-def _drop_parameters(root: nn.Module, owned: Sequence[nn.Module],
-                     others: Sequence[nn.Module]) -> int:
+def _drop_parameters(
+    root: nn.Module, owned: Sequence[nn.Module], others: Sequence[nn.Module]
+) -> int:
     """Unregister, everywhere under ``root``, the parameters and buffers of blocks on other ranks.
 
     Blocks may be registered submodules or unregistered wrappers around them; either way the
@@ -136,7 +137,7 @@ class PipelineEngine:
         )
         if wrap_chunk is not None:
             self.chunks = [wrap_chunk(c) for c in self.chunks]
-        self.stages = [
+        self.stages: list[Any] = [
             PipelineStage(c, s, config.num_stages, device, group=pp_group)
             for c, s in zip(self.chunks, self.stage_ids, strict=True)
         ]
@@ -146,7 +147,7 @@ class PipelineEngine:
         n = self.config.num_micro_batches
         loss_fn = self.module.pipeline_loss  # type: ignore[attr-defined]
         if self.config.schedule == "interleaved_1f1b":
-            return ScheduleInterleaved1F1B(self.stages, n, loss_fn=loss_fn)
+            return ScheduleInterleaved1F1B(list(self.stages), n, loss_fn=loss_fn)
         cls = ScheduleGPipe if self.config.schedule == "gpipe" else Schedule1F1B
         return cls(self.stages[0], n, loss_fn=loss_fn)
 

@@ -27,6 +27,8 @@ from lightning_mmpar.examples.toy_transformer import (
 
 GLOBAL_BATCH = 8
 STEPS = 10
+EPOCH_STEPS = 5  # two epochs: resume starts from an end-of-epoch checkpoint
+LAYOUTS = {"tp2pp2": (2, 2), "tp1pp1": (1, 1)}
 
 
 class Recorder(Callback):
@@ -47,11 +49,19 @@ class Recorder(Callback):
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
 
 
+def dataset(cfg: ToyConfig) -> Tensor:
+    return make_tokens(EPOCH_STEPS * GLOBAL_BATCH, cfg)
+
+
 def global_batches(steps: int, cfg: ToyConfig) -> Tensor:
-    """The data in the order Lightning's DistributedSampler(shuffle=True, seed=0) visits it:
-    the union of the dp ranks' k-th batches is slice k of this permutation."""
-    data = make_tokens(steps * GLOBAL_BATCH, cfg)
-    return data[torch.randperm(len(data), generator=torch.Generator().manual_seed(0))]
+    """The data in the order Lightning's DistributedSampler(shuffle=True, seed=0) visits it: in
+    epoch e the union of the dp ranks' k-th batches is slice k of randperm(seed=e)."""
+    data = dataset(cfg)
+    epochs = -(-steps // EPOCH_STEPS)
+    orders = [
+        torch.randperm(len(data), generator=torch.Generator().manual_seed(e)) for e in range(epochs)
+    ]
+    return torch.cat([data[o] for o in orders])
 
 
 def reference(steps: int = STEPS) -> dict[str, Any]:
@@ -82,29 +92,45 @@ def full_weights(module: nn.Module) -> dict[str, Tensor]:
 
 def _trainer(strategy: Any, world: int, steps: int, callbacks: list[Any]) -> Trainer:
     return Trainer(
-        strategy=strategy, accelerator="cpu", devices=world, max_steps=steps, logger=False,
+        strategy=strategy,
+        accelerator="cpu",
+        devices=world,
+        max_epochs=-(-steps // EPOCH_STEPS),
+        logger=False,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
-        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
         num_sanity_val_steps=0,
     )
 
 
 def fit_layout(
-    rank: int, world: int, dp: int, pp: int, tp: int, schedule: str = "1f1b", v: int = 1,
-    data_parallel: str = "fsdp", steps: int = STEPS,
+    rank: int,
+    world: int,
+    dp: int,
+    pp: int,
+    tp: int,
+    schedule: str = "1f1b",
+    v: int = 1,
+    data_parallel: str = "fsdp",
+    steps: int = STEPS,
 ) -> dict[str, Any]:
     """Train the toy LM with one layout; return losses, first-step grads and final weights."""
     cfg = ToyConfig()
     torch.manual_seed(0)
     model = ToyTransformer(cfg)
     strategy = MultimodalParallelStrategy(
-        tensor_parallel=tp, pipeline_parallel=pp, virtual_pipeline=v, schedule=schedule,
-        micro_batches=2 * pp if pp > 1 else None, data_parallel=data_parallel,
+        tensor_parallel=tp,
+        pipeline_parallel=pp,
+        virtual_pipeline=v,
+        schedule=schedule,
+        micro_batches=2 * pp if pp > 1 else None,
+        data_parallel=data_parallel,
     )
     rec = Recorder()
     trainer = _trainer(strategy, world, steps, [rec])
-    trainer.fit(model, DataLoader(make_tokens(steps * GLOBAL_BATCH, cfg),
-                                  batch_size=GLOBAL_BATCH // dp))
+    trainer.fit(model, DataLoader(dataset(cfg), batch_size=GLOBAL_BATCH // dp))
     return {"losses": rec.losses, "grads": rec.grads, "weights": full_weights(model)}
 
 
@@ -148,8 +174,7 @@ def fit_plain(rank: int, world: int, tp: int, data_parallel: str) -> dict[str, A
     strategy = MultimodalParallelStrategy(tensor_parallel=tp, data_parallel=data_parallel)
     trainer = _trainer(strategy, world, STEPS, [rec])
     dp = world // tp
-    trainer.fit(model, DataLoader(make_tokens(STEPS * GLOBAL_BATCH, cfg),
-                                  batch_size=GLOBAL_BATCH // dp))
+    trainer.fit(model, DataLoader(dataset(cfg), batch_size=GLOBAL_BATCH // dp))
     return {"losses": rec.losses, "grads": rec.grads, "weights": full_weights(model)}
 
 
@@ -157,17 +182,16 @@ def resume_and_reshard(rank: int, world: int, root: str) -> dict[str, Any]:
     """Save at step 5 in one layout, resume to step 10 in the same and in other layouts."""
     cfg = ToyConfig()
     out: dict[str, Any] = {}
-    layouts = {"tp2pp2": (2, 2), "tp1pp1": (1, 1)}
+    layouts = LAYOUTS
     for name, (tp, pp) in layouts.items():
         torch.manual_seed(0)
         model = ToyTransformer(cfg)
-        ckpt = ModelCheckpoint(dirpath=Path(root) / name, every_n_train_steps=5,
-                               save_top_k=-1, filename="{step}")
         strategy = MultimodalParallelStrategy(tensor_parallel=tp, pipeline_parallel=pp)
-        trainer = _trainer(strategy, world, 5, [ckpt])
+        trainer = _trainer(strategy, world, EPOCH_STEPS, [])
         dp = world // (tp * pp)
-        trainer.fit(model, DataLoader(make_tokens(STEPS * GLOBAL_BATCH, cfg),
-                                      batch_size=GLOBAL_BATCH // dp))
+        trainer.fit(model, DataLoader(dataset(cfg), batch_size=GLOBAL_BATCH // dp))
+        # saved after epoch 0 completed; resuming runs epoch 1 from its first batch
+        trainer.save_checkpoint(Path(root) / name / "step=5.ckpt")
     for saved in layouts:
         for name, (tp, pp) in layouts.items():
             torch.manual_seed(1)  # different init: every weight must come from the checkpoint
@@ -176,15 +200,18 @@ def resume_and_reshard(rank: int, world: int, root: str) -> dict[str, Any]:
             strategy = MultimodalParallelStrategy(tensor_parallel=tp, pipeline_parallel=pp)
             trainer = _trainer(strategy, world, STEPS, [rec])
             dp = world // (tp * pp)
-            trainer.fit(model, DataLoader(make_tokens(STEPS * GLOBAL_BATCH, cfg),
-                                          batch_size=GLOBAL_BATCH // dp),
-                        ckpt_path=str(Path(root) / saved / "step=5.ckpt"))
+            trainer.fit(
+                model,
+                DataLoader(dataset(cfg), batch_size=GLOBAL_BATCH // dp),
+                ckpt_path=str(Path(root) / saved / "step=5.ckpt"),
+            )
             out[f"{saved}->{name}"] = {"losses": rec.losses, "weights": full_weights(model)}
     return out
 
 
-def run_many(rank: int, world: int, jobs: list[tuple[str, str, tuple[Any, ...]]],
-             root: str = "") -> dict[str, Any]:
+def run_many(
+    rank: int, world: int, jobs: list[tuple[str, str, tuple[Any, ...]]], root: str = ""
+) -> dict[str, Any]:
     """Several fits in one world (process start-up dominates on small machines)."""
     fns = {"layout": fit_layout, "plain": fit_plain, "resume": resume_and_reshard}
     out = {}

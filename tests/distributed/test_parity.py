@@ -18,7 +18,7 @@ import torch
 from lightning_mmpar.testing import spawn
 
 sys.path.insert(0, str(Path(__file__).parent))
-import parity_worker as pw  # noqa: E402
+import parity_worker as pw
 
 pytestmark = pytest.mark.distributed
 
