@@ -49,8 +49,9 @@ class ParallelDims:
     def __post_init__(self) -> None:
         for name in ("world_size", "tp", "pp", "ep"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} ({value!r}) must be a positive integer.")
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                fix = "pass the number of ranks" if name == "world_size" else "use 1 to disable it"
+                raise ValueError(f"{name} ({value!r}) must be a positive integer; {fix}.")
         model = self.tp * self.pp
         if self.world_size % model != 0:
             raise ValueError(

@@ -38,10 +38,12 @@ def test_expert_parallel_must_divide_data_parallel() -> None:
 
 
 @pytest.mark.parametrize("name", ["world_size", "tp", "pp", "ep"])
-@pytest.mark.parametrize("value", [0, -2])
+@pytest.mark.parametrize("value", [0, -2, True])
 def test_dims_non_positive(name: str, value: int) -> None:
     kwargs = {"world_size": 8, name: value}
-    with pytest.raises(ValueError, match=_exact(f"{name} ({value}) must be a positive integer.")):
+    fix = "pass the number of ranks" if name == "world_size" else "use 1 to disable it"
+    msg = f"{name} ({value}) must be a positive integer; {fix}."
+    with pytest.raises(ValueError, match=_exact(msg)):
         ParallelDims(**kwargs)
 
 
