@@ -9,14 +9,28 @@ engine for ZeRO-1/2, ``mm_parallel`` with FSDP2 for ZeRO-3), keeping the sizes o
 from __future__ import annotations
 
 import json
+import os
+import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from torch import Tensor
+from torch.utils.data import DataLoader
 
 from lightning_mmpar.data.digits import DigitsCaptions
 from lightning_mmpar.recipes.clip_llama import ClipLlamaModule
+
+
+class RecipeDigitsCaptions(DigitsCaptions):
+    """:class:`DigitsCaptions` plus ``predict_dataloader`` (the held-out digits), so the CLI's
+    ``predict`` captions the held-out images."""
+
+    def predict_dataloader(self) -> DataLoader[dict[str, Tensor]]:
+        """The held-out digits in a fixed order."""
+        return self.val_dataloader()
 
 
 class ClipLlamaCLI(LightningCLI):
@@ -31,20 +45,41 @@ class ClipLlamaCLI(LightningCLI):
         )
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        trainer_config = self._get(self.config_init, "trainer", default={})
+        _share_cpu_threads(trainer_config)
         path = self._get(self.config, "deepspeed")
         if path:
             from lightning_mmpar.parallel.deepspeed import strategy_from_deepspeed
 
-            current = self._get(self.config_init, "trainer", default={}).get("strategy")
+            current = trainer_config.get("strategy")
             kwargs["strategy"] = strategy_from_deepspeed(
                 json.loads(Path(path).read_text()), base=current
             )
         return super().instantiate_trainer(**kwargs)
 
 
+def _share_cpu_threads(trainer_config: dict[str, Any]) -> None:
+    """Give each CPU process ``cores // processes`` intra-op threads (at least 1).
+
+    torch's default (all cores in every process) oversubscribes a CPU world and made the
+    4-process recipe 4x slower on 2 cores. Child processes inherit ``OMP_NUM_THREADS``;
+    an explicit ``OMP_NUM_THREADS`` is respected.
+    """
+    devices = trainer_config.get("devices")
+    if trainer_config.get("accelerator") != "cpu" or not isinstance(devices, int) or devices < 2:
+        return
+    threads = max(1, (os.cpu_count() or 1) // devices)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
 def run_cli(args: list[str] | None = None) -> ClipLlamaCLI:
     """Parse ``args`` (default ``sys.argv``) and run the subcommand."""
+    # Epoch-level metrics are combined by the module itself (dp group only), not by Lightning.
+    warnings.filterwarnings("ignore", message=".*sync_dist=True.*")
+    warnings.filterwarnings("ignore", message=".*Slicing a flattened dim.*")
+    warnings.filterwarnings("ignore", message=".*LeafSpec.*")
     return ClipLlamaCLI(
-        ClipLlamaModule, DigitsCaptions, args=args,
+        ClipLlamaModule, RecipeDigitsCaptions, args=args,
         save_config_kwargs={"overwrite": True},
     )
