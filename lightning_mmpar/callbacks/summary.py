@@ -85,9 +85,9 @@ class RunSummary(Callback):
             "final_train": self.train[-1] if self.train else {},
             "checkpoint": ckpt,
         }
+        out = self._out_dir(trainer)  # collective (trainer.log_dir broadcasts)
         if not trainer.is_global_zero:
             return
-        out = self._out_dir(trainer)
         out.mkdir(parents=True, exist_ok=True)
         path = out / self.filename
         path.write_text(json.dumps({**self.summary, "history": {"train": self.train,

@@ -79,6 +79,8 @@ class ClipLlamaModule(LightningModule):
         self._prompts: dict[str, Tensor] = {}
         self._digit_classes = torch.zeros(0, dtype=torch.long)
         self._tokenizer: Any = None
+        self._decode_position: int | None = None
+        self._decoded: list[Tensor] = []
 
     # ------------------------------------------------------------------ model
     def _resolved_config(self, tp: int) -> FusionConfig:
@@ -165,6 +167,10 @@ class ClipLlamaModule(LightningModule):
         """Weighted sum of the three terms on one (micro-)batch; metrics in eval mode."""
         assert self._losses is not None, "setup() builds the losses"
         out = RecipeOutput(*output)
+        if self._decode_position is not None:  # greedy decoding through the pipeline
+            logits = out.logits.full_tensor() if isinstance(out.logits, DTensor) else out.logits
+            self._decoded.append(logits[:, self._decode_position, : self.vocab_size].argmax(-1))
+            return logits.new_zeros(())
         target_ids, labels = target[:, :-1], target[:, -1]
         contrastive_fn, mml_fn = self._losses
         scale = out.logit_scale[0]
@@ -177,8 +183,11 @@ class ClipLlamaModule(LightningModule):
         assert isinstance(con, Tensor) and isinstance(mml, Tensor)
         lc = self.loss_config
         total = lc.contrastive_weight * con + lc.caption_weight * cap + mml
-        self._terms += torch.stack([con.detach(), cap.detach(), mml.detach(),
-                                    torch.ones(())]).float().cpu()
+        terms = torch.stack([con.detach(), cap.detach(), mml.detach()]).float().cpu()
+        # torch's pipeline stages infer shapes by running the last stage (and this loss) once on
+        # uninitialised tensors; keep that pass out of the logged terms.
+        if bool(torch.isfinite(terms).all()):
+            self._terms += torch.cat([terms, torch.ones(1)])
         if not self.training and self._metrics is not None and self._prompts:
             self._metrics.update(out, target_ids, labels, self._digit_classes)
         return total
@@ -300,17 +309,46 @@ class ClipLlamaModule(LightningModule):
         return rows
 
     @torch.no_grad()
+    def _generate_pipelined(self, batch: dict[str, Tensor]) -> Tensor:
+        """Greedy captions through the strategy's pipeline: one forward-only schedule per
+        token; the last stage picks the tokens (:meth:`pipeline_loss` in decode mode) and
+        broadcasts them to its pipeline peers. Batches must keep the training batch size."""
+        pipeline = self.trainer.strategy.pipeline  # type: ignore[attr-defined]
+        tok = self._tokenizer
+        ids = torch.full_like(batch["input_ids"], tok.pad_id)
+        ids[:, 0] = tok.bos_id
+        done = torch.zeros(ids.shape[0], dtype=torch.bool)
+        for t in range(1, ids.shape[1]):
+            mask = torch.zeros_like(ids)
+            mask[:, :t] = 1
+            step = {**batch, "input_ids": ids, "attention_mask": mask, "target_ids": ids}
+            self._decode_position, self._decoded = t - 1, []
+            try:
+                pipeline.eval_step(step)
+            finally:
+                self._decode_position = None
+            owner = self.head is not None
+            nxt = torch.cat(self._decoded) if owner else torch.zeros(ids.shape[0], dtype=torch.long)
+            nxt = penv.from_last_stage(self.trainer, nxt, owner)
+            ids[:, t] = torch.where(done, tok.pad_id, nxt)
+            done |= ids[:, t] == tok.eos_id
+        return ids
+
+    @torch.no_grad()
     def generate_accuracy(self, dataloader: Any) -> float | None:
-        """Fraction of images whose greedy caption names their digit first (dp-summed);
-        None under pipeline parallelism (generation needs every block on the rank)."""
-        if penv.pipeline_parallel(self._trainer) > 1 or self.head is None:
+        """Fraction of images whose greedy caption names their digit first (dp-summed)."""
+        if self._tokenizer is None:
             return None
+        pipelined = penv.pipeline_parallel(self._trainer) > 1
         was_training = self.training
         self.eval()
         hits = torch.zeros(2)
         for batch in dataloader:
             images = batch["images"].to(self.device)
-            ids = self.generate(images, batch["input_ids"].shape[1])
+            if pipelined:
+                ids = self._generate_pipelined({k: v.to(self.device) for k, v in batch.items()})
+            else:
+                ids = self.generate(images, batch["input_ids"].shape[1])
             named = torch.tensor([named_digit(r, self._digit_classes) for r in ids.tolist()])
             hits += torch.tensor([float((named == batch["labels"]).sum()), float(len(named))])
         self.train(was_training)

@@ -79,7 +79,7 @@ def test_tp2_pp2_fit_then_predict_on_another_layout(tmp_path: Path) -> None:
     out = _cli("predict", "--config", str(CPU_YAML), "--config", predict,
                "--ckpt_path", str(ckpt)).stdout + ""
     rows = [json.loads(x) for x in (tmp_path / "captions.rank0.jsonl").read_text().splitlines()]
-    assert len(rows) == 64 and all({"caption", "digit", "label"} <= r.keys() for r in rows)
+    assert len(rows) == 72 and all({"caption", "digit", "label"} <= r.keys() for r in rows)
 
 
 def test_one_process_reaches_a_lowered_bar(tmp_path: Path) -> None:
