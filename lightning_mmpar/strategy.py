@@ -33,6 +33,7 @@ from typing_extensions import override
 from lightning_mmpar.config import DataParallel, ParallelConfig, Schedule
 from lightning_mmpar.parallel import checkpoint as ckpt
 from lightning_mmpar.parallel import data as dpar
+from lightning_mmpar.parallel.grad_norm import clip_grad_norm
 from lightning_mmpar.parallel.pipeline import PipelineChunk, PipelineEngine, PipelineModule
 from lightning_mmpar.topology import ParallelDims
 
@@ -146,6 +147,8 @@ class MultimodalParallelStrategy(ModelParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._parallelize(self._module)
+        # Trainer(gradient_clip_val=...) must see the norm over all tp/dp shards and pp stages
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -180,6 +183,15 @@ class MultimodalParallelStrategy(ModelParallelStrategy):
         if dims.dp > 1 and cfg.data_parallel != "none":
             self._replicated = dpar.replicated_parameters(module)
             dpar.broadcast_parameters(self._replicated, dp_mesh.get_group())
+
+    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        pp = (
+            self.parallel_dims.get_mesh("pp").get_group()
+            if self.config.pipeline_parallel > 1
+            else None
+        )
+        clip_grad_norm(params, float(clip_val), pp)
 
     # ---------------------------------------------------------------- steps
     @property

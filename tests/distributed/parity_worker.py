@@ -64,7 +64,7 @@ def global_batches(steps: int, cfg: ToyConfig) -> Tensor:
     return torch.cat([data[o] for o in orders])
 
 
-def reference(steps: int = STEPS) -> dict[str, Any]:
+def reference(steps: int = STEPS, clip: float | None = None) -> dict[str, Any]:
     """Plain single-process torch loop (no Lightning, no strategy) over the same global batches."""
     cfg = ToyConfig()
     torch.manual_seed(0)
@@ -79,6 +79,8 @@ def reference(steps: int = STEPS) -> dict[str, Any]:
         loss.backward()
         if k == 0:
             grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         losses.append(loss.item())
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -90,8 +92,11 @@ def full_weights(module: nn.Module) -> dict[str, Tensor]:
     return {k: v.detach().clone() for k, v in sd.items()}
 
 
-def _trainer(strategy: Any, world: int, steps: int, callbacks: list[Any]) -> Trainer:
+def _trainer(
+    strategy: Any, world: int, steps: int, callbacks: list[Any], clip: float | None = None
+) -> Trainer:
     return Trainer(
+        gradient_clip_val=clip,
         strategy=strategy,
         accelerator="cpu",
         devices=world,
@@ -115,6 +120,7 @@ def fit_layout(
     v: int = 1,
     data_parallel: str = "fsdp",
     steps: int = STEPS,
+    clip: float | None = None,
 ) -> dict[str, Any]:
     """Train the toy LM with one layout; return losses, first-step grads and final weights."""
     cfg = ToyConfig()
@@ -129,7 +135,7 @@ def fit_layout(
         data_parallel=data_parallel,
     )
     rec = Recorder()
-    trainer = _trainer(strategy, world, steps, [rec])
+    trainer = _trainer(strategy, world, steps, [rec], clip)
     trainer.fit(model, DataLoader(dataset(cfg), batch_size=GLOBAL_BATCH // dp))
     return {"losses": rec.losses, "grads": rec.grads, "weights": full_weights(model)}
 

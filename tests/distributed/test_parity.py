@@ -27,9 +27,17 @@ GRAD_RTOL = 1e-5
 WEIGHT_ATOL = 5e-4
 
 
+CLIP = 0.5  # below the toy's gradient norm (~1-3) for the first steps: clipping is active
+
+
 @pytest.fixture(scope="module")
 def ref() -> dict[str, Any]:
     return pw.reference()
+
+
+@pytest.fixture(scope="module")
+def ref_clipped() -> dict[str, Any]:
+    return pw.reference(clip=CLIP)
 
 
 def merged(results: list[dict[str, Any]], key: str) -> dict[str, torch.Tensor]:
@@ -70,7 +78,12 @@ def test_single_process_layout(ref: dict[str, Any]) -> None:
     check("dp1 pp1 tp1", _by_job(res, "111"), ref)
 
 
-def test_two_rank_layouts(ref: dict[str, Any]) -> None:
+def test_two_rank_layouts(ref: dict[str, Any], ref_clipped: dict[str, Any]) -> None:
+    clipped = [  # Trainer(gradient_clip_val=...): the norm spans every shard and stage
+        ("121-clip", "layout", (1, 2, 1, "1f1b", 1, "fsdp", pw.STEPS, CLIP)),
+        ("112-clip", "layout", (1, 1, 2, "1f1b", 1, "fsdp", pw.STEPS, CLIP)),
+        ("211-clip", "layout", (2, 1, 1, "1f1b", 1, "fsdp", pw.STEPS, CLIP)),
+    ]
     jobs = [
         ("211", "layout", (2, 1, 1)),
         ("121", "layout", (1, 2, 1)),
@@ -79,9 +92,11 @@ def test_two_rank_layouts(ref: dict[str, Any]) -> None:
         ("121-gpipe", "layout", (1, 2, 1, "gpipe")),
         ("121-interleaved", "layout", (1, 2, 1, "interleaved_1f1b", 2)),
     ]
-    res = spawn(pw.run_many, 2, jobs)
+    res = spawn(pw.run_many, 2, jobs + clipped)
     for name, _, _ in jobs:
         check(name, _by_job(res, name), ref)
+    for name, _, _ in clipped:
+        check(name, _by_job(res, name), ref_clipped)
 
 
 def test_four_rank_layouts_plain_module_and_resume(ref: dict[str, Any], tmp_path: Path) -> None:
