@@ -34,8 +34,14 @@ class CaptionWriter(BasePredictionWriter):
 
     @override
     def write_on_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, prediction: Any,
-        batch_indices: Any, batch: Any, batch_idx: int, dataloader_idx: int,
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        prediction: Any,
+        batch_indices: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int,
     ) -> None:
         self.rows.extend(prediction)
 
@@ -45,8 +51,10 @@ class CaptionWriter(BasePredictionWriter):
         out.mkdir(parents=True, exist_ok=True)
         path = out / f"captions.rank{trainer.global_rank}.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
-        hits = torch.tensor([sum(r.get("digit") == r.get("label") for r in self.rows),
-                             len(self.rows)], dtype=torch.float)
+        hits = torch.tensor(
+            [sum(r.get("digit") == r.get("label") for r in self.rows), len(self.rows)],
+            dtype=torch.float,
+        )
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(hits)
         self.accuracy = float(hits[0] / hits[1].clamp(min=1))

@@ -41,12 +41,19 @@ class RunSummary(Callback):
 
     @staticmethod
     def _scalars(trainer: Trainer, prefixes: tuple[str, ...]) -> dict[str, float]:
-        return {k: float(v) for k, v in trainer.callback_metrics.items()
-                if k.startswith(prefixes) and getattr(v, "numel", lambda: 1)() == 1}
+        return {
+            k: float(v)
+            for k, v in trainer.callback_metrics.items()
+            if k.startswith(prefixes) and getattr(v, "numel", lambda: 1)() == 1
+        }
 
     @override
     def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
         batch_idx: int,
     ) -> None:
         row = self._scalars(trainer, ("train",))
@@ -69,8 +76,9 @@ class RunSummary(Callback):
         wall = time.perf_counter() - self._start
         caption = None
         measure = getattr(pl_module, "generate_accuracy", None)
-        if measure is not None and trainer.datamodule is not None:
-            caption = measure(trainer.datamodule.val_dataloader())
+        data = getattr(trainer, "datamodule", None)
+        if measure is not None and data is not None:
+            caption = measure(data.val_dataloader())
         last_val = self.val[-1] if self.val else {}
         ckpt = getattr(trainer.checkpoint_callback, "last_model_path", "") or None
         self.summary = {
@@ -80,8 +88,7 @@ class RunSummary(Callback):
             "zero_shot_acc": last_val.get("val/zero_shot_acc"),
             "caption_acc_greedy": caption,
             "caption_acc_teacher_forced": last_val.get("val/caption_acc_tf"),
-            "retrieval": {k.removeprefix("val/"): v for k, v in last_val.items()
-                          if "recall" in k},
+            "retrieval": {k.removeprefix("val/"): v for k, v in last_val.items() if "recall" in k},
             "final_train": self.train[-1] if self.train else {},
             "checkpoint": ckpt,
         }
@@ -90,8 +97,11 @@ class RunSummary(Callback):
             return
         out.mkdir(parents=True, exist_ok=True)
         path = out / self.filename
-        path.write_text(json.dumps({**self.summary, "history": {"train": self.train,
-                                                               "val": self.val}}, indent=2))
+        path.write_text(
+            json.dumps(
+                {**self.summary, "history": {"train": self.train, "val": self.val}}, indent=2
+            )
+        )
         plots = self._plot(out) if self.plots else []
         rank_zero_info(_format(self.summary, path, plots))
 
@@ -105,17 +115,24 @@ class RunSummary(Callback):
             return []
         written = []
         for name, rows, keys in (
-            ("loss.png", self.train, ("train_loss", "train/contrastive", "train/caption",
-                                      "train/mml")),
-            ("accuracy.png", self.val, ("val/zero_shot_acc", "val/caption_acc_tf",
-                                        "val/i2t_recall@1", "val/t2i_recall@1")),
+            (
+                "loss.png",
+                self.train,
+                ("train_loss", "train/contrastive", "train/caption", "train/mml"),
+            ),
+            (
+                "accuracy.png",
+                self.val,
+                ("val/zero_shot_acc", "val/caption_acc_tf", "val/i2t_recall@1", "val/t2i_recall@1"),
+            ),
         ):
             fig, ax = plt.subplots(figsize=(6, 4))
             for key in keys:
                 pts = [(r["step"], r[key]) for r in rows if key in r]
                 if pts:
-                    ax.plot(*zip(*pts, strict=True), label=key, marker="." if rows is self.val
-                            else None)
+                    ax.plot(
+                        *zip(*pts, strict=True), label=key, marker="." if rows is self.val else None
+                    )
             ax.set_xlabel("step")
             ax.legend()
             fig.tight_layout()

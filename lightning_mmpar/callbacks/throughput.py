@@ -51,7 +51,11 @@ class ThroughputProgressBar(TQDMProgressBar):
 
     @override
     def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
         batch_idx: int,
     ) -> None:
         samples, tokens = batch_counts(batch, self._image_tokens(pl_module))

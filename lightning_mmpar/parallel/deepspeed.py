@@ -65,7 +65,9 @@ class DeepSpeedPlan:
 def _tp_size(config: dict[str, Any]) -> int | None:
     section = config.get("tensor_parallel") or {}
     if not isinstance(section, dict):
-        raise ValueError(f"tensor_parallel ({section!r}) must be an object such as {{'tp_size': 2}}.")
+        raise ValueError(
+            f"tensor_parallel ({section!r}) must be an object such as {{'tp_size': 2}}."
+        )
     sizes = {k: section[k] for k in ("tp_size", "autotp_size") if k in section}
     if len(set(sizes.values())) > 1:
         raise ValueError(
@@ -123,20 +125,28 @@ def map_deepspeed_config(
         )
     tp = tp or given
     if stage in (1, 2):
-        model_parallel = {k: v for k, v in {**layout, "tensor_parallel": tp}.items()
-                          if k.endswith("parallel") and v != 1}
+        model_parallel = {
+            k: v
+            for k, v in {**layout, "tensor_parallel": tp}.items()
+            if k.endswith("parallel") and v != 1
+        }
         if model_parallel:
             raise ValueError(
-                f"zero_optimization.stage {stage} runs on DeepSpeed's engine, which lightning_mmpar "
-                f"does not combine with {model_parallel}; use stage 3 (FSDP2 with tensor/pipeline "
-                "parallelism) or set those sizes to 1."
+                f"zero_optimization.stage {stage} runs on DeepSpeed's engine, which "
+                f"lightning_mmpar does not combine with {model_parallel}; use stage 3 (FSDP2 with "
+                "tensor/pipeline parallelism) or set those sizes to 1."
             )
-        return DeepSpeedPlan(engine="deepspeed", zero_stage=stage,
-                             strategy_kwargs={"config": config})
+        return DeepSpeedPlan(
+            engine="deepspeed", zero_stage=stage, strategy_kwargs={"config": config}
+        )
     data_parallel = "fsdp" if stage == 3 else "ddp"
     kwargs = {**layout, "tensor_parallel": tp, "data_parallel": data_parallel}
-    return DeepSpeedPlan(engine="mm_parallel", zero_stage=stage, strategy_kwargs=kwargs,
-                         note=ZERO3_NOTE if stage == 3 else None)
+    return DeepSpeedPlan(
+        engine="mm_parallel",
+        zero_stage=stage,
+        strategy_kwargs=kwargs,
+        note=ZERO3_NOTE if stage == 3 else None,
+    )
 
 
 class CPUCapableDeepSpeedStrategy(DeepSpeedStrategy):
@@ -217,7 +227,8 @@ def strategy_from_deepspeed(config: dict[str, Any], *, base: Any = None) -> Stra
     if plan.note:
         rank_zero_info(f"[lightning_mmpar] {plan.note}")
     if plan.engine == "deepspeed":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu") if not _cuda() else None
+        if not _cuda():  # DeepSpeed reads it when first imported
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
         return CPUCapableDeepSpeedStrategy(**plan.strategy_kwargs)
     return MultimodalParallelStrategy(**plan.strategy_kwargs)
 

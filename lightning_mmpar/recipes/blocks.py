@@ -113,7 +113,12 @@ class Bridge(nn.Module):
         self.projector, self.embed_tokens = model.projector, model.language.embed_tokens
 
     def forward(
-        self, tokens: Tensor, pooled: Tensor, ids: Tensor, last: Tensor, p_ids: Tensor,
+        self,
+        tokens: Tensor,
+        pooled: Tensor,
+        ids: Tensor,
+        last: Tensor,
+        p_ids: Tensor,
         p_last: Tensor,
     ) -> tuple[Tensor, ...]:
         vocab = self.embed_tokens.num_embeddings
@@ -145,7 +150,13 @@ class Decoder(nn.Module):
         self.layer = layer
 
     def forward(
-        self, img: Tensor, pooled: Tensor, h: Tensor, ht: Tensor, last: Tensor, hp: Tensor,
+        self,
+        img: Tensor,
+        pooled: Tensor,
+        h: Tensor,
+        ht: Tensor,
+        last: Tensor,
+        hp: Tensor,
         p_last: Tensor,
     ) -> tuple[Tensor, ...]:
         if not self.training:
@@ -170,7 +181,13 @@ class Head(nn.Module):
         return self.norm(h)[rows, _index(last, h.shape[1])]
 
     def forward(
-        self, img: Tensor, pooled: Tensor, h: Tensor, ht: Tensor, last: Tensor, hp: Tensor,
+        self,
+        img: Tensor,
+        pooled: Tensor,
+        h: Tensor,
+        ht: Tensor,
+        last: Tensor,
+        hp: Tensor,
         p_last: Tensor,
     ) -> tuple[Tensor, ...]:
         """A plain tuple in :class:`RecipeOutput` order (pipeline stages reject NamedTuples)."""
@@ -180,15 +197,17 @@ class Head(nn.Module):
             classes = pooled.new_zeros(hp.shape[1], m_img.shape[-1])
         else:
             classes = F.normalize(self.text_head.proj(self._text(hp[0], p_last[0])), dim=-1)
-        return tuple(RecipeOutput(
-            logits=self.lm_head(self.norm(h)),
-            image_features=F.normalize(self.image_head(pooled), dim=-1),
-            text_features=F.normalize(self.text_head.proj(text_embed), dim=-1),
-            logit_scale=self.logit_scale.exp().clamp(max=MAX_LOGIT_SCALE).expand(h.shape[0]),
-            momentum_image=m_img,
-            momentum_text=m_txt,
-            class_features=classes,
-        ))
+        return tuple(
+            RecipeOutput(
+                logits=self.lm_head(self.norm(h)),
+                image_features=F.normalize(self.image_head(pooled), dim=-1),
+                text_features=F.normalize(self.text_head.proj(text_embed), dim=-1),
+                logit_scale=self.logit_scale.exp().clamp(max=MAX_LOGIT_SCALE).expand(h.shape[0]),
+                momentum_image=m_img,
+                momentum_text=m_txt,
+                class_features=classes,
+            )
+        )
 
     def ema_update(self) -> None:
         """One EMA step of the momentum heads towards the live heads."""

@@ -39,7 +39,9 @@ class ClipLlamaCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
         parser.add_argument(
-            "--deepspeed", type=str | None, default=None,
+            "--deepspeed",
+            type=str | None,
+            default=None,
             help="DeepSpeed JSON: zero_optimization.stage 1/2 -> DeepSpeed engine, 3 -> FSDP2; "
             "tensor_parallel.tp_size -> tensor_parallel.",
         )
@@ -80,6 +82,8 @@ def run_cli(args: list[str] | None = None) -> ClipLlamaCLI:
     warnings.filterwarnings("ignore", message=".*Slicing a flattened dim.*")
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")
     return ClipLlamaCLI(
-        ClipLlamaModule, RecipeDigitsCaptions, args=args,
+        ClipLlamaModule,
+        RecipeDigitsCaptions,
+        args=args,
         save_config_kwargs={"overwrite": True},
     )

@@ -101,8 +101,11 @@ class ClipLlamaModule(LightningModule):
 
             o = self.tp_options
             apply_tensor_parallel(
-                model, tp_mesh, vision_parallel=o.vision_parallel,
-                sequence_parallel=o.sequence_parallel, vl_combine=o.vl_combine,
+                model,
+                tp_mesh,
+                vision_parallel=o.vision_parallel,
+                sequence_parallel=o.sequence_parallel,
+                vl_combine=o.vl_combine,
                 vl_group=penv.vl_group(self),
             )
         self._freeze(model)
@@ -127,10 +130,12 @@ class ClipLlamaModule(LightningModule):
     def setup(self, stage: str) -> None:
         """Losses and metrics on the dp group; prompts, tokenizer and digit tokens from data."""
         group = penv.dp_group(self.trainer)
-        self._losses = (ContrastiveLoss(group=group),
-                        MMLLoss(config=self.loss_config.mml, group=group))
+        self._losses = (
+            ContrastiveLoss(group=group),
+            MMLLoss(config=self.loss_config.mml, group=group),
+        )
         self._metrics = RecipeMetrics(group)
-        data = self.trainer.datamodule
+        data = getattr(self.trainer, "datamodule", None)
         if data is not None and hasattr(data, "class_prompts"):
             image_size = getattr(data, "image_size", self.fusion_config.vision.image_size)
             if image_size != self.fusion_config.vision.image_size:
@@ -152,11 +157,16 @@ class ClipLlamaModule(LightningModule):
         """``(images, ids, last, prompt ids, prompt last)`` and ``[target_ids | label]``."""
         ids = batch["input_ids"]
         b = ids.shape[0]
-        prompts = self._prompts or {"input_ids": ids[:1], "attention_mask": batch["attention_mask"][:1]}
+        prompts = self._prompts or {
+            "input_ids": ids[:1],
+            "attention_mask": batch["attention_mask"][:1],
+        }
         p_ids = prompts["input_ids"].to(ids.device)
         p_last = prompts["attention_mask"].to(ids.device).sum(1) - 1
         inputs = (
-            batch["images"], ids, batch["attention_mask"].sum(1) - 1,
+            batch["images"],
+            ids,
+            batch["attention_mask"].sum(1) - 1,
             p_ids.unsqueeze(0).expand(b, -1, -1).contiguous(),
             p_last.unsqueeze(0).expand(b, -1).contiguous(),
         )
@@ -178,8 +188,9 @@ class ClipLlamaModule(LightningModule):
         if isinstance(cap, DTensor):
             cap = cap.to_local()
         con = contrastive_fn(out.image_features, out.text_features, scale)
-        mml = mml_fn(out.image_features, out.text_features, out.momentum_image,
-                     out.momentum_text, scale)
+        mml = mml_fn(
+            out.image_features, out.text_features, out.momentum_image, out.momentum_text, scale
+        )
         assert isinstance(con, Tensor) and isinstance(mml, Tensor)
         lc = self.loss_config
         total = lc.contrastive_weight * con + lc.caption_weight * cap + mml
@@ -253,15 +264,25 @@ class ClipLlamaModule(LightningModule):
         sums = penv.dp_sum(self.trainer, sums)
         self._terms.zero_()
         for i, name in enumerate(TERMS):
-            self.log(f"{prefix}/{name}", sums[i] / sums[-1].clamp(min=1), batch_size=1,
-                     prog_bar=prefix == "train" and name != "mml")
+            self.log(
+                f"{prefix}/{name}",
+                sums[i] / sums[-1].clamp(min=1),
+                batch_size=1,
+                prog_bar=prefix == "train" and name != "mml",
+            )
 
     def _log_eval(self, prefix: str) -> None:
         self._log_terms(prefix)
         if self._metrics is None or not self._prompts:
             return
-        names = ("zero_shot_acc", "i2t_recall@1", "i2t_recall@5", "t2i_recall@1",
-                 "t2i_recall@5", "caption_acc_tf")
+        names = (
+            "zero_shot_acc",
+            "i2t_recall@1",
+            "i2t_recall@5",
+            "t2i_recall@1",
+            "t2i_recall@5",
+            "caption_acc_tf",
+        )
         values = torch.zeros(len(names))
         if self.head is not None:
             computed = self._metrics.compute()
@@ -301,8 +322,10 @@ class ClipLlamaModule(LightningModule):
         rows = []
         for i, row in enumerate(ids.tolist()):
             caption = self._tokenizer.decode(row) if self._tokenizer else str(row)
-            item: dict[str, Any] = {"caption": caption,
-                                    "digit": named_digit(row, self._digit_classes)}
+            item: dict[str, Any] = {
+                "caption": caption,
+                "digit": named_digit(row, self._digit_classes),
+            }
             if labels is not None:
                 item["label"] = int(labels[i])
             rows.append(item)
@@ -362,9 +385,12 @@ class ClipLlamaModule(LightningModule):
         no_decay = [p for p in params if p.ndim < 2]
         o = self.optim
         opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": o.weight_decay},
-             {"params": no_decay, "weight_decay": 0.0}],
-            lr=o.lr, foreach=False,
+            [
+                {"params": decay, "weight_decay": o.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=o.lr,
+            foreach=False,
         )
         total = max(1, int(self.trainer.estimated_stepping_batches))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, penv.warmup_cosine(o, total))
@@ -382,4 +408,3 @@ __all__ = ["ClipLlamaModule", "main"]
 
 if __name__ == "__main__":
     main()
-

@@ -42,7 +42,9 @@ def named_digit(ids: Sequence[int], classes: Tensor) -> int:
     return -1
 
 
-def teacher_forced_hits(logits: Tensor, target_ids: Tensor, labels: Tensor, classes: Tensor) -> Tensor:
+def teacher_forced_hits(
+    logits: Tensor, target_ids: Tensor, labels: Tensor, classes: Tensor
+) -> Tensor:
     """``[B]`` bool: at the first digit-word target position the prediction names ``labels``."""
     pred = logits[:, :-1].argmax(-1)  # position t predicts token t + 1
     tgt = target_ids[:, 1:].clamp(min=0)
@@ -90,4 +92,3 @@ class RecipeMetrics:
             dist.all_reduce(hits, group=self.group)
         values["caption_acc_tf"] = float(hits[0] / hits[1].clamp(min=1))
         return values
-

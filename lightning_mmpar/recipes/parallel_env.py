@@ -108,8 +108,22 @@ def layout(trainer: Trainer) -> dict[str, Any]:
     ours = _ours(trainer)
     world = trainer.world_size
     if ours is None:
-        return {"strategy": type(trainer.strategy).__name__, "world": world, "tp": 1, "pp": 1,
-                "dp": world, "ep": 1, "virtual": 1}
+        return {
+            "strategy": type(trainer.strategy).__name__,
+            "world": world,
+            "tp": 1,
+            "pp": 1,
+            "dp": world,
+            "ep": 1,
+            "virtual": 1,
+        }
     d, c = ours.parallel_dims, ours.config
-    return {"strategy": f"mm_parallel/{c.data_parallel}", "world": world, "tp": d.tp,
-            "pp": d.pp, "dp": d.dp, "ep": d.ep, "virtual": c.virtual_pipeline}
+    return {
+        "strategy": f"mm_parallel/{c.data_parallel}",
+        "world": world,
+        "tp": d.tp,
+        "pp": d.pp,
+        "dp": d.dp,
+        "ep": d.ep,
+        "virtual": c.virtual_pipeline,
+    }

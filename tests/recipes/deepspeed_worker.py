@@ -12,11 +12,11 @@ import sys
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-import torch  # noqa: E402
-from lightning.pytorch import LightningModule, Trainer  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_mmpar.parallel.deepspeed import strategy_from_deepspeed  # noqa: E402
+from lightning_mmpar.parallel.deepspeed import strategy_from_deepspeed
 
 
 class Tiny(LightningModule):
@@ -24,7 +24,9 @@ class Tiny(LightningModule):
 
     def __init__(self) -> None:
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+        )
         self.losses: list[float] = []
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -44,16 +46,29 @@ def main(stage: int, out: str) -> None:
     config = {"train_micro_batch_size_per_gpu": 16, "zero_optimization": {"stage": stage}}
     model = Tiny()
     trainer = Trainer(
-        accelerator="cpu", devices=2, strategy=strategy_from_deepspeed(config), max_steps=40,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy_from_deepspeed(config),
+        max_steps=40,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
         enable_model_summary=False,
     )
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=16))
     if trainer.is_global_zero:
         engine = type(trainer.strategy.model).__name__
         Path = __import__("pathlib").Path
-        Path(out).write_text(json.dumps({"first": model.losses[0], "last": model.losses[-1],
-                                         "engine": engine, "steps": trainer.global_step}))
+        Path(out).write_text(
+            json.dumps(
+                {
+                    "first": model.losses[0],
+                    "last": model.losses[-1],
+                    "engine": engine,
+                    "steps": trainer.global_step,
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -28,7 +28,11 @@ def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(
         [sys.executable, "-m", "lightning_mmpar.recipes.clip_llama", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc
@@ -51,10 +55,17 @@ def test_print_config_is_complete() -> None:
 
 
 def test_tp2_pp2_fit_then_predict_on_another_layout(tmp_path: Path) -> None:
-    fit = _overrides(tmp_path, "fit", {
-        "max_steps": 6, "val_check_interval": 6, "limit_val_batches": 2,
-        "default_root_dir": str(tmp_path), "logger": False,
-    })
+    fit = _overrides(
+        tmp_path,
+        "fit",
+        {
+            "max_steps": 6,
+            "val_check_interval": 6,
+            "limit_val_batches": 2,
+            "default_root_dir": str(tmp_path),
+            "logger": False,
+        },
+    )
     out = _cli("fit", "--config", str(CPU_YAML), "--config", fit).stdout
     assert "run summary" in out and "tp 2 x pp 2 x dp 1" in out
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -69,27 +80,52 @@ def test_tp2_pp2_fit_then_predict_on_another_layout(tmp_path: Path) -> None:
     ckpt = Path(summary["checkpoint"])
     assert ckpt.is_dir(), ckpt
 
-    predict = _overrides(tmp_path, "predict", {
-        "devices": 2, "limit_predict_batches": 1, "default_root_dir": str(tmp_path),
-        "logger": False, "callbacks": [{"class_path":
-                                        "lightning_mmpar.callbacks.captions.CaptionWriter"}],
-        "strategy": {"class_path": "lightning_mmpar.strategy.MultimodalParallelStrategy",
-                     "init_args": {"tensor_parallel": 2, "pipeline_parallel": 1}},
-    })
-    out = _cli("predict", "--config", str(CPU_YAML), "--config", predict,
-               "--ckpt_path", str(ckpt)).stdout + ""
+    predict = _overrides(
+        tmp_path,
+        "predict",
+        {
+            "devices": 2,
+            "limit_predict_batches": 1,
+            "default_root_dir": str(tmp_path),
+            "logger": False,
+            "callbacks": [{"class_path": "lightning_mmpar.callbacks.captions.CaptionWriter"}],
+            "strategy": {
+                "class_path": "lightning_mmpar.strategy.MultimodalParallelStrategy",
+                "init_args": {"tensor_parallel": 2, "pipeline_parallel": 1},
+            },
+        },
+    )
+    out = (
+        _cli(
+            "predict", "--config", str(CPU_YAML), "--config", predict, "--ckpt_path", str(ckpt)
+        ).stdout
+        + ""
+    )
     rows = [json.loads(x) for x in (tmp_path / "captions.rank0.jsonl").read_text().splitlines()]
     assert len(rows) == 72 and all({"caption", "digit", "label"} <= r.keys() for r in rows)
 
 
 def test_one_process_reaches_a_lowered_bar(tmp_path: Path) -> None:
-    short = _overrides(tmp_path, "short", {
-        "devices": 1, "strategy": "auto", "max_steps": 150, "val_check_interval": 150,
-        "default_root_dir": str(tmp_path), "logger": False, "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "callbacks": [{"class_path": "lightning_mmpar.callbacks.summary.RunSummary",
-                       "init_args": {"plots": False}}],
-    })
+    short = _overrides(
+        tmp_path,
+        "short",
+        {
+            "devices": 1,
+            "strategy": "auto",
+            "max_steps": 150,
+            "val_check_interval": 150,
+            "default_root_dir": str(tmp_path),
+            "logger": False,
+            "enable_checkpointing": False,
+            "enable_progress_bar": False,
+            "callbacks": [
+                {
+                    "class_path": "lightning_mmpar.callbacks.summary.RunSummary",
+                    "init_args": {"plots": False},
+                }
+            ],
+        },
+    )
     _cli("fit", "--config", str(CPU_YAML), "--config", short)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["zero_shot_acc"] >= 0.6, summary
@@ -98,26 +134,59 @@ def test_one_process_reaches_a_lowered_bar(tmp_path: Path) -> None:
 
 def test_deepspeed_zero3_json_runs_as_fsdp2(tmp_path: Path) -> None:
     ds = tmp_path / "ds.json"
-    ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "overlap_comm": True},
-                              "tensor_parallel": {"tp_size": 2}}))
-    run = _overrides(tmp_path, "ds3", {
-        "devices": 2, "max_steps": 2, "limit_val_batches": 0, "logger": False,
-        "enable_checkpointing": False, "default_root_dir": str(tmp_path), "callbacks": None,
-        "strategy": {"class_path": "lightning_mmpar.strategy.MultimodalParallelStrategy",
-                     "init_args": {"tensor_parallel": 1, "pipeline_parallel": 2}},
-    })
+    ds.write_text(
+        json.dumps(
+            {
+                "zero_optimization": {"stage": 3, "overlap_comm": True},
+                "tensor_parallel": {"tp_size": 2},
+            }
+        )
+    )
+    run = _overrides(
+        tmp_path,
+        "ds3",
+        {
+            "devices": 2,
+            "max_steps": 2,
+            "limit_val_batches": 0,
+            "logger": False,
+            "enable_checkpointing": False,
+            "default_root_dir": str(tmp_path),
+            "callbacks": None,
+            "strategy": {
+                "class_path": "lightning_mmpar.strategy.MultimodalParallelStrategy",
+                "init_args": {"tensor_parallel": 1, "pipeline_parallel": 2},
+            },
+        },
+    )
     proc = _cli("fit", "--config", str(CPU_YAML), "--config", run, "--deepspeed", str(ds))
     assert "ZeRO-3 is mapped to FSDP2" in proc.stdout + proc.stderr
 
 
 def test_deepspeed_bad_json_is_refused(tmp_path: Path) -> None:
     ds = tmp_path / "ds.json"
-    ds.write_text(json.dumps({"zero_optimization": {"stage": 2}, "tensor_parallel": {"tp_size": 2}}))
+    ds.write_text(
+        json.dumps({"zero_optimization": {"stage": 2}, "tensor_parallel": {"tp_size": 2}})
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "lightning_mmpar.recipes.clip_llama", "fit", "--config",
-         str(CPU_YAML), "--deepspeed", str(ds), "--trainer.max_steps", "1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, env=env,
+        [
+            sys.executable,
+            "-m",
+            "lightning_mmpar.recipes.clip_llama",
+            "fit",
+            "--config",
+            str(CPU_YAML),
+            "--deepspeed",
+            str(ds),
+            "--trainer.max_steps",
+            "1",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
     )
     assert proc.returncode != 0
     assert "zero_optimization.stage 2 runs on DeepSpeed's engine" in proc.stderr
@@ -128,8 +197,17 @@ def test_deepspeed_zero_engine_trains_on_cpu(tmp_path: Path, stage: int) -> None
     out = tmp_path / "ds.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "recipes" / "deepspeed_worker.py"), str(stage),
-         str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env,
+        [
+            sys.executable,
+            str(ROOT / "tests" / "recipes" / "deepspeed_worker.py"),
+            str(stage),
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
