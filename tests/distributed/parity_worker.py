@@ -53,6 +53,26 @@ def dataset(cfg: ToyConfig) -> Tensor:
     return make_tokens(EPOCH_STEPS * GLOBAL_BATCH, cfg)
 
 
+class CollectiveProbe(Callback):
+    """Exercise the strategy's collectives once the processes and mesh exist."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, Any] = {}
+
+    def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
+        s = trainer.strategy
+        rank = float(trainer.global_rank)
+        s.barrier("probe")
+        self.seen = {
+            "reduce_mean": float(s.reduce(torch.tensor(rank), reduce_op="mean")),
+            "reduce_sum": float(s.reduce(torch.tensor(rank), reduce_op="sum")),
+            "broadcast": s.broadcast({"from": trainer.global_rank}, src=0),
+            "all_gather": s.all_gather(torch.tensor([rank])).flatten().tolist(),
+            "sampler": s.distributed_sampler_kwargs,
+            "coords": s.parallel_dims.rank_coords(trainer.global_rank),
+        }
+
+
 def global_batches(steps: int, cfg: ToyConfig) -> Tensor:
     """The data in the order Lightning's DistributedSampler(shuffle=True, seed=0) visits it: in
     epoch e the union of the dp ranks' k-th batches is slice k of randperm(seed=e)."""
@@ -176,12 +196,17 @@ def fit_plain(rank: int, world: int, tp: int, data_parallel: str) -> dict[str, A
     cfg = ToyConfig()
     torch.manual_seed(0)
     model = PlainLM(cfg)
-    rec = Recorder()
+    rec, probe = Recorder(), CollectiveProbe()
     strategy = MultimodalParallelStrategy(tensor_parallel=tp, data_parallel=data_parallel)
-    trainer = _trainer(strategy, world, STEPS, [rec])
+    trainer = _trainer(strategy, world, STEPS, [rec, probe])
     dp = world // tp
     trainer.fit(model, DataLoader(dataset(cfg), batch_size=GLOBAL_BATCH // dp))
-    return {"losses": rec.losses, "grads": rec.grads, "weights": full_weights(model)}
+    return {
+        "losses": rec.losses,
+        "grads": rec.grads,
+        "weights": full_weights(model),
+        "probe": probe.seen,
+    }
 
 
 def resume_and_reshard(rank: int, world: int, root: str) -> dict[str, Any]:

@@ -19,6 +19,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mmpar.callbacks.fp8_fallback import FP8FallbackCallback
 from lightning_mmpar.callbacks.grad_drift import GradientDriftMonitor
+from lightning_mmpar.callbacks.grad_stats import local_tensor
+from lightning_mmpar.examples.toy_transformer import ToyConfig, ToyTransformer, make_tokens
 from lightning_mmpar.precision.fp8 import FP8Policy, convert_to_fp8, fp8_modules
 
 
@@ -221,4 +223,138 @@ def ddp_world(rank: int, world: int, root: str) -> dict[str, Any]:
         out[str(kind)] = run_case(f"{root}/{kind}", kind, steps=12)
     out["stock"] = stock_case(f"{root}/stock")
     out["tp"] = tp_fp8_check(rank, world)
+    return out
+
+
+# ---------------------------------------------------------------------------- mm_parallel
+class FaultyToy(ToyTransformer):
+    """The example toy LM with optional FP8 layers and one injected fault.
+
+    ``fault`` = ``(kind, step, rank, param)``: ``nan_grad`` puts a NaN into that parameter's
+    local gradient (a hook registered after the TP plan, so on the DTensor parameter; under a
+    pipeline it fires in the first micro-batch); ``perturb`` adds 1e-2 to element 3 of that
+    parameter's local tensor before the step.
+    """
+
+    def __init__(self, fp8: bool = False, fault: tuple[str, int, int, str] | None = None) -> None:
+        super().__init__(ToyConfig())
+        self.fault = fault
+        self.fired = 0
+        self.losses: list[float] = []
+        if fp8:  # before configure_model: the TP plan then shards the Float8Linear weights
+            convert_to_fp8(self, FP8Policy(backend="emulate", history_len=4))
+
+    def _armed(self, kind: str) -> bool:
+        if self.fault is None or self.fault[0] != kind or self.fired:
+            return False
+        return self.trainer.global_step == self.fault[1] and _rank() == self.fault[2]
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        if self.fault is not None and self.fault[0] == "nan_grad" and _rank() == self.fault[2]:
+            dict(self.named_parameters())[self.fault[3]].register_hook(self._nan_hook)
+
+    def _nan_hook(self, grad: Tensor) -> Tensor:
+        if not self._armed("nan_grad"):
+            return grad
+        from torch.distributed.tensor import DTensor
+
+        self.fired += 1
+        local = local_tensor(grad).clone()
+        local.view(-1)[0] = float("nan")
+        if isinstance(grad, DTensor):
+            return DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False)
+        return local
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.fault is not None and self._armed("perturb"):
+            self.fired += 1
+            with torch.no_grad():
+                local_tensor(dict(self.named_parameters())[self.fault[3]]).view(-1)[3] += 1e-2
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses.append(float(self.trainer.callback_metrics["train_loss"]))
+
+
+class NormProbe(pl.Callback):
+    """At step 0 (after the monitor): the monitor's global norm, and the norm recomputed from
+    the full gradients (``full_tensor()`` per parameter, stages summed over the pp group)."""
+
+    def __init__(self, mon: GradientDriftMonitor) -> None:
+        self.mon = mon
+        self.out: dict[str, float] = {}
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+        if trainer.global_step != 0 or self.out:
+            return
+        from torch.distributed.tensor import DTensor
+
+        sq = torch.zeros((), dtype=torch.float64)
+        for _, p in pl_module.named_parameters():
+            if p.grad is not None:
+                g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                sq += g.double().square().sum()
+        pp = trainer.strategy.parallel_dims.get_mesh("pp")
+        if pp.size() > 1:
+            dist.all_reduce(sq, group=pp.get_group())
+        assert self.mon.last_report is not None
+        self.out = {"monitor": self.mon.last_report.grad_norm, "full": float(sq.sqrt())}
+
+
+def mm_fit(
+    root: str, world: int, tp: int, pp: int, data_parallel: str, steps: int,
+    fp8: bool = False, fault: tuple[str, int, int, str] | None = None, fallback: bool = True,
+) -> dict[str, Any]:  # fmt: skip
+    """One mm_parallel Trainer run of :class:`FaultyToy` with the stability callbacks."""
+    from lightning_mmpar import MultimodalParallelStrategy
+
+    torch.manual_seed(0)
+    model = FaultyToy(fp8=fp8, fault=fault)
+    mon = GradientDriftMonitor(warmup_steps=2, log_dir=root)
+    probe = NormProbe(mon)
+    fb = FP8FallbackCallback(monitor=mon) if fallback else None
+    strategy = MultimodalParallelStrategy(
+        tensor_parallel=tp, pipeline_parallel=pp, data_parallel=data_parallel,  # type: ignore[arg-type]
+        micro_batches=2 * pp if pp > 1 else None,
+    )  # fmt: skip
+    dp = world // (tp * pp)
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator="cpu", devices=world, max_steps=steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=root, callbacks=[mon, probe, *([fb] if fb else [])],
+        num_sanity_val_steps=0,
+    )  # fmt: skip
+    cfg = model.cfg
+    data = make_tokens(5 * 8, cfg)
+    trainer.fit(model, DataLoader(data, batch_size=8 // dp))  # type: ignore[arg-type]
+    named = dict(model.named_parameters())
+    prints = {n: [float(local_tensor(p).detach().double().sum())] for n, p in named.items()}
+    rep = mon.last_report
+    return {
+        "rank": _rank(),
+        "losses": model.losses,
+        "records": [r.kind for r in mon.anomalies.records],
+        "groups": {g.name: (len(g.params), g.skipped) for g in mon.groups},
+        "probe": probe.out,
+        "noise_scale": rep.noise_scale if rep else None,
+        "ratio": rep.local_global_ratio if rep else None,
+        "grad_norm": rep.grad_norm if rep else None,
+        "counters": dict(fb.counters) if fb else {},
+        "precision": {n: m.precision for n, m in fp8_modules(model).items()},
+        "fingerprints": prints,
+        "pipeline_grads_left": getattr(trainer.strategy, "_pipeline_grads", None) is not None,
+    }
+
+
+def mm_world(rank: int, world: int, root: str) -> dict[str, Any]:
+    """All mm_parallel stability runs in one 4-rank world (ranks: tp fastest, then dp, pp)."""
+    out: dict[str, Any] = {}
+    # tp2 x dp2, DDP all-reduce: clean; then a TP/DP-replicated norm weight perturbed on rank 3
+    out["clean_tp2dp2"] = mm_fit(f"{root}/clean_tp2dp2", world, 2, 1, "ddp", steps=6)
+    fault = ("perturb", 3, 3, "layers.0.norm1.weight")
+    out["drift_tp2dp2"] = mm_fit(f"{root}/drift_tp2dp2", world, 2, 1, "ddp", 6, fault=fault)
+    # tp2 x pp2 (1F1B, 4 micro-batches): clean; then FP8 with a NaN in rank 3's shard
+    out["clean_tp2pp2"] = mm_fit(f"{root}/clean_tp2pp2", world, 2, 2, "ddp", steps=6)
+    fault = ("nan_grad", 2, 3, "layers.3.up.weight")
+    out["nan_tp2pp2"] = mm_fit(f"{root}/nan_tp2pp2", world, 2, 2, "ddp", 6, fp8=True, fault=fault)
     return out

@@ -112,6 +112,14 @@ def test_four_rank_layouts_plain_module_and_resume(ref: dict[str, Any], tmp_path
     for name, fn, _ in jobs:
         if fn != "resume":
             check(name, _by_job(res, name), ref)
+    # collectives of the strategy (world = 4: tp2 x dp2), seen from every rank
+    for rank, probe in enumerate(r["probe"] for r in _by_job(res, "plain-tp2-dp2-ddp")):
+        assert probe["reduce_mean"] == 1.5 and probe["reduce_sum"] == 6.0
+        assert probe["broadcast"] == {"from": 0}
+        assert probe["all_gather"] == [0.0, 1.0, 2.0, 3.0]
+        # data are sharded over the dp ranks only: tp peers (0,1) and (2,3) read the same shard
+        assert probe["sampler"] == {"num_replicas": 2, "rank": rank // 2}
+        assert probe["coords"]["tp"] == rank % 2 and probe["coords"]["dp"] == rank // 2
     # Resume at step 5 in the same layout and in the other one (tp2 pp2 <-> tp1 pp1 dp4):
     # steps 6..10 equal the uninterrupted single-process run, and so do the final weights.
     resumed = _by_job(res, "resume")
