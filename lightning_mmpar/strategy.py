@@ -240,21 +240,22 @@ class MultimodalParallelStrategy(ModelParallelStrategy):
         self._log("train_loss", loss)
         return loss
 
+    def _eval_loss(self, name: str, batch: Any) -> Tensor:
+        loss = self._loss(batch, train=False)
+        self._log(name, loss)
+        return loss
+
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if not self._pipelined():
             return super().validation_step(*args, **kwargs)
-        loss = self._loss(args[0], train=False)
-        self._log("val_loss", loss)
-        return loss
+        return self._eval_loss("val_loss", args[0])
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         if not self._pipelined():
             return super().test_step(*args, **kwargs)
-        loss = self._loss(args[0], train=False)
-        self._log("test_loss", loss)
-        return loss
+        return self._eval_loss("test_loss", args[0])
 
     @override
     def backward(

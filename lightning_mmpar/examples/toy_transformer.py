@@ -1,9 +1,11 @@
 """A small causal transformer LM written the way the strategy expects.
 
-It implements :class:`~lightning_mmpar.parallel.pipeline.PipelineModule` (ordered blocks, inputs,
-loss) and applies tensor-parallel plans in ``configure_model`` on ``self.device_mesh["tp"]``:
-attention q/k/v column-parallel by heads and the output projection row-parallel; the MLP
-column- then row-parallel ("Y = GeLU(XA) B; A split by columns, B by rows": one all-reduce).
+It implements :class:`~lightning_mmpar.parallel.pipeline.PipelineModule` (ordered blocks,
+inputs, loss), takes its Lightning steps from
+:class:`~lightning_mmpar.parallel.pipeline.PipelineSteps`, and applies tensor-parallel plans in
+``configure_model`` on ``self.device_mesh["tp"]``: attention q/k/v column-parallel by heads,
+the output projection row-parallel; the MLP column- then row-parallel ("Y = GeLU(XA) B; A split
+by columns, B by rows": one all-reduce).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
+
+from lightning_mmpar.parallel.pipeline import PipelineSteps
 
 
 @dataclass(kw_only=True)
@@ -94,7 +98,7 @@ def tensor_parallel_plan() -> dict[str, Any]:
     }
 
 
-class ToyTransformer(LightningModule):
+class ToyTransformer(PipelineSteps, LightningModule):
     """Embedding -> ``layers`` x Block -> Head; next-token cross-entropy."""
 
     def __init__(self, cfg: ToyConfig | None = None) -> None:
@@ -134,13 +138,6 @@ class ToyTransformer(LightningModule):
         for block in self.layers:
             x = block(x)
         return self.head(x)
-
-    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
-        # Runs under any other strategy; mm_parallel drives PipelineModules itself.
-        inputs, target = self.pipeline_inputs(batch)
-        loss = self.pipeline_loss(self(*inputs), target)
-        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
-        return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.cfg.lr)

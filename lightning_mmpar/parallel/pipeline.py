@@ -61,6 +61,31 @@ class PipelineChunk(nn.Module):
         return args[0] if len(args) == 1 else args
 
 
+class PipelineSteps:
+    """Lightning steps for a :class:`PipelineModule`, so it trains under any strategy.
+
+    Mix in before ``LightningModule``. Each step runs the blocks in order on the whole batch and
+    logs ``train_loss`` / ``val_loss`` / ``test_loss``; under ``mm_parallel`` the strategy runs
+    the same computation through its pipeline schedule instead and logs the same names.
+    """
+
+    def _pipeline_step(self, name: str, batch: Any) -> Tensor:
+        inputs, target = self.pipeline_inputs(batch)  # type: ignore[attr-defined]
+        chunk = PipelineChunk(self.pipeline_blocks())  # type: ignore[attr-defined]
+        loss: Tensor = self.pipeline_loss(chunk(*inputs), target)  # type: ignore[attr-defined]
+        self.log(f"{name}_loss", loss, prog_bar=True, sync_dist=True)  # type: ignore[attr-defined]
+        return loss
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return self._pipeline_step("train", batch)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return self._pipeline_step("val", batch)
+
+    def test_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return self._pipeline_step("test", batch)
+
+
 def partition(num_blocks: int, num_stages: int) -> list[range]:
     """Equal split of ``num_blocks`` into ``num_stages`` contiguous ranges (earlier stages get
     the remainder)."""

@@ -91,6 +91,9 @@ def reference(steps: int = STEPS, clip: float | None = None) -> dict[str, Any]:
     model = ToyTransformer(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     data = global_batches(steps, cfg)
+    with torch.no_grad():  # the initial model on the whole (validation) set
+        rows = dataset(cfg)
+        val_loss = model.pipeline_loss(model(rows[:, :-1]), rows[:, 1:]).item()
     losses, grads = [], {}
     for k in range(steps):
         batch = data[k * GLOBAL_BATCH : (k + 1) * GLOBAL_BATCH]
@@ -104,7 +107,7 @@ def reference(steps: int = STEPS, clip: float | None = None) -> dict[str, Any]:
         opt.step()
         losses.append(loss.item())
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return {"losses": losses, "grads": grads, "weights": weights}
+    return {"losses": losses, "grads": grads, "weights": weights, "val_loss": val_loss}
 
 
 def full_weights(module: nn.Module) -> dict[str, Tensor]:
@@ -142,22 +145,34 @@ def fit_layout(
     steps: int = STEPS,
     clip: float | None = None,
 ) -> dict[str, Any]:
-    """Train the toy LM with one layout; return losses, first-step grads and final weights."""
+    """Validate the initial model, then train it, in one layout; return the validation loss,
+    the training losses, the first-step gradients and the final weights."""
     cfg = ToyConfig()
-    torch.manual_seed(0)
-    model = ToyTransformer(cfg)
-    strategy = MultimodalParallelStrategy(
-        tensor_parallel=tp,
-        pipeline_parallel=pp,
-        virtual_pipeline=v,
-        schedule=schedule,
-        micro_batches=2 * pp if pp > 1 else None,
-        data_parallel=data_parallel,
-    )
+
+    def run(fn: str, callbacks: list[Any]) -> tuple[ToyTransformer, Any]:
+        torch.manual_seed(0)
+        model = ToyTransformer(cfg)
+        strategy = MultimodalParallelStrategy(
+            tensor_parallel=tp,
+            pipeline_parallel=pp,
+            virtual_pipeline=v,
+            schedule=schedule,
+            micro_batches=2 * pp if pp > 1 else None,
+            data_parallel=data_parallel,
+        )
+        trainer = _trainer(strategy, world, steps, callbacks, clip)
+        loader = DataLoader(dataset(cfg), batch_size=GLOBAL_BATCH // dp)
+        return model, getattr(trainer, fn)(model, loader)
+
+    _, validated = run("validate", [])  # forward-only schedule
     rec = Recorder()
-    trainer = _trainer(strategy, world, steps, [rec], clip)
-    trainer.fit(model, DataLoader(dataset(cfg), batch_size=GLOBAL_BATCH // dp))
-    return {"losses": rec.losses, "grads": rec.grads, "weights": full_weights(model)}
+    model, _ = run("fit", [rec])
+    return {
+        "val_loss": validated[0]["val_loss"],
+        "losses": rec.losses,
+        "grads": rec.grads,
+        "weights": full_weights(model),
+    }
 
 
 class PlainLM(LightningModule):

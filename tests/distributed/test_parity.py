@@ -59,6 +59,10 @@ def check(name: str, results: list[dict[str, Any]], ref: dict[str, Any], first: 
     assert weights.keys() == ref["weights"].keys(), name
     for k, w in ref["weights"].items():
         torch.testing.assert_close(weights[k], w, rtol=0, atol=WEIGHT_ATOL, msg=f"{name}: {k}")
+    if "val_loss" in results[0]:
+        for r in results:
+            err = abs(r["val_loss"] - ref["val_loss"]) / ref["val_loss"]
+            assert err < LOSS_RTOL, f"{name}: validation loss differs by {err:.2e}"
     if "grads" in results[0]:
         grads = merged(results, "grads")
         assert grads.keys() == ref["grads"].keys(), f"{name}: missing gradients"
