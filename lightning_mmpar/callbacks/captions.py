@@ -17,10 +17,9 @@ from typing_extensions import override
 class CaptionWriter(BasePredictionWriter):
     """Collect ``predict_step`` rows (dicts with ``caption``, ``digit``, ``label``).
 
-    Each rank writes ``captions.rank<R>.jsonl`` in ``output_dir``; the fraction of captions that
-    name the right digit is summed over all ranks and printed (tp/pp peers write identical rows;
-    the printed accuracy counts ranks that hold the last stage of each data-parallel replica
-    only through their own rows, so it equals the dp-level accuracy).
+    Each rank writes ``captions.rank<R>.jsonl`` in ``output_dir`` (tensor-parallel peers write
+    identical rows); the fraction of captions that name the right digit is summed over the
+    data-parallel group only and printed.
 
     Args:
         output_dir: folder of the JSONL files (default: the Trainer's ``default_root_dir``).
@@ -55,8 +54,11 @@ class CaptionWriter(BasePredictionWriter):
             [sum(r.get("digit") == r.get("label") for r in self.rows), len(self.rows)],
             dtype=torch.float,
         )
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(hits)
+        from lightning_mmpar.recipes.parallel_env import dp_group
+
+        group = dp_group(trainer)
+        if group is not None:
+            dist.all_reduce(hits, group=group)
         self.accuracy = float(hits[0] / hits[1].clamp(min=1))
         examples = "\n".join(f"    label {r.get('label')}: {r['caption']}" for r in self.rows[:5])
         rank_zero_info(
