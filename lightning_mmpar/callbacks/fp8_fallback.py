@@ -41,6 +41,7 @@ from lightning_mmpar.callbacks.anomalies import (
     rank,
 )
 from lightning_mmpar.callbacks.grad_drift import GradientDriftMonitor, GradReport
+from lightning_mmpar.callbacks.grad_stats import clip_grads_, local_tensor
 from lightning_mmpar.callbacks.snapshot import Snapshot
 from lightning_mmpar.precision.fp8 import Float8Linear, fp8_modules, set_precision
 
@@ -128,6 +129,8 @@ class FP8FallbackCallback(Callback):
         self._window: list[tuple[Any, int]] = []
         self._clean_steps = 0
         self._last_step = -1
+        self._pipeline_warmup = False
+        self._in_redo = False
 
     # ------------------------------------------------------------------ lifecycle
     @override
@@ -148,6 +151,9 @@ class FP8FallbackCallback(Callback):
         self.snapshot.take(trainer, pl_module)
         self._last_step = trainer.global_step
         mods = fp8_modules(pl_module)
+        if getattr(trainer.strategy, "pipeline", None) is not None:  # every rank decides alike
+            live = torch.tensor([float(sum(m.precision == "fp8" for m in mods.values()))])
+            self._pipeline_warmup = bool(all_reduce_sum(live.double())[0] > 0)
         rank_zero_info(
             f"FP8FallbackCallback: {sum(m.precision == 'fp8' for m in mods.values())} of "
             f"{len(mods)} Float8Linear modules in fp8; fallback -> {self.config.fallback_precision}"
@@ -177,6 +183,29 @@ class FP8FallbackCallback(Callback):
             for m in fp8_modules(pl_module).values():
                 m.reset_fp8_stats()
         self._window.append((batch, batch_idx))
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """First pipelined step with FP8 layers: redo it without the shape-inference casts.
+
+        ``torch.distributed.pipelining`` infers stage shapes in its first step by running the
+        stages on placeholder tensors (arbitrary values) inside the same schedule step; their
+        FP8 casts polluted the statistics and the amax histories the real micro-batches were
+        scaled with. Reset both and recompute the gradients (all ranks, once per fit).
+        """
+        if not self._pipeline_warmup or self._in_redo:
+            return
+        self._pipeline_warmup = False
+        for m in fp8_modules(pl_module).values():
+            m.reset_amax_history()
+            m.reset_fp8_stats()
+        if self.mon.capture is not None:
+            self.mon.capture.take()  # the redo's hooks replace this backward's
+        self._recompute(trainer, pl_module, trainer.optimizers[0])
+        rank_zero_info(
+            "FP8FallbackCallback: first pipelined step recomputed without the FP8 casts of "
+            "the pipeline's shape inference (placeholder tensors)."
+        )
 
     @override
     def on_before_optimizer_step(
@@ -298,6 +327,24 @@ class FP8FallbackCallback(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, *, step: bool
     ) -> GradReport:
         """Zero gradients, recompute them on the window's batches; optimizer step if ``step``."""
+        self._recompute(trainer, pl_module, optimizer)
+        report = self.mon.inspect_gradients(trainer, pl_module, force=True)
+        if self.config.clip_grad_norm is not None and not report.anomalous:
+            # the monitor's norm is global (tp/dp shards, pp stages): clip with it directly;
+            # clip_grad_norm_ on this rank's parameters would see one stage's shards only
+            clip_grads_(list(pl_module.parameters()), self.config.clip_grad_norm,
+                        report.grad_norm)  # fmt: skip
+        if step and not report.anomalous:  # recovery after Lightning's step: step ourselves
+            for opt in trainer.optimizers:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        return report
+
+    def _recompute(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        """Zero gradients and re-run forward/backward of the window's batches through the
+        strategy (DDP sync, ``mm_parallel`` pipeline schedules and their gradient hand-off)."""
         for opt in trainer.optimizers:
             opt.zero_grad(set_to_none=True)
         for m in fp8_modules(pl_module).values():
@@ -305,6 +352,7 @@ class FP8FallbackCallback(Callback):
         scale = 1.0 / trainer.accumulate_grad_batches
         previous_fx = pl_module._current_fx_name
         pl_module._current_fx_name = "training_step"  # re-logged values overwrite, not clash
+        self._in_redo = True
         try:
             for batch, idx in self._window:
                 out: Any = trainer.strategy.training_step(batch, idx)
@@ -312,14 +360,7 @@ class FP8FallbackCallback(Callback):
                 trainer.strategy.backward(loss * scale, optimizer)
         finally:
             pl_module._current_fx_name = previous_fx
-        report = self.mon.inspect_gradients(trainer, pl_module, force=True)
-        if self.config.clip_grad_norm is not None and not report.anomalous:
-            pl_module.clip_gradients(optimizer, self.config.clip_grad_norm, "norm")
-        if step and not report.anomalous:  # recovery after Lightning's step: step ourselves
-            for opt in trainer.optimizers:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-        return report
+            self._in_redo = False
 
     def _record(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, decision: Decision,
@@ -334,12 +375,14 @@ class FP8FallbackCallback(Callback):
             f"{'still anomalous' if report.anomalous else 'clean'}"
         )
         for name in switched or [None]:  # type: ignore[list-item]
-            shape = list(mods[name].weight.shape) if name in mods else None
+            w = mods[name].weight if name in mods else None
             self.mon.anomalies.record(Anomaly(
                 kind="fp8_fallback", step=trainer.global_step, rank=rank(), group="world",
-                param=name, shape=shape, action=action,
+                param=name, shape=None if w is None else list(local_tensor(w).shape),
+                action=action,
                 values={"attempt": attempt, "reasons": decision.reasons[:16],
                         "grad_norm_after_redo": report.grad_norm,
+                        "global_shape": None if w is None else list(w.shape),
                         "restored_step": restored, "rolled_back_steps": lost},
             ))  # fmt: skip
 

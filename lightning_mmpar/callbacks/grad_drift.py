@@ -19,11 +19,19 @@ shorter than each of them. What the check is meant to catch is split into three 
 How the local (pre-sync) gradient is captured: a tensor hook on every parameter
 (``param.register_hook``) runs before the gradient is accumulated into ``param.grad``; DDP's
 reducer hooks run *after* accumulation, so the hook sees this rank's own gradient under DDP,
-under ``mm_parallel`` and on a single device. Under Lightning's FSDP strategies the local
-gradient of a sharded parameter is not observable this way; there the noise scale is not
-computed (non-finite/exploding and replica checks are unaffected, the latter being empty since
-nothing is replicated). Under TP each rank estimates over the coordinates it holds; the logged
-values average all ranks.
+under ``mm_parallel`` with ``data_parallel="ddp"`` (its all-reduce runs after backward) and on
+a single device. Under a pipeline schedule (pp > 1) the hook fires once per micro-batch with
+that micro-batch's gradient, so the small batch is ``b / micro_batches`` (and the noise scale is
+available even at dp = 1). Under FSDP (Lightning's strategies, or FSDP2 on the ``dp`` mesh
+of ``mm_parallel``) the local gradient of a sharded parameter is not observable this way; there
+the noise scale is not computed (non-finite/exploding checks are unaffected, replica checks
+skip what FSDP shards).
+
+All norms are of the *global* gradient: TP/FSDP shards are combined and TP-replicated copies
+counted once (:func:`~.grad_stats.norm_weights`), pipeline stages add up (one world all-reduce
+that also sums over the pp group), and per-module norms are summed over the tp and dp ranks of
+the module's pipeline stage. ``stability/grad_norm`` is therefore the norm
+``torch.nn.utils.clip_grad_norm_`` would report on one device for the same batch.
 """
 
 from __future__ import annotations
@@ -56,6 +64,9 @@ from lightning_mmpar.callbacks.grad_stats import (
     grad_norms,
     local_tensor,
     noise_scale_terms,
+    norm_weights,
+    pipeline_micro_batches,
+    stage_groups,
 )
 
 
@@ -123,9 +134,11 @@ class GradReport:
     anomalous: bool
     """Any rank saw a non-finite or exploding gradient (collective)."""
     grad_norm: float
-    """Norm of the synchronised gradient held by this rank."""
+    """Global norm of the synchronised gradient (all shards, all pipeline stages; NaN if any
+    rank holds a non-finite gradient), identical on every rank."""
     local_global_ratio: float | None = None
-    """``sqrt(mean |g_b|^2 / mean |g_B|^2)`` over ranks."""
+    """``sqrt(mean_dp |g_b|^2 / |g_B|^2)``: a data-parallel rank's own (pre-sync) gradient
+    norm over the synchronised one (micro-batch gradients under a pipeline)."""
     noise_scale: float | None = None
     """``B_simple`` from the EMAs (``None`` until both EMAs are positive)."""
     nonfinite_params: list[str] = field(default_factory=list)
@@ -168,15 +181,23 @@ class GradientDriftMonitor(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         from lightning.pytorch.strategies import FSDPStrategy
+        from torch.distributed.fsdp import FSDPModule
 
         named = list(pl_module.named_parameters())
         self.groups = replicas.build_groups(trainer, pl_module, self.config.expert_patterns)
-        if self.capture is None and not isinstance(trainer.strategy, FSDPStrategy):
+        fsdp = isinstance(trainer.strategy, FSDPStrategy) or any(
+            isinstance(m, FSDPModule) for m in pl_module.modules()
+        )
+        if self.capture is None and not fsdp:
             self.capture = LocalGradCapture([(n, p) for n, p in named if p.requires_grad])
+        groups = [
+            f"{g.name}: {len(g.params)}" + (f" ({g.skipped} sharded, not compared)" if g.skipped
+                                            else "")
+            for g in self.groups
+        ]  # fmt: skip
         rank_zero_info(
-            f"GradientDriftMonitor: replica groups {[(g.name, len(g.params)) for g in self.groups]}"
-            f", local-gradient capture {'on' if self.capture else 'off (FSDP)'}, "
-            f"anomalies -> {self.anomalies.path}"
+            f"GradientDriftMonitor: replica groups [{', '.join(groups)}], local-gradient capture "
+            f"{'on' if self.capture else 'off (FSDP)'}, anomalies -> {self.anomalies.path}"
         )
 
     @override
@@ -219,7 +240,8 @@ class GradientDriftMonitor(Callback):
         self._inspected_step = step
         named = [(n, p) for n, p in pl_module.named_parameters() if p.grad is not None]
         norms = grad_norms(named)
-        modules = self._module_norms(named, norms)
+        ws = norm_weights(trainer, [p for _, p in named], world_size())
+        modules = self._module_norms(named, norms, ws, trainer)
         exploding = self._exploding(modules, step)
         nonfinite = [n for (n, _), v in zip(named, norms, strict=True) if not math.isfinite(v)]
         local_sq, count = self.capture.take() if self.capture else ([], 0)
@@ -228,21 +250,30 @@ class GradientDriftMonitor(Callback):
             for n, s, v in zip(self.capture.names, self.capture.shapes, local_sq, strict=True)
             if not math.isfinite(v)
         ] if self.capture else []  # fmt: skip
-        big = sum(v * v for v in norms)
-        small = sum(local_sq) * trainer.accumulate_grad_batches**2 / max(count, 1)
-        ok_s, ok_b = count > 0 and math.isfinite(small), math.isfinite(big)
+        big = sum(w * v * v for w, v in zip(ws, norms, strict=True))
+        small = 0.0
+        if self.capture is not None:
+            cw = norm_weights(trainer, self.capture.params, world_size())
+            # under a pipeline the hook sees unscaled micro-batch gradients, else loss/accumulate
+            acc = 1 if pipeline_micro_batches(trainer) > 1 else trainer.accumulate_grad_batches
+            small = sum(w * v for w, v in zip(cw, local_sq, strict=True)) * acc**2
+            small /= max(count, 1)
+        has = self.capture is not None and bool(self.capture.names)
+        bad_s = not has or count == 0 or not math.isfinite(small)
+        bad_b = not math.isfinite(big)
         vec = torch.tensor(
-            [small if ok_s else 0.0, float(ok_s), big if ok_b else 0.0, float(ok_b),
+            [0.0 if bad_s else small, float(bad_s), 0.0 if bad_b else big, float(bad_b),
              len(nonfinite), len(local_bad), len(exploding)], dtype=torch.float64,
         )  # fmt: skip
         tot = all_reduce_sum(vec).tolist()
         origin = [o for rk in all_gather_objects(local_bad) for o in rk] if tot[5] > 0 else []
         report = GradReport(
-            step=step, anomalous=tot[4] + tot[5] + tot[6] > 0, grad_norm=math.sqrt(big),
+            step=step, anomalous=tot[4] + tot[5] + tot[6] > 0,
+            grad_norm=math.sqrt(tot[2]) if tot[3] == 0 else math.nan,
             nonfinite_params=nonfinite, origin=origin, exploding_modules=exploding,
         )  # fmt: skip
-        if tot[1] > 0 and tot[3] > 0:
-            self._noise_scale(report, tot[0] / tot[1], tot[2] / tot[3], trainer)
+        if tot[1] == 0 and tot[3] == 0:
+            self._noise_scale(report, tot[0], tot[2], trainer)
         self._record_grad_anomalies(report, named, norms, modules, local_bad)
         self.last_report = report
         if self.config.log_metrics:
@@ -250,12 +281,20 @@ class GradientDriftMonitor(Callback):
         return report
 
     def _module_norms(
-        self, named: Sequence[tuple[str, Tensor]], norms: list[float]
-    ) -> dict[str, float]:
+        self, named: Sequence[tuple[str, Tensor]], norms: list[float], weights: list[float],
+        trainer: pl.Trainer,
+    ) -> dict[str, float]:  # fmt: skip
+        """Global norm per module: weighted local squares summed over the module's stage."""
         sq: dict[str, float] = {}
-        for (n, _), v in zip(named, norms, strict=True):
+        for (n, _), v, w in zip(named, norms, weights, strict=True):
             mod = ".".join(n.split(".")[:-1][: self.config.module_depth]) or "<root>"
-            sq[mod] = sq.get(mod, 0.0) + v * v
+            sq[mod] = sq.get(mod, 0.0) + w * v * v
+        groups = stage_groups(trainer)
+        if sq and groups:  # w = S / (ranks per stage): the stage's sum is the global square
+            vec = torch.tensor(list(sq.values()), dtype=torch.float64)
+            for g in groups:  # dp then tp: together the ranks of this pipeline stage
+                vec = all_reduce_sum(vec, g)
+            sq = dict(zip(sq, vec.tolist(), strict=True))
         return {m: math.sqrt(v) if v >= 0 else v for m, v in sq.items()}
 
     def _exploding(self, modules: dict[str, float], step: int) -> list[str]:
@@ -276,9 +315,13 @@ class GradientDriftMonitor(Callback):
     ) -> None:
         report.local_global_ratio = math.sqrt(small / big) if big > 0 else None
         dp, b = self._dp_size(trainer), self._batch
-        if dp < 2 or b is None:
+        if b is None:
             return
-        g2, trace = noise_scale_terms(small, big, b, b * trainer.accumulate_grad_batches * dp)
+        b_small = b / pipeline_micro_batches(trainer)
+        b_big = b * trainer.accumulate_grad_batches * dp
+        if b_big <= b_small:
+            return
+        g2, trace = noise_scale_terms(small, big, b_small, b_big)
         beta = self.config.ema_beta
         self._ema_g2 = g2 if self._ema_g2 is None else beta * self._ema_g2 + (1 - beta) * g2
         self._ema_trace = (
@@ -347,7 +390,7 @@ class GradientDriftMonitor(Callback):
                     values={"drifting_ranks": d.drifting_ranks, "this_rank_drifts":
                             rank() in d.drifting_ranks, "reference_rank": d.reference_rank,
                             "fingerprints": d.fingerprints, "max_abs_diff": d.max_abs_diff,
-                            "worst_index": d.worst_index},
+                            "worst_index": d.worst_index, "ambiguous": d.ambiguous},
                 ))  # fmt: skip
             found += drift
         self.last_drift = found

@@ -6,7 +6,21 @@ float64, and all-gathers the ``[P, 2]`` table over the group. Parameter ``p`` of
 *drifts* when its fingerprint differs from the reference by more than
 ``rtol * max_r sum(|p_r|) + atol``; the reference is the rank that agrees with most others
 (ties: the lowest rank). Only drifting parameters are then all-gathered in full to report the
-largest element-wise difference and where it is.
+largest element-wise difference and where it is. With two ranks in a group (or any tie) the
+majority cannot tell which side drifted: the record then says ``ambiguous``.
+
+Groups under ``mm_parallel`` (:func:`build_groups`), each compared over local shards, which
+hold the same coordinates on every member of the group:
+
+* ``tp``: parameters not sharded over the tp mesh dimension (plain tensors and DTensors whose
+  ``tp`` placement is ``Replicate``, e.g. LayerNorm weights, also when FSDP shards them on dp:
+  the tp peers hold the same dp shard);
+* ``dp``: dense parameters not sharded over dp (``data_parallel="ddp"``, or parameters FSDP does
+  not manage). FSDP-sharded parameters have no replica over dp: they are skipped, and
+  :attr:`ReplicaGroup.skipped` counts them;
+* ``edp``: expert parameters (``expert_patterns``) when ``ep > 1``;
+* never across pipeline ranks: they hold different parameters (the tp/dp/edp groups lie inside
+  one pipeline stage).
 """
 
 from __future__ import annotations
@@ -35,6 +49,8 @@ class ReplicaGroup:
     """The process group."""
     params: Sequence[tuple[str, Tensor]]
     """``(name, parameter)`` pairs checked over this group, in the same order on every rank."""
+    skipped: int = 0
+    """Parameters not compared over this group because they are sharded over it."""
 
 
 @dataclass(kw_only=True)
@@ -55,6 +71,9 @@ class Drift:
     """``{rank: max |p_rank - p_reference|}`` (full comparison)."""
     worst_index: dict[int, int]
     """``{rank: flat index of that maximum}``."""
+    ambiguous: bool = False
+    """No strict majority agreed with the reference (e.g. a 2-rank group): which side
+    drifted is a guess (the lowest rank is taken as reference)."""
 
 
 def _local(p: Tensor) -> Tensor:
@@ -75,9 +94,15 @@ def _sharded_over(p: Tensor, dims: tuple[str, ...]) -> bool:
 
 
 def _replicated_over_tp(p: Tensor) -> bool:
+    """Same values on every tp rank: a plain tensor, or a DTensor not sharded over ``tp``
+    (a mesh without dimension names counts as tp when it is 1-D and fully replicated)."""
     from torch.distributed.tensor import DTensor
 
-    return not isinstance(p, DTensor) or all(pm.is_replicate() for pm in p.placements)
+    if not isinstance(p, DTensor):
+        return True
+    if "tp" in (p.device_mesh.mesh_dim_names or ()):
+        return not _sharded_over(p, ("tp",))
+    return all(pm.is_replicate() for pm in p.placements)
 
 
 def build_groups(
@@ -104,17 +129,22 @@ def build_groups(
         return dims.ep > 1 and any(fnmatch.fnmatchcase(n, p) for p in expert_patterns)
 
     shard_dims = ("dp", "edp", "ep")
-    dense = [(n, p) for n, p in named if not expert(n) and not _sharded_over(p, shard_dims)]
+    dense = [(n, p) for n, p in named if not expert(n)]
+    dp_params = [(n, p) for n, p in dense if not _sharded_over(p, shard_dims)]
+    experts = [(n, p) for n, p in named if expert(n)]
+    edp_params = [(n, p) for n, p in experts if not _sharded_over(p, ("dp", "edp"))]
+    tp_params = [(n, p) for n, p in named if _replicated_over_tp(p)]
     out = []
-    for name, size, params in (
-        ("dp", dims.dp, dense),
-        ("edp", dims.edp, [(n, p) for n, p in named if expert(n)]),
-        ("tp", dims.tp, [(n, p) for n, p in named if _replicated_over_tp(p)]),
+    for name, size, params, total in (
+        ("dp", dims.dp, dp_params, len(dense)),
+        ("edp", dims.edp, edp_params, len(experts)),
+        ("tp", dims.tp, tp_params, len(named)),
     ):
-        if size > 1 and params:
-            out.append(
-                ReplicaGroup(name=name, group=dims.get_mesh(name).get_group(), params=params)
-            )
+        if size > 1 and (params or total):
+            out.append(ReplicaGroup(
+                name=name, group=dims.get_mesh(name).get_group(), params=params,
+                skipped=total - len(params),
+            ))  # fmt: skip
     return out
 
 
@@ -137,8 +167,18 @@ def find_drift(table: Tensor, rtol: float, atol: float) -> tuple[Tensor, Tensor]
     return drifting, ref
 
 
+def ambiguous(table: Tensor, rtol: float, atol: float) -> Tensor:
+    """``[P]`` bool: the reference of each parameter has no strict majority in its group."""
+    diff = (table[:, None] - table[None, :]).abs().amax(-1)
+    tol = rtol * table[..., 1].abs().amax(0) + atol
+    agree = (diff <= tol).sum(1).amax(0)  # [P], the reference's supporters (itself included)
+    return 2 * agree <= table.shape[0]
+
+
 def check_group(rg: ReplicaGroup, rtol: float, atol: float, max_full: int) -> list[Drift]:
     """Collective over ``rg.group``: fingerprints, then full comparison of drifting params."""
+    if not rg.params:  # same list on every member: nobody calls the collectives
+        return []
     dev = comm_device(rg.group)
     ranks = dist.get_process_group_ranks(rg.group)
     local = fingerprints(rg.params, dev)
@@ -146,6 +186,7 @@ def check_group(rg: ReplicaGroup, rtol: float, atol: float, max_full: int) -> li
     dist.all_gather_into_tensor(flat, local, group=rg.group)  # gloo wants the [G*P, 2] form
     table = flat.reshape(len(ranks), *local.shape)
     drifting, ref = find_drift(table.cpu(), rtol, atol)
+    tie = ambiguous(table.cpu(), rtol, atol)
     bad = drifting.any(0).nonzero().flatten().tolist()[:max_full]
     out = []
     for i in bad:  # identical list on every rank: the table is the same everywhere
@@ -162,6 +203,7 @@ def check_group(rg: ReplicaGroup, rtol: float, atol: float, max_full: int) -> li
             fingerprints={ranks[g]: table[g, i].tolist() for g in range(len(ranks))},
             max_abs_diff={ranks[g]: float(d.max()) for g, d in enumerate(diffs)},
             worst_index={ranks[g]: int(d.argmax()) for g, d in enumerate(diffs)},
+            ambiguous=bool(tie[i]),
         ))  # fmt: skip
     return out
 

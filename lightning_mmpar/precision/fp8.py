@@ -21,6 +21,13 @@ Tensor parallelism: with DTensor weights (1-D mesh, ``Shard(0)`` column- or ``Sh
 row-parallel, or replicated) the FP8 matmul runs on the local shards with per-shard scales and
 the result is re-wrapped as a DTensor (``Shard(-1)`` resp. ``Partial()``), so the layer composes
 with ``torch.distributed.tensor.parallel`` plans.
+
+Pipeline parallelism: ``torch.distributed.pipelining`` infers stage shapes in its first step by
+running the stages on placeholder tensors (``torch.empty``: arbitrary values, NaN included)
+and a backward with ones. Those casts enter the statistics and the amax history like any other;
+:class:`~lightning_mmpar.callbacks.fp8_fallback.FP8FallbackCallback` discards them and redoes
+the first pipelined step (without the callback, call :meth:`Float8Linear.reset_amax_history`
+after the first step).
 """
 
 from __future__ import annotations
@@ -319,7 +326,11 @@ def _dtensor_forward(layer: Float8Linear, x: Tensor) -> Tensor:
             "column-parallel (Shard(0), Replicate), row-parallel (Shard(1), Shard(-1)) and "
             "replicated weights."
         )
-    local = _FP8Linear.apply(x.to_local(), w.to_local(), layer)
+    # column-parallel: each rank's input gradient is a partial sum over its output columns;
+    # marking it Partial makes DTensor all-reduce it where the replicated input came from
+    # (without it, every tp rank would keep only its own part: replicated norms drift)
+    grad_p: Any = [Partial()] if isinstance(out_p, Shard) and wp == Shard(0) else None
+    local = _FP8Linear.apply(x.to_local(grad_placements=grad_p), w.to_local(), layer)
     out = DTensor.from_local(local, w.device_mesh, [out_p], run_check=False)
     if layer.bias is not None:
         bias: Any = layer.bias
@@ -330,8 +341,16 @@ def _dtensor_forward(layer: Float8Linear, x: Tensor) -> Tensor:
 
 
 def fp8_modules(module: nn.Module) -> dict[str, Float8Linear]:
-    """All :class:`Float8Linear` submodules by qualified name."""
-    return {n: m for n, m in module.named_modules() if isinstance(m, Float8Linear)}
+    """All :class:`Float8Linear` submodules that hold their weight, by qualified name.
+
+    Under pipeline parallelism the layers of other pipeline ranks stay in the module tree with
+    their parameters unregistered; they are left out.
+    """
+    return {
+        n: m
+        for n, m in module.named_modules()
+        if isinstance(m, Float8Linear) and m._parameters.get("weight") is not None
+    }
 
 
 def convert_to_fp8(module: nn.Module, policy: FP8Policy | None = None) -> list[str]:

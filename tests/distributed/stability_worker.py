@@ -249,8 +249,9 @@ class FaultyToy(ToyTransformer):
             return False
         return self.trainer.global_step == self.fault[1] and _rank() == self.fault[2]
 
-    def configure_model(self) -> None:
-        super().configure_model()
+    def arm(self) -> None:
+        """Register the NaN hook; called by :class:`Arm` once the strategy has set up the model
+        (moving DTensor parameters to the device swaps them, losing earlier hooks)."""
         if self.fault is not None and self.fault[0] == "nan_grad" and _rank() == self.fault[2]:
             dict(self.named_parameters())[self.fault[3]].register_hook(self._nan_hook)
 
@@ -276,6 +277,13 @@ class FaultyToy(ToyTransformer):
         self.losses.append(float(self.trainer.callback_metrics["train_loss"]))
 
 
+class Arm(pl.Callback):
+    """First in ``callbacks``: arms the fault hooks before the monitor registers its own."""
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        pl_module.arm()
+
+
 class NormProbe(pl.Callback):
     """At step 0 (after the monitor): the monitor's global norm, and the norm recomputed from
     the full gradients (``full_tensor()`` per parameter, stages summed over the pp group)."""
@@ -294,7 +302,8 @@ class NormProbe(pl.Callback):
             if p.grad is not None:
                 g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
                 sq += g.double().square().sum()
-        pp = trainer.strategy.parallel_dims.get_mesh("pp")
+        strategy: Any = trainer.strategy
+        pp = strategy.parallel_dims.get_mesh("pp")
         if pp.size() > 1:
             dist.all_reduce(sq, group=pp.get_group())
         assert self.mon.last_report is not None
@@ -321,7 +330,7 @@ def mm_fit(
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=world, max_steps=steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=root, callbacks=[mon, probe, *([fb] if fb else [])],
+        default_root_dir=root, callbacks=[Arm(), mon, probe, *([fb] if fb else [])],
         num_sanity_val_steps=0,
     )  # fmt: skip
     cfg = model.cfg
