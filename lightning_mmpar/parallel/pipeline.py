@@ -123,6 +123,10 @@ def _drop_parameters(
     return count
 
 
+def _grad_flags(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    return tuple(t.detach().requires_grad_(t.is_floating_point()) for t in tensors)
+
+
 class PipelineEngine:
     """This rank's stages and schedule for one :class:`PipelineModule`.
 
@@ -162,19 +166,72 @@ class PipelineEngine:
         )
         if wrap_chunk is not None:
             self.chunks = [wrap_chunk(c) for c in self.chunks]
-        self.stages: list[Any] = [
-            PipelineStage(c, s, config.num_stages, device, group=pp_group)
-            for c, s in zip(self.chunks, self.stage_ids, strict=True)
-        ]
-        self.schedule = self._build_schedule()
+        self.device = device
+        self._schedules: dict[tuple[Any, ...], Any] = {}
 
-    def _build_schedule(self) -> Any:
+    def _schedule_for(self, inputs: tuple[Tensor, ...]) -> Any:
+        """The schedule for this input signature, built on first use.
+
+        Stages get real example tensors (micro-batch 0 run through every stage once) instead of
+        torch's shape inference, which runs stages on uninitialised tensors: integer inputs
+        (token ids, indices) would be garbage there. One schedule per input shape, so evaluation
+        batches of another size work too.
+        """
+        n = self.config.num_micro_batches
+        for t in inputs:
+            if t.shape[0] % n:
+                raise ValueError(
+                    f"batch size ({t.shape[0]}) must be divisible by micro_batches ({n}) under "
+                    f"pipeline parallelism; use a multiple of {n} (drop_last=True avoids a short "
+                    "last batch)."
+                )
+        key = tuple((tuple(t.shape), t.dtype) for t in inputs)
+        if key not in self._schedules:
+            io = self._example_io(tuple(t.tensor_split(n)[0] for t in inputs))
+            stages = [
+                PipelineStage(
+                    c,
+                    s,
+                    self.config.num_stages,
+                    self.device,
+                    group=self.group,
+                    input_args=io[s][0],
+                    output_args=io[s][1],
+                )
+                for c, s in zip(self.chunks, self.stage_ids, strict=True)
+            ]
+            self._schedules[key] = self._build_schedule(stages)
+        return self._schedules[key]
+
+    @torch.no_grad()
+    def _example_io(self, mb: tuple[Tensor, ...]) -> dict[int, tuple[tuple[Tensor, ...], ...]]:
+        """Run one micro-batch through the stages in order (point-to-point between owners)."""
+        pp = dist.get_world_size(self.group)
+        chunks = dict(zip(self.stage_ids, self.chunks, strict=True))
+        io: dict[int, tuple[tuple[Tensor, ...], ...]] = {}
+        for s in self.stage_ids:
+            if s == 0:
+                x = mb
+            else:
+                box: list[Any] = [None]
+                dist.recv_object_list(box, group=self.group, group_src=(s - 1) % pp)
+                x = tuple(t.to(self.device) for t in box[0])
+            out = chunks[s](*x)
+            y = out if isinstance(out, tuple) else (out,)
+            # the flags tell the stages which boundary tensors carry gradients
+            io[s] = (_grad_flags(x) if s > 0 else x, _grad_flags(y))
+            if s < self.config.num_stages - 1:
+                payload = [tuple(t.detach().cpu() for t in y)]
+                dist.send_object_list(payload, group=self.group, group_dst=(s + 1) % pp)
+        return io
+
+    def _build_schedule(self, stages: list[Any]) -> Any:
         n = self.config.num_micro_batches
         loss_fn = self.module.pipeline_loss  # type: ignore[attr-defined]
         if self.config.schedule == "interleaved_1f1b":
-            return ScheduleInterleaved1F1B(list(self.stages), n, loss_fn=loss_fn)
+            return ScheduleInterleaved1F1B(stages, n, loss_fn=loss_fn)
         cls = ScheduleGPipe if self.config.schedule == "gpipe" else Schedule1F1B
-        return cls(self.stages[0], n, loss_fn=loss_fn)
+        return cls(stages[0], n, loss_fn=loss_fn)
 
     @property
     def has_first(self) -> bool:
@@ -186,13 +243,14 @@ class PipelineEngine:
 
     def _run(self, batch: Any, train: bool) -> Tensor:
         inputs, target = self.module.pipeline_inputs(batch)  # type: ignore[attr-defined]
+        schedule = self._schedule_for(tuple(inputs))
         args = inputs if self.has_first else ()
         tgt = target if self.has_last else None
         losses: list[Tensor] = []
         if train:
-            self.schedule.step(*args, target=tgt, losses=losses, return_outputs=False)
+            schedule.step(*args, target=tgt, losses=losses, return_outputs=False)
         else:
-            self.schedule.eval(*args, target=tgt, losses=losses)
+            schedule.eval(*args, target=tgt, losses=losses)
         return self._broadcast_loss(losses)
 
     def train_step(self, batch: Any) -> Tensor:
@@ -205,7 +263,7 @@ class PipelineEngine:
         return self._run(batch, train=False)
 
     def _broadcast_loss(self, losses: list[Tensor]) -> Tensor:
-        device = self.stages[0].device
+        device = self.device
         if self.has_last:
             loss = torch.stack([x.detach().float() for x in losses]).mean().to(device)
         else:

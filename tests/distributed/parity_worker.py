@@ -255,11 +255,32 @@ def resume_and_reshard(rank: int, world: int, root: str) -> dict[str, Any]:
     return out
 
 
+def pipeline_batch_sizes(rank: int, world: int) -> dict[str, Any]:
+    """pp=2: validation with another batch size than training, then one that does not split."""
+    cfg = ToyConfig()
+    out: dict[str, Any] = {}
+    for batch_size in (4, 6):
+        torch.manual_seed(0)
+        model = ToyTransformer(cfg)
+        strategy = MultimodalParallelStrategy(pipeline_parallel=2, micro_batches=4)
+        trainer = _trainer(strategy, world, STEPS, [])
+        try:
+            out[batch_size] = trainer.validate(model, DataLoader(dataset(cfg), batch_size))
+        except ValueError as err:
+            out[batch_size] = str(err)
+    return out
+
+
 def run_many(
     rank: int, world: int, jobs: list[tuple[str, str, tuple[Any, ...]]], root: str = ""
 ) -> dict[str, Any]:
     """Several fits in one world (process start-up dominates on small machines)."""
-    fns = {"layout": fit_layout, "plain": fit_plain, "resume": resume_and_reshard}
+    fns = {
+        "layout": fit_layout,
+        "plain": fit_plain,
+        "resume": resume_and_reshard,
+        "batch_sizes": pipeline_batch_sizes,
+    }
     out = {}
     for name, fn, args in jobs:
         extra = (root,) if fn == "resume" else ()

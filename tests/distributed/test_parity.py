@@ -96,7 +96,15 @@ def test_two_rank_layouts(ref: dict[str, Any], ref_clipped: dict[str, Any]) -> N
         ("121-gpipe", "layout", (1, 2, 1, "gpipe")),
         ("121-interleaved", "layout", (1, 2, 1, "interleaved_1f1b", 2)),
     ]
-    res = spawn(pw.run_many, 2, jobs + clipped)
+    res = spawn(pw.run_many, 2, [*jobs, *clipped, ("batch_sizes", "batch_sizes", ())])
+    for r in _by_job(res, "batch_sizes"):
+        # evaluation batches of another size get their own schedule ...
+        assert abs(r[4][0]["val_loss"] - ref["val_loss"]) / ref["val_loss"] < LOSS_RTOL
+        # ... and a batch that does not split into micro-batches is refused clearly
+        assert r[6] == (
+            "batch size (6) must be divisible by micro_batches (4) under pipeline parallelism; "
+            "use a multiple of 4 (drop_last=True avoids a short last batch)."
+        )
     for name, _, _ in jobs:
         check(name, _by_job(res, name), ref)
     for name, _, _ in clipped:
