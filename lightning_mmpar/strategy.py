@@ -133,7 +133,8 @@ class MultimodalParallelStrategy(ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         self._setup_distributed()
-        self._dims = self._make_dims()
+        if self._dims is None or not self._dims.is_built:  # once per strategy, not per fit/test
+            self._dims = self._make_dims()
         mesh = self._dims.build_mesh(self.root_device.type)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = mesh
@@ -145,7 +146,8 @@ class MultimodalParallelStrategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
+        if any(p.device != self.root_device for p in self.model.parameters()):
+            self.model_to_device()  # .to() replaces DTensor parameters and drops their hooks
         self._parallelize(self._module)
         # Trainer(gradient_clip_val=...) must see the norm over all tp/dp shards and pp stages
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]

@@ -118,6 +118,11 @@ class ParallelDims:
         return self._mesh
 
     @property
+    def is_built(self) -> bool:
+        """Whether :meth:`build_mesh` ran."""
+        return self._mesh is not None
+
+    @property
     def mesh(self) -> DeviceMesh:
         """The root mesh; raises before :meth:`build_mesh`."""
         if self._mesh is None:

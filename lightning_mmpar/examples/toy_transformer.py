@@ -107,11 +107,12 @@ class ToyTransformer(PipelineSteps, LightningModule):
         self.embed = Embed(self.cfg)
         self.layers = nn.ModuleList(Block(self.cfg) for _ in range(self.cfg.layers))
         self.head = Head(self.cfg)
+        self._tensor_parallel_applied = False
 
     def configure_model(self) -> None:
         mesh = self.device_mesh
-        if mesh is None or mesh["tp"].size() == 1:
-            return
+        if mesh is None or mesh["tp"].size() == 1 or self._tensor_parallel_applied:
+            return  # idempotent: Lightning calls this hook on every fit/validate/test
         from torch.distributed.tensor.parallel import parallelize_module
 
         heads = self.cfg.heads
@@ -122,6 +123,7 @@ class ToyTransformer(PipelineSteps, LightningModule):
         for block in self.layers:
             if isinstance(block, Block):
                 parallelize_module(block, mesh["tp"], tensor_parallel_plan())
+        self._tensor_parallel_applied = True
 
     # PipelineModule protocol
     def pipeline_blocks(self) -> list[nn.Module]:

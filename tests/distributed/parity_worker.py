@@ -268,6 +268,14 @@ def pipeline_batch_sizes(rank: int, world: int) -> dict[str, Any]:
             out[batch_size] = trainer.validate(model, DataLoader(dataset(cfg), batch_size))
         except ValueError as err:
             out[batch_size] = str(err)
+    # the same Trainer (and strategy) for fit, then validate: set-up runs once, not twice
+    torch.manual_seed(0)
+    model = ToyTransformer(cfg)
+    strategy = MultimodalParallelStrategy(pipeline_parallel=2, tensor_parallel=world // 2)
+    trainer = _trainer(strategy, world, STEPS, [])
+    loader = DataLoader(dataset(cfg), batch_size=GLOBAL_BATCH)
+    trainer.fit(model, loader)
+    out["fit_then_validate"] = trainer.validate(model, loader)[0]["val_loss"]
     return out
 
 

@@ -105,6 +105,7 @@ def test_two_rank_layouts(ref: dict[str, Any], ref_clipped: dict[str, Any]) -> N
             "batch size (6) must be divisible by micro_batches (4) under pipeline parallelism; "
             "use a multiple of 4 (drop_last=True avoids a short last batch)."
         )
+        assert 0 < r["fit_then_validate"] < ref["val_loss"]  # trained, on the same Trainer
     for name, _, _ in jobs:
         check(name, _by_job(res, name), ref)
     for name, _, _ in clipped:
