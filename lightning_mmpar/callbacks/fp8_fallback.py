@@ -129,7 +129,6 @@ class FP8FallbackCallback(Callback):
         self._window: list[tuple[Any, int]] = []
         self._clean_steps = 0
         self._last_step = -1
-        self._pipeline_warmup = False
         self._in_redo = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -151,9 +150,6 @@ class FP8FallbackCallback(Callback):
         self.snapshot.take(trainer, pl_module)
         self._last_step = trainer.global_step
         mods = fp8_modules(pl_module)
-        if getattr(trainer.strategy, "pipeline", None) is not None:  # every rank decides alike
-            live = torch.tensor([float(sum(m.precision == "fp8" for m in mods.values()))])
-            self._pipeline_warmup = bool(all_reduce_sum(live.double())[0] > 0)
         rank_zero_info(
             f"FP8FallbackCallback: {sum(m.precision == 'fp8' for m in mods.values())} of "
             f"{len(mods)} Float8Linear modules in fp8; fallback -> {self.config.fallback_precision}"
@@ -183,29 +179,6 @@ class FP8FallbackCallback(Callback):
             for m in fp8_modules(pl_module).values():
                 m.reset_fp8_stats()
         self._window.append((batch, batch_idx))
-
-    @override
-    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """First pipelined step with FP8 layers: redo it without the shape-inference casts.
-
-        ``torch.distributed.pipelining`` infers stage shapes in its first step by running the
-        stages on placeholder tensors (arbitrary values) inside the same schedule step; their
-        FP8 casts polluted the statistics and the amax histories the real micro-batches were
-        scaled with. Reset both and recompute the gradients (all ranks, once per fit).
-        """
-        if not self._pipeline_warmup or self._in_redo:
-            return
-        self._pipeline_warmup = False
-        for m in fp8_modules(pl_module).values():
-            m.reset_amax_history()
-            m.reset_fp8_stats()
-        if self.mon.capture is not None:
-            self.mon.capture.take()  # the redo's hooks replace this backward's
-        self._recompute(trainer, pl_module, trainer.optimizers[0])
-        rank_zero_info(
-            "FP8FallbackCallback: first pipelined step recomputed without the FP8 casts of "
-            "the pipeline's shape inference (placeholder tensors)."
-        )
 
     @override
     def on_before_optimizer_step(
