@@ -33,3 +33,32 @@ def new_subgroups(groups: list[list[int]]) -> dist.ProcessGroup:
     group, _ = dist.new_subgroups_by_enumeration(groups)
     assert isinstance(group, dist.ProcessGroup)
     return group
+
+
+def deepspeed_broadcast_zero_dim() -> None:
+    """Let DeepSpeed's engine broadcast 0-dim parameters (CLIP's logit scale, say).
+
+    DeepSpeed (0.19) broadcasts every parameter as ``p.data.view(torch.uint8)``, which raises
+    for 0-dim tensors. While ``_broadcast_model`` runs, such parameters hold a 1-element view of
+    their own storage; the broadcast values land in that storage, then the 0-dim tensor is put
+    back. Idempotent.
+    """
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    original = DeepSpeedEngine._broadcast_model
+    if getattr(original, "_zero_dim_safe", False):
+        return
+
+    def _broadcast_model(self: DeepSpeedEngine) -> None:
+        zero_dim = [p for p in self.module.parameters() if p.dim() == 0]
+        kept = [p.data for p in zero_dim]
+        for p in zero_dim:
+            p.data = p.data.reshape(1)
+        try:
+            original(self)
+        finally:
+            for p, data in zip(zero_dim, kept, strict=True):
+                p.data = data
+
+    _broadcast_model._zero_dim_safe = True  # type: ignore[attr-defined]
+    DeepSpeedEngine._broadcast_model = _broadcast_model  # type: ignore[method-assign]

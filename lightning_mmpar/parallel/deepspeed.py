@@ -187,6 +187,9 @@ class CPUCapableDeepSpeedStrategy(DeepSpeedStrategy):
     def _setup_model_and_optimizer(
         self, model: Any, optimizer: Any, lr_scheduler: Any = None
     ) -> tuple[Any, Any]:
+        from lightning_mmpar.compat import deepspeed_broadcast_zero_dim
+
+        deepspeed_broadcast_zero_dim()
         if self.root_device.type == "cuda":
             return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
         import argparse

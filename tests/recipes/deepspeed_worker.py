@@ -27,11 +27,13 @@ class Tiny(LightningModule):
         self.net = torch.nn.Sequential(
             torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
         )
+        # 0-dim, like CLIP's logit scale: DeepSpeed's broadcast must cope with it
+        self.scale = torch.nn.Parameter(torch.tensor(1.0))
         self.losses: list[float] = []
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
-        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        loss = torch.nn.functional.mse_loss(self.net(x) * self.scale, y)
         self.losses.append(float(loss.detach()))
         return loss
 
