@@ -189,19 +189,24 @@ class PipelineEngine:
         if key not in self._schedules:
             io = self._example_io(tuple(t.tensor_split(n)[0] for t in inputs))
             stages = [
-                PipelineStage(
-                    c,
-                    s,
-                    self.config.num_stages,
-                    self.device,
-                    group=self.group,
-                    input_args=io[s][0],
-                    output_args=io[s][1],
-                )
-                for c, s in zip(self.chunks, self.stage_ids, strict=True)
+                self._stage(c, s, io[s]) for c, s in zip(self.chunks, self.stage_ids, strict=True)
             ]
             self._schedules[key] = self._build_schedule(stages)
         return self._schedules[key]
+
+    def _stage(self, chunk: nn.Module, index: int, io: tuple[tuple[Tensor, ...], ...]) -> Any:
+        """A stage with static metadata. Gradients are declared like the tensors they flow
+        into (same shapes, DTensor placements), so torch does not fall back to inferring
+        metadata by running the stage on placeholders (it does so for DTensors otherwise)."""
+        x, y = io
+
+        def grads(ts: tuple[Tensor, ...]) -> tuple[Tensor | None, ...]:
+            return tuple(t if t.requires_grad else None for t in ts)
+
+        return PipelineStage(
+            chunk, index, self.config.num_stages, self.device, group=self.group,
+            input_args=x, output_args=y, input_grads=grads(x), output_grads=grads(y),
+        )  # fmt: skip
 
     @torch.no_grad()
     def _example_io(self, mb: tuple[Tensor, ...]) -> dict[int, tuple[tuple[Tensor, ...], ...]]:

@@ -55,12 +55,6 @@ class RecipeOutput(NamedTuple):
     """``[K, C]`` l2-normalised class-prompt features (zeros in training mode)."""
 
 
-def _index(t: Tensor, size: int) -> Tensor:
-    """Indices clamped into ``[0, size)``: a no-op on real data, but torch's pipeline stages infer
-    shapes by running a stage on *uninitialised* received tensors, which must not crash."""
-    return t.clamp(0, size - 1)
-
-
 def _broadcast_rows(x: Tensor, rows: int) -> Tensor:
     return x.unsqueeze(0).expand(rows, *x.shape).contiguous()
 
@@ -121,13 +115,12 @@ class Bridge(nn.Module):
         p_ids: Tensor,
         p_last: Tensor,
     ) -> tuple[Tensor, ...]:
-        vocab = self.embed_tokens.num_embeddings
-        h = self.embed_tokens(_index(ids, vocab))
+        h = self.embed_tokens(ids)
         dim = h.shape[-1]
         if self.training:
             hp = h.new_zeros(*p_ids.shape, dim)
         else:
-            hp = _broadcast_rows(self.embed_tokens(_index(p_ids[0], vocab)), p_ids.shape[0])
+            hp = _broadcast_rows(self.embed_tokens(p_ids[0]), p_ids.shape[0])
         return self.projector(tokens), pooled, h, h.clone(), last, hp, p_last
 
 
@@ -178,7 +171,7 @@ class Head(nn.Module):
 
     def _text(self, h: Tensor, last: Tensor) -> Tensor:
         rows = torch.arange(h.shape[0], device=h.device)
-        return self.norm(h)[rows, _index(last, h.shape[1])]
+        return self.norm(h)[rows, last]
 
     def forward(
         self,

@@ -195,10 +195,7 @@ class ClipLlamaModule(LightningModule):
         lc = self.loss_config
         total = lc.contrastive_weight * con + lc.caption_weight * cap + mml
         terms = torch.stack([con.detach(), cap.detach(), mml.detach()]).float().cpu()
-        # torch's pipeline stages infer shapes by running the last stage (and this loss) once on
-        # uninitialised tensors; keep that pass out of the logged terms.
-        if bool(torch.isfinite(terms).all()):
-            self._terms += torch.cat([terms, torch.ones(1)])
+        self._terms += torch.cat([terms, torch.ones(1)])
         if not self.training and self._metrics is not None and self._prompts:
             self._metrics.update(out, target_ids, labels, self._digit_classes)
         return total
