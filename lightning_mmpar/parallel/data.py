@@ -16,7 +16,6 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_flatten
 
 
 def _local(t: Tensor) -> Tensor:
@@ -95,9 +94,3 @@ def sync_gradients(params: Iterable[Tensor], group: dist.ProcessGroup) -> None:
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
-
-
-def tensors_of(obj: object) -> list[Tensor]:
-    """Every tensor in a nested structure."""
-    leaves, _ = tree_flatten(obj)
-    return [x for x in leaves if isinstance(x, Tensor)]
