@@ -19,8 +19,8 @@ block              input -> output                                    kind
 ``VisionLayer``    ``(x_v, ids, last) -> (x_v, ids, last)``            vision
 ``VisionPool``     ``(x_v, ids, last) -> (tok_v, pooled, ids, last)``  vision
 ``Bridge``         ``(tok_v, pooled, ids, last) -> (img, pooled, h, last)``  aligner
-``AdapterLayer``   ``(img, pooled, h, last) -> (img, pooled, h, last)``  aligner
-``DecoderLayer``   ``(img, pooled, h, last) -> (img, pooled, h, last)``  language
+``HiddenLayer``    ``(img, pooled, h, last) -> (img, pooled, h, last)``  aligner: adapter
+``HiddenLayer``    ``(img, pooled, h, last) -> (img, pooled, h, last)``  language: decoder
 ``Head``           ``(img, pooled, h, last) -> (logits, img_f, txt_f, scale)``  language
 =================  ==================================================  ========
 
@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_mmpar.models.adapter import AdapterConfig, CrossModalAdapter
-from lightning_mmpar.models.language import LanguageConfig, LanguageModel, LlamaDecoderLayer
+from lightning_mmpar.models.language import LanguageConfig, LanguageModel
 from lightning_mmpar.models.vision import (
     VisionBlock,
     VisionConfig,
@@ -126,8 +126,8 @@ class FusionModel(nn.Module):
         blocks: list[nn.Module] = [VisionStem(self.vision)]
         blocks += [VisionLayer(cast(VisionBlock, b)) for b in self.vision.transformer.resblocks]
         blocks += [VisionPool(self.vision), Bridge(self.projector, self.language.embed_tokens)]
-        blocks += [AdapterLayer(cast(CrossModalAdapter, a)) for a in self.adapters]
-        blocks += [DecoderLayer(cast(LlamaDecoderLayer, d)) for d in self.language.layers]
+        blocks += [HiddenLayer(a, "aligner") for a in self.adapters]
+        blocks += [HiddenLayer(d, "language") for d in self.language.layers]
         blocks.append(Head(self))
         return blocks
 
@@ -208,29 +208,17 @@ class Bridge(nn.Module):
         return self.projector(tokens), pooled, self.embed_tokens(ids), last
 
 
-class AdapterLayer(nn.Module):
-    """One :class:`CrossModalAdapter` on ``h``, attending to ``img``."""
+class HiddenLayer(nn.Module):
+    """One layer on the text stream, ``h <- layer(h, img)``; the other tensors pass through.
 
-    kind = "aligner"
+    ``kind`` is ``"aligner"`` for a :class:`CrossModalAdapter` (text attends to ``img``) and
+    ``"language"`` for a LLaMA decoder layer (``img`` used only by joint attention).
+    """
 
-    def __init__(self, adapter: CrossModalAdapter) -> None:
-        super().__init__()
-        self.adapter = adapter
-
-    def forward(
-        self, img: Tensor, pooled: Tensor, h: Tensor, last: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        return img, pooled, self.adapter(h, img), last
-
-
-class DecoderLayer(nn.Module):
-    """One LLaMA decoder layer on ``h`` (``img`` used only by joint attention)."""
-
-    kind = "language"
-
-    def __init__(self, layer: LlamaDecoderLayer) -> None:
+    def __init__(self, layer: nn.Module, kind: str) -> None:
         super().__init__()
         self.layer = layer
+        self.kind = kind
 
     def forward(
         self, img: Tensor, pooled: Tensor, h: Tensor, last: Tensor
