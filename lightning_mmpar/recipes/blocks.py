@@ -11,7 +11,7 @@ the same modules (no copies) and carry, batch-first so micro-batching splits the
     vision   (x_v, ids, last, p_ids, p_last)                 VisionStem / VisionLayer
     pool     (tok_v, pooled, ids, last, p_ids, p_last)       VisionPool
     bridge   (img, pooled, h, ht, last, hp, p_last)          projector, embed_tokens
-    aligner  h <- adapter(h, img); ht, hp unchanged          AdapterLayer
+    aligner  h <- adapter(h, img); ht, hp unchanged          Adapter
     language h <- layer(h, img); ht <- layer(ht); hp <- layer(hp) (eval only)
     head     RecipeOutput                                     norm, lm_head, heads, EMA heads
 
