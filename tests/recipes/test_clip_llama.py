@@ -164,6 +164,33 @@ def test_deepspeed_zero3_json_runs_as_fsdp2(tmp_path: Path) -> None:
     assert "ZeRO-3 is mapped to FSDP2" in proc.stdout + proc.stderr
 
 
+def test_recipe_trains_under_deepspeed_zero1_on_cpu(tmp_path: Path) -> None:
+    """The fusion model (0-dim logit scale included) on DeepSpeed's engine, 2 CPU processes."""
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 1}}))
+    run = _overrides(
+        tmp_path,
+        "ds1",
+        {
+            "devices": 2,
+            "max_steps": 3,
+            "limit_val_batches": 0,
+            "logger": False,
+            "default_root_dir": str(tmp_path),
+            "strategy": {
+                "class_path": "lightning_mmpar.strategy.MultimodalParallelStrategy",
+                "init_args": {"tensor_parallel": 1, "pipeline_parallel": 1},
+            },
+        },
+    )
+    proc = _cli("fit", "--config", str(CPU_YAML), "--config", run, "--deepspeed", str(ds))
+    out = proc.stdout + proc.stderr
+    assert "CPUCapableDeepSpeedStrategy: world 2" in out, out[-2000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 3
+    assert all(math.isfinite(row["train_loss"]) for row in summary["history"]["train"])
+
+
 def test_deepspeed_bad_json_is_refused(tmp_path: Path) -> None:
     ds = tmp_path / "ds.json"
     ds.write_text(
