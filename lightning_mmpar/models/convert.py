@@ -78,6 +78,20 @@ def import_open_clip_visual(
     return vision_config_from_open_clip(visual), dict(visual.state_dict())
 
 
+_LLAMA_SHARED_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "rms_norm_eps",
+    "attention_bias",
+    "mlp_bias",
+)
+"""Fields named alike in transformers' ``LlamaConfig`` and :class:`LanguageConfig`."""
+
+
 def language_config_from_llama(config: Any) -> LanguageConfig:
     """Translate a transformers ``LlamaConfig`` (default RoPE only)."""
     rope = getattr(config, "rope_parameters", None) or {}
@@ -86,17 +100,9 @@ def language_config_from_llama(config: Any) -> LanguageConfig:
     if config.hidden_act != "silu":
         raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu'.")
     return LanguageConfig(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
+        **{name: getattr(config, name) for name in _LLAMA_SHARED_FIELDS},
         head_dim=getattr(config, "head_dim", None),
-        rms_norm_eps=config.rms_norm_eps,
         rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
-        attention_bias=config.attention_bias,
-        mlp_bias=config.mlp_bias,
     )
 
 
@@ -105,17 +111,9 @@ def llama_config(config: LanguageConfig) -> Any:
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
+        **{name: getattr(config, name) for name in _LLAMA_SHARED_FIELDS},
         head_dim=config.dim_per_head,
-        rms_norm_eps=config.rms_norm_eps,
         rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
-        attention_bias=config.attention_bias,
-        mlp_bias=config.mlp_bias,
         tie_word_embeddings=False,
     )
 
