@@ -21,6 +21,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check lightning_mmpar tests benchmarks
 	$(VENV)/bin/ruff format --check lightning_mmpar tests benchmarks
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q --durations=15 tests

@@ -25,9 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_mmpar.callbacks.fp8_fallback import FP8FallbackCallback
-from lightning_mmpar.callbacks.grad_drift import GradientDriftMonitor
-from lightning_mmpar.precision.fp8 import FP8Policy, convert_to_fp8, set_precision
+from lightning_mmpar.callbacks import FP8FallbackCallback, GradientDriftMonitor
+from lightning_mmpar.precision import FP8Policy, convert_to_fp8, set_precision
 
 
 class MLP(pl.LightningModule):

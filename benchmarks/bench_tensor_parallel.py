@@ -29,7 +29,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from lightning_mmpar.models.adapter import AdapterConfig
 from lightning_mmpar.models.convert import build_fusion_model
 from lightning_mmpar.models.fusion import FusionModel
-from lightning_mmpar.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
+from lightning_mmpar.parallel.numerics import vocab_parallel_cross_entropy
+from lightning_mmpar.plans.fusion import apply_tensor_parallel
 from lightning_mmpar.testing import spawn
 
 LAYOUTS = {

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -33,6 +33,14 @@ def new_subgroups(groups: list[list[int]]) -> dist.ProcessGroup:
     group, _ = dist.new_subgroups_by_enumeration(groups)
     assert isinstance(group, dist.ProcessGroup)
     return group
+
+
+def checkpoint_module(module: Any) -> None:
+    """Activation checkpointing of one module in place (torch's private composable
+    ``checkpoint``: forward hooks, so the module tree and parameter names stay as they are)."""
+    from torch.distributed._composable import checkpoint
+
+    checkpoint(module)
 
 
 def deepspeed_broadcast_zero_dim() -> None:

@@ -17,12 +17,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
@@ -32,10 +32,56 @@ from typing_extensions import override
 
 from lightning_mmpar.config import DataParallel, ParallelConfig, Schedule
 from lightning_mmpar.parallel import checkpoint as ckpt
+from lightning_mmpar.parallel import comm
 from lightning_mmpar.parallel import data as dpar
-from lightning_mmpar.parallel.grad_norm import clip_grad_norm
+from lightning_mmpar.parallel.numerics import clip_grad_norm_
 from lightning_mmpar.parallel.pipeline import PipelineChunk, PipelineEngine, PipelineModule
 from lightning_mmpar.topology import ParallelDims
+
+
+class GlobalNormClipping:
+    """Precision-plugin mixin: ``Trainer(gradient_clip_val=...)`` clips by the *global* norm.
+
+    Lightning's plugins call ``torch.nn.utils.clip_grad_norm_`` on this rank's parameters, which
+    under tensor/pipeline parallelism sees only local shards and one stage. The strategy gives
+    its plugin the function that computes the norm over every tp/dp shard and pp stage
+    (:func:`lightning_mmpar.parallel.numerics.clip_grad_norm_`).
+    """
+
+    clip_fn: Any = None
+    """``(optimizer, max_norm) -> None``, set by :class:`MultimodalParallelStrategy`."""
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        if self.clip_fn is None:
+            raise RuntimeError(f"{type(self).__name__} is used outside MultimodalParallelStrategy.")
+        self.clip_fn(optimizer, float(clip_val))
+
+
+class ParallelPrecision(GlobalNormClipping, Precision):
+    """``precision="32-true"`` with global-norm clipping."""
+
+
+class ParallelMixedPrecision(GlobalNormClipping, MixedPrecision):
+    """``precision="bf16-mixed"`` / ``"16-mixed"`` with global-norm clipping."""
+
+
+class ParallelHalfPrecision(GlobalNormClipping, HalfPrecision):
+    """``precision="bf16-true"`` / ``"16-true"`` with global-norm clipping."""
+
+
+def _with_global_clipping(plugin: Precision | None) -> Precision:
+    """The parallel subclass of Lightning's own plugin (same settings); others unchanged."""
+    if plugin is None or type(plugin) is Precision:
+        return ParallelPrecision()
+    if type(plugin) is MixedPrecision:
+        return ParallelMixedPrecision(
+            plugin.precision,  # type: ignore[arg-type] # "16-mixed" or "bf16-mixed" by its type
+            plugin.device,
+            plugin.scaler,
+        )
+    if type(plugin) is HalfPrecision:
+        return ParallelHalfPrecision(plugin.precision)
+    return plugin
 
 
 class MultimodalParallelStrategy(ModelParallelStrategy):
@@ -97,6 +143,20 @@ class MultimodalParallelStrategy(ModelParallelStrategy):
             description="Tensor, pipeline, expert and data parallelism for multimodal models",
         )
 
+    @property  # type: ignore[override]
+    @override
+    def precision_plugin(self) -> Precision:
+        plugin = self._precision_plugin
+        if not isinstance(plugin, GlobalNormClipping):
+            plugin = self._precision_plugin = _with_global_clipping(plugin)
+        if isinstance(plugin, GlobalNormClipping):
+            plugin.clip_fn = self._clip_grad_by_norm
+        return plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        self._precision_plugin = plugin
+
     # ---------------------------------------------------------------- topology
     @property
     def parallel_dims(self) -> ParallelDims:
@@ -149,8 +209,7 @@ class MultimodalParallelStrategy(ModelParallelStrategy):
         if any(p.device != self.root_device for p in self.model.parameters()):
             self.model_to_device()  # .to() replaces DTensor parameters and drops their hooks
         self._parallelize(self._module)
-        # Trainer(gradient_clip_val=...) must see the norm over all tp/dp shards and pp stages
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        self._check_clipping(trainer)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -186,14 +245,19 @@ class MultimodalParallelStrategy(ModelParallelStrategy):
             self._replicated = dpar.replicated_parameters(module)
             dpar.broadcast_parameters(self._replicated, dp_mesh.get_group())
 
-    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+    def _check_clipping(self, trainer: Trainer) -> None:
+        if trainer.gradient_clip_val and not isinstance(self.precision_plugin, GlobalNormClipping):
+            raise ValueError(
+                f"gradient_clip_val ({trainer.gradient_clip_val}) needs a precision plugin that "
+                f"clips by the global norm; {type(self.precision_plugin).__name__} clips local "
+                "shards only. Use precision='32-true', 'bf16-mixed', 'bf16-true' or '16-true', or "
+                "mix lightning_mmpar.strategy.GlobalNormClipping into your plugin."
+            )
+
+    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        """Clip by the norm over every tp/dp shard and pp stage (one all-reduce)."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        pp = (
-            self.parallel_dims.get_mesh("pp").get_group()
-            if self.config.pipeline_parallel > 1
-            else None
-        )
-        clip_grad_norm(params, float(clip_val), pp)
+        clip_grad_norm_(params, clip_val, pp=self.parallel_dims.pp)
 
     # ---------------------------------------------------------------- steps
     @property
@@ -215,11 +279,7 @@ class MultimodalParallelStrategy(ModelParallelStrategy):
 
     def _log(self, name: str, loss: Tensor) -> None:
         """Log the data-parallel mean, so every rank logs the same value."""
-        value = loss.detach().clone()
-        dp = self.parallel_dims.get_mesh("dp")
-        if dp.size() > 1:
-            torch.distributed.all_reduce(value, group=dp.get_group())
-            value /= dp.size()
+        value = comm.all_reduce(loss.detach().clone(), "avg", self.parallel_dims.get_group("dp"))
         self._module.log(name, value, prog_bar=True, batch_size=1)
 
     @override

@@ -12,7 +12,7 @@ out of the data-parallel ranks exactly as in Megatron.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,6 +26,9 @@ MESH_DIMS: tuple[str, ...] = ("pp", "edp", "ep", "tp")
 """Dimensions of the root mesh, slowest first."""
 DERIVED_DIMS: dict[str, tuple[str, ...]] = {"dp": ("edp", "ep")}
 """Flattened dimensions available through :meth:`ParallelDims.get_mesh`."""
+LIGHTNING_ALIASES: dict[str, str] = {"data_parallel": "dp", "tensor_parallel": "tp"}
+"""Lightning ``ModelParallelStrategy`` mesh names -> ours; the mesh answers to both, so a module
+written for ``ModelParallelStrategy`` (``self.device_mesh["tensor_parallel"]``) runs unchanged."""
 
 
 @dataclass(kw_only=True)
@@ -45,6 +48,8 @@ class ParallelDims:
     """Expert-parallel degree (a divisor of the data-parallel degree)."""
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _vl_group: dist.ProcessGroup | None = field(default=None, init=False, repr=False)
+    _groups: dict[str, Any] | None = field(default=None, init=False, repr=False)
+    """Groups of a layout this package did not build (another strategy's), by dim name."""
 
     def __post_init__(self) -> None:
         for name in ("world_size", "tp", "pp", "ep"):
@@ -102,6 +107,79 @@ class ParallelDims:
         )
         return sorted(row.tolist() for row in flat)
 
+    @classmethod
+    def of(cls, trainer: Any) -> ParallelDims:
+        """The layout of whatever strategy ``trainer`` runs, for callbacks and losses.
+
+        ``mm_parallel``: its own dims. Lightning's ``ModelParallelStrategy``: ``tp`` and ``dp``
+        from its ``tensor_parallel`` / ``data_parallel`` mesh. Any other strategy (DDP, FSDP,
+        DeepSpeed, one device): every rank is a data-parallel rank of the world group. Reads the
+        strategy by duck typing (no import of any strategy class); cached on the strategy.
+        """
+        strategy = getattr(trainer, "strategy", None)
+        dims = getattr(strategy, "parallel_dims", None)
+        if isinstance(dims, ParallelDims):
+            return dims
+        cached = getattr(strategy, "_lightning_mmpar_dims", None)
+        world = int(getattr(trainer, "world_size", 1) or 1)
+        if isinstance(cached, ParallelDims) and cached.world_size == world:
+            return cached
+        mesh = getattr(strategy, "_device_mesh", None)
+        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+        if mesh is not None and {"data_parallel", "tensor_parallel"} <= set(names):
+            tp_mesh = mesh["tensor_parallel"]
+            out = cls(world_size=world, tp=tp_mesh.size())
+            out._groups = {"dp": mesh["data_parallel"].get_group(), "tp": tp_mesh.get_group()}
+        else:
+            out = cls(world_size=world)
+            out._groups = {}
+        if strategy is not None:
+            setattr(strategy, "_lightning_mmpar_dims", out)  # noqa: B010 - foreign class
+        return out
+
+    def get_group(self, name: str) -> dist.ProcessGroup | None:
+        """The process group of one dimension (``pp``, ``dp``, ``edp``, ``ep``, ``tp`` or a
+        Lightning alias), for :mod:`lightning_mmpar.parallel.comm`.
+
+        ``None`` only when no process group exists (one process: comm's collectives are then
+        the identity). A dimension of size 1 gets a one-rank group, never the world group, so a
+        collective over it is a no-op. Under another strategy the data-parallel group is the
+        world group. Raises ``KeyError`` for unknown names.
+        """
+        import torch.distributed as _dist
+
+        name = LIGHTNING_ALIASES.get(name, name)
+        self._check_name(name)
+        if not (_dist.is_available() and _dist.is_initialized()):
+            return None
+        if self._groups is None:
+            return self.get_mesh(name).get_group()
+        if name not in self._groups:
+            if self.size(name) == self.world_size:
+                self._groups[name] = _dist.group.WORLD
+            elif self.size(name) == 1:  # only this rank takes part in creating it
+                rank = _dist.get_rank()
+                self._groups[name] = _dist.new_group([rank], use_local_synchronization=True)
+            else:
+                raise KeyError(f"dimension {name!r} has no group under this strategy.")
+        group: dist.ProcessGroup | None = self._groups[name]
+        return group
+
+    def size(self, name: str) -> int:
+        """Degree of one dimension (``pp``, ``dp``, ``edp``, ``ep``, ``tp`` or a Lightning
+        alias)."""
+        name = LIGHTNING_ALIASES.get(name, name)
+        self._check_name(name)
+        return int(getattr(self, name))
+
+    def local_rank(self, name: str) -> int:
+        """This process's coordinate along one dimension (0 before processes exist)."""
+        import torch.distributed as _dist
+
+        if not (_dist.is_available() and _dist.is_initialized()):
+            return 0
+        return self.rank_coords(_dist.get_rank())[LIGHTNING_ALIASES.get(name, name)]
+
     def _check_name(self, name: str) -> None:
         valid = (*MESH_DIMS, *DERIVED_DIMS)
         if name not in valid:
@@ -113,7 +191,11 @@ class ParallelDims:
         Collective: every rank must call it, after the default process group exists.
         """
         if self._mesh is None:
-            self._mesh = compat.init_mesh(device_type, self.shape, MESH_DIMS, DERIVED_DIMS)
+            flattened = {
+                **DERIVED_DIMS,
+                **{alias: DERIVED_DIMS.get(d, (d,)) for alias, d in LIGHTNING_ALIASES.items()},
+            }
+            self._mesh = compat.init_mesh(device_type, self.shape, MESH_DIMS, flattened)
             self._vl_group = compat.new_subgroups(self.groups("tp"))
         return self._mesh
 
@@ -132,8 +214,9 @@ class ParallelDims:
         return self._mesh
 
     def get_mesh(self, name: str) -> DeviceMesh:
-        """The 1-D sub-mesh of one dimension (``pp``, ``dp``, ``edp``, ``ep``, ``tp``)."""
-        self._check_name(name)
+        """The 1-D sub-mesh of one dimension (``pp``, ``dp``, ``edp``, ``ep``, ``tp``, or
+        Lightning's ``data_parallel`` / ``tensor_parallel``)."""
+        self._check_name(LIGHTNING_ALIASES.get(name, name))
         return self.mesh[name]
 
     @property

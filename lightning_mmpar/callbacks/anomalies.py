@@ -1,4 +1,4 @@
-"""Anomaly records shared by the stability callbacks, and the few collectives they use.
+"""Anomaly records shared by the stability callbacks.
 
 Every anomaly becomes one JSON line in ``<log_dir>/anomalies.jsonl`` (each rank appends its
 own lines with a single ``write``) and one WARNING log line naming rank, what happened and what
@@ -15,9 +15,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-
-import torch
-import torch.distributed as dist
 
 log = logging.getLogger("lightning_mmpar.stability")
 
@@ -81,38 +78,3 @@ class AnomalyLog:
                 os.write(fd, line.encode())
             finally:
                 os.close(fd)
-
-
-def rank() -> int:
-    """Global rank, 0 without a process group."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def world_size() -> int:
-    """World size, 1 without a process group."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def comm_device(group: dist.ProcessGroup | None = None) -> torch.device:
-    """Device that collectives on ``group`` accept (CUDA for NCCL, else CPU)."""
-    if world_size() > 1 and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Sum ``t`` over ``group`` (identity without a process group)."""
-    if world_size() == 1:
-        return t
-    out = t.to(comm_device(group))
-    dist.all_reduce(out, group=group)
-    return out.to(t.device)
-
-
-def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
-    """Every rank's ``obj`` over ``group`` (``[obj]`` without a process group)."""
-    if world_size() == 1:
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out

@@ -25,7 +25,7 @@ precision switch is counted, logged and written to ``anomalies.jsonl``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -34,60 +34,17 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_mmpar.callbacks.anomalies import (
-    Anomaly,
-    all_gather_objects,
-    all_reduce_sum,
-    rank,
-)
+from lightning_mmpar.callbacks.anomalies import Anomaly
+from lightning_mmpar.callbacks.config import FallbackConfig
 from lightning_mmpar.callbacks.grad_drift import GradientDriftMonitor, GradReport
-from lightning_mmpar.callbacks.grad_stats import clip_grads_, local_tensor
 from lightning_mmpar.callbacks.snapshot import Snapshot
+from lightning_mmpar.parallel import comm
+from lightning_mmpar.parallel.numerics import scale_grads_
 from lightning_mmpar.precision.fp8 import Float8Linear, fp8_modules, set_precision
 
 
 class FP8FallbackError(RuntimeError):
     """Raised when a step is still anomalous after ``max_retries`` recoveries."""
-
-
-@dataclass(kw_only=True)
-class FallbackConfig:
-    """Configuration of :class:`FP8FallbackCallback`."""
-
-    max_retries: int = 2
-    """Recoveries per step before :class:`FP8FallbackError`."""
-    clip_grad_norm: float | None = 1.0
-    """Clip the recomputed gradients to this total norm (``None``: no clipping)."""
-    fallback_precision: Literal["bf16", "fp32"] = "bf16"
-    """Precision offending modules are switched to."""
-    return_to_fp8_after: int | None = None
-    """Switch fallen-back modules to FP8 again after this many clean steps (``None``: never)."""
-    snapshot_every_n_steps: int = 1
-    """Refresh the in-memory snapshot every N clean, drift-checked steps."""
-    snapshot_device: Literal["same", "cpu"] = "same"
-    """Where snapshot tensors live (``cpu`` saves accelerator memory, costs copies)."""
-    check_fp8_stats: bool = True
-    """Treat FP8 amax overflow / non-finite amax as anomalies."""
-    check_drift: bool = True
-    """Treat replica drift reported by the monitor as an anomaly."""
-
-    def __post_init__(self) -> None:
-        if self.max_retries < 1:
-            raise ValueError(f"max_retries ({self.max_retries}) must be >= 1, e.g. 2.")
-        if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
-            raise ValueError(f"clip_grad_norm ({self.clip_grad_norm}) must be > 0 or None.")
-        if self.fallback_precision not in ("bf16", "fp32"):
-            raise ValueError(
-                f"fallback_precision ({self.fallback_precision!r}) must be 'bf16' or 'fp32'."
-            )
-        if self.return_to_fp8_after is not None and self.return_to_fp8_after < 1:
-            raise ValueError(f"return_to_fp8_after ({self.return_to_fp8_after}) must be >= 1.")
-        if self.snapshot_every_n_steps < 1:
-            raise ValueError(
-                f"snapshot_every_n_steps ({self.snapshot_every_n_steps}) must be >= 1."
-            )
-        if self.snapshot_device not in ("same", "cpu"):
-            raise ValueError(f"snapshot_device ({self.snapshot_device!r}) must be 'same' or 'cpu'.")
 
 
 @dataclass(kw_only=True)
@@ -219,16 +176,16 @@ class FP8FallbackCallback(Callback):
     # ------------------------------------------------------------------ decisions
     def _decide(self, pl_module: pl.LightningModule, report: GradReport) -> Decision:
         """Collective: anomalous if the monitor says so or any rank saw an FP8 cast event."""
-        me, fp8 = rank(), fp8_modules(pl_module)
+        me, fp8 = comm.group_rank(), fp8_modules(pl_module)
         events = self._fp8_events(fp8) if self.config.check_fp8_stats else []
-        total = all_reduce_sum(torch.tensor([float(len(events))], dtype=torch.float64))
+        total = comm.all_reduce(torch.tensor([float(len(events))], dtype=torch.float64))
         if not report.anomalous and float(total[0]) == 0:
             return Decision(anomalous=False)
         events += [{"rank": me, "kind": "nonfinite_grad", "param": p, "module": _module_of(p)}
                    for p in report.nonfinite_params]  # fmt: skip
         events += [{"rank": me, "kind": "exploding_grad", "module": m}
                    for m in report.exploding_modules]  # fmt: skip
-        reasons = [e for ev in all_gather_objects(events) for e in ev]
+        reasons = [e for ev in comm.all_gather_objects(events) for e in ev]
         reasons += [{"kind": "nonfinite_local_grad", "module": _module_of(o["param"]), **o}
                     for o in report.origin]  # fmt: skip
         live = {n for n, m in fp8.items() if m.precision == "fp8"}
@@ -248,7 +205,7 @@ class FP8FallbackCallback(Callback):
         out = []
         for (name, site, c), (ov, nf) in zip(live, flags.tolist(), strict=True):
             if ov or nf:
-                out.append({"rank": rank(), "module": name, "site": site,
+                out.append({"rank": comm.group_rank(), "module": name, "site": site,
                             "kind": "fp8_nonfinite" if nf else "fp8_overflow",
                             "amax": float(c.amax), "shape": c.shape})  # fmt: skip
         return out
@@ -265,7 +222,7 @@ class FP8FallbackCallback(Callback):
             self.counters["attempts"] += 1
             if attempt > self.config.max_retries:
                 raise FP8FallbackError(
-                    f"rank {rank()}: step {trainer.global_step} still anomalous after "
+                    f"rank {comm.group_rank()}: step {trainer.global_step} still anomalous after "
                     f"{self.config.max_retries} recoveries (reasons: {decision.reasons[:4]}); "
                     f"raise FallbackConfig.max_retries or inspect {self.mon.anomalies.path}."
                 )
@@ -303,10 +260,9 @@ class FP8FallbackCallback(Callback):
         self._recompute(trainer, pl_module, optimizer)
         report = self.mon.inspect_gradients(trainer, pl_module, force=True)
         if self.config.clip_grad_norm is not None and not report.anomalous:
-            # the monitor's norm is global (tp/dp shards, pp stages): clip with it directly;
-            # clip_grad_norm_ on this rank's parameters would see one stage's shards only
-            clip_grads_(list(pl_module.parameters()), self.config.clip_grad_norm,
-                        report.grad_norm)  # fmt: skip
+            # the monitor's norm is the global one of the numerics core (tp/dp shards, pp
+            # stages): scale with it directly, without a second all-reduce
+            scale_grads_(pl_module.parameters(), self.config.clip_grad_norm, report.grad_norm)
         if step and not report.anomalous:  # recovery after Lightning's step: step ourselves
             for opt in trainer.optimizers:
                 opt.step()
@@ -339,7 +295,7 @@ class FP8FallbackCallback(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, decision: Decision,
         report: GradReport, switched: list[str], attempt: int, restored: int, lost: int,
     ) -> None:  # fmt: skip
-        mods = fp8_modules(pl_module)
+        mods, me = fp8_modules(pl_module), comm.group_rank()
         action = (
             f"switched {switched or 'no module'} to {self.config.fallback_precision}, restored "
             f"snapshot of step {restored} ({lost} later steps rolled back), redid step "
@@ -350,8 +306,8 @@ class FP8FallbackCallback(Callback):
         for name in switched or [None]:  # type: ignore[list-item]
             w = mods[name].weight if name in mods else None
             self.mon.anomalies.record(Anomaly(
-                kind="fp8_fallback", step=trainer.global_step, rank=rank(), group="world",
-                param=name, shape=None if w is None else list(local_tensor(w).shape),
+                kind="fp8_fallback", step=trainer.global_step, rank=me, group="world",
+                param=name, shape=None if w is None else list(comm.to_local(w).shape),
                 action=action,
                 values={"attempt": attempt, "reasons": decision.reasons[:16],
                         "grad_norm_after_redo": report.grad_norm,
@@ -371,7 +327,7 @@ class FP8FallbackCallback(Callback):
             self.fallen -= set(back)
             self.counters["returns_to_fp8"] += len(back)
             self.mon.anomalies.record(Anomaly(
-                kind="fp8_return", step=trainer.global_step, rank=rank(), group="world",
+                kind="fp8_return", step=trainer.global_step, rank=comm.group_rank(), group="world",
                 param=", ".join(back), action=f"switched back to fp8 after {n} clean steps",
             ))  # fmt: skip
 

@@ -28,10 +28,11 @@ the noise scale is not computed (non-finite/exploding checks are unaffected, rep
 skip what FSDP shards).
 
 All norms are of the *global* gradient: TP/FSDP shards are combined and TP-replicated copies
-counted once (:func:`~.grad_stats.norm_weights`), pipeline stages add up (one world all-reduce
-that also sums over the pp group), and per-module norms are summed over the tp and dp ranks of
-the module's pipeline stage. ``stability/grad_norm`` is therefore the norm
-``torch.nn.utils.clip_grad_norm_`` would report on one device for the same batch.
+counted once, pipeline stages add up (the numerics core,
+:func:`lightning_mmpar.parallel.numerics.global_norm_from_local`: one world all-reduce), and
+per-module norms are summed over the tp and dp ranks of the module's pipeline stage.
+``stability/grad_norm`` is therefore the norm ``torch.nn.utils.clip_grad_norm_`` would report
+on one device for the same batch.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -50,79 +51,19 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_mmpar.callbacks import replicas
-from lightning_mmpar.callbacks.anomalies import (
-    Anomaly,
-    AnomalyLog,
-    all_gather_objects,
-    all_reduce_sum,
-    rank,
-    world_size,
-)
+from lightning_mmpar.callbacks.anomalies import Anomaly, AnomalyLog
+from lightning_mmpar.callbacks.config import DriftConfig
 from lightning_mmpar.callbacks.grad_stats import (
     LocalGradCapture,
     batch_size_of,
-    grad_norms,
-    local_tensor,
+    lightning_fsdp,
     noise_scale_terms,
     norm_weights,
     pipeline_micro_batches,
     stage_groups,
 )
-
-
-@dataclass(kw_only=True)
-class DriftConfig:
-    """Configuration of :class:`GradientDriftMonitor`."""
-
-    log_dir: str | None = None
-    """Directory of ``anomalies.jsonl``; default ``trainer.log_dir``."""
-    check_every_n_steps: int = 1
-    """Replica check frequency in optimizer steps."""
-    rtol: float = 1e-6
-    """Drift tolerance relative to ``sum(|p|)`` of a parameter."""
-    atol: float = 0.0
-    """Absolute drift tolerance on the fingerprints."""
-    on_drift: Literal["report", "resync", "raise"] = "report"
-    """``resync`` broadcasts drifting parameters from the reference rank."""
-    max_full_compare: int = 8
-    """At most this many drifting parameters are gathered in full per group and step."""
-    module_depth: int = 2
-    """Name components that define a module for per-module norms (``layers.3``)."""
-    explode_factor: float = 10.0
-    """A module norm above this multiple of its EMA is exploding."""
-    max_module_grad_norm: float | None = None
-    """Absolute per-module gradient-norm limit (``None``: only the relative test)."""
-    warmup_steps: int = 5
-    """Steps before the relative explosion test is armed."""
-    ema_beta: float = 0.9
-    """EMA coefficient of module norms and of the noise-scale terms."""
-    batch_size: int | None = None
-    """Per-rank micro-batch size; default: first dimension of the first tensor in the batch."""
-    expert_patterns: tuple[str, ...] = ("*experts*",)
-    """Parameter-name patterns of expert weights (replicated over ``edp``, not ``dp``)."""
-    max_records_per_step: int = 32
-    """Cap on JSON records one rank writes per step and check."""
-    log_metrics: bool = True
-    """Log ``stability/*`` metrics through the LightningModule's logger."""
-
-    def __post_init__(self) -> None:
-        positive = (
-            "check_every_n_steps",
-            "max_full_compare",
-            "module_depth",
-            "max_records_per_step",
-        )
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} ({getattr(self, name)}) must be >= 1.")
-        if self.on_drift not in ("report", "resync", "raise"):
-            raise ValueError(f"on_drift ({self.on_drift!r}) must be 'report', 'resync' or 'raise'.")
-        if self.explode_factor <= 1.0:
-            raise ValueError(f"explode_factor ({self.explode_factor}) must be > 1, e.g. 10.0.")
-        if not 0.0 <= self.ema_beta < 1.0:
-            raise ValueError(f"ema_beta ({self.ema_beta}) must be in [0, 1), e.g. 0.9.")
-        if self.rtol < 0 or self.atol < 0:
-            raise ValueError(f"rtol ({self.rtol}) and atol ({self.atol}) must be >= 0.")
+from lightning_mmpar.parallel import comm, numerics
+from lightning_mmpar.topology import ParallelDims
 
 
 @dataclass(kw_only=True)
@@ -180,12 +121,11 @@ class GradientDriftMonitor(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        from lightning.pytorch.strategies import FSDPStrategy
         from torch.distributed.fsdp import FSDPModule
 
         named = list(pl_module.named_parameters())
         self.groups = replicas.build_groups(trainer, pl_module, self.config.expert_patterns)
-        fsdp = isinstance(trainer.strategy, FSDPStrategy) or any(
+        fsdp = lightning_fsdp(trainer) or any(
             isinstance(m, FSDPModule) for m in pl_module.modules()
         )
         if self.capture is None and not fsdp:
@@ -226,10 +166,6 @@ class GradientDriftMonitor(Callback):
         if trainer.global_step % self.config.check_every_n_steps == 0:
             self.check_replicas(trainer, pl_module)
 
-    def _dp_size(self, trainer: pl.Trainer) -> int:
-        dims = getattr(trainer.strategy, "parallel_dims", None)
-        return int(dims.dp) if dims is not None and hasattr(dims, "dp") else world_size()
-
     def inspect_gradients(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, force: bool = False
     ) -> GradReport:
@@ -239,41 +175,43 @@ class GradientDriftMonitor(Callback):
             return self.last_report
         self._inspected_step = step
         named = [(n, p) for n, p in pl_module.named_parameters() if p.grad is not None]
-        norms = grad_norms(named)
-        ws = norm_weights(trainer, [p for _, p in named], world_size())
+        local_norms = numerics.local_grad_norms([p for _, p in named])
+        ws = norm_weights(trainer, [p for _, p in named])
+        total = float(numerics.global_norm_from_local(local_norms, ws))
+        norms = local_norms.tolist()
         modules = self._module_norms(named, norms, ws, trainer)
         exploding = self._exploding(modules, step)
         nonfinite = [n for (n, _), v in zip(named, norms, strict=True) if not math.isfinite(v)]
         local_sq, count = self.capture.take() if self.capture else ([], 0)
+        me = comm.group_rank()
         local_bad = [
-            {"rank": rank(), "param": n, "shape": s, "norm": math.sqrt(v) if v >= 0 else v}
+            {"rank": me, "param": n, "shape": s, "norm": math.sqrt(v) if v >= 0 else v}
             for n, s, v in zip(self.capture.names, self.capture.shapes, local_sq, strict=True)
             if not math.isfinite(v)
         ] if self.capture else []  # fmt: skip
-        big = sum(w * v * v for w, v in zip(ws, norms, strict=True))
         small = 0.0
         if self.capture is not None:
-            cw = norm_weights(trainer, self.capture.params, world_size())
+            cw = norm_weights(trainer, self.capture.params)
             # under a pipeline the hook sees unscaled micro-batch gradients, else loss/accumulate
             acc = 1 if pipeline_micro_batches(trainer) > 1 else trainer.accumulate_grad_batches
             small = sum(w * v for w, v in zip(cw, local_sq, strict=True)) * acc**2
             small /= max(count, 1)
         has = self.capture is not None and bool(self.capture.names)
         bad_s = not has or count == 0 or not math.isfinite(small)
-        bad_b = not math.isfinite(big)
         vec = torch.tensor(
-            [0.0 if bad_s else small, float(bad_s), 0.0 if bad_b else big, float(bad_b),
-             len(nonfinite), len(local_bad), len(exploding)], dtype=torch.float64,
+            [0.0 if bad_s else small, float(bad_s), len(nonfinite), len(local_bad),
+             len(exploding)], dtype=torch.float64,
         )  # fmt: skip
-        tot = all_reduce_sum(vec).tolist()
-        origin = [o for rk in all_gather_objects(local_bad) for o in rk] if tot[5] > 0 else []
+        tot = comm.all_reduce(vec).tolist()
+        origin = [o for rk in comm.all_gather_objects(local_bad) for o in rk] if tot[3] > 0 else []
+        finite = math.isfinite(total)
         report = GradReport(
-            step=step, anomalous=tot[4] + tot[5] + tot[6] > 0,
-            grad_norm=math.sqrt(tot[2]) if tot[3] == 0 else math.nan,
+            step=step, anomalous=tot[2] + tot[3] + tot[4] > 0,
+            grad_norm=total if finite else math.nan,
             nonfinite_params=nonfinite, origin=origin, exploding_modules=exploding,
         )  # fmt: skip
-        if tot[1] == 0 and tot[3] == 0:
-            self._noise_scale(report, tot[0], tot[2], trainer)
+        if tot[1] == 0 and finite:
+            self._noise_scale(report, tot[0], total * total, trainer)
         self._record_grad_anomalies(report, named, norms, modules, local_bad)
         self.last_report = report
         if self.config.log_metrics:
@@ -293,7 +231,7 @@ class GradientDriftMonitor(Callback):
         if sq and groups:  # w = S / (ranks per stage): the stage's sum is the global square
             vec = torch.tensor(list(sq.values()), dtype=torch.float64)
             for g in groups:  # dp then tp: together the ranks of this pipeline stage
-                vec = all_reduce_sum(vec, g)
+                comm.all_reduce(vec, "sum", g)
             sq = dict(zip(sq, vec.tolist(), strict=True))
         return {m: math.sqrt(v) if v >= 0 else v for m, v in sq.items()}
 
@@ -314,7 +252,7 @@ class GradientDriftMonitor(Callback):
         self, report: GradReport, small: float, big: float, trainer: pl.Trainer
     ) -> None:
         report.local_global_ratio = math.sqrt(small / big) if big > 0 else None
-        dp, b = self._dp_size(trainer), self._batch
+        dp, b = ParallelDims.of(trainer).dp, self._batch
         if b is None:
             return
         b_small = b / pipeline_micro_batches(trainer)
@@ -334,8 +272,8 @@ class GradientDriftMonitor(Callback):
         self, report: GradReport, named: Sequence[tuple[str, Tensor]], norms: list[float],
         modules: dict[str, float], local_bad: list[dict[str, Any]],
     ) -> None:  # fmt: skip
-        me, step, cap = rank(), report.step, self.config.max_records_per_step
-        shapes = {n: list(local_tensor(p).shape) for n, p in named}
+        me, step, cap = comm.group_rank(), report.step, self.config.max_records_per_step
+        shapes = {n: list(comm.to_local(p).shape) for n, p in named}
         norm_of = dict(zip([n for n, _ in named], norms, strict=True))
         recs = [
             Anomaly(kind="nonfinite_local_grad", step=step, rank=me, group="local",
@@ -383,12 +321,13 @@ class GradientDriftMonitor(Callback):
             if drift and self.config.on_drift == "resync":
                 replicas.resync(rg, drift)
                 action = f"resynced from reference rank ({self.action})"
+            me = comm.group_rank()
             for d in drift[: self.config.max_records_per_step]:
                 self.anomalies.record(Anomaly(
-                    kind="replica_drift", step=trainer.global_step, rank=rank(), group=rg.name,
+                    kind="replica_drift", step=trainer.global_step, rank=me, group=rg.name,
                     param=d.name, shape=d.shape, action=action,
                     values={"drifting_ranks": d.drifting_ranks, "this_rank_drifts":
-                            rank() in d.drifting_ranks, "reference_rank": d.reference_rank,
+                            me in d.drifting_ranks, "reference_rank": d.reference_rank,
                             "fingerprints": d.fingerprints, "max_abs_diff": d.max_abs_diff,
                             "worst_index": d.worst_index, "ambiguous": d.ambiguous},
                 ))  # fmt: skip

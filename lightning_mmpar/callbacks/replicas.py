@@ -9,8 +9,10 @@ float64, and all-gathers the ``[P, 2]`` table over the group. Parameter ``p`` of
 largest element-wise difference and where it is. With two ranks in a group (or any tie) the
 majority cannot tell which side drifted: the record then says ``ambiguous``.
 
-Groups under ``mm_parallel`` (:func:`build_groups`), each compared over local shards, which
-hold the same coordinates on every member of the group:
+Groups (:func:`build_groups`, from ``ParallelDims.of(trainer)`` under ``mm_parallel`` or
+Lightning's ``ModelParallelStrategy``; the world group, labelled ``world``, under DDP and other
+data-parallel strategies), each compared over local shards, which hold the same coordinates on
+every member of the group:
 
 * ``tp``: parameters not sharded over the tp mesh dimension (plain tensors and DTensors whose
   ``tp`` placement is ``Replicate``, e.g. LayerNorm weights, also when FSDP shards them on dp:
@@ -27,13 +29,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_mmpar.callbacks.anomalies import comm_device
+from lightning_mmpar.callbacks.grad_stats import lightning_fsdp
+from lightning_mmpar.parallel import comm
+from lightning_mmpar.topology import LIGHTNING_ALIASES, ParallelDims
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -76,10 +80,10 @@ class Drift:
     drifted is a guess (the lowest rank is taken as reference)."""
 
 
-def _local(p: Tensor) -> Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return p.to_local() if isinstance(p, DTensor) else p
+def _dim_names(p: Tensor) -> list[str]:
+    """Mesh dim names of a DTensor, Lightning's (``tensor_parallel``...) mapped to ours."""
+    names = p.device_mesh.mesh_dim_names or ()  # type: ignore[attr-defined]
+    return [LIGHTNING_ALIASES.get(n, n) for n in names]
 
 
 def _sharded_over(p: Tensor, dims: tuple[str, ...]) -> bool:
@@ -87,9 +91,9 @@ def _sharded_over(p: Tensor, dims: tuple[str, ...]) -> bool:
 
     if not isinstance(p, DTensor):
         return False
-    names = p.device_mesh.mesh_dim_names or ()
     return any(
-        n in dims and not pm.is_replicate() for n, pm in zip(names, p.placements, strict=False)
+        n in dims and not pm.is_replicate()
+        for n, pm in zip(_dim_names(p), p.placements, strict=False)
     )
 
 
@@ -100,7 +104,7 @@ def _replicated_over_tp(p: Tensor) -> bool:
 
     if not isinstance(p, DTensor):
         return True
-    if "tp" in (p.device_mesh.mesh_dim_names or ()):
+    if "tp" in _dim_names(p):
         return not _sharded_over(p, ("tp",))
     return all(pm.is_replicate() for pm in p.placements)
 
@@ -108,22 +112,17 @@ def _replicated_over_tp(p: Tensor) -> bool:
 def build_groups(
     trainer: pl.Trainer, module: nn.Module, expert_patterns: tuple[str, ...]
 ) -> list[ReplicaGroup]:
-    """Replica groups: dp/tp(/edp) under ``mm_parallel``, the world group otherwise.
+    """Replica groups: dp/tp(/edp) of the run's :class:`ParallelDims`, labelled ``world`` when
+    the group is the default world group (DDP and other data-parallel strategies).
 
     Under Lightning's FSDP strategies parameters are sharded, so no replica groups exist.
     """
     import fnmatch
 
-    from lightning.pytorch.strategies import FSDPStrategy
-
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+    if comm.group_size() == 1 or lightning_fsdp(trainer):
         return []
-    if isinstance(trainer.strategy, FSDPStrategy):
-        return []
+    dims = ParallelDims.of(trainer)
     named = list(module.named_parameters())
-    dims: Any = getattr(trainer.strategy, "parallel_dims", None)
-    if dims is None or not hasattr(dims, "get_mesh"):
-        return [ReplicaGroup(name="world", group=dist.group.WORLD, params=named)]  # type: ignore[arg-type]
 
     def expert(n: str) -> bool:
         return dims.ep > 1 and any(fnmatch.fnmatchcase(n, p) for p in expert_patterns)
@@ -135,15 +134,16 @@ def build_groups(
     edp_params = [(n, p) for n, p in experts if not _sharded_over(p, ("dp", "edp"))]
     tp_params = [(n, p) for n, p in named if _replicated_over_tp(p)]
     out = []
-    for name, size, params, total in (
-        ("dp", dims.dp, dp_params, len(dense)),
-        ("edp", dims.edp, edp_params, len(experts)),
-        ("tp", dims.tp, tp_params, len(named)),
+    for name, params, total in (
+        ("dp", dp_params, len(dense)),
+        ("edp", edp_params, len(experts)),
+        ("tp", tp_params, len(named)),
     ):
-        if size > 1 and (params or total):
+        if dims.size(name) > 1 and (params or total):
+            group = dims.get_group(name) or dist.group.WORLD
             out.append(ReplicaGroup(
-                name=name, group=dims.get_mesh(name).get_group(), params=params,
-                skipped=total - len(params),
+                name="world" if group is dist.group.WORLD else name, group=group,  # type: ignore[arg-type]
+                params=params, skipped=total - len(params),
             ))  # fmt: skip
     return out
 
@@ -151,8 +151,8 @@ def build_groups(
 def fingerprints(params: Sequence[tuple[str, Tensor]], device: torch.device) -> Tensor:
     """``[P, 2]`` float64 table of ``(sum, abs_sum)`` per parameter."""
     rows = [
-        torch.stack([_local(p).detach().double().sum(), _local(p).detach().double().abs().sum()])
-        for _, p in params
+        torch.stack([t.double().sum(), t.double().abs().sum()])
+        for t in (comm.to_local(p).detach() for _, p in params)
     ]
     return torch.stack(rows).to(device) if rows else torch.zeros(0, 2, dtype=torch.float64)
 
@@ -179,25 +179,22 @@ def check_group(rg: ReplicaGroup, rtol: float, atol: float, max_full: int) -> li
     """Collective over ``rg.group``: fingerprints, then full comparison of drifting params."""
     if not rg.params:  # same list on every member: nobody calls the collectives
         return []
-    dev = comm_device(rg.group)
+    dev = comm.group_device(rg.group)
     ranks = dist.get_process_group_ranks(rg.group)
     local = fingerprints(rg.params, dev)
-    flat = torch.empty(len(ranks) * local.shape[0], 2, dtype=local.dtype, device=dev)
-    dist.all_gather_into_tensor(flat, local, group=rg.group)  # gloo wants the [G*P, 2] form
-    table = flat.reshape(len(ranks), *local.shape)
+    table = torch.stack(comm.all_gather(local, rg.group))  # [G, P, 2]
     drifting, ref = find_drift(table.cpu(), rtol, atol)
     tie = ambiguous(table.cpu(), rtol, atol)
     bad = drifting.any(0).nonzero().flatten().tolist()[:max_full]
     out = []
     for i in bad:  # identical list on every rank: the table is the same everywhere
         name, p = rg.params[i]
-        full = _local(p).detach().reshape(-1).to(dev)
-        gathered = [torch.empty_like(full) for _ in ranks]
-        dist.all_gather(gathered, full, group=rg.group)
+        full = comm.to_local(p).detach().reshape(-1)
+        gathered = comm.all_gather(full, rg.group)
         r0 = int(ref[i])
         diffs = [(g.double() - gathered[r0].double()).abs() for g in gathered]
         out.append(Drift(
-            name=name, shape=list(_local(p).shape),
+            name=name, shape=list(comm.to_local(p).shape),
             drifting_ranks=[ranks[g] for g in range(len(ranks)) if drifting[g, i]],
             reference_rank=ranks[r0],
             fingerprints={ranks[g]: table[g, i].tolist() for g in range(len(ranks))},
@@ -212,7 +209,5 @@ def resync(rg: ReplicaGroup, drift: list[Drift]) -> None:
     """Collective: overwrite drifting parameters with the reference rank's values."""
     params = dict(rg.params)
     for d in drift:
-        t = _local(params[d.name]).detach()
-        buf = t.to(comm_device(rg.group))
-        dist.broadcast(buf, src=d.reference_rank, group=rg.group)
-        t.copy_(buf)
+        src = dist.get_group_rank(rg.group, d.reference_rank)
+        comm.broadcast(comm.to_local(params[d.name]).detach(), src=src, group=rg.group)

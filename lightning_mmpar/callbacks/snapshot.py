@@ -8,11 +8,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-
-def _local(t: Tensor) -> Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
+from lightning_mmpar.parallel.comm import to_local
 
 
 def clone_tree(obj: Any, device: torch.device | None = None) -> Any:
@@ -42,7 +38,7 @@ class Snapshot:
     def take(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Copy the current state; remember ``trainer.global_step``."""
         named = [*pl_module.named_parameters(), *pl_module.named_buffers()]
-        self.tensors = {n: clone_tree(_local(t), self.device) for n, t in named}
+        self.tensors = {n: clone_tree(to_local(t), self.device) for n, t in named}
         self.optim = [clone_tree(opt.state_dict(), self.device) for opt in trainer.optimizers]
         self.step = trainer.global_step
 
@@ -53,7 +49,7 @@ class Snapshot:
         with torch.no_grad():
             for n, t in [*pl_module.named_parameters(), *pl_module.named_buffers()]:
                 if n in self.tensors:
-                    _local(t).copy_(self.tensors[n])
+                    to_local(t).copy_(self.tensors[n])
         for opt, state in zip(trainer.optimizers, self.optim, strict=True):
             opt.load_state_dict(clone_tree(state))  # clone: the optimizer mutates in place
         return self.step

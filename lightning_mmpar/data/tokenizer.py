@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from lightning_mmpar.losses.caption import IGNORE_INDEX
-
+IGNORE_INDEX = -100
+"""Target id of padding positions, skipped by the caption loss (torch's cross-entropy default)."""
 SPECIAL_TOKENS: tuple[str, ...] = ("<pad>", "<bos>", "<eos>", "<unk>")
 """Special tokens, in id order."""
 TOKENIZER_FILE = "tokenizer.json"

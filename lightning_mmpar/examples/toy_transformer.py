@@ -2,16 +2,15 @@
 
 It implements :class:`~lightning_mmpar.parallel.pipeline.PipelineModule` (ordered blocks,
 inputs, loss), takes its Lightning steps from
-:class:`~lightning_mmpar.parallel.pipeline.PipelineSteps`, and applies tensor-parallel plans in
-``configure_model`` on ``self.device_mesh["tp"]``: attention q/k/v column-parallel by heads,
-the output projection row-parallel; the MLP column- then row-parallel ("Y = GeLU(XA) B; A split
-by columns, B by rows": one all-reduce).
+:class:`~lightning_mmpar.parallel.pipeline.PipelineSteps`, and applies its own parallel plan
+(:mod:`lightning_mmpar.plans.toy`) in ``configure_model`` on the run's tp mesh: attention q/k/v
+column-parallel by heads, the output projection row-parallel; the MLP column- then row-parallel
+("Y = GeLU(XA) B; A split by columns, B by rows": one all-reduce).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +18,8 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
 from lightning_mmpar.parallel.pipeline import PipelineSteps
+from lightning_mmpar.plans.toy import parallelize_toy
+from lightning_mmpar.topology import ParallelDims
 
 
 @dataclass(kw_only=True)
@@ -84,20 +85,6 @@ class Head(nn.Module):
         return self.out(self.norm(x))
 
 
-def tensor_parallel_plan() -> dict[str, Any]:
-    """Plan for one :class:`Block`, in ``parallelize_module`` form."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    return {
-        "q": ColwiseParallel(),
-        "k": ColwiseParallel(),
-        "v": ColwiseParallel(),
-        "o": RowwiseParallel(),
-        "up": ColwiseParallel(),
-        "down": RowwiseParallel(),
-    }
-
-
 class ToyTransformer(PipelineSteps, LightningModule):
     """Embedding -> ``layers`` x Block -> Head; next-token cross-entropy."""
 
@@ -110,20 +97,12 @@ class ToyTransformer(PipelineSteps, LightningModule):
         self._tensor_parallel_applied = False
 
     def configure_model(self) -> None:
-        mesh = self.device_mesh
-        if mesh is None or mesh["tp"].size() == 1 or self._tensor_parallel_applied:
+        if self._tensor_parallel_applied or self._trainer is None:
             return  # idempotent: Lightning calls this hook on every fit/validate/test
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        heads = self.cfg.heads
-        if heads % mesh["tp"].size():
-            raise ValueError(
-                f"heads ({heads}) must be divisible by tensor_parallel ({mesh['tp'].size()})."
-            )
-        for block in self.layers:
-            if isinstance(block, Block):
-                parallelize_module(block, mesh["tp"], tensor_parallel_plan())
-        self._tensor_parallel_applied = True
+        dims = ParallelDims.of(self._trainer)
+        if dims.tp > 1:
+            parallelize_toy(self, dims)
+            self._tensor_parallel_applied = True
 
     # PipelineModule protocol
     def pipeline_blocks(self) -> list[nn.Module]:

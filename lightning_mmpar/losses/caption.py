@@ -5,46 +5,24 @@ Position ``t`` of the logits predicts token ``t + 1`` of the caption::
     L = 1/|M| sum_{(b,t) in M} -log softmax(z_{b,t})[y_{b,t+1}],   M = {(b,t): y_{b,t+1} != ignore}
 
 Under tensor parallelism the LM head may return logits as a ``DTensor`` sharded on the vocab
-(last) dimension; ``loss_parallel=True`` then computes the same loss with torch's
-``loss_parallel()`` context, which never materialises the full ``[B, T, V]`` logits on one rank.
-See :func:`caption_loss` for where its backward runs.
+(last) dimension; ``loss_parallel=True`` then computes the same loss with the package's one
+vocab-parallel cross-entropy
+(:func:`lightning_mmpar.parallel.numerics.vocab_parallel_cross_entropy`), which never
+materialises the full ``[B, T, V]`` logits on one rank and needs no context manager around the
+backward.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from contextvars import ContextVar
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from lightning_mmpar.parallel.numerics import vocab_parallel_cross_entropy
+
 IGNORE_INDEX = -100
 """Target value that contributes nothing to the loss (torch's and Hugging Face's default)."""
-
-_IN_SCOPE: ContextVar[bool] = ContextVar("lightning_mmpar_vocab_parallel_scope", default=False)
-
-
-@contextlib.contextmanager
-def vocab_parallel_scope() -> Iterator[None]:
-    """torch's ``loss_parallel()`` context, made re-entrant for :func:`caption_loss`.
-
-    torch's context cannot be nested (leaving the inner one uninstalls the outer one's ops), so
-    wrap forward *and* backward in this scope instead of ``loss_parallel()`` to run the
-    vocab-parallel backward ops too; :func:`caption_loss` then does not enter it again.
-    """
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    if _IN_SCOPE.get():
-        yield
-        return
-    token = _IN_SCOPE.set(True)
-    try:
-        with loss_parallel():
-            yield
-    finally:
-        _IN_SCOPE.reset(token)
 
 
 def _shift(logits: Any, target_ids: torch.Tensor, shift: bool) -> tuple[Any, torch.Tensor]:
@@ -75,23 +53,20 @@ def plain_caption_loss(
     return F.cross_entropy(flat, targets.reshape(-1), ignore_index=ignore_index)
 
 
-def _target_placements(logits: Any) -> list[Any]:
-    """Placements of the targets: the vocab shard becomes Replicate, a batch shard stays."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+def _check_vocab_sharded(logits: Any) -> None:
+    """``logits`` must be a DTensor with the vocab (last) dim sharded."""
+    from torch.distributed.tensor import DTensor, Shard
 
-    vocab_dims = (-1, logits.ndim - 1)
     placements = list(getattr(logits, "placements", ()))
-    vocab = [isinstance(p, Shard) and p.dim in vocab_dims for p in placements]
-    other = [p for p, v in zip(placements, vocab, strict=True) if not v]
-    if isinstance(logits, DTensor) and any(vocab):
-        if all(isinstance(p, Replicate) or p == Shard(0) for p in other):
-            return [Replicate() if v else p for p, v in zip(placements, vocab, strict=True)]
-    raise ValueError(
-        f"loss_parallel=True needs logits as a DTensor sharded on the vocab dim "
-        f"(Shard({logits.ndim - 1})), got {placements or 'a plain torch.Tensor'}; "
-        "use a colwise LM head with use_local_output=False, or pass loss_parallel=False; "
-        "other mesh dims may only be Replicate or Shard(0)."
-    )
+    vocab_dims = (-1, logits.ndim - 1)
+    if not isinstance(logits, DTensor) or not any(
+        isinstance(p, Shard) and p.dim in vocab_dims for p in placements
+    ):
+        raise ValueError(
+            f"loss_parallel=True needs logits as a DTensor sharded on the vocab dim "
+            f"(Shard({logits.ndim - 1})), got {placements or 'a plain torch.Tensor'}; "
+            "use a colwise LM head with use_local_output=False, or pass loss_parallel=False."
+        )
 
 
 def caption_loss(
@@ -104,22 +79,15 @@ def caption_loss(
 ) -> torch.Tensor:
     """Caption cross-entropy; vocab-parallel when ``loss_parallel`` (logits a sharded DTensor).
 
-    With ``loss_parallel=True`` the result is a replicated 0-d ``DTensor``. Its backward gives
-    the right gradients outside any context too (tested), but torch documents that it belongs
-    inside ``loss_parallel()``: wrap forward and backward in :func:`vocab_parallel_scope` (never
-    in torch's ``loss_parallel()``, which is not re-entrant) for the vocab-parallel backward.
-    A plain ``target_ids`` tensor holds this rank's batch (its local rows when the logits are
-    also batch-sharded, Shard(0)) and is wrapped as a DTensor.
+    ``logits [B, T, V]``, ``target_ids [B, T]`` (this rank's batch, global token ids). With
+    ``loss_parallel=True`` the logits must be a DTensor sharded on the vocab dim (``Shard(2)``)
+    over one mesh dim and replicated over any other; the result is a plain 0-d tensor, the same
+    on every rank of the vocab group, and its backward (inside or outside any context, Lightning's
+    own ``backward`` included) gives each rank the gradient of its vocab shard. Raises
+    ``ValueError`` for mismatched shapes or, with ``loss_parallel=True``, other logits.
     """
     if not loss_parallel:
         return plain_caption_loss(logits, target_ids, ignore_index=ignore_index, shift=shift)
-    from torch.distributed.tensor import DTensor
-
-    placements = _target_placements(logits)
+    _check_vocab_sharded(logits)
     logits, targets = _shift(logits, target_ids, shift)
-    if not isinstance(targets, DTensor):
-        # The local targets match the local batch of the logits (replicated over the TP dim).
-        targets = DTensor.from_local(targets.contiguous(), logits.device_mesh, placements)
-    with vocab_parallel_scope():
-        flat = logits.flatten(0, 1).float()
-        return F.cross_entropy(flat, targets.flatten(), ignore_index=ignore_index)
+    return vocab_parallel_cross_entropy(logits, targets, ignore_index=ignore_index)

@@ -14,17 +14,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_mmpar.parallel import comm
+
 
 def group_size(group: dist.ProcessGroup | None) -> int:
-    """Size of ``group``; 1 when ``group`` is None or torch.distributed is not initialised."""
-    if group is None or not dist.is_available() or not dist.is_initialized():
-        return 1
-    return int(dist.get_world_size(group))
+    """Size of ``group``; 1 when ``group`` is None (the losses' "no group": nothing is gathered,
+    unlike :mod:`~lightning_mmpar.parallel.comm` where None is the world) or without processes."""
+    return 1 if group is None else comm.group_size(group)
 
 
 def group_rank(group: dist.ProcessGroup | None) -> int:
     """This process's rank inside ``group``; 0 when :func:`group_size` is 1."""
-    return 0 if group_size(group) == 1 else int(dist.get_rank(group))
+    return 0 if group_size(group) == 1 else comm.group_rank(group)
 
 
 def gather_sizes(n: int, device: torch.device, group: dist.ProcessGroup | None) -> list[int]:
@@ -32,9 +33,7 @@ def gather_sizes(n: int, device: torch.device, group: dist.ProcessGroup | None) 
     if group_size(group) == 1:
         return [n]
     local = torch.tensor([n], dtype=torch.long, device=device)
-    sizes = [torch.zeros_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(sizes, local, group=group)
-    return [int(s.item()) for s in sizes]
+    return torch.cat(comm.all_gather(local, group)).tolist()
 
 
 class _GatherWithGrad(torch.autograd.Function):
@@ -48,16 +47,14 @@ class _GatherWithGrad(torch.autograd.Function):
         # all_gather needs equal shapes: pad every contribution to the longest one.
         padded = x.new_zeros((longest, *x.shape[1:]))
         padded[: x.shape[0]] = x
-        parts = [torch.empty_like(padded) for _ in sizes]
-        dist.all_gather(parts, padded.contiguous(), group=group)
-        ctx.group, ctx.sizes, ctx.rank = group, sizes, dist.get_rank(group)
+        parts = comm.all_gather(padded, group)
+        ctx.group, ctx.sizes, ctx.rank = group, sizes, comm.group_rank(group)
         return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         # gloo has no reduce_scatter: all-reduce the full gradient, then keep our rows.
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        grad = comm.all_reduce(grad.contiguous().clone(), "sum", ctx.group)
         start = sum(ctx.sizes[: ctx.rank])
         return grad[start : start + ctx.sizes[ctx.rank]], None, None
 

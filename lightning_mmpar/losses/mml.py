@@ -16,7 +16,6 @@ constant). After every optimizer step the heads are tracked by :func:`ema_update
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_mmpar.losses.contrastive import contrastive_logits
+from lightning_mmpar.models.heads import MomentumHeads as MomentumHeads
+from lightning_mmpar.models.heads import ema_update as ema_update
+from lightning_mmpar.models.heads import momentum_copy as momentum_copy
 
 MML_KEY = "mml_loss"
 """Name of the term in the dict returned with ``output_dict=True``."""
@@ -46,77 +48,6 @@ class MMLConfig:
             raise ValueError(f"momentum ({self.momentum}) must be in [0, 1]; ALBEF uses 0.995.")
         if self.weight < 0:
             raise ValueError(f"weight ({self.weight}) must be >= 0; use 0 to disable MML.")
-
-
-@torch.no_grad()
-def ema_update(target: nn.Module, source: nn.Module, momentum: float) -> None:
-    """``target <- momentum * target + (1 - momentum) * source`` for every parameter.
-
-    Floating-point buffers are averaged the same way, other buffers copied. The two modules
-    must have the same parameter names and shapes (``target`` is a copy of ``source``).
-    """
-    if not 0.0 <= momentum <= 1.0:
-        raise ValueError(f"momentum ({momentum}) must be in [0, 1].")
-    src = dict(source.named_parameters())
-    tgt = dict(target.named_parameters())
-    if src.keys() != tgt.keys():
-        raise ValueError(
-            f"target and source differ in parameters: only in target "
-            f"{sorted(tgt.keys() - src.keys())}, only in source {sorted(src.keys() - tgt.keys())};"
-            " build the target with momentum_copy(source)."
-        )
-    for name, t in tgt.items():
-        if t.shape != src[name].shape:
-            raise ValueError(
-                f"parameter {name!r}: target shape {tuple(t.shape)} != source shape "
-                f"{tuple(src[name].shape)}; build the target with momentum_copy(source)."
-            )
-        t.lerp_(src[name].detach(), 1.0 - momentum)
-    src_buffers = dict(source.named_buffers())
-    for name, b in target.named_buffers():
-        if name in src_buffers:
-            if b.is_floating_point():
-                b.lerp_(src_buffers[name], 1.0 - momentum)
-            else:
-                b.copy_(src_buffers[name])
-
-
-def momentum_copy(module: nn.Module) -> nn.Module:
-    """A deep copy of ``module`` with gradients switched off, to be tracked by ema_update."""
-    clone = copy.deepcopy(module)
-    clone.requires_grad_(False)
-    return clone
-
-
-class MomentumHeads(nn.Module):
-    """EMA copies of the image and text projection heads.
-
-    Holds only the copies (the live heads stay in the model and are passed to :meth:`update`),
-    so no parameter is registered twice. Build it before any parallelisation of the heads, or
-    apply the same sharding plan to it, so shapes and placements match.
-    """
-
-    def __init__(self, *, image_head: nn.Module, text_head: nn.Module, momentum: float) -> None:
-        super().__init__()
-        if not 0.0 <= momentum <= 1.0:
-            raise ValueError(f"momentum ({momentum}) must be in [0, 1]; ALBEF uses 0.995.")
-        self.momentum = momentum
-        self.image_head = momentum_copy(image_head)
-        self.text_head = momentum_copy(text_head)
-
-    @torch.no_grad()
-    def forward(
-        self, image_embeds: torch.Tensor, text_embeds: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """L2-normalised momentum features of the pooled tower outputs (no gradient)."""
-        image = F.normalize(self.image_head(image_embeds), dim=-1)
-        text = F.normalize(self.text_head(text_embeds), dim=-1)
-        return image, text
-
-    def update(self, image_head: nn.Module, text_head: nn.Module) -> None:
-        """One EMA step towards the live heads; call after every optimizer step."""
-        ema_update(self.image_head, image_head, self.momentum)
-        ema_update(self.text_head, text_head, self.momentum)
 
 
 def kl_to_targets(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:

@@ -1,54 +1,56 @@
-"""The CLIP-ViT + cross-modal adapter + LLaMA fusion model and its pipeline-block protocol.
+"""The CLIP-ViT + cross-modal adapter + LLaMA fusion model: every stream its training needs.
 
-Data flow::
+Data flow (the blocks and their streams: :mod:`lightning_mmpar.models.blocks`)::
 
     images -> vision (open_clip ViT) -> tokens [B, N, D_v], pooled [B, E_v]
-    tokens -> projector Linear(D_v -> D) -> adapters(text h, image tokens) -> decoder layers
-    -> norm -> lm_head -> logits [B, T, V]
-    pooled image -> image_head -> l2-normalised image features  [B, C]
-    h at the last text token -> text_head -> l2-normalised text features [B, C]
+    tokens -> projector Linear(D_v -> D) -> img [B, N, D]
+    fused stream      h  = embed(ids) -> adapters(h, img) -> decoder layers(h, img) -> norm
+                      -> lm_head -> logits [B, T, V]                       (captioning)
+    text-only stream  ht = embed(ids) -> decoder layers(ht) -> norm -> ht[last]
+                      -> text_head -> text features [B, C]                 (contrastive, MML)
+    prompt stream     (eval only) class prompts like ht -> class features [K, C]  (zero-shot)
+    pooled image -> image_head -> image features [B, C]
+    EMA copies of image_head / text_head.proj -> momentum features (MML targets)
 
-Pipeline protocol: :meth:`FusionModel.pipeline_blocks` returns the ordered list of blocks; block
-``i`` takes the tuple returned by block ``i - 1`` (block 0 takes
-:meth:`FusionModel.pipeline_inputs`) and returns a tuple of tensors:
-
-=================  ==================================================  ========
-block              input -> output                                    kind
-=================  ==================================================  ========
-``VisionStem``     ``(images, ids, last) -> (x_v, ids, last)``         vision
-``VisionLayer``    ``(x_v, ids, last) -> (x_v, ids, last)``            vision
-``VisionPool``     ``(x_v, ids, last) -> (tok_v, pooled, ids, last)``  vision
-``Bridge``         ``(tok_v, pooled, ids, last) -> (img, pooled, h, last)``  aligner
-``HiddenLayer``    ``(img, pooled, h, last) -> (img, pooled, h, last)``  aligner: adapter
-``HiddenLayer``    ``(img, pooled, h, last) -> (img, pooled, h, last)``  language: decoder
-``Head``           ``(img, pooled, h, last) -> (logits, img_f, txt_f, scale)``  language
-=================  ==================================================  ========
-
-``ids`` are token ids ``[B, T]``, ``last`` the index of each row's last text token ``[B]``.
-Blocks reference the model's own modules (no copies); build them after tensor parallelism has been
-applied to the model. :meth:`FusionModel.block_parameter_names` maps block parameter names back
-to the model's.
+:meth:`FusionModel.forward` runs exactly :meth:`FusionModel.pipeline_blocks` in order, the same
+blocks a pipeline-parallel strategy cuts into stages.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple, cast
+from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_mmpar.models.adapter import AdapterConfig, CrossModalAdapter
-from lightning_mmpar.models.language import LanguageConfig, LanguageModel
-from lightning_mmpar.models.vision import (
-    VisionBlock,
-    VisionConfig,
-    VisionTower,
-    embed_patches,
-    pool_tokens,
+from lightning_mmpar.models.blocks import (
+    MAX_LOGIT_SCALE,
+    AdapterLayer,
+    Bridge,
+    DecoderLayer,
+    FusionBlock,
+    FusionOutput,
+    Head,
+    VisionLayer,
+    VisionPool,
+    VisionStem,
 )
+from lightning_mmpar.models.heads import MomentumHeads, TextPooler, ema_update
+from lightning_mmpar.models.language import LanguageConfig, LanguageModel, LlamaDecoderLayer
+from lightning_mmpar.models.vision import VisionBlock, VisionConfig, VisionTower
+
+__all__ = [
+    "MAX_LOGIT_SCALE",
+    "FusionConfig",
+    "FusionModel",
+    "FusionOutput",
+    "TextPooler",
+    "freeze_for_finetuning",
+]
 
 
 @dataclass(kw_only=True)
@@ -67,35 +69,28 @@ class FusionConfig:
     """Initial CLIP logit scale (stored as its log)."""
 
 
-class FusionOutput(NamedTuple):
-    """Forward result. ``logits`` is a vocab-sharded DTensor under tensor parallelism."""
-
-    logits: Tensor
-    """``[B, T, V]`` next-token logits."""
-    image_features: Tensor
-    """``[B, C]`` l2-normalised image features."""
-    text_features: Tensor
-    """``[B, C]`` l2-normalised text features."""
-    logit_scale: Tensor
-    """Scalar CLIP logit scale ``exp(log_scale)`` for the contrastive loss."""
-
-
-class TextPooler(nn.Module):
-    """``f = h[b, last_b] W^T``: the hidden state of each row's last text token, projected."""
-
-    def __init__(self, dim: int, out_dim: int) -> None:
-        super().__init__()
-        self.proj = nn.Linear(dim, out_dim, bias=False)
-
-    def forward(self, h: Tensor, last_index: Tensor) -> Tensor:
-        rows = torch.arange(h.shape[0], device=last_index.device)
-        return self.proj(h[rows, last_index])
+def _last_index(ids: Tensor, mask: Tensor | None) -> Tensor:
+    """``[...]`` index of each row's last token: ``sum(mask) - 1`` (right padding)."""
+    if mask is None:
+        return torch.full(ids.shape[:-1], ids.shape[-1] - 1, device=ids.device)
+    return mask.long().sum(dim=-1) - 1
 
 
 class FusionModel(nn.Module):
-    """CLIP-ViT + projector + cross-modal adapters + LLaMA, with contrastive heads."""
+    """CLIP-ViT + projector + cross-modal adapters + LLaMA, with contrastive heads.
 
-    def __init__(self, config: FusionConfig) -> None:
+    Args:
+        config: tower sizes, adapter, contrastive width, initial logit scale.
+        momentum: EMA momentum ``m`` of the momentum heads (ALBEF: 0.995).
+
+    The momentum heads (:attr:`momentum_heads`, EMA copies of ``image_head`` and
+    ``text_head.proj``) are not parameters of the model: they get no gradient and stay out of its
+    state dict, so the model's keys are the towers' (open_clip / LLaMA) and the heads'. The head
+    block registers them, so a module that holds the blocks (the recipe) checkpoints them. After
+    loading trained heads into a fresh model, :meth:`reset_momentum` restarts the copies there.
+    """
+
+    def __init__(self, config: FusionConfig, *, momentum: float = 0.995) -> None:
         super().__init__()
         self.config = config
         dim = config.language.hidden_size
@@ -108,142 +103,104 @@ class FusionModel(nn.Module):
         self.image_head = nn.Linear(config.vision.output_dim, config.contrastive_dim, bias=False)
         self.text_head = TextPooler(dim, config.contrastive_dim)
         self.logit_scale = nn.Parameter(torch.tensor(math.log(config.logit_scale_init)))
+        heads = MomentumHeads(
+            image_head=self.image_head, text_head=self.text_head.proj, momentum=momentum
+        )
+        self._momentum = (heads,)  # a tuple: not registered (see the class docstring)
 
+    @property
+    def momentum_heads(self) -> MomentumHeads:
+        """EMA copies of the contrastive heads (MML targets)."""
+        return self._momentum[0]
+
+    def _apply(self, fn: Callable[..., object], recurse: bool = True) -> FusionModel:
+        """``to()``, ``float()``... also move the (unregistered) momentum heads."""
+        super()._apply(fn, recurse)
+        self.momentum_heads._apply(fn, recurse)
+        return self
+
+    def reset_momentum(self) -> None:
+        """Copy the live heads into their EMA copies (in place)."""
+        ema_update(self.momentum_heads.image_head, self.image_head, 0.0)
+        ema_update(self.momentum_heads.text_head, self.text_head.proj, 0.0)
+
+    def ema_update(self) -> None:
+        """One EMA step of the momentum heads towards the live heads (after an optimizer step)."""
+        self.momentum_heads.update(self.image_head, self.text_head.proj)
+
+    @staticmethod
     def pipeline_inputs(
-        self, images: Tensor, input_ids: Tensor, attention_mask: Tensor | None = None
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """The tuple block 0 takes; ``attention_mask`` (right padding) picks each last token."""
-        if attention_mask is None:
-            last = torch.full(
-                (input_ids.shape[0],), input_ids.shape[1] - 1, device=input_ids.device
-            )
-        else:
-            last = attention_mask.long().sum(dim=1) - 1
-        return images, input_ids, last
+        images: Tensor,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        prompt_ids: Tensor | None = None,
+        prompt_mask: Tensor | None = None,
+    ) -> tuple[Tensor, ...]:
+        """The tuple block 0 takes: ``(images, ids, last, p_ids [B, K, T_p], p_last [B, K])``.
 
-    def pipeline_blocks(self) -> list[nn.Module]:
-        """Ordered blocks (vision, aligner, language), each mapping a tuple to a tuple."""
-        blocks: list[nn.Module] = [VisionStem(self.vision)]
+        Masks are right-padding masks (``None``: no padding) and pick each row's last token.
+        ``prompt_ids [K, T_p]`` are the class prompts of zero-shot classification (eval mode);
+        without them the first caption stands in (``K = 1``).
+        """
+        if prompt_ids is None:
+            prompt_ids = input_ids[:1]
+            prompt_mask = None if attention_mask is None else attention_mask[:1]
+        b = input_ids.shape[0]
+        p_last = _last_index(prompt_ids, prompt_mask)
+        return (
+            images,
+            input_ids,
+            _last_index(input_ids, attention_mask),
+            prompt_ids.unsqueeze(0).expand(b, -1, -1).contiguous(),
+            p_last.unsqueeze(0).expand(b, -1).contiguous(),
+        )
+
+    def pipeline_blocks(self) -> list[FusionBlock]:
+        """Ordered blocks (vision, aligner, language, head), each mapping a tuple to a tuple.
+
+        New wrappers on every call, over the model's own modules, in the model's train/eval
+        mode. Cut them after tensor parallelism; once a data-parallel wrapper (FSDP2) has
+        sharded the blocks, run the blocks rather than :meth:`forward`.
+        """
+        blocks: list[FusionBlock] = [VisionStem(self.vision)]
         blocks += [VisionLayer(cast(VisionBlock, b)) for b in self.vision.transformer.resblocks]
         blocks += [VisionPool(self.vision), Bridge(self.projector, self.language.embed_tokens)]
-        blocks += [HiddenLayer(a, "aligner") for a in self.adapters]
-        blocks += [HiddenLayer(d, "language") for d in self.language.layers]
-        blocks.append(Head(self))
+        blocks += [AdapterLayer(cast(CrossModalAdapter, a)) for a in self.adapters]
+        blocks += [DecoderLayer(cast(LlamaDecoderLayer, d)) for d in self.language.layers]
+        blocks.append(
+            Head(
+                language=self.language,
+                image_head=self.image_head,
+                text_head=self.text_head,
+                logit_scale=self.logit_scale,
+                momentum=self.momentum_heads,
+            )
+        )
+        for block in blocks:
+            block.training = self.training  # the wrapper only; its modules keep their own mode
         return blocks
 
-    def block_parameter_names(self, blocks: list[nn.Module]) -> list[dict[str, str]]:
-        """For each block, ``{block parameter name: model parameter name}``."""
+    def block_parameter_names(self, blocks: list[FusionBlock]) -> list[dict[str, str]]:
+        """For each block, ``{block parameter name: model parameter name}`` (the momentum
+        heads, not model parameters, are left out)."""
         names = {id(p): n for n, p in self.named_parameters()}
-        return [{n: names[id(p)] for n, p in b.named_parameters()} for b in blocks]
+        return [
+            {n: names[id(p)] for n, p in b.named_parameters() if id(p) in names} for b in blocks
+        ]
 
     def forward(
-        self, images: Tensor, input_ids: Tensor, attention_mask: Tensor | None = None
+        self,
+        images: Tensor,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        prompt_ids: Tensor | None = None,
+        prompt_mask: Tensor | None = None,
     ) -> FusionOutput:
-        state: tuple[Tensor, ...] = self.pipeline_inputs(images, input_ids, attention_mask)
+        """All blocks in order on ``images [B, 3, H, W]`` and ``input_ids [B, T]``."""
+        state = self.pipeline_inputs(images, input_ids, attention_mask, prompt_ids, prompt_mask)
         for block in self.pipeline_blocks():
             state = block(*state)
         return FusionOutput(*state)
-
-
-class VisionStem(nn.Module):
-    """Patch/class/positional embedding and ``ln_pre``."""
-
-    kind = "vision"
-
-    def __init__(self, vision: VisionTower) -> None:
-        super().__init__()
-        self.conv1, self.ln_pre = vision.conv1, vision.ln_pre
-        self.class_embedding = vision.class_embedding
-        self.positional_embedding = vision.positional_embedding
-
-    def forward(self, images: Tensor, ids: Tensor, last: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        x = embed_patches(
-            images, self.conv1, self.class_embedding, self.positional_embedding, self.ln_pre
-        )
-        return x, ids, last
-
-
-class VisionLayer(nn.Module):
-    """One ViT residual block on ``x_v``."""
-
-    kind = "vision"
-
-    def __init__(self, block: VisionBlock) -> None:
-        super().__init__()
-        self.block = block
-
-    def forward(self, x: Tensor, ids: Tensor, last: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        return self.block(x), ids, last
-
-
-class VisionPool(nn.Module):
-    """``ln_post``, pooling and ``proj``: patch tokens and the pooled image embedding."""
-
-    kind = "vision"
-
-    def __init__(self, vision: VisionTower) -> None:
-        super().__init__()
-        self.ln_post, self.proj = vision.ln_post, vision.proj
-        self.config = vision.config
-
-    def forward(
-        self, x: Tensor, ids: Tensor, last: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        pooled, tokens = pool_tokens(x, self.ln_post, self.proj, self.config)
-        return tokens, pooled, ids, last
-
-
-class Bridge(nn.Module):
-    """``img = tok_v W_p^T + b_p`` (projector) and ``h = embed_tokens(ids)``."""
-
-    kind = "aligner"
-
-    def __init__(self, projector: nn.Linear, embed_tokens: nn.Embedding) -> None:
-        super().__init__()
-        self.projector, self.embed_tokens = projector, embed_tokens
-
-    def forward(
-        self, tokens: Tensor, pooled: Tensor, ids: Tensor, last: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        return self.projector(tokens), pooled, self.embed_tokens(ids), last
-
-
-class HiddenLayer(nn.Module):
-    """One layer on the text stream, ``h <- layer(h, img)``; the other tensors pass through.
-
-    ``kind`` is ``"aligner"`` for a :class:`CrossModalAdapter` (text attends to ``img``) and
-    ``"language"`` for a LLaMA decoder layer (``img`` used only by joint attention).
-    """
-
-    def __init__(self, layer: nn.Module, kind: str) -> None:
-        super().__init__()
-        self.layer = layer
-        self.kind = kind
-
-    def forward(
-        self, img: Tensor, pooled: Tensor, h: Tensor, last: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        return img, pooled, self.layer(h, img), last
-
-
-class Head(nn.Module):
-    """Final norm, LM head and the two normalised contrastive features."""
-
-    kind = "language"
-
-    def __init__(self, model: FusionModel) -> None:
-        super().__init__()
-        self.norm, self.lm_head = model.language.norm, model.language.lm_head
-        self.image_head, self.text_head = model.image_head, model.text_head
-        self.logit_scale = model.logit_scale
-
-    def forward(
-        self, img: Tensor, pooled: Tensor, h: Tensor, last: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        h = self.norm(h)
-        image = F.normalize(self.image_head(pooled), dim=-1)
-        text = F.normalize(self.text_head(h, last), dim=-1)
-        return self.lm_head(h), image, text, self.logit_scale.exp()
 
 
 def freeze_for_finetuning(

@@ -115,6 +115,8 @@ class ModalityTemperature(nn.Module):
         self.temperature = nn.Parameter(torch.tensor([image, text]), requires_grad=learnable)
 
     def forward(self, k: Tensor, n_image: int) -> Tensor:
+        if n_image == 0:  # text keys only (no zero-size slice: a DTensor gradient rejects it)
+            return k * self.temperature[1:].to(k.dtype)
         n_text = k.shape[-2] - n_image
         scale = torch.cat(
             [self.temperature[:1].expand(n_image), self.temperature[1:].expand(n_text)]

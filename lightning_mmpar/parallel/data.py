@@ -15,11 +15,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
 
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+from lightning_mmpar.parallel import comm
 
 
 def has_fsdp(module: nn.Module) -> bool:
@@ -69,27 +66,26 @@ def replicated_parameters(module: nn.Module) -> list[nn.Parameter]:
 
 
 @torch.no_grad()
-def broadcast_parameters(params: Iterable[Tensor], group: dist.ProcessGroup) -> None:
-    """Copy group rank 0's values into every replica (what DDP does at construction)."""
+def broadcast_parameters(params: Iterable[Tensor], group: dist.ProcessGroup | None) -> None:
+    """Copy group rank 0's values into every replica (what DDP does at construction); each
+    DTensor's local shard is broadcast (replicas hold the same shard)."""
     for p in params:
-        dist.broadcast(_local(p.data), group_src=0, group=group)
+        comm.broadcast(comm.to_local(p.data), src=0, group=group)
 
 
 @torch.no_grad()
-def sync_gradients(params: Iterable[Tensor], group: dist.ProcessGroup) -> None:
-    """Average gradients over ``group`` with one coalesced all-reduce per dtype."""
-    size = dist.get_world_size(group)
-    if size == 1:
+def sync_gradients(params: Iterable[Tensor], group: dist.ProcessGroup | None) -> None:
+    """Average gradients over ``group`` with one coalesced all-reduce per dtype (local shards of
+    DTensor gradients)."""
+    if comm.group_size(group) == 1:
         return
     by_dtype: dict[torch.dtype, list[Tensor]] = {}
     for p in params:
         if p.grad is not None:
-            g = _local(p.grad)
+            g = comm.to_local(p.grad)
             by_dtype.setdefault(g.dtype, []).append(g)
     for grads in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
-        flat.div_(size)
+        flat = comm.all_reduce(torch.cat([g.reshape(-1) for g in grads]), "avg", group)
         offset = 0
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))

@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy
-from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 Engine = Literal["deepspeed", "mm_parallel"]
@@ -215,28 +214,3 @@ class CPUCapableDeepSpeedStrategy(DeepSpeedStrategy):
         if isinstance(self.accelerator, CUDAAccelerator):
             return super()._get_process_group_backend()
         return "gloo"
-
-
-def strategy_from_deepspeed(config: dict[str, Any], *, base: Any = None) -> Strategy:
-    """Build the strategy a DeepSpeed JSON maps to; ``base`` is the recipe's current strategy
-    (an ``mm_parallel`` instance, whose layout is kept, or anything else)."""
-    from lightning_mmpar.strategy import MultimodalParallelStrategy
-
-    layout: dict[str, Any] = {}
-    if isinstance(base, MultimodalParallelStrategy):
-        c = base.config
-        layout = {k: getattr(c, k) for k in MM_PARALLEL_KEYS}
-    plan = map_deepspeed_config(config, layout=layout)
-    if plan.note:
-        rank_zero_info(f"[lightning_mmpar] {plan.note}")
-    if plan.engine == "deepspeed":
-        if not _cuda():  # DeepSpeed reads it when first imported
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        return CPUCapableDeepSpeedStrategy(**plan.strategy_kwargs)
-    return MultimodalParallelStrategy(**plan.strategy_kwargs)
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()

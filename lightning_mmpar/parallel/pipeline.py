@@ -28,6 +28,7 @@ from torch.distributed.pipelining import (
 )
 
 from lightning_mmpar.config import ParallelConfig
+from lightning_mmpar.parallel import comm
 
 
 @runtime_checkable
@@ -151,8 +152,8 @@ class PipelineEngine:
         self.module = module
         self.config = config
         self.group = pp_group
-        pp = dist.get_world_size(pp_group)
-        self.pp_rank = dist.get_rank(pp_group)
+        pp = comm.group_size(pp_group)
+        self.pp_rank = comm.group_rank(pp_group)
         blocks = list(module.pipeline_blocks())
         ranges = partition(len(blocks), config.num_stages)
         self.stage_ids = list(range(self.pp_rank, config.num_stages, pp))
@@ -211,23 +212,22 @@ class PipelineEngine:
     @torch.no_grad()
     def _example_io(self, mb: tuple[Tensor, ...]) -> dict[int, tuple[tuple[Tensor, ...], ...]]:
         """Run one micro-batch through the stages in order (point-to-point between owners)."""
-        pp = dist.get_world_size(self.group)
+        pp = comm.group_size(self.group)
         chunks = dict(zip(self.stage_ids, self.chunks, strict=True))
         io: dict[int, tuple[tuple[Tensor, ...], ...]] = {}
         for s in self.stage_ids:
             if s == 0:
                 x = mb
             else:
-                box: list[Any] = [None]
-                dist.recv_object_list(box, group=self.group, group_src=(s - 1) % pp)
-                x = tuple(t.to(self.device) for t in box[0])
+                received = comm.recv_object((s - 1) % pp, self.group)
+                x = tuple(t.to(self.device) for t in received)
             out = chunks[s](*x)
             y = out if isinstance(out, tuple) else (out,)
             # the flags tell the stages which boundary tensors carry gradients
             io[s] = (_grad_flags(x) if s > 0 else x, _grad_flags(y))
             if s < self.config.num_stages - 1:
-                payload = [tuple(t.detach().cpu() for t in y)]
-                dist.send_object_list(payload, group=self.group, group_dst=(s + 1) % pp)
+                payload = tuple(t.detach().cpu() for t in y)
+                comm.send_object(payload, (s + 1) % pp, self.group)
         return io
 
     def _build_schedule(self, stages: list[Any]) -> Any:
@@ -273,6 +273,5 @@ class PipelineEngine:
             loss = torch.stack([x.detach().float() for x in losses]).mean().to(device)
         else:
             loss = torch.zeros((), device=device)
-        last_rank = (self.config.num_stages - 1) % dist.get_world_size(self.group)
-        dist.broadcast(loss, group_src=last_rank, group=self.group)
-        return loss
+        last_rank = (self.config.num_stages - 1) % comm.group_size(self.group)
+        return comm.broadcast(loss, src=last_rank, group=self.group)

@@ -1,7 +1,7 @@
 """LightningCLI of the CLIP-LLaMA recipe, with a DeepSpeed-JSON option.
 
 ``--deepspeed ds_config.json`` replaces ``trainer.strategy`` by what
-:func:`lightning_mmpar.parallel.deepspeed.strategy_from_deepspeed` maps the JSON to (DeepSpeed's
+:func:`lightning_mmpar.recipes.deepspeed.strategy_from_deepspeed` maps the JSON to (DeepSpeed's
 engine for ZeRO-1/2, ``mm_parallel`` with FSDP2 for ZeRO-3), keeping the sizes of an
 ``mm_parallel`` strategy given in the YAML.
 """
@@ -21,7 +21,10 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_mmpar.data.digits import DigitsCaptions
-from lightning_mmpar.recipes.clip_llama import ClipLlamaModule
+from lightning_mmpar.recipes.deepspeed import strategy_from_deepspeed
+from lightning_mmpar.recipes.module import ClipLlamaModule
+
+__all__ = ["ClipLlamaCLI", "RecipeDigitsCaptions", "main", "run_cli"]
 
 
 class RecipeDigitsCaptions(DigitsCaptions):
@@ -51,8 +54,6 @@ class ClipLlamaCLI(LightningCLI):
         _share_cpu_threads(trainer_config)
         path = self._get(self.config, "deepspeed")
         if path:
-            from lightning_mmpar.parallel.deepspeed import strategy_from_deepspeed
-
             current = trainer_config.get("strategy")
             kwargs["strategy"] = strategy_from_deepspeed(
                 json.loads(Path(path).read_text()), base=current
@@ -87,3 +88,8 @@ def run_cli(args: list[str] | None = None) -> ClipLlamaCLI:
         args=args,
         save_config_kwargs={"overwrite": True},
     )
+
+
+def main(args: list[str] | None = None) -> None:
+    """The recipe's LightningCLI (``fit``, ``validate``, ``test``, ``predict``)."""
+    run_cli(args)

@@ -1,11 +1,17 @@
-"""Typed configuration of the CLIP-LLaMA recipe (the ``model:`` section of its YAML)."""
+"""Typed configuration of the CLIP-LLaMA recipe (the ``model:`` section of its YAML).
+
+``TensorParallelOptions`` (the ``model.tensor_parallel:`` section) belongs to the fusion model's
+parallel plan (:mod:`lightning_mmpar.plans.fusion`) and is re-exported here.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 from lightning_mmpar.losses.mml import MMLConfig
+from lightning_mmpar.plans.fusion import TensorParallelOptions
+
+__all__ = ["FinetuneConfig", "LossConfig", "OptimConfig", "TensorParallelOptions"]
 
 
 @dataclass(kw_only=True)
@@ -56,17 +62,3 @@ class OptimConfig:
     """Linear warm-up steps."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of ``lr`` (cosine schedule over ``max_steps``)."""
-
-
-@dataclass(kw_only=True)
-class TensorParallelOptions:
-    """How :func:`lightning_mmpar.parallel.tensor.apply_tensor_parallel` shards the model."""
-
-    vision_parallel: Literal["tp", "replicate"] = "tp"
-    """Shard the ViT by heads (``tp``) or keep a full copy per tp rank (``replicate``)."""
-    sequence_parallel: bool = False
-    """Shard the text residual stream along the sequence (text length must divide by tp)."""
-    vl_combine: Literal["all_reduce", "all_gather"] = "all_reduce"
-    """Combine of the cross-attention heads (TECHNIQUES 1.3), on the vision-language group."""
-    vocab_multiple: int = 8
-    """The LM vocabulary is padded to a multiple of this (and of tp) so it shards evenly."""

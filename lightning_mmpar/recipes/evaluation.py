@@ -21,6 +21,9 @@ from torch import Tensor
 from lightning_mmpar.data.digits import CLASS_NAMES
 from lightning_mmpar.data.tokenizer import WordTokenizer
 from lightning_mmpar.metrics import RetrievalRecall, ZeroShotAccuracy
+from lightning_mmpar.parallel import comm
+
+__all__ = ["RecipeMetrics", "digit_token_classes", "named_digit", "teacher_forced_hits"]
 
 
 def digit_token_classes(tokenizer: WordTokenizer, vocab_size: int) -> Tensor:
@@ -76,7 +79,7 @@ class RecipeMetrics:
         self.caption_hits.zero_()
 
     def update(self, out: Any, target_ids: Tensor, labels: Tensor, classes: Tensor) -> None:
-        """One (micro-)batch of :class:`~lightning_mmpar.recipes.blocks.RecipeOutput`."""
+        """One (micro-)batch of :class:`~lightning_mmpar.models.fusion.FusionOutput`."""
         self.zero_shot.update(out.image_features.detach(), out.class_features, labels)
         self.retrieval.update(out.image_features.detach(), out.text_features.detach())
         logits = out.logits.full_tensor() if hasattr(out.logits, "full_tensor") else out.logits
@@ -88,7 +91,7 @@ class RecipeMetrics:
         values = {"zero_shot_acc": float(self.zero_shot.compute())}
         values.update({k: float(v) for k, v in self.retrieval.compute().items()})
         hits = self.caption_hits.clone()
-        if self.group is not None and dist.get_world_size(self.group) > 1:
-            dist.all_reduce(hits, group=self.group)
+        if self.group is not None:  # None: one dp rank (not the world group)
+            comm.all_reduce(hits, "sum", self.group)
         values["caption_acc_tf"] = float(hits[0] / hits[1].clamp(min=1))
         return values

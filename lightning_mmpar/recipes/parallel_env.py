@@ -1,8 +1,9 @@
-"""What the recipe needs from whichever strategy runs it: tp mesh, vl and dp groups, stages.
+"""What the recipe needs from whichever strategy runs it: dp group, pipeline stages, layout.
 
-Under ``mm_parallel`` the groups come from ``trainer.strategy.parallel_dims``; under any other
-strategy (DDP, DeepSpeed, one device) there is no tensor or pipeline parallelism and every rank
-is a data-parallel rank (``WORLD``, or no group at all in a single process).
+Every answer comes from :meth:`lightning_mmpar.topology.ParallelDims.of` (duck typing, no
+strategy class): under ``mm_parallel`` its own dims; under any other strategy (DDP, DeepSpeed,
+one device) no pipeline, and every rank is a data-parallel rank of the world group. Collectives
+run through :mod:`lightning_mmpar.parallel.comm` (tensors on the group's device).
 """
 
 from __future__ import annotations
@@ -13,81 +14,60 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch import LightningModule, Trainer
 from torch import Tensor
-from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_mmpar.parallel import comm
 from lightning_mmpar.recipes.config import OptimConfig
-from lightning_mmpar.strategy import MultimodalParallelStrategy
+from lightning_mmpar.topology import ParallelDims
+
+__all__ = [
+    "dp_group",
+    "dp_sum",
+    "from_last_stage",
+    "layout",
+    "owns_last_stage",
+    "pipeline_parallel",
+    "warmup_cosine",
+]
 
 
-def _ours(trainer: Trainer | None) -> MultimodalParallelStrategy | None:
-    strategy = getattr(trainer, "strategy", None)
-    return strategy if isinstance(strategy, MultimodalParallelStrategy) else None
-
-
-def _trainer(module: LightningModule) -> Trainer | None:
-    return module._trainer
-
-
-def tp_mesh(module: LightningModule) -> DeviceMesh | None:
-    """``device_mesh["tp"]`` when the strategy set a mesh with tp > 1, else None."""
-    mesh = module.device_mesh
-    if mesh is None or "tp" not in (mesh.mesh_dim_names or ()) or mesh["tp"].size() == 1:
+def dp_group(trainer: Any) -> dist.ProcessGroup | None:
+    """The data-parallel group: ``mm_parallel``'s dp mesh, another strategy's world group;
+    ``None`` when there is a single data-parallel rank (losses and metrics gather nothing)."""
+    dims = ParallelDims.of(trainer)
+    if dims.dp == 1:
         return None
-    return mesh["tp"]
+    group = dims.get_group("dp")
+    return group if group is not None else dist.group.WORLD
 
 
-def vl_group(module: LightningModule) -> dist.ProcessGroup | None:
-    """The strategy's dedicated vision-language group (same ranks as tp), if ours."""
-    ours = _ours(_trainer(module))
-    return ours.parallel_dims.vl_group if ours is not None else None
-
-
-def dp_group(trainer: Trainer) -> dist.ProcessGroup | None:
-    """The data-parallel group: ``mm_parallel``'s dp mesh, else WORLD; None for one rank."""
-    ours = _ours(trainer)
-    if ours is not None:
-        mesh = ours.parallel_dims.get_mesh("dp")
-        return mesh.get_group() if mesh.size() > 1 else None
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return dist.group.WORLD
-    return None
-
-
-def pipeline_parallel(trainer: Trainer | None) -> int:
+def pipeline_parallel(trainer: Any) -> int:
     """Pipeline degree of the run (1 for other strategies)."""
-    ours = _ours(trainer)
-    return ours.parallel_dims.pp if ours is not None else 1
+    return ParallelDims.of(trainer).pp
 
 
-def owns_last_stage(trainer: Trainer | None) -> bool:
-    """Whether this rank runs the last pipeline stage (always true without a pipeline)."""
-    ours = _ours(trainer)
-    pipeline = ours.pipeline if ours is not None else None
-    return pipeline is None or pipeline.has_last
+def owns_last_stage(trainer: Any) -> bool:
+    """Whether this rank runs the last pipeline stage: stage ``pp * v - 1`` lives on pipeline
+    rank ``(pp * v - 1) % pp = pp - 1`` (always true without a pipeline)."""
+    dims = ParallelDims.of(trainer)
+    return dims.pp == 1 or dims.local_rank("pp") == dims.pp - 1
 
 
-def from_last_stage(trainer: Trainer, values: Tensor, owner: bool) -> Tensor:
-    """Broadcast ``values`` from the pipeline rank that owns the last stage to its pp peers."""
-    ours = _ours(trainer)
-    if ours is None or ours.parallel_dims.pp == 1:
+def from_last_stage(trainer: Any, values: Tensor, owner: bool) -> Tensor:
+    """``values`` of the pipeline rank that owns the last stage, on every pp peer (a copy)."""
+    dims = ParallelDims.of(trainer)
+    if dims.pp == 1:
         return values
-    group = ours.parallel_dims.get_mesh("pp").get_group()
-    src = ours.config.num_stages - 1
     out = values.clone() if owner else torch.zeros_like(values)
-    dist.broadcast(out, group_src=src % ours.parallel_dims.pp, group=group)
-    return out
+    return comm.broadcast(out, src=dims.pp - 1, group=dims.get_group("pp"))
 
 
-def dp_sum(trainer: Trainer, values: Tensor) -> Tensor:
-    """Sum over the data-parallel group."""
+def dp_sum(trainer: Any, values: Tensor) -> Tensor:
+    """Sum of ``values`` over the data-parallel group (a copy)."""
     group = dp_group(trainer)
     if group is None:
         return values
-    out = values.clone()
-    dist.all_reduce(out, group=group)
-    return out
+    return comm.all_reduce(values.clone(), "sum", group)
 
 
 def warmup_cosine(optim: OptimConfig, total: int) -> Callable[[int], float]:
@@ -103,27 +83,20 @@ def warmup_cosine(optim: OptimConfig, total: int) -> Callable[[int], float]:
     return factor
 
 
-def layout(trainer: Trainer) -> dict[str, Any]:
+def layout(trainer: Any) -> dict[str, Any]:
     """``{"strategy", "world", "tp", "pp", "dp", "ep", "virtual"}`` of the run."""
-    ours = _ours(trainer)
-    world = trainer.world_size
-    if ours is None:
-        return {
-            "strategy": type(trainer.strategy).__name__,
-            "world": world,
-            "tp": 1,
-            "pp": 1,
-            "dp": world,
-            "ep": 1,
-            "virtual": 1,
-        }
-    d, c = ours.parallel_dims, ours.config
+    strategy = trainer.strategy
+    dims = ParallelDims.of(trainer)
+    config = getattr(strategy, "config", None)
+    name = type(strategy).__name__
+    if isinstance(getattr(strategy, "parallel_dims", None), ParallelDims):
+        name = f"mm_parallel/{getattr(config, 'data_parallel', '?')}"
     return {
-        "strategy": f"mm_parallel/{c.data_parallel}",
-        "world": world,
-        "tp": d.tp,
-        "pp": d.pp,
-        "dp": d.dp,
-        "ep": d.ep,
-        "virtual": c.virtual_pipeline,
+        "strategy": name,
+        "world": trainer.world_size,
+        "tp": dims.tp,
+        "pp": dims.pp,
+        "dp": dims.dp,
+        "ep": dims.ep,
+        "virtual": int(getattr(config, "virtual_pipeline", 1)),
     }

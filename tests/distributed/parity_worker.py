@@ -22,8 +22,8 @@ from lightning_mmpar.examples.toy_transformer import (
     ToyConfig,
     ToyTransformer,
     make_tokens,
-    tensor_parallel_plan,
 )
+from lightning_mmpar.plans.toy import block_plan
 
 GLOBAL_BATCH = 8
 STEPS = 10
@@ -189,7 +189,7 @@ class PlainLM(LightningModule):
         from torch.distributed.tensor.parallel import parallelize_module
 
         for block in self.layers:
-            parallelize_module(block, self.device_mesh["tp"], tensor_parallel_plan())
+            parallelize_module(block, self.device_mesh["tp"], block_plan())
 
     def forward(self, tokens: Tensor) -> Tensor:
         x = self.embed(tokens)
@@ -207,10 +207,29 @@ class PlainLM(LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.cfg.lr)
 
 
-def fit_plain(rank: int, world: int, tp: int, data_parallel: str) -> dict[str, Any]:
+class LightningNamesLM(PlainLM):
+    """Written for Lightning's own ``ModelParallelStrategy`` (its documented pattern): mesh
+    dims ``"tensor_parallel"`` / ``"data_parallel"``, and the user's own ``fully_shard``."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        tp_mesh = self.device_mesh["tensor_parallel"]
+        dp_mesh = self.device_mesh["data_parallel"]
+        for block in self.layers:
+            parallelize_module(block, tp_mesh, block_plan())
+            fully_shard(block, mesh=dp_mesh)
+        fully_shard(self.embed, mesh=dp_mesh)
+        fully_shard(self.head, mesh=dp_mesh)
+
+
+def fit_plain(
+    rank: int, world: int, tp: int, data_parallel: str, lightning_names: bool = False
+) -> dict[str, Any]:
     cfg = ToyConfig()
     torch.manual_seed(0)
-    model = PlainLM(cfg)
+    model = LightningNamesLM(cfg) if lightning_names else PlainLM(cfg)
     rec, probe = Recorder(), CollectiveProbe()
     strategy = MultimodalParallelStrategy(tensor_parallel=tp, data_parallel=data_parallel)
     trainer = _trainer(strategy, world, STEPS, [rec, probe])

@@ -17,11 +17,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_mmpar.callbacks.fp8_fallback import FP8FallbackCallback
-from lightning_mmpar.callbacks.grad_drift import GradientDriftMonitor
-from lightning_mmpar.callbacks.grad_stats import local_tensor
+from lightning_mmpar.callbacks import FP8FallbackCallback, GradientDriftMonitor
 from lightning_mmpar.examples.toy_transformer import ToyConfig, ToyTransformer, make_tokens
-from lightning_mmpar.precision.fp8 import FP8Policy, convert_to_fp8, fp8_modules
+from lightning_mmpar.parallel.comm import to_local
+from lightning_mmpar.precision import FP8Policy, convert_to_fp8, fp8_modules
 
 
 def _rank() -> int:
@@ -180,7 +179,7 @@ def tp_fp8_check(rank: int, world: int) -> dict[str, float]:
         parallelize_module,
     )
 
-    from lightning_mmpar.precision.fp8 import Float8Linear
+    from lightning_mmpar.precision import Float8Linear
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     torch.manual_seed(0)
@@ -261,7 +260,7 @@ class FaultyToy(ToyTransformer):
         from torch.distributed.tensor import DTensor
 
         self.fired += 1
-        local = local_tensor(grad).clone()
+        local = to_local(grad).clone()
         local.view(-1)[0] = float("nan")
         if isinstance(grad, DTensor):
             return DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False)
@@ -271,7 +270,7 @@ class FaultyToy(ToyTransformer):
         if self.fault is not None and self._armed("perturb"):
             self.fired += 1
             with torch.no_grad():
-                local_tensor(dict(self.named_parameters())[self.fault[3]]).view(-1)[3] += 1e-2
+                to_local(dict(self.named_parameters())[self.fault[3]]).view(-1)[3] += 1e-2
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.losses.append(float(self.trainer.callback_metrics["train_loss"]))
@@ -337,7 +336,7 @@ def mm_fit(
     data = make_tokens(5 * 8, cfg)
     trainer.fit(model, DataLoader(data, batch_size=8 // dp))  # type: ignore[arg-type]
     named = dict(model.named_parameters())
-    prints = {n: [float(local_tensor(p).detach().double().sum())] for n, p in named.items()}
+    prints = {n: [float(to_local(p).detach().double().sum())] for n, p in named.items()}
     rep = mon.last_report
     return {
         "rank": _rank(),

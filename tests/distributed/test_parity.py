@@ -119,6 +119,8 @@ def test_four_rank_layouts_plain_module_and_resume(ref: dict[str, Any], tmp_path
         ("122", "layout", (1, 2, 2)),
         ("plain-tp2-dp2-fsdp", "plain", (2, "fsdp")),
         ("plain-tp2-dp2-ddp", "plain", (2, "ddp")),
+        # a module written for Lightning's ModelParallelStrategy runs unchanged
+        ("lightning-names-tp2-dp2", "plain", (2, "fsdp", True)),
         ("resume", "resume", ()),
     ]
     res = spawn(pw.run_many, 4, jobs, str(tmp_path))

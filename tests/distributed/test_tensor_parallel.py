@@ -1,8 +1,9 @@
 """Tensor-parallel fusion model vs the unsharded model, in real gloo worlds (TP=2 and TP=4).
 
 One world per size runs every variant (vision tp / replicate, all-reduce / all-gather combine,
-sequence parallel on / off, joint attention with a learnable temperature) and compares the loss,
-the logits, both feature sets and the gradient of every parameter with the single-process model.
+sequence parallel on / off, joint attention with a learnable temperature, activation
+checkpointing after TP) and compares the loss, the logits, both feature sets and the gradient of
+every parameter with the single-process model.
 Both worlds check that ``get_model_state_dict`` holds canonical (TP-size-independent) DTensors;
 the 4-rank world also saves DCP checkpoints at tp2 (on a dp2 x tp2 mesh) and tp4 and loads each
 into the other layout and into an unsharded model.
@@ -28,13 +29,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from lightning_mmpar.models.adapter import AdapterConfig
 from lightning_mmpar.models.convert import build_fusion_model, export_llama, export_open_clip_visual
 from lightning_mmpar.models.fusion import FusionModel
-from lightning_mmpar.parallel.tensor import (
-    apply_tensor_parallel,
-    full_gradients,
-    full_state_dict,
-    local_value,
-    vocab_parallel_cross_entropy,
-)
+from lightning_mmpar.parallel.numerics import vocab_parallel_cross_entropy
+from lightning_mmpar.parallel.tensor import full_gradients, full_state_dict
+from lightning_mmpar.plans import checkpoint_activations
+from lightning_mmpar.plans.fusion import apply_tensor_parallel, checkpoint_units
 from lightning_mmpar.testing import spawn
 
 pytestmark = pytest.mark.distributed
@@ -45,6 +43,9 @@ VARIANTS: list[dict[str, Any]] = [
     dict(vision_parallel="replicate", sequence_parallel=False, vl_combine="all_gather", joint=True),
     dict(vision_parallel="tp", sequence_parallel=True, vl_combine="all_gather", joint=True),
     dict(vision_parallel="replicate", sequence_parallel=True, vl_combine="all_reduce", joint=False),
+    dict(
+        vision_parallel="tp", sequence_parallel=True, vl_combine="all_reduce", joint=True, ac=True
+    ),
 ]
 
 
@@ -77,12 +78,17 @@ def build(joint: bool) -> FusionModel:
     return model
 
 
+def gathered(t: torch.Tensor) -> torch.Tensor:
+    """The full value of a (possibly vocab-sharded) DTensor output (collective over its mesh)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def step(model: FusionModel, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, Any]:
     images, ids, mask, labels, w_img, w_txt = batch
     out = model(images, ids, mask)
     loss = vocab_parallel_cross_entropy(out.logits, labels)
     loss = loss + (out.image_features * w_img).sum() + (out.text_features * w_txt).sum()
-    loss = loss + out.logit_scale * 1e-3
+    loss = loss + out.logit_scale.mean() * 1e-3  # [B] copies of one scale (or a scalar)
     loss.backward()
     return loss, out
 
@@ -94,10 +100,12 @@ def max_diff(a: torch.Tensor, b: torch.Tensor, what: str) -> float:
 
 def check_variant(tp_mesh: Any, vl_group: Any, variant: dict[str, Any]) -> dict[str, float]:
     options = dict(variant)
-    joint = options.pop("joint")
+    joint, ac = options.pop("joint"), options.pop("ac", False)
     torch.manual_seed(1)
     ref = build(joint)
     model = apply_tensor_parallel(copy.deepcopy(ref), tp_mesh, vl_group=vl_group, **options)
+    if ac:  # TP -> activation checkpointing, the plans' order: recomputation redoes collectives
+        checkpoint_activations(model, checkpoint_units(model))
     torch.manual_seed(2)
     labels = torch.randint(0, 64, (3, 8))
     labels[0, -2:] = -100
@@ -108,7 +116,7 @@ def check_variant(tp_mesh: Any, vl_group: Any, variant: dict[str, Any]) -> dict[
     ref_loss, ref_out = step(ref, batch)
     loss, out = step(model, batch)
     diffs = {"loss": max_diff(loss, ref_loss, "loss")}
-    diffs["logits"] = max_diff(local_value(out.logits), ref_out.logits, "logits")
+    diffs["logits"] = max_diff(gathered(out.logits), ref_out.logits, "logits")
     diffs["features"] = max(
         max_diff(out.image_features, ref_out.image_features, "image features"),
         max_diff(out.text_features, ref_out.text_features, "text features"),
@@ -156,7 +164,7 @@ def check_canonical_state_dict(tp_mesh: DeviceMesh) -> None:
 def forward(model: FusionModel, batch: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
     with torch.no_grad():
         out = model(*batch)
-    return [local_value(out.logits), out.image_features, out.text_features]
+    return [gathered(out.logits), out.image_features, out.text_features]
 
 
 def load_checkpoint(model: FusionModel, path: str) -> FusionModel:

@@ -89,7 +89,7 @@ def test_tp2_pp2_fit_then_predict_on_another_layout(tmp_path: Path) -> None:
             "limit_predict_batches": 1,
             "default_root_dir": str(tmp_path),
             "logger": False,
-            "callbacks": [{"class_path": "lightning_mmpar.callbacks.captions.CaptionWriter"}],
+            "callbacks": [{"class_path": "lightning_mmpar.recipes.captions.CaptionWriter"}],
             "strategy": {
                 "class_path": "lightning_mmpar.strategy.MultimodalParallelStrategy",
                 "init_args": {"tensor_parallel": 2, "pipeline_parallel": 1},
@@ -121,7 +121,7 @@ def test_one_process_reaches_a_lowered_bar(tmp_path: Path) -> None:
             "enable_progress_bar": False,
             "callbacks": [
                 {
-                    "class_path": "lightning_mmpar.callbacks.summary.RunSummary",
+                    "class_path": "lightning_mmpar.recipes.summary.RunSummary",
                     "init_args": {"plots": False},
                 }
             ],

@@ -239,3 +239,12 @@ def test_datamodule_skips_reports_and_carries_tokenizer(
     restored = CaptionsDataModule(train_file=str(train))
     restored.load_state_dict(dm.state_dict())
     assert restored.tokenizer == dm.tokenizer
+
+
+def test_ignore_index_is_torch_cross_entropy_default() -> None:
+    """``data`` defines the padding target itself (it imports no loss): torch's default."""
+    from lightning_mmpar.data import IGNORE_INDEX
+
+    assert IGNORE_INDEX == torch.nn.CrossEntropyLoss().ignore_index == -100
+    batch = WordTokenizer.build(["a cat"])(["a cat", "a"], max_length=5)
+    assert batch["target_ids"][1].tolist()[-2:] == [IGNORE_INDEX, IGNORE_INDEX]

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_mmpar.precision.fp8 import (
+from lightning_mmpar.precision import (
     E4M3,
     E5M2,
     CastMeta,
@@ -22,6 +22,31 @@ from lightning_mmpar.precision.fp8 import (
     fp8_modules,
     set_precision,
 )
+
+
+def _reference_scaled_mm() -> bool:
+    """Whether ATen's CPU ``_scaled_mm`` takes its reference path (scale the fp8 operands,
+    fp32 matmul), which the emulation reproduces bit for bit. On CPUs where oneDNN has native
+    FP8 kernels (AVX512-FP16 / AMX) it rounds differently, within one fp32 ulp or so."""
+    torch.manual_seed(3)
+    a, b = (torch.randn(8, 16) * 9).to(E4M3), (torch.randn(16, 8) * 3).to(E4M3)
+    sa, sb = torch.tensor(0.37), torch.tensor(1.9)
+    ref = torch._scaled_mm(a, b.t().contiguous().t(), scale_a=sa, scale_b=sb,
+                           out_dtype=torch.float32)  # fmt: skip
+    return torch.equal(ref, (a.float() * sa) @ (b.float() * sb))
+
+
+REFERENCE_PATH = _reference_scaled_mm()
+
+
+def assert_same(emulated: torch.Tensor, scaled_mm: torch.Tensor) -> None:
+    """Bitwise where ATen uses its reference path, else within 4 fp32 ulps of the largest
+    entry (native oneDNN FP8 kernels accumulate in another order)."""
+    if REFERENCE_PATH:
+        assert torch.equal(emulated, scaled_mm)
+    else:
+        tol = 4 * torch.finfo(torch.float32).eps * scaled_mm.abs().max().item()
+        torch.testing.assert_close(emulated, scaled_mm, rtol=0, atol=tol)
 
 
 def _mlp() -> nn.Sequential:
@@ -40,10 +65,10 @@ def test_emulation_equals_scaled_mm_bitwise(pow2: bool) -> None:
         ya, yb = a(x), b(x)
         ya.square().sum().backward()
         yb.square().sum().backward()
-        assert torch.equal(ya, yb)
+        assert_same(ya, yb)
         for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
             assert pa.grad is not None and pb.grad is not None
-            assert torch.equal(pa.grad, pb.grad)
+            assert_same(pa.grad, pb.grad)
 
 
 def test_fp8_matmul_formats_against_scaled_mm() -> None:
@@ -55,7 +80,7 @@ def test_fp8_matmul_formats_against_scaled_mm() -> None:
     for x, y in ((qa, qb), (qg, qb.t())):
         ref = torch._scaled_mm(x, y.t().contiguous().t(), scale_a=ia, scale_b=ib,
                                out_dtype=torch.float32)  # fmt: skip
-        assert torch.equal(fp8_matmul(x, ia, y, ib, torch.float32, "emulate"), ref)
+        assert_same(fp8_matmul(x, ia, y, ib, torch.float32, "emulate"), ref)
 
 
 def test_fp8_is_close_to_fp32_but_not_equal() -> None:

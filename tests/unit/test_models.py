@@ -19,7 +19,8 @@ from lightning_mmpar.models.convert import (
     import_llama,
     save_llama_pretrained,
 )
-from lightning_mmpar.models.fusion import FusionModel, freeze_for_finetuning
+from lightning_mmpar.models.cost import BlockCost
+from lightning_mmpar.models.fusion import FusionConfig, FusionModel, freeze_for_finetuning
 from lightning_mmpar.models.language import LanguageConfig, LlamaAttention
 from lightning_mmpar.models.vision import (
     FusedQKV,
@@ -212,7 +213,7 @@ def test_pipeline_blocks_cover_every_parameter_once() -> None:
     model = build_fusion_model(tiny_open_clip(), tiny_llama(), joint_attention=True).eval()
     blocks = model.pipeline_blocks()
     kinds = [b.kind for b in blocks]
-    assert kinds == sorted(kinds, key=["vision", "aligner", "language"].index)
+    assert kinds == sorted(kinds, key=["vision", "aligner", "language", "head"].index)
     names = [n for m in model.block_parameter_names(blocks) for n in m.values()]
     expected = {n for n, _ in model.named_parameters()}
     assert sorted(names) == sorted(expected)
@@ -241,3 +242,107 @@ def test_freeze_policy_and_config_errors() -> None:
     ):
         VisionConfig(width=30, heads=4)
     assert isinstance(model, FusionModel)
+
+
+def tiny_fusion(vocab_size: int = 16) -> FusionModel:
+    """ViT 8x8 px / 4 px patches (N = 4 patches, 5 tokens), width 8, FFN 16; adapter width 8,
+    FFN 12; LLaMA D = 8, FFN 12, 2 query heads / 1 kv head of 4 (q 8, k/v 4), joint attention."""
+    torch.manual_seed(0)
+    config = FusionConfig(
+        vision=VisionConfig(
+            image_size=8, patch_size=4, width=8, layers=1, heads=2, mlp_ratio=2.0, output_dim=6
+        ),
+        language=LanguageConfig(
+            vocab_size=vocab_size,
+            hidden_size=8,
+            intermediate_size=12,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            joint_attention=True,
+        ),
+        adapter=AdapterConfig(heads=2, width=8, ffn_width=12, dropout=0.0),
+        contrastive_dim=4,
+    )
+    return FusionModel(config)
+
+
+def test_block_costs_match_a_hand_count() -> None:
+    """N = 4 patch tokens (5 ViT tokens), T = 3 text tokens, fp32 (4 bytes)."""
+    model = tiny_fusion()
+    blocks = {type(b).__name__: b for b in model.pipeline_blocks()}
+    # ViT block, V = 5 tokens of width 8, FFN 16. FLOPs: 2*rows*in*out per product, x3 trained.
+    #   qkv 2*5*8*24*3 = 5760, attention (q k^T and p v, 2*5*5*8 each) 3*2*400 = 2400,
+    #   out 2*5*8*8*3 = 1920, fc 2*5*8*16*3 = 3840, proj 2*5*16*8*3 = 3840      -> 17760
+    # kept: ln_1 40, qkv in 40, q/k/v/out 160, out in 40, ln_2 40, fc in 40, GELU 80,
+    #   proj in 80                                                            -> 520 * 4 bytes
+    vit = blocks["VisionLayer"].cost(4, 3)
+    assert vit == BlockCost(flops=17760, activation_bytes=520 * 4)
+    model.vision.requires_grad_(False)  # frozen: x2, no product inputs kept
+    frozen = blocks["VisionLayer"].cost(4, 3)
+    assert frozen == BlockCost(flops=3840 + 2400 + 1280 + 2560 + 2560, activation_bytes=320 * 4)
+    # Decoder layer, D = 8, q 8, k/v 4, FFN 12, T = 3; fused stream with joint attention over
+    #   N = 4 image tokens: q 1152, k 576, v 576, image k 768, image v 768,
+    #   attention 3*2*(2*3*7*8) = 2016, o 1152, gate/up/down 1728 each       -> 12192
+    #   kept: norm 24, q/k/v in 72, image norm 32, image k/v in 64, q/k/v/out (6+14)*8 = 160,
+    #   o in 24, post norm 24, gate/up in 48, SiLU + up 72, down in 36        -> 556
+    # text-only stream: the same without image tokens, attention 3*2*(2*3*3*8) = 864 -> 9504
+    #   kept: 24 + 72 + (6+6)*8 + 24 + 24 + 48 + 72 + 36                       -> 396
+    decoder = blocks["DecoderLayer"].cost(4, 3)
+    assert decoder == BlockCost(flops=12192 + 9504, activation_bytes=(556 + 396) * 4)
+    # Head: norm of h and ht kept (2*3*8), lm_head 2*3*8*16*3 = 2304 (keeps 24), image head
+    #   2*6*4*3 = 144 (keeps 6), text head 2*8*4*3 = 192 (keeps 8), EMA heads forward 48 + 64
+    head = blocks["Head"].cost(4, 3, bytes_per_element=2)
+    assert head == BlockCost(flops=2304 + 144 + 192 + 48 + 64, activation_bytes=(48 + 38) * 2)
+
+
+def test_block_kinds_and_costs_are_sane() -> None:
+    model = tiny_fusion()
+    blocks = model.pipeline_blocks()
+    assert [b.kind for b in blocks] == [
+        "vision", "vision", "vision", "aligner", "aligner", "language", "head",
+    ]  # fmt: skip
+    costs = [b.cost(4, 3) for b in blocks]
+    assert all(c.flops > 0 and c.activation_bytes > 0 for c in costs)
+    longer = [b.cost(4, 6) for b in blocks]
+    for block, short, long in zip(blocks, costs, longer, strict=True):
+        if block.kind == "vision":
+            assert long == short  # the ViT does not see the text
+        elif block.kind in ("language", "head"):
+            assert long.flops > short.flops and long.activation_bytes > short.activation_bytes
+    freeze_for_finetuning(model, train_decoder_layers=0)
+    frozen = [b.cost(4, 3) for b in blocks]
+    for block, trained, cut in zip(blocks, costs, frozen, strict=True):
+        assert cut.flops <= trained.flops and cut.activation_bytes <= trained.activation_bytes
+        if block.kind in ("vision", "language"):
+            assert cut.flops < trained.flops  # no weight gradients
+    assert sum(c.flops for c in costs) == pytest.approx(
+        sum(b.cost(4, 3).flops for b in tiny_fusion().pipeline_blocks())
+    )
+
+
+def test_forward_runs_the_blocks_and_every_stream() -> None:
+    model = tiny_fusion()
+    images, ids = torch.randn(3, 3, 8, 8), torch.randint(0, 16, (3, 4))
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]])
+    prompts, prompt_mask = torch.randint(0, 16, (5, 4)), torch.ones(5, 4, dtype=torch.long)
+    out = model(images, ids, mask, prompts, prompt_mask)
+    assert out.logits.shape == (3, 4, 16) and out.logit_scale.shape == (3,)
+    assert out.class_features.shape == (5, 4) and not out.class_features.any()  # training
+    torch.testing.assert_close(out.momentum_image, out.image_features.detach())  # fresh copies
+    torch.testing.assert_close(out.momentum_text, out.text_features.detach())
+    model.eval()
+    assert not any(b.training for b in model.pipeline_blocks())
+    state: tuple = model.pipeline_inputs(images, ids, mask, prompts, prompt_mask)
+    for block in model.pipeline_blocks():
+        state = block(*state)
+    evaluated = model(images, ids, mask, prompts, prompt_mask)
+    for got, want in zip(state, evaluated, strict=True):
+        assert torch.equal(got, want)
+    # class prompts go through the text-only stream: prompt k equals a caption of the same ids
+    as_captions = model(images[:1].expand(5, -1, -1, -1), prompts, prompt_mask)
+    torch.testing.assert_close(evaluated.class_features, as_captions.text_features)
+    torch.testing.assert_close(evaluated.logit_scale, torch.full((3,), 1 / 0.07))
+    with torch.no_grad():
+        model.logit_scale.fill_(math.log(200.0))
+    assert model(images, ids).logit_scale.tolist() == [100.0] * 3  # CLIP's clamp of exp(t)

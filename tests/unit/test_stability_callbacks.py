@@ -11,18 +11,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).parents[1] / "distributed"))
 from stability_worker import TinyNet, fit, read_jsonl, run_case
 
-from lightning_mmpar.callbacks.fp8_fallback import (
+from lightning_mmpar.callbacks import (
+    DriftConfig,
     FallbackConfig,
     FP8FallbackCallback,
     FP8FallbackError,
-)
-from lightning_mmpar.callbacks.grad_drift import (
-    DriftConfig,
     GradientDriftMonitor,
-    noise_scale_terms,
+    Snapshot,
 )
+from lightning_mmpar.callbacks.grad_stats import noise_scale_terms
 from lightning_mmpar.callbacks.replicas import find_drift
-from lightning_mmpar.callbacks.snapshot import Snapshot
 
 
 def test_noise_scale_estimator_recovers_known_gradient_statistics() -> None:

@@ -1,4 +1,4 @@
-"""Plan-time validation of the tensor-parallel plans (no process group needed)."""
+"""Plan-time validation of the fusion model's tensor-parallel plans (no process group needed)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from lightning_mmpar.models.adapter import AdapterConfig
 from lightning_mmpar.models.fusion import FusionConfig
 from lightning_mmpar.models.language import LanguageConfig
 from lightning_mmpar.models.vision import VisionConfig
-from lightning_mmpar.parallel.tensor import (
+from lightning_mmpar.plans.fusion import (
     apply_tensor_parallel,
     validate_tensor_parallel,
 )

@@ -18,6 +18,10 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_mmpar.recipes.parallel_env import layout
+
+__all__ = ["RunSummary"]
+
 
 class RunSummary(Callback):
     """Print and save a run summary (``summary.json``) and loss/accuracy plots.
@@ -48,14 +52,7 @@ class RunSummary(Callback):
         }
 
     @override
-    def on_train_batch_end(
-        self,
-        trainer: Trainer,
-        pl_module: LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-    ) -> None:
+    def on_train_batch_end(self, trainer: Trainer, *args: Any, **kwargs: Any) -> None:
         row = self._scalars(trainer, ("train",))
         self.train.append({"step": trainer.global_step, **row})
 
@@ -71,8 +68,6 @@ class RunSummary(Callback):
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        from lightning_mmpar.recipes.parallel_env import layout
-
         wall = time.perf_counter() - self._start
         caption = None
         measure = getattr(pl_module, "generate_accuracy", None)

@@ -2,7 +2,8 @@
 
 Samples and tokens are counted over the whole data-parallel world (each dp rank sees its own
 batch; tp/pp peers share one): ``samples/s = dp * B / step time``; tokens are the text tokens
-(attention mask) plus the image tokens (patches + class token) of every sample.
+(attention mask) plus the image tokens (patches + class token) of every sample. Recipe-only: it
+reads the recipe's batch keys (``images``, ``attention_mask``) and the module's ``fusion_config``.
 """
 
 from __future__ import annotations
@@ -15,10 +16,9 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import TQDMProgressBar
 from typing_extensions import override
 
+from lightning_mmpar.topology import ParallelDims
 
-def _dp_size(trainer: Trainer) -> int:
-    dims = getattr(trainer.strategy, "parallel_dims", None)
-    return int(dims.dp) if dims is not None else trainer.world_size
+__all__ = ["ThroughputProgressBar", "batch_counts"]
 
 
 def batch_counts(batch: Any, image_tokens: int) -> tuple[int, int]:
@@ -59,7 +59,7 @@ class ThroughputProgressBar(TQDMProgressBar):
         batch_idx: int,
     ) -> None:
         samples, tokens = batch_counts(batch, self._image_tokens(pl_module))
-        dp = _dp_size(trainer)
+        dp = ParallelDims.of(trainer).dp
         total_s, total_t = (self._times[-1][1], self._times[-1][2]) if self._times else (0, 0)
         self._times.append((time.perf_counter(), total_s + samples * dp, total_t + tokens * dp))
         if len(self._times) > 1:

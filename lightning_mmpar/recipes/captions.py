@@ -7,11 +7,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
+
+from lightning_mmpar.recipes.parallel_env import dp_sum
+
+__all__ = ["CaptionWriter"]
 
 
 class CaptionWriter(BasePredictionWriter):
@@ -54,11 +57,7 @@ class CaptionWriter(BasePredictionWriter):
             [sum(r.get("digit") == r.get("label") for r in self.rows), len(self.rows)],
             dtype=torch.float,
         )
-        from lightning_mmpar.recipes.parallel_env import dp_group
-
-        group = dp_group(trainer)
-        if group is not None:
-            dist.all_reduce(hits, group=group)
+        hits = dp_sum(trainer, hits)
         self.accuracy = float(hits[0] / hits[1].clamp(min=1))
         examples = "\n".join(f"    label {r.get('label')}: {r['caption']}" for r in self.rows[:5])
         rank_zero_info(

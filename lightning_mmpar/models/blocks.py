@@ -1,0 +1,353 @@
+"""Pipeline blocks of the fusion model: thin wrappers over its modules, three text streams.
+
+Block ``i`` takes the tuple block ``i - 1`` returned (block 0 takes
+:meth:`~lightning_mmpar.models.fusion.FusionModel.pipeline_inputs`); every tensor is batch-first,
+so micro-batching splits each of them::
+
+    inputs    (images, ids, last, p_ids, p_last)
+    vision    (x_v, ids, last, p_ids, p_last)                  VisionStem, VisionLayer
+    pool      (tok_v, pooled, ids, last, p_ids, p_last)        VisionPool
+    bridge    (img, pooled, h, ht, last, hp, p_last)           Bridge
+    aligner   h <- adapter(h, img); ht, hp unchanged           AdapterLayer
+    language  h <- layer(h, img); ht <- layer(ht); hp <- layer(hp) (eval only)   DecoderLayer
+    head      FusionOutput                                     Head
+
+``h`` is the *fused* stream (text attending to image tokens; captioning), ``ht`` the *text-only*
+stream: contrastive and MML need image-independent text features, otherwise the text feature
+can copy the image and the contrastive task is trivial (ALBEF's reason for a unimodal text
+encoder). ``hp`` holds the class prompts ``[B, K, T_p, D]`` for zero-shot classification:
+every row holds the same ``K`` prompts, so only row 0 is computed and broadcast, and only in
+eval mode (training pays nothing for it). ``ids [B, T]`` are token ids, ``last [B]`` the index
+of each row's last text token, ``p_ids [B, K, T_p]`` / ``p_last [B, K]`` the same for prompts.
+
+Blocks reference the model's own modules and parameters (no copies); build them after tensor
+parallelism has been applied to the model. Each has a ``kind`` (``vision``, ``aligner``,
+``language``, ``head``) and :meth:`FusionBlock.cost` (see :mod:`lightning_mmpar.models.cost`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_mmpar.models.adapter import CrossModalAdapter
+from lightning_mmpar.models.cost import BlockCost, CostTally, linear_weight
+from lightning_mmpar.models.heads import MomentumHeads, TextPooler
+from lightning_mmpar.models.language import LanguageModel, LlamaDecoderLayer
+from lightning_mmpar.models.vision import VisionBlock, VisionTower, embed_patches, pool_tokens
+
+__all__ = [
+    "MAX_LOGIT_SCALE",
+    "AdapterLayer",
+    "Bridge",
+    "DecoderLayer",
+    "FusionBlock",
+    "FusionOutput",
+    "Head",
+    "Streams",
+    "VisionLayer",
+    "VisionPool",
+    "VisionStem",
+]
+
+MAX_LOGIT_SCALE = 100.0
+"""CLIP's clamp of the exponentiated logit scale."""
+
+
+class FusionOutput(NamedTuple):
+    """What the head block returns (the fusion model's output)."""
+
+    logits: Tensor
+    """``[B, T, V]`` caption logits of the fused stream (vocab-sharded DTensor under TP)."""
+    image_features: Tensor
+    """``[B, C]`` l2-normalised image features."""
+    text_features: Tensor
+    """``[B, C]`` l2-normalised text-only features (contrastive, MML, retrieval)."""
+    logit_scale: Tensor
+    """``[B]`` copies of ``min(exp(t), 100)`` (batch-shaped so pipeline outputs can be merged)."""
+    momentum_image: Tensor
+    """``[B, C]`` EMA-head image features (no gradient)."""
+    momentum_text: Tensor
+    """``[B, C]`` EMA-head text features (no gradient)."""
+    class_features: Tensor
+    """``[K, C]`` l2-normalised class-prompt features (zeros in training mode)."""
+
+
+class Streams(NamedTuple):
+    """The state between the bridge and the head (every tensor batch-first)."""
+
+    img: Tensor
+    """``[B, N, D]`` projected image tokens."""
+    pooled: Tensor
+    """``[B, E]`` pooled image embedding."""
+    h: Tensor
+    """``[B, T, D]`` fused stream."""
+    ht: Tensor
+    """``[B, T, D]`` text-only stream."""
+    last: Tensor
+    """``[B]`` index of each row's last text token."""
+    hp: Tensor
+    """``[B, K, T_p, D]`` class-prompt stream (zeros in training mode)."""
+    p_last: Tensor
+    """``[B, K]`` index of each prompt's last token."""
+
+
+def _broadcast_rows(x: Tensor, rows: int) -> Tensor:
+    return x.unsqueeze(0).expand(rows, *x.shape).contiguous()
+
+
+def _no_image(x: Tensor, img: Tensor) -> Tensor:
+    """Zero image tokens ``[B, 0, D]`` for a text-only stream: the layer attends to text only
+    (as without an image) and keeps its two-input signature, which sequence-parallel plans
+    of joint-attention layers expect."""
+    return img.new_zeros(x.shape[0], 0, img.shape[-1])
+
+
+class FusionBlock(nn.Module):
+    """A pipeline block: ``forward(*state) -> tuple`` plus its kind and cost."""
+
+    kind: str = ""
+    """``vision``, ``aligner``, ``language`` or ``head``."""
+
+    def cost(self, image_tokens: int, text_length: int, *, bytes_per_element: int = 4) -> BlockCost:
+        """Training FLOPs and kept activation bytes per sample, from the shapes.
+
+        ``image_tokens`` is the number of patch tokens ``N`` (the ViT adds its class token),
+        ``text_length`` the caption length ``T``; training runs the fused and the text-only
+        stream (the prompt stream is eval-only and not counted).
+        """
+        tally = CostTally()
+        self._tally(tally, image_tokens, text_length)
+        return tally.result(bytes_per_element)
+
+    def _tally(self, tally: CostTally, n: int, t: int) -> None:
+        raise NotImplementedError
+
+
+class VisionStem(FusionBlock):
+    """Patch/class/positional embedding and ``ln_pre``."""
+
+    kind = "vision"
+
+    def __init__(self, vision: VisionTower) -> None:
+        super().__init__()
+        self.conv1, self.ln_pre = vision.conv1, vision.ln_pre
+        self.class_embedding = vision.class_embedding
+        self.positional_embedding = vision.positional_embedding
+
+    def forward(self, images: Tensor, *rest: Tensor) -> tuple[Tensor, ...]:
+        x = embed_patches(
+            images, self.conv1, self.class_embedding, self.positional_embedding, self.ln_pre
+        )
+        return (x, *rest)
+
+    def _tally(self, tally: CostTally, n: int, t: int) -> None:
+        w = self.conv1.weight  # [W, 3, p, p]: a [3 p p] -> [W] product per patch
+        tally.matmul(n, w[0].numel(), w.shape[0], train=w.requires_grad)
+        if isinstance(self.ln_pre, nn.LayerNorm):
+            tally.keep((n + 1) * w.shape[0])
+
+
+class VisionLayer(FusionBlock):
+    """One ViT residual block on ``x_v``."""
+
+    kind = "vision"
+
+    def __init__(self, block: VisionBlock) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: Tensor, *rest: Tensor) -> tuple[Tensor, ...]:
+        return (self.block(x), *rest)
+
+    def _tally(self, tally: CostTally, n: int, t: int) -> None:
+        b, v = self.block, n + 1
+        qkv = b.attn.in_proj.weight  # [3, W, W]
+        width = qkv.shape[1]
+        tally.keep(v * width)  # ln_1
+        tally.matmul(v, qkv.shape[2], 3 * width, train=qkv.requires_grad)
+        tally.attention(v, v, width)
+        tally.linear(v, b.attn.out_proj)
+        tally.keep(v * width)  # ln_2
+        fc, proj = b.mlp.get_submodule("c_fc"), b.mlp.get_submodule("c_proj")
+        tally.linear(v, fc)
+        tally.keep(v * linear_weight(fc).shape[0])  # activation function
+        tally.linear(v, proj)
+
+
+class VisionPool(FusionBlock):
+    """``ln_post``, pooling and ``proj``: patch tokens and the pooled image embedding."""
+
+    kind = "vision"
+
+    def __init__(self, vision: VisionTower) -> None:
+        super().__init__()
+        self.ln_post, self.proj = vision.ln_post, vision.proj
+        self.config = vision.config
+
+    def forward(self, x: Tensor, *rest: Tensor) -> tuple[Tensor, ...]:
+        pooled, tokens = pool_tokens(x, self.ln_post, self.proj, self.config)
+        return (tokens, pooled, *rest)
+
+    def _tally(self, tally: CostTally, n: int, t: int) -> None:
+        width, out = self.proj.shape
+        tally.keep((1 if self.config.final_ln_after_pool else n + 1) * width)  # ln_post
+        tally.matmul(1, width, out, train=self.proj.requires_grad)
+
+
+class Bridge(FusionBlock):
+    """``img = projector(tok_v)``; the fused and text-only streams start from ``embed(ids)``;
+    in eval mode the prompt stream starts from ``embed(p_ids[0])``."""
+
+    kind = "aligner"
+
+    def __init__(self, projector: nn.Linear, embed_tokens: nn.Embedding) -> None:
+        super().__init__()
+        self.projector, self.embed_tokens = projector, embed_tokens
+
+    def forward(
+        self,
+        tokens: Tensor,
+        pooled: Tensor,
+        ids: Tensor,
+        last: Tensor,
+        p_ids: Tensor,
+        p_last: Tensor,
+    ) -> tuple[Tensor, ...]:
+        h = self.embed_tokens(ids)
+        if self.training:
+            hp = h.new_zeros(*p_ids.shape, h.shape[-1])
+        else:
+            hp = _broadcast_rows(self.embed_tokens(p_ids[0]), p_ids.shape[0])
+        return tuple(Streams(self.projector(tokens), pooled, h, h.clone(), last, hp, p_last))
+
+    def _tally(self, tally: CostTally, n: int, t: int) -> None:
+        tally.linear(n, self.projector)  # the embedding is a gather: no FLOPs counted
+
+
+class AdapterLayer(FusionBlock):
+    """One cross-modal adapter on the fused stream only."""
+
+    kind = "aligner"
+
+    def __init__(self, adapter: CrossModalAdapter) -> None:
+        super().__init__()
+        self.adapter = adapter
+
+    def forward(self, *state: Tensor) -> tuple[Tensor, ...]:
+        s = Streams(*state)
+        return tuple(s._replace(h=self.adapter(s.h, s.img)))
+
+    def _tally(self, tally: CostTally, n: int, t: int) -> None:
+        a = self.adapter
+        dim, width = a.attn.q_proj.weight.shape[1], a.attn.q_proj.weight.shape[0]
+        tally.keep((t + n) * dim)  # norm_q (text), norm_kv (image)
+        tally.linear(t, a.attn.q_proj)
+        tally.linear(n, a.attn.k_proj)
+        tally.linear(n, a.attn.v_proj)
+        tally.attention(t, n, width)
+        tally.linear(t, a.attn.o_proj)
+        tally.keep(t * dim)  # norm_ffn
+        tally.linear(t, a.mlp.fc1)
+        tally.keep(t * a.mlp.fc1.weight.shape[0])  # GELU
+        tally.linear(t, a.mlp.fc2)
+
+
+class DecoderLayer(FusionBlock):
+    """One LLaMA layer on every stream: fused (with ``img`` under joint attention), text-only,
+    and in eval mode the class prompts."""
+
+    kind = "language"
+
+    def __init__(self, layer: LlamaDecoderLayer) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, *state: Tensor) -> tuple[Tensor, ...]:
+        s = Streams(*state)
+        hp = s.hp
+        if not self.training:
+            prompts = hp[0]
+            hp = _broadcast_rows(self.layer(prompts, _no_image(prompts, s.img)), hp.shape[0])
+        fused = self.layer(s.h, s.img)
+        return tuple(s._replace(h=fused, ht=self.layer(s.ht, _no_image(s.ht, s.img)), hp=hp))
+
+    def _tally(self, tally: CostTally, n: int, t: int) -> None:
+        joint = self.layer.image_norm is not None
+        for image_tokens in (n if joint else 0, 0):  # fused stream, text-only stream
+            self._stream(tally, t, image_tokens)
+
+    def _stream(self, tally: CostTally, t: int, n: int) -> None:
+        attn, mlp = self.layer.self_attn, self.layer.mlp
+        dim, width = attn.q_proj.weight.shape[1], attn.q_proj.weight.shape[0]
+        tally.keep(t * dim)  # input_layernorm
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+            tally.linear(t, proj)
+        if n:
+            tally.keep(n * dim)  # image_norm
+            tally.linear(n, attn.k_proj)
+            tally.linear(n, attn.v_proj)
+        tally.attention(t, t + n, width)
+        tally.linear(t, attn.o_proj)
+        tally.keep(t * dim)  # post_attention_layernorm
+        tally.linear(t, mlp.gate_proj)
+        tally.linear(t, mlp.up_proj)
+        tally.keep(2 * t * mlp.gate_proj.weight.shape[0])  # SiLU input, up-projection
+        tally.linear(t, mlp.down_proj)
+
+
+class Head(FusionBlock):
+    """Final norm, LM head, the contrastive heads and their EMA copies (``momentum``)."""
+
+    kind = "head"
+
+    def __init__(
+        self,
+        *,
+        language: LanguageModel,
+        image_head: nn.Linear,
+        text_head: TextPooler,
+        logit_scale: nn.Parameter,
+        momentum: MomentumHeads,
+    ) -> None:
+        super().__init__()
+        self.norm, self.lm_head = language.norm, language.lm_head
+        self.image_head, self.text_head = image_head, text_head
+        self.logit_scale = logit_scale
+        self.momentum = momentum
+
+    def forward(self, *state: Tensor) -> tuple[Tensor, ...]:
+        """A plain tuple in :class:`FusionOutput` order (pipeline stages reject NamedTuples)."""
+        s = Streams(*state)
+        text_embed, text = self.text_head(self.norm(s.ht), s.last)
+        m_img, m_txt = self.momentum(s.pooled, text_embed)
+        if self.training:
+            classes = s.pooled.new_zeros(s.hp.shape[1], m_img.shape[-1])
+        else:
+            classes = F.normalize(self.text_head(self.norm(s.hp[0]), s.p_last[0])[1], dim=-1)
+        scale = self.logit_scale.exp().clamp(max=MAX_LOGIT_SCALE)
+        return tuple(
+            FusionOutput(
+                logits=self.lm_head(self.norm(s.h)),
+                image_features=F.normalize(self.image_head(s.pooled), dim=-1),
+                text_features=F.normalize(text, dim=-1),
+                logit_scale=scale.expand(s.h.shape[0]),
+                momentum_image=m_img,
+                momentum_text=m_txt,
+                class_features=classes,
+            )
+        )
+
+    def ema_update(self) -> None:
+        """One EMA step of the momentum heads towards the live heads."""
+        self.momentum.update(self.image_head, self.text_head.proj)
+
+    def _tally(self, tally: CostTally, n: int, t: int) -> None:
+        tally.keep(2 * t * self.lm_head.weight.shape[1])  # final norm of h and ht
+        tally.linear(t, self.lm_head)
+        tally.linear(1, self.image_head)
+        tally.linear(1, self.text_head.proj)
+        tally.linear(1, self.momentum.image_head, grad=False)
+        tally.linear(1, self.momentum.text_head, grad=False)

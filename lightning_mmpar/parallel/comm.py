@@ -1,0 +1,141 @@
+"""Device-aware collectives: the one place the package calls ``torch.distributed`` collectives.
+
+Every function puts its tensors on the device the group's backend accepts (CUDA for NCCL, CPU
+for gloo), runs the collective there and hands the result back on the caller's device, so no
+code path sends a CPU tensor through an NCCL group (or a CUDA tensor through gloo). A ``group``
+of ``None`` means the default (world) group; every function is the identity when no process
+group exists or the group has size 1, so single-process runs need no special case.
+
+Ranks passed as ``src`` / ``dst`` are *group* ranks (``group_src`` in torch's terms).
+A test (``tests/unit/test_architecture.py``) fails if a collective is called anywhere else in
+the package.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = [
+    "ReduceOp",
+    "all_gather",
+    "all_gather_objects",
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "group_device",
+    "group_rank",
+    "group_size",
+    "is_distributed",
+    "recv_object",
+    "send_object",
+    "to_local",
+]
+
+ReduceOp = Literal["sum", "max", "min", "avg"]
+_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "avg": "SUM"}
+
+
+def is_distributed() -> bool:
+    """Whether a default process group exists."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def group_size(group: dist.ProcessGroup | None = None) -> int:
+    """Ranks in ``group`` (1 without a process group)."""
+    return dist.get_world_size(group) if is_distributed() else 1
+
+
+def group_rank(group: dist.ProcessGroup | None = None) -> int:
+    """This process's rank inside ``group`` (0 without a process group)."""
+    return dist.get_rank(group) if is_distributed() else 0
+
+
+def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """The device ``group``'s collectives accept: the current CUDA device for NCCL, else CPU."""
+    if is_distributed() and "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def to_local(t: Tensor) -> Tensor:
+    """This rank's local tensor of a DTensor (its shard, no communication), else ``t``."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _on_group(t: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    device = group_device(group)
+    return t if t.device == device and t.is_contiguous() else t.contiguous().to(device)
+
+
+def _back(result: Tensor, original: Tensor) -> Tensor:
+    """Write ``result`` into ``original`` unless it is ``original`` itself; return ``original``."""
+    if result is not original:
+        original.copy_(result)
+    return original
+
+
+def all_reduce(t: Tensor, op: ReduceOp = "sum", group: dist.ProcessGroup | None = None) -> Tensor:
+    """Reduce ``t`` over ``group`` in place (``avg``: sum divided by the group size); returns
+    ``t``. Not differentiable (use it on detached values or inside autograd functions)."""
+    size = group_size(group)
+    if size == 1:
+        return t
+    work = _on_group(t, group)
+    dist.all_reduce(work, op=getattr(dist.ReduceOp, _OPS[op]), group=group)
+    if op == "avg":
+        work.div_(size)
+    return _back(work, t)
+
+
+def broadcast(t: Tensor, src: int = 0, group: dist.ProcessGroup | None = None) -> Tensor:
+    """Copy group rank ``src``'s ``t`` into every rank's ``t`` (in place); returns ``t``."""
+    if group_size(group) == 1:
+        return t
+    work = _on_group(t, group)
+    dist.broadcast(work, group_src=src, group=group)
+    return _back(work, t)
+
+
+def all_gather(t: Tensor, group: dist.ProcessGroup | None = None) -> list[Tensor]:
+    """Every rank's ``t`` (equal shapes), in group-rank order, on ``t``'s device."""
+    size = group_size(group)
+    if size == 1:
+        return [t]
+    work = _on_group(t, group)
+    parts = [torch.empty_like(work) for _ in range(size)]
+    dist.all_gather(parts, work, group=group)
+    return [p.to(t.device) for p in parts]
+
+
+def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's picklable ``obj`` over ``group`` (``[obj]`` without a process group)."""
+    size = group_size(group)
+    if size == 1:
+        return [obj]
+    out: list[Any] = [None] * size
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def send_object(obj: Any, dst: int, group: dist.ProcessGroup | None = None) -> None:
+    """Send a picklable ``obj`` to group rank ``dst`` (tensors travel on the group's device)."""
+    dist.send_object_list([obj], group=group, group_dst=dst, device=group_device(group))
+
+
+def recv_object(src: int, group: dist.ProcessGroup | None = None) -> Any:
+    """Receive the object group rank ``src`` sent with :func:`send_object`."""
+    box: list[Any] = [None]
+    dist.recv_object_list(box, group=group, group_src=src, device=group_device(group))
+    return box[0]
+
+
+def barrier(group: dist.ProcessGroup | None = None) -> None:
+    """Wait for every rank of ``group`` (no-op without a process group)."""
+    if group_size(group) > 1:
+        dist.barrier(group=group)

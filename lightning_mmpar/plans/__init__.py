@@ -1,0 +1,33 @@
+"""Per-model parallel plans: what TP/SP, activation checkpointing, pipeline blocks and FSDP
+units each model family gets, as data, and the one function that applies a plan."""
+
+from lightning_mmpar.plans.fusion import (
+    TensorParallelOptions,
+    apply_tensor_parallel,
+    fusion_plan,
+    parallelize_fusion,
+    validate_tensor_parallel,
+)
+from lightning_mmpar.plans.plan import (
+    ParallelPlan,
+    apply_plan,
+    checkpoint_activations,
+    plan_meshes,
+    tp_meshes,
+)
+from lightning_mmpar.plans.toy import parallelize_toy, toy_plan
+
+__all__ = [
+    "ParallelPlan",
+    "TensorParallelOptions",
+    "apply_plan",
+    "apply_tensor_parallel",
+    "checkpoint_activations",
+    "fusion_plan",
+    "parallelize_fusion",
+    "parallelize_toy",
+    "plan_meshes",
+    "toy_plan",
+    "tp_meshes",
+    "validate_tensor_parallel",
+]

@@ -1,0 +1,325 @@
+"""The fusion model's parallel plan (torchtitan's ``parallelize_<model>``): one plan per tower.
+
+Megatron's column/row patterns (:mod:`lightning_mmpar.parallel.tensor`) per tower:
+
+* **vision** (``model.vision``): per ViT block the fused ``attn.in_proj`` column parallel by
+  whole heads (:class:`FusedQKVColwiseParallel`), ``attn.out_proj`` row parallel, ``mlp.c_fc``
+  column and ``mlp.c_proj`` row parallel; embeddings, norms and ``proj`` replicated. Never
+  sequence-parallel (open_clip's ``grid**2 + 1`` tokens rarely divide by the TP size).
+  ``vision_parallel="replicate"`` keeps a full ViT per tp rank instead (same numbers).
+* **adapter** (``model.adapters``): cross-attention q/k/v column parallel and its combine
+  (``vl_combine``: row-parallel ``o_proj`` with partial sums all-reduced, or the heads
+  all-gathered and ``o_proj`` replicated) on the **vl** mesh (same ranks as tp, own
+  communicator); the FFN (``fc1`` column, ``fc2`` row) on the tp mesh.
+* **language** (``model.language``): vocab-parallel ``embed_tokens`` (rows split, outputs
+  all-reduced), q/k/v column parallel (each rank owns ``H / p`` query and ``H_kv / p`` key/value
+  heads, so GQA groups stay on one rank), ``o_proj`` row parallel, SwiGLU ``gate/up`` column and
+  ``down`` row parallel; ``lm_head`` column parallel returning vocab-sharded DTensor logits for
+  :func:`lightning_mmpar.parallel.numerics.vocab_parallel_cross_entropy`. Joint-attention
+  temperatures use :class:`HeadShardedReplicate`.
+* **sequence parallel** (``sequence_parallel=True``): the text residual stream ``[B, T, D]`` is
+  sharded along ``T`` (norms, gates, dropout on ``T / p`` tokens; all-gather before attention and
+  FFN, reduce-scatter after) in the language tower, the adapters and the input of ``text_head``.
+
+Every sharded parameter's global value is the unsharded model's, so ``get_model_state_dict`` of
+a sharded model is the unsharded state dict, sharded, and DCP checkpoints reshard across TP sizes.
+
+Activation-checkpoint units: every ViT block, adapter block and decoder layer. Pipeline blocks and
+FSDP units: ``model.pipeline_blocks()``. Order: TP -> activation checkpointing -> (strategy)
+pipeline split -> FSDP per block (:mod:`lightning_mmpar.plans.plan`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from lightning_mmpar.models.fusion import FusionConfig, FusionModel
+from lightning_mmpar.models.language import LanguageModel
+from lightning_mmpar.models.vision import VisionTower
+from lightning_mmpar.parallel.tensor import (
+    FusedQKVColwiseParallel,
+    HeadShardedReplicate,
+    SequenceLengthCheck,
+    StyleGroup,
+)
+from lightning_mmpar.plans.plan import ParallelPlan, apply_plan, plan_meshes, tp_meshes
+from lightning_mmpar.topology import ParallelDims
+
+__all__ = [
+    "TensorParallelOptions",
+    "adapter_plan",
+    "apply_tensor_parallel",
+    "checkpoint_units",
+    "fusion_plan",
+    "language_plan",
+    "parallelize_fusion",
+    "validate_tensor_parallel",
+    "vision_plan",
+]
+
+VisionParallel = Literal["tp", "replicate"]
+VLCombine = Literal["all_reduce", "all_gather"]
+
+
+@dataclass(kw_only=True)
+class TensorParallelOptions:
+    """How :func:`parallelize_fusion` shards the model (the degree comes from the layout).
+
+    Raises ``ValueError`` at construction for an unknown ``vision_parallel`` or ``vl_combine``.
+    """
+
+    vision_parallel: VisionParallel = "tp"
+    """Shard the ViT by heads (``tp``) or keep a full copy per tp rank (``replicate``)."""
+    sequence_parallel: bool = False
+    """Shard the text residual stream along the sequence (text length must divide by tp)."""
+    vl_combine: VLCombine = "all_reduce"
+    """Combine of the cross-attention heads (TECHNIQUES 1.3), on the vision-language group."""
+    vocab_multiple: int = 8
+    """The LM vocabulary is padded to a multiple of this (and of tp) so it shards evenly."""
+    activation_checkpointing: bool = False
+    """Recompute every ViT block, adapter and decoder layer in backward instead of storing their
+    activations (same loss and gradients, less memory, about one more forward)."""
+
+    def __post_init__(self) -> None:
+        if self.vision_parallel not in ("tp", "replicate"):
+            raise ValueError(
+                f"vision_parallel ({self.vision_parallel!r}) must be 'tp' or 'replicate'."
+            )
+        if self.vl_combine not in ("all_reduce", "all_gather"):
+            raise ValueError(
+                f"vl_combine ({self.vl_combine!r}) must be 'all_reduce' or 'all_gather'."
+            )
+
+
+def _nearest(value: int, tp: int) -> str:
+    low, high = value // tp * tp, (value // tp + 1) * tp
+    return f"{low} or {high}" if low > 0 else f"{high}"
+
+
+def validate_tensor_parallel(
+    config: FusionConfig, tp: int, *, vision_parallel: VisionParallel = "tp"
+) -> None:
+    """Raise a ``ValueError`` naming module, field, value and the nearest valid sizes."""
+    v, a, lang = config.vision, config.adapter, config.language
+    checks: list[tuple[str, str, int]] = []
+    if vision_parallel == "tp":
+        checks += [
+            ("vision.transformer.resblocks.*.attn", "VisionConfig.heads", v.heads),
+            ("vision.transformer.resblocks.*.mlp", "VisionConfig.mlp_width", v.mlp_width),
+        ]
+    attn = "language.layers.*.self_attn"
+    checks += [
+        ("adapters.*.attn", "AdapterConfig.heads", a.heads),
+        ("adapters.*.mlp", "AdapterConfig.ffn_width", a.ffn_width),
+        (attn, "LanguageConfig.num_attention_heads", lang.num_attention_heads),
+        (attn, "LanguageConfig.num_key_value_heads", lang.num_key_value_heads),
+        ("language.layers.*.mlp", "LanguageConfig.intermediate_size", lang.intermediate_size),
+        ("language.embed_tokens/lm_head", "LanguageConfig.vocab_size", lang.vocab_size),
+    ]
+    for module, name, value in checks:
+        if value % tp != 0:
+            raise ValueError(
+                f"{module}: {name} ({value}) must be divisible by the tensor-parallel size ({tp}); "
+                f"nearest valid sizes: {_nearest(value, tp)}."
+            )
+
+
+def vision_plan(vision: VisionTower) -> dict[str, ParallelStyle]:
+    """Heads of every ViT block column/row parallel; embeddings, norms and ``proj`` replicated."""
+    plan: dict[str, ParallelStyle] = {}
+    for i in range(len(vision.transformer.resblocks)):
+        p = f"transformer.resblocks.{i}"
+        plan[f"{p}.attn.in_proj"] = FusedQKVColwiseParallel()
+        plan[f"{p}.attn.out_proj"] = RowwiseParallel()
+        plan[f"{p}.mlp.c_fc"] = ColwiseParallel()
+        plan[f"{p}.mlp.c_proj"] = RowwiseParallel()
+    return plan
+
+
+def _combine_style(vl_combine: VLCombine, seq: Shard | Replicate) -> ParallelStyle:
+    """How head-sharded cross-attention context ``C_r`` becomes ``Y = C W_o^T + b``.
+
+    ``all_reduce``: ``W_o`` row parallel, ``Y = sum_r C_r W_o,r^T`` (partial sums reduced).
+    ``all_gather``: ``C = [C_0 ... C_p]`` gathered, ``W_o`` replicated, every rank computes ``Y``.
+    """
+    if vl_combine == "all_reduce":
+        return RowwiseParallel(output_layouts=seq)
+    return PrepareModuleInputOutput(
+        input_layouts=(Shard(-1),),
+        desired_input_layouts=(Replicate(),),
+        use_local_input=True,
+        output_layouts=(Replicate(),),
+        desired_output_layouts=(seq,),
+        use_local_output=True,
+    )
+
+
+def adapter_plan(
+    num_blocks: int, *, sequence_parallel: bool, vl_combine: VLCombine
+) -> tuple[dict[str, ParallelStyle], dict[str, ParallelStyle]]:
+    """``(plan on the vl mesh, plan on the tp mesh)`` for the adapter blocks.
+
+    Cross-attention (q/k/v column parallel, combine per ``vl_combine``) runs on the dedicated
+    vision-language group; the FFN (fc1 column, fc2 row parallel) on the tp group.
+    """
+    seq: Shard | Replicate = Shard(1) if sequence_parallel else Replicate()
+    vl: dict[str, ParallelStyle] = {}
+    tp: dict[str, ParallelStyle] = {}
+    for i in range(num_blocks):
+        p = f"{i}"
+        for name in ("q_proj", "k_proj", "v_proj"):
+            vl[f"{p}.attn.{name}"] = ColwiseParallel()
+        vl[f"{p}.attn.o_proj"] = _combine_style(vl_combine, seq)
+        tp[f"{p}.mlp.fc1"] = ColwiseParallel()
+        tp[f"{p}.mlp.fc2"] = RowwiseParallel(output_layouts=seq)
+        if sequence_parallel:
+            vl[f"{p}.attn"] = PrepareModuleInput(
+                input_layouts=(Shard(1), Replicate()), desired_input_layouts=(Replicate(),) * 2
+            )
+            tp[f"{p}.norm_q"] = SequenceParallel(use_local_output=True)
+            tp[f"{p}.norm_ffn"] = SequenceParallel()
+            tp[f"{p}.mlp"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            )
+            tp[f"{p}.attn_gate"] = SequenceParallel(use_local_output=True)
+            tp[f"{p}.ffn_gate"] = SequenceParallel(use_local_output=True)
+    return vl, tp
+
+
+def language_plan(language: LanguageModel, *, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """Vocab-parallel embedding and LM head, column/row parallel attention (GQA) and SwiGLU."""
+    seq: Shard | Replicate = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, ParallelStyle] = {
+        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "lm_head": ColwiseParallel(
+            input_layouts=seq, output_layouts=Shard(-1), use_local_output=False
+        ),
+    }
+    if sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    for i, layer in enumerate(language.layers):
+        p = f"layers.{i}"
+        for name in ("q_proj", "k_proj", "v_proj"):
+            plan[f"{p}.self_attn.{name}"] = ColwiseParallel()
+        plan[f"{p}.self_attn.o_proj"] = RowwiseParallel(output_layouts=seq)
+        plan[f"{p}.mlp.gate_proj"] = ColwiseParallel()
+        plan[f"{p}.mlp.up_proj"] = ColwiseParallel()
+        plan[f"{p}.mlp.down_proj"] = RowwiseParallel(output_layouts=seq)
+        joint = getattr(layer.self_attn, "temperature", None) is not None
+        if joint:
+            plan[f"{p}.self_attn.temperature"] = HeadShardedReplicate()
+        if sequence_parallel:
+            plan[f"{p}.input_layernorm"] = SequenceParallel()
+            plan[f"{p}.post_attention_layernorm"] = SequenceParallel()
+            n_in = 2 if joint else 1
+            plan[f"{p}.self_attn"] = PrepareModuleInput(
+                input_layouts=(Shard(1), Replicate())[:n_in],
+                desired_input_layouts=(Replicate(),) * n_in,
+            )
+            plan[f"{p}.mlp"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            )
+    return plan
+
+
+def checkpoint_units(model: FusionModel) -> tuple[str, ...]:
+    """Activation-checkpoint units: every ViT block, adapter block and decoder layer."""
+    vision = [
+        f"vision.transformer.resblocks.{i}" for i in range(len(model.vision.transformer.resblocks))
+    ]
+    adapters = [f"adapters.{i}" for i in range(len(model.adapters))]
+    layers = [f"language.layers.{i}" for i in range(len(model.language.layers))]
+    return (*vision, *adapters, *layers)
+
+
+def fusion_plan(
+    model: FusionModel,
+    options: TensorParallelOptions = TensorParallelOptions(),  # noqa: B008
+) -> ParallelPlan:
+    """The fusion model's plan as data (no process group needed to build or inspect it)."""
+    seq = options.sequence_parallel
+    groups: list[StyleGroup] = []
+    if options.vision_parallel == "tp":
+        groups.append(StyleGroup("vision", "tp", vision_plan(model.vision)))
+    vl, tp = adapter_plan(len(model.adapters), sequence_parallel=seq, vl_combine=options.vl_combine)
+    groups += [
+        StyleGroup("adapters", "vl", vl),
+        StyleGroup("adapters", "tp", tp),
+        StyleGroup("language", "tp", language_plan(model.language, sequence_parallel=seq)),
+    ]
+    if seq:
+        text_in = PrepareModuleInput(
+            input_layouts=(Shard(1), None),
+            desired_input_layouts=(Replicate(), None),
+            use_local_output=True,
+        )
+        groups += [
+            StyleGroup("language.embed_tokens", "tp", SequenceLengthCheck("input_ids")),
+            StyleGroup("text_head", "tp", text_in),
+        ]
+    return ParallelPlan(
+        tensor_parallel=tuple(groups),
+        activation_checkpointing=checkpoint_units(model)
+        if options.activation_checkpointing
+        else (),
+        pipeline_blocks=model.pipeline_blocks,
+    )
+
+
+def parallelize_fusion(
+    model: FusionModel,
+    dims: ParallelDims,
+    options: TensorParallelOptions = TensorParallelOptions(),  # noqa: B008
+) -> FusionModel:
+    """Apply the fusion plan for ``dims`` to ``model`` in place; returns it.
+
+    Tensor parallelism on ``dims.get_mesh("tp")`` when ``dims.tp > 1`` (cross-attention on
+    ``dims.vl_group`` when the dims built their own mesh, else on the tp group), then activation
+    checkpointing when ``options.activation_checkpointing``; nothing else when ``tp == 1``. Call it
+    on the built model, before the pipeline split and FSDP (which the strategy applies, one unit
+    per pipeline block). Raises ``ValueError`` when a size does not divide by ``dims.tp``.
+    """
+    if dims.tp > 1:
+        validate_tensor_parallel(model.config, dims.tp, vision_parallel=options.vision_parallel)
+    apply_plan(model, fusion_plan(model, options), plan_meshes(dims))
+    return model
+
+
+def apply_tensor_parallel(
+    model: FusionModel,
+    tp_mesh: DeviceMesh,
+    *,
+    vision_parallel: VisionParallel = "tp",
+    sequence_parallel: bool = False,
+    vl_combine: VLCombine = "all_reduce",
+    vl_group: dist.ProcessGroup | None = None,
+) -> FusionModel:
+    """Shard ``model`` in place over the 1-D ``tp_mesh``; returns it (no activation
+    checkpointing; :func:`parallelize_fusion` is the entry point given a layout).
+
+    ``vision_parallel``: ``tp`` shards the ViT by heads / FFN columns, ``replicate`` keeps a full
+    copy on every tp rank. ``vl_combine``: ``all_reduce`` or ``all_gather`` combine of the
+    cross-attention heads (TECHNIQUES 1.3), run on ``vl_group`` (same ranks as ``tp_mesh``, its
+    own communicator; default: the tp group itself). Raises ``ValueError`` for unknown options, a
+    mesh that is not 1-D, a ``vl_group`` of other ranks, or sizes that do not divide by tp.
+    """
+    options = TensorParallelOptions(
+        vision_parallel=vision_parallel, sequence_parallel=sequence_parallel, vl_combine=vl_combine
+    )
+    meshes = tp_meshes(tp_mesh, vl_group)
+    validate_tensor_parallel(model.config, tp_mesh.size(), vision_parallel=vision_parallel)
+    apply_plan(model, fusion_plan(model, options), meshes)
+    return model

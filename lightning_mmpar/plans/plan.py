@@ -1,0 +1,110 @@
+"""A model's parallel plan as data, and the one function that applies it.
+
+A :class:`ParallelPlan` says, for one built model, *what* each parallelism does to it:
+
+* ``tensor_parallel``: :class:`~lightning_mmpar.parallel.tensor.StyleGroup` s, DTensor styles per
+  submodule on a named 1-D mesh (``tp``, or ``vl`` for the vision-language group);
+* ``activation_checkpointing``: the submodules whose activations are recomputed in backward
+  instead of stored (non-reentrant checkpointing, applied as hooks: parameter names unchanged);
+* ``pipeline_blocks``: the model's ordered blocks. They are also the FSDP units: the strategy
+  cuts the blocks into pipeline stages and then applies FSDP2 ``fully_shard`` once per block of
+  this rank's stages (:func:`lightning_mmpar.parallel.data.shard_blocks`), plus once on the root
+  for what remains.
+
+:func:`apply_plan` applies the plan in torchtitan's order (``parallelize_llama``): tensor
+parallelism -> activation checkpointing -> (the strategy, later) pipeline split -> FSDP. TP comes
+first because FSDP shards the DTensors TP made (2-D ``(dp, tp)`` parameters), and checkpointing
+before FSDP so the recomputed forward runs inside the FSDP unit's all-gathered parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_mmpar import compat
+from lightning_mmpar.parallel.comm import group_device
+from lightning_mmpar.parallel.tensor import StyleGroup, apply_styles
+from lightning_mmpar.topology import ParallelDims
+
+__all__ = ["ParallelPlan", "apply_plan", "checkpoint_activations", "plan_meshes", "tp_meshes"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelPlan:
+    """How one model is parallelized; built by a model family's plan function (``plans.*``)."""
+
+    tensor_parallel: tuple[StyleGroup, ...] = ()
+    """TP/SP styles, applied in order."""
+    activation_checkpointing: tuple[str, ...] = ()
+    """Paths of the submodules recomputed in backward (empty: no checkpointing)."""
+    pipeline_blocks: Callable[[], Sequence[nn.Module]] | None = None
+    """The model's ordered pipeline blocks (also its FSDP units); ``None``: not pipelined."""
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """One ``fully_shard`` unit per pipeline block (the strategy applies them after the
+        pipeline split); empty for a model without blocks."""
+        return list(self.pipeline_blocks()) if self.pipeline_blocks is not None else []
+
+
+def checkpoint_activations(root: nn.Module, paths: Sequence[str]) -> nn.Module:
+    """Recompute each listed submodule's forward in backward instead of storing its activations.
+
+    Uses torch's composable, non-reentrant ``checkpoint`` (forward pre/post hooks: module tree
+    and parameter names unchanged, RNG state replayed so dropout masks match). Applying it twice
+    to one module raises torch's error. Returns ``root``.
+    """
+    for path in paths:
+        compat.checkpoint_module(root.get_submodule(path))
+    return root
+
+
+def apply_plan(
+    module: nn.Module, plan: ParallelPlan, meshes: Mapping[str, DeviceMesh]
+) -> nn.Module:
+    """Apply ``plan`` to ``module`` in place: TP styles on ``meshes`` (none given: no TP), then
+    activation checkpointing. FSDP is the strategy's, after the pipeline split. Returns
+    ``module``."""
+    if meshes:
+        apply_styles(module, plan.tensor_parallel, meshes)
+    return checkpoint_activations(module, plan.activation_checkpointing)
+
+
+def tp_meshes(
+    tp_mesh: DeviceMesh, vl_group: dist.ProcessGroup | None = None
+) -> dict[str, DeviceMesh]:
+    """``{"tp": tp_mesh, "vl": ...}``: the vision-language mesh on ``vl_group`` (same ranks as
+    ``tp_mesh``, its own communicator), or ``tp_mesh`` itself when ``vl_group`` is ``None``.
+
+    Raises ``ValueError`` for a mesh that is not 1-D or a ``vl_group`` of other ranks.
+    """
+    if tp_mesh.ndim != 1:
+        raise ValueError(f"tp_mesh must be 1-D (got {tp_mesh.ndim} dims); pass mesh['tp'].")
+    vl_mesh = tp_mesh
+    if vl_group is not None:
+        if dist.get_process_group_ranks(vl_group) != tp_mesh.mesh.tolist():
+            raise ValueError("vl_group must hold the same ranks, in the same order, as tp_mesh.")
+        vl_mesh = DeviceMesh.from_group(vl_group, tp_mesh.device_type, mesh_dim_names=("vl",))
+    return {"tp": tp_mesh, "vl": vl_mesh}
+
+
+def plan_meshes(dims: ParallelDims) -> dict[str, DeviceMesh]:
+    """The meshes a plan runs on for ``dims``: empty when ``dims.tp == 1`` (nothing to shard).
+
+    Dims that built their own mesh (``mm_parallel``) give ``mesh["tp"]`` and their dedicated
+    ``vl`` group; dims describing another strategy's layout (Lightning's ``ModelParallelStrategy``)
+    give a new 1-D mesh on its tp group, which also serves as the ``vl`` mesh (enough for TP;
+    FSDP2 over that strategy's own dp mesh would want its ``tensor_parallel`` sub-mesh, which
+    :meth:`ParallelDims.of` does not keep).
+    """
+    if dims.tp == 1:
+        return {}
+    if dims.is_built:
+        return tp_meshes(dims.get_mesh("tp"), dims.vl_group)
+    group = dims.get_group("tp")
+    assert group is not None, "a dimension of size > 1 has a process group"
+    return tp_meshes(DeviceMesh.from_group(group, group_device(group).type))

@@ -1,0 +1,152 @@
+"""The recipe's training path equals the fusion model's own forward (one process, no Trainer).
+
+The module registers the model's pipeline blocks; ``FusionModel.forward`` builds the same blocks
+again. The losses are written out here from the loss modules, so a divergence between the two
+paths (a stream, a head, the logit-scale clamp) fails these tests.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from lightning_mmpar.data.digits import DigitsCaptions
+from lightning_mmpar.losses.caption import caption_loss
+from lightning_mmpar.losses.contrastive import ContrastiveLoss
+from lightning_mmpar.losses.mml import MMLLoss
+from lightning_mmpar.models.adapter import AdapterConfig
+from lightning_mmpar.models.fusion import FusionConfig, FusionOutput
+from lightning_mmpar.models.language import LanguageConfig
+from lightning_mmpar.models.vision import VisionConfig
+from lightning_mmpar.parallel.pipeline import PipelineChunk
+from lightning_mmpar.recipes.config import FinetuneConfig, LossConfig
+from lightning_mmpar.recipes.module import ClipLlamaModule
+
+
+@pytest.fixture(scope="module")
+def data() -> DigitsCaptions:
+    digits = DigitsCaptions(image_size=16, batch_size=8)
+    digits.setup()
+    return digits
+
+
+def make_module(data: DigitsCaptions, monkeypatch: pytest.MonkeyPatch) -> ClipLlamaModule:
+    torch.manual_seed(0)
+    fusion = FusionConfig(
+        vision=VisionConfig(
+            image_size=16, patch_size=8, width=32, layers=1, heads=2, output_dim=16
+        ),
+        language=LanguageConfig(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            joint_attention=True,
+        ),
+        adapter=AdapterConfig(heads=2, width=32, ffn_width=48, dropout=0.0),
+        contrastive_dim=16,
+    )
+    module = ClipLlamaModule(
+        fusion=fusion,
+        finetune=FinetuneConfig(train_vision=True, train_decoder_layers=1),
+        loss=LossConfig(contrastive_weight=0.7, caption_weight=3.0),
+        vocab_size=data.vocab_size,
+    )
+    module._trainer = SimpleNamespace(datamodule=data)  # type: ignore[assignment]
+    monkeypatch.setattr(module, "log", lambda *args, **kwargs: None)
+    module.configure_model()
+    module.setup("fit")
+    return module
+
+
+def written_out_loss(out: FusionOutput, target_ids: Tensor, config: LossConfig) -> Tensor:
+    scale = out.logit_scale[0]
+    con = ContrastiveLoss()(out.image_features, out.text_features, scale)
+    mml = MMLLoss(config=config.mml)(
+        out.image_features, out.text_features, out.momentum_image, out.momentum_text, scale
+    )
+    cap = caption_loss(out.logits, target_ids)
+    assert isinstance(con, Tensor) and isinstance(mml, Tensor)
+    return config.contrastive_weight * con + config.caption_weight * cap + mml
+
+
+def gradients(module: ClipLlamaModule, loss: Tensor) -> dict[str, Tensor]:
+    module.zero_grad(set_to_none=True)
+    loss.backward()
+    return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def test_training_step_equals_model_forward_and_losses(
+    data: DigitsCaptions, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = make_module(data, monkeypatch)
+    batch: dict[str, Any] = next(iter(data.val_dataloader()))
+    module.train()
+    step_loss = module.training_step(batch, 0)
+    step_grads = gradients(module, step_loss)
+    inputs, target = module.pipeline_inputs(batch)  # the strategy's pp = 1 path
+    chunk_loss = module.pipeline_loss(PipelineChunk(module.pipeline_blocks())(*inputs), target)
+    model = module.fusion_model
+    out = model(batch["images"], batch["input_ids"], batch["attention_mask"])
+    model_loss = written_out_loss(out, batch["target_ids"], module.loss_config)
+    assert torch.equal(step_loss, model_loss) and torch.equal(chunk_loss, model_loss)
+    model_grads = gradients(module, model_loss)
+    assert step_grads.keys() == model_grads.keys() and len(step_grads) > 20
+    for name, grad in step_grads.items():
+        assert torch.equal(grad, model_grads[name]), name
+    # the loss sees every stream: the caption term is not the whole story
+    assert not torch.allclose(model_loss, 3.0 * caption_loss(out.logits, batch["target_ids"]))
+
+
+def test_eval_outputs_equal_and_ema_heads_are_the_models(
+    data: DigitsCaptions, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = make_module(data, monkeypatch)
+    batch: dict[str, Any] = next(iter(data.val_dataloader()))
+    module.eval()
+    with torch.no_grad():
+        got = module(batch)
+        prompts = data.class_prompts()
+        want = module.fusion_model(
+            batch["images"],
+            batch["input_ids"],
+            batch["attention_mask"],
+            prompts["input_ids"],
+            prompts["attention_mask"],
+        )
+    assert got.class_features.shape == (10, 16) and got.class_features.abs().sum() > 0
+    for name, a, b in zip(FusionOutput._fields, got, want, strict=True):
+        assert torch.equal(a, b), name
+    head = module.head
+    assert head is not None and head.momentum is module.fusion_model.momentum_heads
+    assert any("momentum" in k for k in module.state_dict())  # checkpointed with the blocks
+    with torch.no_grad():
+        module.fusion_model.image_head.weight.add_(1.0)
+    before = head.momentum.image_head.weight.clone()
+    head.ema_update()
+    moved = head.momentum.image_head.weight
+    torch.testing.assert_close(moved, before + (1 - module.loss_config.mml.momentum))
+
+
+def test_generate_is_a_greedy_loop_over_the_model(
+    data: DigitsCaptions, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = make_module(data, monkeypatch).eval()
+    images, length = next(iter(data.val_dataloader()))["images"][:4], 6
+    tok = data.tokenizer
+    got = module.generate(images, length)
+    ids = torch.full((4, length), tok.pad_id)
+    ids[:, 0] = tok.bos_id
+    done = torch.zeros(4, dtype=torch.bool)
+    with torch.no_grad():
+        for t in range(1, length):
+            mask = (torch.arange(length) < t).long().expand(4, -1)
+            logits = module.fusion_model(images, ids, mask).logits
+            ids[:, t] = torch.where(done, tok.pad_id, logits[:, t - 1, : tok.vocab_size].argmax(-1))
+            done |= ids[:, t] == tok.eos_id
+    assert torch.equal(got, ids)

@@ -1,0 +1,185 @@
+"""The package's shape: public API, one home for collectives, plain-torch models, file sizes,
+and the layer picture in docs/architecture.md drawn from the code's imports.
+
+The layering itself (which part may import which, no cycles) is checked by import-linter's
+contracts in pyproject.toml (``lint-imports``, part of ``make lint``).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "lightning_mmpar"
+DOCS = ROOT / "docs"
+
+PUBLIC_PACKAGES = (
+    "lightning_mmpar",
+    "lightning_mmpar.callbacks",
+    "lightning_mmpar.data",
+    "lightning_mmpar.losses",
+    "lightning_mmpar.models",
+    "lightning_mmpar.parallel",
+    "lightning_mmpar.plans",
+    "lightning_mmpar.precision",
+    "lightning_mmpar.recipes",
+)
+
+COLLECTIVES = {
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "batch_isend_irecv",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "irecv",
+    "isend",
+    "recv",
+    "recv_object_list",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "scatter_object_list",
+    "send",
+    "send_object_list",
+}
+"""torch.distributed functions that communicate; only parallel/comm.py may call them."""
+
+MAX_LINES = 400
+
+
+def sources() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def dist_aliases(tree: ast.Module) -> tuple[set[str], set[str]]:
+    """Names bound to the ``torch.distributed`` module, and collectives imported by name."""
+    modules, functions = {"torch.distributed"}, set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name == "torch.distributed" and a.asname:
+                    modules.add(a.asname)
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch.distributed":
+            for a in node.names:
+                if a.name in COLLECTIVES:
+                    functions.add(a.asname or a.name)
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch" and node.names:
+            modules.update(a.asname or a.name for a in node.names if a.name == "distributed")
+    return modules, functions
+
+
+def collective_calls(path: Path, root: Path = ROOT) -> list[str]:
+    tree = ast.parse(path.read_text())
+    modules, functions = dist_aliases(tree)
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if isinstance(f, ast.Name) and f.id in functions:
+            found.append(f"{path.relative_to(root)}:{node.lineno} {f.id}")
+        if isinstance(f, ast.Attribute) and f.attr in COLLECTIVES:
+            if ast.unparse(f.value) in modules:
+                found.append(f"{path.relative_to(root)}:{node.lineno} {ast.unparse(f)}")
+    return found
+
+
+def test_collectives_only_in_comm() -> None:
+    comm = PACKAGE / "parallel" / "comm.py"
+    calls = [c for p in sources() if p != comm for c in collective_calls(p)]
+    assert not calls, "collectives outside parallel/comm.py:\n" + "\n".join(calls)
+    assert collective_calls(comm), "the scan must see comm's own collectives"
+
+
+def test_the_scan_finds_a_collective(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "import torch.distributed as d\nfrom torch.distributed import broadcast as b\n"
+        "import torch\n\ndef f(t):\n    d.all_reduce(t)\n    b(t, 0)\n"
+        "    torch.distributed.barrier()\n"
+    )
+    calls = [c.split(" ", 1)[1] for c in collective_calls(bad, tmp_path)]
+    assert sorted(calls) == ["b", "d.all_reduce", "torch.distributed.barrier"]
+
+
+def test_models_do_not_import_torch_distributed() -> None:
+    offenders = []
+    for path in (PACKAGE / "models").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            if any(n.startswith("torch.distributed") for n in names):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not offenders, f"models/ must be plain torch: {offenders}"
+
+
+def test_files_are_small() -> None:
+    big = {
+        str(p.relative_to(ROOT)): n
+        for p in sources()
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert not big, f"files over {MAX_LINES} lines: {big}"
+
+
+@pytest.mark.parametrize("name", PUBLIC_PACKAGES)
+def test_public_api_imports(name: str) -> None:
+    module = importlib.import_module(name)
+    exported = getattr(module, "__all__", None)
+    assert exported, f"{name} has no __all__"
+    assert len(set(exported)) == len(exported), f"{name}.__all__ repeats a name"
+    for attr in exported:
+        assert getattr(module, attr, None) is not None, f"{name}.{attr} is in __all__ but missing"
+
+
+def test_api_doc_lists_every_public_name() -> None:
+    text = (DOCS / "api.md").read_text()
+    missing = []
+    for name in PUBLIC_PACKAGES:
+        module = importlib.import_module(name)
+        section = re.search(rf"^## `{re.escape(name)}`$(.*?)(?=^## |\Z)", text, re.M | re.S)
+        if section is None:
+            missing.append(f"section ## `{name}`")
+            continue
+        missing += [f"{name}.{a}" for a in module.__all__ if f"`{a}`" not in section.group(1)]
+    assert not missing, f"docs/api.md does not list: {missing}"
+
+
+def test_callbacks_import_as_documented() -> None:
+    from lightning_mmpar.callbacks import FP8FallbackCallback, GradientDriftMonitor
+
+    assert GradientDriftMonitor.__module__.startswith("lightning_mmpar.callbacks")
+    assert FP8FallbackCallback.__module__.startswith("lightning_mmpar.callbacks")
+
+
+def test_architecture_picture_is_current() -> None:
+    spec = importlib.util.spec_from_file_location(
+        "make_architecture", DOCS / "make_architecture.py"
+    )
+    assert spec is not None and spec.loader is not None
+    drawing = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(drawing)
+    text = (DOCS / "architecture.md").read_text()
+    block = re.search(r"```mermaid\n(.*?)```", text, re.S)
+    assert block is not None, "docs/architecture.md has no mermaid picture"
+    assert block.group(1).strip() == drawing.mermaid().strip(), (
+        "docs/architecture.md is out of date: run `python docs/make_architecture.py` "
+        "and paste its output"
+    )
