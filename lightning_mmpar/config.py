@@ -40,7 +40,7 @@ class ParallelConfig:
     """Pipeline stages per rank (Megatron's virtual pipeline); > 1 needs ``interleaved_1f1b``."""
     micro_batches: int | None = None
     """Micro-batches per optimizer step under pipeline parallelism; default ``pipeline_parallel``
-    (times ``virtual_pipeline`` for the interleaved schedule)."""
+    (for every schedule, the interleaved one included)."""
     schedule: Schedule = "1f1b"
     """Pipeline schedule: ``gpipe``, ``1f1b`` or ``interleaved_1f1b``."""
     data_parallel: DataParallel = "fsdp"

@@ -13,18 +13,23 @@ Set-up order (each step a function in :mod:`lightning_mmpar.parallel` taking a m
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import pl_worker_init_function
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.data import extract_batch_size
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
@@ -36,52 +41,8 @@ from lightning_mmpar.parallel import comm
 from lightning_mmpar.parallel import data as dpar
 from lightning_mmpar.parallel.numerics import clip_grad_norm_
 from lightning_mmpar.parallel.pipeline import PipelineChunk, PipelineEngine, PipelineModule
+from lightning_mmpar.precision.plugins import GlobalNormClipping, with_global_clipping
 from lightning_mmpar.topology import ParallelDims
-
-
-class GlobalNormClipping:
-    """Precision-plugin mixin: ``Trainer(gradient_clip_val=...)`` clips by the *global* norm.
-
-    Lightning's plugins call ``torch.nn.utils.clip_grad_norm_`` on this rank's parameters, which
-    under tensor/pipeline parallelism sees only local shards and one stage. The strategy gives
-    its plugin the function that computes the norm over every tp/dp shard and pp stage
-    (:func:`lightning_mmpar.parallel.numerics.clip_grad_norm_`).
-    """
-
-    clip_fn: Any = None
-    """``(optimizer, max_norm) -> None``, set by :class:`MultimodalParallelStrategy`."""
-
-    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        if self.clip_fn is None:
-            raise RuntimeError(f"{type(self).__name__} is used outside MultimodalParallelStrategy.")
-        self.clip_fn(optimizer, float(clip_val))
-
-
-class ParallelPrecision(GlobalNormClipping, Precision):
-    """``precision="32-true"`` with global-norm clipping."""
-
-
-class ParallelMixedPrecision(GlobalNormClipping, MixedPrecision):
-    """``precision="bf16-mixed"`` / ``"16-mixed"`` with global-norm clipping."""
-
-
-class ParallelHalfPrecision(GlobalNormClipping, HalfPrecision):
-    """``precision="bf16-true"`` / ``"16-true"`` with global-norm clipping."""
-
-
-def _with_global_clipping(plugin: Precision | None) -> Precision:
-    """The parallel subclass of Lightning's own plugin (same settings); others unchanged."""
-    if plugin is None or type(plugin) is Precision:
-        return ParallelPrecision()
-    if type(plugin) is MixedPrecision:
-        return ParallelMixedPrecision(
-            plugin.precision,  # type: ignore[arg-type] # "16-mixed" or "bf16-mixed" by its type
-            plugin.device,
-            plugin.scaler,
-        )
-    if type(plugin) is HalfPrecision:
-        return ParallelHalfPrecision(plugin.precision)
-    return plugin
 
 
 class MultimodalParallelStrategy(ModelParallelStrategy):
@@ -148,7 +109,7 @@ class MultimodalParallelStrategy(ModelParallelStrategy):
     def precision_plugin(self) -> Precision:
         plugin = self._precision_plugin
         if not isinstance(plugin, GlobalNormClipping):
-            plugin = self._precision_plugin = _with_global_clipping(plugin)
+            plugin = self._precision_plugin = with_global_clipping(plugin)
         if isinstance(plugin, GlobalNormClipping):
             plugin.clip_fn = self._clip_grad_by_norm
         return plugin
@@ -184,6 +145,22 @@ class MultimodalParallelStrategy(ModelParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         dp = self.parallel_dims.get_mesh("dp")
         return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """Key DataLoader worker seeds on the data-parallel rank, not the global rank.
+
+        With ``seed_everything(..., workers=True)`` Lightning seeds each worker from the global
+        rank, so two tensor/pipeline peers of one dp replica would draw different random
+        augmentations of the same samples. Peers must see the same data; dp replicas differ.
+        A ``worker_init_fn`` of the user's own is left alone.
+        """
+        dataloader = super().process_dataloader(dataloader)
+        seeded = int(os.environ.get("PL_SEED_WORKERS", 0))
+        if seeded and getattr(dataloader, "worker_init_fn", False) is None:
+            dp_rank = self.parallel_dims.rank_coords(self.global_rank)["dp"]
+            dataloader.worker_init_fn = partial(pl_worker_init_function, rank=dp_rank)
+        return dataloader
 
     @override
     def _configure_launcher(self) -> None:
@@ -251,7 +228,7 @@ class MultimodalParallelStrategy(ModelParallelStrategy):
                 f"gradient_clip_val ({trainer.gradient_clip_val}) needs a precision plugin that "
                 f"clips by the global norm; {type(self.precision_plugin).__name__} clips local "
                 "shards only. Use precision='32-true', 'bf16-mixed', 'bf16-true' or '16-true', or "
-                "mix lightning_mmpar.strategy.GlobalNormClipping into your plugin."
+                "mix lightning_mmpar.precision.GlobalNormClipping into your plugin."
             )
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
@@ -277,10 +254,18 @@ class MultimodalParallelStrategy(ModelParallelStrategy):
         inputs, target = module.pipeline_inputs(batch)
         return module.pipeline_loss(self._chunk(*inputs), target)
 
-    def _log(self, name: str, loss: Tensor) -> None:
-        """Log the data-parallel mean, so every rank logs the same value."""
-        value = comm.all_reduce(loss.detach().clone(), "avg", self.parallel_dims.get_group("dp"))
-        self._module.log(name, value, prog_bar=True, batch_size=1)
+    def _log(self, name: str, loss: Tensor, batch: Any) -> None:
+        """Log the per-sample mean over the data-parallel group, weighted by samples.
+
+        Each dp rank contributes ``(loss * B_r, B_r)``; the logged value is their ratio and its
+        ``batch_size`` the global batch, so Lightning's epoch mean of validation/test losses is
+        the mean over samples, as on one process (not a mean of batch means).
+        """
+        samples = float(extract_batch_size(batch))
+        pair = torch.stack([loss.detach().float() * samples, loss.new_tensor(samples).float()])
+        pair = comm.all_reduce(pair, "sum", self.parallel_dims.get_group("dp"))
+        value = pair[0] / pair[1]
+        self._module.log(name, value, prog_bar=True, batch_size=int(pair[1].item()))
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -299,12 +284,12 @@ class MultimodalParallelStrategy(ModelParallelStrategy):
             self._pipeline_grads = [p.grad for p in params]
             for p, g in zip(params, before, strict=True):
                 p.grad = g
-        self._log("train_loss", loss)
+        self._log("train_loss", loss, args[0])
         return loss
 
     def _eval_loss(self, name: str, batch: Any) -> Tensor:
         loss = self._loss(batch, train=False)
-        self._log(name, loss)
+        self._log(name, loss, batch)
         return loss
 
     @override

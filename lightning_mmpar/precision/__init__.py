@@ -18,6 +18,13 @@ from lightning_mmpar.precision.fp8 import (
     fp8_modules,
     set_precision,
 )
+from lightning_mmpar.precision.plugins import (
+    GlobalNormClipping,
+    ParallelHalfPrecision,
+    ParallelMixedPrecision,
+    ParallelPrecision,
+    with_global_clipping,
+)
 
 __all__ = [
     "E4M3",
@@ -27,10 +34,15 @@ __all__ = [
     "CastMeta",
     "FP8Policy",
     "Float8Linear",
+    "GlobalNormClipping",
+    "ParallelHalfPrecision",
+    "ParallelMixedPrecision",
+    "ParallelPrecision",
     "Precision",
     "convert_to_fp8",
     "detect_backend",
     "fp8_matmul",
     "fp8_modules",
     "set_precision",
+    "with_global_clipping",
 ]
