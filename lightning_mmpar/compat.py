@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
-
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -25,14 +23,10 @@ def init_mesh(
     return mesh
 
 
-def new_subgroups(groups: list[list[int]]) -> dist.ProcessGroup:
-    """Create one process group per list of ranks; return the one holding this rank.
-
-    Collective: every rank creates every group, in the same order.
-    """
-    group, _ = dist.new_subgroups_by_enumeration(groups)
-    assert isinstance(group, dist.ProcessGroup)
-    return group
+def own_communicator(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """A 1-D mesh over the same ranks as ``mesh``, with its own communicator, derived from the
+    same root mesh (``DeviceMesh._unflatten``), so FSDP2 can combine it with the dp mesh."""
+    return mesh._unflatten(0, (mesh.size(),), (name,))
 
 
 def checkpoint_module(module: Any) -> None:

@@ -44,7 +44,8 @@ class ParallelConfig:
     schedule: Schedule = "1f1b"
     """Pipeline schedule: ``gpipe``, ``1f1b`` or ``interleaved_1f1b``."""
     data_parallel: DataParallel = "fsdp"
-    """Data-parallel engine: ``fsdp`` (FSDP2 ``fully_shard``, ZeRO-3 role), ``ddp`` or ``none``."""
+    """Data-parallel engine: ``fsdp`` (FSDP2 ``fully_shard``, ZeRO-3 role), ``ddp`` or ``none``
+    (no data parallelism: only for a data-parallel size of 1, see :meth:`check_world`)."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel", "pipeline_parallel", "expert_parallel", "virtual_pipeline"):
@@ -92,6 +93,26 @@ class ParallelConfig:
                 f"micro_batches ({n}) must be a multiple of its rounds ({rounds} = "
                 f"micro_batches // pipeline_parallel) for interleaved_1f1b; use {rounds * pp}."
             )
+
+    def check_world(self, world_size: int) -> None:
+        """Check this layout against the number of processes, once it is known.
+
+        ``data_parallel="none"`` with a data-parallel size ``world_size / (tensor_parallel *
+        pipeline_parallel)`` above 1 would train replicas whose gradients are never averaged and
+        whose weights drift apart, silently; it raises ``ValueError`` naming both fixes. A
+        ``world_size`` the model-parallel sizes do not divide is left to
+        :class:`lightning_mmpar.topology.ParallelDims`, which names that fix.
+        """
+        model = self.tensor_parallel * self.pipeline_parallel
+        if self.data_parallel != "none" or world_size % model or world_size // model <= 1:
+            return
+        raise ValueError(
+            f"data_parallel ('none') cannot run {world_size // model} data-parallel replicas "
+            f"(world_size {world_size} / (tensor_parallel {self.tensor_parallel} * "
+            f"pipeline_parallel {self.pipeline_parallel})): their gradients would never be "
+            "averaged. Set data_parallel='fsdp' or 'ddp', or run on "
+            f"{model} processes (devices * num_nodes)."
+        )
 
     @property
     def num_micro_batches(self) -> int:

@@ -56,7 +56,8 @@ class MultimodalParallelStrategy(ModelParallelStrategy):
         virtual_pipeline: stages per pipeline rank (interleaved 1F1B).
         micro_batches: micro-batches per step under pipeline parallelism (default: pp).
         schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
-        data_parallel: ``"fsdp"`` (FSDP2 on the dp axis), ``"ddp"`` or ``"none"``.
+        data_parallel: ``"fsdp"`` (FSDP2 on the dp axis), ``"ddp"`` or ``"none"`` (only with a
+            single data-parallel replica; refused otherwise).
         config: a complete :class:`ParallelConfig` instead of the individual sizes.
 
     Data parallelism is ``world_size / (tensor_parallel * pipeline_parallel)``. A LightningModule
@@ -128,12 +129,14 @@ class MultimodalParallelStrategy(ModelParallelStrategy):
 
     def _make_dims(self) -> ParallelDims:
         c = self.config
-        return ParallelDims(
+        dims = ParallelDims(
             world_size=self.num_nodes * self.num_processes,
             tp=c.tensor_parallel,
             pp=c.pipeline_parallel,
             ep=c.expert_parallel,
         )
+        c.check_world(dims.world_size)
+        return dims
 
     @property
     @override

@@ -47,7 +47,7 @@ class ParallelDims:
     ep: int = 1
     """Expert-parallel degree (a divisor of the data-parallel degree)."""
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
-    _vl_group: dist.ProcessGroup | None = field(default=None, init=False, repr=False)
+    _vl_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _groups: dict[str, Any] | None = field(default=None, init=False, repr=False)
     """Groups of a layout this package did not build (another strategy's), by dim name."""
 
@@ -196,7 +196,7 @@ class ParallelDims:
                 **{alias: DERIVED_DIMS.get(d, (d,)) for alias, d in LIGHTNING_ALIASES.items()},
             }
             self._mesh = compat.init_mesh(device_type, self.shape, MESH_DIMS, flattened)
-            self._vl_group = compat.new_subgroups(self.groups("tp"))
+            self._vl_mesh = compat.own_communicator(self._mesh["tp"], "vl")
         return self._mesh
 
     @property
@@ -220,15 +220,21 @@ class ParallelDims:
         return self.mesh[name]
 
     @property
-    def vl_group(self) -> dist.ProcessGroup:
-        """Dedicated vision-language group: same ranks as ``tp``, its own communicator.
+    def vl_mesh(self) -> DeviceMesh:
+        """Dedicated vision-language mesh: same ranks as ``tp``, its own communicator, derived
+        from the root mesh (so FSDP2 composes with TP styles applied on it).
 
         Cross-attention combines (TECHNIQUES 1.3) run here so they do not queue behind the
         text path's collectives on the tp communicator.
         """
         self.mesh  # noqa: B018 - raises the standard message before set-up
-        assert self._vl_group is not None
-        return self._vl_group
+        assert self._vl_mesh is not None
+        return self._vl_mesh
+
+    @property
+    def vl_group(self) -> dist.ProcessGroup:
+        """The process group of :attr:`vl_mesh`."""
+        return self.vl_mesh.get_group()
 
 
 def _divisors(n: int) -> list[int]:

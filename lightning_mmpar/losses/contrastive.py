@@ -28,27 +28,40 @@ CONTRASTIVE_KEY = "contrastive_loss"
 
 
 class LogitScale(nn.Module):
-    """Learnable temperature ``s = exp(t)``, clamped to ``max_scale`` (CLIP: 1/0.07, max 100).
+    """Learnable temperature ``s = exp(t)`` capped at ``max_scale`` (CLIP: 1/0.07, max 100).
 
-    Stores ``t = log(init_scale)``; calling the module returns ``exp(t)`` clamped, which is what
-    :class:`ContrastiveLoss` and :class:`~lightning_mmpar.losses.mml.MMLLoss` take.
+    Stores ``t = log(init_scale)``; calling the module returns ``exp(t)``, which is what
+    :class:`ContrastiveLoss` and :class:`~lightning_mmpar.losses.mml.MMLLoss` take. The cap is
+    applied to the parameter, as CLIP and open_clip do: call :meth:`clamp_` after every
+    optimizer step (``t <- clamp(t, 0, ln max_scale)``). Clamping the output instead would give
+    ``t`` a zero gradient at the cap, and a scale that reached it could never come back down.
+
+    Raises:
+        ValueError: ``init_scale`` outside ``[1, max_scale]``.
     """
 
     def __init__(
         self, *, init_scale: float = 1 / 0.07, max_scale: float = 100.0, learnable: bool = True
     ) -> None:
         super().__init__()
-        if not 0 < init_scale <= max_scale:
+        if not 1 <= init_scale <= max_scale:
             raise ValueError(
-                f"init_scale ({init_scale}) must be in (0, max_scale={max_scale}]; CLIP uses "
+                f"init_scale ({init_scale}) must be in [1, max_scale={max_scale}]; CLIP uses "
                 "1/0.07 with max_scale 100."
             )
         self.max_scale = max_scale
         self.log_scale = nn.Parameter(torch.tensor(math.log(init_scale)), requires_grad=learnable)
 
     def forward(self) -> torch.Tensor:
-        """``min(exp(t), max_scale)`` as a 0-d tensor."""
-        return self.log_scale.exp().clamp(max=self.max_scale)
+        """``exp(t)`` as a 0-d tensor."""
+        return self.log_scale.exp()
+
+    @torch.no_grad()
+    def clamp_(self) -> LogitScale:
+        """Clamp ``t`` in place to ``[0, ln max_scale]`` (after each optimizer step); returns
+        ``self``."""
+        self.log_scale.clamp_(0.0, math.log(self.max_scale))
+        return self
 
 
 def contrastive_logits(

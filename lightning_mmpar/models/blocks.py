@@ -27,8 +27,10 @@ parallelism has been applied to the model. Each has a ``kind`` (``vision``, ``al
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -50,10 +52,25 @@ __all__ = [
     "VisionLayer",
     "VisionPool",
     "VisionStem",
+    "clamp_logit_scale_",
 ]
 
 MAX_LOGIT_SCALE = 100.0
-"""CLIP's clamp of the exponentiated logit scale."""
+"""CLIP's cap of the logit scale ``exp(t)``: the *parameter* ``t`` is clamped to
+``[0, ln 100]`` after every optimizer step (:func:`clamp_logit_scale_`), never the output."""
+
+
+@torch.no_grad()
+def clamp_logit_scale_(log_scale: Tensor, max_scale: float = MAX_LOGIT_SCALE) -> Tensor:
+    """Clamp the log-scale parameter ``t`` in place to ``[0, ln max_scale]``; returns it.
+
+    CLIP and open_clip (``model.logit_scale.clamp_(0, math.log(100))`` after
+    ``optimizer.step()``) clamp the parameter, not ``exp(t)``: clamping the output would give
+    ``t`` a zero gradient at the cap, so a scale that reached it could never come back down.
+    Call after every optimizer step on the rank that owns the parameter. A DTensor (FSDP2)
+    is clamped shard by shard (an element-wise op, no communication).
+    """
+    return log_scale.clamp_(0.0, math.log(max_scale))
 
 
 class FusionOutput(NamedTuple):
@@ -66,7 +83,8 @@ class FusionOutput(NamedTuple):
     text_features: Tensor
     """``[B, C]`` l2-normalised text-only features (contrastive, MML, retrieval)."""
     logit_scale: Tensor
-    """``[B]`` copies of ``min(exp(t), 100)`` (batch-shaped so pipeline outputs can be merged)."""
+    """``[B]`` copies of ``exp(t)`` (batch-shaped so pipeline outputs can be merged); ``t`` is
+    kept in ``[0, ln 100]`` by :func:`clamp_logit_scale_` after each optimizer step."""
     momentum_image: Tensor
     """``[B, C]`` EMA-head image features (no gradient)."""
     momentum_text: Tensor
@@ -327,7 +345,7 @@ class Head(FusionBlock):
             classes = s.pooled.new_zeros(s.hp.shape[1], m_img.shape[-1])
         else:
             classes = F.normalize(self.text_head(self.norm(s.hp[0]), s.p_last[0])[1], dim=-1)
-        scale = self.logit_scale.exp().clamp(max=MAX_LOGIT_SCALE)
+        scale = self.logit_scale.exp()  # clamped as a parameter after each optimizer step
         return tuple(
             FusionOutput(
                 logits=self.lm_head(self.norm(s.h)),
@@ -343,6 +361,13 @@ class Head(FusionBlock):
     def ema_update(self) -> None:
         """One EMA step of the momentum heads towards the live heads."""
         self.momentum.update(self.image_head, self.text_head.proj)
+
+    def after_optimizer_step(self) -> None:
+        """What follows every optimizer step (not every batch: with gradient accumulation
+        ``k`` a per-batch update would make the EMA momentum ``m^k``): clamp the logit scale
+        (:func:`clamp_logit_scale_`), then one EMA step of the momentum heads."""
+        clamp_logit_scale_(self.logit_scale)
+        self.ema_update()
 
     def _tally(self, tally: CostTally, n: int, t: int) -> None:
         tally.keep(2 * t * self.lm_head.weight.shape[1])  # final norm of h and ht

@@ -26,7 +26,7 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
-from lightning_mmpar.models.adapter import AdapterConfig, CrossModalAdapter
+from lightning_mmpar.models.adapter import AdapterConfig, CrossModalAdapter, TanhGate
 from lightning_mmpar.models.blocks import (
     MAX_LOGIT_SCALE,
     AdapterLayer,
@@ -38,10 +38,17 @@ from lightning_mmpar.models.blocks import (
     VisionLayer,
     VisionPool,
     VisionStem,
+    clamp_logit_scale_,
 )
 from lightning_mmpar.models.heads import MomentumHeads, TextPooler, ema_update
-from lightning_mmpar.models.language import LanguageConfig, LanguageModel, LlamaDecoderLayer
-from lightning_mmpar.models.vision import VisionBlock, VisionConfig, VisionTower
+from lightning_mmpar.models.language import (
+    LanguageConfig,
+    LanguageModel,
+    LlamaDecoderLayer,
+    ModalityTemperature,
+    RMSNorm,
+)
+from lightning_mmpar.models.vision import LayerScale, VisionBlock, VisionConfig, VisionTower
 
 __all__ = [
     "MAX_LOGIT_SCALE",
@@ -50,6 +57,7 @@ __all__ = [
     "FusionOutput",
     "TextPooler",
     "freeze_for_finetuning",
+    "weight_decay_split",
 ]
 
 
@@ -127,6 +135,13 @@ class FusionModel(nn.Module):
     def ema_update(self) -> None:
         """One EMA step of the momentum heads towards the live heads (after an optimizer step)."""
         self.momentum_heads.update(self.image_head, self.text_head.proj)
+
+    def after_optimizer_step(self) -> None:
+        """Call once per optimizer step (not per accumulated batch): clamp the logit scale
+        parameter to ``[0, ln 100]`` (CLIP, open_clip), then one EMA step of the momentum
+        heads. The recipe does the same through its head block."""
+        clamp_logit_scale_(self.logit_scale)
+        self.ema_update()
 
     @staticmethod
     def pipeline_inputs(
@@ -215,3 +230,50 @@ def freeze_for_finetuning(
     model.language.requires_grad_(False)
     for layer in model.language.layers[:train_decoder_layers]:
         layer.requires_grad_(True)
+
+
+NO_DECAY_MODULES: tuple[type[nn.Module], ...] = (
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.modules.batchnorm._NormBase,
+    nn.RMSNorm,
+    RMSNorm,
+    TanhGate,
+    LayerScale,
+    ModalityTemperature,
+)
+"""Modules whose own parameters never get weight decay: norms, gates and scales."""
+NO_DECAY_NAMES: frozenset[str] = frozenset(
+    {"bias", "class_embedding", "positional_embedding", "logit_scale", "log_scale"}
+)
+"""Parameter names (last component) that never get weight decay, whatever their shape: every
+bias (the ViT's fused q/k/v bias is ``[3, D]``), the ViT's class and positional embeddings and
+the logit scale."""
+
+
+def weight_decay_split(module: nn.Module) -> tuple[list[str], list[str]]:
+    """``(decay, no_decay)``: names of ``module``'s trainable parameters, split by role.
+
+    No decay for biases, norm weights, positional and class embeddings, gates, per-modality
+    temperatures, layer scales and the logit scale (:data:`NO_DECAY_MODULES`,
+    :data:`NO_DECAY_NAMES`), and for any other parameter with fewer than 2 dims; decay for the
+    weights of linear, convolution and token-embedding layers and the ViT's ``proj``. open_clip's
+    rule (``exclude = p.ndim < 2 or "bn" in n or "ln" in n or "bias" in n or "logit_scale" in
+    n``) extended by role, because shape alone decays the fused ``[3, D]`` q/k/v bias and the
+    ``[N, D]`` positional embedding. Works on any module holding the fusion model's parts (the
+    recipe's blocks, FSDP2- or TP-wrapped: module types and names are kept). Frozen parameters
+    are left out of both lists.
+    """
+    decay: list[str] = []
+    no_decay: list[str] = []
+    seen: set[int] = set()
+    for prefix, sub in module.named_modules():
+        by_role = isinstance(sub, NO_DECAY_MODULES)
+        for name, p in sub.named_parameters(recurse=False):
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            full = f"{prefix}.{name}" if prefix else name
+            skip = by_role or name in NO_DECAY_NAMES or name.endswith("_bias") or p.ndim < 2
+            (no_decay if skip else decay).append(full)
+    return decay, no_decay

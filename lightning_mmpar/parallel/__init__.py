@@ -12,6 +12,7 @@ from lightning_mmpar.parallel.data import (
     has_fsdp,
     replicated_parameters,
     shard_blocks,
+    shard_placement,
     sync_gradients,
 )
 from lightning_mmpar.parallel.deepspeed import (
@@ -69,6 +70,7 @@ __all__ = [
     "replicated_parameters",
     "save_sharded",
     "shard_blocks",
+    "shard_placement",
     "sync_gradients",
     "vocab_parallel_cross_entropy",
 ]

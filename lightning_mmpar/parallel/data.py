@@ -1,9 +1,22 @@
 """Data parallelism on the ``dp`` mesh: FSDP2 ``fully_shard`` (ZeRO-3 role) or gradient all-reduce.
 
 FSDP2 averages gradients with a reduce-scatter inside backward. Parameters it does not manage
-(``data_parallel="ddp"``, or parameters held directly by the root module) are averaged by
-:func:`sync_gradients`: one coalesced all-reduce per dtype over the dp group,
+(``data_parallel="ddp"``, parameters held directly by the root module, and 0-dim parameters)
+are averaged by :func:`sync_gradients`: one coalesced all-reduce per dtype over the dp group,
 ``g <- (1/dp) * sum_r g_r``, which is what DDP computes.
+
+Any parameter shape works under FSDP2:
+
+* 0-dim parameters (tanh gates, CLIP's logit scale) are refused by ``fully_shard`` ("doesn't
+  support scalar parameters"), so every unit passes them as ``ignored_params``: they stay plain,
+  replicated tensors, :func:`replicated_parameters` lists them and :func:`sync_gradients`
+  averages their gradients (``ignored_params`` is torch's own escape hatch; reshaping them to
+  ``[1]`` would change the model's state-dict shapes and cost an all-gather for one number).
+* Every other parameter is sharded by :func:`shard_placement`: ``Shard(0)`` when dim 0 splits
+  evenly over dp (torch's default), else the largest dim that does (a fused q/k/v ``[3, D, D]``
+  at dp 2 shards ``D``: torchtitan's ``Shard(1)`` for experts, "to avoid padding"), else
+  ``Shard(0)`` with FSDP's padding (a one-element ``[1]`` or a ``[1, 3]`` at dp 2: the last
+  ranks hold empty shards).
 """
 
 from __future__ import annotations
@@ -15,6 +28,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import Shard
 
 from lightning_mmpar.parallel import comm
 
@@ -25,38 +39,87 @@ def has_fsdp(module: nn.Module) -> bool:
 
 
 def fsdp_managed(module: nn.Module) -> set[int]:
-    """Ids of the parameters managed by some ``fully_shard`` unit under ``module``."""
-    return {id(p) for m in module.modules() if isinstance(m, FSDPModule) for p in m.parameters()}
+    """Ids of the parameters managed by some ``fully_shard`` unit under ``module``.
+
+    0-dim parameters are never managed: torch's ``fully_shard`` raises on them unless they are
+    in its ``ignored_params`` (ours always are)."""
+    return {
+        id(p)
+        for m in module.modules()
+        if isinstance(m, FSDPModule)
+        for p in m.parameters()
+        if p.ndim > 0
+    }
+
+
+def shard_placement(param: Tensor, dp: int) -> Shard:
+    """FSDP2's placement of ``param`` over ``dp`` ranks (module docstring).
+
+    The dims are those of this rank's local tensor (a tensor-parallel DTensor's shard, which is
+    what FSDP2 splits). Returns ``Shard(0)`` if dim 0 divides by ``dp``, else ``Shard(d)`` for
+    the largest dim ``d`` that does (the first such on ties), else ``Shard(0)`` (padded).
+    Raises ``ValueError`` for a 0-dim ``param`` (keep it out of FSDP) or ``dp < 1``.
+    """
+    shape = tuple(comm.to_local(param).shape)
+    if not shape:
+        raise ValueError(
+            "param is 0-dim; FSDP2 cannot shard it: pass it in fully_shard's ignored_params "
+            "and average its gradient with sync_gradients."
+        )
+    if dp < 1:
+        raise ValueError(f"dp ({dp}) must be a positive integer; pass the data-parallel mesh size.")
+    if shape[0] % dp == 0:
+        return Shard(0)
+    even = [d for d, n in enumerate(shape) if n % dp == 0]
+    if not even:
+        return Shard(0)
+    return Shard(max(even, key=lambda d: (shape[d], -d)))
 
 
 def _has_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
+def _fully_shard(module: nn.Module, dp_mesh: DeviceMesh) -> None:
+    """``fully_shard`` with 0-dim parameters ignored and :func:`shard_placement` per parameter."""
+    dp = dp_mesh.size()
+    scalars = {p for p in module.parameters() if p.ndim == 0}
+    if scalars and all(p.ndim == 0 for p in module.parameters()):
+        return  # nothing to shard: the scalars stay replicated
+    fully_shard(
+        module,
+        mesh=dp_mesh,
+        shard_placement_fn=lambda p: shard_placement(p, dp),
+        ignored_params=scalars or None,
+    )
+
+
 def shard_blocks(blocks: Iterable[nn.Module], root: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
-    """``fully_shard`` each block (one all-gather unit each), then ``root`` over what remains."""
+    """``fully_shard`` each block (one all-gather unit each), then ``root`` over what remains.
+
+    0-dim parameters stay replicated (:func:`replicated_parameters`)."""
     for block in blocks:
         if _has_params(block) and not isinstance(block, FSDPModule):
-            fully_shard(block, mesh=dp_mesh)
+            _fully_shard(block, dp_mesh)
     if _has_params(root):
-        fully_shard(root, mesh=dp_mesh)
+        _fully_shard(root, dp_mesh)
     return root
 
 
 def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh) -> None:
     """Shard a plain module tree: every child of every ``ModuleList`` (transformer layers), then
     every direct child of ``module`` that holds parameters. Parameters registered directly on
-    ``module`` stay replicated; :func:`sync_gradients` averages them."""
+    ``module`` and 0-dim parameters stay replicated; :func:`sync_gradients` averages them."""
     lists = [m for m in module.modules() if isinstance(m, nn.ModuleList)]
     for layers in lists:
         for layer in layers:
             if _has_params(layer) and not isinstance(layer, FSDPModule):
-                fully_shard(layer, mesh=dp_mesh)
+                _fully_shard(layer, dp_mesh)
     for child in module.children():
         if isinstance(child, nn.ModuleList | nn.ModuleDict):
             continue  # containers have no forward; their layers are sharded above
         if _has_params(child) and not isinstance(child, FSDPModule):
-            fully_shard(child, mesh=dp_mesh)
+            _fully_shard(child, dp_mesh)
 
 
 def replicated_parameters(module: nn.Module) -> list[nn.Parameter]:

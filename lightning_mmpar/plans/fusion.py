@@ -19,7 +19,12 @@ Megatron's column/row patterns (:mod:`lightning_mmpar.parallel.tensor`) per towe
   temperatures use :class:`HeadShardedReplicate`.
 * **sequence parallel** (``sequence_parallel=True``): the text residual stream ``[B, T, D]`` is
   sharded along ``T`` (norms, gates, dropout on ``T / p`` tokens; all-gather before attention and
-  FFN, reduce-scatter after) in the language tower, the adapters and the input of ``text_head``.
+  FFN, reduce-scatter after) in the language tower and the adapters. The head gathers the
+  sequence before it indexes a stream: ``lm_head`` reads the fused stream as ``Shard(1)``
+  (full-sequence logits), and ``text_head``, which picks each row's last token of the text-only
+  and class-prompt streams, gathers its input to ``Replicate`` on entry (indexing a
+  sequence-sharded DTensor with a plain index tensor raises ``aten.index.Tensor got mixed
+  torch.Tensor and DTensor``).
 
 Every sharded parameter's global value is the unsharded model's, so ``get_model_state_dict`` of
 a sharded model is the unsharded state dict, sharded, and DCP checkpoints reshard across TP sizes.
@@ -261,6 +266,7 @@ def fusion_plan(
         StyleGroup("language", "tp", language_plan(model.language, sequence_parallel=seq)),
     ]
     if seq:
+        # the pooler indexes h[rows, last]: gather the text-only / prompt streams first
         text_in = PrepareModuleInput(
             input_layouts=(Shard(1), None),
             desired_input_layouts=(Replicate(), None),

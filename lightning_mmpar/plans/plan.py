@@ -96,15 +96,16 @@ def plan_meshes(dims: ParallelDims) -> dict[str, DeviceMesh]:
     """The meshes a plan runs on for ``dims``: empty when ``dims.tp == 1`` (nothing to shard).
 
     Dims that built their own mesh (``mm_parallel``) give ``mesh["tp"]`` and their dedicated
-    ``vl`` group; dims describing another strategy's layout (Lightning's ``ModelParallelStrategy``)
-    give a new 1-D mesh on its tp group, which also serves as the ``vl`` mesh (enough for TP;
+    ``vl`` mesh (same root mesh, so FSDP2 on the dp mesh composes with both); dims describing
+    another strategy's layout (Lightning's ``ModelParallelStrategy``) give a new 1-D mesh on
+    its tp group, which also serves as the ``vl`` mesh (enough for TP;
     FSDP2 over that strategy's own dp mesh would want its ``tensor_parallel`` sub-mesh, which
     :meth:`ParallelDims.of` does not keep).
     """
     if dims.tp == 1:
         return {}
     if dims.is_built:
-        return tp_meshes(dims.get_mesh("tp"), dims.vl_group)
+        return {"tp": dims.get_mesh("tp"), "vl": dims.vl_mesh}
     group = dims.get_group("tp")
     assert group is not None, "a dimension of size > 1 has a process group"
     return tp_meshes(DeviceMesh.from_group(group, group_device(group).type))

@@ -10,7 +10,9 @@ with ``u`` the image features and ``v`` the text-only features
 under ``mm_parallel`` the strategy runs them through the pipeline (any pp) and calls
 :meth:`ClipLlamaModule.pipeline_loss` on the last stage, where every term and metric is
 computed; other strategies (DeepSpeed, DDP, one device) run :meth:`training_step`, which chains
-the same blocks, as does ``FusionModel.forward``.
+the same blocks, as does ``FusionModel.forward``. After each optimizer step (not each
+accumulated batch) the rank holding the head clamps the logit scale parameter to ``[0, ln 100]``
+and takes one EMA step (CLIP / open_clip, ALBEF); AdamW decays weights by role.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from lightning_mmpar.models.fusion import (
     FusionModel,
     FusionOutput,
     freeze_for_finetuning,
+    weight_decay_split,
 )
 from lightning_mmpar.parallel import comm
 from lightning_mmpar.plans.fusion import parallelize_fusion
@@ -102,6 +105,7 @@ class ClipLlamaModule(LightningModule):
         self._tokenizer: Any = None
         self._decode_position: int | None = None
         self._decoded: list[Tensor] = []
+        self._stepped_at = 0  # trainer.global_step when the last optimizer step was followed up
 
     # ------------------------------------------------------------------ model
     def _resolved_config(self, tp: int) -> FusionConfig:
@@ -249,9 +253,18 @@ class ClipLlamaModule(LightningModule):
         return self._step(batch, "test", prog_bar=False)
 
     # ------------------------------------------------------------------ hooks
+    def on_train_start(self) -> None:
+        self._stepped_at = self.trainer.global_step  # restored on resume
+
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self.head is not None:
-            self.head.ema_update()
+        """After a batch that ended with an optimizer step (``global_step`` moved: once per
+        ``accumulate_grad_batches`` batches, whichever strategy accumulates), the rank holding
+        the head clamps the logit scale and takes one EMA step (``Head.after_optimizer_step``)."""
+        step = self.trainer.global_step
+        if step != self._stepped_at:
+            self._stepped_at = step
+            if self.head is not None:
+                self.head.after_optimizer_step()
         self._log_terms("train")
 
     def on_validation_epoch_start(self) -> None:
@@ -365,9 +378,13 @@ class ClipLlamaModule(LightningModule):
 
     # ------------------------------------------------------------------ optimizer
     def configure_optimizers(self) -> Any:
-        params = [p for p in self.parameters() if p.requires_grad]
-        decay = [p for p in params if p.ndim >= 2]
-        no_decay = [p for p in params if p.ndim < 2]
+        """AdamW, weight decay by role (:func:`~lightning_mmpar.models.fusion.weight_decay_split`:
+        none on biases, norms, positional/class embeddings, gates and the logit scale), with
+        linear warm-up and cosine decay per step."""
+        params = dict(self.named_parameters())
+        decay_names, no_decay_names = weight_decay_split(self)
+        decay = [params[n] for n in decay_names]
+        no_decay = [params[n] for n in no_decay_names]
         o = self.optim
         opt = torch.optim.AdamW(
             [

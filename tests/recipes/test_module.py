@@ -2,7 +2,7 @@
 
 The module registers the model's pipeline blocks; ``FusionModel.forward`` builds the same blocks
 again. The losses are written out here from the loss modules, so a divergence between the two
-paths (a stream, a head, the logit-scale clamp) fails these tests.
+paths (a stream, a head, the logit scale) fails these tests.
 """
 
 from __future__ import annotations
@@ -127,9 +127,9 @@ def test_eval_outputs_equal_and_ema_heads_are_the_models(
     assert any("momentum" in k for k in module.state_dict())  # checkpointed with the blocks
     with torch.no_grad():
         module.fusion_model.image_head.weight.add_(1.0)
-    before = head.momentum.image_head.weight.clone()
+    before = head.momentum.state_dict()["image_head.weight"].clone()
     head.ema_update()
-    moved = head.momentum.image_head.weight
+    moved = head.momentum.state_dict()["image_head.weight"]
     torch.testing.assert_close(moved, before + (1 - module.loss_config.mml.momentum))
 
 

@@ -75,14 +75,22 @@ def test_contrastive_rejects_unpaired_features() -> None:
         ContrastiveLoss()(torch.randn(4, 3), torch.randn(5, 3), 1.0)
 
 
-def test_logit_scale_clamps_and_validates() -> None:
+def test_logit_scale_clamps_the_parameter_not_the_output() -> None:
     scale = LogitScale(init_scale=50.0, max_scale=100.0)
     assert scale().item() == pytest.approx(50.0)
     with torch.no_grad():
+        scale.log_scale.fill_(math.log(100.0))
+    scale().backward()  # at the cap the scale still has a gradient (CLIP, open_clip)
+    assert scale.log_scale.grad is not None and scale.log_scale.grad.item() == pytest.approx(100.0)
+    with torch.no_grad():
         scale.log_scale.fill_(10.0)
-    assert scale().item() == pytest.approx(100.0)
+    assert scale().item() == pytest.approx(math.exp(10.0), rel=1e-6)  # output not clamped
+    assert scale.clamp_().log_scale.item() == pytest.approx(math.log(100.0))
+    with torch.no_grad():
+        scale.log_scale.fill_(-1.0)
+    assert scale.clamp_().log_scale.item() == 0.0  # open_clip's lower bound: s >= 1
     assert not LogitScale(learnable=False).log_scale.requires_grad
-    with pytest.raises(ValueError, match=r"init_scale \(200.0\) must be in \(0, max_scale=100"):
+    with pytest.raises(ValueError, match=r"init_scale \(200.0\) must be in \[1, max_scale=100"):
         LogitScale(init_scale=200.0)
 
 

@@ -11,7 +11,7 @@ from open_clip.transformer import QuickGELU, VisionTransformer
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from lightning_mmpar.models.adapter import AdapterConfig
+from lightning_mmpar.models.adapter import AdapterConfig, CrossModalAdapter
 from lightning_mmpar.models.convert import (
     build_fusion_model,
     export_llama,
@@ -115,6 +115,7 @@ def test_fusion_with_closed_gates_is_llama_and_open_clip() -> None:
     model = build_fusion_model(ref_v, ref_l, adapter=AdapterConfig(heads=2, width=16, ffn_width=24))
     model.eval()
     for adapter in model.adapters:
+        assert isinstance(adapter, CrossModalAdapter)
         adapter.attn_gate.alpha.data.zero_()
         adapter.ffn_gate.alpha.data.zero_()
     images, ids = torch.randn(2, 3, 16, 16), torch.randint(0, 64, (2, 7))
@@ -345,4 +346,19 @@ def test_forward_runs_the_blocks_and_every_stream() -> None:
     torch.testing.assert_close(evaluated.logit_scale, torch.full((3,), 1 / 0.07))
     with torch.no_grad():
         model.logit_scale.fill_(math.log(200.0))
-    assert model(images, ids).logit_scale.tolist() == [100.0] * 3  # CLIP's clamp of exp(t)
+    scale = model(images, ids).logit_scale  # exp(t): the parameter is clamped, not the output
+    torch.testing.assert_close(scale, torch.full((3,), 200.0))
+    model.after_optimizer_step()  # CLIP / open_clip: t.clamp_(0, ln 100) after the step
+    torch.testing.assert_close(model(images, ids).logit_scale, torch.full((3,), 100.0))
+
+
+def test_logit_scale_has_a_gradient_at_its_cap() -> None:
+    """At the cap the scale keeps its gradient, so the data can bring it back down (issue 9,
+    item 4: ``min(exp(t), 100)`` gave exactly zero there)."""
+    model = tiny_fusion()
+    with torch.no_grad():
+        model.logit_scale.fill_(math.log(100.0))
+    out = model(torch.randn(3, 3, 8, 8), torch.randint(0, 16, (3, 4)))
+    out.logit_scale.sum().backward()
+    assert model.logit_scale.grad is not None
+    torch.testing.assert_close(model.logit_scale.grad, torch.tensor(300.0))

@@ -1,0 +1,248 @@
+"""Shared pieces of the recipe-fault tests (importable by spawned processes).
+
+A tiny fusion model in the recipe's :class:`ClipLlamaModule`, fixed batches of the digits data
+(no sampler, so every layout sees the same global batches in the same order), a recorder of
+logged losses and first-step gradients, and the 2-process world of the distributed checks.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, Trainer
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader
+
+from lightning_mmpar import MultimodalParallelStrategy
+from lightning_mmpar.data.digits import DigitsCaptions
+from lightning_mmpar.losses.mml import MMLConfig
+from lightning_mmpar.models.adapter import AdapterConfig
+from lightning_mmpar.models.fusion import FusionConfig
+from lightning_mmpar.models.language import LanguageConfig
+from lightning_mmpar.models.vision import VisionConfig
+from lightning_mmpar.recipes.config import (
+    FinetuneConfig,
+    LossConfig,
+    OptimConfig,
+    TensorParallelOptions,
+)
+from lightning_mmpar.recipes.module import ClipLlamaModule
+
+BATCH = 8
+TEXT_LENGTH = 12  # divisible by tp 2: sequence parallel shards the text along it
+HEAD_WEIGHTS = ("image_head.weight", "text_head.proj.weight")
+
+
+class SeededModule(ClipLlamaModule):
+    """The recipe module with a seeded model build (same weights in every layout) and, with
+    ``zero_momentum``, momentum heads started at zero (so each EMA step is visible)."""
+
+    def __init__(self, *, zero_momentum: bool = False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.zero_momentum = zero_momentum
+
+    def configure_model(self) -> None:
+        if self.blocks is not None:
+            return
+        torch.manual_seed(0)
+        super().configure_model()
+        if self.zero_momentum:
+            with torch.no_grad():
+                for p in self.fusion_model.momentum_heads.parameters():
+                    p.zero_()
+
+
+def tiny_module(
+    vocab_size: int,
+    *,
+    sequence_parallel: bool = False,
+    lr: float = 1e-3,
+    momentum: float = 0.995,
+    logit_scale_init: float = 1 / 0.07,
+    caption_weight: float = 3.0,
+    mml_weight: float = 0.4,
+    zero_momentum: bool = False,
+) -> SeededModule:
+    """Every part trainable, dropout 0, the CPU YAML's loss weights unless given."""
+    fusion = FusionConfig(
+        vision=VisionConfig(
+            image_size=16, patch_size=8, width=32, layers=1, heads=2, output_dim=16
+        ),
+        language=LanguageConfig(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            joint_attention=True,
+        ),
+        adapter=AdapterConfig(heads=2, width=32, ffn_width=48, dropout=0.0),
+        contrastive_dim=16,
+        logit_scale_init=logit_scale_init,
+    )
+    return SeededModule(
+        zero_momentum=zero_momentum,
+        fusion=fusion,
+        finetune=FinetuneConfig(train_vision=True, train_decoder_layers=-1, train_embeddings=True),
+        loss=LossConfig(
+            contrastive_weight=1.0,
+            caption_weight=caption_weight,
+            mml=MMLConfig(weight=mml_weight, momentum=momentum),
+        ),
+        optim=OptimConfig(lr=lr, weight_decay=0.01, warmup_steps=1, min_lr_ratio=1.0),
+        tensor_parallel=TensorParallelOptions(sequence_parallel=sequence_parallel),
+        vocab_size=vocab_size,
+    )
+
+
+def digits() -> DigitsCaptions:
+    data = DigitsCaptions(image_size=16, batch_size=BATCH, max_length=TEXT_LENGTH)
+    data.setup()
+    return data
+
+
+def batches(data: DigitsCaptions, n: int, *, shuffle_pairs: bool = False) -> list[dict[str, Any]]:
+    """The first ``n`` validation batches; ``shuffle_pairs`` pairs each image with another
+    image's caption (seeded): nothing to align, so the data favours a small logit scale."""
+    out = []
+    g = torch.Generator().manual_seed(0)
+    for batch, _ in zip(data.val_dataloader(), range(n), strict=False):
+        if shuffle_pairs:
+            perm = torch.randperm(BATCH, generator=g)
+            for key in ("input_ids", "attention_mask", "target_ids"):
+                batch[key] = batch[key][perm]
+        out.append(batch)
+    return out
+
+
+class Recorder(Callback):
+    """Logged ``train_loss`` per step, full first-step gradients, logit scale per step."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.grads: dict[str, Tensor] = {}
+        self.scales: list[float] = []
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: Any, optimizer: Any) -> None:
+        if trainer.global_step == 0 and not self.grads:
+            for name, p in pl_module.named_parameters():
+                if p.grad is not None:
+                    g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                    self.grads[name] = g.detach().clone()
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, *args: Any) -> None:
+        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+        if pl_module.head is not None:
+            self.scales.append(float(pl_module.head.logit_scale.detach().exp()))
+
+
+def fit(
+    module: ClipLlamaModule,
+    data: list[dict[str, Any]],
+    *,
+    strategy: Any = "auto",
+    devices: int = 1,
+    accumulate: int = 1,
+) -> Recorder:
+    """Train on ``data`` (one epoch, in order) and return the recorder."""
+    recorder = Recorder()
+    trainer = Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        max_epochs=1,
+        accumulate_grad_batches=accumulate,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[recorder],
+    )
+    trainer.fit(module, DataLoader(data, batch_size=None))  # type: ignore[arg-type]
+    assert trainer.global_step == len(data) // accumulate
+    return recorder
+
+
+def head_state(module: ClipLlamaModule) -> dict[str, Tensor]:
+    """Live and momentum head weights and the log scale, from the rank owning the head."""
+    head = module.head
+    assert head is not None
+    momentum = head.momentum.state_dict()
+    return {
+        "image_head": head.image_head.weight.detach().clone(),
+        "text_head": head.text_head.proj.weight.detach().clone(),
+        "momentum_image": momentum["image_head.weight"].clone(),
+        "momentum_text": momentum["text_head.weight"].clone(),
+        "log_scale": head.logit_scale.detach().clone(),
+    }
+
+
+def eval_outputs(module: ClipLlamaModule, batch: dict[str, Any]) -> dict[str, Tensor]:
+    """Every :class:`FusionOutput` field of ``module`` in eval mode (the class-prompt stream
+    included), full tensors."""
+    module.eval()
+    with torch.no_grad():
+        out = module(batch)
+    return {
+        name: (t.full_tensor() if isinstance(t, DTensor) else t).clone()
+        for name, t in out._asdict().items()
+    }
+
+
+def reference_eval(data: DigitsCaptions, batch: dict[str, Any]) -> dict[str, Tensor]:
+    """:func:`eval_outputs` of the untrained tiny module on one process (no Trainer)."""
+    module = tiny_module(data.vocab_size)
+    module._trainer = SimpleNamespace(datamodule=data)  # type: ignore[assignment]
+    module.configure_model()
+    module.setup("validate")
+    return eval_outputs(module, batch)
+
+
+def world(rank: int, world_size: int) -> dict[str, Any]:
+    """Both distributed checks in one 2-process world.
+
+    * ``tp2_sp_eval``: the untrained recipe at tensor parallel 2 with sequence parallel,
+      validated (class prompts from the data), then every output in eval mode: the fused,
+      text-only and class-prompt streams;
+    * ``tp2_sp``: the same layout trained 2 steps (losses and first-step gradients, compared
+      with one process by the test);
+    * ``pp2``: pipeline parallel 2, ``accumulate_grad_batches=2``, 4 batches, ``lr = 0`` (the
+      live heads stay put), EMA momentum 0.5 from zero momentum heads, logit scale initialised
+      at 200 (above the cap): the last stage must have clamped it and taken 2 EMA steps.
+    """
+    data = digits()
+    out: dict[str, Any] = {"rank": rank}
+    module = tiny_module(data.vocab_size, sequence_parallel=True)
+    trainer = Trainer(
+        strategy=MultimodalParallelStrategy(tensor_parallel=2),
+        accelerator="cpu",
+        devices=world_size,
+        limit_val_batches=1,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.validate(module, datamodule=data)
+    out["tp2_sp_eval"] = eval_outputs(module, batches(data, 1)[0])
+    module = tiny_module(data.vocab_size, sequence_parallel=True)
+    strategy = MultimodalParallelStrategy(tensor_parallel=2)
+    rec = fit(module, batches(data, 2), strategy=strategy, devices=world_size)
+    out["tp2_sp"] = {"losses": rec.losses, "grads": rec.grads}
+    module = tiny_module(
+        data.vocab_size, lr=0.0, momentum=0.5, logit_scale_init=200.0, zero_momentum=True
+    )
+    strategy = MultimodalParallelStrategy(pipeline_parallel=2, micro_batches=2)
+    fit(module, batches(data, 4), strategy=strategy, devices=world_size, accumulate=2)
+    out["pp2"] = head_state(module) if module.head is not None else None
+    return out
+
+
+MAX_LOG_SCALE = math.log(100.0)
