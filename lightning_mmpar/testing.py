@@ -34,7 +34,13 @@ def _entry(
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        try:
+            dist.init_process_group("gloo", rank=rank, world_size=world)
+        except dist.DistNetworkError as err:
+            if "EADDRINUSE" not in str(err):
+                raise
+            out.put((rank, None, str(err)))  # the port was taken meanwhile: spawn retries
+            return
         result = fn(rank, world, *args)
         buf = io.BytesIO()  # plain bytes: shared-memory tensors die with this process
         torch.save(result, buf)
@@ -50,8 +56,25 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results.
 
     ``fn`` must be importable (module level). A failure on any rank raises ``RuntimeError``
-    carrying that rank's traceback.
+    carrying that rank's traceback. When another process takes the rendezvous port between
+    :func:`free_port` and the bind (before ``fn`` runs), the world is started again on a new
+    port, up to three times.
     """
+    for _ in range(2):
+        try:
+            return _spawn_once(fn, world_size, args, timeout)
+        except _PortTaken:
+            continue
+    return _spawn_once(fn, world_size, args, timeout)
+
+
+class _PortTaken(RuntimeError):
+    pass
+
+
+def _spawn_once(
+    fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], timeout: float
+) -> list[Any]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
@@ -63,12 +86,17 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
         p.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
+    port_taken = False
     try:
         while len(results) + len(errors) < world_size:
             try:
                 rank, ok, value = out.get(timeout=timeout)
             except queue.Empty:
                 raise RuntimeError(f"world of {world_size} timed out after {timeout}s") from None
+            if ok is None:
+                errors.append(f"rank {rank}: {value}")
+                port_taken = True
+                break
             if ok:
                 results[rank] = torch.load(io.BytesIO(value), weights_only=False)
             else:
@@ -79,6 +107,8 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
             p.join(timeout=5 if errors else 60)
             if p.is_alive():
                 p.kill()
+    if port_taken:
+        raise _PortTaken(errors[0])
     if errors:
         raise RuntimeError("a rank failed\n" + "\n".join(errors))
     return [results[r] for r in range(world_size)]
