@@ -5,7 +5,8 @@ Set-up order (each step a function in :mod:`lightning_mmpar.parallel` taking a m
 1. ``setup_environment``: processes and the default group exist; build the ``pp, edp, ep, tp``
    mesh (``dp`` flattened) and hand it to the LightningModule as ``self.device_mesh``.
 2. Lightning calls ``configure_model()``: the module applies tensor-parallel plans on
-   ``self.device_mesh["tp"]`` (Lightning's ModelParallelStrategy convention).
+   ``self.device_mesh["tp"]`` (also reachable as ``["tensor_parallel"]``, with
+   ``["data_parallel"]`` for ``dp``: Lightning ModelParallelStrategy's names).
 3. ``setup``: pipeline split (modules implementing
    :class:`~lightning_mmpar.parallel.pipeline.PipelineModule`), then data parallel (FSDP2 per
    block on ``dp``, or gradient all-reduce), then optimizers.
@@ -108,15 +109,21 @@ class MultimodalParallelStrategy(ModelParallelStrategy):
     @property  # type: ignore[override]
     @override
     def precision_plugin(self) -> Precision:
-        plugin = self._precision_plugin
-        if not isinstance(plugin, GlobalNormClipping):
-            plugin = self._precision_plugin = with_global_clipping(plugin)
-        if isinstance(plugin, GlobalNormClipping):
-            plugin.clip_fn = self._clip_grad_by_norm
-        return plugin
+        if self._precision_plugin is None:
+            self.precision_plugin = Precision()  # Lightning's default, as a global-norm plugin
+        assert self._precision_plugin is not None
+        return self._precision_plugin
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
+        """Lightning's own plugins become their global-norm-clipping subclass, once, here.
+        ``None`` stays unset, so the Trainer's ``precision=`` flag still decides the plugin."""
+        if plugin is None:
+            self._precision_plugin = None
+            return
+        plugin = with_global_clipping(plugin)
+        if isinstance(plugin, GlobalNormClipping):
+            plugin.clip_fn = self._clip_grad_by_norm
         self._precision_plugin = plugin
 
     # ---------------------------------------------------------------- topology
@@ -230,7 +237,8 @@ class MultimodalParallelStrategy(ModelParallelStrategy):
             raise ValueError(
                 f"gradient_clip_val ({trainer.gradient_clip_val}) needs a precision plugin that "
                 f"clips by the global norm; {type(self.precision_plugin).__name__} clips local "
-                "shards only. Use precision='32-true', 'bf16-mixed', 'bf16-true' or '16-true', or "
+                "shards only. Use precision='32-true', 'bf16-mixed', '16-mixed', 'bf16-true' or "
+                "'16-true', or "
                 "mix lightning_mmpar.precision.GlobalNormClipping into your plugin."
             )
 

@@ -2,7 +2,8 @@
 and the layer picture in docs/architecture.md drawn from the code's imports.
 
 The layering itself (which part may import which, no cycles) is checked by import-linter's
-contracts in pyproject.toml (``lint-imports``, part of ``make lint``).
+contracts in pyproject.toml (``lint-imports``, part of ``make lint``); torch.distributed in
+models/ by ruff's banned-api rule (lightning_mmpar/models/ruff.toml).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import ast
 import importlib
 import importlib.util
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -116,18 +119,27 @@ def test_the_scan_finds_a_collective(tmp_path: Path) -> None:
     assert sorted(calls) == ["b", "d.all_reduce", "torch.distributed.barrier"]
 
 
-def test_models_do_not_import_torch_distributed() -> None:
-    offenders = []
-    for path in (PACKAGE / "models").rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            if any(n.startswith("torch.distributed") for n in names):
-                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
-    assert not offenders, f"models/ must be plain torch: {offenders}"
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import torch.distributed as dist\n",
+        "from torch.distributed.tensor import DTensor\n",
+        "from torch import distributed\n",
+        "import torch\n\n\ndef f() -> int:\n    return torch.distributed.get_rank()\n",
+    ],
+)
+def test_ruff_bans_torch_distributed_in_models(source: str) -> None:
+    """models/ is plain torch: ruff's banned-api rule (lightning_mmpar/models/ruff.toml, run by
+    ``make lint`` on the whole package) flags every way of reaching torch.distributed."""
+    ruff = Path(sys.executable).with_name("ruff")
+    proc = subprocess.run(
+        [str(ruff), "check", "--stdin-filename", "lightning_mmpar/models/probe.py", "-"],
+        input=source,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 1 and "TID251" in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_files_are_small() -> None:
