@@ -30,6 +30,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -158,14 +159,16 @@ class MultimodalParallelStrategy(ModelParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
-        """Key DataLoader worker seeds on the data-parallel rank, not the global rank.
+        """Key DataLoader worker seeds on the data-parallel rank, not the global rank, and set
+        the sampler's epoch before Lightning restores a mid-epoch position into the loader.
 
         With ``seed_everything(..., workers=True)`` Lightning seeds each worker from the global
         rank, so two tensor/pipeline peers of one dp replica would draw different random
-        augmentations of the same samples. Peers must see the same data; dp replicas differ.
-        A ``worker_init_fn`` of the user's own is left alone.
+        augmentations of the same samples. A ``worker_init_fn`` of the user's own is left alone.
         """
         dataloader = super().process_dataloader(dataloader)
+        if (trainer := getattr(self.lightning_module, "_trainer", None)) is not None:
+            ckpt.set_sampler_epoch(dataloader, trainer.fit_loop.epoch_progress)
         seeded = int(os.environ.get("PL_SEED_WORKERS", 0))
         if seeded and getattr(dataloader, "worker_init_fn", False) is None:
             dp_rank = self.parallel_dims.rank_coords(self.global_rank)["dp"]
@@ -343,6 +346,7 @@ class MultimodalParallelStrategy(ModelParallelStrategy):
         self._pipeline_grads = None
 
     # ---------------------------------------------------------------- checkpoints
+    # DCP shards, rank 0's meta.pt and each rank's own callback/loop state (ckpt.save_sharded)
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return {}  # the shards are written by save_checkpoint()
@@ -364,8 +368,12 @@ class MultimodalParallelStrategy(ModelParallelStrategy):
             partial.mkdir(parents=True)
         self.barrier()
         meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        own = {k: checkpoint[k] for k in ckpt.PER_RANK_KEYS if k in checkpoint}
         assert self.model is not None
-        ckpt.save_sharded(partial, self.model, self.optimizers, meta, self.is_global_zero)
+        ckpt.save_sharded(
+            partial, self.model, self.optimizers, meta, self.is_global_zero,
+            rank_state={"layout": self._rank_layout(), **own},
+        )  # fmt: skip
         self.barrier()
         if self.is_global_zero:
             ckpt.commit(path)
@@ -375,9 +383,15 @@ class MultimodalParallelStrategy(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict:
         path = ckpt.resolve(Path(self.broadcast(str(checkpoint_path))))
         assert self.model is not None and self.lightning_module is not None
-        return ckpt.load_sharded(
+        meta = ckpt.load_sharded(
             path, self.model, self.optimizers, strict=self._module.strict_loading
         )
+        for note in ckpt.restore_rank_state(path, meta, self._rank_layout()):
+            rank_zero_warn(note)
+        return meta
+
+    def _rank_layout(self) -> dict[str, int]:
+        return ckpt.rank_layout(self.parallel_dims, self.config.virtual_pipeline, self.global_rank)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:

@@ -104,13 +104,21 @@ class FP8FallbackCallback(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._drive:
             self.mon.on_fit_start(trainer, pl_module)
-        self.snapshot.take(trainer, pl_module)
-        self._last_step = trainer.global_step
         mods = fp8_modules(pl_module)
         rank_zero_info(
             f"FP8FallbackCallback: {sum(m.precision == 'fp8' for m in mods.values())} of "
             f"{len(mods)} Float8Linear modules in fp8; fallback -> {self.config.fallback_precision}"
         )
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """After a checkpoint is restored (Lightning restores callbacks and weights between
+        ``on_fit_start`` and here): re-apply this rank's fallback decisions, whose precision
+        the weights do not carry, and take the first snapshot of the restored state."""
+        if self.fallen:
+            set_precision(pl_module, self.config.fallback_precision, sorted(self.fallen))
+        self.snapshot.take(trainer, pl_module)
+        self._last_step = trainer.global_step
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -333,9 +341,20 @@ class FP8FallbackCallback(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"counters": dict(self.counters), "fallen": sorted(self.fallen)}
+        """This rank's counters and modules in fallback precision (saved per rank by
+        ``mm_parallel``: each pipeline stage / tensor shard has its own)."""
+        state = {"counters": dict(self.counters), "fallen": sorted(self.fallen),
+                 "clean_steps": self._clean_steps}  # fmt: skip
+        if self._drive and self.monitor is not None:  # not in trainer.callbacks: saved here
+            state["monitor"] = self.monitor.state_dict()
+        return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore; the modules in ``fallen`` go back to fallback precision in
+        :meth:`on_train_start`."""
         self.counters.update(state_dict.get("counters", {}))
         self.fallen = set(state_dict.get("fallen", []))
+        self._clean_steps = int(state_dict.get("clean_steps", 0))
+        if "monitor" in state_dict and self._drive and self.monitor is not None:
+            self.monitor.load_state_dict(state_dict["monitor"])

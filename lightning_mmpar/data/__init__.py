@@ -12,6 +12,7 @@ from lightning_mmpar.data.captions import (
     index_captions,
 )
 from lightning_mmpar.data.digits import CLASS_NAMES, TEMPLATES, DigitsCaptions, DigitsDataset
+from lightning_mmpar.data.sampler import ResumableRandomSampler
 from lightning_mmpar.data.tokenizer import IGNORE_INDEX, SPECIAL_TOKENS, WordTokenizer
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "CaptionsFormat",
     "DigitsCaptions",
     "DigitsDataset",
+    "ResumableRandomSampler",
     "SkippedRow",
     "WordTokenizer",
     "clip_transform",

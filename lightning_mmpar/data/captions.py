@@ -19,8 +19,10 @@ import lightning.pytorch as pl
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 from torchvision import transforms as T
 
+from lightning_mmpar.data.sampler import ResumableRandomSampler
 from lightning_mmpar.data.tokenizer import WordTokenizer
 
 log = logging.getLogger(__name__)
@@ -324,10 +326,13 @@ class CaptionsDataModule(pl.LightningDataModule):
     def _loader(self, split: str, train: bool) -> DataLoader[dict[str, torch.Tensor]]:
         if split not in self.datasets:
             raise ValueError(f"no {split} data: call setup() first, or pass {split}_file.")
-        return DataLoader(
-            self.datasets[split],
+        # torchdata's StatefulDataLoader: Lightning checkpoints the training loader's position,
+        # so a run resumed mid-epoch continues with the batches it would have seen next.
+        dataset = self.datasets[split]
+        return StatefulDataLoader(
+            dataset,
             batch_size=self.batch_size,
-            shuffle=train,
+            sampler=ResumableRandomSampler(dataset) if train else None,
             drop_last=train,
             num_workers=self.num_workers,
         )

@@ -17,7 +17,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 
+from lightning_mmpar.data.sampler import ResumableRandomSampler
 from lightning_mmpar.data.tokenizer import WordTokenizer
 
 CLASS_NAMES: tuple[str, ...] = (
@@ -163,12 +165,18 @@ class DigitsCaptions(pl.LightningDataModule):
         return DigitsDataset(images=images[index], labels=labels[index], text=text, indices=index)
 
     def train_dataloader(self) -> DataLoader[dict[str, torch.Tensor]]:
-        """Shuffled, last partial batch dropped (equal batches on every dp rank)."""
+        """Shuffled, last partial batch dropped (equal batches on every dp rank).
+
+        A torchdata ``StatefulDataLoader`` over a :class:`ResumableRandomSampler` (seeded by
+        ``seed`` and the epoch; Lightning swaps it for a ``DistributedSampler`` under dp > 1):
+        Lightning saves its position in checkpoints and a run resumed mid-epoch continues with
+        exactly the batches it would have seen next.
+        """
         assert self.train is not None, "call setup() first"
-        return DataLoader(
+        return StatefulDataLoader(
             self.train,
             batch_size=self.batch_size,
-            shuffle=True,
+            sampler=ResumableRandomSampler(self.train, seed=self.seed),
             drop_last=True,
             num_workers=self.num_workers,
         )

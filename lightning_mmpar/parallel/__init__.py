@@ -1,7 +1,8 @@
 """Mechanisms for any model and any plan: tensor-parallel styles, the pipeline engine, FSDP2 /
-DDP, DCP checkpoints, the DeepSpeed engine, device-aware collectives (:mod:`.comm`) and the
-numerics core (:mod:`.numerics`). Nothing here imports a model, a plan, the strategy, a recipe
-or a callback (import-linter contracts in pyproject.toml).
+DDP, DCP checkpoints, the DeepSpeed engine, device-aware collectives (:mod:`.comm`), the
+numerics core (:mod:`.numerics`) and the model-parallel RNG (:mod:`.random`). Nothing here
+imports a model, a plan, the strategy, a recipe or a callback (import-linter contracts in
+pyproject.toml).
 """
 
 from lightning_mmpar.parallel.checkpoint import load_sharded, save_sharded
@@ -21,6 +22,7 @@ from lightning_mmpar.parallel.deepspeed import (
     DeepSpeedPlan,
     map_deepspeed_config,
 )
+from lightning_mmpar.parallel.gradient_cache import BatchLossModule, RNGReplay
 from lightning_mmpar.parallel.numerics import (
     clip_grad_norm_,
     global_grad_norm,
@@ -32,6 +34,14 @@ from lightning_mmpar.parallel.pipeline import (
     PipelineModule,
     PipelineSteps,
     partition,
+)
+from lightning_mmpar.parallel.random import (
+    ParallelDropout,
+    RNGStatesTracker,
+    checkpoint_rng_contexts,
+    get_rng_tracker,
+    model_parallel_manual_seed,
+    region_seeds,
 )
 from lightning_mmpar.parallel.tensor import (
     FusedQKVColwiseParallel,
@@ -45,28 +55,36 @@ from lightning_mmpar.parallel.tensor import (
 
 __all__ = [
     "MM_PARALLEL_KEYS",
+    "BatchLossModule",
     "CPUCapableDeepSpeedStrategy",
     "DeepSpeedPlan",
     "FusedQKVColwiseParallel",
     "HeadShardedReplicate",
+    "ParallelDropout",
     "PipelineChunk",
     "PipelineEngine",
     "PipelineModule",
     "PipelineSteps",
+    "RNGReplay",
+    "RNGStatesTracker",
     "SequenceLengthCheck",
     "StyleGroup",
     "apply_fsdp",
     "apply_styles",
     "broadcast_parameters",
+    "checkpoint_rng_contexts",
     "clip_grad_norm_",
     "fsdp_managed",
     "full_gradients",
     "full_state_dict",
+    "get_rng_tracker",
     "global_grad_norm",
     "has_fsdp",
     "load_sharded",
     "map_deepspeed_config",
+    "model_parallel_manual_seed",
     "partition",
+    "region_seeds",
     "replicated_parameters",
     "save_sharded",
     "shard_blocks",

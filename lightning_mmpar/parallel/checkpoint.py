@@ -2,8 +2,22 @@
 
 A checkpoint is a directory: DCP shards of the model and optimizer state, keyed by the
 parameters' fully qualified names (pipeline stages keep their original names), plus
-``meta.pt`` with Lightning's loop and callback state. Because DCP reshards on load, a checkpoint
-saved in one layout (tp2 pp2) loads into another (tp1 pp1) and back.
+``meta.pt`` with Lightning's loop and callback state (rank 0's) and ``ranks/rank_<r>.pt`` with
+each rank's own callback and loop state and its layout (:func:`restore_rank_state`). Because DCP
+reshards on load, a checkpoint saved in one layout (tp2 pp2) loads into another (tp1 pp1) and
+back.
+
+Per-rank state: Lightning builds ``checkpoint["callbacks"]`` and ``checkpoint["loops"]`` on
+every rank, and they differ by rank: a callback's statistics of its own pipeline stage or tensor
+shard, the position of a dp replica's stateful DataLoader (torchdata's ``StatefulDataLoader``,
+saved by Lightning in the fit loop's state). Restoring (:func:`restore_rank_state`):
+
+* same layout (world size, tp, pp, ep, virtual stages): every rank gets its own state back;
+* another layout, same data-parallel size: the loop state of a saved rank with the same dp
+  coordinate (so the data resumes exactly), rank 0's callback state, with a warning;
+* another data-parallel size, or a checkpoint without per-rank files: rank 0's state for both,
+  with a warning (the epoch continues after as many batches per replica as were done, but the
+  sharding differs, so the rest of that epoch is not the uninterrupted run's).
 
 Atomicity: every rank writes into ``<path>.partial``; once all ranks are done, rank 0 moves the
 previous ``<path>`` aside to ``<path>.previous``, renames ``.partial`` to ``<path>`` and deletes
@@ -33,6 +47,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+from lightning_mmpar.topology import ParallelDims
+
 log = logging.getLogger(__name__)
 
 # Flat keys ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr") let every pipeline rank save and
@@ -40,6 +56,11 @@ log = logging.getLogger(__name__)
 OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 METADATA_FILE = "meta.pt"
+RANKS_DIR = "ranks"
+PER_RANK_KEYS = ("callbacks", "loops")
+"""Keys of Lightning's checkpoint dict that every rank writes for itself."""
+LAYOUT_KEYS = ("world_size", "tp", "pp", "ep", "virtual_pipeline")
+"""Layout entries that must match for a rank to get its own state back."""
 PARTIAL_SUFFIX = ".partial"
 PREVIOUS_SUFFIX = ".previous"
 
@@ -85,20 +106,131 @@ def resolve(path: Path) -> Path:
     return path
 
 
+def set_sampler_epoch(dataloader: Any, epoch_progress: Any) -> None:
+    """Set the epoch of ``dataloader``'s (batch) sampler to the fit loop's current one.
+
+    On a mid-epoch resume Lightning (2.6) creates the training iterator, where a torchdata
+    ``StatefulDataLoader`` fast-forwards to its saved position, before it calls ``set_epoch``:
+    a ``DistributedSampler`` would still shuffle with epoch 0 and the resumed run would replay
+    the wrong permutation. Called from the strategy's ``process_dataloader``, which Lightning
+    runs before creating the iterator; ``set_epoch`` is idempotent for a fresh epoch.
+    """
+    epoch = int(epoch_progress.current.processed)
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    for sampler in (getattr(dataloader, "sampler", None), getattr(batch_sampler, "sampler", None)):
+        set_epoch = getattr(sampler, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+
+
+def rank_layout(dims: ParallelDims, virtual_pipeline: int, rank: int) -> dict[str, int]:
+    """What decides whether a rank's saved callback/loop state is its own on load."""
+    return {"world_size": dims.world_size, "tp": dims.tp, "pp": dims.pp, "ep": dims.ep,
+            "virtual_pipeline": virtual_pipeline, "rank": rank}  # fmt: skip
+
+
+def rank_file(path: Path, rank: int) -> Path:
+    """The file of ``rank``'s own state in checkpoint ``path``."""
+    return path / RANKS_DIR / f"rank_{rank:05d}.pt"
+
+
 def save_sharded(
     path: Path,
     model: nn.Module,
     optimizers: Sequence[Optimizer],
     metadata: dict[str, Any],
     is_rank_zero: bool,
+    rank_state: dict[str, Any] | None = None,
 ) -> None:
-    """Write model + optimizer shards with DCP and ``metadata`` (rank 0) into ``path``."""
+    """Write model + optimizer shards with DCP and ``metadata`` (rank 0) into ``path``.
+
+    ``rank_state`` (every rank, optional): ``{"layout": {world_size, tp, pp, ep,
+    virtual_pipeline, rank}, "callbacks": ..., "loops": ...}``, written to
+    :func:`rank_file` for :func:`restore_rank_state`.
+    """
     state: dict[str, Any] = {"state_dict": get_model_state_dict(model)}
     for i, opt in enumerate(optimizers):
         state[f"optimizer_{i}"] = get_optimizer_state_dict(model, opt, options=OPTIM_OPTIONS)
     dcp.save(state, checkpoint_id=path)
+    if rank_state is not None:
+        _check_layout(rank_state.get("layout"))
+        file = rank_file(path, int(rank_state["layout"]["rank"]))
+        file.parent.mkdir(exist_ok=True)
+        torch.save(rank_state, file)
     if is_rank_zero:
         torch.save(metadata, path / METADATA_FILE)
+
+
+def _check_layout(layout: Any) -> None:
+    missing = [k for k in (*LAYOUT_KEYS, "rank") if not isinstance(layout, dict) or k not in layout]
+    if missing:
+        raise ValueError(
+            f"rank_state['layout'] ({layout!r}) lacks {missing}; pass a dict with "
+            f"{[*LAYOUT_KEYS, 'rank']}."
+        )
+
+
+def _dp_rank(layout: dict[str, Any], rank: int) -> int:
+    dims = ParallelDims(
+        world_size=int(layout["world_size"]), tp=int(layout["tp"]), pp=int(layout["pp"]),
+        ep=int(layout["ep"]),
+    )  # fmt: skip
+    return dims.rank_coords(rank)["dp"]
+
+
+def _dp_size(layout: dict[str, Any]) -> int:
+    return int(layout["world_size"]) // (int(layout["tp"]) * int(layout["pp"]))
+
+
+def restore_rank_state(path: Path, metadata: dict[str, Any], layout: dict[str, Any]) -> list[str]:
+    """Replace ``metadata``'s ``callbacks`` / ``loops`` (rank 0's) by this rank's own, in place.
+
+    ``layout`` is the current one (keys as in :func:`save_sharded`'s ``rank_state``). Rules in
+    the module docstring. Returns the warnings to show (empty when every rank got its own state
+    back). Raises ``FileNotFoundError`` if the checkpoint has per-rank files of this very
+    layout but not this rank's (an incomplete copy of the checkpoint).
+    """
+    _check_layout(layout)
+    own = rank_file(path, int(layout["rank"]))
+    if own.exists():
+        saved: dict[str, Any] = torch.load(own, weights_only=False)
+        if all(saved["layout"][k] == layout[k] for k in LAYOUT_KEYS):
+            metadata.update({k: saved[k] for k in PER_RANK_KEYS if k in saved})
+            return []
+    first = rank_file(path, 0)
+    if not first.exists():
+        if (path / RANKS_DIR).exists():
+            raise FileNotFoundError(f"{first} is missing: copy the whole checkpoint directory.")
+        return [
+            f"checkpoint {path} has no per-rank state (written before per-rank saving): every "
+            "rank restores rank 0's callback and loop state."
+        ]
+    saved_layout = torch.load(first, weights_only=False)["layout"]
+    was = {k: saved_layout[k] for k in LAYOUT_KEYS}
+    now = {k: layout[k] for k in LAYOUT_KEYS}
+    if was == now:
+        raise FileNotFoundError(f"{own} is missing: copy the whole checkpoint directory.")
+    notes = [
+        f"checkpoint {path} was written in layout {was}, this run is {now}: every rank restores "
+        "rank 0's callback state (per-rank statistics and decisions start from rank 0's)."
+    ]
+    if _dp_size(saved_layout) == _dp_size(layout):
+        dp_rank = _dp_rank(layout, int(layout["rank"]))
+        twin = next(
+            r
+            for r in range(int(saved_layout["world_size"]))
+            if _dp_rank(saved_layout, r) == dp_rank
+        )
+        twin_state = torch.load(rank_file(path, twin), weights_only=False)
+        if "loops" in twin_state:
+            metadata["loops"] = twin_state["loops"]
+    else:
+        notes.append(
+            f"data-parallel size changed ({_dp_size(saved_layout)} -> {_dp_size(layout)}): the "
+            "data loaders resume from rank 0's position with a new sharding, so the rest of "
+            "this epoch differs from an uninterrupted run."
+        )
+    return notes
 
 
 def load_sharded(

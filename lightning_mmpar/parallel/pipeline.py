@@ -9,7 +9,12 @@ parameters, under their original names), and drives a GPipe / 1F1B / Interleaved
 
 Block contract: ``block(*tensors) -> Tensor | tuple[Tensor, ...]``; a tuple is unpacked into the
 next block's arguments, so a stage boundary may carry several tensors (text hidden states and
-image tokens, say).
+image tokens, say). Every trainable parameter must live in a block (the engine refuses others).
+
+A module whose loss couples micro-batches (contrastive negatives over the whole batch) also
+implements :class:`~lightning_mmpar.parallel.gradient_cache.BatchLossModule`: training then runs
+a forward-only pass first and back-propagates a gradient-cache surrogate (one extra forward per
+step), evaluation collects the micro-batches' features and computes the coupled term once.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from torch.distributed.pipelining import (
 
 from lightning_mmpar.config import ParallelConfig
 from lightning_mmpar.parallel import comm
+from lightning_mmpar.parallel import gradient_cache as gc
 
 
 @runtime_checkable
@@ -124,6 +130,24 @@ def _drop_parameters(
     return count
 
 
+def check_ownership(module: nn.Module, blocks: Sequence[nn.Module]) -> None:
+    """Refuse trainable parameters of ``module`` that are in none of ``blocks``.
+
+    Under pipeline parallelism a parameter used outside the blocks (in ``pipeline_loss``, say)
+    exists on every pipeline rank, gets its gradient summed over micro-batches on the last stage
+    only and is saved from the first stage. Raises ``ValueError`` naming them.
+    """
+    inside = {id(p) for b in blocks for p in b.parameters()}
+    outside = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in inside]
+    if outside:
+        raise ValueError(
+            f"trainable parameters outside pipeline_blocks(): {', '.join(outside)}; under "
+            "pipeline parallelism every trainable parameter must belong to a block. Move them "
+            "into a block (the last one if pipeline_loss uses them, and use them in its forward) "
+            "or freeze them (requires_grad=False)."
+        )
+
+
 def _grad_flags(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
     return tuple(t.detach().requires_grad_(t.is_floating_point()) for t in tensors)
 
@@ -132,7 +156,15 @@ class PipelineEngine:
     """This rank's stages and schedule for one :class:`PipelineModule`.
 
     Gradients are scaled by ``1 / micro_batches`` (``scale_grads``), so with a ``pipeline_loss``
-    that averages over its micro-batch the gradients equal the full batch's mean loss.
+    that averages over its micro-batch the gradients equal the full batch's mean loss. A
+    :class:`~lightning_mmpar.parallel.gradient_cache.BatchLossModule` whose
+    ``pipeline_batch_coupled()`` is true trains by the gradient cache (a forward-only pass, the
+    coupled term on the whole batch, then the schedule with surrogate losses); its evaluation
+    adds the coupled term of the collected features to the mean micro-batch loss.
+
+    Raises:
+        TypeError: ``module`` is not a :class:`PipelineModule`.
+        ValueError: a trainable parameter of ``module`` is in no block (:func:`check_ownership`).
     """
 
     def __init__(
@@ -155,6 +187,7 @@ class PipelineEngine:
         pp = comm.group_size(pp_group)
         self.pp_rank = comm.group_rank(pp_group)
         blocks = list(module.pipeline_blocks())
+        check_ownership(module, blocks)
         ranges = partition(len(blocks), config.num_stages)
         self.stage_ids = list(range(self.pp_rank, config.num_stages, pp))
         stage_of = [s for s, r in enumerate(ranges) for _ in r]
@@ -169,14 +202,23 @@ class PipelineEngine:
             self.chunks = [wrap_chunk(c) for c in self.chunks]
         self.device = device
         self._schedules: dict[tuple[Any, ...], Any] = {}
+        self.rng = gc.RNGReplay(self.chunks, device)
+        self._mode = "plain"  # how _loss_fn treats each micro-batch's output (see _run)
+        self._features: list[gc.Features] = []
+        self._grads: list[tuple[Tensor | None, ...]] = []
+        self._cached: list[gc.Features] = []
+        self._batch_loss: Tensor | None = None
+        self.cache_drift = torch.zeros(())
+        """Largest ``|f_pass2 - f_pass1|`` of the last gradient-cache step (0: same features)."""
 
-    def _schedule_for(self, inputs: tuple[Tensor, ...]) -> Any:
-        """The schedule for this input signature, built on first use.
+    def _schedule_for(self, inputs: tuple[Tensor, ...], train: bool) -> Any:
+        """The training or forward-only schedule for this input signature, built on first use.
 
         Stages get real example tensors (micro-batch 0 run through every stage once) instead of
         torch's shape inference, which runs stages on uninitialised tensors: integer inputs
         (token ids, indices) would be garbage there. One schedule per input shape, so evaluation
-        batches of another size work too.
+        batches of another size work too; forward-only passes get their own schedule, so
+        switching between them and training does not re-initialise stages.
         """
         n = self.config.num_micro_batches
         for t in inputs:
@@ -186,7 +228,7 @@ class PipelineEngine:
                     f"pipeline parallelism; use a multiple of {n} (drop_last=True avoids a short "
                     "last batch)."
                 )
-        key = tuple((tuple(t.shape), t.dtype) for t in inputs)
+        key = (train, *((tuple(t.shape), t.dtype) for t in inputs))
         if key not in self._schedules:
             io = self._example_io(tuple(t.tensor_split(n)[0] for t in inputs))
             stages = [
@@ -232,7 +274,7 @@ class PipelineEngine:
 
     def _build_schedule(self, stages: list[Any]) -> Any:
         n = self.config.num_micro_batches
-        loss_fn = self.module.pipeline_loss  # type: ignore[attr-defined]
+        loss_fn = self._loss_fn
         if self.config.schedule == "interleaved_1f1b":
             return ScheduleInterleaved1F1B(stages, n, loss_fn=loss_fn)
         cls = ScheduleGPipe if self.config.schedule == "gpipe" else Schedule1F1B
@@ -246,17 +288,77 @@ class PipelineEngine:
     def has_last(self) -> bool:
         return self.config.num_stages - 1 in self.stage_ids
 
+    def _coupled(self) -> bool:
+        module = self.module
+        return isinstance(module, gc.BatchLossModule) and module.pipeline_batch_coupled()
+
+    def _loss_fn(self, output: Any, target: Any) -> Tensor:
+        """The schedules' loss of one micro-batch on the last stage, by pass (``self._mode``):
+        ``plain`` the module's ``pipeline_loss``; ``collect`` features only (cache pass);
+        ``eval`` micro loss and features; ``cached`` micro loss + gradient-cache surrogate."""
+        module: Any = self.module
+        if self._mode == "plain":
+            loss: Tensor = module.pipeline_loss(output, target)
+            return loss
+        features = module.pipeline_features(output, target)
+        if self._mode == "collect":
+            self._features.append(tuple(f.detach() for f in features))
+            return torch.zeros((), device=self.device)
+        loss = module.pipeline_micro_loss(output, target)
+        if self._mode == "eval":
+            self._features.append(tuple(f.detach() for f in features))
+            return loss
+        grads = self._grads.pop(0)
+        for f, c in zip(features, self._cached.pop(0), strict=True):
+            if f.is_floating_point() and f.numel():
+                drift = (f.detach() - c).abs().max().float().cpu()
+                self.cache_drift = torch.maximum(self.cache_drift, drift)
+        assert self._batch_loss is not None
+        scale = float(self.config.num_micro_batches)  # cancels the schedule's 1 / M
+        return loss + gc.surrogate(features, grads, scale) + self._batch_loss
+
     def _run(self, batch: Any, train: bool) -> Tensor:
         inputs, target = self.module.pipeline_inputs(batch)  # type: ignore[attr-defined]
-        schedule = self._schedule_for(tuple(inputs))
         args = inputs if self.has_first else ()
         tgt = target if self.has_last else None
         losses: list[Tensor] = []
-        if train:
-            schedule.step(*args, target=tgt, losses=losses, return_outputs=False)
-        else:
-            schedule.eval(*args, target=tgt, losses=losses)
-        return self._broadcast_loss(losses)
+        coupled = self._coupled()
+        extra: Tensor | None = None
+        schedule = self._schedule_for(tuple(inputs), train)  # built before any RNG recording
+        try:
+            if train and coupled:
+                self._cache_pass(self._schedule_for(tuple(inputs), False), args, tgt)
+                self._mode = "cached"
+                self.rng.replay()
+            else:
+                self._mode = "eval" if coupled else "plain"
+            if train:
+                schedule.step(*args, target=tgt, losses=losses, return_outputs=False)
+            else:
+                schedule.eval(*args, target=tgt, losses=losses)
+            if not train and coupled and self.has_last:
+                module: Any = self.module
+                extra = module.pipeline_batch_loss(gc.cat_features(self._features))
+        finally:
+            self.rng.stop()
+            self._mode, self._features, self._grads = "plain", [], []
+            self._cached, self._batch_loss = [], None
+        return self._broadcast_loss(losses, extra)
+
+    def _cache_pass(self, schedule: Any, args: Any, target: Any) -> None:
+        """Gradient cache, steps 1 and 2: a forward-only pass recording the RNG state of every
+        forward and collecting the features on the last stage; there, the coupled loss of the
+        whole batch and its gradient on each micro-batch's features."""
+        self._mode, self._features = "collect", []
+        self.rng.record()
+        with torch.no_grad():
+            schedule.eval(*args, target=target, losses=[])
+        if self.has_last:
+            loss, self._grads = gc.batch_gradients(self.module, self._features)  # type: ignore[arg-type]
+            self._batch_loss = loss
+            self._cached = self._features
+        self._features = []
+        self.cache_drift = torch.zeros(())
 
     def train_step(self, batch: Any) -> Tensor:
         """Forward and backward of one batch; returns the mean loss (detached, on every rank)."""
@@ -267,10 +369,12 @@ class PipelineEngine:
         """Forward-only pass of one batch; returns the mean loss on every rank."""
         return self._run(batch, train=False)
 
-    def _broadcast_loss(self, losses: list[Tensor]) -> Tensor:
+    def _broadcast_loss(self, losses: list[Tensor], extra: Tensor | None = None) -> Tensor:
         device = self.device
         if self.has_last:
             loss = torch.stack([x.detach().float() for x in losses]).mean().to(device)
+            if extra is not None:
+                loss = loss + extra.detach().float().to(device)
         else:
             loss = torch.zeros((), device=device)
         last_rank = (self.config.num_stages - 1) % comm.group_size(self.group)

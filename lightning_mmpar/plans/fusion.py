@@ -26,6 +26,14 @@ Megatron's column/row patterns (:mod:`lightning_mmpar.parallel.tensor`) per towe
   sequence-sharded DTensor with a plain index tensor raises ``aten.index.Tensor got mixed
   torch.Tensor and DTensor``).
 
+Dropout (the adapters' ``dropout``, the model's only one) becomes a
+:class:`~lightning_mmpar.parallel.random.ParallelDropout` whenever the layout spans more than one
+process: region ``replicated`` when its input (the attention / FFN branch output) is replicated
+over TP (no sequence parallel: equal masks on TP peers), ``tensor-parallel`` when it is a sequence
+shard (independent masks per TP rank); dp replicas and pipeline stages always draw independent
+masks. Not under activation checkpointing yet (the recomputation must replay the tracker:
+:func:`lightning_mmpar.parallel.random.checkpoint_rng_contexts`): there dropout stays torch's.
+
 Every sharded parameter's global value is the unsharded model's, so ``get_model_state_dict`` of
 a sharded model is the unsharded state dict, sharded, and DCP checkpoints reshard across TP sizes.
 
@@ -54,6 +62,7 @@ from torch.distributed.tensor.parallel import (
 from lightning_mmpar.models.fusion import FusionConfig, FusionModel
 from lightning_mmpar.models.language import LanguageModel
 from lightning_mmpar.models.vision import VisionTower
+from lightning_mmpar.parallel.random import REPLICATED, TENSOR_PARALLEL
 from lightning_mmpar.parallel.tensor import (
     FusedQKVColwiseParallel,
     HeadShardedReplicate,
@@ -68,6 +77,7 @@ __all__ = [
     "adapter_plan",
     "apply_tensor_parallel",
     "checkpoint_units",
+    "dropout_regions",
     "fusion_plan",
     "language_plan",
     "parallelize_fusion",
@@ -250,6 +260,13 @@ def checkpoint_units(model: FusionModel) -> tuple[str, ...]:
     return (*vision, *adapters, *layers)
 
 
+def dropout_regions(model: FusionModel, *, sequence_parallel: bool) -> tuple[tuple[str, str], ...]:
+    """``(adapters.<i>.dropout, region)`` per adapter: ``tensor-parallel`` when the residual
+    branches it drops are sequence shards (``sequence_parallel``), else ``replicated``."""
+    region = TENSOR_PARALLEL if sequence_parallel else REPLICATED
+    return tuple((f"adapters.{i}.dropout", region) for i in range(len(model.adapters)))
+
+
 def fusion_plan(
     model: FusionModel,
     options: TensorParallelOptions = TensorParallelOptions(),  # noqa: B008
@@ -276,11 +293,11 @@ def fusion_plan(
             StyleGroup("language.embed_tokens", "tp", SequenceLengthCheck("input_ids")),
             StyleGroup("text_head", "tp", text_in),
         ]
+    ac = options.activation_checkpointing
     return ParallelPlan(
         tensor_parallel=tuple(groups),
-        activation_checkpointing=checkpoint_units(model)
-        if options.activation_checkpointing
-        else (),
+        activation_checkpointing=checkpoint_units(model) if ac else (),
+        dropout_regions=dropout_regions(model, sequence_parallel=seq),
         pipeline_blocks=model.pipeline_blocks,
     )
 
@@ -292,15 +309,17 @@ def parallelize_fusion(
 ) -> FusionModel:
     """Apply the fusion plan for ``dims`` to ``model`` in place; returns it.
 
-    Tensor parallelism on ``dims.get_mesh("tp")`` when ``dims.tp > 1`` (cross-attention on
+    Parallel dropout (:func:`dropout_regions`) when ``dims`` spans more than one process, tensor
+    parallelism on ``dims.get_mesh("tp")`` when ``dims.tp > 1`` (cross-attention on
     ``dims.vl_group`` when the dims built their own mesh, else on the tp group), then activation
-    checkpointing when ``options.activation_checkpointing``; nothing else when ``tp == 1``. Call it
-    on the built model, before the pipeline split and FSDP (which the strategy applies, one unit
-    per pipeline block). Raises ``ValueError`` when a size does not divide by ``dims.tp``.
+    checkpointing when ``options.activation_checkpointing``; only the dropout when ``tp == 1``
+    (nothing on one process). Call it on the built model, before the pipeline split and FSDP (which
+    the strategy applies, one unit per pipeline block). Raises ``ValueError`` when a size does not
+    divide by ``dims.tp``.
     """
     if dims.tp > 1:
         validate_tensor_parallel(model.config, dims.tp, vision_parallel=options.vision_parallel)
-    apply_plan(model, fusion_plan(model, options), plan_meshes(dims))
+    apply_plan(model, fusion_plan(model, options), plan_meshes(dims), dims)
     return model
 
 
@@ -314,7 +333,8 @@ def apply_tensor_parallel(
     vl_group: dist.ProcessGroup | None = None,
 ) -> FusionModel:
     """Shard ``model`` in place over the 1-D ``tp_mesh``; returns it (no activation
-    checkpointing; :func:`parallelize_fusion` is the entry point given a layout).
+    checkpointing, dropout left as torch's; :func:`parallelize_fusion` is the entry point given a
+    layout).
 
     ``vision_parallel``: ``tp`` shards the ViT by heads / FFN columns, ``replicate`` keeps a full
     copy on every tp rank. ``vl_combine``: ``all_reduce`` or ``all_gather`` combine of the

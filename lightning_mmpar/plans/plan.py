@@ -6,6 +6,10 @@ A :class:`ParallelPlan` says, for one built model, *what* each parallelism does 
   submodule on a named 1-D mesh (``tp``, or ``vl`` for the vision-language group);
 * ``activation_checkpointing``: the submodules whose activations are recomputed in backward
   instead of stored (non-reentrant checkpointing, applied as hooks: parameter names unchanged);
+* ``dropout_regions``: which ``nn.Dropout`` submodules become
+  :class:`~lightning_mmpar.parallel.random.ParallelDropout` and in which RNG region
+  (``replicated`` for TP-replicated activations, ``tensor-parallel`` for TP-sharded ones), so
+  masks follow the activation's layout (Megatron's model-parallel RNG);
 * ``pipeline_blocks``: the model's ordered blocks. They are also the FSDP units: the strategy
   cuts the blocks into pipeline stages and then applies FSDP2 ``fully_shard`` once per block of
   this rank's stages (:func:`lightning_mmpar.parallel.data.shard_blocks`), plus once on the root
@@ -28,10 +32,18 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_mmpar import compat
 from lightning_mmpar.parallel.comm import group_device
+from lightning_mmpar.parallel.random import ParallelDropout, checkpoint_rng_contexts, seed_regions
 from lightning_mmpar.parallel.tensor import StyleGroup, apply_styles
 from lightning_mmpar.topology import ParallelDims
 
-__all__ = ["ParallelPlan", "apply_plan", "checkpoint_activations", "plan_meshes", "tp_meshes"]
+__all__ = [
+    "ParallelPlan",
+    "apply_plan",
+    "checkpoint_activations",
+    "install_parallel_dropout",
+    "plan_meshes",
+    "tp_meshes",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +54,8 @@ class ParallelPlan:
     """TP/SP styles, applied in order."""
     activation_checkpointing: tuple[str, ...] = ()
     """Paths of the submodules recomputed in backward (empty: no checkpointing)."""
+    dropout_regions: tuple[tuple[str, str], ...] = ()
+    """``(path of an nn.Dropout, RNG region)`` pairs (empty: dropout left as it is)."""
     pipeline_blocks: Callable[[], Sequence[nn.Module]] | None = None
     """The model's ordered pipeline blocks (also its FSDP units); ``None``: not pipelined."""
 
@@ -55,20 +69,52 @@ def checkpoint_activations(root: nn.Module, paths: Sequence[str]) -> nn.Module:
     """Recompute each listed submodule's forward in backward instead of storing its activations.
 
     Uses torch's composable, non-reentrant ``checkpoint`` (forward pre/post hooks: module tree
-    and parameter names unchanged, RNG state replayed so dropout masks match). Applying it twice
+    and parameter names unchanged; the default generators and the model-parallel RNG tracker's
+    regions replayed, so dropout masks match). Applying it twice
     to one module raises torch's error. Returns ``root``.
     """
     for path in paths:
-        compat.checkpoint_module(root.get_submodule(path))
+        compat.checkpoint_module(root.get_submodule(path), context_fn=checkpoint_rng_contexts)
+    return root
+
+
+def install_parallel_dropout(
+    root: nn.Module, regions: Sequence[tuple[str, str]], dims: ParallelDims
+) -> nn.Module:
+    """Replace each listed ``nn.Dropout`` of ``root`` by a
+    :class:`~lightning_mmpar.parallel.random.ParallelDropout` (same ``p``, mode) drawing in the
+    given region with ``dims``' coordinates, and seeds the regions afresh from
+    ``torch.initial_seed()`` unless they were seeded explicitly (collective over the tp group
+    when it installs any); returns ``root``.
+
+    Raises ``ValueError`` when a path is not an ``nn.Dropout`` or a region is unknown.
+    """
+    for path, region in regions:
+        old = root.get_submodule(path)
+        if not isinstance(old, nn.Dropout):
+            raise ValueError(
+                f"dropout_regions: {path} is a {type(old).__name__}, not an nn.Dropout; list "
+                "only dropout modules."
+            )
+        parent, _, name = path.rpartition(".")
+        new = ParallelDropout.from_dropout(old, region=region, dims=dims)
+        root.get_submodule(parent).register_module(name, new)
+    if regions:
+        seed_regions(dims)
     return root
 
 
 def apply_plan(
-    module: nn.Module, plan: ParallelPlan, meshes: Mapping[str, DeviceMesh]
+    module: nn.Module,
+    plan: ParallelPlan,
+    meshes: Mapping[str, DeviceMesh],
+    dims: ParallelDims | None = None,
 ) -> nn.Module:
-    """Apply ``plan`` to ``module`` in place: TP styles on ``meshes`` (none given: no TP), then
-    activation checkpointing. FSDP is the strategy's, after the pipeline split. Returns
-    ``module``."""
+    """Apply ``plan`` to ``module`` in place: parallel dropout (when ``dims`` spans more than
+    one process), TP styles on ``meshes`` (none given: no TP), then activation checkpointing.
+    FSDP is the strategy's, after the pipeline split. Returns ``module``."""
+    if dims is not None and dims.world_size > 1:
+        install_parallel_dropout(module, plan.dropout_regions, dims)
     if meshes:
         apply_styles(module, plan.tensor_parallel, meshes)
     return checkpoint_activations(module, plan.activation_checkpointing)

@@ -7,6 +7,7 @@ parallel plan (:mod:`lightning_mmpar.plans.fusion`) and is re-exported here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from lightning_mmpar.losses.mml import MMLConfig
 from lightning_mmpar.plans.fusion import TensorParallelOptions
@@ -43,11 +44,23 @@ class LossConfig:
     """Multiplier of the caption (LM) cross-entropy."""
     mml: MMLConfig = field(default_factory=MMLConfig)
     """Momentum-distillation term: ``weight`` and EMA ``momentum`` of the momentum heads."""
+    negatives: Literal["global_batch", "micro_batch"] = "global_batch"
+    """Negatives of the contrastive and MML terms. ``global_batch``: the whole global batch
+    (every dp rank and micro-batch), the loss of one process in every layout; under pipeline
+    parallelism this costs one extra forward-only pass per step (the gradient cache, Gao et al.
+    2021). ``micro_batch``: each pipeline micro-batch (dp-gathered) on its own, no extra
+    forward, a different (weaker) loss when ``micro_batches > 1``. Same at pp 1."""
 
     def __post_init__(self) -> None:
         for name in ("contrastive_weight", "caption_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be >= 0; 0 disables it.")
+        if self.negatives not in ("global_batch", "micro_batch"):
+            raise ValueError(
+                f"negatives ({self.negatives!r}) must be 'global_batch' (the whole batch, one "
+                "extra forward under pipeline parallelism) or 'micro_batch' (cheaper, per "
+                "micro-batch)."
+            )
 
 
 @dataclass(kw_only=True)

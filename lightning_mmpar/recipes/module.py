@@ -5,14 +5,17 @@ Loss (TECHNIQUES 1.5, 4)::
     L = w_c * InfoNCE(u, v; dp group) + w_cap * CE_vocab-parallel(caption) + MML(u, v; EMA heads)
 
 with ``u`` the image features and ``v`` the text-only features
-(:mod:`lightning_mmpar.models.blocks`). The module is a
-:class:`~lightning_mmpar.parallel.pipeline.PipelineModule` over the model's own pipeline blocks:
-under ``mm_parallel`` the strategy runs them through the pipeline (any pp) and calls
-:meth:`ClipLlamaModule.pipeline_loss` on the last stage, where every term and metric is
-computed; other strategies (DeepSpeed, DDP, one device) run :meth:`training_step`, which chains
-the same blocks, as does ``FusionModel.forward``. After each optimizer step (not each
-accumulated batch) the rank holding the head clamps the logit scale parameter to ``[0, ln 100]``
-and takes one EMA step (CLIP / open_clip, ALBEF); AdamW decays weights by role.
+(:mod:`lightning_mmpar.models.blocks`), assembled layout-independently by
+:class:`~lightning_mmpar.recipes.losses.RecipeLoss` (caption: global token mean; negatives: the
+whole global batch). The module is a :class:`~lightning_mmpar.parallel.pipeline.PipelineModule`
+over the model's own pipeline blocks and a
+:class:`~lightning_mmpar.parallel.gradient_cache.BatchLossModule`: under ``mm_parallel`` the
+strategy runs the blocks through the pipeline (any pp, the gradient cache for whole-batch
+negatives) and computes every term and metric on the last stage; other strategies (DeepSpeed,
+DDP, one device) run :meth:`training_step`, which chains the same blocks, as does
+``FusionModel.forward``. After each optimizer step (not each accumulated batch) the rank holding
+the head clamps the logit scale parameter to ``[0, ln 100]`` and takes one EMA step (CLIP /
+open_clip, ALBEF); AdamW decays weights by role.
 """
 
 from __future__ import annotations
@@ -23,11 +26,7 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
-from lightning_mmpar.losses.caption import caption_loss
-from lightning_mmpar.losses.contrastive import ContrastiveLoss
-from lightning_mmpar.losses.mml import MMLLoss
 from lightning_mmpar.models.blocks import Head
 from lightning_mmpar.models.fusion import (
     FusionConfig,
@@ -36,7 +35,6 @@ from lightning_mmpar.models.fusion import (
     freeze_for_finetuning,
     weight_decay_split,
 )
-from lightning_mmpar.parallel import comm
 from lightning_mmpar.plans.fusion import parallelize_fusion
 from lightning_mmpar.recipes import parallel_env as penv
 from lightning_mmpar.recipes.config import (
@@ -45,14 +43,13 @@ from lightning_mmpar.recipes.config import (
     OptimConfig,
     TensorParallelOptions,
 )
-from lightning_mmpar.recipes.evaluation import RecipeMetrics, digit_token_classes, named_digit
-from lightning_mmpar.recipes.generation import greedy_decode, next_tokens
+from lightning_mmpar.recipes.evaluation import RecipeMetrics, digit_token_classes
+from lightning_mmpar.recipes.generation import CaptionGeneration, next_tokens
+from lightning_mmpar.recipes.losses import TERMS, RecipeLoss
 from lightning_mmpar.topology import ParallelDims
 
 __all__ = ["TERMS", "ClipLlamaModule"]
 
-TERMS: tuple[str, ...] = ("contrastive", "caption", "mml")
-"""Loss terms logged as ``train/<term>`` and ``val/<term>``."""
 EVAL_METRICS: tuple[str, ...] = (
     "zero_shot_acc",
     "i2t_recall@1",
@@ -64,7 +61,7 @@ EVAL_METRICS: tuple[str, ...] = (
 """Evaluation metrics logged as ``val/<name>`` and ``test/<name>``."""
 
 
-class ClipLlamaModule(LightningModule):
+class ClipLlamaModule(CaptionGeneration, LightningModule):
     """The fusion model trained with contrastive + caption + MML losses.
 
     Args:
@@ -97,9 +94,8 @@ class ClipLlamaModule(LightningModule):
         self.vocab_size = vocab_size
         self.blocks: nn.ModuleList | None = None
         self._fusion: tuple[FusionModel, ...] = ()  # a tuple: the blocks hold the parameters
-        self._terms = torch.zeros(len(TERMS) + 1)
         self._metrics: RecipeMetrics | None = None
-        self._losses: tuple[ContrastiveLoss, MMLLoss] | None = None
+        self._loss: RecipeLoss | None = None
         self._prompts: dict[str, Tensor] = {}
         self._digit_classes = torch.zeros(0, dtype=torch.long)
         self._tokenizer: Any = None
@@ -159,10 +155,7 @@ class ClipLlamaModule(LightningModule):
     def setup(self, stage: str) -> None:
         """Losses and metrics on the dp group; prompts, tokenizer and digit tokens from data."""
         group = penv.dp_group(self._trainer)
-        self._losses = (
-            ContrastiveLoss(group=group),
-            MMLLoss(config=self.loss_config.mml, group=group),
-        )
+        self._loss = RecipeLoss(self.loss_config, group)
         self._metrics = RecipeMetrics(group)
         data = getattr(self._trainer, "datamodule", None)
         if data is not None and hasattr(data, "class_prompts"):
@@ -184,44 +177,55 @@ class ClipLlamaModule(LightningModule):
 
     def pipeline_inputs(self, batch: dict[str, Tensor]) -> tuple[tuple[Tensor, ...], Tensor]:
         """The model's block-0 inputs (with the data's class prompts) and
-        ``[target_ids | label]``."""
+        ``[target_ids | label]``; the caption loss learns the batch's token count here (every
+        path splits the full local batch through this method)."""
         ids = batch["input_ids"]
         prompts = {k: v.to(ids.device) for k, v in self._prompts.items()}
         inputs = FusionModel.pipeline_inputs(
-            batch["images"],
-            ids,
-            batch["attention_mask"],
-            prompts.get("input_ids"),
-            prompts.get("attention_mask"),
-        )
+            batch["images"], ids, batch["attention_mask"],
+            prompts.get("input_ids"), prompts.get("attention_mask"),
+        )  # fmt: skip
+        if self._loss is not None:
+            self._loss.start_batch(batch["target_ids"])
         b = ids.shape[0]
         labels = batch.get("labels", torch.full((b,), -1, dtype=torch.long, device=ids.device))
         return inputs, torch.cat([batch["target_ids"], labels[:, None]], dim=1)
 
     def pipeline_loss(self, output: tuple[Tensor, ...], target: Tensor) -> Tensor:
-        """Weighted sum of the three terms on one (micro-)batch; metrics in eval mode."""
-        assert self._losses is not None, "setup() builds the losses"
+        """All three terms of one (micro-)batch; metrics in eval mode."""
+        micro = self.pipeline_micro_loss(output, target)
+        if self._decode_position is not None:
+            return micro
+        return micro + self.pipeline_batch_loss(self.pipeline_features(output, target))
+
+    # ------------------------------------------------------------------ BatchLossModule
+    def pipeline_batch_coupled(self) -> bool:
+        """Contrastive / MML negatives over the whole batch (``loss.negatives``), not while
+        decoding."""
+        return self.loss_config.negatives == "global_batch" and self._decode_position is None
+
+    def pipeline_micro_loss(self, output: tuple[Tensor, ...], target: Tensor) -> Tensor:
+        """Weighted caption term of one (micro-)batch (its share of the global token mean),
+        metrics in eval mode; the next tokens while decoding."""
+        assert self._loss is not None, "setup() builds the losses"
         out = FusionOutput(*output)
         if self._decode_position is not None:  # greedy decoding through the pipeline
             self._decoded.append(next_tokens(out.logits, self._decode_position, self.vocab_size))
             return torch.zeros((), device=out.image_features.device)
         target_ids, labels = target[:, :-1], target[:, -1]
-        contrastive_fn, mml_fn = self._losses
-        scale = out.logit_scale[0]
-        cap = caption_loss(out.logits, target_ids, loss_parallel=isinstance(out.logits, DTensor))
-        cap = comm.to_local(cap)
-        con = contrastive_fn(out.image_features, out.text_features, scale)
-        mml = mml_fn(
-            out.image_features, out.text_features, out.momentum_image, out.momentum_text, scale
-        )
-        assert isinstance(con, Tensor) and isinstance(mml, Tensor)
-        lc = self.loss_config
-        total = lc.contrastive_weight * con + lc.caption_weight * cap + mml
-        terms = torch.stack([con.detach(), cap.detach(), mml.detach()]).float().cpu()
-        self._terms += torch.cat([terms, torch.ones(1)])
+        cap = self._loss.caption(out.logits, target_ids)
         if not self.training and self._metrics is not None and self._prompts:
             self._metrics.update(out, target_ids, labels, self._digit_classes)
-        return total
+        return self.loss_config.caption_weight * cap
+
+    def pipeline_features(self, output: tuple[Tensor, ...], target: Tensor) -> tuple[Tensor, ...]:
+        """Image, text and momentum features and the logit scale of one (micro-)batch."""
+        return RecipeLoss.features(FusionOutput(*output))
+
+    def pipeline_batch_loss(self, features: tuple[Tensor, ...]) -> Tensor:
+        """``w_c * InfoNCE + MML`` of a batch's features (dp-gathered negatives)."""
+        assert self._loss is not None, "setup() builds the losses"
+        return self._loss.coupled(features)
 
     def forward(self, batch: dict[str, Tensor]) -> FusionOutput:
         """All blocks in order (needs every block on this rank: pipeline_parallel 1)."""
@@ -254,7 +258,17 @@ class ClipLlamaModule(LightningModule):
 
     # ------------------------------------------------------------------ hooks
     def on_train_start(self) -> None:
-        self._stepped_at = self.trainer.global_step  # restored on resume
+        """A checkpoint written in a callback's ``on_train_batch_end`` (``ModelCheckpoint``)
+        precedes this module's hook: that step's clamp and EMA step are still due, do them now."""
+        if self._stepped_at != self.trainer.global_step and self.head is not None:
+            self.head.after_optimizer_step()
+        self._stepped_at = self.trainer.global_step
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["recipe_stepped_at"] = self._stepped_at
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._stepped_at = int(checkpoint.get("recipe_stepped_at", checkpoint["global_step"]))
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         """After a batch that ended with an optimizer step (``global_step`` moved: once per
@@ -274,7 +288,8 @@ class ClipLlamaModule(LightningModule):
         self._start_eval()
 
     def _start_eval(self) -> None:
-        self._terms.zero_()
+        if self._loss is not None:
+            self._loss.terms.zero_()
         if self._metrics is not None:
             self._metrics.reset()
 
@@ -285,16 +300,11 @@ class ClipLlamaModule(LightningModule):
         self._log_eval("test")
 
     def _log_terms(self, prefix: str) -> None:
-        sums = penv.from_last_stage(self.trainer, self._terms.clone(), self.head is not None)
-        sums = penv.dp_sum(self.trainer, sums)
-        self._terms.zero_()
-        for i, name in enumerate(TERMS):
-            self.log(
-                f"{prefix}/{name}",
-                sums[i] / sums[-1].clamp(min=1),
-                batch_size=1,
-                prog_bar=prefix == "train" and name != "mml",
-            )
+        assert self._loss is not None, "setup() builds the losses"
+        values = self._loss.pop_terms(self.trainer, self.head is not None)
+        for name, value in values.items():
+            bar = prefix == "train" and name != "mml"
+            self.log(f"{prefix}/{name}", value, batch_size=1, prog_bar=bar)
 
     def _log_eval(self, prefix: str) -> None:
         self._log_terms(prefix)
@@ -307,74 +317,6 @@ class ClipLlamaModule(LightningModule):
         values = penv.from_last_stage(self.trainer, values, self.head is not None)
         for name, value in zip(EVAL_METRICS, values, strict=True):
             self.log(f"{prefix}/{name}", value, batch_size=1, prog_bar=name == "zero_shot_acc")
-
-    # ------------------------------------------------------------------ generation
-    @torch.no_grad()
-    def generate(self, images: Tensor, max_length: int) -> Tensor:
-        """Greedy captions ``[B, max_length]`` from ``<bos>`` (pipeline_parallel 1 only)."""
-        ids = torch.zeros(images.shape[0], max_length, dtype=torch.long, device=images.device)
-        return self._greedy({"images": images, "input_ids": ids})
-
-    def _greedy(self, batch: dict[str, Tensor]) -> Tensor:
-        """Greedy captions of ``batch``'s images (its ``input_ids`` give the shape), through the
-        pipeline when the strategy runs one (batch size divisible by its micro-batches)."""
-        tok = self._tokenizer
-        bos, eos, pad = (tok.bos_id, tok.eos_id, tok.pad_id) if tok else (1, 2, 0)
-        pipelined = penv.pipeline_parallel(self._trainer) > 1
-        step = self._pipelined_next_token if pipelined else self._local_next_token
-        return greedy_decode(step, batch, bos=bos, eos=eos, pad=pad)
-
-    def _local_next_token(self, step: dict[str, Tensor], position: int) -> Tensor:
-        inputs = FusionModel.pipeline_inputs(
-            step["images"], step["input_ids"], step["attention_mask"]
-        )
-        return next_tokens(self._run(inputs).logits, position, self.vocab_size)
-
-    def _pipelined_next_token(self, step: dict[str, Tensor], position: int) -> Tensor:
-        """One forward-only schedule; the last stage picks the tokens (:meth:`pipeline_loss`
-        in decode mode) and broadcasts them to its pipeline peers."""
-        pipeline = self.trainer.strategy.pipeline  # type: ignore[attr-defined]
-        self._decode_position, self._decoded = position, []
-        try:
-            pipeline.eval_step(step)
-        finally:
-            self._decode_position = None
-        owner = self.head is not None
-        b = step["input_ids"].shape[0]
-        nxt = torch.cat(self._decoded) if owner else torch.zeros(b, dtype=torch.long)
-        return penv.from_last_stage(self.trainer, nxt, owner)
-
-    def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> list[dict[str, Any]]:
-        """Greedy captions of a batch of images, with the digit each names."""
-        ids = self.generate(batch["images"], batch["input_ids"].shape[1])
-        labels = batch.get("labels")
-        rows = []
-        for i, row in enumerate(ids.tolist()):
-            caption = self._tokenizer.decode(row) if self._tokenizer else str(row)
-            item: dict[str, Any] = {
-                "caption": caption,
-                "digit": named_digit(row, self._digit_classes),
-            }
-            if labels is not None:
-                item["label"] = int(labels[i])
-            rows.append(item)
-        return rows
-
-    @torch.no_grad()
-    def generate_accuracy(self, dataloader: Any) -> float | None:
-        """Fraction of images whose greedy caption names their digit first (dp-summed)."""
-        if self._tokenizer is None:
-            return None
-        was_training = self.training
-        self.eval()
-        hits = torch.zeros(2)
-        for batch in dataloader:
-            ids = self._greedy({k: v.to(self.device) for k, v in batch.items()})
-            named = torch.tensor([named_digit(r, self._digit_classes) for r in ids.tolist()])
-            hits += torch.tensor([float((named == batch["labels"]).sum()), float(len(named))])
-        self.train(was_training)
-        hits = penv.dp_sum(self._trainer, hits)
-        return float(hits[0] / hits[1].clamp(min=1))
 
     # ------------------------------------------------------------------ optimizer
     def configure_optimizers(self) -> Any:

@@ -21,7 +21,6 @@ from typing import Any
 
 import pytest
 import torch
-from torch import Tensor
 
 from lightning_mmpar.models.fusion import weight_decay_split
 from lightning_mmpar.testing import spawn
@@ -30,19 +29,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 import recipe_faults_worker as rw
 
 RTOL = 1e-5
-
-
-def worst_gradient(got: dict[str, Tensor], want: dict[str, Tensor]) -> tuple[str, float]:
-    """The parameter with the largest ``|a - b| / |b|`` (Frobenius norms) and that ratio.
-
-    ``|b|`` is floored at 1e-6 of the largest gradient norm: gradients that are zero in exact
-    arithmetic (a key bias under softmax: ~1e-13 here) are summation-order noise, not a
-    signal.
-    """
-    floor = 1e-6 * max(float(g.norm()) for g in want.values())
-    ratios = {n: float((got[n] - b).norm()) / max(float(b.norm()), floor) for n, b in want.items()}
-    name = max(ratios, key=ratios.__getitem__)
-    return name, ratios[name]
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +56,7 @@ def test_two_rank_world_sequence_parallel_and_pipeline_ownership(data: Any) -> N
         for step, (a, b) in enumerate(zip(got["losses"], ref.losses, strict=True)):
             assert abs(a - b) <= RTOL * abs(b), (r["rank"], step, a, b)
         assert got["grads"].keys() == ref.grads.keys() and len(ref.grads) > 50
-        name, ratio = worst_gradient(got["grads"], ref.grads)
+        name, ratio = rw.worst_gradient(got["grads"], ref.grads)
         assert ratio <= RTOL, (r["rank"], name, ratio)
     # items 4 and 11 under pp 2: only the last stage holds the head; it clamped the scale
     # (initialised at 200) to the cap and took one EMA step per optimizer step (2, not 4)

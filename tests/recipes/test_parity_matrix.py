@@ -1,0 +1,108 @@
+"""Parity matrix of the product's own model (issue 9): every layout we ship equals one process.
+
+The recipe module (CLIP-ViT + adapter + LLaMA fusion, contrastive + caption + MML with the CPU
+YAML's weights) trains 5 AdamW steps on the same global batches in each layout of
+:data:`parity_matrix_worker.LAYOUTS` and on one process (no strategy, no process group). For
+every layout: each step's logged loss and the first-step gradient of every parameter
+(union over pipeline stages, full tensors over TP and FSDP shards) within a relative 1e-5 of
+one process. Gradient clipping (global norm 0.05, below the gradient norm) and gradient
+accumulation (2 batches per step) each run in one layout against a one-process run with the
+same option. Layouts are grouped into one spawned world per size (2, 4 and 8 processes),
+which then trains the shipped YAMLs of that size for 3 steps (:mod:`yaml_runs_worker`).
+
+Run with ``-s`` to print the measured worst differences (docs/strategy.md reports them).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+import parity_matrix_worker as pm
+import recipe_faults_worker as rw
+import yaml
+import yaml_runs_worker as yw
+
+from lightning_mmpar.testing import spawn
+
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[tuple[int, float | None], rw.Recorder]:
+    """One-process runs, one per (accumulate, clip) option the layouts use."""
+    digits = rw.digits()
+    refs = {}
+    for accumulate, clip in sorted({x.reference for x in pm.LAYOUTS}, key=str):
+        module = rw.tiny_module(digits.vocab_size)
+        data = rw.batches(digits, pm.STEPS * accumulate)
+        refs[accumulate, clip] = rw.fit(module, data, accumulate=accumulate, clip=clip)
+    return refs
+
+
+def _check_yaml_runs(world_size: int, results: list[dict[str, Any]]) -> None:
+    names = [n for n, spec in yw.RUNS.items() if spec["world"] == world_size]
+    for name in names:
+        for result in results:
+            summary = result["yaml"][name]["summary"]
+            assert summary["steps"] == yw.STEPS, (name, summary)
+            rows = summary["history"]["train"]
+            assert rows and all(math.isfinite(r["train_loss"]) for r in rows), (name, rows)
+            args = yw.overrides(name, Path())["trainer"]["strategy"]["init_args"]
+            layout = summary["layout"]
+            tp, pp = args.get("tensor_parallel", 1), args.get("pipeline_parallel", 1)
+            assert (layout["tp"], layout["pp"], layout["dp"]) == (tp, pp, world_size // (tp * pp))
+            assert layout["virtual"] == args.get("virtual_pipeline", 1), (name, layout)
+            shipped = yaml.safe_load((yw.RECIPES / f"{name}.yaml").read_text())["trainer"]
+            assert result["yaml"][name]["precision"] == shipped.get("precision", "32-true")
+        print(f"yaml | {name} | {summary['layout']} | 3 steps, finite losses")
+
+
+def _check_world(world_size: int, refs: dict[tuple[int, float | None], Any], root: Path) -> None:
+    results = spawn(pm.world, world_size, str(root), timeout=900)
+    _check_yaml_runs(world_size, results)
+    results = [r["parity"] for r in results]
+    layouts = [x for x in pm.LAYOUTS if x.world == world_size]
+    assert layouts
+    failures = []
+    for layout in layouts:
+        ref = refs[layout.reference]
+        grads: dict[str, Any] = {}
+        loss_diff = 0.0
+        for result in results:
+            got = result[layout.name]
+            assert len(got["losses"]) == len(ref.losses), layout.name
+            for a, b in zip(got["losses"], ref.losses, strict=True):
+                loss_diff = max(loss_diff, abs(a - b) / abs(b))
+            grads.update(got["grads"])
+        assert grads.keys() == ref.grads.keys(), (layout.name, grads.keys() ^ ref.grads.keys())
+        name, ratio = rw.worst_gradient(grads, ref.grads)
+        print(f"parity | {layout.name} | loss {loss_diff:.1e} | gradient {ratio:.1e} ({name})")
+        if loss_diff > RTOL or ratio > RTOL:
+            failures.append((layout.name, loss_diff, name, ratio))
+    assert not failures, failures
+
+
+def test_references_differ_by_option(references: dict[tuple[int, float | None], Any]) -> None:
+    """Clipping and accumulation change the run (so the layouts using them test something)."""
+    base = references[1, None]
+    for key, rec in references.items():
+        if key != (1, None):
+            assert rec.losses[1:] != pytest.approx(base.losses[1:], rel=1e-4), key
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_layouts_match_one_process(world_size: int, references: Any, tmp_path: Path) -> None:
+    _check_world(world_size, references, tmp_path)
+
+
+@pytest.mark.distributed
+def test_one_process_yaml(tmp_path: Path) -> None:
+    """``clip_llama_1gpu.yaml`` (one process, ``data_parallel: none``) through the CLI."""
+    _check_yaml_runs(1, spawn(yw.world, 1, str(tmp_path), timeout=900))

@@ -1,0 +1,112 @@
+"""Each shipped recipe YAML trained for 3 steps on CPU (issue 9), its model shrunk in width.
+
+The GPU YAMLs keep their depth (so their virtual stages still have blocks to hold), their
+schedule, micro-batches, sequence parallelism, data-parallel engine and precision; widths,
+image size and batch shrink to CPU size, and the layout is scaled to at most 8 processes:
+
+* ``clip_llama_cpu``: its own layout, tp 2 x pp 2 (4 processes), as shipped;
+* ``clip_llama_1gpu``: its own layout, one process (``data_parallel: none``);
+* ``clip_llama_8gpu``: its own layout, tp 4 x pp 2 (8 processes);
+* ``clip_llama_16gpu``: tp 4 x pp 2 x dp 2 on 16 GPUs -> tp 2 x pp 2 x dp 2 on 8 processes
+  (FSDP2 over dp 2, sequence parallel, interleaved 1F1B with 8 virtual stages per rank).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+STEPS = 3
+
+
+def _tiny_model(heads: int) -> dict[str, Any]:
+    return {
+        "fusion": {
+            "vision": {"image_size": 16, "patch_size": 8, "width": 32, "heads": heads,
+                       "output_dim": 16},
+            "language": {"hidden_size": 32, "intermediate_size": 64,
+                         "num_attention_heads": heads, "num_key_value_heads": heads},
+            "adapter": {"heads": heads, "width": 32, "ffn_width": 64},
+            "contrastive_dim": 16,
+        }
+    }  # fmt: skip
+
+
+RUNS: dict[str, dict[str, Any]] = {
+    "clip_llama_cpu": {"world": 4, "strategy": {}, "model": {}, "data": {}},
+    "clip_llama_1gpu": {
+        "world": 1,
+        "strategy": {},
+        "model": _tiny_model(4),
+        "data": {"image_size": 16, "batch_size": 8},
+    },
+    "clip_llama_8gpu": {
+        "world": 8,
+        "strategy": {},
+        "model": _tiny_model(4),
+        "data": {"image_size": 16, "batch_size": 8},
+    },
+    "clip_llama_16gpu": {
+        "world": 8,
+        "strategy": {"tensor_parallel": 2},
+        "model": _tiny_model(4),
+        "data": {"image_size": 16, "batch_size": 16},
+    },
+}
+"""Per YAML: the processes it runs on and the overrides of its strategy, model and data."""
+
+
+def overrides(name: str, root: Path) -> dict[str, Any]:
+    """The override YAML of one run (CPU, 3 steps, no validation, the run summary kept)."""
+    run = RUNS[name]
+    shipped = yaml.safe_load((RECIPES / f"{name}.yaml").read_text())
+    strategy = shipped["trainer"]["strategy"]
+    strategy["init_args"].update(run["strategy"])
+    return {
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": run["world"],
+            "num_nodes": 1,
+            "max_steps": STEPS,
+            "limit_val_batches": 0,
+            "logger": False,
+            "enable_progress_bar": False,
+            "default_root_dir": str(root),
+            "strategy": strategy,
+            "callbacks": [
+                {
+                    "class_path": "lightning_mmpar.recipes.summary.RunSummary",
+                    "init_args": {"plots": False},
+                }
+            ],
+        },
+        "model": run["model"],
+        "data": run["data"],
+    }
+
+
+def run(name: str, root: Path) -> dict[str, Any]:
+    """Fit ``name`` in this process (every rank of the world calls it) and return
+    ``{"summary": summary.json, "precision": trainer precision}``."""
+    from lightning_mmpar.recipes.cli import run_cli
+
+    root.mkdir(parents=True, exist_ok=True)
+    extra = root / "overrides.yaml"
+    extra.write_text(yaml.safe_dump(overrides(name, root)))
+    cli = run_cli(["fit", "--config", str(RECIPES / f"{name}.yaml"), "--config", str(extra)])
+    cli.trainer.strategy.barrier()
+    summary = json.loads((root / "summary.json").read_text())
+    return {"summary": summary, "precision": cli.trainer.precision}
+
+
+def world(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Every YAML run of this world size."""
+    return {
+        name: run(name, Path(root) / name)
+        for name, spec in RUNS.items()
+        if spec["world"] == world_size
+    }
