@@ -55,7 +55,12 @@ class PipelineModule(Protocol):
 
 
 class PipelineChunk(nn.Module):
-    """Consecutive blocks run as one stage: ``y = b_k(...b_1(*x))``, tuples unpacked."""
+    """Consecutive blocks run as one stage: ``y = b_k(...b_1(*x))``, tuples unpacked.
+
+    Outputs are made contiguous: they are a stage's send buffers and the templates of the next
+    stage's receive buffers, and point-to-point ops refuse non-contiguous tensors (a block may
+    return a view, e.g. rows broadcast with ``expand``).
+    """
 
     def __init__(self, blocks: Sequence[nn.Module]) -> None:
         super().__init__()
@@ -65,6 +70,7 @@ class PipelineChunk(nn.Module):
         for block in self.blocks:
             out = block(*args)
             args = out if isinstance(out, tuple) else (out,)
+        args = tuple(t.contiguous() for t in args)
         return args[0] if len(args) == 1 else args
 
 

@@ -9,6 +9,7 @@ accuracy over the validation set is measured first (a collective over all ranks)
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from pathlib import Path
@@ -29,11 +30,25 @@ class RunSummary(Callback):
     Args:
         filename: name of the JSON file written next to the logs.
         plots: draw ``loss.png`` and ``accuracy.png`` (matplotlib).
+        caption_batches: validation batches the greedy caption accuracy is measured on (``None``:
+            all; ``0``: not measured). Greedy decoding runs one forward per token, through the
+            pipeline schedule under pipeline parallelism: the slowest part of a short run.
+
+    Raises:
+        ValueError: ``caption_batches`` negative.
     """
 
-    def __init__(self, filename: str = "summary.json", plots: bool = True) -> None:
+    def __init__(
+        self, filename: str = "summary.json", plots: bool = True, caption_batches: int | None = None
+    ) -> None:
+        if caption_batches is not None and caption_batches < 0:
+            raise ValueError(
+                f"caption_batches ({caption_batches}) must be >= 0 or None (every validation "
+                "batch); use 0 to skip the greedy caption accuracy."
+            )
         self.filename = filename
         self.plots = plots
+        self.caption_batches = caption_batches
         self.train: list[dict[str, float]] = []
         self.val: list[dict[str, float]] = []
         self._start = 0.0
@@ -72,8 +87,11 @@ class RunSummary(Callback):
         caption = None
         measure = getattr(pl_module, "generate_accuracy", None)
         data = getattr(trainer, "datamodule", None)
-        if measure is not None and data is not None:
-            caption = measure(data.val_dataloader())
+        if measure is not None and data is not None and self.caption_batches != 0:
+            batches: Any = data.val_dataloader()
+            if self.caption_batches is not None:
+                batches = itertools.islice(batches, self.caption_batches)
+            caption = measure(batches)
         last_val = self.val[-1] if self.val else {}
         ckpt = getattr(trainer.checkpoint_callback, "last_model_path", "") or None
         self.summary = {

@@ -105,4 +105,5 @@ def test_layouts_match_one_process(world_size: int, references: Any, tmp_path: P
 @pytest.mark.distributed
 def test_one_process_yaml(tmp_path: Path) -> None:
     """``clip_llama_1gpu.yaml`` (one process, ``data_parallel: none``) through the CLI."""
-    _check_yaml_runs(1, spawn(yw.world, 1, str(tmp_path), timeout=900))
+    results = spawn(yw.world, 1, str(tmp_path), timeout=900)
+    _check_yaml_runs(1, [{"yaml": r} for r in results])
