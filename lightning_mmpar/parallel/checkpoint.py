@@ -2,7 +2,7 @@
 
 A checkpoint is a directory: DCP shards of the model and optimizer state, keyed by the
 parameters' fully qualified names (pipeline stages keep their original names), plus
-``meta.pt`` with Lightning's loop and callback state (rank 0's) and ``ranks/rank_<r>.pt`` with
+``meta.pt`` with Lightning's loop and callback state (rank 0's) and ``ranks/rank_<r:05d>.pt`` with
 each rank's own callback and loop state and its layout (:func:`restore_rank_state`). Because DCP
 reshards on load, a checkpoint saved in one layout (tp2 pp2) loads into another (tp1 pp1) and
 back.

@@ -35,15 +35,17 @@ class RunSummary(Callback):
             pipeline schedule under pipeline parallelism: the slowest part of a short run.
 
     Raises:
-        ValueError: ``caption_batches`` negative.
+        ValueError: ``caption_batches`` not None and not an int >= 0.
     """
 
     def __init__(
         self, filename: str = "summary.json", plots: bool = True, caption_batches: int | None = None
     ) -> None:
-        if caption_batches is not None and caption_batches < 0:
+        valid = isinstance(caption_batches, int) and not isinstance(caption_batches, bool)
+        if caption_batches is not None and (not valid or caption_batches < 0):
             raise ValueError(
-                f"caption_batches ({caption_batches}) must be >= 0 or None (every validation "
+                f"caption_batches ({caption_batches!r}) must be an int >= 0 or None (every "
+                "validation "
                 "batch); use 0 to skip the greedy caption accuracy."
             )
         self.filename = filename
