@@ -3,6 +3,7 @@
 Process start-up costs seconds on small machines, so callers run many checks in one world:
 ``spawn(fn, 8, ...)`` calls ``fn(rank, world_size, *args)`` in 8 fresh processes with the
 default process group initialised, and returns every rank's return value.
+:func:`quiet_trainer` is the CPU ``Trainer`` of such checks.
 """
 
 from __future__ import annotations
@@ -112,3 +113,20 @@ def _spawn_once(
     if errors:
         raise RuntimeError("a rank failed\n" + "\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def quiet_trainer(**kwargs: Any) -> Any:
+    """A CPU ``lightning.pytorch.Trainer`` for tests and benchmarks: no logger, progress bar,
+    model summary, sanity validation or checkpointing unless ``kwargs`` say otherwise (any
+    ``Trainer`` argument overrides these defaults)."""
+    from lightning.pytorch import Trainer
+
+    defaults: dict[str, Any] = {
+        "accelerator": "cpu",
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+    }
+    return Trainer(**{**defaults, **kwargs})

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from lightning_mmpar import MultimodalParallelStrategy
 from lightning_mmpar.callbacks import FP8FallbackCallback, GradientDriftMonitor
 from lightning_mmpar.data.digits import DigitsCaptions
+from lightning_mmpar.testing import quiet_trainer
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "recipes"))
 import recipe_faults_worker as rw
@@ -115,18 +116,13 @@ def train(
         callbacks.append(FP8FallbackCallback())
     if save:
         callbacks.append(ModelCheckpoint(dirpath=root, filename="mid", every_n_train_steps=SAVE_AT))
-    trainer = Trainer(
+    trainer = quiet_trainer(
         strategy=MultimodalParallelStrategy(**layout) if layout else "auto",
-        accelerator="cpu",
         devices=devices,
         max_steps=steps,
         limit_train_batches=EPOCH,
         limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
         enable_checkpointing=save,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=root,
         callbacks=callbacks,
     )

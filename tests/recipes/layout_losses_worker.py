@@ -12,11 +12,11 @@ from typing import Any
 
 import recipe_faults_worker as rw
 import torch
-from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader
 
 from lightning_mmpar import MultimodalParallelStrategy
 from lightning_mmpar.recipes.losses import TERMS
+from lightning_mmpar.testing import quiet_trainer
 
 STEPS = 2
 ROWS = rw.BATCH
@@ -85,17 +85,11 @@ def run(
     """Fit ``STEPS`` steps (then validate one batch) and return what was logged."""
     train, valid = data_of(rank, dp)
     recorder = rw.Recorder()
-    trainer = Trainer(
+    trainer = quiet_trainer(
         strategy=strategy,
-        accelerator="cpu",
         devices=devices,
         max_epochs=1,
         use_distributed_sampler=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
         limit_val_batches=1 if val else 0,
         callbacks=[recorder],
     )

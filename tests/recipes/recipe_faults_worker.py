@@ -31,6 +31,7 @@ from lightning_mmpar.recipes.config import (
     TensorParallelOptions,
 )
 from lightning_mmpar.recipes.module import ClipLlamaModule
+from lightning_mmpar.testing import quiet_trainer
 
 BATCH = 8
 TEXT_LENGTH = 12  # divisible by tp 2: sequence parallel shards the text along it
@@ -152,19 +153,13 @@ def fit(
     """Train on ``data`` (one epoch, in order; gradients clipped to a global norm ``clip``)
     and return the recorder."""
     recorder = Recorder()
-    trainer = Trainer(
+    trainer = quiet_trainer(
         strategy=strategy,
-        accelerator="cpu",
         devices=devices,
         max_epochs=1,
         accumulate_grad_batches=accumulate,
         gradient_clip_val=clip,
         use_distributed_sampler=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
         limit_val_batches=0,
         callbacks=[recorder],
     )
