@@ -114,6 +114,36 @@ class ParallelConfig:
             f"{model} processes (devices * num_nodes)."
         )
 
+    def ineffective_options(self) -> list[str]:
+        """Options this layout accepts but never uses, one warning text each (not refused:
+        shipped configurations pass ``schedule="1f1b"`` at ``pipeline_parallel=1``).
+
+        ``expert_parallel > 1`` only shapes the ``ep``/``edp`` mesh groups: the package has no
+        mixture-of-experts layer that uses them. ``micro_batches`` set explicitly, or a
+        ``schedule`` other than the default ``"1f1b"``, at ``pipeline_parallel=1``: the batch
+        runs whole, with no pipeline to schedule (Megatron-LM's ``--num-microbatches`` and
+        pipeline schedules act on pipeline stages only).
+        """
+        notes, ep, pp = [], self.expert_parallel, self.pipeline_parallel
+        if ep > 1:
+            notes.append(
+                f"expert_parallel ({ep}) has no effect: it only shapes the expert mesh groups "
+                "(ep, edp) and no layer uses them (lightning_mmpar has no mixture-of-experts "
+                "layer yet); set expert_parallel=1."
+            )
+        if pp == 1 and self.micro_batches is not None:
+            notes.append(
+                f"micro_batches ({self.micro_batches}) has no effect with pipeline_parallel=1: "
+                "each batch runs whole; set pipeline_parallel >= 2 or leave micro_batches unset "
+                "(Trainer(accumulate_grad_batches=...) accumulates several batches per step)."
+            )
+        if pp == 1 and self.schedule != "1f1b":
+            notes.append(
+                f"schedule ({self.schedule!r}) has no effect with pipeline_parallel=1: there is "
+                "no pipeline to schedule; set pipeline_parallel >= 2 or leave schedule unset."
+            )
+        return notes
+
     @property
     def num_micro_batches(self) -> int:
         """Micro-batches per step (1 without pipeline parallelism)."""
@@ -125,3 +155,26 @@ class ParallelConfig:
     def num_stages(self) -> int:
         """Total pipeline stages: ``pipeline_parallel * virtual_pipeline``."""
         return self.pipeline_parallel * self.virtual_pipeline
+
+
+def check_train_batches(total: int | None, dataloader: object) -> None:
+    """Refuse a fit whose train dataloader yields no batch on any rank.
+
+    ``total`` is ``len(dataloader)`` summed over all ranks (``None`` for an unsized loader, which
+    passes). Lightning only logs ``Trainer.fit stopped: No training batches`` and exits 0 after
+    zero steps, with a summary and metrics as if it had trained.
+
+    Raises:
+        ValueError: ``total == 0``, naming the loader, its dataset size and batch size, and fixes.
+    """
+    if total is None or total > 0:
+        return
+    dataset = getattr(dataloader, "dataset", None)
+    size = len(dataset) if hasattr(dataset, "__len__") else "unknown"  # type: ignore[arg-type]
+    raise ValueError(
+        f"the train dataloader ({type(dataloader).__name__} over {type(dataset).__name__} of "
+        f"{size} samples, batch_size {getattr(dataloader, 'batch_size', None)}, drop_last "
+        f"{getattr(dataloader, 'drop_last', None)}) has 0 batches on every rank, so fit would "
+        "run 0 steps. Check the datamodule's data path and train split, use a batch_size no "
+        "larger than the samples per data-parallel rank, or set drop_last=False."
+    )

@@ -31,13 +31,13 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
-from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.data import extract_batch_size, sized_len
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mmpar.config import DataParallel, ParallelConfig, Schedule
+from lightning_mmpar.config import DataParallel, ParallelConfig, Schedule, check_train_batches
 from lightning_mmpar.parallel import checkpoint as ckpt
 from lightning_mmpar.parallel import comm
 from lightning_mmpar.parallel import data as dpar
@@ -137,12 +137,8 @@ class MultimodalParallelStrategy(ModelParallelStrategy):
 
     def _make_dims(self) -> ParallelDims:
         c = self.config
-        dims = ParallelDims(
-            world_size=self.num_nodes * self.num_processes,
-            tp=c.tensor_parallel,
-            pp=c.pipeline_parallel,
-            ep=c.expert_parallel,
-        )
+        dims = ParallelDims(world_size=self.num_nodes * self.num_processes, tp=c.tensor_parallel,
+                            pp=c.pipeline_parallel, ep=c.expert_parallel)  # fmt: skip
         c.check_world(dims.world_size)
         return dims
 
@@ -165,10 +161,14 @@ class MultimodalParallelStrategy(ModelParallelStrategy):
         With ``seed_everything(..., workers=True)`` Lightning seeds each worker from the global
         rank, so two tensor/pipeline peers of one dp replica would draw different random
         augmentations of the same samples. A ``worker_init_fn`` of the user's own is left alone.
+        A train loader with 0 batches on every rank raises ``ValueError`` (check_train_batches).
         """
         dataloader = super().process_dataloader(dataloader)
         if (trainer := getattr(self.lightning_module, "_trainer", None)) is not None:
             ckpt.set_sampler_epoch(dataloader, trainer.fit_loop.epoch_progress)
+            if trainer.training and (n := sized_len(dataloader)) is not None:
+                total = self.reduce(torch.tensor(n, device=self.root_device), reduce_op="sum")
+                check_train_batches(int(total), dataloader)
         seeded = int(os.environ.get("PL_SEED_WORKERS", 0))
         if seeded and getattr(dataloader, "worker_init_fn", False) is None:
             dp_rank = self.parallel_dims.rank_coords(self.global_rank)["dp"]
@@ -178,6 +178,8 @@ class MultimodalParallelStrategy(ModelParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         self._dims = self._make_dims()  # layout errors surface when the Trainer is built
+        for note in self.config.ineffective_options():  # and options with no effect, as warnings
+            rank_zero_warn(note)
         super()._configure_launcher()
 
     @override
@@ -241,8 +243,7 @@ class MultimodalParallelStrategy(ModelParallelStrategy):
                 f"gradient_clip_val ({trainer.gradient_clip_val}) needs a precision plugin that "
                 f"clips by the global norm; {type(self.precision_plugin).__name__} clips local "
                 "shards only. Use precision='32-true', 'bf16-mixed', '16-mixed', 'bf16-true' or "
-                "'16-true', or "
-                "mix lightning_mmpar.precision.GlobalNormClipping into your plugin."
+                "'16-true', or mix lightning_mmpar.precision.GlobalNormClipping into your plugin."
             )
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:

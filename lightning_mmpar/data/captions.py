@@ -23,7 +23,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchvision import transforms as T
 
 from lightning_mmpar.data.sampler import ResumableRandomSampler
-from lightning_mmpar.data.tokenizer import WordTokenizer
+from lightning_mmpar.data.tokenizer import SPECIAL_TOKENS, WordTokenizer
 
 log = logging.getLogger(__name__)
 OnError = Literal["raise", "skip"]
@@ -31,6 +31,34 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 """Per-channel mean of CLIP's image normalisation (open_clip OPENAI_DATASET_MEAN)."""
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 """Per-channel std of CLIP's image normalisation (open_clip OPENAI_DATASET_STD)."""
+_LIMITS = {
+    "image_size": (1, "the side of the square images, e.g. 224"),
+    "max_length": (2, "the token length T, room for <bos> and <eos>, e.g. 32"),
+    "batch_size": (1, "the per-rank batch size, e.g. 32"),
+    "num_workers": (0, "0 (load in the main process) or a worker count"),
+    "max_vocab": (len(SPECIAL_TOKENS) + 1, "None (no cap) or a vocabulary size"),
+}
+
+
+def _check_config(owner: str, on_error: str, **values: Any) -> None:
+    """Refuse bad configuration fields (ValueError naming field, value and fix); reads no file."""
+    if on_error not in ("raise", "skip"):
+        raise ValueError(f"{owner}: on_error ({on_error!r}) must be 'raise' or 'skip'.")
+    for name, value in values.items():
+        low, fix = _LIMITS[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(
+                f"{owner}: {name} ({value!r}) must be an integer >= {low}; set it to {fix}."
+            )
+
+
+def _undecodable(text: str) -> str | None:
+    """Where ``text`` holds a byte that is not UTF-8: files are read with ``surrogateescape`` so
+    that such a byte is a row fault (file, line), not a raw UnicodeDecodeError (utf-8-sig: BOM)."""
+    for at, char in enumerate(text, start=1):
+        if "\udc80" <= char <= "\udcff":
+            return f"byte 0x{ord(char) - 0xDC00:02x} at character {at} is not UTF-8; save as UTF-8"
+    return None
 
 
 @dataclass(kw_only=True)
@@ -80,9 +108,11 @@ class SkippedRow:
 
 
 def _csv_records(file: Path, sep: str, fmt: CaptionsFormat) -> Iterator[tuple[int, Any]]:
-    with file.open(newline="", encoding="utf-8") as f:
+    with file.open(newline="", encoding="utf-8-sig", errors="surrogateescape") as f:
         reader = csv.reader(f, delimiter=sep)
         header = next(reader, None)
+        if header is not None and (bad := _undecodable(sep.join(header))):
+            raise ValueError(f"{file}, line 1: header {bad}.")
         needed = [fmt.image_column, fmt.caption_column]
         if header is None or any(c not in header for c in needed):
             raise ValueError(
@@ -90,19 +120,31 @@ def _csv_records(file: Path, sep: str, fmt: CaptionsFormat) -> Iterator[tuple[in
                 f"{[c for c in needed if c not in (header or [])]}; set image_column/"
                 f"caption_column, or the separator (now {sep!r})."
             )
-        for row in reader:
+        while True:
+            try:
+                row = next(reader)
+            except StopIteration:
+                return
+            except csv.Error as err:  # e.g. a field over csv.field_size_limit(); parser resets
+                yield reader.line_num, f"unreadable CSV ({err})"
+                continue
             if not any(field.strip() for field in row):
                 continue
-            if len(row) != len(header):
+            if bad := _undecodable(sep.join(row)):
+                yield reader.line_num, bad
+            elif len(row) != len(header):
                 yield reader.line_num, f"{len(row)} fields where the header has {len(header)}"
             else:
                 yield reader.line_num, dict(zip(header, row, strict=True))
 
 
 def _jsonl_records(file: Path) -> Iterator[tuple[int, Any]]:
-    with file.open(encoding="utf-8") as f:
+    with file.open(encoding="utf-8-sig", errors="surrogateescape") as f:
         for number, text in enumerate(f, start=1):
             if not text.strip():
+                continue
+            if bad := _undecodable(text):
+                yield number, bad
                 continue
             try:
                 record = json.loads(text)
@@ -142,8 +184,7 @@ def index_captions(
 ) -> tuple[list[CaptionRow], list[SkippedRow]]:
     """Parse and check every row of ``file``; return the usable rows and the skipped ones."""
     file, fmt = Path(file), fmt or CaptionsFormat()
-    if on_error not in ("raise", "skip"):
-        raise ValueError(f"on_error ({on_error!r}) must be 'raise' or 'skip'.")
+    _check_config("index_captions", on_error)
     if not file.is_file():
         raise ValueError(f"caption file {file} does not exist; check the path.")
     kind, sep, root = fmt.resolve(file)
@@ -187,12 +228,15 @@ class CaptionsDataset(Dataset[dict[str, torch.Tensor]]):
     Args:
         file: CSV/TSV or JSONL caption file.
         tokenizer: None builds a :class:`WordTokenizer` from this file's captions.
-        image_size: side of the square images.
-        max_length: token length T of ``input_ids``.
+        image_size: side S of the square images (>= 1).
+        max_length: token length T of ``input_ids`` (>= 2: ``<bos>`` and ``<eos>``).
         fmt: columns, separator, format and image root.
         on_error: ``"raise"`` at the first bad row, or ``"skip"`` and count (``skipped``).
         verify_images: open every image with PIL while indexing (catches unreadable files).
         transform: image transform; None is :func:`clip_transform`.
+
+    Raises:
+        ValueError: bad configuration (before any file is read), a bad row (file, line, fix).
     """
 
     def __init__(
@@ -207,6 +251,7 @@ class CaptionsDataset(Dataset[dict[str, torch.Tensor]]):
         verify_images: bool = True,
         transform: Callable[[Image.Image], torch.Tensor] | None = None,
     ) -> None:
+        _check_config("CaptionsDataset", on_error, image_size=image_size, max_length=max_length)
         self.file, self.on_error, self.max_length = Path(file), on_error, max_length
         self.rows, self.skipped = index_captions(
             file, fmt=fmt, on_error=on_error, verify_images=verify_images
@@ -281,8 +326,8 @@ class CaptionsDataModule(pl.LightningDataModule):
         max_vocab: int | None = None,
     ) -> None:
         super().__init__()
-        if on_error not in ("raise", "skip"):
-            raise ValueError(f"on_error ({on_error!r}) must be 'raise' or 'skip'.")
+        fields = {k: v for k, v in locals().items() if k in _LIMITS and v is not None}
+        _check_config("CaptionsDataModule", on_error, **fields)
         self.files = {"train": train_file, "val": val_file}
         self.fmt = CaptionsFormat(
             image_column=image_column,
