@@ -170,16 +170,11 @@ def _check_layout(layout: Any) -> None:
         )
 
 
-def _dp_rank(layout: dict[str, Any], rank: int) -> int:
-    dims = ParallelDims(
+def _dims(layout: dict[str, Any]) -> ParallelDims:
+    return ParallelDims(
         world_size=int(layout["world_size"]), tp=int(layout["tp"]), pp=int(layout["pp"]),
         ep=int(layout["ep"]),
     )  # fmt: skip
-    return dims.rank_coords(rank)["dp"]
-
-
-def _dp_size(layout: dict[str, Any]) -> int:
-    return int(layout["world_size"]) // (int(layout["tp"]) * int(layout["pp"]))
 
 
 def restore_rank_state(path: Path, metadata: dict[str, Any], layout: dict[str, Any]) -> list[str]:
@@ -214,19 +209,18 @@ def restore_rank_state(path: Path, metadata: dict[str, Any], layout: dict[str, A
         f"checkpoint {path} was written in layout {was}, this run is {now}: every rank restores "
         "rank 0's callback state (per-rank statistics and decisions start from rank 0's)."
     ]
-    if _dp_size(saved_layout) == _dp_size(layout):
-        dp_rank = _dp_rank(layout, int(layout["rank"]))
+    was_dims, now_dims = _dims(saved_layout), _dims(layout)
+    if was_dims.dp == now_dims.dp:
+        dp_rank = now_dims.rank_coords(int(layout["rank"]))["dp"]
         twin = next(
-            r
-            for r in range(int(saved_layout["world_size"]))
-            if _dp_rank(saved_layout, r) == dp_rank
+            r for r in range(was_dims.world_size) if was_dims.rank_coords(r)["dp"] == dp_rank
         )
         twin_state = torch.load(rank_file(path, twin), weights_only=False)
         if "loops" in twin_state:
             metadata["loops"] = twin_state["loops"]
     else:
         notes.append(
-            f"data-parallel size changed ({_dp_size(saved_layout)} -> {_dp_size(layout)}): the "
+            f"data-parallel size changed ({was_dims.dp} -> {now_dims.dp}): the "
             "data loaders resume from rank 0's position with a new sharding, so the rest of "
             "this epoch differs from an uninterrupted run."
         )

@@ -11,7 +11,6 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from lightning_mmpar import MultimodalParallelStrategy
@@ -23,6 +22,7 @@ from lightning_mmpar.examples.toy_transformer import (
     ToyTransformer,
     make_tokens,
 )
+from lightning_mmpar.parallel.tensor import full_gradients
 from lightning_mmpar.plans.toy import block_plan
 
 GLOBAL_BATCH = 8
@@ -40,10 +40,8 @@ class Recorder(Callback):
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: Any, optimizer: Any) -> None:
         if trainer.global_step == 0 and not self.grads:
-            for name, p in pl_module.named_parameters():
-                if p.grad is not None:
-                    g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-                    self.grads[name] = g.detach().clone()
+            grads = full_gradients(pl_module)
+            self.grads = {name: g.detach().clone() for name, g in grads.items()}
 
     def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
         self.losses.append(float(trainer.callback_metrics["train_loss"]))

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_mmpar import MultimodalParallelStrategy
 from lightning_mmpar.examples.toy_transformer import ToyConfig, ToyTransformer, make_tokens
-from lightning_mmpar.testing import spawn
+from lightning_mmpar.testing import quiet_trainer, spawn
 
 pytestmark = pytest.mark.distributed
 
@@ -29,17 +29,8 @@ ROWS, BATCH = 10, 4  # batches of 4, 4, 2
 
 
 def _trainer(strategy: Any, world: int) -> Trainer:
-    return Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=world,
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
+    trainer: Trainer = quiet_trainer(strategy=strategy, devices=world, max_steps=2)
+    return trainer
 
 
 def reference_validation() -> dict[str, float]:

@@ -24,6 +24,7 @@ from lightning_mmpar.models.adapter import AdapterConfig
 from lightning_mmpar.models.fusion import FusionConfig
 from lightning_mmpar.models.language import LanguageConfig
 from lightning_mmpar.models.vision import VisionConfig
+from lightning_mmpar.parallel.tensor import full_gradients
 from lightning_mmpar.recipes.config import (
     FinetuneConfig,
     LossConfig,
@@ -69,7 +70,25 @@ def tiny_module(
     zero_momentum: bool = False,
 ) -> SeededModule:
     """Every part trainable, dropout 0, the CPU YAML's loss weights unless given."""
-    fusion = FusionConfig(
+    return SeededModule(
+        zero_momentum=zero_momentum,
+        fusion=tiny_fusion(logit_scale_init=logit_scale_init),
+        finetune=FinetuneConfig(train_vision=True, train_decoder_layers=-1, train_embeddings=True),
+        loss=LossConfig(
+            contrastive_weight=1.0,
+            caption_weight=caption_weight,
+            mml=MMLConfig(weight=mml_weight, momentum=momentum),
+        ),
+        optim=OptimConfig(lr=lr, weight_decay=0.01, warmup_steps=1, min_lr_ratio=1.0),
+        tensor_parallel=TensorParallelOptions(sequence_parallel=sequence_parallel),
+        vocab_size=vocab_size,
+    )
+
+
+def tiny_fusion(logit_scale_init: float = 1 / 0.07) -> FusionConfig:
+    """The tiny fusion model of the recipe tests: 16 px images, 1 ViT layer, 2 joint-attention
+    decoder layers, adapter dropout 0 (8 pipeline blocks)."""
+    return FusionConfig(
         vision=VisionConfig(
             image_size=16, patch_size=8, width=32, layers=1, heads=2, output_dim=16
         ),
@@ -84,19 +103,6 @@ def tiny_module(
         adapter=AdapterConfig(heads=2, width=32, ffn_width=48, dropout=0.0),
         contrastive_dim=16,
         logit_scale_init=logit_scale_init,
-    )
-    return SeededModule(
-        zero_momentum=zero_momentum,
-        fusion=fusion,
-        finetune=FinetuneConfig(train_vision=True, train_decoder_layers=-1, train_embeddings=True),
-        loss=LossConfig(
-            contrastive_weight=1.0,
-            caption_weight=caption_weight,
-            mml=MMLConfig(weight=mml_weight, momentum=momentum),
-        ),
-        optim=OptimConfig(lr=lr, weight_decay=0.01, warmup_steps=1, min_lr_ratio=1.0),
-        tensor_parallel=TensorParallelOptions(sequence_parallel=sequence_parallel),
-        vocab_size=vocab_size,
     )
 
 
@@ -130,10 +136,8 @@ class Recorder(Callback):
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: Any, optimizer: Any) -> None:
         if trainer.global_step == 0 and not self.grads:
-            for name, p in pl_module.named_parameters():
-                if p.grad is not None:
-                    g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-                    self.grads[name] = g.detach().clone()
+            grads = full_gradients(pl_module)
+            self.grads = {name: g.detach().clone() for name, g in grads.items()}
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, *args: Any) -> None:
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
@@ -231,15 +235,11 @@ def world(rank: int, world_size: int) -> dict[str, Any]:
     data = digits()
     out: dict[str, Any] = {"rank": rank}
     module = tiny_module(data.vocab_size, sequence_parallel=True)
-    trainer = Trainer(
+    trainer = quiet_trainer(
         strategy=MultimodalParallelStrategy(tensor_parallel=2),
-        accelerator="cpu",
         devices=world_size,
         limit_val_batches=1,
         use_distributed_sampler=False,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     trainer.validate(module, datamodule=data)
     out["tp2_sp_eval"] = eval_outputs(module, batches(data, 1)[0])

@@ -7,6 +7,8 @@ paths (a stream, a head, the logit scale) fails these tests.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -18,13 +20,13 @@ from lightning_mmpar.data.digits import DigitsCaptions
 from lightning_mmpar.losses.caption import caption_loss
 from lightning_mmpar.losses.contrastive import ContrastiveLoss
 from lightning_mmpar.losses.mml import MMLLoss
-from lightning_mmpar.models.adapter import AdapterConfig
-from lightning_mmpar.models.fusion import FusionConfig, FusionOutput
-from lightning_mmpar.models.language import LanguageConfig
-from lightning_mmpar.models.vision import VisionConfig
+from lightning_mmpar.models.fusion import FusionOutput
 from lightning_mmpar.parallel.pipeline import PipelineChunk
 from lightning_mmpar.recipes.config import FinetuneConfig, LossConfig
 from lightning_mmpar.recipes.module import ClipLlamaModule
+
+sys.path.insert(0, str(Path(__file__).parent))
+import recipe_faults_worker as rw
 
 
 @pytest.fixture(scope="module")
@@ -36,21 +38,7 @@ def data() -> DigitsCaptions:
 
 def make_module(data: DigitsCaptions, monkeypatch: pytest.MonkeyPatch) -> ClipLlamaModule:
     torch.manual_seed(0)
-    fusion = FusionConfig(
-        vision=VisionConfig(
-            image_size=16, patch_size=8, width=32, layers=1, heads=2, output_dim=16
-        ),
-        language=LanguageConfig(
-            hidden_size=32,
-            intermediate_size=48,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            joint_attention=True,
-        ),
-        adapter=AdapterConfig(heads=2, width=32, ffn_width=48, dropout=0.0),
-        contrastive_dim=16,
-    )
+    fusion = rw.tiny_fusion()
     module = ClipLlamaModule(
         fusion=fusion,
         finetune=FinetuneConfig(train_vision=True, train_decoder_layers=1),
