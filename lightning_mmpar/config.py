@@ -156,6 +156,22 @@ class ParallelConfig:
         """Total pipeline stages: ``pipeline_parallel * virtual_pipeline``."""
         return self.pipeline_parallel * self.virtual_pipeline
 
+    def check_batch_size(self, batch_size: int, name: str = "data.batch_size") -> None:
+        """Under pipeline parallelism every batch splits into :attr:`num_micro_batches` equal
+        micro-batches (torch's pipeline stages fix activation shapes at the first step).
+
+        Raises:
+            ValueError: ``batch_size`` (per data-parallel rank; ``name`` in the message) not
+                divisible by the micro-batches.
+        """
+        n = self.num_micro_batches
+        if self.pipeline_parallel > 1 and batch_size % n:
+            raise ValueError(
+                f"{name} ({batch_size}) must be divisible by micro_batches ({n}) under pipeline "
+                f"parallelism; use a multiple of {n}, e.g. {max(n, batch_size // n * n)} "
+                "(drop_last=True avoids a short last batch)."
+            )
+
 
 def check_train_batches(total: int | None, dataloader: object) -> None:
     """Refuse a fit whose train dataloader yields no batch on any rank.

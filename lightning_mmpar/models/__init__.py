@@ -1,5 +1,6 @@
 """Plain-torch models (no ``torch.distributed``): the CLIP-ViT + adapter + LLaMA fusion model,
-its towers, its pipeline blocks with their costs, and open_clip / transformers converters."""
+its towers, its pipeline blocks with their costs, open_clip / transformers converters, and the
+multimodal mixture-of-experts feed-forward layer (``moe``, ``moe_routing``)."""
 
 from lightning_mmpar.models.adapter import AdapterConfig, CrossModalAdapter
 from lightning_mmpar.models.blocks import MAX_LOGIT_SCALE, FusionBlock, FusionOutput
@@ -15,6 +16,24 @@ from lightning_mmpar.models.cost import BlockCost, CostTally
 from lightning_mmpar.models.fusion import FusionConfig, FusionModel, freeze_for_finetuning
 from lightning_mmpar.models.heads import MomentumHeads, TextPooler, ema_update, momentum_copy
 from lightning_mmpar.models.language import LanguageConfig, LanguageModel, LlamaDecoderLayer
+from lightning_mmpar.models.moe import (
+    MoEFeedForward,
+    MoEStats,
+    RoutingPlan,
+    grouped_mm_supported,
+    swiglu_experts,
+)
+from lightning_mmpar.models.moe_routing import (
+    MoEConfig,
+    RouteDecision,
+    aligned_sequence_length,
+    alignment_padding_mask,
+    expert_capacity,
+    load_balancing_loss,
+    route_tokens,
+    router_z_loss,
+    updated_expert_bias,
+)
 from lightning_mmpar.models.vision import VisionBlock, VisionConfig, VisionTower
 
 __all__ = [
@@ -30,18 +49,32 @@ __all__ = [
     "LanguageConfig",
     "LanguageModel",
     "LlamaDecoderLayer",
+    "MoEConfig",
+    "MoEFeedForward",
+    "MoEStats",
     "MomentumHeads",
+    "RouteDecision",
+    "RoutingPlan",
     "TextPooler",
     "VisionBlock",
     "VisionConfig",
     "VisionTower",
+    "aligned_sequence_length",
+    "alignment_padding_mask",
     "build_fusion_model",
     "ema_update",
+    "expert_capacity",
     "export_llama",
     "export_open_clip_visual",
     "freeze_for_finetuning",
+    "grouped_mm_supported",
     "import_llama",
     "import_open_clip_visual",
+    "load_balancing_loss",
     "momentum_copy",
+    "route_tokens",
+    "router_z_loss",
     "save_llama_pretrained",
+    "swiglu_experts",
+    "updated_expert_bias",
 ]

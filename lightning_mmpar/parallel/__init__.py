@@ -5,7 +5,8 @@ imports a model, a plan, the strategy, a recipe or a callback (import-linter con
 pyproject.toml).
 """
 
-from lightning_mmpar.parallel.checkpoint import load_sharded, save_sharded
+from lightning_mmpar.parallel.checkpoint import load_sharded, save_sharded, validate_checkpoint
+from lightning_mmpar.parallel.checkpoint_hooks import ShardedCheckpointHooks
 from lightning_mmpar.parallel.data import (
     apply_fsdp,
     broadcast_parameters,
@@ -21,7 +22,9 @@ from lightning_mmpar.parallel.deepspeed import (
     CPUCapableDeepSpeedStrategy,
     DeepSpeedPlan,
     map_deepspeed_config,
+    resolve_batch,
 )
+from lightning_mmpar.parallel.finite import NonFiniteGuard, nonfinite_weights
 from lightning_mmpar.parallel.gradient_cache import BatchLossModule, RNGReplay
 from lightning_mmpar.parallel.numerics import (
     clip_grad_norm_,
@@ -60,6 +63,7 @@ __all__ = [
     "DeepSpeedPlan",
     "FusedQKVColwiseParallel",
     "HeadShardedReplicate",
+    "NonFiniteGuard",
     "ParallelDropout",
     "PipelineChunk",
     "PipelineEngine",
@@ -68,6 +72,7 @@ __all__ = [
     "RNGReplay",
     "RNGStatesTracker",
     "SequenceLengthCheck",
+    "ShardedCheckpointHooks",
     "StyleGroup",
     "apply_fsdp",
     "apply_styles",
@@ -83,12 +88,15 @@ __all__ = [
     "load_sharded",
     "map_deepspeed_config",
     "model_parallel_manual_seed",
+    "nonfinite_weights",
     "partition",
     "region_seeds",
     "replicated_parameters",
+    "resolve_batch",
     "save_sharded",
     "shard_blocks",
     "shard_placement",
     "sync_gradients",
+    "validate_checkpoint",
     "vocab_parallel_cross_entropy",
 ]

@@ -228,12 +228,7 @@ class PipelineEngine:
         """
         n = self.config.num_micro_batches
         for t in inputs:
-            if t.shape[0] % n:
-                raise ValueError(
-                    f"batch size ({t.shape[0]}) must be divisible by micro_batches ({n}) under "
-                    f"pipeline parallelism; use a multiple of {n} (drop_last=True avoids a short "
-                    "last batch)."
-                )
+            self.config.check_batch_size(int(t.shape[0]), name="batch size")
         key = (train, *((tuple(t.shape), t.dtype) for t in inputs))
         if key not in self._schedules:
             io = self._example_io(tuple(t.tensor_split(n)[0] for t in inputs))

@@ -6,12 +6,18 @@ parallelism that is the norm of local shards of one stage. These subclasses of L
 plugins call the function the strategy gives them instead
 (:func:`lightning_mmpar.parallel.numerics.clip_grad_norm_`, one all-reduce over every shard and
 stage). ``MultimodalParallelStrategy`` swaps Lightning's plugin for the matching subclass.
+
+The same plugins run the strategy's non-finite check (``check_fn``) after Lightning's
+``_after_closure`` (the closure's backward, the ``on_before_optimizer_step`` hooks, where
+``FP8FallbackCallback`` may redo the step, and clipping) and before ``optimizer.step`` updates
+the weights.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import lightning.pytorch as pl
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch.optim import Optimizer
 
@@ -35,6 +41,17 @@ class GlobalNormClipping:
 
     clip_fn: Any = None
     """``(optimizer, max_norm) -> None``, set by :class:`MultimodalParallelStrategy`."""
+
+    check_fn: Any = None
+    """``(optimizer, check_grads) -> None``, the strategy's non-finite check (raises, or sets
+    the gradients to ``None`` to skip the step); ``check_grads`` is ``False`` under a
+    ``GradScaler``, which skips overflowing steps itself."""
+
+    def _after_closure(self, model: pl.LightningModule, optimizer: Any) -> None:
+        """Lightning's hooks and clipping, then the non-finite check, before the step."""
+        super()._after_closure(model, optimizer)  # type: ignore[misc]
+        if self.check_fn is not None:
+            self.check_fn(optimizer, getattr(self, "scaler", None) is None)
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         if self.clip_fn is None:

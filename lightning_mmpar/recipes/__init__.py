@@ -11,11 +11,17 @@ from lightning_mmpar.recipes.config import (
     LossConfig,
     OptimConfig,
     TensorParallelOptions,
+    check_image_size,
 )
-from lightning_mmpar.recipes.deepspeed import strategy_from_deepspeed
+from lightning_mmpar.recipes.deepspeed import (
+    apply_deepspeed_json,
+    optim_from_deepspeed,
+    strategy_from_deepspeed,
+)
 from lightning_mmpar.recipes.evaluation import RecipeMetrics
 from lightning_mmpar.recipes.generation import greedy_decode
 from lightning_mmpar.recipes.module import ClipLlamaModule
+from lightning_mmpar.recipes.preflight import preflight
 from lightning_mmpar.recipes.summary import RunSummary
 from lightning_mmpar.recipes.throughput import ThroughputProgressBar
 
@@ -31,8 +37,12 @@ __all__ = [
     "RunSummary",
     "TensorParallelOptions",
     "ThroughputProgressBar",
+    "apply_deepspeed_json",
+    "check_image_size",
     "greedy_decode",
     "main",
+    "optim_from_deepspeed",
+    "preflight",
     "run_cli",
     "strategy_from_deepspeed",
 ]

@@ -3,7 +3,12 @@
 ``--deepspeed ds_config.json`` replaces ``trainer.strategy`` by what
 :func:`lightning_mmpar.recipes.deepspeed.strategy_from_deepspeed` maps the JSON to (DeepSpeed's
 engine for ZeRO-1/2, ``mm_parallel`` with FSDP2 for ZeRO-3), keeping the sizes of an
-``mm_parallel`` strategy given in the YAML.
+``mm_parallel`` strategy given in the YAML, and sets the Trainer's accumulation, clipping and
+precision, the data's batch size and ``model.optim`` from the JSON
+(:func:`~lightning_mmpar.recipes.deepspeed.apply_deepspeed_json`); unknown or unmapped keys warn
+(``--deepspeed_strict true``: one ``ValueError``). Before ``fit``/``validate``/``test``/
+``predict`` launch any process, :func:`lightning_mmpar.recipes.preflight.preflight` checks the
+layout against the model and the data, in the main process, once.
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_mmpar.data.digits import DigitsCaptions
-from lightning_mmpar.recipes.deepspeed import strategy_from_deepspeed
+from lightning_mmpar.parallel.deepspeed import DeepSpeedPlan
+from lightning_mmpar.recipes.deepspeed import apply_deepspeed_json, strategy_from_deepspeed
 from lightning_mmpar.recipes.module import ClipLlamaModule
+from lightning_mmpar.recipes.preflight import preflight
 
 __all__ = ["ClipLlamaCLI", "RecipeDigitsCaptions", "main", "run_cli"]
 
@@ -37,7 +44,10 @@ class RecipeDigitsCaptions(DigitsCaptions):
 
 
 class ClipLlamaCLI(LightningCLI):
-    """LightningCLI with ``data.vocab_size -> model.vocab_size`` and ``--deepspeed``."""
+    """LightningCLI with ``data.vocab_size -> model.vocab_size``, ``--deepspeed`` and checks of
+    the layout against model and data before any process is launched."""
+
+    _deepspeed_plan: DeepSpeedPlan | None = None
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
@@ -46,19 +56,51 @@ class ClipLlamaCLI(LightningCLI):
             type=str | None,
             default=None,
             help="DeepSpeed JSON: zero_optimization.stage 1/2 -> DeepSpeed engine, 3 -> FSDP2; "
-            "tensor_parallel.tp_size -> tensor_parallel.",
+            "tensor_parallel.tp_size -> tensor_parallel; accumulation, clipping, fp16/bf16, "
+            "batch sizes, optimizer/scheduler -> Trainer, data and model.optim.",
         )
+        parser.add_argument(
+            "--deepspeed_strict",
+            type=bool,
+            default=False,
+            help="Refuse (ValueError) a DeepSpeed JSON with unknown or unmapped keys.",
+        )
+
+    def before_instantiate_classes(self) -> None:
+        """Apply ``--deepspeed`` to the parsed config, so the classes are built with its values."""
+        cfg = self.config[self.subcommand] if self.subcommand else self.config
+        path = cfg.get("deepspeed")
+        if path:
+            ds = json.loads(Path(path).read_text())
+            strict = bool(cfg.get("deepspeed_strict"))
+            self._deepspeed_plan = apply_deepspeed_json(cfg, ds, strict=strict)
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         trainer_config = self._get(self.config_init, "trainer", default={})
         _share_cpu_threads(trainer_config)
-        path = self._get(self.config, "deepspeed")
-        if path:
-            current = trainer_config.get("strategy")
-            kwargs["strategy"] = strategy_from_deepspeed(
-                json.loads(Path(path).read_text()), base=current
-            )
+        if self._deepspeed_plan is not None:
+            kwargs["strategy"] = strategy_from_deepspeed(self._deepspeed_plan)
         return super().instantiate_trainer(**kwargs)
+
+    def _preflight(self) -> None:
+        ckpt_path = self._get(self.config, "ckpt_path")
+        preflight(self.trainer, self.model, self.datamodule, ckpt_path=ckpt_path)
+
+    def before_fit(self) -> None:
+        """Layout vs model and data, before ``fit`` launches any process."""
+        self._preflight()
+
+    def before_validate(self) -> None:
+        """As :meth:`before_fit`."""
+        self._preflight()
+
+    def before_test(self) -> None:
+        """As :meth:`before_fit`."""
+        self._preflight()
+
+    def before_predict(self) -> None:
+        """As :meth:`before_fit`."""
+        self._preflight()
 
 
 def _share_cpu_threads(trainer_config: dict[str, Any]) -> None:

@@ -12,7 +12,9 @@ from typing import Literal
 from lightning_mmpar.losses.mml import MMLConfig
 from lightning_mmpar.plans.fusion import TensorParallelOptions
 
-__all__ = ["FinetuneConfig", "LossConfig", "OptimConfig", "TensorParallelOptions"]
+__all__ = [
+    "FinetuneConfig", "LossConfig", "OptimConfig", "TensorParallelOptions", "check_image_size",
+]  # fmt: skip
 
 
 @dataclass(kw_only=True)
@@ -75,3 +77,16 @@ class OptimConfig:
     """Linear warm-up steps."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of ``lr`` (cosine schedule over ``max_steps``)."""
+
+
+def check_image_size(data_image_size: int, model_image_size: int) -> None:
+    """The data's images must have the ViT's input size.
+
+    Raises:
+        ValueError: the two sizes differ, naming both fields.
+    """
+    if data_image_size != model_image_size:
+        raise ValueError(
+            f"data.image_size ({data_image_size}) must equal model.fusion.vision.image_size "
+            f"({model_image_size}); set both to the same value."
+        )

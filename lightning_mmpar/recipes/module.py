@@ -20,6 +20,7 @@ open_clip, ALBEF); AdamW decays weights by role.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -42,6 +43,7 @@ from lightning_mmpar.recipes.config import (
     LossConfig,
     OptimConfig,
     TensorParallelOptions,
+    check_image_size,
 )
 from lightning_mmpar.recipes.evaluation import RecipeMetrics, digit_token_classes
 from lightning_mmpar.recipes.generation import CaptionGeneration, next_tokens
@@ -59,6 +61,22 @@ EVAL_METRICS: tuple[str, ...] = (
     "caption_acc_tf",
 )
 """Evaluation metrics logged as ``val/<name>`` and ``test/<name>``."""
+
+
+def _config_classes(config: Any) -> set[type]:
+    """The dataclass types in a (nested) config, for ``torch.serialization.add_safe_globals``."""
+    if not dataclasses.is_dataclass(config) or isinstance(config, type):
+        return set()
+    found: set[type] = {type(config)}
+    for f in dataclasses.fields(config):
+        found |= _config_classes(getattr(config, f.name))
+    return found
+
+
+# The hyper-parameters (these dataclasses) are in every checkpoint: Lightning's single-file
+# checkpoints load with torch.load(weights_only=True), which needs them allow-listed.
+_CONFIGS = (FusionConfig(), FinetuneConfig(), LossConfig(), OptimConfig(), TensorParallelOptions())
+torch.serialization.add_safe_globals(list(set().union(*map(_config_classes, _CONFIGS))))
 
 
 class ClipLlamaModule(CaptionGeneration, LightningModule):
@@ -86,6 +104,9 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         vocab_size: int = 64,
     ) -> None:
         super().__init__()
+        # hparams (the dataclass configs) go into every checkpoint's meta.pt, where
+        # validate_checkpoint / load_sharded name the fields a resumed run changed
+        self.save_hyperparameters()
         self.fusion_config = fusion
         self.finetune = finetune
         self.loss_config = loss
@@ -160,11 +181,7 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         data = getattr(self._trainer, "datamodule", None)
         if data is not None and hasattr(data, "class_prompts"):
             image_size = getattr(data, "image_size", self.fusion_config.vision.image_size)
-            if image_size != self.fusion_config.vision.image_size:
-                raise ValueError(
-                    f"data.image_size ({image_size}) must equal model.fusion.vision.image_size "
-                    f"({self.fusion_config.vision.image_size}); set both to the same value."
-                )
+            check_image_size(image_size, self.fusion_config.vision.image_size)
             self._prompts = data.class_prompts()
             self._tokenizer = data.tokenizer
             self._digit_classes = digit_token_classes(data.tokenizer, self.vocab_size)
@@ -277,7 +294,7 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         step = self.trainer.global_step
         if step != self._stepped_at:
             self._stepped_at = step
-            if self.head is not None:
+            if self.head is not None and not _skipped(self.trainer, step - 1):
                 self.head.after_optimizer_step()
         self._log_terms("train")
 
@@ -339,3 +356,10 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         total = max(1, int(self.trainer.estimated_stepping_batches))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, penv.warmup_cosine(o, total))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _skipped(trainer: Any, step: int) -> bool:
+    """Whether ``mm_parallel`` skipped the optimizer step at ``step`` (``on_nonfinite="skip"``):
+    weights did not change, so neither do the EMA heads nor the logit-scale clamp."""
+    guard = getattr(trainer.strategy, "nonfinite", None)
+    return guard is not None and guard.last_skipped_step == step

@@ -8,11 +8,14 @@ logged losses and first-step gradients, and the 2-process world of the distribut
 from __future__ import annotations
 
 import math
+import warnings
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
@@ -220,8 +223,106 @@ def reference_eval(data: DigitsCaptions, batch: dict[str, Any]) -> dict[str, Ten
     return eval_outputs(module, batch)
 
 
-def world(rank: int, world_size: int) -> dict[str, Any]:
-    """Both distributed checks in one 2-process world.
+class Weights(Callback):
+    """This rank's parameters and buffers (local shards) after every training batch, taken
+    when the next batch starts (or training ends): after the module's own batch-end hook,
+    which runs after the callbacks' and takes the EMA step of the momentum heads."""
+
+    def __init__(self) -> None:
+        self.after: list[dict[str, Tensor]] = []
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, idx: int) -> None:
+        if idx > 0:
+            self.after.append(trainable(pl_module, everything=True))
+
+    def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
+        self.after.append(trainable(pl_module, everything=True))
+
+
+def trainable(module: Any, everything: bool = False) -> dict[str, Tensor]:
+    """Trainable parameters (``everything``: all parameters and buffers, the EMA heads too),
+    local shards."""
+    return {
+        n: (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in [*module.named_parameters(), *module.named_buffers()]
+        if everything or p.requires_grad
+    }
+
+
+def nan_pixel(data: DigitsCaptions, n: int, bad: int, on_rank: bool) -> list[dict[str, Any]]:
+    """``batches(data, n)`` with one NaN pixel in batch ``bad`` when ``on_rank``."""
+    out = batches(data, n)
+    if on_rank:
+        out[bad] = {**out[bad], "images": out[bad]["images"].clone()}
+        out[bad]["images"][1, 0, 3, 5] = float("nan")
+    return out
+
+
+def nonfinite(rank: int, world_size: int, data: DigitsCaptions, root: str) -> dict[str, Any]:
+    """Issue 15 item 5 at pp 2 (the loss on the last stage only), one NaN pixel in batch 1 on
+    rank 0 (the first stage, which reads the images):
+
+    * ``"raise"`` (the default): ``last.ckpt`` written after each step; the run stops at batch 1
+      with the error message, weights as after step 1; then a NaN weight on rank 1: saving over
+      ``last.ckpt`` is refused, and ``last.ckpt`` loads back the weights of step 1;
+    * ``"skip"``: the weights after batch 1 (the EMA heads too) equal those after batch 0;
+      batch 2 trains again.
+    """
+    out: dict[str, Any] = {}
+    module = tiny_module(data.vocab_size)
+    last = Path(root) / "last.ckpt"
+    trainer = quiet_trainer(
+        strategy=MultimodalParallelStrategy(pipeline_parallel=2, micro_batches=2),
+        devices=world_size, max_epochs=1, use_distributed_sampler=False, limit_val_batches=0,
+        enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(root, save_last=True, save_top_k=0, every_n_train_steps=1)],
+    )  # fmt: skip
+    try:
+        trainer.fit(module, DataLoader(nan_pixel(data, 2, 1, rank == 0), batch_size=None))  # type: ignore[arg-type]
+    except RuntimeError as err:
+        out["raised"] = str(err)
+    out["step"] = trainer.global_step
+    before = trainable(module)
+    out["finite_before"] = all(bool(t.isfinite().all()) for t in before.values())
+    name = next(iter(before))
+    if rank == 1:
+        with torch.no_grad():
+            dict(module.named_parameters())[name].view(-1)[0] = float("nan")
+    try:
+        trainer.save_checkpoint(last)
+    except RuntimeError as err:
+        out["refused"] = str(err)
+    out["nan_name"] = name
+    out["ckpt_step"] = trainer.strategy.load_checkpoint(last)["global_step"]
+    out["restored"] = all(torch.equal(before[n], t) for n, t in trainable(module).items())
+    out["leftovers"] = sorted(p.name for p in Path(root).iterdir())
+    module = tiny_module(data.vocab_size)
+    weights, rec = Weights(), Recorder()
+    trainer = quiet_trainer(
+        strategy=MultimodalParallelStrategy(
+            pipeline_parallel=2, micro_batches=2, on_nonfinite="skip"
+        ),
+        devices=world_size, max_epochs=1, use_distributed_sampler=False, limit_val_batches=0,
+        callbacks=[weights, rec],
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, DataLoader(nan_pixel(data, 3, 1, rank == 0), batch_size=None))  # type: ignore[arg-type]
+    w = weights.after
+    out["skip"] = {
+        "losses": rec.losses,
+        "kept": all(torch.equal(w[0][n], t) for n, t in w[1].items()),
+        "moved_after": any(not torch.equal(w[1][n], t) for n, t in w[2].items()),
+        "finite": all(bool(t.isfinite().all()) for t in w[2].values()),
+        "logged": float(trainer.callback_metrics["nonfinite_skipped_steps"]),
+        "skipped": trainer.strategy.nonfinite.skipped,  # type: ignore[attr-defined]
+        "warnings": [str(c.message) for c in caught if "Skipped the optimizer" in str(c.message)],
+    }
+    return out
+
+
+def world(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """The distributed checks in one 2-process world (``root``: a shared folder).
 
     * ``tp2_sp_eval``: the untrained recipe at tensor parallel 2 with sequence parallel,
       validated (class prompts from the data), then every output in eval mode: the fused,
@@ -230,7 +331,8 @@ def world(rank: int, world_size: int) -> dict[str, Any]:
       with one process by the test);
     * ``pp2``: pipeline parallel 2, ``accumulate_grad_batches=2``, 4 batches, ``lr = 0`` (the
       live heads stay put), EMA momentum 0.5 from zero momentum heads, logit scale initialised
-      at 200 (above the cap): the last stage must have clamped it and taken 2 EMA steps.
+      at 200 (above the cap): the last stage must have clamped it and taken 2 EMA steps;
+    * ``nonfinite``: :func:`nonfinite`.
     """
     data = digits()
     out: dict[str, Any] = {"rank": rank}
@@ -253,6 +355,7 @@ def world(rank: int, world_size: int) -> dict[str, Any]:
     strategy = MultimodalParallelStrategy(pipeline_parallel=2, micro_batches=2)
     fit(module, batches(data, 4), strategy=strategy, devices=world_size, accumulate=2)
     out["pp2"] = head_state(module) if module.head is not None else None
+    out["nonfinite"] = nonfinite(rank, world_size, data, root)
     return out
 
 

@@ -1,4 +1,5 @@
-"""The recipe faults of issue 9 (items 2, 4, 11, 12), each as the value it must have.
+"""The recipe faults of issue 9 (items 2, 4, 11, 12) and issue 15 (item 5), each as the value
+it must have.
 
 * item 2: sequence parallel at tp 2 trains the recipe with the loss and first-step gradients of
   one process (relative 1e-5): the plan gathers the sequence before the head pools or indexes a
@@ -9,11 +10,16 @@
 * item 11: the MML momentum heads take one EMA step per optimizer step, not per batch
   (``accumulate_grad_batches=2``), on one process and under pp 2;
 * item 12: weight decay by role: none on biases (the ViT's fused ``[3, D]`` q/k/v bias too),
-  norms, positional / class embeddings, gates, temperatures and the logit scale.
+  norms, positional / class embeddings, gates, temperatures and the logit scale;
+* issue 15 item 5: one NaN pixel in one batch at pp 2 stops the run (default
+  ``on_nonfinite="raise"``) naming the batch and the ranks, before the weights or ``last.ckpt``
+  change; ``"skip"`` leaves the weights as they were and trains on; a checkpoint with a NaN
+  weight is never written over a finite one.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -37,8 +43,8 @@ def data() -> Any:
 
 
 @pytest.mark.distributed
-def test_two_rank_world_sequence_parallel_and_pipeline_ownership(data: Any) -> None:
-    results = spawn(rw.world, 2, timeout=600)
+def test_two_rank_world_sequence_parallel_and_pipeline_ownership(data: Any, tmp_path: Path) -> None:
+    results = spawn(rw.world, 2, str(tmp_path), timeout=900)
     # item 2, eval: every stream (fused logits, text-only and class-prompt features) as on one
     # process, from the same untrained weights
     want = rw.reference_eval(data, rw.batches(data, 1)[0])
@@ -65,6 +71,34 @@ def test_two_rank_world_sequence_parallel_and_pipeline_ownership(data: Any) -> N
     assert last["log_scale"].item() == pytest.approx(rw.MAX_LOG_SCALE, abs=1e-6)
     for live, ema in (("image_head", "momentum_image"), ("text_head", "momentum_text")):
         torch.testing.assert_close(last[ema], (1 - 0.5**2) * last[live])
+    check_nonfinite([r["nonfinite"] for r in results])
+
+
+def check_nonfinite(results: list[dict[str, Any]]) -> None:
+    """Issue 15 item 5 (``rw.nonfinite``): NaN pixel in batch 1 on rank 0 (first stage) at pp 2.
+    Before the fix the run trained on with NaN weights, exited normally and wrote them into
+    ``last.ckpt``."""
+    for r in results:
+        # "raise": the error names the step, the batch, the rank that read the NaN pixel, the
+        # last stage's loss and both stages' gradients; weights stayed as after step 1
+        msg = r["raised"]
+        assert "global step 1, batch [1]" in msg, msg
+        assert "non-finite inputs on rank 0 (batch 1)" in msg, msg
+        assert "non-finite loss on rank 1 (batch 1)" in msg, msg
+        assert "non-finite gradients on ranks [0, 1] (rank 0: blocks.0.conv1.weight" in msg, msg
+        assert r["step"] == 1 and r["finite_before"]
+        # the guard: a NaN weight on rank 1 -> no save; last.ckpt (step 1) loads back intact
+        assert "Refusing to save checkpoint" in r["refused"], r["refused"]
+        assert f"rank 1: {results[1]['nan_name']})" in r["refused"], r["refused"]
+        assert r["restored"] and r["ckpt_step"] == 1 and r["leftovers"] == ["last.ckpt"]
+        # "skip": the bad step leaves every trainable weight as it was, training goes on
+        skip = r["skip"]
+        assert math.isnan(skip["losses"][1]), skip["losses"]
+        assert all(math.isfinite(x) for x in skip["losses"][::2]), skip["losses"]
+        assert skip["kept"] and skip["moved_after"] and skip["finite"]
+        assert skip["logged"] == 1.0 and skip["skipped"] == 1
+    assert len(results[0]["skip"]["warnings"]) == 1 and not results[1]["skip"]["warnings"]
+    assert "batch [1]" in results[0]["skip"]["warnings"][0]
 
 
 def test_logit_scale_at_its_cap_falls_when_the_data_favours_a_smaller_one(data: Any) -> None:

@@ -1,0 +1,237 @@
+"""Non-finite guard: a non-finite loss or gradient never reaches the weights or a checkpoint.
+
+The peer is Megatron-LM's ``--check-for-nan-in-loss-and-grad`` (the loss and the gradient norm
+are checked before the optimizer step, and the run stops naming the rank). Here:
+
+* :class:`NonFiniteGuard` records, per batch of the current optimizer step (the accumulation
+  window), whether the batch's floating tensors are finite (the *inputs*) and whether the loss
+  this rank computed is finite; these are device flags, no host sync. Before the optimizer step
+  :meth:`NonFiniteGuard.check` adds whether this rank's local gradient pieces are finite (one
+  fused ``torch._foreach_norm``: a NaN or inf entry makes the norm non-finite; a norm beyond
+  the float32 range counts too, as in Megatron) and exchanges one ``[3]`` vector per rank (one
+  ``all_gather``, one host sync), so every rank takes the same decision: go ahead, raise
+  ``RuntimeError`` naming the global step, the batch indices and the ranks with non-finite
+  inputs, loss or gradients (and up to 3 parameter names per rank), or skip the step by setting
+  every gradient to ``None`` (torch optimizers then leave weights and state untouched, as
+  Lightning does when ``training_step`` returns ``None``).
+* :func:`nonfinite_weights`: the parameters holding a NaN or inf, over every rank (one
+  all-reduce; the names travel only when there are some), for a checkpoint guard.
+
+A re-run of a batch of the window (``FP8FallbackCallback``'s redo calls the strategy's
+``training_step`` / ``backward`` again with the same batch index) replaces its flags.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_mmpar.parallel import comm
+
+__all__ = [
+    "NonFiniteGuard",
+    "NonFiniteMode",
+    "NonFiniteReport",
+    "check_mode",
+    "nonfinite_weights",
+]
+
+NonFiniteMode = Literal["raise", "skip", "off"]
+
+
+def check_mode(value: Any, field_name: str = "on_nonfinite") -> NonFiniteMode:
+    """``value`` if it is one of ``"raise"``, ``"skip"``, ``"off"``; else ``ValueError``."""
+    if value not in get_args(NonFiniteMode):
+        raise ValueError(
+            f"{field_name}={value!r} is not a valid choice: pass 'raise' (stop the run naming "
+            "the batch and ranks), 'skip' (skip the optimizer step) or 'off' (no check)."
+        )
+    return value  # type: ignore[no-any-return]
+
+
+def _wide(t: Tensor) -> Tensor:
+    """``t`` (local shard, detached), float16 widened so that its norm cannot overflow."""
+    t = comm.to_local(t).detach()
+    return t.float() if t.dtype == torch.float16 else t
+
+
+def _nonfinite_flags(tensors: Sequence[Tensor]) -> Tensor:
+    """``[N]`` bool: the tensor holds a NaN or inf (one fused ``torch._foreach_norm``; a norm
+    beyond the range of the dtype counts too, as in Megatron's check of the norm)."""
+    norms = torch._foreach_norm([_wide(t) for t in tensors])
+    return ~torch.stack([n.to(tensors[0].device) for n in norms]).isfinite()
+
+
+def _finite_flag(tensors: Sequence[Tensor]) -> Tensor | None:
+    """0-dim bool: every entry of every tensor finite (``None`` for no tensors)."""
+    return None if not tensors else ~_nonfinite_flags(tensors).any()
+
+
+def _floating(batch: Any) -> list[Tensor]:
+    if isinstance(batch, Tensor):
+        return [batch] if batch.is_floating_point() and batch.numel() else []
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        return [t for item in batch for t in _floating(item)]
+    return []
+
+
+@dataclass
+class NonFiniteReport:
+    """Who saw what at one optimizer step: rank -> first batch index (inputs, loss), ranks with
+    non-finite gradients and rank -> up to 3 parameter names; ``window``: the step's batches."""
+
+    step: int
+    window: list[int] = field(default_factory=list)
+    inputs: dict[int, int] = field(default_factory=dict)
+    losses: dict[int, int] = field(default_factory=dict)
+    grads: dict[int, list[str]] = field(default_factory=dict)
+
+    @property
+    def failed(self) -> bool:
+        """A non-finite loss or gradient on any rank (inputs alone are reported, not acted on:
+        a non-finite field that no layer uses does no harm)."""
+        return bool(self.losses or self.grads)
+
+    @property
+    def batches(self) -> list[int]:
+        return sorted({*self.inputs.values(), *self.losses.values()}) or self.window
+
+    def describe(self) -> str:
+        def where(by_rank: dict[int, int]) -> str:
+            return ", ".join(f"rank {r} (batch {b})" for r, b in sorted(by_rank.items()))
+
+        parts = []
+        if self.losses:
+            parts.append(f"non-finite loss on {where(self.losses)}")
+        if self.grads:
+            names = "; ".join(f"rank {r}: {', '.join(n)}" for r, n in sorted(self.grads.items()))
+            parts.append(f"non-finite gradients on ranks {sorted(self.grads)} ({names})")
+        if self.inputs:
+            parts.append(f"non-finite inputs on {where(self.inputs)}")
+        batches = f"batch {self.batches}" if self.batches else "a batch of this step"
+        return f"global step {self.step}, {batches}: " + "; ".join(parts)
+
+
+class NonFiniteGuard:
+    """Detect a non-finite loss or gradient before the optimizer step (module docstring).
+
+    ``mode``: ``"raise"`` or ``"skip"`` (``"off"`` is the caller's business: do not call).
+    ``group``: the group spanning every rank (``None``: the default world group).
+    ``skipped`` counts the skipped steps; ``last_skipped_step`` is the ``global_step`` at which
+    the last one was skipped (``-1``: none), for hooks that follow optimizer steps up (an EMA
+    update must not follow a skipped step).
+    """
+
+    def __init__(self, mode: NonFiniteMode, group: dist.ProcessGroup | None = None) -> None:
+        self.mode = check_mode(mode)
+        self.group = group
+        self.skipped = 0
+        self.last_skipped_step = -1
+        self._window: dict[int, list[Tensor | None]] = {}
+        self._batch = 0
+
+    def observe_batch(self, batch: Any, batch_idx: int) -> None:
+        """Record whether ``batch``'s floating tensors are finite (a device flag)."""
+        self._batch = int(batch_idx)
+        self._window[self._batch] = [_finite_flag(_floating(batch)), None]
+
+    def observe_loss(self, loss: Tensor) -> None:
+        """Record whether the loss of the current batch (this rank's own) is finite."""
+        flags = self._window.setdefault(self._batch, [None, None])
+        flags[1] = loss.detach().isfinite().all()
+
+    def _local(self, grads: Sequence[Tensor], device: torch.device) -> tuple[Tensor, Tensor]:
+        """``[3]`` float64: first batch with non-finite inputs, with a non-finite loss (inf:
+        none), gradients non-finite (0/1); and the ``[P]`` per-gradient non-finite flags."""
+        first = torch.full((2,), math.inf, dtype=torch.float64, device=device)
+        for idx, flags in self._window.items():
+            for k, ok in enumerate(flags):
+                if ok is not None:
+                    bad = torch.where(ok.to(device), math.inf, float(idx))
+                    first[k] = torch.minimum(first[k], bad)
+        per_grad = torch.zeros(0, dtype=torch.bool, device=device)
+        if grads:
+            per_grad = _nonfinite_flags(grads).to(device)
+        return torch.cat([first, per_grad.any().double().view(1)]), per_grad
+
+    def check(
+        self,
+        params: Iterable[Tensor],
+        names: Callable[[], dict[int, str]],
+        step: int,
+        check_grads: bool = True,
+    ) -> NonFiniteReport | None:
+        """Collective over ``group``: decide on the step whose gradients ``params`` hold.
+
+        ``names``: ``id(parameter) -> name`` (called only on failure). ``check_grads=False``
+        leaves the gradients to a ``GradScaler``, which skips overflowing steps itself.
+        Returns ``None`` (go ahead) or the report of a skipped step (gradients set to ``None``).
+        Raises ``RuntimeError`` in mode ``"raise"``.
+        """
+        params = [p for p in params if p.grad is not None]
+        grads = [comm.to_local(p.grad) for p in params if p.grad is not None] if check_grads else []
+        device = grads[0].device if grads else comm.group_device(self.group)
+        local, per_grad = self._local(grads, device)
+        report = NonFiniteReport(step=step, window=sorted(self._window))
+        self._window = {}
+        rows = [r.tolist() for r in comm.all_gather(local, self.group)]
+        for rank, (inp, loss, _) in enumerate(rows):
+            if inp != math.inf:
+                report.inputs[rank] = int(inp)
+            if loss != math.inf:
+                report.losses[rank] = int(loss)
+        if any(row[2] for row in rows):
+            by_id = names()
+            flags = per_grad.tolist()
+            mine = [by_id.get(id(p), "?") for p, bad in zip(params, flags, strict=True) if bad]
+            for rank, got in enumerate(comm.all_gather_objects(mine[:3], self.group)):
+                if rows[rank][2]:
+                    report.grads[rank] = got
+        if not report.failed:
+            return None
+        if self.mode == "raise":
+            raise RuntimeError(
+                f"Non-finite training step at {report.describe()}. The optimizer step did not "
+                "run: weights and optimizer state are those of the previous step. Check that "
+                "batch's data (or lower the learning rate), or pass "
+                "MultimodalParallelStrategy(on_nonfinite='skip') to skip such steps."
+            )
+        for p in params:
+            p.grad = None
+        self.skipped += 1
+        self.last_skipped_step = step
+        if comm.group_rank(self.group) == 0:
+            warnings.warn(
+                f"Skipped the optimizer step at {report.describe()} (on_nonfinite='skip'; "
+                f"{self.skipped} skipped so far).",
+                stacklevel=2,
+            )
+        return report
+
+
+def nonfinite_weights(
+    module: nn.Module, group: dist.ProcessGroup | None = None
+) -> dict[int, list[str]]:
+    """Rank -> names of its parameters holding a NaN or inf (local shards; empty: all finite).
+
+    Collective over ``group``: one all-reduce of a count; the names are gathered only when the
+    count is not 0. One fused ``torch._foreach_norm`` over this rank's parameters.
+    """
+    named = [(n, p) for n, p in module.named_parameters() if p.is_floating_point() and p.numel()]
+    bad: list[str] = []
+    if named:
+        flags = _nonfinite_flags([p for _, p in named]).tolist()
+        bad = [n for (n, _), b in zip(named, flags, strict=True) if b]
+    count = torch.tensor(float(len(bad)), device=comm.group_device(group))
+    if comm.all_reduce(count, "sum", group).item() == 0:
+        return {}
+    return {r: names for r, names in enumerate(comm.all_gather_objects(bad, group)) if names}

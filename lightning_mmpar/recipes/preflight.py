@@ -1,0 +1,88 @@
+"""Checks of a run's layout against its model and data, before any process is launched.
+
+Lightning launches the other ranks inside ``trainer.fit`` (``validate``, ``test``,
+``predict``); errors that need the model or the data (pipeline stages vs blocks, heads vs
+tensor parallelism, batch vs micro-batches, image sizes) were raised after
+that, 13-20 s in, once per rank. :func:`preflight` runs the same validation functions in the
+CLI's main process, from the configuration (the model's blocks counted on the meta device), so a
+mistake is one ``ValueError``, printed once, within seconds. Lightning's ``LightningCLI``
+``before_<subcommand>`` hooks call it (:class:`lightning_mmpar.recipes.cli.ClipLlamaCLI`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+
+from lightning_mmpar.config import ParallelConfig
+from lightning_mmpar.models.fusion import FusionModel
+from lightning_mmpar.parallel.checkpoint import validate_checkpoint
+from lightning_mmpar.parallel.pipeline import partition
+from lightning_mmpar.plans.fusion import validate_tensor_parallel
+from lightning_mmpar.recipes.config import check_image_size
+from lightning_mmpar.recipes.module import ClipLlamaModule
+from lightning_mmpar.strategy import MultimodalParallelStrategy
+
+__all__ = ["RESUME_MAY_CHANGE", "preflight"]
+
+RESUME_MAY_CHANGE = ("optim", "loss")
+"""Hyper-parameter groups a resumed run may change (learning rate and schedule, loss weights):
+they change no checkpointed tensor. Any other difference (tower sizes, vocabulary, frozen parts)
+refuses the checkpoint before the processes start."""
+_LIGHTNING_CKPT_NAMES = ("last", "best", "hpc", "registry")
+
+
+def _check_model(model: ClipLlamaModule, tp: int, config: ParallelConfig | None) -> None:
+    """Heads and widths vs tp (``validate_tensor_parallel``), pipeline stages vs the model's
+    blocks (``partition``, blocks counted on a meta-device model)."""
+    fusion = model._resolved_config(tp)
+    if tp > 1:
+        validate_tensor_parallel(fusion, tp, vision_parallel=model.tp_options.vision_parallel)
+    if config is not None and config.pipeline_parallel > 1:
+        with torch.device("meta"):
+            blocks = len(FusionModel(fusion).pipeline_blocks())
+        partition(blocks, config.num_stages)
+
+
+def preflight(
+    trainer: Trainer,
+    model: LightningModule | None,
+    datamodule: Any = None,
+    *,
+    ckpt_path: str | None = None,
+) -> None:
+    """Check the layout of ``trainer`` against ``model`` and ``datamodule`` before the processes
+    are launched (call it in the main process, before ``trainer.fit`` & co.).
+
+    The world size vs the layout is checked when the strategy is built (``ParallelDims``,
+    ``ParallelConfig.check_world``). Checks here: every sharded size vs tp
+    (:func:`~lightning_mmpar.plans.fusion.validate_tensor_parallel`), pipeline stages vs blocks
+    (:func:`~lightning_mmpar.parallel.pipeline.partition`), ``data.batch_size`` vs micro-batches
+    (:meth:`ParallelConfig.check_batch_size`) and ``data.image_size`` vs the ViT's
+    (:func:`~lightning_mmpar.recipes.config.check_image_size`); under ``mm_parallel`` a
+    ``ckpt_path`` is validated (:func:`~lightning_mmpar.parallel.checkpoint.validate_checkpoint`:
+    complete, undamaged files, the same hyper-parameters apart from :data:`RESUME_MAY_CHANGE`).
+    Other strategies and modules get the checks that apply.
+
+    Raises:
+        ValueError: the first failing check, naming field, value and fix.
+        FileNotFoundError: ``ckpt_path`` or a file of it is missing.
+    """
+    strategy = trainer.strategy
+    tp, config = 1, None
+    if isinstance(strategy, MultimodalParallelStrategy):
+        config = strategy.config
+        tp = config.tensor_parallel
+    if isinstance(model, ClipLlamaModule):
+        _check_model(model, tp, config)
+        image_size = getattr(datamodule, "image_size", None)
+        if isinstance(image_size, int):
+            check_image_size(image_size, model.fusion_config.vision.image_size)
+    batch_size = getattr(datamodule, "batch_size", None)
+    if config is not None and isinstance(batch_size, int):
+        config.check_batch_size(batch_size)
+    if ckpt_path is not None and config is not None and ckpt_path not in _LIGHTNING_CKPT_NAMES:
+        hparams = model.hparams if model is not None else None
+        validate_checkpoint(ckpt_path, hparams, ignore=RESUME_MAY_CHANGE)

@@ -1,0 +1,123 @@
+"""Layout mistakes that need the model or the data fail in the CLI's main process, before any
+process is launched (issue 15, "Errors that arrive late").
+
+Each invocation runs the recipe's CLI in this process with ``Trainer.fit``/``validate`` and
+``subprocess.Popen`` (what Lightning's launcher starts the other ranks with) replaced by
+recorders: a mistake must raise one ``ValueError`` from ``before_<subcommand>``, within seconds,
+with neither called. Before the check these errors came from ``configure_model``/``setup`` on
+every rank, 13-20 s in.
+"""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from lightning.pytorch import Trainer
+
+from lightning_mmpar.config import ParallelConfig
+from lightning_mmpar.recipes.cli import run_cli
+from lightning_mmpar.recipes.config import check_image_size
+
+YAML = str(Path(__file__).resolve().parents[2] / "recipes" / "clip_llama_cpu.yaml")
+STRATEGY = "--trainer.strategy.init_args."
+
+
+@pytest.fixture
+def launched(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Names of what ran past the pre-flight check: ``fit``/``validate`` or a child process."""
+    calls: list[str] = []
+
+    def record(name: str) -> Any:
+        # keep the signature: LightningCLI builds each subcommand's arguments from it
+        original = getattr(Trainer, name, None)
+        recorder = lambda *args, **kwargs: calls.append(name)  # noqa: E731
+        return functools.wraps(original)(recorder) if original else recorder
+
+    for name in ("fit", "validate"):
+        monkeypatch.setattr(Trainer, name, record(name))
+    monkeypatch.setattr(subprocess, "Popen", record("Popen"))
+    return calls
+
+
+MISTAKES = [
+    (  # heads vs tp: validate_tensor_parallel, raised in configure_model before
+        ["--model.fusion.language.num_key_value_heads", "1"],
+        r"num_key_value_heads \(1\) must be divisible by the tensor-parallel size \(2\)",
+    ),
+    (  # stages vs blocks: pipeline.partition, raised in the strategy's setup before
+        [f"{STRATEGY}virtual_pipeline", "8", f"{STRATEGY}schedule", "interleaved_1f1b",
+         f"{STRATEGY}micro_batches", "4"],
+        r"pipeline stages \(16 = pipeline_parallel \* virtual_pipeline\) exceed the model's "
+        r"pipeline blocks \(9\)",
+    ),
+    (  # micro-batch divisibility: raised at the first pipeline step before
+        ["--data.batch_size", "71"],
+        r"data.batch_size \(71\) must be divisible by micro_batches \(2\).*e.g. 70",
+    ),
+    (  # image size: raised in the module's setup before
+        ["--data.image_size", "16"],
+        r"data.image_size \(16\) must equal model.fusion.vision.image_size \(32\)",
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("args", "message"), MISTAKES, ids=lambda v: str(v)[:40])
+def test_mistake_fails_in_main_process_before_launch(
+    launched: list[str], args: list[str], message: str
+) -> None:
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=message):
+        run_cli(["fit", "--config", YAML, *args])
+    assert launched == [], f"ran past the check: {launched}"
+    assert time.perf_counter() - start < 10
+
+
+def test_valid_layout_reaches_fit_and_validate_is_checked_too(launched: list[str]) -> None:
+    run_cli(["fit", "--config", YAML])
+    assert launched == ["fit"]
+    with pytest.raises(ValueError, match=r"data.image_size \(16\)"):
+        run_cli(["validate", "--config", YAML, "--data.image_size", "16"])
+    assert launched == ["fit"]
+
+
+def test_check_functions() -> None:
+    pp2 = ParallelConfig(pipeline_parallel=2, micro_batches=4)
+    pp2.check_batch_size(8)
+    ParallelConfig(micro_batches=4).check_batch_size(7)  # pp 1: the batch runs whole
+    with pytest.raises(ValueError, match=r"batch_size \(6\).*micro_batches \(4\).*e.g. 4"):
+        pp2.check_batch_size(6)
+    check_image_size(32, 32)
+    with pytest.raises(ValueError, match=r"data.image_size \(8\)"):
+        check_image_size(8, 32)
+
+
+def test_checkpoint_is_checked_before_launch(launched: list[str], tmp_path: Path) -> None:
+    """``--ckpt_path``: a single-file checkpoint and one written with other tower sizes are
+    refused in the main process (``validate_checkpoint``), a learning-rate change is not."""
+    import torch
+    from torch import nn
+
+    from lightning_mmpar.parallel.checkpoint import save_sharded
+
+    single = tmp_path / "model.ckpt"
+    torch.save({"state_dict": {}}, single)
+    with pytest.raises(ValueError, match=r"model.ckpt.*director"):
+        run_cli(["fit", "--config", YAML, "--ckpt_path", str(single)])
+    assert launched == []
+
+    other = run_cli(["fit", "--config", YAML, "--model.fusion.language.num_hidden_layers", "1",
+                     "--model.optim.lr", "0.1"])  # fmt: skip
+    launched.clear()
+    ckpt = tmp_path / "last.ckpt"
+    save_sharded(ckpt, nn.Linear(2, 2), [], {"hyper_parameters": dict(other.model.hparams)}, True)
+    with pytest.raises(ValueError, match=r"num_hidden_layers: checkpoint 1, this run 2"):
+        run_cli(["fit", "--config", YAML, "--ckpt_path", str(ckpt)])
+    assert launched == []
+    run_cli(["fit", "--config", YAML, "--ckpt_path", str(ckpt),
+             "--model.fusion.language.num_hidden_layers", "1"])  # fmt: skip
+    assert launched == ["fit"]  # only optim (the learning rate) differs: allowed
