@@ -5,7 +5,12 @@
 1. Step time of a Lightning run with no callback, with GradientDriftMonitor, and with
    GradientDriftMonitor + FP8FallbackCallback (snapshot every step), interleaved in one process
    so machine load affects all three alike; medians of per-step wall times.
-2. Forward+backward time of a stack of Linear layers in fp32, bf16 and FP8 emulation on CPU.
+2. The same on the fusion model (the recipe's ``ClipLlamaModule`` at the recipe tests' tiny
+   sizes, ``tests/recipes/recipe_faults_worker.tiny_module``) under Lightning ``ddp`` with 2
+   gloo processes: the three variants interleaved A B C A B C, per-step times of both ranks
+   (a step waits for the slower rank); the median overhead in ms and as a ratio, and the
+   spread of the per-repeat medians.
+3. Forward+backward time of a stack of Linear layers in fp32, bf16 and FP8 emulation on CPU.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,6 +33,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mmpar.callbacks import FP8FallbackCallback, GradientDriftMonitor
 from lightning_mmpar.precision import FP8Policy, convert_to_fp8, set_precision
+from lightning_mmpar.testing import quiet_trainer, spawn
+
+VARIANTS = ("off", "monitor", "monitor+fallback")
 
 
 class MLP(pl.LightningModule):
@@ -61,11 +70,7 @@ def run(variant: str, width: int, depth: int, steps: int, root: str) -> list[flo
     torch.manual_seed(0)
     x, y = torch.randn(steps * 32, width), torch.randn(steps * 32, 1)
     timer = StepTimer()
-    cbs: list[pl.Callback] = [timer]
-    if variant != "off":
-        cbs.append(GradientDriftMonitor(log_dir=root))
-    if variant == "monitor+fallback":
-        cbs.append(FP8FallbackCallback())
+    cbs: list[pl.Callback] = [timer, *_variant_callbacks(variant, root)]
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, max_steps=steps, logger=False, callbacks=cbs,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -89,6 +94,61 @@ def callback_overhead(repeats: int, width: int, depth: int, steps: int) -> dict[
         "ratio_monitor_fallback_vs_off": med["monitor+fallback"] / med["off"],
         "steps_per_variant": len(times["off"]),
     }
+
+
+def _variant_callbacks(variant: str, root: str) -> list[pl.Callback]:
+    cbs: list[pl.Callback] = []
+    if variant != "off":
+        cbs.append(GradientDriftMonitor(log_dir=root))
+    if variant == "monitor+fallback":
+        cbs.append(FP8FallbackCallback())
+    return cbs
+
+
+def _fusion_rank(rank: int, world: int, repeats: int, steps: int, root: str) -> Any:
+    """One rank of the fusion-model ddp benchmark: per variant, per repeat, step times."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "recipes"))
+    from recipe_faults_worker import batches, digits, tiny_module
+
+    torch.set_num_threads(1)
+    data = digits()
+    loader = batches(data, steps)
+    out: dict[str, list[list[float]]] = {v: [] for v in VARIANTS}
+    for _ in range(repeats):
+        for variant in VARIANTS:
+            timer = StepTimer()
+            trainer = quiet_trainer(
+                strategy="ddp", devices=world, max_steps=steps, use_distributed_sampler=False,
+                limit_val_batches=0, callbacks=[timer, *_variant_callbacks(variant, root)],
+                default_root_dir=root,
+            )  # fmt: skip
+            trainer.fit(tiny_module(data.vocab_size), DataLoader(loader, batch_size=None))  # type: ignore[arg-type]
+            out[variant].append(timer.times[3:])  # drop warm-up steps
+    return out
+
+
+def fusion_ddp_overhead(repeats: int, steps: int) -> dict[str, Any]:
+    """Section 2 of the module docstring (2 gloo processes on CPU)."""
+    with tempfile.TemporaryDirectory() as root:
+        ranks = spawn(_fusion_rank, 2, repeats, steps, root, timeout=1800)
+    # a ddp step is as slow as its slower rank
+    per_step = {v: [[max(ts) for ts in zip(*(r[v][i] for r in ranks), strict=True)]
+                    for i in range(repeats)] for v in VARIANTS}  # fmt: skip
+    med = {v: statistics.median([t for rep in per_step[v] for t in rep]) for v in VARIANTS}
+    rep_med = {v: [statistics.median(rep) for rep in per_step[v]] for v in VARIANTS}
+    res: dict[str, Any] = {
+        "model": "recipe ClipLlamaModule, tiny sizes (recipe_faults_worker.tiny_module), batch 8,"
+        " Lightning ddp, 2 gloo processes x 1 thread",
+        "median_step_s": med,
+        "per_repeat_median_step_s": rep_med,
+        "steps_per_variant": sum(len(rep) for rep in per_step["off"]),
+    }
+    for v in VARIANTS[1:]:
+        ratios = [a / b for a, b in zip(rep_med[v], rep_med["off"], strict=True)]
+        res[f"overhead_ms_{v}"] = 1e3 * (med[v] - med["off"])
+        res[f"ratio_{v}_vs_off"] = med[v] / med["off"]
+        res[f"ratio_{v}_vs_off_spread"] = [min(ratios), max(ratios)]
+    return res
 
 
 def _fwd_bwd_time(model: nn.Module, x: torch.Tensor, iters: int) -> float:
@@ -122,12 +182,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "stability.json"))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--fusion-steps", type=int, default=23)
+    parser.add_argument("--only-fusion", action="store_true", help="only (re)run section 2")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.only_fusion:  # refresh section 2 in the existing results file
+        out = Path(args.out)
+        result = json.loads(out.read_text()) if out.exists() else {}
+        result["fusion_ddp_overhead"] = fusion_ddp_overhead(args.repeats, args.fusion_steps)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result["fusion_ddp_overhead"], indent=2))
+        return
     result = {
         "host": {"machine": platform.machine(), "torch": torch.__version__, "threads": 1},
         "callback_overhead_small": callback_overhead(args.repeats, width=256, depth=4, steps=23),
         "callback_overhead_large": callback_overhead(args.repeats, width=1024, depth=4, steps=13),
+        "fusion_ddp_overhead": fusion_ddp_overhead(args.repeats, steps=args.fusion_steps),
         "precision_cpu": precision_speed(width=512, depth=4, tokens=256, iters=12),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,9 @@
 
 Mechanism (automatic optimization):
 
-* ``on_train_batch_start`` keeps the batches of the current accumulation window.
+* ``on_train_batch_start`` keeps the batches of the current accumulation window (the batches
+  since the last optimizer step; cleared after each step, so at most
+  ``accumulate_grad_batches`` batches are held and a redo recomputes exactly the current step).
 * ``on_before_optimizer_step`` (gradients are synchronised, the optimizer has not stepped):
   the :class:`GradientDriftMonitor` inspects the gradients (non-finite / exploding, collective)
   and this callback reads every :class:`Float8Linear`'s cast statistics (amax overflow,
@@ -37,6 +39,7 @@ from typing_extensions import override
 from lightning_mmpar.callbacks.anomalies import Anomaly
 from lightning_mmpar.callbacks.config import FallbackConfig
 from lightning_mmpar.callbacks.grad_drift import GradientDriftMonitor, GradReport
+from lightning_mmpar.callbacks.grad_stats import log_due
 from lightning_mmpar.callbacks.snapshot import Snapshot
 from lightning_mmpar.parallel import comm
 from lightning_mmpar.parallel.numerics import scale_grads_
@@ -119,6 +122,7 @@ class FP8FallbackCallback(Callback):
             set_precision(pl_module, self.config.fallback_precision, sorted(self.fallen))
         self.snapshot.take(trainer, pl_module)
         self._last_step = trainer.global_step
+        self._window = []
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -139,8 +143,7 @@ class FP8FallbackCallback(Callback):
     ) -> None:
         if self._drive:
             self.mon.on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        if trainer.global_step != self._last_step or not self._window:
-            self._window = []
+        if not self._window:  # first batch of an accumulation window
             for m in fp8_modules(pl_module).values():
                 m.reset_fp8_stats()
         self._window.append((batch, batch_idx))
@@ -166,8 +169,10 @@ class FP8FallbackCallback(Callback):
         self._last_step = trainer.global_step
         checked = trainer.global_step % self.mon.config.check_every_n_steps == 0
         drift = self.mon.check_replicas(trainer, pl_module) if checked else []
-        if drift and self.config.check_drift:
-            names = {_module_of(d.name) for d in drift}
+        if checked and self.mon.drift_anywhere and self.config.check_drift:
+            # drift is seen by its group only: the blamed modules are the union over ranks
+            mine = sorted({_module_of(d.name) for d in drift})
+            names = {m for rk in comm.all_gather_objects(mine) for m in rk}
             mods = sorted(n for n in names if n in fp8_modules(pl_module))
             reasons = [{"kind": "replica_drift", "param": d.name, "shape": d.shape,
                         "drifting_ranks": d.drifting_ranks} for d in drift]  # fmt: skip
@@ -177,7 +182,9 @@ class FP8FallbackCallback(Callback):
             )
         else:
             self._on_clean_step(trainer, pl_module, checked)
-        if self.mon.config.log_metrics:
+        self._window = []  # the optimizer stepped: the next batch opens a new window
+        if self.mon.config.log_metrics and log_due(trainer):
+            self.mon.log_metrics(pl_module)  # once per step, the final (possibly redone) report
             for k, v in self.counters.items():
                 pl_module.log(f"fp8_fallback/{k}", float(v), on_step=True, on_epoch=False)
 
@@ -241,9 +248,9 @@ class FP8FallbackCallback(Callback):
             report = self._redo(trainer, pl_module, optimizer, step=after_step)
             self._record(trainer, pl_module, decision, report, switched, attempt, restored, lost)
             if after_step:
-                drift = self.mon.check_replicas(trainer, pl_module, force=True)
+                self.mon.check_replicas(trainer, pl_module, force=True)
                 decision = self._decide(pl_module, report)
-                if drift and not decision.anomalous:
+                if self.mon.drift_anywhere and not decision.anomalous:
                     decision = Decision(anomalous=True, reasons=[{"kind": "replica_drift"}])
             else:
                 decision = self._decide(pl_module, report)

@@ -57,9 +57,12 @@ from lightning_mmpar.callbacks.grad_stats import (
     LocalGradCapture,
     batch_size_of,
     lightning_fsdp,
+    log_due,
     noise_scale_terms,
     norm_weights,
     pipeline_micro_batches,
+    reduce_module_norms,
+    safe_sqrt,
     stage_groups,
 )
 from lightning_mmpar.parallel import comm, numerics
@@ -106,6 +109,8 @@ class GradientDriftMonitor(Callback):
         self.last_report: GradReport | None = None
         self.groups: list[replicas.ReplicaGroup] = []
         self.last_drift: list[replicas.Drift] = []
+        self.drift_anywhere = False
+        """Whether any rank found drift in the latest :meth:`check_replicas` (collective)."""
         self.capture: LocalGradCapture | None = None
         self._batch: int | None = None
         self._inspected_step = -1
@@ -113,6 +118,7 @@ class GradientDriftMonitor(Callback):
         self._module_ema: dict[str, float] = {}
         self._ema_g2: float | None = None
         self._ema_trace: float | None = None
+        self._logged_report: GradReport | None = None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -165,22 +171,34 @@ class GradientDriftMonitor(Callback):
     ) -> None:  # fmt: skip
         if trainer.global_step % self.config.check_every_n_steps == 0:
             self.check_replicas(trainer, pl_module)
+        if self.config.log_metrics:
+            self.log_metrics(pl_module)
 
     def inspect_gradients(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, force: bool = False
     ) -> GradReport:
-        """Collective: check this step's gradients (memoised per step unless ``force``)."""
+        """Collective: check this step's gradients (memoised per step unless ``force``).
+
+        A forced inspection (a recovery's recomputed gradients, possibly after the optimizer
+        step has advanced ``global_step``) replaces :attr:`last_report` but not the memo: the
+        next step is inspected afresh.
+        """
         step = trainer.global_step
         if self.last_report is not None and self._inspected_step == step and not force:
             return self.last_report
-        self._inspected_step = step
+        if not force:
+            self._inspected_step = step
         named = [(n, p) for n, p in pl_module.named_parameters() if p.grad is not None]
         local_norms = numerics.local_grad_norms([p for _, p in named])
         ws = norm_weights(trainer, [p for _, p in named])
-        total = float(numerics.global_norm_from_local(local_norms, ws))
-        norms = local_norms.tolist()
-        modules = self._module_norms(named, norms, ws, trainer)
-        exploding = self._exploding(modules, step)
+        norms = local_norms.tolist()  # the one host sync of the local norms
+        mod_sq = self._module_sq(named, norms, ws)
+        groups = stage_groups(trainer)
+        # one stage spanning the world (DDP, dp-only layouts): module norms ride along in the
+        # single all-reduce below; otherwise they are summed over the stage's groups first
+        fold = len(groups) == 1 and comm.group_size(groups[0]) == comm.group_size()
+        modules: dict[str, float] = {} if fold else reduce_module_norms(mod_sq, groups)
+        exploding = [] if fold else self._exploding(modules, step)
         nonfinite = [n for (n, _), v in zip(named, norms, strict=True) if not math.isfinite(v)]
         local_sq, count = self.capture.take() if self.capture else ([], 0)
         me = comm.group_rank()
@@ -198,11 +216,19 @@ class GradientDriftMonitor(Callback):
             small /= max(count, 1)
         has = self.capture is not None and bool(self.capture.names)
         bad_s = not has or count == 0 or not math.isfinite(small)
+        # the global norm (numerics.global_norm_from_local's weighted squares) and every count
+        # in one all-reduce
+        sq = sum(w * v * v for w, v in zip(ws, norms, strict=True))
         vec = torch.tensor(
             [0.0 if bad_s else small, float(bad_s), len(nonfinite), len(local_bad),
-             len(exploding)], dtype=torch.float64,
+             len(exploding), sq, *(mod_sq.values() if fold else ())], dtype=torch.float64,
         )  # fmt: skip
         tot = comm.all_reduce(vec).tolist()
+        if fold:
+            modules = {m: safe_sqrt(v) for m, v in zip(mod_sq, tot[6:], strict=True)}
+            exploding = self._exploding(modules, step)  # same global norms on every rank
+            tot[4] = len(exploding)
+        total = safe_sqrt(tot[5])
         origin = [o for rk in comm.all_gather_objects(local_bad) for o in rk] if tot[3] > 0 else []
         finite = math.isfinite(total)
         report = GradReport(
@@ -214,26 +240,17 @@ class GradientDriftMonitor(Callback):
             self._noise_scale(report, tot[0], total * total, trainer)
         self._record_grad_anomalies(report, named, norms, modules, local_bad)
         self.last_report = report
-        if self.config.log_metrics:
-            self._log_metrics(pl_module, report)
         return report
 
-    def _module_norms(
-        self, named: Sequence[tuple[str, Tensor]], norms: list[float], weights: list[float],
-        trainer: pl.Trainer,
-    ) -> dict[str, float]:  # fmt: skip
-        """Global norm per module: weighted local squares summed over the module's stage."""
+    def _module_sq(
+        self, named: Sequence[tuple[str, Tensor]], norms: list[float], weights: list[float]
+    ) -> dict[str, float]:
+        """Weighted local squared norm per module (first ``module_depth`` name parts)."""
         sq: dict[str, float] = {}
         for (n, _), v, w in zip(named, norms, weights, strict=True):
             mod = ".".join(n.split(".")[:-1][: self.config.module_depth]) or "<root>"
             sq[mod] = sq.get(mod, 0.0) + w * v * v
-        groups = stage_groups(trainer)
-        if sq and groups:  # w = S / (ranks per stage): the stage's sum is the global square
-            vec = torch.tensor(list(sq.values()), dtype=torch.float64)
-            for g in groups:  # dp then tp: together the ranks of this pipeline stage
-                comm.all_reduce(vec, "sum", g)
-            sq = dict(zip(sq, vec.tolist(), strict=True))
-        return {m: math.sqrt(v) if v >= 0 else v for m, v in sq.items()}
+        return sq
 
     def _exploding(self, modules: dict[str, float], step: int) -> list[str]:
         cfg, out = self.config, []
@@ -295,7 +312,18 @@ class GradientDriftMonitor(Callback):
         for a in recs[:cap]:
             self.anomalies.record(a)
 
-    def _log_metrics(self, pl_module: pl.LightningModule, report: GradReport) -> None:
+    def log_metrics(self, pl_module: pl.LightningModule) -> None:
+        """Log ``stability/*`` of the latest report, once per report, from the current hook.
+
+        Called from ``on_train_batch_end`` only (by this callback and, after a recovery, by
+        :class:`FP8FallbackCallback`): Lightning keys logged values by hook, so logging one name
+        from two hooks would leave a stale entry that shadows the fresh one. Only on steps whose
+        values reach the loggers (``Trainer(log_every_n_steps=...)``, :func:`.log_due`).
+        """
+        report = self.last_report
+        if report is None or report is self._logged_report or not log_due(pl_module.trainer):
+            return
+        self._logged_report = report
         vals = {
             "stability/grad_norm": report.grad_norm,
             "stability/local_global_ratio": report.local_global_ratio,
@@ -309,7 +337,8 @@ class GradientDriftMonitor(Callback):
     def check_replicas(
         self, trainer: pl.Trainer, pl_module: nn.Module, *, force: bool = False
     ) -> list[replicas.Drift]:
-        """Collective: compare replicated parameters (memoised per step unless ``force``)."""
+        """Collective: compare replicated parameters (memoised per step unless ``force``);
+        this rank's drifting parameters, :attr:`drift_anywhere` for all ranks."""
         if self._checked_step == trainer.global_step and not force:
             return self.last_drift
         self._checked_step = trainer.global_step
@@ -319,7 +348,7 @@ class GradientDriftMonitor(Callback):
                                          self.config.max_full_compare)  # fmt: skip
             action = self.action
             if drift and self.config.on_drift == "resync":
-                replicas.resync(rg, drift)
+                replicas.resync(rg, drift, getattr(trainer, "optimizers", []))
                 action = f"resynced from reference rank ({self.action})"
             me = comm.group_rank()
             for d in drift[: self.config.max_records_per_step]:
@@ -333,10 +362,18 @@ class GradientDriftMonitor(Callback):
                 ))  # fmt: skip
             found += drift
         self.last_drift = found
-        if found and self.config.on_drift == "raise":
+        # a group's drift is known to its members only: one flag for every rank, so that
+        # recoveries and ``raise`` happen on all ranks together (no rank left in a collective)
+        # (no all-reduce when every group spans the world: all ranks saw the same tables)
+        if all(comm.group_size(g.group) == comm.group_size() for g in self.groups):
+            self.drift_anywhere = bool(found)
+        else:
+            flag = comm.all_reduce(torch.tensor([float(len(found))], dtype=torch.float64))
+            self.drift_anywhere = bool(flag[0] > 0)
+        if self.drift_anywhere and self.config.on_drift == "raise":
             raise RuntimeError(
-                f"GradientDriftMonitor: replica drift at step {trainer.global_step} in "
-                f"{sorted({d.name for d in found})}; see {self.anomalies.path}."
+                f"GradientDriftMonitor: replica drift at step {trainer.global_step} (this rank: "
+                f"{sorted({d.name for d in found}) or 'none'}); see {self.anomalies.path}."
             )
         return found
 

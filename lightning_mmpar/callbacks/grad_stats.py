@@ -11,6 +11,7 @@ pipeline stages added up. Under Lightning's FSDP (flat shards that partition eac
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -91,6 +92,33 @@ def stage_groups(trainer: Any) -> list[Any]:
         return []
     dims = ParallelDims.of(trainer)
     return [dims.get_group(n) for n in ("dp", "tp") if dims.size(n) > 1]
+
+
+def log_due(trainer: Any) -> bool:
+    """Whether Lightning sends this step's logged values to the loggers (``log_every_n_steps``
+    cadence, as ``Trainer`` decides it right after ``on_train_batch_end``). ``LightningModule.log``
+    costs ~1 ms of Python per call on a CPU: the callbacks log only on such steps."""
+    conn = getattr(trainer, "_logger_connector", None)
+    if conn is None or getattr(trainer, "fast_dev_run", False):
+        return True
+    return bool(conn.should_update_logs)
+
+
+def safe_sqrt(v: float) -> float:
+    """``sqrt`` that passes NaN and negative rounding residue through unchanged."""
+    return math.sqrt(v) if v >= 0 else v
+
+
+def reduce_module_norms(sq: dict[str, float], groups: list[Any]) -> dict[str, float]:
+    """Global norm per module from weighted local squares: summed over ``groups`` (those of
+    :func:`stage_groups`: ``w = S / ranks per stage``, so the stage's sum is the global square).
+    Collective over each group."""
+    if sq and groups:
+        vec = torch.tensor(list(sq.values()), dtype=torch.float64)
+        for g in groups:  # dp then tp: together the ranks of this pipeline stage
+            comm.all_reduce(vec, "sum", g)
+        sq = dict(zip(sq, vec.tolist(), strict=True))
+    return {m: safe_sqrt(v) for m, v in sq.items()}
 
 
 def batch_size_of(batch: Any) -> int | None:

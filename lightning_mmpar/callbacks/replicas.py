@@ -11,14 +11,15 @@ majority cannot tell which side drifted: the record then says ``ambiguous``.
 
 Groups (:func:`build_groups`, from ``ParallelDims.of(trainer)`` under ``mm_parallel`` or
 Lightning's ``ModelParallelStrategy``; the world group, labelled ``world``, under DDP and other
-data-parallel strategies), each compared over local shards, which hold the same coordinates on
-every member of the group:
+data-parallel strategies), each compared over local shards. Which parameters a group compares is
+decided from the parameters' placements and meshes, never from mesh dimension names
+(:func:`shard_key`): a parameter is compared over a group only when every member holds the same
+shard of it (torch DTensor semantics: equal coordinates on every non-``Replicate`` mesh dim).
 
-* ``tp``: parameters not sharded over the tp mesh dimension (plain tensors and DTensors whose
-  ``tp`` placement is ``Replicate``, e.g. LayerNorm weights, also when FSDP shards them on dp:
-  the tp peers hold the same dp shard);
-* ``dp``: dense parameters not sharded over dp (``data_parallel="ddp"``, or parameters FSDP does
-  not manage). FSDP-sharded parameters have no replica over dp: they are skipped, and
+* ``tp``: parameters not sharded over tp (plain tensors, DTensors ``Replicate`` over tp, e.g.
+  LayerNorm weights, also when FSDP shards them on dp: the tp peers hold the same dp shard);
+* ``dp``: dense parameters not sharded over dp (``data_parallel="ddp"``, DDP, parameters FSDP
+  does not manage). FSDP-sharded parameters have no replica over dp: they are skipped, and
   :attr:`ReplicaGroup.skipped` counts them;
 * ``edp``: expert parameters (``expert_patterns``) when ``ep > 1``;
 * never across pipeline ranks: they hold different parameters (the tp/dp/edp groups lie inside
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,7 @@ from torch import Tensor, nn
 
 from lightning_mmpar.callbacks.grad_stats import lightning_fsdp
 from lightning_mmpar.parallel import comm
-from lightning_mmpar.topology import LIGHTNING_ALIASES, ParallelDims
+from lightning_mmpar.topology import ParallelDims
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -80,33 +81,32 @@ class Drift:
     drifted is a guess (the lowest rank is taken as reference)."""
 
 
-def _dim_names(p: Tensor) -> list[str]:
-    """Mesh dim names of a DTensor, Lightning's (``tensor_parallel``...) mapped to ours."""
-    names = p.device_mesh.mesh_dim_names or ()  # type: ignore[attr-defined]
-    return [LIGHTNING_ALIASES.get(n, n) for n in names]
+def shard_key(p: Tensor) -> tuple[Any, ...]:
+    """Which part of a parameter this rank holds, from its placements and mesh (not names).
 
-
-def _sharded_over(p: Tensor, dims: tuple[str, ...]) -> bool:
+    A plain tensor is a whole, replicated copy: ``("full", shape)``. A DTensor holds the shard
+    given by its mesh coordinates on the dims whose placement is not ``Replicate`` (``Shard``,
+    ``Partial``): ``("dtensor", shape, ((dim, placement, coordinate, size), ...))``. Two ranks
+    hold the same values exactly when their keys are equal: inside one mesh, the ranks whose
+    coordinates agree on every non-``Replicate`` dim (torch DTensor semantics); across meshes
+    (a TP submesh per dp replica, as torch's ``parallelize_module`` under DDP), ranks at the
+    same shard position, replicated over the dims outside the mesh like a plain tensor.
+    A rank outside the parameter's mesh gets a key of its own.
+    """
     from torch.distributed.tensor import DTensor
 
     if not isinstance(p, DTensor):
-        return False
-    return any(
-        n in dims and not pm.is_replicate()
-        for n, pm in zip(_dim_names(p), p.placements, strict=False)
+        return ("full", tuple(p.shape))
+    mesh = p.device_mesh
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return ("absent", comm.group_rank())
+    sharded = tuple(
+        (d, str(pm), coord[d], mesh.size(d))
+        for d, pm in enumerate(p.placements)
+        if not pm.is_replicate()
     )
-
-
-def _replicated_over_tp(p: Tensor) -> bool:
-    """Same values on every tp rank: a plain tensor, or a DTensor not sharded over ``tp``
-    (a mesh without dimension names counts as tp when it is 1-D and fully replicated)."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(p, DTensor):
-        return True
-    if "tp" in _dim_names(p):
-        return not _sharded_over(p, ("tp",))
-    return all(pm.is_replicate() for pm in p.placements)
+    return ("dtensor", tuple(p.shape), sharded)
 
 
 def build_groups(
@@ -115,7 +115,12 @@ def build_groups(
     """Replica groups: dp/tp(/edp) of the run's :class:`ParallelDims`, labelled ``world`` when
     the group is the default world group (DDP and other data-parallel strategies).
 
-    Under Lightning's FSDP strategies parameters are sharded, so no replica groups exist.
+    Collective over the world (once, at fit start): every rank's :func:`shard_key` per
+    parameter is gathered, and a parameter is compared over a group only when every member
+    holds it with the same key - whatever the strategy and the mesh's dimension names (a
+    user's ``fully_shard`` on an unnamed mesh included). Sharded parameters are never compared
+    across shards; they count in :attr:`ReplicaGroup.skipped`. Under Lightning's FSDP strategies
+    (flat shards, plain tensors) no replica groups exist.
     """
     import fnmatch
 
@@ -123,27 +128,25 @@ def build_groups(
         return []
     dims = ParallelDims.of(trainer)
     named = list(module.named_parameters())
+    keys = comm.all_gather_objects({n: shard_key(p) for n, p in named})
 
     def expert(n: str) -> bool:
         return dims.ep > 1 and any(fnmatch.fnmatchcase(n, p) for p in expert_patterns)
 
-    shard_dims = ("dp", "edp", "ep")
+    def same(group: dist.ProcessGroup, params: list[tuple[str, Tensor]]) -> list[Any]:
+        ranks = dist.get_process_group_ranks(group)
+        return [(n, p) for n, p in params if len({repr(keys[r].get(n)) for r in ranks}) == 1]
+
     dense = [(n, p) for n, p in named if not expert(n)]
-    dp_params = [(n, p) for n, p in dense if not _sharded_over(p, shard_dims)]
     experts = [(n, p) for n, p in named if expert(n)]
-    edp_params = [(n, p) for n, p in experts if not _sharded_over(p, ("dp", "edp"))]
-    tp_params = [(n, p) for n, p in named if _replicated_over_tp(p)]
     out = []
-    for name, params, total in (
-        ("dp", dp_params, len(dense)),
-        ("edp", edp_params, len(experts)),
-        ("tp", tp_params, len(named)),
-    ):
-        if dims.size(name) > 1 and (params or total):
+    for name, params in (("dp", dense), ("edp", experts), ("tp", named)):
+        if dims.size(name) > 1 and params:
             group = dims.get_group(name) or dist.group.WORLD
+            kept = same(group, params)  # type: ignore[arg-type]
             out.append(ReplicaGroup(
                 name="world" if group is dist.group.WORLD else name, group=group,  # type: ignore[arg-type]
-                params=params, skipped=total - len(params),
+                params=kept, skipped=len(params) - len(kept),
             ))  # fmt: skip
     return out
 
@@ -157,11 +160,19 @@ def fingerprints(params: Sequence[tuple[str, Tensor]], device: torch.device) -> 
     return torch.stack(rows).to(device) if rows else torch.zeros(0, 2, dtype=torch.float64)
 
 
+def _close(table: Tensor, rtol: float, atol: float) -> Tensor:
+    """``[G, G, P]`` bool: fingerprints of two ranks agree within tolerance. Equal values,
+    non-finite ones included (NaN on both ranks), agree: identical copies are not drift, even
+    when non-finite (the gradient checks report those)."""
+    a, b = table[:, None], table[None, :]
+    tol = rtol * torch.nan_to_num(table[..., 1].abs(), nan=0.0, posinf=0.0).amax(0) + atol
+    same = (a == b) | (a.isnan() & b.isnan())
+    return (((a - b).abs() <= tol[..., None]) | same).all(-1)
+
+
 def find_drift(table: Tensor, rtol: float, atol: float) -> tuple[Tensor, Tensor]:
     """From a ``[G, P, 2]`` table: ``(drifting [G, P] bool, reference group-rank [P])``."""
-    diff = (table[:, None] - table[None, :]).abs().amax(-1)  # [G, G, P]
-    tol = rtol * table[..., 1].abs().amax(0) + atol  # [P]
-    close = diff <= tol
+    close = _close(table, rtol, atol)  # [G, G, P]
     ref = close.sum(1).argmax(0)  # first maximum -> lowest rank on ties
     drifting = ~close[ref, :, torch.arange(table.shape[1])].T  # [G, P]
     return drifting, ref
@@ -169,9 +180,7 @@ def find_drift(table: Tensor, rtol: float, atol: float) -> tuple[Tensor, Tensor]
 
 def ambiguous(table: Tensor, rtol: float, atol: float) -> Tensor:
     """``[P]`` bool: the reference of each parameter has no strict majority in its group."""
-    diff = (table[:, None] - table[None, :]).abs().amax(-1)
-    tol = rtol * table[..., 1].abs().amax(0) + atol
-    agree = (diff <= tol).sum(1).amax(0)  # [P], the reference's supporters (itself included)
+    agree = _close(table, rtol, atol).sum(1).amax(0)  # [P], the reference's supporters
     return 2 * agree <= table.shape[0]
 
 
@@ -205,9 +214,15 @@ def check_group(rg: ReplicaGroup, rtol: float, atol: float, max_full: int) -> li
     return out
 
 
-def resync(rg: ReplicaGroup, drift: list[Drift]) -> None:
-    """Collective: overwrite drifting parameters with the reference rank's values."""
+def resync(rg: ReplicaGroup, drift: list[Drift], optimizers: Sequence[Any] = ()) -> None:
+    """Collective: overwrite drifting parameters, and their optimizer state (Adam's moments:
+    otherwise the replicas drift apart again at the next step), with the reference rank's."""
     params = dict(rg.params)
     for d in drift:
         src = dist.get_group_rank(rg.group, d.reference_rank)
-        comm.broadcast(comm.to_local(params[d.name]).detach(), src=src, group=rg.group)
+        p = params[d.name]
+        comm.broadcast(comm.to_local(p).detach(), src=src, group=rg.group)
+        for opt in optimizers:
+            state = opt.state.get(p, {})
+            for key in sorted(k for k, v in state.items() if isinstance(v, Tensor)):
+                comm.broadcast(comm.to_local(state[key]), src=src, group=rg.group)

@@ -56,15 +56,16 @@ __all__ = [
 
 # ------------------------------------------------------------------------------- grad norm
 def shard_count(t: Tensor) -> int:
-    """Number of distinct shards of a DTensor (product of the mesh sizes of its ``Shard``
-    placements); 1 for a plain tensor or a fully replicated DTensor."""
+    """Number of distinct shards of a DTensor (product of the mesh sizes of its sharded
+    placements: ``Shard`` and FSDP2's ``_StridedShard`` over a tensor-parallel shard, for which
+    ``is_shard()`` is false); 1 for a plain tensor or a fully replicated DTensor."""
     from torch.distributed.tensor import DTensor
 
     if not isinstance(t, DTensor):
         return 1
     n = 1
     for i, placement in enumerate(t.placements):
-        if placement.is_shard():
+        if not (placement.is_replicate() or placement.is_partial()):  # Shard, _StridedShard
             n *= t.device_mesh.size(i)
     return n
 

@@ -217,11 +217,14 @@ def tp_fp8_check(rank: int, world: int) -> dict[str, float]:
 
 def ddp_world(rank: int, world: int, root: str) -> dict[str, Any]:
     """Every multi-process stability check, in one world (process start-up is costly)."""
+    from stability_matrix import matrix_world
+
     out: dict[str, Any] = {}
     for kind in (None, "nan_grad", "huge_input", "perturb_norm"):
         out[str(kind)] = run_case(f"{root}/{kind}", kind, steps=12)
     out["stock"] = stock_case(f"{root}/stock")
     out["tp"] = tp_fp8_check(rank, world)
+    out.update(matrix_world(rank, world, f"{root}/matrix"))  # ddp, ModelParallel + fully_shard
     return out
 
 
@@ -356,6 +359,8 @@ def mm_fit(
 
 def mm_world(rank: int, world: int, root: str) -> dict[str, Any]:
     """All mm_parallel stability runs in one 4-rank world (ranks: tp fastest, then dp, pp)."""
+    from stability_matrix import matrix_world
+
     out: dict[str, Any] = {}
     # tp2 x dp2, DDP all-reduce: clean; then a TP/DP-replicated norm weight perturbed on rank 3
     out["clean_tp2dp2"] = mm_fit(f"{root}/clean_tp2dp2", world, 2, 1, "ddp", steps=6)
@@ -365,4 +370,5 @@ def mm_world(rank: int, world: int, root: str) -> dict[str, Any]:
     out["clean_tp2pp2"] = mm_fit(f"{root}/clean_tp2pp2", world, 2, 2, "ddp", steps=6)
     fault = ("nan_grad", 2, 3, "layers.3.up.weight")
     out["nan_tp2pp2"] = mm_fit(f"{root}/nan_tp2pp2", world, 2, 2, "ddp", 6, fp8=True, fault=fault)
+    out.update(matrix_world(rank, world, f"{root}/matrix"))  # ModelParallel tp2 x dp2, mm_parallel
     return out

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from stability_matrix import check_matrix
 from stability_worker import ddp_world, read_jsonl
 
 from lightning_mmpar.testing import spawn
@@ -105,3 +106,21 @@ def test_fp8_under_dtensor_tp_matches_per_shard_fp8(
         tp = r["tp"]
         assert tp["out_diff"] == 0.0 and tp["w0_grad_diff"] == 0.0 and tp["w2_grad_diff"] == 0.0
         assert tp["fp32_rel_err"] < 0.1
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_user_module_matrix(world: tuple[list[dict[str, Any]], Path], kind: str) -> None:
+    """Issue 15.2: Lightning ddp, and ModelParallelStrategy with the user's own fully_shard on
+    an unnamed mesh (no shard compared as a replica, none resynced over another)."""
+    check_matrix(world[0], kind)
+
+
+def test_metrics_follow_every_step_after_a_repaired_drift(
+    world: tuple[list[dict[str, Any]], Path],
+) -> None:
+    """Issue 15.3: after the drift at step 2 is repaired, stability/grad_norm kept its value."""
+    for r in world[0]:
+        logged, probe = r["ddp/fallback"]["logged"], r["ddp/fallback"]["probe"]
+        assert len(logged) == 6 and len(set(logged)) == 6
+        for i in (3, 5):  # the steps after the two recoveries: their own global norm
+            assert logged[i] == pytest.approx(probe[i], rel=1e-6)

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from parity_worker import reference
+from stability_matrix import check_matrix
 from stability_worker import mm_world, read_jsonl
 
 from lightning_mmpar.testing import spawn
@@ -112,3 +113,10 @@ def test_clean_run_global_grad_norm_and_noise_scale(world: Results, layout: str)
         assert len({r[layout][key] for r in results}) == 1
     if layout == "clean_tp2pp2":  # pipeline ranks never compared: tp groups inside a stage
         assert [set(r[layout]["groups"]) for r in results] == [{"tp"}] * 4
+
+
+@pytest.mark.parametrize("kind", ["tp2dp2", "mm"])
+def test_user_module_matrix(world: Results, kind: str) -> None:
+    """Issue 15.2: ModelParallelStrategy tp2 x dp2 (the user's parallelize_module and
+    fully_shard) and mm_parallel dp4, with an ordinary user module."""
+    check_matrix(world[0], kind)

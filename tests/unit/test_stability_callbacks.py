@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
+from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "distributed"))
-from stability_worker import TinyNet, fit, read_jsonl, run_case
+from stability_matrix import matrix_case
+from stability_worker import TinyNet, fit, loader, read_jsonl, run_case
 
 from lightning_mmpar.callbacks import (
     DriftConfig,
@@ -21,6 +26,7 @@ from lightning_mmpar.callbacks import (
 )
 from lightning_mmpar.callbacks.grad_stats import noise_scale_terms
 from lightning_mmpar.callbacks.replicas import find_drift
+from lightning_mmpar.testing import quiet_trainer
 
 
 def test_noise_scale_estimator_recovers_known_gradient_statistics() -> None:
@@ -138,3 +144,76 @@ def test_snapshot_restores_weights_and_optimizer_without_aliasing() -> None:
 def test_config_validation(cls: type, kwargs: dict[str, object], msg: str) -> None:
     with pytest.raises(ValueError, match=msg):
         cls(**kwargs)
+
+
+class _WindowProbe(pl.Callback):
+    """After the fallback callback: the batches of each step, the longest window held, and at
+    ``step`` the gradient the optimizer gets next to the one of that step's batches alone."""
+
+    def __init__(self, fb: FP8FallbackCallback, step: int) -> None:
+        self.fb, self.step = fb, step
+        self.batches: dict[int, list[list[torch.Tensor]]] = {}
+        self.longest = 0
+        self.diff: float | None = None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, i: int) -> None:
+        self.batches.setdefault(trainer.global_step, []).append([t.clone() for t in batch])
+        self.longest = max(self.longest, len(self.fb._window))
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, opt: Any) -> None:
+        if trainer.global_step != self.step:
+            return
+        ref = TinyNet()  # the restored snapshot = the weights this step started from
+        ref.load_state_dict(self.fb.snapshot.tensors)
+        for x, y in self.batches[self.step]:
+            (F.mse_loss(ref(x), y) / trainer.accumulate_grad_batches).backward()
+        got = dict(pl_module.named_parameters())
+        self.diff = max(
+            float((got[n].grad - p.grad).abs().max() / p.grad.abs().max())
+            for n, p in ref.named_parameters()
+        )
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_redo_recomputes_only_the_current_accumulation_window(
+    tmp_path: Path, accumulate: int
+) -> None:
+    """Issue 15.1: the window held the batches since training started; a redo summed them."""
+    torch.manual_seed(0)
+    model = TinyNet(fault=("nan_grad", 3, 0))
+    mon = GradientDriftMonitor(log_dir=str(tmp_path))
+    fb = FP8FallbackCallback(FallbackConfig(clip_grad_norm=None), monitor=mon)
+    probe = _WindowProbe(fb, step=3)
+    trainer = quiet_trainer(
+        max_steps=5, accumulate_grad_batches=accumulate, callbacks=[mon, fb, probe],
+        default_root_dir=str(tmp_path),
+    )  # fmt: skip
+    trainer.fit(model, loader())
+    assert fb.counters["redone_steps"] == 1
+    assert len(probe.batches[3]) == accumulate and probe.longest == accumulate
+    assert probe.diff is not None and probe.diff < 1e-5
+
+
+def test_drift_fingerprints_nan_on_every_rank_is_not_drift() -> None:
+    nan = float("nan")
+    table = torch.tensor([[[nan, nan]], [[nan, nan]], [[1.0, 1.0]]], dtype=torch.float64)
+    drifting, ref = find_drift(table, rtol=1e-6, atol=0.0)
+    assert drifting[:, 0].tolist() == [False, False, True] and int(ref[0]) == 0
+
+
+def test_matrix_single_device(tmp_path: Path) -> None:
+    """The trainer matrix on one device: NaN gradient detected and (with the fallback) redone;
+    a norm perturbation has no replica to differ from, so nothing is reported for it."""
+    for fallback in (False, True):
+        r = matrix_case(str(tmp_path / str(fallback)), "single", fallback)
+        recs = {(x["kind"], x["step"], x["param"]) for x in r["records"]}
+        assert ("nonfinite_local_grad", 4, "fc1.weight") in recs
+        assert {s for _, s, _ in recs} == {4} and r["groups"] == {}
+        assert all(math.isfinite(v) for v in r["losses"])
+        if fallback:
+            assert r["counters"]["redone_steps"] == 1 and len(r["losses"]) == 6
+            assert all(math.isfinite(float(t.sum())) for t in r["local"].values())
+        # every clean step logs its own gradient norm
+        clean = [i for i in range(len(r["logged"])) if i != 4]
+        for i in clean:
+            assert r["logged"][i] == pytest.approx(r["probe"][i], rel=1e-6)
