@@ -71,7 +71,7 @@ class ClipLlamaCLI(LightningCLI):
         cfg = self.config[self.subcommand] if self.subcommand else self.config
         path = cfg.get("deepspeed")
         if path:
-            ds = json.loads(Path(path).read_text())
+            ds = _read_deepspeed_json(Path(path))
             strict = bool(cfg.get("deepspeed_strict"))
             self._deepspeed_plan = apply_deepspeed_json(cfg, ds, strict=strict)
 
@@ -101,6 +101,24 @@ class ClipLlamaCLI(LightningCLI):
     def before_predict(self) -> None:
         """As :meth:`before_fit`."""
         self._preflight()
+
+
+def _read_deepspeed_json(path: Path) -> Any:
+    """The parsed ``--deepspeed`` file.
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        ValueError: it is not valid JSON (file, line and column named).
+    """
+    if not path.is_file():
+        raise FileNotFoundError(f"--deepspeed {str(path)!r}: no such file; pass a DeepSpeed JSON.")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(
+            f"--deepspeed {str(path)!r} is not valid JSON ({err}); fix the file (DeepSpeed "
+            'configs are JSON objects such as {"zero_optimization": {"stage": 3}}).'
+        ) from None
 
 
 def _share_cpu_threads(trainer_config: dict[str, Any]) -> None:

@@ -160,7 +160,8 @@ def apply_deepspeed_json(
             + ". Remove or fix them, or drop --deepspeed_strict to warn only."
         )
     for note in notes:
-        rank_zero_warn(f"[lightning_mmpar] DeepSpeed JSON: {note}.")
+        end = "" if note.endswith("?") else "."
+        rank_zero_warn(f"[lightning_mmpar] DeepSpeed JSON: {note}{end}")
     names = {"accumulate_grad_batches": "gradient_accumulation_steps",
              "gradient_clip_val": "gradient_clipping", "precision": "fp16/bf16"}  # fmt: skip
     for key, value in plan.trainer_kwargs.items():

@@ -296,6 +296,11 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
             self._stepped_at = step
             if self.head is not None and not _skipped(self.trainer, step - 1):
                 self.head.after_optimizer_step()
+
+    def on_after_backward(self) -> None:
+        """Log this batch's loss terms (``train/<term>``) right after its backward, so the
+        callbacks' ``on_train_batch_end`` (progress bar, run summary) see the same step's terms
+        as its ``train_loss`` (the module's own batch-end hook runs after theirs)."""
         self._log_terms("train")
 
     def on_validation_epoch_start(self) -> None:

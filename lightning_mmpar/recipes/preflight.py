@@ -27,10 +27,19 @@ from lightning_mmpar.strategy import MultimodalParallelStrategy
 
 __all__ = ["RESUME_MAY_CHANGE", "preflight"]
 
-RESUME_MAY_CHANGE = ("optim", "loss")
-"""Hyper-parameter groups a resumed run may change (learning rate and schedule, loss weights):
-they change no checkpointed tensor. Any other difference (tower sizes, vocabulary, frozen parts)
-refuses the checkpoint before the processes start."""
+RESUME_MAY_CHANGE = (
+    "loss",
+    "tensor_parallel.activation_checkpointing",
+    "tensor_parallel.sequence_parallel",
+    "tensor_parallel.vision_parallel",
+    "tensor_parallel.vl_combine",
+)
+"""Hyper-parameters a resumed run may change: loss weights (read from this run's config) and
+how the model is laid out over ranks (recomputation, sequence parallelism, the vision tower's
+layout, the vision-language combine); they change no checkpointed tensor and take effect.
+Everything else differing refuses the checkpoint before the processes start: tower sizes,
+vocabulary (``vocab_multiple``), frozen parts, and ``optim`` (the optimizer's learning rates and
+the schedule are restored from the checkpoint, so a new value would be silently ignored)."""
 _LIGHTNING_CKPT_NAMES = ("last", "best", "hpc", "registry")
 
 
@@ -43,7 +52,13 @@ def _check_model(model: ClipLlamaModule, tp: int, config: ParallelConfig | None)
     if config is not None and config.pipeline_parallel > 1:
         with torch.device("meta"):
             blocks = len(FusionModel(fusion).pipeline_blocks())
-        partition(blocks, config.num_stages)
+        try:
+            partition(blocks, config.num_stages)
+        except ValueError as err:
+            pp = config.pipeline_parallel
+            raise ValueError(
+                f"{err} With pipeline_parallel={pp}: virtual_pipeline <= {blocks // pp}."
+            ) from None
 
 
 def preflight(

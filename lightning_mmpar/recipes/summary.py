@@ -70,7 +70,7 @@ class RunSummary(Callback):
 
     @override
     def on_train_batch_end(self, trainer: Trainer, *args: Any, **kwargs: Any) -> None:
-        row = self._scalars(trainer, ("train",))
+        row = self._scalars(trainer, ("train", "nonfinite"))
         self.train.append({"step": trainer.global_step, **row})
 
     @override
@@ -99,6 +99,7 @@ class RunSummary(Callback):
         self.summary = {
             "layout": layout(trainer),
             "steps": trainer.global_step,
+            "skipped_steps": getattr(getattr(trainer.strategy, "nonfinite", None), "skipped", 0),
             "wall_time_s": round(wall, 1),
             "zero_shot_acc": last_val.get("val/zero_shot_acc"),
             "caption_acc_greedy": caption,
@@ -163,7 +164,9 @@ def _format(s: dict[str, Any], path: Path, plots: list[Path]) -> str:
         "=" * 72,
         f"run summary  ({lay['strategy']}: world {lay['world']} = tp {lay['tp']} x pp "
         f"{lay['pp']} x dp {lay['dp']}, virtual stages {lay['virtual']})",
-        f"  steps {s['steps']}   wall time {s['wall_time_s']} s",
+        f"  steps {s['steps']}"
+        + (f" ({s['skipped_steps']} skipped: non-finite)" if s.get("skipped_steps") else "")
+        + f"   wall time {s['wall_time_s']} s",
         f"  zero-shot accuracy (held-out digits)  {_pct(s['zero_shot_acc'])}",
         f"  caption names the digit: greedy {_pct(s['caption_acc_greedy'])}, "
         f"teacher-forced {_pct(s['caption_acc_teacher_forced'])}",

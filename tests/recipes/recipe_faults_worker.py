@@ -134,6 +134,7 @@ class Recorder(Callback):
 
     def __init__(self) -> None:
         self.losses: list[float] = []
+        self.terms: list[dict[str, float]] = []
         self.grads: dict[str, Tensor] = {}
         self.scales: list[float] = []
 
@@ -144,6 +145,8 @@ class Recorder(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, *args: Any) -> None:
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
+        metrics = trainer.callback_metrics.items()
+        self.terms.append({k[6:]: float(v) for k, v in metrics if k.startswith("train/")})
         if pl_module.head is not None:
             self.scales.append(float(pl_module.head.logit_scale.detach().exp()))
 

@@ -138,3 +138,18 @@ def test_generate_is_a_greedy_loop_over_the_model(
             ids[:, t] = torch.where(done, tok.pad_id, logits[:, t - 1, : tok.vocab_size].argmax(-1))
             done |= ids[:, t] == tok.eos_id
     assert torch.equal(got, ids)
+
+
+def test_logged_terms_are_those_of_the_same_step() -> None:
+    """The run summary and the progress bar read ``train/<term>`` in their batch-end hooks,
+    which run before the module's: the terms are logged right after backward, so each step's
+    ``train_loss`` is the weighted sum of that step's own terms (they lagged one step)."""
+    data = rw.digits()
+    module = rw.tiny_module(data.vocab_size)
+    rec = rw.fit(module, rw.batches(data, 3))
+    c = module.loss_config
+    for loss, terms in zip(rec.losses, rec.terms, strict=True):
+        total = (c.contrastive_weight * terms["contrastive"] + c.caption_weight * terms["caption"]
+                 + c.mml.weight * terms["mml"])  # fmt: skip
+        # rel 1e-4: the steps' losses differ by > 1e-2, so a one-step lag cannot pass
+        assert total == pytest.approx(loss, rel=1e-4), (rec.losses, rec.terms)

@@ -97,8 +97,9 @@ def test_check_functions() -> None:
 
 
 def test_checkpoint_is_checked_before_launch(launched: list[str], tmp_path: Path) -> None:
-    """``--ckpt_path``: a single-file checkpoint and one written with other tower sizes are
-    refused in the main process (``validate_checkpoint``), a learning-rate change is not."""
+    """``--ckpt_path``: a single-file checkpoint, one written with other tower sizes and one
+    with another learning rate (restored from the checkpoint: the new value would be ignored)
+    are refused in the main process (``validate_checkpoint``); recomputation may change."""
     import torch
     from torch import nn
 
@@ -117,7 +118,12 @@ def test_checkpoint_is_checked_before_launch(launched: list[str], tmp_path: Path
     save_sharded(ckpt, nn.Linear(2, 2), [], {"hyper_parameters": dict(other.model.hparams)}, True)
     with pytest.raises(ValueError, match=r"num_hidden_layers: checkpoint 1, this run 2"):
         run_cli(["fit", "--config", YAML, "--ckpt_path", str(ckpt)])
+    with pytest.raises(ValueError, match=r"optim.lr: checkpoint 0.1, this run 0.003"):
+        run_cli(["fit", "--config", YAML, "--ckpt_path", str(ckpt),
+                 "--model.fusion.language.num_hidden_layers", "1"])  # fmt: skip
     assert launched == []
     run_cli(["fit", "--config", YAML, "--ckpt_path", str(ckpt),
-             "--model.fusion.language.num_hidden_layers", "1"])  # fmt: skip
-    assert launched == ["fit"]  # only optim (the learning rate) differs: allowed
+             "--model.fusion.language.num_hidden_layers", "1", "--model.optim.lr", "0.1",
+             "--model.tensor_parallel.activation_checkpointing", "true",
+             "--model.loss.caption_weight", "2.0"])  # fmt: skip
+    assert launched == ["fit"]  # layout and loss weights may change on resume
