@@ -102,7 +102,7 @@ def test_two_rank_layouts(ref: dict[str, Any], ref_clipped: dict[str, Any]) -> N
         # ... and a batch that does not split into micro-batches is refused clearly
         assert r[6] == (
             "batch size (6) must be divisible by micro_batches (4) under pipeline parallelism; "
-            "use a multiple of 4 (drop_last=True avoids a short last batch)."
+            "use a multiple of 4, e.g. 4 (drop_last=True avoids a short last batch)."
         )
         assert 0 < r["fit_then_validate"] < ref["val_loss"]  # trained, on the same Trainer
     for name, _, _ in jobs:
