@@ -119,6 +119,7 @@ class GradientDriftMonitor(Callback):
         self._ema_g2: float | None = None
         self._ema_trace: float | None = None
         self._logged_report: GradReport | None = None
+        self._logged_keys: set[str] = set()
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -318,7 +319,10 @@ class GradientDriftMonitor(Callback):
         Called from ``on_train_batch_end`` only (by this callback and, after a recovery, by
         :class:`FP8FallbackCallback`): Lightning keys logged values by hook, so logging one name
         from two hooks would leave a stale entry that shadows the fresh one. Only on steps whose
-        values reach the loggers (``Trainer(log_every_n_steps=...)``, :func:`.log_due`).
+        values reach the loggers (``Trainer(log_every_n_steps=...)``, :func:`.log_due`). A value
+        not available at this step (a non-finite gradient norm, no noise-scale estimate) is
+        logged as NaN once the name has been logged, never as the last finite value;
+        ``stability/anomalies`` counts this rank's records.
         """
         report = self.last_report
         if report is None or report is self._logged_report or not log_due(pl_module.trainer):
@@ -331,8 +335,12 @@ class GradientDriftMonitor(Callback):
             "stability/anomalies": float(len(self.anomalies.records)),
         }
         for k, v in vals.items():
-            if v is not None and math.isfinite(v):
-                pl_module.log(k, v, on_step=True, on_epoch=False)
+            if v is None and k not in self._logged_keys:
+                continue  # never available in this run (e.g. the noise scale under FSDP)
+            # NaN when not available this step (a non-finite gradient): the loggers would
+            # otherwise repeat the last finite value next to a NaN loss
+            pl_module.log(k, math.nan if v is None else v, on_step=True, on_epoch=False)
+            self._logged_keys.add(k)
 
     def check_replicas(
         self, trainer: pl.Trainer, pl_module: nn.Module, *, force: bool = False
