@@ -11,12 +11,16 @@ middle one::
 Dual-channel gating: one shared router projection ``h = x W_r`` (``D -> router_dim``), then one
 router head per modality (``logits = h G_m^T``, ``[T_m, E]``) over one shared pool of ``E``
 SwiGLU experts (LLaMA FFN, stacked ``[E, ...]`` and run by ``torch._grouped_mm`` where it works,
-else by a loop; same numbers). Expert parallelism is not implemented yet.
+else by a loop; same numbers). Expert parallelism plugs in from outside
+(:func:`lightning_mmpar.parallel.experts.apply_expert_parallel`): it sets
+:attr:`MoEFeedForward.expert_dispatch` and shards the expert weights; this module stays plain
+torch (expert weights are read through :func:`local_block`).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +63,21 @@ def grouped_mm_supported(x: Tensor, *weights: Tensor) -> bool:
     dims = [x.shape[-1]] + [d for w in weights for d in w.shape[-2:]]
     aligned = all(d * x.element_size() % 16 == 0 for d in dims)
     return aligned and _grouped_mm_probe(x.device.type, x.dtype)
+
+
+ExpertCompute = Callable[[Tensor, Tensor], Tensor]
+"""``(tokens [N, D] sorted by expert, tokens_per_expert [E']) -> [N, D]``."""
+ExpertDispatch = Callable[[Tensor, Tensor, ExpertCompute], Tensor]
+"""``(tokens [N, D] sorted by global expert, tokens_per_expert [E], compute) -> [N, D]``: runs
+``compute`` on the experts wherever they live and returns the outputs in ``tokens``' order."""
+
+
+def local_block(weight: Tensor) -> Tensor:
+    """This process's block of an expert weight: a sharded weight (a DTensor, set up by
+    ``parallel.experts``) gives its local shard (differentiable, no communication); a plain
+    tensor is returned as is."""
+    to_local = getattr(weight, "to_local", None)
+    return weight if to_local is None else to_local()
 
 
 def _expert_matmul(x: Tensor, weight: Tensor, counts: Tensor, grouped: bool) -> Tensor:
@@ -202,6 +221,9 @@ class MoEFeedForward(nn.Module):
         self.register_buffer("pending_load", torch.zeros(n_mod, n_exp), persistent=False)
         self.grouped_mm: bool | None = None
         """``None``: grouped matmul when supported; ``False``: loop; ``True``: force grouped."""
+        self.expert_dispatch: ExpertDispatch | None = None
+        """``None``: every expert is local. Set by ``parallel.experts.apply_expert_parallel``
+        to move the routed tokens to the ranks that hold their experts and back."""
         self.aux_loss: Tensor = torch.zeros(())
         self.last_stats: dict[str, MoEStats] = {}
         self.reset_parameters()
@@ -271,9 +293,13 @@ class MoEFeedForward(nn.Module):
         )
 
     def compute_experts(self, tokens: Tensor, tokens_per_expert: Tensor) -> Tensor:
-        """SwiGLU experts on expert-sorted ``tokens [N, D]``, group sizes ``[E]``; ``[N, D]``."""
+        """SwiGLU experts on expert-sorted ``tokens [N, D]``, group sizes ``[E_local]``; ``[N, D]``.
+
+        Runs this process's experts: all ``E`` of them, or its block of ``E / ep`` under expert
+        parallelism (:func:`local_block` of each weight)."""
+        w_gate, w_up, w_down = (local_block(w) for w in (self.w_gate, self.w_up, self.w_down))
         return swiglu_experts(
-            tokens, tokens_per_expert, self.w_gate, self.w_up, self.w_down, grouped=self.grouped_mm
+            tokens, tokens_per_expert, w_gate, w_up, w_down, grouped=self.grouped_mm
         )
 
     def combine(self, expert_out: Tensor, plan: RoutingPlan, x: Tensor) -> Tensor:
@@ -305,7 +331,11 @@ class MoEFeedForward(nn.Module):
         """
         plan = self.route(x, modality, padding_mask)
         flat = x.reshape(-1, x.shape[-1])
-        out = self.compute_experts(flat[plan.token_index], plan.tokens_per_expert)
+        tokens = flat[plan.token_index]
+        if self.expert_dispatch is None:
+            out = self.compute_experts(tokens, plan.tokens_per_expert)
+        else:
+            out = self.expert_dispatch(tokens, plan.tokens_per_expert, self.compute_experts)
         y = self.combine(out, plan, x)
         if self.shared is not None:
             y = y + self._shared_out(x, padding_mask)

@@ -24,6 +24,11 @@ from lightning_mmpar.parallel.deepspeed import (
     map_deepspeed_config,
     resolve_batch,
 )
+from lightning_mmpar.parallel.experts import (
+    AllToAllDispatcher,
+    apply_expert_parallel,
+    expert_parallel_block,
+)
 from lightning_mmpar.parallel.finite import NonFiniteGuard, nonfinite_weights
 from lightning_mmpar.parallel.gradient_cache import BatchLossModule, RNGReplay
 from lightning_mmpar.parallel.numerics import (
@@ -58,6 +63,7 @@ from lightning_mmpar.parallel.tensor import (
 
 __all__ = [
     "MM_PARALLEL_KEYS",
+    "AllToAllDispatcher",
     "BatchLossModule",
     "CPUCapableDeepSpeedStrategy",
     "DeepSpeedPlan",
@@ -74,11 +80,13 @@ __all__ = [
     "SequenceLengthCheck",
     "ShardedCheckpointHooks",
     "StyleGroup",
+    "apply_expert_parallel",
     "apply_fsdp",
     "apply_styles",
     "broadcast_parameters",
     "checkpoint_rng_contexts",
     "clip_grad_norm_",
+    "expert_parallel_block",
     "fsdp_managed",
     "full_gradients",
     "full_state_dict",

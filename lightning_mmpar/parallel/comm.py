@@ -24,6 +24,8 @@ __all__ = [
     "all_gather",
     "all_gather_objects",
     "all_reduce",
+    "all_to_all_counts",
+    "all_to_all_single",
     "barrier",
     "broadcast",
     "group_device",
@@ -139,3 +141,82 @@ def barrier(group: dist.ProcessGroup | None = None) -> None:
     """Wait for every rank of ``group`` (no-op without a process group)."""
     if group_size(group) > 1:
         dist.barrier(group=group)
+
+
+def all_to_all_counts(t: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
+    """Equal-split all-to-all of ``t [P * n, ...]`` over a group of ``P`` ranks: block ``j``
+    (rows ``j n .. (j+1) n - 1``) goes to group rank ``j``, and the result's block ``i`` comes
+    from group rank ``i``. Not differentiable (for counts and other metadata); returns a new
+    tensor on ``t``'s device; ``t`` itself without a process group or with ``P == 1``.
+
+    Raises ``ValueError`` when ``t``'s first dimension is not a multiple of ``P``.
+    """
+    size = group_size(group)
+    if size == 1:
+        return t
+    if t.shape[0] % size:
+        raise ValueError(
+            f"all_to_all_counts: t.shape[0] ({t.shape[0]}) must be a multiple of the group size "
+            f"({size}); pass one equal block per rank."
+        )
+    work = _on_group(t, group)
+    out = torch.empty_like(work)
+    dist.all_to_all_single(out, work, group=group)
+    return out.to(t.device)
+
+
+def _check_splits(name: str, splits: list[int], rows: int, size: int) -> None:
+    if len(splits) != size or min(splits, default=0) < 0 or sum(splits) != rows:
+        raise ValueError(
+            f"all_to_all_single: {name} ({splits}) must hold {size} non-negative sizes (one per "
+            f"rank) summing to the tensor's rows ({rows}); pass the per-rank row counts."
+        )
+
+
+class _AllToAllSingle(torch.autograd.Function):
+    """All-to-all with uneven splits; backward is the reverse all-to-all (splits swapped)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, t: Tensor, out_splits: list[int], in_splits: list[int], group: Any
+    ) -> Tensor:
+        ctx.splits, ctx.group = (in_splits, out_splits), group
+        work = _on_group(t, group)
+        out = work.new_empty((sum(out_splits), *work.shape[1:]))
+        dist.all_to_all_single(out, work, out_splits, in_splits, group=group)
+        return out.to(t.device)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None]:  # type: ignore[override]
+        back_out, back_in = ctx.splits
+        return _AllToAllSingle.apply(grad, back_out, back_in, ctx.group), None, None, None
+
+
+def all_to_all_single(
+    t: Tensor,
+    output_split_sizes: list[int],
+    input_split_sizes: list[int],
+    group: dist.ProcessGroup | None = None,
+) -> Tensor:
+    """Differentiable all-to-all of ``t [N, ...]`` with uneven splits over ``P`` ranks.
+
+    Rows ``sum(input_split_sizes[:j]) ..`` (``input_split_sizes[j]`` of them) go to group rank
+    ``j``; the result ``[sum(output_split_sizes), ...]`` holds ``output_split_sizes[i]`` rows
+    from group rank ``i``, in rank order, on ``t``'s device. The backward pass is the reverse
+    all-to-all of the gradient (torch's ``torch.distributed.nn.functional.all_to_all_single``,
+    Megatron-core's ``all_to_all`` autograd function). ``t`` itself without a process group or
+    with ``P == 1``.
+
+    Raises ``ValueError`` when a split list does not hold ``P`` non-negative sizes summing to
+    the rows it describes.
+    """
+    size = group_size(group)
+    _check_splits("input_split_sizes", list(input_split_sizes), t.shape[0], size)
+    if size == 1:
+        return t
+    out_splits = [int(n) for n in output_split_sizes]
+    _check_splits("output_split_sizes", out_splits, sum(out_splits), size)
+    result: Tensor = _AllToAllSingle.apply(
+        t, out_splits, [int(n) for n in input_split_sizes], group
+    )
+    return result
