@@ -1,5 +1,6 @@
 """Stability callbacks that work in any Lightning Trainer (one device, DDP, FSDP,
-``ModelParallelStrategy``, ``mm_parallel``): gradient drift and noise scale, FP8 fallback.
+``ModelParallelStrategy``, ``mm_parallel``): gradient drift and noise scale, FP8 fallback,
+MoE expert load.
 
 They find their process groups through :meth:`lightning_mmpar.topology.ParallelDims.of` and
 communicate through :mod:`lightning_mmpar.parallel.comm`.
@@ -7,6 +8,7 @@ communicate through :mod:`lightning_mmpar.parallel.comm`.
 
 from lightning_mmpar.callbacks.anomalies import Anomaly, AnomalyLog
 from lightning_mmpar.callbacks.config import DriftConfig, FallbackConfig
+from lightning_mmpar.callbacks.expert_load import ExpertLoadMonitor
 from lightning_mmpar.callbacks.fp8_fallback import FP8FallbackCallback, FP8FallbackError
 from lightning_mmpar.callbacks.grad_drift import GradientDriftMonitor, GradReport
 from lightning_mmpar.callbacks.replicas import Drift, ReplicaGroup
@@ -17,6 +19,7 @@ __all__ = [
     "AnomalyLog",
     "Drift",
     "DriftConfig",
+    "ExpertLoadMonitor",
     "FP8FallbackCallback",
     "FP8FallbackError",
     "FallbackConfig",
