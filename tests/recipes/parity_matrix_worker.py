@@ -69,7 +69,9 @@ LAYOUTS: tuple[Layout, ...] = (
             "schedule": "interleaved_1f1b",
         },
     ),
-    Layout("tp2 x dp2 fsdp", 4, {"tensor_parallel": 2, "data_parallel": "fsdp"}),
+    Layout(  # clipping by the global norm over TP shards that FSDP2 shards again on dp
+        "tp2 x dp2 fsdp, clip 0.05", 4, {"tensor_parallel": 2, "data_parallel": "fsdp"}, clip=CLIP
+    ),
     Layout(
         "pp2 x dp2, accumulate 2",
         4,
