@@ -16,13 +16,8 @@ from lightning_mmpar.models.cost import BlockCost, CostTally
 from lightning_mmpar.models.fusion import FusionConfig, FusionModel, freeze_for_finetuning
 from lightning_mmpar.models.heads import MomentumHeads, TextPooler, ema_update, momentum_copy
 from lightning_mmpar.models.language import LanguageConfig, LanguageModel, LlamaDecoderLayer
-from lightning_mmpar.models.moe import (
-    MoEFeedForward,
-    MoEStats,
-    RoutingPlan,
-    grouped_mm_supported,
-    swiglu_experts,
-)
+from lightning_mmpar.models.moe import MoEFeedForward, MoEStats, RoutingPlan, TokenDensity
+from lightning_mmpar.models.moe_experts import GroupedExperts, grouped_mm_supported, swiglu_experts
 from lightning_mmpar.models.moe_routing import (
     MoEConfig,
     RouteDecision,
@@ -46,6 +41,7 @@ __all__ = [
     "FusionConfig",
     "FusionModel",
     "FusionOutput",
+    "GroupedExperts",
     "LanguageConfig",
     "LanguageModel",
     "LlamaDecoderLayer",
@@ -56,6 +52,7 @@ __all__ = [
     "RouteDecision",
     "RoutingPlan",
     "TextPooler",
+    "TokenDensity",
     "VisionBlock",
     "VisionConfig",
     "VisionTower",

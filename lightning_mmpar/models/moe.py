@@ -19,51 +19,26 @@ torch (expert weights are read through :func:`local_block`).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_mmpar.models.moe_experts import (
+    GroupedExperts,
+)
 from lightning_mmpar.models.moe_routing import (
     MoEConfig,
     RouteDecision,
+    aligned_sequence_length,
     load_balancing_loss,
     route_tokens,
     router_z_loss,
     updated_expert_bias,
 )
-
-
-@functools.cache
-def _grouped_mm_probe(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether ``torch._grouped_mm`` runs (forward and backward) for this device type and dtype."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    try:
-        x = torch.ones(4, 8, device=device_type, dtype=dtype, requires_grad=True)
-        w = torch.ones(2, 8, 8, device=device_type, dtype=dtype, requires_grad=True)
-        offs = torch.tensor([1, 4], device=device_type, dtype=torch.int32)
-        torch._grouped_mm(x, w, offs=offs).backward(
-            torch.ones(4, 8, device=device_type, dtype=dtype)
-        )
-    except (RuntimeError, NotImplementedError, TypeError):
-        return False
-    return True
-
-
-def grouped_mm_supported(x: Tensor, *weights: Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` can multiply ``x [N, K]`` by each ``[E, K, M]`` weight.
-
-    Needs the op in this build, a device/dtype it supports (probed once: CPU and CUDA accept
-    float32/bfloat16 in torch 2.14, never float64) and rows aligned to 16 bytes.
-    """
-    dims = [x.shape[-1]] + [d for w in weights for d in w.shape[-2:]]
-    aligned = all(d * x.element_size() % 16 == 0 for d in dims)
-    return aligned and _grouped_mm_probe(x.device.type, x.dtype)
-
 
 ExpertCompute = Callable[[Tensor, Tensor], Tensor]
 """``(tokens [N, D] sorted by expert, tokens_per_expert [E']) -> [N, D]``."""
@@ -72,45 +47,32 @@ ExpertDispatch = Callable[[Tensor, Tensor, ExpertCompute], Tensor]
 ``compute`` on the experts wherever they live and returns the outputs in ``tokens``' order."""
 
 
-def local_block(weight: Tensor) -> Tensor:
-    """This process's block of an expert weight: a sharded weight (a DTensor, set up by
-    ``parallel.experts``) gives its local shard (differentiable, no communication); a plain
-    tensor is returned as is."""
-    to_local = getattr(weight, "to_local", None)
-    return weight if to_local is None else to_local()
+class TokenDensity(Protocol):
+    """Per-token expert count (TECHNIQUES 3.2), plugged into :attr:`MoEFeedForward.density`."""
+
+    def observe(self, x: Tensor, modality: Tensor | None, padding_mask: Tensor | None) -> None:
+        """See a training input ``x [B, S, D]`` (e.g. hook its gradient for the next step)."""
+
+    def top_k(self, modality: int, index: Tensor, shape: torch.Size, top_k: int) -> Tensor | None:
+        """Experts for each routed token of one modality: ``index [T]`` flat positions into
+        ``shape [B, S]``; returns ``[T]`` long in ``[1, top_k]``, or ``None`` for ``top_k``."""
 
 
-def _expert_matmul(x: Tensor, weight: Tensor, counts: Tensor, grouped: bool) -> Tensor:
-    """Rows of ``x [N, K]`` grouped by expert (``counts [E]``) times ``weight [E, K, M]``."""
-    if grouped:
-        offsets = counts.cumsum(0).to(torch.int32)
-        return torch._grouped_mm(x, weight, offs=offsets)
-    chunks = x.split(counts.tolist())
-    return torch.cat([chunk @ weight[e] for e, chunk in enumerate(chunks)])
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on ``y`` whose backward also sends ``scale`` into ``aux`` (Megatron-core's
+    ``MoEAuxLossAutoScaler``): the aux loss reaches the parameters wherever ``y`` is
+    back-propagated, in any pipeline schedule, without travelling between stages."""
 
+    @staticmethod
+    def forward(ctx: Any, y: Tensor, aux: Tensor, scale: float) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(aux)
+        ctx.scale = scale
+        return y.view_as(y)
 
-def swiglu_experts(
-    x: Tensor,
-    tokens_per_expert: Tensor,
-    w_gate: Tensor,
-    w_up: Tensor,
-    w_down: Tensor,
-    *,
-    grouped: bool | None = None,
-) -> Tensor:
-    """Per-expert LLaMA FFN ``(silu(x W_g[e]) * (x W_u[e])) W_d[e]`` on expert-sorted tokens.
-
-    ``x [N, D]`` holds ``tokens_per_expert[e]`` rows for expert ``e``, in expert order;
-    ``w_gate, w_up [E, D, F]``, ``w_down [E, F, D]``; returns ``[N, D]``. ``grouped=None`` uses
-    ``torch._grouped_mm`` when :func:`grouped_mm_supported`, ``False`` forces the loop,
-    ``True`` forces the grouped op (its errors propagate).
-    """
-    if grouped is None:
-        grouped = grouped_mm_supported(x, w_gate, w_down)
-    counts = tokens_per_expert.to(device=x.device, dtype=torch.long)
-    gate = _expert_matmul(x, w_gate, counts, grouped)
-    up = _expert_matmul(x, w_up, counts, grouped)
-    return _expert_matmul(F.silu(gate) * up, w_down, counts, grouped)
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:  # type: ignore[override]
+        (aux,) = ctx.saved_tensors
+        return grad, torch.full_like(aux, ctx.scale), None
 
 
 @dataclass(frozen=True)
@@ -159,8 +121,9 @@ class MoEStats:
 def _modality_stats(d: RouteDecision, num_experts: int) -> MoEStats:
     with torch.no_grad():
         tokens = d.experts.shape[0]
-        routes = max(tokens * d.experts.shape[1], 1)
-        demand = torch.bincount(d.experts.reshape(-1), minlength=num_experts)
+        requested = d.routes
+        routes = max(int(requested.sum()), 1)
+        demand = torch.bincount(d.experts[requested], minlength=num_experts)
         kept = torch.bincount(d.experts[d.kept], minlength=num_experts)
         probs = d.probs.detach().float()
         entropy = -(probs * torch.log2(probs.clamp_min(1e-30))).sum(-1)
@@ -172,7 +135,7 @@ def _modality_stats(d: RouteDecision, num_experts: int) -> MoEStats:
             experts_per_token=kept.sum() / max(tokens, 1),
             top1_share=probs.max(-1).values.mean() if tokens else torch.tensor(0.0),
             routing_entropy_bits=entropy.mean() if tokens else torch.tensor(0.0),
-            load_balancing_loss=load_balancing_loss(probs, d.experts, num_experts),
+            load_balancing_loss=load_balancing_loss(probs, d.experts, num_experts, d.active),
             z_loss=router_z_loss(d.logits.detach().float()),
         )
 
@@ -195,8 +158,10 @@ class MoEFeedForward(nn.Module):
 
     expert_bias: Tensor
     pending_load: Tensor
+    expert_mask: Tensor
+    locality_mask: Tensor
 
-    def __init__(self, dim: int, config: MoEConfig) -> None:
+    def __init__(self, dim: int, config: MoEConfig, *, attach_aux_loss: bool = False) -> None:
         super().__init__()
         if dim < 1:
             raise ValueError(f"MoEFeedForward dim ({dim}) must be >= 1; pass the hidden size.")
@@ -204,9 +169,7 @@ class MoEFeedForward(nn.Module):
         n_mod, n_exp, width = len(config.modalities), config.num_experts, config.ffn_width
         self.router_proj = nn.Linear(dim, config.router_dim, bias=False)
         self.router_gate = nn.Parameter(torch.empty(n_mod, n_exp, config.router_dim))
-        self.w_gate = nn.Parameter(torch.empty(n_exp, dim, width))
-        self.w_up = nn.Parameter(torch.empty(n_exp, dim, width))
-        self.w_down = nn.Parameter(torch.empty(n_exp, width, dim))
+        self.experts = GroupedExperts(n_exp, dim, width)
         self.shared: nn.ModuleDict | None = None
         if config.num_shared_experts:
             inner = config.num_shared_experts * width
@@ -219,11 +182,21 @@ class MoEFeedForward(nn.Module):
             )
         self.register_buffer("expert_bias", torch.zeros(n_mod, n_exp))
         self.register_buffer("pending_load", torch.zeros(n_mod, n_exp), persistent=False)
-        self.grouped_mm: bool | None = None
-        """``None``: grouped matmul when supported; ``False``: loop; ``True``: force grouped."""
+        self.register_buffer("expert_mask", torch.ones(n_exp, dtype=torch.bool))
+        self.register_buffer("locality_mask", torch.ones(n_exp, dtype=torch.bool), persistent=False)
         self.expert_dispatch: ExpertDispatch | None = None
         """``None``: every expert is local. Set by ``parallel.experts.apply_expert_parallel``
         to move the routed tokens to the ranks that hold their experts and back."""
+        self.density: TokenDensity | None = None
+        """Optional per-token top-k (TECHNIQUES 3.2): ``observe`` sees each training input,
+        ``top_k`` gives each routed token's number of experts."""
+        self.attach_aux_loss = attach_aux_loss
+        self.aux_loss_scale = 1.0
+        """Factor of the aux-loss gradient injected when ``attach_aux_loss`` (the strategy sets
+        ``1 / accumulate_grad_batches`` where Lightning divides the loss by it)."""
+        self.sequence_multiple = 1
+        """Pad the sequence to a multiple of ``lcm(sequence_multiple, E)`` before routing
+        (TECHNIQUES 1.4; the plan sets the tensor-parallel size); padding is never routed."""
         self.aux_loss: Tensor = torch.zeros(())
         self.last_stats: dict[str, MoEStats] = {}
         self.reset_parameters()
@@ -233,6 +206,7 @@ class MoEFeedForward(nn.Module):
         for p in self.parameters():
             nn.init.normal_(p, std=self.config.init_std)
         self.expert_bias.zero_()
+        self.expert_mask.fill_(True)
 
     def _check_inputs(self, x: Tensor, modality: Tensor | None, mask: Tensor | None) -> None:
         if x.dim() != 3:
@@ -254,7 +228,12 @@ class MoEFeedForward(nn.Module):
 
     def route(self, x: Tensor, modality: Tensor | None, padding_mask: Tensor | None) -> RoutingPlan:
         """Routing of ``x [B, S, D]``: modality ``m`` tokens use router ``m`` only; padded tokens
-        (``padding_mask`` True) are never routed. Modality ``None`` = all modality 0."""
+        (``padding_mask`` True) are never routed. Modality ``None`` = all modality 0.
+
+        Only experts allowed by ``expert_mask & locality_mask`` (``[E]`` bool buffers: the
+        sparsity schedule's pruning mask, expert-parallel group-limited routing) are chosen
+        (their logits are ``-inf``); ``density`` gives per-token top-k when set. Raises
+        ``ValueError`` when no expert is allowed."""
         self._check_inputs(x, modality, padding_mask)
         cfg, flat = self.config, x.reshape(-1, x.shape[-1])
         valid = torch.ones(flat.shape[0], dtype=torch.bool, device=x.device)
@@ -263,6 +242,14 @@ class MoEFeedForward(nn.Module):
         ids = (
             torch.zeros_like(valid, dtype=torch.long) if modality is None else modality.reshape(-1)
         )
+        allowed = self.expert_mask & self.locality_mask
+        if not bool(allowed.any()):
+            raise ValueError(
+                "MoEFeedForward has no routable expert: expert_mask & locality_mask is all "
+                "False; keep at least one expert active (sparsity below 1, a locality group "
+                "that holds experts)."
+            )
+        ids_shape = x.shape[:2]
         decisions: dict[str, RouteDecision] = {}
         tokens: list[Tensor] = []
         experts: list[Tensor] = []
@@ -272,8 +259,11 @@ class MoEFeedForward(nn.Module):
             if index.numel() == 0:
                 continue
             logits = self.router_proj(flat[index]) @ self.router_gate[m].t()
+            if not bool(allowed.all()):
+                logits = logits.masked_fill(~allowed, float("-inf"))
             bias = self.expert_bias[m] if cfg.load_balancing == "aux_free" else None
-            d = route_tokens(logits, cfg, bias=bias)
+            k = None if self.density is None else self.density.top_k(m, index, ids_shape, cfg.top_k)
+            d = route_tokens(logits, cfg, bias=bias, top_k=k)
             decisions[name] = d
             kept = d.kept.t().reshape(-1)  # (choice, token) priority order
             tokens.append(index.repeat(cfg.top_k)[kept])
@@ -296,11 +286,18 @@ class MoEFeedForward(nn.Module):
         """SwiGLU experts on expert-sorted ``tokens [N, D]``, group sizes ``[E_local]``; ``[N, D]``.
 
         Runs this process's experts: all ``E`` of them, or its block of ``E / ep`` under expert
-        parallelism (:func:`local_block` of each weight)."""
-        w_gate, w_up, w_down = (local_block(w) for w in (self.w_gate, self.w_up, self.w_down))
-        return swiglu_experts(
-            tokens, tokens_per_expert, w_gate, w_up, w_down, grouped=self.grouped_mm
-        )
+        parallelism (:class:`GroupedExperts`)."""
+        out: Tensor = self.experts(tokens, tokens_per_expert)
+        return out
+
+    @property
+    def grouped_mm(self) -> bool | None:
+        """The experts' matmul choice (:attr:`GroupedExperts.grouped_mm`)."""
+        return self.experts.grouped_mm
+
+    @grouped_mm.setter
+    def grouped_mm(self, value: bool | None) -> None:
+        self.experts.grouped_mm = value
 
     def combine(self, expert_out: Tensor, plan: RoutingPlan, x: Tensor) -> Tensor:
         """``y[t] = sum_r gates[r] expert_out[r]`` over the routes ``r`` of token ``t``.
@@ -329,6 +326,11 @@ class MoEFeedForward(nn.Module):
         adds the kept routes per expert to ``pending_load``. Raises ``ValueError`` on shapes
         that do not match or modality ids without a router.
         """
+        self._check_inputs(x, modality, padding_mask)
+        length = x.shape[1]
+        x, modality, padding_mask = self._aligned(x, modality, padding_mask)
+        if self.density is not None and self.training:
+            self.density.observe(x, modality, padding_mask)
         plan = self.route(x, modality, padding_mask)
         flat = x.reshape(-1, x.shape[-1])
         tokens = flat[plan.token_index]
@@ -340,7 +342,28 @@ class MoEFeedForward(nn.Module):
         if self.shared is not None:
             y = y + self._shared_out(x, padding_mask)
         self._record(plan)
-        return y
+        if self.attach_aux_loss and torch.is_grad_enabled() and self.aux_loss.requires_grad:
+            y = _AttachAuxLoss.apply(y, self.aux_loss, self.aux_loss_scale)
+            self.aux_loss = self.aux_loss.detach()
+        return y[:, :length]
+
+    def _aligned(
+        self, x: Tensor, modality: Tensor | None, mask: Tensor | None
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """Right-pad ``x [B, S, D]`` to :func:`aligned_sequence_length` with ``padding_mask``
+        True on the new positions (TECHNIQUES 1.4); unchanged when already aligned."""
+        length = x.shape[1]
+        target = aligned_sequence_length([length], self.sequence_multiple, self.config.num_experts)
+        if target == length:
+            return x, modality, mask
+        pad = target - length
+        x = F.pad(x, (0, 0, 0, pad))
+        if mask is None:
+            mask = torch.zeros(x.shape[0], length, dtype=torch.bool, device=x.device)
+        mask = F.pad(mask.to(torch.bool), (0, pad), value=True)
+        if modality is not None:
+            modality = F.pad(modality, (0, pad))
+        return x, modality, mask
 
     def _record(self, plan: RoutingPlan) -> None:
         cfg = self.config
@@ -352,7 +375,7 @@ class MoEFeedForward(nn.Module):
             stats[name] = _modality_stats(d, cfg.num_experts)
             if cfg.load_balancing == "aux_loss" and cfg.aux_loss_weight:
                 aux = aux + cfg.aux_loss_weight * load_balancing_loss(
-                    d.probs, d.experts, cfg.num_experts
+                    d.probs, d.experts, cfg.num_experts, d.active
                 )
             if cfg.z_loss_weight:
                 aux = aux + cfg.z_loss_weight * router_z_loss(d.logits)

@@ -147,9 +147,19 @@ class RouteDecision:
     """Tempered router logits ``logits / tau`` (differentiable; the z-loss input)."""
     capacity: int
     """Slots per expert used for dropping."""
+    active: Tensor | None = None
+    """Bool ``[T, k]``: the route is among the token's own ``top_k[t]`` choices (``None``: all
+    ``k`` are)."""
+
+    @property
+    def routes(self) -> Tensor:
+        """Bool ``[T, k]``: the routes the tokens asked for (kept or dropped)."""
+        return torch.ones_like(self.kept) if self.active is None else self.active
 
 
-def route_tokens(logits: Tensor, config: MoEConfig, *, bias: Tensor | None = None) -> RouteDecision:
+def route_tokens(
+    logits: Tensor, config: MoEConfig, *, bias: Tensor | None = None, top_k: Tensor | None = None
+) -> RouteDecision:
     """Top-k softmax routing of ``logits [T, E]`` with temperature, capacity and optional bias.
 
     ``p = softmax(logits / tau)``; experts are chosen by ``topk(p + b)`` where the detached bias
@@ -157,38 +167,63 @@ def route_tokens(logits: Tensor, config: MoEConfig, *, bias: Tensor | None = Non
     the gate values. Slots are assigned in priority order "all first choices in token order, then
     all second choices, ..." (GShard / DeepSpeed ``top2gating``); a route whose slot is
     ``>= capacity`` is dropped, so dropping is deterministic. Softmax runs in at least float32.
+
+    ``top_k [T]`` (long, each in ``[1, config.top_k]``; TECHNIQUES 3.2's density-driven count)
+    gives token ``t`` only its first ``top_k[t]`` choices: the others are not kept, take no slot
+    and are left out of the gate normalisation. Raises ``ValueError`` on a ``top_k`` of the wrong
+    shape or range.
     """
     num_tokens, num_experts = logits.shape
-    top_k = config.top_k
+    k_max = config.top_k
     scaled = logits / config.temperature
     probs = torch.softmax(scaled.to(torch.promote_types(scaled.dtype, torch.float32)), dim=-1)
     score = probs.detach() if bias is None else probs.detach() + bias.to(probs.dtype)
-    experts = torch.topk(score, top_k, dim=-1).indices
-    gates = probs.gather(1, experts)
-    if top_k > 1:
+    experts = torch.topk(score, k_max, dim=-1).indices
+    active = torch.ones(num_tokens, k_max, dtype=torch.bool, device=logits.device)
+    if top_k is not None:
+        if tuple(top_k.shape) != (num_tokens,) or (
+            num_tokens and not (1 <= int(top_k.min()) and int(top_k.max()) <= k_max)
+        ):
+            raise ValueError(
+                f"top_k must be [T] = [{num_tokens}] with values in [1, {k_max}] "
+                f"(MoEConfig.top_k), got shape {tuple(top_k.shape)}; clamp the per-token counts."
+            )
+        active = (
+            torch.arange(k_max, device=logits.device)[None, :] < top_k.to(logits.device)[:, None]
+        )
+    gates = probs.gather(1, experts) * active
+    if k_max > 1:
         gates = gates / gates.sum(-1, keepdim=True).clamp_min(torch.finfo(gates.dtype).eps)
     # priority order (choice, token): transpose so the cumulative count runs over first choices
     flat = experts.t().reshape(-1)
-    one_hot = F.one_hot(flat, num_experts)
+    one_hot = F.one_hot(flat, num_experts) * active.t().reshape(-1, 1)
     slots_flat = (one_hot.cumsum(0) - 1).gather(1, flat[:, None]).squeeze(1)
-    slots = slots_flat.view(top_k, num_tokens).t()
-    capacity = expert_capacity(num_tokens, num_experts, top_k, config)
-    return RouteDecision(experts, gates, slots < capacity, slots, probs, scaled, capacity)
+    slots = slots_flat.view(k_max, num_tokens).t()
+    capacity = expert_capacity(num_tokens, num_experts, k_max, config)
+    kept = (slots < capacity) & active
+    return RouteDecision(
+        experts, gates, kept, slots, probs, scaled, capacity, None if top_k is None else active
+    )
 
 
-def load_balancing_loss(probs: Tensor, experts: Tensor, num_experts: int) -> Tensor:
+def load_balancing_loss(
+    probs: Tensor, experts: Tensor, num_experts: int, routes: Tensor | None = None
+) -> Tensor:
     """Switch load-balancing loss ``E * sum_i f_i P_i`` (Fedus et al. 2021, eq. 4).
 
-    ``probs [T, E]``, ``experts [T, k]`` (chosen before dropping); ``f_i`` = share of the ``k T``
-    routes choosing expert ``i``, ``P_i`` = mean router probability of ``i``. Equals Megatron-core's
-    ``switch_load_balancing_loss_func`` and DeepSpeed's ``top1gating`` / ``topkgating`` ``l_aux``.
-    Returns a 0-d tensor (0 for ``T == 0``), differentiable through ``probs`` only.
+    ``probs [T, E]``, ``experts [T, k]`` (chosen before dropping); ``f_i`` = share of the
+    requested routes choosing expert ``i`` (all ``k T`` of them, or those where ``routes [T, k]``
+    is True under per-token top-k), ``P_i`` = mean router probability of ``i``. Equals
+    Megatron-core's ``switch_load_balancing_loss_func`` and DeepSpeed's ``top1gating`` /
+    ``topkgating`` ``l_aux``. Returns a 0-d tensor (0 for ``T == 0``), differentiable through
+    ``probs`` only.
     """
-    num_tokens, top_k = experts.shape
+    num_tokens = experts.shape[0]
     if num_tokens == 0:
         return probs.sum() * 0.0
-    routes = torch.bincount(experts.reshape(-1), minlength=num_experts).to(probs.dtype)
-    f = routes / (num_tokens * top_k)
+    chosen = experts.reshape(-1) if routes is None else experts[routes]
+    counts = torch.bincount(chosen, minlength=num_experts).to(probs.dtype)
+    f = counts / max(chosen.numel(), 1)
     return num_experts * (f * probs.mean(0)).sum()
 
 

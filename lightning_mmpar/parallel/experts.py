@@ -145,8 +145,9 @@ def apply_expert_parallel(
 ) -> nn.Module:
     """Shard ``module``'s experts over the 1-D ``ep`` mesh and dispatch its tokens all-to-all.
 
-    ``module`` holds all ``E`` experts' weights ``[E, ...]`` (the names in ``weights``, the same
-    values on every rank: same seed or loaded afterwards with DCP) and an ``expert_dispatch``
+    ``module`` holds all ``E`` experts' weights ``[E, ...]`` (the names in ``weights``, on
+    ``module.experts`` when it has such a submodule, else on ``module`` itself; the same values
+    on every rank: same seed or loaded afterwards with DCP) and an ``expert_dispatch``
     attribute. Each weight becomes a ``DTensor`` of global shape ``[E, ...]``, placement
     ``Shard(0)`` over ``mesh``, whose local tensor is this rank's contiguous block
     ``[E / ep, ...]`` (:func:`expert_parallel_block`); state-dict names do not change, and the
@@ -172,12 +173,13 @@ def apply_expert_parallel(
             f"module ({type(module).__name__}) has no expert_dispatch hook; pass an MoE layer "
             "such as lightning_mmpar.models.MoEFeedForward."
         )
+    holder = module.experts if isinstance(getattr(module, "experts", None), nn.Module) else module
     params = {}
     for name in weights:
-        p = getattr(module, name, None)
+        p = getattr(holder, name, None)
         if not isinstance(p, nn.Parameter) or isinstance(p.data, DTensor):
             raise ValueError(
-                f"weights entry {name!r} of {type(module).__name__} is not an unsharded "
+                f"weights entry {name!r} of {type(holder).__name__} is not an unsharded "
                 "parameter; apply expert parallelism once, to a module with full experts."
             )
         params[name] = p
@@ -195,6 +197,6 @@ def apply_expert_parallel(
         shard = DTensor.from_local(
             local, mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride()
         )
-        setattr(module, name, nn.Parameter(shard, requires_grad=p.requires_grad))
+        setattr(holder, name, nn.Parameter(shard, requires_grad=p.requires_grad))
     setattr(module, "expert_dispatch", AllToAllDispatcher(num_experts, group))  # noqa: B010
     return module

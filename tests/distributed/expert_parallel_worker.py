@@ -26,7 +26,8 @@ from lightning_mmpar.parallel.comm import to_local
 from lightning_mmpar.parallel.experts import apply_expert_parallel
 
 DIM = 16
-EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
+EXPERT_WEIGHTS = ("experts.w_gate", "experts.w_up", "experts.w_down")
+SWIGLU = ("w_gate", "w_up", "w_down")
 
 
 @dataclass(frozen=True)
@@ -134,8 +135,10 @@ def check_case(case: Case, rank: int, mesh: Any) -> dict[str, Any]:
         received=dispatcher.last_received,
         received_equal=torch.equal(dispatcher.last_received, expected_received),
         dropped=sum(float(s["dropped_fraction"]) for s in got["stats"].values()),
-        local_shape=tuple(to_local(layer.w_gate).shape),
-        full_equal=torch.equal(layer.w_gate.full_tensor(), build(case).w_gate.detach()),
+        local_shape=tuple(to_local(layer.experts.w_gate).shape),
+        full_equal=torch.equal(
+            layer.experts.w_gate.full_tensor(), build(case).experts.w_gate.detach()
+        ),
     )
 
 
@@ -180,7 +183,9 @@ def check_checkpoint(mesh: Any) -> float:
         n: (t.full_tensor() if isinstance(t, DTensor) else t)
         for n, t in sharded.state_dict().items()
     }
-    return max(float((plain.state_dict()[n] - t).abs().max()) for n, t in full.items())
+    return max(
+        float((plain.state_dict()[n].float() - t.float()).abs().max()) for n, t in full.items()
+    )
 
 
 class _SwiGLU(torch.nn.Module):
@@ -216,12 +221,12 @@ def check_deepspeed(rank: int, mesh: Any) -> dict[str, Any] | None:
     for k in (1, 2):
         case = Case(f"ds_top{k}", dict(top_k=k, capacity_factor=None, z_loss_weight=0.0), ())
         ours = build(case)
-        full = {n: getattr(ours, n).detach() for n in EXPERT_WEIGHTS}
+        full = {n.split(".")[-1]: ours.get_parameter(n).detach() for n in EXPERT_WEIGHTS}
         g = torch.Generator().manual_seed(200 + rank)
         x = torch.randn(2, 6, DIM, generator=g)
         ds = MoE(
             DIM,
-            _SwiGLU(*(full[n][0] for n in EXPERT_WEIGHTS)),
+            _SwiGLU(*(full[n][0] for n in SWIGLU)),
             num_experts=4,
             ep_size=2,
             k=k,
@@ -235,7 +240,7 @@ def check_deepspeed(rank: int, mesh: Any) -> dict[str, Any] | None:
             gate = ds.deepspeed_moe.gate.wg.weight
             gate.copy_(ours.router_gate[0] @ ours.router_proj.weight)
             for i, expert in enumerate(ds.deepspeed_moe.experts.deepspeed_experts):
-                for n in EXPERT_WEIGHTS:
+                for n in SWIGLU:
                     getattr(expert, n).copy_(full[n][2 * rank + i])
         y_ds, l_aux, counts = ds(x)
         apply_expert_parallel(ours, mesh)

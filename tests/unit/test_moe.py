@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_mmpar.models.moe import MoEFeedForward, grouped_mm_supported, swiglu_experts
+from lightning_mmpar.models.moe import MoEFeedForward
+from lightning_mmpar.models.moe_experts import grouped_mm_supported, swiglu_experts
 from lightning_mmpar.models.moe_routing import (
     MoEConfig,
     RouteDecision,
@@ -172,8 +173,8 @@ def dense_reference(layer: MoEFeedForward, x, modality, pad) -> tuple[torch.Tens
                 if used[e] > cap:
                     continue
                 gate = probs[t, e] / (probs[t, top[t]].sum() if cfg.top_k > 1 else 1)
-                h = F.silu(x[b, s] @ layer.w_gate[e]) * (x[b, s] @ layer.w_up[e])
-                y[b, s] = y[b, s] + gate * (h @ layer.w_down[e])
+                h = F.silu(x[b, s] @ layer.experts.w_gate[e]) * (x[b, s] @ layer.experts.w_up[e])
+                y[b, s] = y[b, s] + gate * (h @ layer.experts.w_down[e])
         f = torch.tensor([sum(e in t for t in top) for e in range(cfg.num_experts)], dtype=x.dtype)
         lb = cfg.num_experts * (f / (cfg.top_k * len(pos)) * probs.mean(0)).sum()
         aux = (
@@ -291,7 +292,7 @@ def test_aux_free_bias_changes_selection_not_gate_values() -> None:
 def test_grouped_mm_equals_loop_outputs_and_gradients() -> None:
     layer = make_layer()
     x, modality, pad = inputs()
-    if not grouped_mm_supported(x, layer.w_gate, layer.w_down):
+    if not grouped_mm_supported(x, layer.experts.w_gate, layer.experts.w_down):
         pytest.skip("torch._grouped_mm unavailable for float32 on this build/device")
     results = []
     for grouped in (True, False):
@@ -304,8 +305,10 @@ def test_grouped_mm_equals_loop_outputs_and_gradients() -> None:
         torch.testing.assert_close(a, b, **TOL)
     empty = torch.zeros(0, 16)  # an empty batch and empty groups
     counts = torch.zeros(4, dtype=torch.long)
-    assert swiglu_experts(empty, counts, layer.w_gate, layer.w_up, layer.w_down).shape == (0, 16)
-    assert not grouped_mm_supported(x.double(), layer.w_gate.double())
+    assert swiglu_experts(
+        empty, counts, layer.experts.w_gate, layer.experts.w_up, layer.experts.w_down
+    ).shape == (0, 16)
+    assert not grouped_mm_supported(x.double(), layer.experts.w_gate.double())
 
 
 def test_stats_units_on_a_uniform_router() -> None:
