@@ -118,19 +118,12 @@ class ParallelConfig:
         """Options this layout accepts but never uses, one warning text each (not refused:
         shipped configurations pass ``schedule="1f1b"`` at ``pipeline_parallel=1``).
 
-        ``expert_parallel > 1`` only shapes the ``ep``/``edp`` mesh groups: the package has no
-        mixture-of-experts layer that uses them. ``micro_batches`` set explicitly, or a
+        ``micro_batches`` set explicitly, or a
         ``schedule`` other than the default ``"1f1b"``, at ``pipeline_parallel=1``: the batch
         runs whole, with no pipeline to schedule (Megatron-LM's ``--num-microbatches`` and
         pipeline schedules act on pipeline stages only).
         """
-        notes, ep, pp = [], self.expert_parallel, self.pipeline_parallel
-        if ep > 1:
-            notes.append(
-                f"expert_parallel ({ep}) has no effect: it only shapes the expert mesh groups "
-                "(ep, edp) and no layer uses them (lightning_mmpar has no mixture-of-experts "
-                "layer yet); set expert_parallel=1."
-            )
+        notes, pp = [], self.pipeline_parallel
         if pp == 1 and self.micro_batches is not None:
             notes.append(
                 f"micro_batches ({self.micro_batches}) has no effect with pipeline_parallel=1: "

@@ -105,6 +105,7 @@ class MultimodalParallelStrategy(ShardedCheckpointHooks, ModelParallelStrategy):
         self.pipeline: PipelineEngine | None = None
         self._chunk: PipelineChunk | None = None
         self._replicated: list[nn.Parameter] = []
+        self._experts: list[nn.Parameter] = []
         self._pipeline_grads: list[Tensor | None] | None = None
         mode = finite.check_mode(on_nonfinite)
         self.nonfinite = None if mode == "off" else finite.NonFiniteGuard(mode)
@@ -212,6 +213,10 @@ class MultimodalParallelStrategy(ShardedCheckpointHooks, ModelParallelStrategy):
         if any(p.device != self.root_device for p in self.model.parameters()):
             self.model_to_device()  # .to() replaces DTensor parameters and drops their hooks
         self._parallelize(self._module)
+        # MoE aux-loss gradients follow the main loss: Lightning divides it by the accumulation,
+        # the pipeline engine's gradients are divided afterwards (aux included)
+        accumulate = 1 if self.pipeline is not None else trainer.accumulate_grad_batches
+        dpar.set_aux_loss_scale(self._module, 1.0 / accumulate)
         self._check_clipping(trainer)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -231,9 +236,13 @@ class MultimodalParallelStrategy(ShardedCheckpointHooks, ModelParallelStrategy):
                 "(lightning_mmpar.parallel.pipeline.PipelineModule); or set pipeline_parallel=1."
             )
         shard = cfg.data_parallel == "fsdp" and dims.dp > 1 and not dpar.has_fsdp(module)
-        dp_mesh = dims.get_mesh("dp")
+        dp_mesh, edp_mesh = dims.get_mesh("dp"), dims.get_mesh("edp")
+        dpar.check_expert_layers(module, dims.ep)
+        dpar.scale_expert_gradients(module, dims.ep)
 
         def wrap(chunk: PipelineChunk) -> nn.Module:
+            if shard and dims.edp > 1:
+                dpar.shard_experts(chunk, edp_mesh)
             return dpar.shard_blocks(chunk.blocks, chunk, dp_mesh) if shard else chunk
 
         if cfg.pipeline_parallel > 1:
@@ -243,10 +252,14 @@ class MultimodalParallelStrategy(ShardedCheckpointHooks, ModelParallelStrategy):
             self._chunk = PipelineChunk(list(module.pipeline_blocks()))
             wrap(self._chunk)
         elif shard:
+            if dims.edp > 1:
+                dpar.shard_experts(module, edp_mesh)
             dpar.apply_fsdp(module, dp_mesh)
         if dims.dp > 1 and cfg.data_parallel != "none":
             self._replicated = dpar.replicated_parameters(module)
             dpar.broadcast_parameters(self._replicated, dp_mesh.get_group())
+            self._experts = dpar.expert_parameters(module)
+            dpar.broadcast_parameters(self._experts, edp_mesh.get_group())
 
     def _check_clipping(self, trainer: Trainer) -> None:
         if self.nonfinite is not None and not isinstance(self.precision_plugin, GlobalNormClipping):
@@ -366,6 +379,8 @@ class MultimodalParallelStrategy(ShardedCheckpointHooks, ModelParallelStrategy):
             self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
         if self._replicated:
             dpar.sync_gradients(self._replicated, self.parallel_dims.get_mesh("dp").get_group())
+        if self._experts:  # expert weights: mean over their edp replicas (ep ranks differ)
+            dpar.sync_gradients(self._experts, self.parallel_dims.get_mesh("edp").get_group())
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -380,7 +395,6 @@ class MultimodalParallelStrategy(ShardedCheckpointHooks, ModelParallelStrategy):
             p.grad = g if p.grad is None else p.grad + g
         self._pipeline_grads = None
 
-    # ---------------------------------------------------------------- checkpoints
     # save/load/remove: ShardedCheckpointHooks (DCP shards, guarded against non-finite weights)
     def _rank_layout(self) -> dict[str, int]:
         return ckpt.rank_layout(self.parallel_dims, self.config.virtual_pipeline, self.global_rank)

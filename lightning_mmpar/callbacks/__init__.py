@@ -1,14 +1,16 @@
 """Stability callbacks that work in any Lightning Trainer (one device, DDP, FSDP,
 ``ModelParallelStrategy``, ``mm_parallel``): gradient drift and noise scale, FP8 fallback,
-MoE expert load.
+MoE expert load, the expert sparsity schedule and per-branch gradient clipping.
 
 They find their process groups through :meth:`lightning_mmpar.topology.ParallelDims.of` and
 communicate through :mod:`lightning_mmpar.parallel.comm`.
 """
 
 from lightning_mmpar.callbacks.anomalies import Anomaly, AnomalyLog
+from lightning_mmpar.callbacks.branch_clipping import BranchGradientClipping
 from lightning_mmpar.callbacks.config import DriftConfig, FallbackConfig
 from lightning_mmpar.callbacks.expert_load import ExpertLoadMonitor
+from lightning_mmpar.callbacks.expert_sparsity import ExpertSparsitySchedule
 from lightning_mmpar.callbacks.fp8_fallback import FP8FallbackCallback, FP8FallbackError
 from lightning_mmpar.callbacks.grad_drift import GradientDriftMonitor, GradReport
 from lightning_mmpar.callbacks.replicas import Drift, ReplicaGroup
@@ -17,9 +19,11 @@ from lightning_mmpar.callbacks.snapshot import Snapshot
 __all__ = [
     "Anomaly",
     "AnomalyLog",
+    "BranchGradientClipping",
     "Drift",
     "DriftConfig",
     "ExpertLoadMonitor",
+    "ExpertSparsitySchedule",
     "FP8FallbackCallback",
     "FP8FallbackError",
     "FallbackConfig",

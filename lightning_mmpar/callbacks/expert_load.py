@@ -243,6 +243,23 @@ class ExpertLoadMonitor(Callback):
             pl_module.log(key, v, on_step=True, on_epoch=False)
         self.last_metrics = logged
 
+    def modality_summary(self) -> dict[str, dict[str, float]]:
+        """Per modality, the :data:`METRICS` since fit start over every watched layer
+        (token-weighted mean of the layers' values; the run summary prints them)."""
+        sums: dict[str, dict[str, float]] = {}
+        weights: dict[str, float] = {}
+        for name, mod, e in self._slots:
+            vec = self.totals.get((name, mod))
+            values = None if vec is None else metrics_from_vector(vec, e)
+            if vec is None or values is None:
+                continue
+            tokens = float(vec[2 * e])
+            weights[mod] = weights.get(mod, 0.0) + tokens
+            acc = sums.setdefault(mod, dict.fromkeys(values, 0.0))
+            for key, value in values.items():
+                acc[key] += tokens * value
+        return {m: {k: v / weights[m] for k, v in acc.items()} for m, acc in sums.items()}
+
     def shares(self) -> tuple[list[str], Tensor]:
         """Row labels ``layer/modality`` and the ``[rows, max E]`` share of routes of each
         expert since fit start (before dropping; NaN past a layer's own ``E`` or for a modality

@@ -17,6 +17,7 @@ from lightning_mmpar.models.fusion import FusionConfig, FusionModel, freeze_for_
 from lightning_mmpar.models.heads import MomentumHeads, TextPooler, ema_update, momentum_copy
 from lightning_mmpar.models.language import LanguageConfig, LanguageModel, LlamaDecoderLayer
 from lightning_mmpar.models.moe import MoEFeedForward, MoEStats, RoutingPlan, TokenDensity
+from lightning_mmpar.models.moe_density import GradientDensity
 from lightning_mmpar.models.moe_experts import GroupedExperts, grouped_mm_supported, swiglu_experts
 from lightning_mmpar.models.moe_routing import (
     MoEConfig,
@@ -41,6 +42,7 @@ __all__ = [
     "FusionConfig",
     "FusionModel",
     "FusionOutput",
+    "GradientDensity",
     "GroupedExperts",
     "LanguageConfig",
     "LanguageModel",

@@ -34,10 +34,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_mmpar.models import language as llama
 from lightning_mmpar.models.adapter import CrossModalAdapter
 from lightning_mmpar.models.cost import BlockCost, CostTally, linear_weight
 from lightning_mmpar.models.heads import MomentumHeads, TextPooler
-from lightning_mmpar.models.language import LanguageModel, LlamaDecoderLayer
+from lightning_mmpar.models.language import LanguageModel, LlamaDecoderLayer, LlamaMLP
 from lightning_mmpar.models.vision import VisionBlock, VisionTower, embed_patches, pool_tokens
 
 __all__ = [
@@ -288,7 +289,12 @@ class DecoderLayer(FusionBlock):
         hp = s.hp
         if not self.training:
             prompts = hp[0]
-            hp = _broadcast_rows(self.layer(prompts, _no_image(prompts, s.img)), hp.shape[0])
+            pad = llama.padding_after(s.p_last[0], prompts.shape[1])
+            hp = _broadcast_rows(self.layer(prompts, _no_image(prompts, s.img), pad), hp.shape[0])
+        if self.layer.moe is not None:
+            pad = llama.padding_after(s.last, s.h.shape[1])
+            img, h, ht = llama.moe_streams(self.layer, s.img, s.h, s.ht, pad)
+            return tuple(s._replace(img=img, h=h, ht=ht, hp=hp))
         fused = self.layer(s.h, s.img)
         return tuple(s._replace(h=fused, ht=self.layer(s.ht, _no_image(s.ht, s.img)), hp=hp))
 
@@ -310,10 +316,23 @@ class DecoderLayer(FusionBlock):
         tally.attention(t, t + n, width)
         tally.linear(t, attn.o_proj)
         tally.keep(t * dim)  # post_attention_layernorm
-        tally.linear(t, mlp.gate_proj)
-        tally.linear(t, mlp.up_proj)
-        tally.keep(2 * t * mlp.gate_proj.weight.shape[0])  # SiLU input, up-projection
-        tally.linear(t, mlp.down_proj)
+        moe = self.layer.moe
+        if moe is None:
+            assert isinstance(mlp, LlamaMLP)
+            tally.linear(t, mlp.gate_proj)
+            tally.linear(t, mlp.up_proj)
+            tally.keep(2 * t * mlp.gate_proj.weight.shape[0])  # SiLU input, up-projection
+            tally.linear(t, mlp.down_proj)
+            return
+        # router + top-k experts (+ shared) per token, image tokens included under joint attention
+        cfg, routed = moe.config, t + n
+        tally.linear(routed, moe.router_proj)
+        tally.matmul(routed, cfg.router_dim, cfg.num_experts, train=True)
+        width = cfg.ffn_width * (cfg.top_k + cfg.num_shared_experts)
+        train = moe.experts.w_gate.requires_grad
+        for d_in, d_out in ((dim, width), (dim, width), (width, dim)):
+            tally.matmul(routed, d_in, d_out, train=train)
+        tally.keep(2 * routed * width)
 
 
 class Head(FusionBlock):

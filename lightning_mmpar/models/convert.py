@@ -107,8 +107,17 @@ def language_config_from_llama(config: Any) -> LanguageConfig:
 
 
 def llama_config(config: LanguageConfig) -> Any:
-    """The ``LlamaConfig`` describing a :class:`LanguageConfig` (untied embeddings)."""
+    """The ``LlamaConfig`` describing a :class:`LanguageConfig` (untied embeddings).
+
+    Raises ``ValueError`` for a decoder with mixture-of-experts layers (``LlamaConfig`` has
+    dense FFNs only)."""
     from transformers import LlamaConfig
+
+    if config.moe is not None:
+        raise ValueError(
+            "LanguageConfig.moe is set: a decoder with mixture-of-experts FFNs has no "
+            "LlamaForCausalLM equivalent; export a dense decoder (moe: null)."
+        )
 
     return LlamaConfig(
         **{name: getattr(config, name) for name in _LLAMA_SHARED_FIELDS},

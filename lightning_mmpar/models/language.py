@@ -17,6 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_mmpar.models.moe import MoEFeedForward
+from lightning_mmpar.models.moe_routing import MoEConfig
+
 
 @dataclass(kw_only=True)
 class LanguageConfig:
@@ -52,6 +55,14 @@ class LanguageConfig:
     """Logit scale of text key columns in joint attention (1.0 reproduces plain LLaMA)."""
     learnable_temperature: bool = False
     """Train the two temperatures (one pair per layer)."""
+    moe: MoEConfig | None = None
+    """Mixture-of-experts feed-forward layers (TECHNIQUES 3.1): ``None`` keeps every FFN dense;
+    else the FFN of every ``moe_layer_freq``-th layer is a :class:`MoEFeedForward` with this
+    config (its ``modalities`` must include ``"text"``; ``"vision"`` routes the image tokens under
+    joint attention)."""
+    moe_layer_freq: int = 1
+    """With ``moe``: layer ``i`` is MoE when ``i % moe_layer_freq == 0`` (Megatron-core's
+    ``moe_layer_freq``; 1 = every layer, 2 = layers 0, 2, 4, ...)."""
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads != 0:
@@ -59,6 +70,22 @@ class LanguageConfig:
                 f"LanguageConfig.num_attention_heads ({self.num_attention_heads}) must be "
                 f"divisible by num_key_value_heads ({self.num_key_value_heads})."
             )
+        if isinstance(self.moe_layer_freq, bool) or not (
+            isinstance(self.moe_layer_freq, int) and self.moe_layer_freq >= 1
+        ):
+            raise ValueError(
+                f"LanguageConfig.moe_layer_freq ({self.moe_layer_freq!r}) must be an integer >= "
+                "1; use 1 for MoE in every layer, 2 for every other layer."
+            )
+        if self.moe is not None and "text" not in self.moe.modalities:
+            raise ValueError(
+                f"LanguageConfig.moe.modalities ({self.moe.modalities!r}) must include 'text': "
+                "the decoder routes its text tokens with the 'text' router."
+            )
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether decoder layer ``index`` has a mixture-of-experts FFN."""
+        return self.moe is not None and index % self.moe_layer_freq == 0
 
     @property
     def dim_per_head(self) -> int:
@@ -194,25 +221,90 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """``h = x + attn(norm_1 x [, image_norm img])``; ``y = h + mlp(norm_2 h)``."""
+    """``h = x + attn(norm_1 x [, image_norm img])``; ``y = h + mlp(norm_2 h)``.
 
-    def __init__(self, config: LanguageConfig) -> None:
+    ``mlp`` is a SwiGLU :class:`LlamaMLP`, or a :class:`MoEFeedForward` when ``moe`` is True
+    (its aux losses reach the parameters through the backward pass: ``attach_aux_loss``).
+    """
+
+    def __init__(self, config: LanguageConfig, *, moe: bool = False) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.self_attn = LlamaAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp: LlamaMLP | MoEFeedForward
+        if moe:
+            assert config.moe is not None
+            self.mlp = MoEFeedForward(config.hidden_size, config.moe, attach_aux_loss=True)
+        else:
+            self.mlp = LlamaMLP(config)
         self.image_norm: RMSNorm | None = None
         if config.joint_attention:
             self.image_norm = RMSNorm(config.hidden_size, eps)
 
-    def forward(self, x: Tensor, image: Tensor | None = None) -> Tensor:
+    @property
+    def moe(self) -> MoEFeedForward | None:
+        """The mixture-of-experts FFN, or ``None`` for a dense layer."""
+        return self.mlp if isinstance(self.mlp, MoEFeedForward) else None
+
+    def attend(self, x: Tensor, image: Tensor | None = None) -> Tensor:
+        """The attention half: ``x + attn(norm_1 x [, image_norm img])``."""
         if self.image_norm is not None and image is not None:
-            h = x + self.self_attn(self.input_layernorm(x), self.image_norm(image))
-        else:
-            h = x + self.self_attn(self.input_layernorm(x))
+            return x + self.self_attn(self.input_layernorm(x), self.image_norm(image))
+        return x + self.self_attn(self.input_layernorm(x))
+
+    def forward(
+        self, x: Tensor, image: Tensor | None = None, padding_mask: Tensor | None = None
+    ) -> Tensor:
+        """``x [B, T, D]`` (text), ``image [B, N, D]`` (joint attention keys) -> ``[B, T, D]``;
+        ``padding_mask [B, T]`` (True = padding) keeps padded tokens out of MoE routing."""
+        h = self.attend(x, image)
+        if isinstance(self.mlp, MoEFeedForward):
+            text = self.mlp.config.modalities.index("text")
+            ids = torch.full(h.shape[:2], text, dtype=torch.long, device=h.device)
+            return h + self.mlp(self.post_attention_layernorm(h), ids, padding_mask)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def padding_after(last: Tensor, length: int) -> Tensor:
+    """``[B, length]`` bool, True after each row's last token ``last [B]`` (right padding)."""
+    return torch.arange(length, device=last.device)[None, :] > last[:, None]
+
+
+def moe_streams(
+    layer: LlamaDecoderLayer, img: Tensor, h: Tensor, ht: Tensor, text_padding: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One MoE decoder layer on the fusion model's streams: attention per stream, then ONE
+    mixture-of-experts call over ``[img; h; ht]`` (one routing, one all-to-all under expert
+    parallelism). ``img [B, N, D]`` image tokens, ``h`` fused and ``ht`` text-only streams
+    ``[B, T, D]``, ``text_padding [B, T]`` (True after each row's last token; never routed).
+
+    Image tokens go to the ``vision`` router under joint attention when the config has one (their
+    residual stream then evolves through the layer: dual-channel gating, TECHNIQUES 3.1); text
+    tokens of both streams go to the ``text`` router. Returns ``(img, h, ht)``.
+    """
+    moe = layer.moe
+    assert moe is not None
+    fused = layer.attend(h, img)
+    text = layer.attend(ht, img.new_zeros(ht.shape[0], 0, img.shape[-1]))
+    names = moe.config.modalities
+    route_image = layer.image_norm is not None and "vision" in names
+    parts = ([img] if route_image else []) + [fused, text]
+    kinds = (["vision"] if route_image else []) + ["text", "text"]
+    ids = [
+        torch.full(p.shape[:2], names.index(k), dtype=torch.long, device=p.device)
+        for p, k in zip(parts, kinds, strict=True)
+    ]
+    pads = ([torch.zeros_like(ids[0], dtype=torch.bool)] if route_image else []) + [
+        text_padding,
+        text_padding,
+    ]
+    x = layer.post_attention_layernorm(torch.cat(parts, 1))
+    y = moe(x, torch.cat(ids, 1), torch.cat(pads, 1))
+    outs = [p + d for p, d in zip(parts, y.split([p.shape[1] for p in parts], 1), strict=True)]
+    new_img = outs.pop(0) if route_image else img
+    return new_img, outs[0], outs[1]
 
 
 class LanguageModel(nn.Module):
@@ -227,7 +319,8 @@ class LanguageModel(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, moe=config.is_moe_layer(i))
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

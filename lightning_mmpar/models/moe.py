@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_mmpar.models.moe_density import GradientDensity
 from lightning_mmpar.models.moe_experts import (
     GroupedExperts,
 )
@@ -187,7 +188,7 @@ class MoEFeedForward(nn.Module):
         self.expert_dispatch: ExpertDispatch | None = None
         """``None``: every expert is local. Set by ``parallel.experts.apply_expert_parallel``
         to move the routed tokens to the ranks that hold their experts and back."""
-        self.density: TokenDensity | None = None
+        self.density: TokenDensity | None = GradientDensity.from_config(config)
         """Optional per-token top-k (TECHNIQUES 3.2): ``observe`` sees each training input,
         ``top_k`` gives each routed token's number of experts."""
         self.attach_aux_loss = attach_aux_loss
@@ -233,7 +234,7 @@ class MoEFeedForward(nn.Module):
         Only experts allowed by ``expert_mask & locality_mask`` (``[E]`` bool buffers: the
         sparsity schedule's pruning mask, expert-parallel group-limited routing) are chosen
         (their logits are ``-inf``); ``density`` gives per-token top-k when set. Raises
-        ``ValueError`` when no expert is allowed."""
+        ``ValueError`` when fewer than ``top_k`` experts are allowed."""
         self._check_inputs(x, modality, padding_mask)
         cfg, flat = self.config, x.reshape(-1, x.shape[-1])
         valid = torch.ones(flat.shape[0], dtype=torch.bool, device=x.device)
@@ -243,11 +244,11 @@ class MoEFeedForward(nn.Module):
             torch.zeros_like(valid, dtype=torch.long) if modality is None else modality.reshape(-1)
         )
         allowed = self.expert_mask & self.locality_mask
-        if not bool(allowed.any()):
+        if int(allowed.sum()) < cfg.top_k:
             raise ValueError(
-                "MoEFeedForward has no routable expert: expert_mask & locality_mask is all "
-                "False; keep at least one expert active (sparsity below 1, a locality group "
-                "that holds experts)."
+                f"MoEFeedForward allows {int(allowed.sum())} experts (expert_mask & "
+                f"locality_mask) but top_k is {cfg.top_k}; keep at least top_k experts routable "
+                "(less sparsity, larger locality groups, or a smaller top_k)."
             )
         ids_shape = x.shape[:2]
         decisions: dict[str, RouteDecision] = {}

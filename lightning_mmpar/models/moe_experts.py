@@ -9,6 +9,7 @@ this process's block without communication.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -86,6 +87,19 @@ def swiglu_experts(
     return _expert_matmul(F.silu(gate) * up, w_down, counts, grouped)
 
 
+class _ScaleGradient(torch.autograd.Function):
+    """Identity whose backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, scale: float) -> Tensor:  # type: ignore[override]
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        return grad * ctx.scale, None
+
+
 class GroupedExperts(nn.Module):
     """Stacked SwiGLU experts of one MoE layer: ``w_gate, w_up [E, D, F]``, ``w_down [E, F, D]``.
 
@@ -103,9 +117,16 @@ class GroupedExperts(nn.Module):
         self.w_down = nn.Parameter(torch.empty(num_experts, width, dim))
         self.grouped_mm: bool | None = None
         """``None``: grouped matmul when supported; ``False``: loop; ``True``: force grouped."""
+        self.gradient_scale = 1.0
+        """Factor on the weights' gradient only (forward unchanged). The strategy sets ``1 / ep``
+        under expert parallelism: the all-to-all backward sums the gradients of every ep rank's
+        tokens, and the mean over ranks is what a data-parallel gradient is."""
 
     def forward(self, tokens: Tensor, tokens_per_expert: Tensor) -> Tensor:
-        w_gate, w_up, w_down = (local_block(w) for w in (self.w_gate, self.w_up, self.w_down))
+        weights = [local_block(w) for w in (self.w_gate, self.w_up, self.w_down)]
+        if self.gradient_scale != 1.0:
+            weights = [_ScaleGradient.apply(w, self.gradient_scale) for w in weights]
+        w_gate, w_up, w_down = weights
         return swiglu_experts(
             tokens, tokens_per_expert, w_gate, w_up, w_down, grouped=self.grouped_mm
         )

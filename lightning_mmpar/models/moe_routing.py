@@ -70,6 +70,14 @@ class MoEConfig:
     """Always-active SwiGLU experts applied to every unpadded token (DeepSeek-MoE); 0: none."""
     init_std: float = 0.02
     """Std of the normal initialisation of router and expert weights."""
+    density_threshold: float | None = None
+    """Density-driven expert activation (TECHNIQUES 3.2, :class:`GradientDensity`): tokens
+    whose gradient-norm density, relative to their modality's densest position, is at least
+    this value use ``top_k`` experts, the others ``density_min_top_k``. ``None``: fixed
+    ``top_k``; else in ``(0, 1]`` (TECHNIQUES 3.2 uses 0.85)."""
+    density_min_top_k: int = 1
+    """Experts of the tokens below ``density_threshold`` (``1 <= density_min_top_k <=
+    top_k``)."""
 
     def __post_init__(self) -> None:
         _positive_int("num_experts", self.num_experts, "use at least one expert")
@@ -103,6 +111,17 @@ class MoEConfig:
             raise ValueError(
                 f"MoEConfig.load_balancing ({self.load_balancing!r}) must be 'aux_loss' or "
                 "'aux_free'."
+            )
+        if self.density_threshold is not None and not 0.0 < self.density_threshold <= 1.0:
+            raise ValueError(
+                f"MoEConfig.density_threshold ({self.density_threshold!r}) must be in (0, 1]; "
+                "use e.g. 0.85 (TECHNIQUES 3.2), or None for a fixed top_k."
+            )
+        _positive_int("density_min_top_k", self.density_min_top_k, "use at least 1 expert")
+        if self.density_min_top_k > self.top_k:
+            raise ValueError(
+                f"MoEConfig.density_min_top_k ({self.density_min_top_k}) must be <= top_k "
+                f"({self.top_k}); lower density_min_top_k or raise top_k."
             )
         if not self.modalities or len(set(self.modalities)) != len(self.modalities):
             raise ValueError(

@@ -28,6 +28,10 @@ from lightning_mmpar.parallel.experts import (
     AllToAllDispatcher,
     apply_expert_parallel,
     expert_parallel_block,
+    expert_placement,
+    locality_group_ranks,
+    permute_experts,
+    placement_order,
 )
 from lightning_mmpar.parallel.finite import NonFiniteGuard, nonfinite_weights
 from lightning_mmpar.parallel.gradient_cache import BatchLossModule, RNGReplay
@@ -87,6 +91,7 @@ __all__ = [
     "checkpoint_rng_contexts",
     "clip_grad_norm_",
     "expert_parallel_block",
+    "expert_placement",
     "fsdp_managed",
     "full_gradients",
     "full_state_dict",
@@ -94,10 +99,13 @@ __all__ = [
     "global_grad_norm",
     "has_fsdp",
     "load_sharded",
+    "locality_group_ranks",
     "map_deepspeed_config",
     "model_parallel_manual_seed",
     "nonfinite_weights",
     "partition",
+    "permute_experts",
+    "placement_order",
     "region_seeds",
     "replicated_parameters",
     "resolve_batch",

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from lightning_mmpar.parallel import comm
 
@@ -80,17 +80,75 @@ def _has_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
+def is_expert_parameter(param: Tensor) -> bool:
+    """Whether ``param`` is an expert weight sharded over the ``ep`` mesh alone (set up by
+    :func:`lightning_mmpar.parallel.experts.apply_expert_parallel`, not yet sharded over edp)."""
+    return isinstance(param, DTensor) and tuple(param.device_mesh.mesh_dim_names or ()) == ("ep",)
+
+
+def expert_modules(module: nn.Module) -> list[nn.Module]:
+    """Submodules holding expert-parallel weights directly (an MoE layer's ``experts``)."""
+    return [
+        m
+        for m in module.modules()
+        if any(is_expert_parameter(p) for p in m.parameters(recurse=False))
+    ]
+
+
+def check_expert_layers(module: nn.Module, ep: int) -> None:
+    """Raise ``ValueError`` when ``ep > 1`` but ``module`` has no expert-parallel layer (the
+    model's plan shards its MoE experts over ``ep`` in ``configure_model``)."""
+    if ep > 1 and not expert_modules(module):
+        raise ValueError(
+            f"expert_parallel ({ep}) needs a model with expert-parallel MoE layers, but "
+            f"{type(module).__name__} has none after configure_model(); configure MoE layers "
+            "(e.g. model.fusion.language.moe) or set expert_parallel=1."
+        )
+
+
+def set_aux_loss_scale(module: nn.Module, scale: float) -> None:
+    """Set ``aux_loss_scale`` on every MoE layer under ``module`` (the factor of the aux-loss
+    gradient its output injects in backward)."""
+    for m in module.modules():
+        if hasattr(m, "aux_loss_scale"):
+            setattr(m, "aux_loss_scale", scale)  # noqa: B010 - any MoE layer class
+
+
+def shard_experts(module: nn.Module, edp_mesh: DeviceMesh) -> None:
+    """FSDP2 over the expert-data-parallel mesh for every expert module under ``module``
+    (Megatron's ``expert_data_parallel`` group; torchtitan's ``dp_shard_mod_ep``): each expert
+    weight, already ``Shard(0)`` over ``ep``, becomes a 2-D ``(edp, ep)`` DTensor whose
+    reduce-scatter averages over the ``edp`` replicas (:func:`scale_expert_gradients` makes that
+    the mean over all ``dp`` ranks)."""
+    for m in expert_modules(module):
+        if not isinstance(m, FSDPModule):
+            fully_shard(m, mesh=edp_mesh, shard_placement_fn=lambda p: Shard(0))
+
+
+def scale_expert_gradients(module: nn.Module, ep: int) -> None:
+    """Set ``gradient_scale = 1 / ep`` on every expert module under ``module``.
+
+    The all-to-all backward sums the gradients of every ep rank's tokens into each expert's
+    owner; scaled by ``1 / ep`` in the graph, an average over the ``edp`` replicas (FSDP2's
+    reduce-scatter or :func:`sync_gradients`) then gives ``(1 / dp) sum_r g_r``, the dense
+    parameters' mean, and stays right under gradient accumulation (averaging is idempotent)."""
+    for m in expert_modules(module):
+        setattr(m, "gradient_scale", 1.0 / ep)  # noqa: B010 - any expert module class
+
+
 def _fully_shard(module: nn.Module, dp_mesh: DeviceMesh) -> None:
-    """``fully_shard`` with 0-dim parameters ignored and :func:`shard_placement` per parameter."""
+    """``fully_shard`` with 0-dim parameters and expert weights left to the ``ep``/``edp``
+    reduction (:func:`sync_expert_gradients`) ignored, :func:`shard_placement` per parameter."""
     dp = dp_mesh.size()
-    scalars = {p for p in module.parameters() if p.ndim == 0}
-    if scalars and all(p.ndim == 0 for p in module.parameters()):
+    params = [p for p in module.parameters()]
+    ignored = {p for p in params if p.ndim == 0 or is_expert_parameter(p)}
+    if ignored and len(ignored) == len(params):
         return  # nothing to shard: the scalars stay replicated
     fully_shard(
         module,
         mesh=dp_mesh,
         shard_placement_fn=lambda p: shard_placement(p, dp),
-        ignored_params=scalars or None,
+        ignored_params=ignored or None,
     )
 
 
@@ -123,9 +181,19 @@ def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh) -> None:
 
 
 def replicated_parameters(module: nn.Module) -> list[nn.Parameter]:
-    """Trainable parameters that no FSDP unit averages."""
+    """Trainable dense parameters that no FSDP unit averages (expert weights excluded:
+    :func:`expert_parameters`)."""
     managed = fsdp_managed(module)
-    return [p for p in module.parameters() if p.requires_grad and id(p) not in managed]
+    return [
+        p
+        for p in module.parameters()
+        if p.requires_grad and id(p) not in managed and not is_expert_parameter(p)
+    ]
+
+
+def expert_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """Trainable expert weights sharded over ``ep`` that no FSDP unit reduces."""
+    return [p for p in module.parameters() if p.requires_grad and is_expert_parameter(p)]
 
 
 @torch.no_grad()

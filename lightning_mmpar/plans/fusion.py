@@ -230,9 +230,10 @@ def language_plan(language: LanguageModel, *, sequence_parallel: bool) -> dict[s
         for name in ("q_proj", "k_proj", "v_proj"):
             plan[f"{p}.self_attn.{name}"] = ColwiseParallel()
         plan[f"{p}.self_attn.o_proj"] = RowwiseParallel(output_layouts=seq)
-        plan[f"{p}.mlp.gate_proj"] = ColwiseParallel()
-        plan[f"{p}.mlp.up_proj"] = ColwiseParallel()
-        plan[f"{p}.mlp.down_proj"] = RowwiseParallel(output_layouts=seq)
+        if layer.moe is None:  # MoE FFNs stay whole on every tp rank (experts replicated)
+            plan[f"{p}.mlp.gate_proj"] = ColwiseParallel()
+            plan[f"{p}.mlp.up_proj"] = ColwiseParallel()
+            plan[f"{p}.mlp.down_proj"] = RowwiseParallel(output_layouts=seq)
         joint = getattr(layer.self_attn, "temperature", None) is not None
         if joint:
             plan[f"{p}.self_attn.temperature"] = HeadShardedReplicate()
@@ -299,7 +300,14 @@ def fusion_plan(
         activation_checkpointing=checkpoint_units(model) if ac else (),
         dropout_regions=dropout_regions(model, sequence_parallel=seq),
         pipeline_blocks=model.pipeline_blocks,
+        expert_parallel=moe_layers(model),
     )
+
+
+def moe_layers(model: FusionModel) -> tuple[str, ...]:
+    """Paths of the decoder's mixture-of-experts FFNs (``language.layers.<i>.mlp``)."""
+    layers = model.language.layers
+    return tuple(f"language.layers.{i}.mlp" for i, layer in enumerate(layers) if layer.moe)
 
 
 def parallelize_fusion(
@@ -319,6 +327,15 @@ def parallelize_fusion(
     """
     if dims.tp > 1:
         validate_tensor_parallel(model.config, dims.tp, vision_parallel=options.vision_parallel)
+    experts = moe_layers(model)
+    if experts and options.sequence_parallel and dims.tp > 1:
+        raise ValueError(
+            f"sequence_parallel (True) with mixture-of-experts layers ({experts[0]}, ...) is not "
+            "supported: MoE layers route whole sequences on every tp rank; set "
+            "tensor_parallel.sequence_parallel to false."
+        )
+    for path in experts:  # TECHNIQUES 1.4: routed sequences padded to lcm(tp, E) multiples
+        setattr(model.get_submodule(path), "sequence_multiple", dims.tp)  # noqa: B010
     apply_plan(model, fusion_plan(model, options), plan_meshes(dims), dims)
     return model
 

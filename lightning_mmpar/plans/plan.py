@@ -10,6 +10,9 @@ A :class:`ParallelPlan` says, for one built model, *what* each parallelism does 
   :class:`~lightning_mmpar.parallel.random.ParallelDropout` and in which RNG region
   (``replicated`` for TP-replicated activations, ``tensor-parallel`` for TP-sharded ones), so
   masks follow the activation's layout (Megatron's model-parallel RNG);
+* ``expert_parallel``: the mixture-of-experts layers whose experts are sharded over the ``ep``
+  mesh with all-to-all dispatch (:func:`~lightning_mmpar.parallel.experts.apply_expert_parallel`;
+  experts are replicated over ``tp``);
 * ``pipeline_blocks``: the model's ordered blocks. They are also the FSDP units: the strategy
   cuts the blocks into pipeline stages and then applies FSDP2 ``fully_shard`` once per block of
   this rank's stages (:func:`lightning_mmpar.parallel.data.shard_blocks`), plus once on the root
@@ -32,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_mmpar import compat
 from lightning_mmpar.parallel.comm import group_device
+from lightning_mmpar.parallel.experts import apply_expert_parallel
 from lightning_mmpar.parallel.random import ParallelDropout, checkpoint_rng_contexts, seed_regions
 from lightning_mmpar.parallel.tensor import StyleGroup, apply_styles
 from lightning_mmpar.topology import ParallelDims
@@ -58,6 +62,8 @@ class ParallelPlan:
     """``(path of an nn.Dropout, RNG region)`` pairs (empty: dropout left as it is)."""
     pipeline_blocks: Callable[[], Sequence[nn.Module]] | None = None
     """The model's ordered pipeline blocks (also its FSDP units); ``None``: not pipelined."""
+    expert_parallel: tuple[str, ...] = ()
+    """Paths of the MoE layers sharded over the ``ep`` mesh when it has more than one rank."""
 
     def fsdp_units(self) -> list[nn.Module]:
         """One ``fully_shard`` unit per pipeline block (the strategy applies them after the
@@ -111,12 +117,16 @@ def apply_plan(
     dims: ParallelDims | None = None,
 ) -> nn.Module:
     """Apply ``plan`` to ``module`` in place: parallel dropout (when ``dims`` spans more than
-    one process), TP styles on ``meshes`` (none given: no TP), then activation checkpointing.
-    FSDP is the strategy's, after the pipeline split. Returns ``module``."""
+    one process), TP styles on ``meshes`` (none given: no TP), expert parallelism on
+    ``dims.get_mesh("ep")`` (when ``dims.ep > 1``), then activation checkpointing. FSDP is the
+    strategy's, after the pipeline split. Returns ``module``."""
     if dims is not None and dims.world_size > 1:
         install_parallel_dropout(module, plan.dropout_regions, dims)
     if meshes:
         apply_styles(module, plan.tensor_parallel, meshes)
+    if dims is not None and dims.ep > 1:
+        for path in plan.expert_parallel:
+            apply_expert_parallel(module.get_submodule(path), dims.get_mesh("ep"))
     return checkpoint_activations(module, plan.activation_checkpointing)
 
 

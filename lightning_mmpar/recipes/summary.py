@@ -107,6 +107,7 @@ class RunSummary(Callback):
             "retrieval": {k.removeprefix("val/"): v for k, v in last_val.items() if "recall" in k},
             "final_train": self.train[-1] if self.train else {},
             "checkpoint": ckpt,
+            **_router(trainer),
         }
         out = self._out_dir(trainer)  # collective (trainer.log_dir broadcasts)
         if not trainer.is_global_zero:
@@ -163,7 +164,9 @@ def _format(s: dict[str, Any], path: Path, plots: list[Path]) -> str:
     lines = [
         "=" * 72,
         f"run summary  ({lay['strategy']}: world {lay['world']} = tp {lay['tp']} x pp "
-        f"{lay['pp']} x dp {lay['dp']}, virtual stages {lay['virtual']})",
+        f"{lay['pp']} x dp {lay['dp']}"
+        + (f" (ep {lay['ep']})" if lay.get("ep", 1) > 1 else "")
+        + f", virtual stages {lay['virtual']})",
         f"  steps {s['steps']}"
         + (f" ({s['skipped_steps']} skipped: non-finite)" if s.get("skipped_steps") else "")
         + f"   wall time {s['wall_time_s']} s",
@@ -171,11 +174,28 @@ def _format(s: dict[str, Any], path: Path, plots: list[Path]) -> str:
         f"  caption names the digit: greedy {_pct(s['caption_acc_greedy'])}, "
         f"teacher-forced {_pct(s['caption_acc_teacher_forced'])}",
         "  retrieval  " + "  ".join(f"{k} {_pct(v)}" for k, v in s["retrieval"].items()),
+        *(
+            f"  router ({m:6s})  top-1 share {_pct(r['top1_share'])}, entropy "
+            f"{r['routing_entropy_bits']:.2f} bits, {r['experts_per_token']:.2f} experts/token, "
+            f"dropped {_pct(r['dropped_fraction'])}"
+            for m, r in s.get("router", {}).items()
+        ),
+        *([f"  expert load {s['expert_load_heatmap']}"] if s.get("expert_load_heatmap") else []),
         f"  checkpoint  {s['checkpoint']}",
         f"  summary     {path}" + "".join(f"\n  plot        {p}" for p in plots),
         "=" * 72,
     ]
     return "\n".join(lines)
+
+
+def _router(trainer: Trainer) -> dict[str, Any]:
+    """Per-modality router statistics and the heatmap path of an ``ExpertLoadMonitor`` among
+    the Trainer's callbacks (duck-typed: ``modality_summary``); empty without one."""
+    for cb in getattr(trainer, "callbacks", ()):
+        if callable(getattr(cb, "modality_summary", None)):
+            path = getattr(cb, "heatmap_path", None)
+            return {"router": cb.modality_summary(), "expert_load_heatmap": path and str(path)}
+    return {}
 
 
 def _pct(value: float | None) -> str:

@@ -5,7 +5,8 @@ Reference (stated once, used by every case): rank ``r``'s loss is
 ``L_r`` on its own rank. The single-process layer (same full weights, seed 0) run on ``x_r``
 gives ``y_r``, ``aux_r``, the counts, ``dL_r/dx_r`` and ``dL_r/d router`` directly (they depend
 on rank ``r``'s tokens only). An expert weight receives gradients from every rank's tokens, so
-its reference is ``sum_r dL_r/dW`` restricted to the block the ep rank holds.
+its reference is ``sum_r dL_r/dW`` restricted to the block the ep rank holds. The locality
+checks (``check_placement``, ``check_locality``) state their references in their docstrings.
 """
 
 from __future__ import annotations
@@ -128,7 +129,10 @@ def check_case(case: Case, rank: int, mesh: Any) -> dict[str, Any]:
     kept = [sum((s["kept_per_expert"] for s in r["stats"].values()), none) for r in refs]
     expected_received = torch.stack([k[block] for k in kept])
     dispatcher = layer.expert_dispatch
+    # hand count of the dispatch bytes: this rank's kept routes to the other rank's experts
+    other = sum(int(n) for e, n in enumerate(kept[rank]) if e not in range(block.start, block.stop))
     return dict(
+        bytes=(dispatcher.bytes_sent, dispatcher.bytes_across_groups, other * DIM * 4),
         errors=errors,
         missing_grads=sorted(missing),
         counts_equal=counts_equal,
@@ -155,6 +159,15 @@ def check_errors(mesh: Any) -> dict[str, str]:
             build(CASES[0]), init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "ep"))
         ),
         "no_hook": lambda: apply_expert_parallel(torch.nn.Linear(2, 2), mesh),
+        "placement_counts": lambda: apply_expert_parallel(
+            build(CASES[0]), mesh, placement=[0, 0, 0, 1]
+        ),
+        "placement_range": lambda: apply_expert_parallel(
+            build(CASES[0]), mesh, placement=[0, 1, 2, 1]
+        ),
+        "placement_length": lambda: apply_expert_parallel(build(CASES[0]), mesh, placement=[0, 1]),
+        "groups": lambda: apply_expert_parallel(build(CASES[0]), mesh, locality_groups=3),
+        "no_mask": lambda: apply_expert_parallel(_without_mask(), mesh, locality_groups=2),
     }
     for name, attempt in attempts.items():
         try:
@@ -164,6 +177,83 @@ def check_errors(mesh: Any) -> dict[str, str]:
         else:
             messages[name] = "no error"
     return messages
+
+
+def _without_mask() -> MoEFeedForward:
+    layer = build(CASES[0])
+    del layer.locality_mask
+    return layer
+
+
+def check_placement(rank: int, mesh: Any) -> dict[str, Any]:
+    """Custom placement ``[1, 0, 1, 0]`` (rank 0 holds logical experts 1, 3; rank 1: 0, 2) vs
+    the single-process layer in logical order: same outputs, aux loss, input and router grads;
+    the expert grads and counts are those of the logical experts now held (physical order)."""
+    case = CASES[0]
+    refs = [step(build(case), case, r) for r in range(2)]
+    ref, order = refs[rank], [1, 3, 0, 2]
+    layer = apply_expert_parallel(build(case), mesh, placement=[1, 0, 1, 0])
+    got = step(layer, case, rank)
+    index = torch.tensor(order)
+    held = index[2 * rank : 2 * rank + 2]
+    errors = {k: rel(got[k], ref[k]) for k in ("y", "aux", "x_grad")}
+    errors["grad.router_proj"] = rel(
+        got["grads"]["router_proj.weight"], ref["grads"]["router_proj.weight"]
+    )
+    errors["grad.router_gate"] = rel(
+        got["grads"]["router_gate"], ref["grads"]["router_gate"][:, index]
+    )
+    for name in EXPERT_WEIGHTS:
+        errors[f"grad.{name}"] = rel(got["grads"][name], sum(r["grads"][name] for r in refs)[held])
+    dispatcher = layer.expert_dispatch
+    kept = {m: s["kept_per_expert"] for m, s in got["stats"].items()}
+    return dict(
+        errors=errors,
+        logical_ids=dispatcher.logical_ids,
+        placement=dispatcher.placement,
+        kept_physical=all(
+            torch.equal(k, ref["stats"][m]["kept_per_expert"][index]) for m, k in kept.items()
+        ),
+        kept_logical=all(
+            torch.equal(dispatcher.to_logical(k), ref["stats"][m]["kept_per_expert"])
+            for m, k in kept.items()
+        ),
+        full_equal=torch.equal(
+            layer.experts.w_gate.full_tensor(), build(case).experts.w_gate.detach()[index]
+        ),
+    )
+
+
+def check_locality(rank: int, mesh: Any) -> dict[str, Any]:
+    """``locality_groups = 2`` at ep 2 (each rank its own group) vs the single-process layer
+    whose ``locality_mask`` allows this rank's block only (the function group-limited routing
+    defines); then ``locality_groups = 1`` (one group: routing unchanged, nothing crosses)."""
+    case, block = CASES[0], slice(2 * rank, 2 * rank + 2)
+    ref_layer = build(case)
+    ref_layer.locality_mask.zero_()
+    ref_layer.locality_mask[block] = True
+    ref = step(ref_layer, case, rank)
+    layer = apply_expert_parallel(build(case), mesh, locality_groups=2)
+    got = step(layer, case, rank)
+    errors = {k: rel(got[k], ref[k]) for k in ("y", "aux", "x_grad")}
+    for name, grad in got["grads"].items():  # experts: only this rank's own tokens reach them
+        errors[f"grad.{name}"] = rel(
+            grad, ref["grads"][name][block] if name in EXPERT_WEIGHTS else ref["grads"][name]
+        )
+    kept = sum(s["kept_per_expert"] for s in got["stats"].values())
+    one = apply_expert_parallel(build(case), mesh, locality_groups=1)
+    one_ref = step(build(case), case, rank)
+    one_got = step(one, case, rank)
+    d, d1 = layer.expert_dispatch, one.expert_dispatch
+    return dict(
+        errors=errors,
+        mask=layer.locality_mask.tolist(),
+        routed=kept.tolist(),
+        received=d.last_received,
+        bytes=(d.bytes_sent, d.bytes_across_groups),
+        one_error=rel(one_got["y"], one_ref["y"]),
+        one_bytes=(d1.bytes_sent, d1.bytes_across_groups),
+    )
 
 
 def check_checkpoint(mesh: Any) -> float:
@@ -258,6 +348,8 @@ def check_deepspeed(rank: int, mesh: Any) -> dict[str, Any] | None:
 def run(rank: int, world: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
     results: dict[str, Any] = {c.name: check_case(c, rank, mesh) for c in CASES}
+    results["placement"] = check_placement(rank, mesh)
+    results["locality"] = check_locality(rank, mesh)
     results["errors"] = check_errors(mesh)
     results["checkpoint_diff"] = check_checkpoint(mesh)
     results["deepspeed"] = check_deepspeed(rank, mesh)

@@ -6,7 +6,9 @@ to, a rank whose tokens are all padding, shared experts, grouped matmul and the 
 compares outputs, aux loss, expert counts and the gradients of the input, the router and every
 expert weight with the single-process reference (its definition: the worker's docstring), then
 checks the invalid set-ups, a DCP round trip ep 2 -> ep 1 and DeepSpeed's ``MoE`` at ep_size 2
-as an oracle. The other tests need no process group.
+as an oracle. Expert locality (TECHNIQUES 3.3) in the same world: a custom placement against the
+single-process layer, group-limited routing against the layer with the same ``locality_mask``,
+and the dispatch byte counters against a hand count. The other tests need no process group.
 """
 
 from __future__ import annotations
@@ -67,6 +69,17 @@ def test_invalid_setups_and_checkpoint(world: list[dict[str, Any]]) -> None:
     assert "'w_gate'" in messages["twice"] and "once" in messages["twice"]
     assert "2 dims" in messages["mesh_2d"] and "mesh['ep']" in messages["mesh_2d"]
     assert "expert_dispatch" in messages["no_hook"]
+    for name in ("placement_counts", "placement_range"):
+        assert "exactly num_experts / ep = 2" in messages[name], messages[name]
+    assert (
+        "[0, 0, 0, 1]" in messages["placement_counts"] and "[3, 1]" in messages["placement_counts"]
+    )
+    assert (
+        "2 entries" in messages["placement_length"]
+        and "num_experts = 4" in messages["placement_length"]
+    )
+    assert "locality_groups (3)" in messages["groups"] and "ep size (2)" in messages["groups"]
+    assert "locality_mask" in messages["no_mask"]
     assert all(r["checkpoint_diff"] == 0.0 for r in world)
 
 
@@ -124,3 +137,40 @@ def test_matches_deepspeed_moe_ep2(world: list[dict[str, Any]]) -> None:
         for k, got in result["deepspeed"].items():
             assert got["y"] <= RTOL and got["l_aux"] <= RTOL, (rank, k, got)
             assert got["counts_equal"], (rank, k)
+
+
+@pytest.mark.distributed
+def test_byte_counters_match_hand_count(world: list[dict[str, Any]]) -> None:
+    """No groups: each rank is its own group; both counters = kept routes to the other rank's
+    experts * D * 4 bytes (fp32), from the single-process reference's routing."""
+    crossing = 0
+    for result in world:
+        for case in worker.CASES:
+            sent, across, expected = result[case.name]["bytes"]
+            assert sent == across == expected, (case.name, sent, across, expected)
+            crossing += expected
+    assert crossing > 0
+
+
+@pytest.mark.distributed
+def test_custom_placement_matches_single_process(world: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(world):
+        got = result["placement"]
+        assert max(got["errors"].values()) <= RTOL, (rank, got["errors"])
+        assert got["logical_ids"] == [1, 3, 0, 2] and got["placement"] == [1, 0, 1, 0]
+        assert got["kept_physical"] and got["kept_logical"] and got["full_equal"]
+
+
+@pytest.mark.distributed
+def test_group_limited_routing_stays_local(world: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(world):
+        got = result["locality"]
+        assert max(got["errors"].values()) <= RTOL, (rank, got["errors"])
+        own = [e // 2 == rank for e in range(4)]
+        assert got["mask"] == own
+        assert all(n == 0 for n, mine in zip(got["routed"], own, strict=True) if not mine)
+        assert sum(got["routed"]) > 0 and got["received"][1 - rank].sum() == 0
+        assert got["bytes"] == (0, 0)
+        # one group spanning both ranks: routing unchanged, bytes cross ranks but not groups
+        assert got["one_error"] <= RTOL
+        assert got["one_bytes"][0] > 0 and got["one_bytes"][1] == 0

@@ -19,13 +19,28 @@ from typing import Any
 
 import recipe_faults_worker as rw
 import yaml_runs_worker
+from lightning.pytorch import Callback
 from torch import Tensor
 
 from lightning_mmpar import MultimodalParallelStrategy
+from lightning_mmpar.models.moe_routing import MoEConfig
 from lightning_mmpar.topology import ParallelDims
 
 STEPS = 5  # AdamW steps per layout (accumulation: 2 batches per step)
 CLIP = 0.05  # a global norm below the first steps' gradient norm (~0.5): clipping bites
+MOE = {
+    # per-token math (dropless, no aux terms): every layout equals the full-batch one process
+    "moe": MoEConfig(
+        num_experts=4, top_k=2, ffn_width=32, router_dim=8, capacity_factor=None,
+        aux_loss_weight=0.0, z_loss_weight=0.0,
+    ),
+    # aux losses alone (every other loss weight 0), with capacity dropping: the gradient is the
+    # mean over (dp rank, micro-batch) chunks of each chunk's aux gradient
+    "aux": MoEConfig(
+        num_experts=4, top_k=2, ffn_width=32, router_dim=8, capacity_factor=1.0,
+        aux_loss_weight=1.0, z_loss_weight=0.1,
+    ),
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -38,18 +53,34 @@ class Layout:
     sequence_parallel: bool = False
     accumulate: int = 1
     clip: float | None = None
+    moe: str | None = None
+    """``None``: dense FFNs; a key of :data:`MOE`: mixture-of-experts decoder FFNs."""
 
     @property
     def dims(self) -> ParallelDims:
         s = self.strategy
         return ParallelDims(
-            world_size=self.world, tp=s.get("tensor_parallel", 1), pp=s.get("pipeline_parallel", 1)
+            world_size=self.world,
+            tp=s.get("tensor_parallel", 1),
+            pp=s.get("pipeline_parallel", 1),
+            ep=s.get("expert_parallel", 1),
         )
 
     @property
-    def reference(self) -> tuple[int, float | None]:
-        """The one-process run this layout is compared with: (accumulate, clip)."""
-        return self.accumulate, self.clip
+    def chunks(self) -> int:
+        """Routing groups per global batch: one per (dp rank, micro-batch)."""
+        pp = self.strategy.get("pipeline_parallel", 1)
+        return self.dims.dp * (self.strategy.get("micro_batches") or pp if pp > 1 else 1)
+
+    @property
+    def reference(self) -> tuple[int, float | None, str | None, int]:
+        """The one-process run this layout is compared with: (accumulate, clip, moe, chunks);
+        chunks matter for the aux-only runs only."""
+        return self.accumulate, self.clip, self.moe, self.chunks if self.moe == "aux" else 1
+
+    @property
+    def steps(self) -> int:
+        return 1 if self.moe == "aux" else STEPS
 
 
 LAYOUTS: tuple[Layout, ...] = (
@@ -100,6 +131,79 @@ LAYOUTS: tuple[Layout, ...] = (
 )
 
 
+MOE_LAYOUTS: tuple[Layout, ...] = (
+    Layout("ep2 dp2 fsdp (moe)", 2, {"expert_parallel": 2}, moe="moe"),
+    Layout("ep2 x tp2 fsdp (moe)", 4, {"expert_parallel": 2, "tensor_parallel": 2}, moe="moe"),
+    Layout(  # dp 4 = edp 2 x ep 2: expert weights FSDP-sharded over edp
+        "ep2 x dp4 fsdp, experts sharded over edp 2 (moe)", 4, {"expert_parallel": 2}, moe="moe"
+    ),
+    Layout("ep4 ddp (moe)", 4, {"expert_parallel": 4, "data_parallel": "ddp"}, moe="moe"),
+    Layout(
+        "ep2 x pp2 1f1b (moe)",
+        4,
+        {"expert_parallel": 2, "pipeline_parallel": 2, "micro_batches": 2, "schedule": "1f1b"},
+        moe="moe",
+    ),
+    Layout(  # the aux-loss gradient under the interleaved schedule (a known bug elsewhere)
+        "ep2 x pp2 x v2 interleaved, aux losses only",
+        4,
+        {
+            "expert_parallel": 2,
+            "pipeline_parallel": 2,
+            "virtual_pipeline": 2,
+            "micro_batches": 2,
+            "schedule": "interleaved_1f1b",
+        },
+        moe="aux",
+    ),
+    Layout(  # aux gradients follow Lightning's loss division by the accumulation
+        "ep2 x tp2, accumulate 2, aux losses only",
+        4,
+        {"expert_parallel": 2, "tensor_parallel": 2},
+        accumulate=2,
+        moe="aux",
+    ),
+)
+LAYOUTS += MOE_LAYOUTS
+
+
+class AuxScale(Callback):
+    """Set every MoE layer's aux-loss gradient factor (the one-process reference of chunked
+    aux-only runs: ``1 / accumulated chunks``)."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        for m in pl_module.modules():
+            if hasattr(m, "aux_loss_scale"):
+                m.aux_loss_scale = self.scale
+
+
+def build(vocab_size: int, layout_moe: str | None, sequence_parallel: bool = False) -> Any:
+    """The recipe module of a layout (aux-only: every other loss weight 0)."""
+    if layout_moe == "aux":
+        return rw.tiny_module(
+            vocab_size, contrastive_weight=0.0, caption_weight=0.0, mml_weight=0.0, moe=MOE["aux"]
+        )
+    moe = MOE[layout_moe] if layout_moe else None
+    return rw.tiny_module(vocab_size, sequence_parallel=sequence_parallel, moe=moe)
+
+
+def reference(key: tuple[int, float | None, str | None, int], digits: Any) -> rw.Recorder:
+    """The one-process run of :attr:`Layout.reference`; aux-only runs accumulate over every
+    (dp rank, micro-batch) chunk of the first step's batches, aux gradient scaled by 1/chunks."""
+    accumulate, clip, moe, chunks = key
+    module = build(digits.vocab_size, moe)
+    if moe != "aux":
+        return rw.fit(
+            module, rw.batches(digits, STEPS * accumulate), accumulate=accumulate, clip=clip
+        )
+    data = [dp_slice(b, chunks, c) for b in rw.batches(digits, accumulate) for c in range(chunks)]
+    n = accumulate * chunks
+    return rw.fit(module, data, accumulate=n, clip=clip, callbacks=[AuxScale(1.0 / n)])
+
+
 def dp_slice(batch: dict[str, Any], dp: int, dp_rank: int) -> dict[str, Any]:
     """Rows ``[r * B / dp, (r + 1) * B / dp)`` of every tensor of ``batch``."""
     out = {}
@@ -116,7 +220,7 @@ def run_layout(layout: Layout, rank: int, vocab_size: int, data: list[dict[str, 
     dims = layout.dims
     coords = dims.rank_coords(rank)
     local = [dp_slice(b, dims.dp, coords["dp"]) for b in data]
-    module = rw.tiny_module(vocab_size, sequence_parallel=layout.sequence_parallel)
+    module = build(vocab_size, layout.moe, layout.sequence_parallel)
     rec = rw.fit(
         module,
         local,
@@ -136,6 +240,10 @@ def world(rank: int, world_size: int, root: str) -> dict[str, Any]:
     for layout in LAYOUTS:
         if layout.world != world_size:
             continue
-        data = rw.batches(digits, STEPS * layout.accumulate)
+        data = rw.batches(digits, layout.steps * layout.accumulate)
         out[layout.name] = run_layout(layout, rank, digits.vocab_size, data)
+    if world_size == 4:
+        import moe_reshard_worker
+
+        out["moe reshard"] = moe_reshard_worker.world(rank, world_size, root, digits)
     return {"parity": out, "yaml": yaml_runs_worker.world(rank, world_size, root)}

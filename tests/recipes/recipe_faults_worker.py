@@ -26,6 +26,7 @@ from lightning_mmpar.losses.mml import MMLConfig
 from lightning_mmpar.models.adapter import AdapterConfig
 from lightning_mmpar.models.fusion import FusionConfig
 from lightning_mmpar.models.language import LanguageConfig
+from lightning_mmpar.models.moe_routing import MoEConfig
 from lightning_mmpar.models.vision import VisionConfig
 from lightning_mmpar.parallel.tensor import full_gradients
 from lightning_mmpar.recipes.config import (
@@ -71,14 +72,17 @@ def tiny_module(
     caption_weight: float = 3.0,
     mml_weight: float = 0.4,
     zero_momentum: bool = False,
+    contrastive_weight: float = 1.0,
+    moe: MoEConfig | None = None,
 ) -> SeededModule:
-    """Every part trainable, dropout 0, the CPU YAML's loss weights unless given."""
+    """Every part trainable, dropout 0, the CPU YAML's loss weights unless given; ``moe``:
+    mixture-of-experts FFNs in both decoder layers."""
     return SeededModule(
         zero_momentum=zero_momentum,
-        fusion=tiny_fusion(logit_scale_init=logit_scale_init),
+        fusion=tiny_fusion(logit_scale_init=logit_scale_init, moe=moe),
         finetune=FinetuneConfig(train_vision=True, train_decoder_layers=-1, train_embeddings=True),
         loss=LossConfig(
-            contrastive_weight=1.0,
+            contrastive_weight=contrastive_weight,
             caption_weight=caption_weight,
             mml=MMLConfig(weight=mml_weight, momentum=momentum),
         ),
@@ -88,7 +92,7 @@ def tiny_module(
     )
 
 
-def tiny_fusion(logit_scale_init: float = 1 / 0.07) -> FusionConfig:
+def tiny_fusion(logit_scale_init: float = 1 / 0.07, moe: MoEConfig | None = None) -> FusionConfig:
     """The tiny fusion model of the recipe tests: 16 px images, 1 ViT layer, 2 joint-attention
     decoder layers, adapter dropout 0 (8 pipeline blocks)."""
     return FusionConfig(
@@ -102,6 +106,7 @@ def tiny_fusion(logit_scale_init: float = 1 / 0.07) -> FusionConfig:
             num_attention_heads=4,
             num_key_value_heads=2,
             joint_attention=True,
+            moe=moe,
         ),
         adapter=AdapterConfig(heads=2, width=32, ffn_width=48, dropout=0.0),
         contrastive_dim=16,
@@ -159,6 +164,7 @@ def fit(
     devices: int = 1,
     accumulate: int = 1,
     clip: float | None = None,
+    callbacks: list[Callback] = (),  # type: ignore[assignment]
 ) -> Recorder:
     """Train on ``data`` (one epoch, in order; gradients clipped to a global norm ``clip``)
     and return the recorder."""
@@ -171,7 +177,7 @@ def fit(
         gradient_clip_val=clip,
         use_distributed_sampler=False,
         limit_val_batches=0,
-        callbacks=[recorder],
+        callbacks=[recorder, *callbacks],
     )
     trainer.fit(module, DataLoader(data, batch_size=None))  # type: ignore[arg-type]
     assert trainer.global_step == len(data) // accumulate

@@ -17,6 +17,7 @@ and the layout is scaled to at most 4 processes:
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +100,7 @@ def run(name: str, root: Path) -> dict[str, Any]:
     from lightning_mmpar.recipes.cli import run_cli
 
     root.mkdir(parents=True, exist_ok=True)
-    extra = root / "overrides.yaml"
+    extra = root / f"overrides.{os.getpid()}.yaml"  # one per rank: no rank reads another's write
     extra.write_text(yaml.safe_dump(overrides(name, root)))
     cli = run_cli(["fit", "--config", str(RECIPES / f"{name}.yaml"), "--config", str(extra)])
     cli.trainer.strategy.barrier()

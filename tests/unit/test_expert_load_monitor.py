@@ -154,6 +154,18 @@ def test_heatmap_png_and_totals(fitted: dict[str, Any]) -> None:
     assert all(math.isclose(float(r.sum()), 1.0) for r in grid)
 
 
+def test_modality_summary_is_token_weighted_over_layers(fitted: dict[str, Any]) -> None:
+    """The run summary's per-modality figures: every layer's values since fit start, weighted
+    by tokens (both layers see the same tokens here, so the plain mean of the two layers)."""
+    batches, summary = fitted["rec"].batches, fitted["mon"].modality_summary()
+    assert sorted(summary) == ["text", "vision"]
+    for mod in ("text", "vision"):
+        per_layer = [expected(batches, (name, mod)) for name in ("moe_a", "moe_b")]
+        for metric, got in summary[mod].items():
+            want = (per_layer[0][metric] + per_layer[1][metric]) / 2
+            assert got == pytest.approx(want, rel=1e-6), (mod, metric)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [

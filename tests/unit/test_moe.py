@@ -372,3 +372,18 @@ def test_forward_input_errors() -> None:
         layer(x, modality + 1, pad)
     with pytest.raises(ValueError, match=r"x must be \[B, S, D\]"):
         layer(x[0], None, None)
+
+
+def test_fewer_routable_experts_than_top_k_is_refused() -> None:
+    """Sparsity or locality masks must leave ``top_k`` experts: otherwise top-k would pick
+    masked experts (probability 0) and send tokens where they may not go."""
+    config = MoEConfig(num_experts=4, top_k=2, ffn_width=8, router_dim=4, capacity_factor=None)
+    layer = MoEFeedForward(16, config)
+    x = torch.randn(1, 4, 16)
+    layer.expert_mask[1:] = False
+    with pytest.raises(ValueError, match=r"allows 1 experts .* but top_k is 2; keep at least"):
+        layer(x)
+    layer.expert_mask[2] = True
+    layer(x)
+    kept = sum(s.kept_per_expert for s in layer.last_stats.values())
+    assert kept[1].item() == 0 and kept[3].item() == 0 and int(kept.sum()) == 8

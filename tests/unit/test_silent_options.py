@@ -107,12 +107,15 @@ def _build(strategy: MultimodalParallelStrategy, devices: int) -> list[str]:
     return [str(w.message) for w in caught if "has no effect" in str(w.message)]
 
 
-def test_expert_parallel_without_experts_warns() -> None:
-    assert _build(MultimodalParallelStrategy(expert_parallel=2), 4) == [
-        "expert_parallel (2) has no effect: it only shapes the expert mesh groups (ep, edp) and "
-        "no layer uses them (lightning_mmpar has no mixture-of-experts layer yet); set "
-        "expert_parallel=1."
-    ]
+def test_expert_parallel_without_experts_is_refused_at_setup() -> None:
+    from torch import nn
+
+    from lightning_mmpar.parallel.data import check_expert_layers
+
+    assert _build(MultimodalParallelStrategy(expert_parallel=2), 4) == []  # no warning: set-up
+    with pytest.raises(ValueError, match=r"expert_parallel \(2\) needs a model with expert-par"):
+        check_expert_layers(nn.Linear(2, 2), 2)  # the strategy's set-up check (_parallelize)
+    check_expert_layers(nn.Linear(2, 2), 1)
 
 
 def test_micro_batches_and_schedule_at_pp_1_warn() -> None:
