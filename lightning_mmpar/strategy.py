@@ -53,7 +53,7 @@ class MultimodalParallelStrategy(ShardedCheckpointHooks, ModelParallelStrategy):
         tensor_parallel: ranks per tensor-parallel group (Megatron's
             ``--tensor-model-parallel-size``).
         pipeline_parallel: pipeline ranks (``--pipeline-model-parallel-size``).
-        expert_parallel: expert-parallel ranks, carved out of the data-parallel ranks.
+        expert_parallel: expert-parallel ranks, carved out of the dp ranks (needs MoE layers).
         virtual_pipeline: stages per pipeline rank (interleaved 1F1B).
         micro_batches: micro-batches per step under pipeline parallelism (default: pp).
         schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.

@@ -95,6 +95,20 @@ def metrics_from_vector(vec: Tensor, num_experts: int) -> dict[str, float] | Non
     return out
 
 
+def moe_layers(module: Any, owner: str, consequence: str) -> dict[str, MoEFeedForward]:
+    """Every ``MoEFeedForward`` under ``module`` by module name (``"<root>"`` for the module
+    itself); warns once, naming ``owner`` and the ``consequence``, when there is none."""
+    layers = {
+        name or "<root>": m for name, m in module.named_modules() if isinstance(m, MoEFeedForward)
+    }
+    if not layers:
+        rank_zero_warn(
+            f"{owner}: {type(module).__name__} has no MoEFeedForward layer on this rank; "
+            f"{consequence}."
+        )
+    return layers
+
+
 class ExpertLoadMonitor(Callback):
     """Log router load statistics of every ``MoEFeedForward`` and draw an expert-load heatmap.
 
@@ -155,16 +169,7 @@ class ExpertLoadMonitor(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.layers = {
-            name or "<root>": m
-            for name, m in pl_module.named_modules()
-            if isinstance(m, MoEFeedForward)
-        }
-        if not self.layers:
-            rank_zero_warn(
-                f"ExpertLoadMonitor: {type(pl_module).__name__} has no MoEFeedForward layer on "
-                "this rank; nothing is logged."
-            )
+        self.layers = moe_layers(pl_module, "ExpertLoadMonitor", "nothing is logged")
         self._slots = [
             (name, mod, layer.config.num_experts)
             for name, layer in self.layers.items()

@@ -40,10 +40,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_mmpar.callbacks.expert_load import moe_layers
 from lightning_mmpar.callbacks.grad_stats import log_due, stage_groups
 from lightning_mmpar.models.moe import MoEFeedForward
 from lightning_mmpar.parallel import comm
@@ -158,16 +158,7 @@ class ExpertSparsitySchedule(Callback):
                 )
             total = max(int(estimated), 1)
         self._total = total
-        self.layers = {
-            name or "<root>": m
-            for name, m in pl_module.named_modules()
-            if isinstance(m, MoEFeedForward)
-        }
-        if not self.layers:
-            rank_zero_warn(
-                f"ExpertSparsitySchedule: {type(pl_module).__name__} has no MoEFeedForward layer "
-                "on this rank; nothing is pruned."
-            )
+        self.layers = moe_layers(pl_module, "ExpertSparsitySchedule", "nothing is pruned")
         saved = self._restored.get("loads", {})
         self.loads = {}
         for name, layer in self.layers.items():

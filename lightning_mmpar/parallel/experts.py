@@ -106,6 +106,25 @@ ROUTER_BUFFERS = ("expert_bias", "pending_load", "expert_mask", "locality_mask")
 """Per-expert ``[..., E]`` buffers of an MoE layer (last dim = expert), permuted with it."""
 
 
+def _expert_weights(
+    module: nn.Module, weights: Sequence[str], field: str, fix: str
+) -> tuple[nn.Module, dict[str, nn.Parameter]]:
+    """``module.experts`` (or ``module``) and its unsharded stacked expert weights by name;
+    ``ValueError`` naming ``field``, the entry and ``fix`` for a missing or sharded one."""
+    experts = getattr(module, "experts", None)
+    holder: nn.Module = experts if isinstance(experts, nn.Module) else module
+    params = {}
+    for name in weights:
+        p = getattr(holder, name, None)
+        if not isinstance(p, nn.Parameter) or isinstance(p.data, DTensor):
+            raise ValueError(
+                f"{field} entry {name!r} of {type(holder).__name__} is not an unsharded "
+                f"parameter; {fix}."
+            )
+        params[name] = p
+    return holder, params
+
+
 @torch.no_grad()
 def permute_experts(
     module: nn.Module, order: Sequence[int], *, weights: Sequence[str] = EXPERT_WEIGHTS
@@ -124,16 +143,9 @@ def permute_experts(
     missing or already sharded (permute before :func:`apply_expert_parallel`), or a tensor
     disagrees on ``E``.
     """
-    holder = module.experts if isinstance(getattr(module, "experts", None), nn.Module) else module
-    tensors: list[tuple[Tensor, int]] = []
-    for name in weights:
-        p = getattr(holder, name, None)
-        if not isinstance(p, nn.Parameter) or isinstance(p.data, DTensor):
-            raise ValueError(
-                f"permute_experts weights entry {name!r} of {type(holder).__name__} is not an "
-                "unsharded parameter; permute the full experts before apply_expert_parallel."
-            )
-        tensors.append((p, 0))
+    fix = "permute the full experts before apply_expert_parallel"
+    _, found = _expert_weights(module, weights, "permute_experts weights", fix)
+    tensors: list[tuple[Tensor, int]] = [(p, 0) for p in found.values()]
     for name in ("router_gate", *ROUTER_BUFFERS):
         if isinstance(t := getattr(module, name, None), Tensor):
             tensors.append((t, 1 if name == "router_gate" else t.dim() - 1))
@@ -344,16 +356,8 @@ def apply_expert_parallel(
             f"module ({type(module).__name__}) has no expert_dispatch hook; pass an MoE layer "
             "such as lightning_mmpar.models.MoEFeedForward."
         )
-    holder = module.experts if isinstance(getattr(module, "experts", None), nn.Module) else module
-    params = {}
-    for name in weights:
-        p = getattr(holder, name, None)
-        if not isinstance(p, nn.Parameter) or isinstance(p.data, DTensor):
-            raise ValueError(
-                f"weights entry {name!r} of {type(holder).__name__} is not an unsharded "
-                "parameter; apply expert parallelism once, to a module with full experts."
-            )
-        params[name] = p
+    fix = "apply expert parallelism once, to a module with full experts"
+    holder, params = _expert_weights(module, weights, "weights", fix)
     counts = {name: p.shape[0] for name, p in params.items()}
     if len(set(counts.values())) != 1:
         raise ValueError(

@@ -133,9 +133,19 @@ LAYOUTS: tuple[Layout, ...] = (
 
 MOE_LAYOUTS: tuple[Layout, ...] = (
     Layout("ep2 dp2 fsdp (moe)", 2, {"expert_parallel": 2}, moe="moe"),
-    Layout("ep2 x tp2 fsdp (moe)", 4, {"expert_parallel": 2, "tensor_parallel": 2}, moe="moe"),
-    Layout(  # dp 4 = edp 2 x ep 2: expert weights FSDP-sharded over edp
-        "ep2 x dp4 fsdp, experts sharded over edp 2 (moe)", 4, {"expert_parallel": 2}, moe="moe"
+    Layout(  # clipping by the global norm: every expert shard counted once
+        "ep2 x tp2 fsdp, clip 0.05 (moe)",
+        4,
+        {"expert_parallel": 2, "tensor_parallel": 2},
+        clip=CLIP,
+        moe="moe",
+    ),
+    Layout(  # dp 4 = edp 2 x ep 2: expert weights FSDP-sharded over edp, 2-D (edp, ep) DTensors
+        "ep2 x dp4 fsdp, experts sharded over edp 2, clip 0.05 (moe)",
+        4,
+        {"expert_parallel": 2},
+        clip=CLIP,
+        moe="moe",
     ),
     Layout("ep4 ddp (moe)", 4, {"expert_parallel": 4, "data_parallel": "ddp"}, moe="moe"),
     Layout(

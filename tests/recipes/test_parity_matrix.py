@@ -54,6 +54,7 @@ def _check_yaml_runs(world_size: int, results: list[dict[str, Any]]) -> None:
             layout = summary["layout"]
             tp, pp = args.get("tensor_parallel", 1), args.get("pipeline_parallel", 1)
             assert (layout["tp"], layout["pp"], layout["dp"]) == (tp, pp, world_size // (tp * pp))
+            assert layout["ep"] == args.get("expert_parallel", 1), (name, layout)
             assert layout["virtual"] == args.get("virtual_pipeline", 1), (name, layout)
             shipped = yaml.safe_load((yw.RECIPES / f"{name}.yaml").read_text())["trainer"]
             assert result["yaml"][name]["precision"] == shipped.get("precision", "32-true")

@@ -27,14 +27,16 @@ RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 STEPS = 3
 
 
-def _tiny_model(heads: int, decoder_layers: int) -> dict[str, Any]:
+def _tiny_model(heads: int, decoder_layers: int, moe: bool = False) -> dict[str, Any]:
+    tiny_moe = {"moe": {"num_experts": 8, "top_k": 2, "ffn_width": 32, "router_dim": 8}}
     return {
         "fusion": {
             "vision": {"image_size": 16, "patch_size": 8, "width": 32, "layers": 2,
                        "heads": heads, "output_dim": 16},
             "language": {"hidden_size": 32, "intermediate_size": 64,
                          "num_hidden_layers": decoder_layers,
-                         "num_attention_heads": heads, "num_key_value_heads": heads},
+                         "num_attention_heads": heads, "num_key_value_heads": heads,
+                         **(tiny_moe if moe else {})},
             "adapter": {"heads": heads, "width": 32, "ffn_width": 64},
             "contrastive_dim": 16,
         }
@@ -59,6 +61,12 @@ RUNS: dict[str, dict[str, Any]] = {
         "world": 4,
         "strategy": {"tensor_parallel": 2},
         "model": _tiny_model(4, decoder_layers=8),  # 18 blocks for 2 x 8 virtual stages
+        "data": {"image_size": 16, "batch_size": 8},
+    },
+    "clip_llama_moe_16gpu": {  # tp 1: pp 2 x dp 2 with ep 2, interleaved (v 8)
+        "world": 4,
+        "strategy": {"tensor_parallel": 1},
+        "model": _tiny_model(4, decoder_layers=8, moe=True),
         "data": {"image_size": 16, "batch_size": 8},
     },
 }

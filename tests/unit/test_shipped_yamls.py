@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from lightning_mmpar import ParallelConfig, ParallelDims
+from lightning_mmpar.models import MoEConfig
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 YAMLS = sorted(RECIPES.glob("clip_llama_*.yaml"))
@@ -25,9 +26,22 @@ def test_layout_of_every_yaml_is_valid(path: Path) -> None:
     parallel = ParallelConfig(**args)
     world = trainer.get("devices", 1) * trainer.get("num_nodes", 1)
     dims = ParallelDims(
-        world_size=world, tp=parallel.tensor_parallel, pp=parallel.pipeline_parallel
+        world_size=world,
+        tp=parallel.tensor_parallel,
+        pp=parallel.pipeline_parallel,
+        ep=parallel.expert_parallel,
     )
     assert dims.dp >= 1
+    language = config["model"]["fusion"]["language"]
+    if "moe" in language:  # the MoE recipes: experts split over ep, no sequence parallel
+        moe = MoEConfig(**language["moe"])
+        assert dims.ep > 1 and moe.num_experts % dims.ep == 0, (path.name, dims)
+        assert language.get("joint_attention") is True  # the vision router gets image tokens
+        assert not config["model"].get("tensor_parallel", {}).get("sequence_parallel", False)
+        names = [c["class_path"].rsplit(".", 1)[-1] for c in trainer["callbacks"]]
+        assert "ExpertLoadMonitor" in names and "RunSummary" in names, names
+    else:
+        assert dims.ep == 1
 
 
 def test_16gpu_maps_megatron_layers_per_virtual_stage() -> None:
