@@ -114,6 +114,31 @@ def set_aux_loss_scale(module: nn.Module, scale: float) -> None:
             setattr(m, "aux_loss_scale", scale)  # noqa: B010 - any MoE layer class
 
 
+@torch.no_grad()
+def update_expert_biases(module: nn.Module, group: dist.ProcessGroup | None) -> int:
+    """The aux-loss-free balancing step of every MoE layer under ``module`` that uses it
+    (``config.load_balancing == "aux_free"``; DeepSeek-V3, Megatron-core's
+    ``moe_router_enable_expert_bias``): ``pending_load`` summed over ``group`` (the data-parallel
+    group: one all-reduce for all layers), then ``update_expert_bias()``. Call once per optimizer
+    step on every rank of the group. Returns the number of layers updated."""
+    layers = [
+        m
+        for m in module.modules()
+        if getattr(getattr(m, "config", None), "load_balancing", None) == "aux_free"
+        and isinstance(getattr(m, "pending_load", None), Tensor)
+    ]
+    if not layers:
+        return 0
+    loads: list[Tensor] = [getattr(m, "pending_load") for m in layers]  # noqa: B009 - duck typed
+    flat = comm.all_reduce(torch.cat([t.reshape(-1) for t in loads]), "sum", group)
+    offset = 0
+    for m, t in zip(layers, loads, strict=True):
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+        getattr(m, "update_expert_bias")()  # noqa: B009
+    return len(layers)
+
+
 def shard_experts(module: nn.Module, edp_mesh: DeviceMesh) -> None:
     """FSDP2 over the expert-data-parallel mesh for every expert module under ``module``
     (Megatron's ``expert_data_parallel`` group; torchtitan's ``dp_shard_mod_ep``): each expert

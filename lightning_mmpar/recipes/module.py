@@ -36,6 +36,7 @@ from lightning_mmpar.models.fusion import (
     freeze_for_finetuning,
     weight_decay_split,
 )
+from lightning_mmpar.parallel.data import update_expert_biases
 from lightning_mmpar.plans.fusion import parallelize_fusion
 from lightning_mmpar.recipes import parallel_env as penv
 from lightning_mmpar.recipes.config import (
@@ -290,12 +291,17 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         """After a batch that ended with an optimizer step (``global_step`` moved: once per
         ``accumulate_grad_batches`` batches, whichever strategy accumulates), the rank holding
-        the head clamps the logit scale and takes one EMA step (``Head.after_optimizer_step``)."""
+        the head clamps the logit scale and takes one EMA step (``Head.after_optimizer_step``);
+        MoE layers with aux-loss-free balancing move their expert bias by the load summed over
+        the data-parallel group."""
         step = self.trainer.global_step
         if step != self._stepped_at:
             self._stepped_at = step
-            if self.head is not None and not _skipped(self.trainer, step - 1):
-                self.head.after_optimizer_step()
+            if not _skipped(self.trainer, step - 1):
+                dp = ParallelDims.of(self.trainer).get_group("dp")
+                update_expert_biases(self, dp)  # aux-free MoE balancing (a no-op without it)
+                if self.head is not None:
+                    self.head.after_optimizer_step()
 
     def on_after_backward(self) -> None:
         """Log this batch's loss terms (``train/<term>``) right after its backward, so the

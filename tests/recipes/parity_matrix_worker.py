@@ -154,6 +154,12 @@ MOE_LAYOUTS: tuple[Layout, ...] = (
         {"expert_parallel": 2, "pipeline_parallel": 2, "micro_batches": 2, "schedule": "1f1b"},
         moe="moe",
     ),
+    Layout(
+        "ep2 x pp2 gpipe, aux losses only",
+        4,
+        {"expert_parallel": 2, "pipeline_parallel": 2, "micro_batches": 2, "schedule": "gpipe"},
+        moe="aux",
+    ),
     Layout(  # the aux-loss gradient under the interleaved schedule (a known bug elsewhere)
         "ep2 x pp2 x v2 interleaved, aux losses only",
         4,

@@ -153,3 +153,24 @@ def test_logged_terms_are_those_of_the_same_step() -> None:
                  + c.mml.weight * terms["mml"])  # fmt: skip
         # rel 1e-4: the steps' losses differ by > 1e-2, so a one-step lag cannot pass
         assert total == pytest.approx(loss, rel=1e-4), (rec.losses, rec.terms)
+
+
+def test_aux_free_moe_bias_moves_after_each_optimizer_step() -> None:
+    """The recipe module runs the aux-loss-free balancing step after each optimizer step (and
+    only then): the bias of every MoE layer moves by the step rate, the pending load is cleared."""
+    from lightning_mmpar.models import MoEConfig, MoEFeedForward
+
+    moe = MoEConfig(
+        num_experts=4, top_k=2, ffn_width=32, router_dim=8, load_balancing="aux_free",
+        bias_update_rate=0.01,
+    )  # fmt: skip
+    digits = rw.digits()
+    module = rw.tiny_module(digits.vocab_size, moe=moe)
+    rw.fit(module, rw.batches(digits, 2), accumulate=2)  # one optimizer step over 2 batches
+    layers = [m for m in module.modules() if isinstance(m, MoEFeedForward)]
+    assert len(layers) == 2
+    for layer in layers:  # one step of +-rate per expert (0 exactly at the mean load)
+        moved = layer.expert_bias.abs()
+        assert bool(((moved - 0.01).abs() < 1e-7).any()), layer.expert_bias
+        assert bool((((moved - 0.01).abs() < 1e-7) | (moved == 0)).all()), layer.expert_bias
+        assert not layer.pending_load.any()

@@ -387,3 +387,22 @@ def test_fewer_routable_experts_than_top_k_is_refused() -> None:
     layer(x)
     kept = sum(s.kept_per_expert for s in layer.last_stats.values())
     assert kept[1].item() == 0 and kept[3].item() == 0 and int(kept.sum()) == 8
+
+
+def test_aux_free_bias_steps_after_each_optimizer_step_in_the_recipe() -> None:
+    """``update_expert_biases`` (the recipe calls it after every optimizer step with the
+    data-parallel group): the summed pending load moves each layer's bias by
+    ``rate * sign(mean - load)`` and is cleared; layers balanced by the aux loss are left alone."""
+    from lightning_mmpar.parallel.data import update_expert_biases
+
+    free = MoEConfig(num_experts=4, top_k=1, ffn_width=8, router_dim=4, load_balancing="aux_free")
+    layers = torch.nn.ModuleList(
+        [MoEFeedForward(16, free), MoEFeedForward(16, MoEConfig(num_experts=4, top_k=1))]
+    )
+    layers[0].pending_load.copy_(torch.tensor([[3.0, 1.0, 0.0, 4.0], [0.0, 0.0, 0.0, 0.0]]))
+    layers[1].pending_load.fill_(5.0)
+    assert update_expert_biases(layers, None) == 1
+    rate = free.bias_update_rate
+    want = torch.tensor([[-rate, rate, rate, -rate], [0.0, 0.0, 0.0, 0.0]])
+    torch.testing.assert_close(layers[0].expert_bias, want, rtol=0, atol=0)
+    assert not layers[0].pending_load.any() and bool((layers[1].expert_bias == 0).all())
