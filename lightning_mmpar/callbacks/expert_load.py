@@ -27,9 +27,9 @@ of routes of every expert since the fit started (rows ``layer/modality``, column
 
 Sources: DeepSpeed's ``exp_counts`` and Megatron-core's per-layer MoE load logging
 (``track_moe_metrics``), Switch Transformer (Fedus et al. 2021) and ST-MoE (Zoph et al. 2022)
-for the losses. Limitation: under a pipeline schedule ``last_stats`` holds the last micro-batch
-of each step only, and a rank logs the layers of its own stage (Lightning's loggers write from
-global rank 0, i.e. the first stage).
+for the losses. Under a pipeline the sums are also added over the stages (a stage's layers hold
+zeros on the other stages), so global rank 0 logs and draws every stage's layers. Limitation:
+under a pipeline schedule ``last_stats`` holds the last micro-batch of each step only.
 """
 
 from __future__ import annotations
@@ -179,10 +179,25 @@ class ExpertLoadMonitor(Callback):
         self._pending = torch.zeros(size, dtype=torch.float64)
         self._interval = torch.zeros(size, dtype=torch.float64)
         self._total = torch.zeros(size, dtype=torch.float64)
-        self._group = None
+        self._group = self._pp_group = None
         if comm.group_size() > 1:
             dims = ParallelDims.of(trainer)
             self._group = dims.get_group("dp") if dims.dp > 1 else None
+            if dims.pp > 1:  # rank 0 (first stage) reports every stage's layers
+                self._pp_group = self._stage_group(dims.get_group("pp"), size)
+
+    @staticmethod
+    def _stage_group(group: Any, size: int) -> Any:
+        """``group`` (pipeline) when every stage watches the same layers (the same vector
+        size), so summing over it adds each stage's own layers; else ``None`` with a warning."""
+        sizes = comm.all_reduce(torch.tensor([size, -size], dtype=torch.float64), "max", group)
+        if int(sizes[0]) == size == -int(sizes[1]):
+            return group
+        rank_zero_warn(
+            "ExpertLoadMonitor: pipeline stages hold different MoE layers; each stage reports "
+            "its own layers only (global rank 0: the first stage's)."
+        )
+        return None
 
     @override
     def on_train_batch_end(
@@ -227,6 +242,8 @@ class ExpertLoadMonitor(Callback):
         assert self._total is not None
         if self._group is not None:
             comm.all_reduce(self._pending, "sum", self._group)
+        if self._pp_group is not None:  # layers of other stages hold zeros here
+            comm.all_reduce(self._pending, "sum", self._pp_group)
         self._interval += self._pending
         self._total += self._pending
         self._pending.zero_()
@@ -250,9 +267,11 @@ class ExpertLoadMonitor(Callback):
 
     def modality_summary(self) -> dict[str, dict[str, float]]:
         """Per modality, the :data:`METRICS` since fit start over every watched layer
-        (token-weighted mean of the layers' values; the run summary prints them)."""
+        (token-weighted mean of the layers' values) and ``layers``, the number of layers that
+        routed tokens of that modality; the run summary prints them."""
         sums: dict[str, dict[str, float]] = {}
         weights: dict[str, float] = {}
+        layers: dict[str, int] = {}
         for name, mod, e in self._slots:
             vec = self.totals.get((name, mod))
             values = None if vec is None else metrics_from_vector(vec, e)
@@ -260,10 +279,14 @@ class ExpertLoadMonitor(Callback):
                 continue
             tokens = float(vec[2 * e])
             weights[mod] = weights.get(mod, 0.0) + tokens
+            layers[mod] = layers.get(mod, 0) + 1
             acc = sums.setdefault(mod, dict.fromkeys(values, 0.0))
             for key, value in values.items():
                 acc[key] += tokens * value
-        return {m: {k: v / weights[m] for k, v in acc.items()} for m, acc in sums.items()}
+        return {
+            m: {**{k: v / weights[m] for k, v in acc.items()}, "layers": float(layers[m])}
+            for m, acc in sums.items()
+        }
 
     def shares(self) -> tuple[list[str], Tensor]:
         """Row labels ``layer/modality`` and the ``[rows, max E]`` share of routes of each
@@ -295,6 +318,9 @@ class ExpertLoadMonitor(Callback):
             )
             return None
         labels, grid = self.shares()
+        if bool(grid.isnan().all()):
+            rank_zero_warn("ExpertLoadMonitor: no routed token seen on this rank; no heatmap.")
+            return None
         folder = self._folder or self.log_dir or Path(trainer.default_root_dir)
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / "expert_load.png"

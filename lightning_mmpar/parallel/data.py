@@ -139,6 +139,34 @@ def update_expert_biases(module: nn.Module, group: dist.ProcessGroup | None) -> 
     return len(layers)
 
 
+@torch.no_grad()
+def average_density_estimates(module: nn.Module, group: dist.ProcessGroup | None) -> int:
+    """Make every density-driven top-k estimate (a submodule with ``estimate`` and ``seen``
+    buffers, :class:`~lightning_mmpar.models.GradientDensity`) the mean over the ranks of
+    ``group`` that measured each position (``seen``: any rank did), so the data-parallel ranks
+    route with one estimate and a checkpoint (one copy per buffer) restores it exactly. One
+    all-reduce; returns the number of modules."""
+    found = [
+        m
+        for m in module.modules()
+        if isinstance(getattr(m, "estimate", None), Tensor)
+        and isinstance(getattr(m, "seen", None), Tensor)
+    ]
+    if not found or comm.group_size(group) == 1:
+        return len(found)
+    pairs = [(getattr(m, "estimate"), getattr(m, "seen")) for m in found]  # noqa: B009
+    flat = torch.cat([t for e, seen in pairs for t in ((e * seen).reshape(-1), seen.reshape(-1))])
+    flat = comm.all_reduce(flat.float(), "sum", group)
+    offset = 0
+    for estimate, seen in pairs:  # mean over the ranks that measured each position
+        n = estimate.numel()
+        total, count = flat[offset : offset + n], flat[offset + n : offset + 2 * n]
+        estimate.copy_((total / count.clamp_min(1)).view_as(estimate))
+        seen.copy_((count > 0).view_as(seen))
+        offset += 2 * n
+    return len(found)
+
+
 def shard_experts(module: nn.Module, edp_mesh: DeviceMesh) -> None:
     """FSDP2 over the expert-data-parallel mesh for every expert module under ``module``
     (Megatron's ``expert_data_parallel`` group; torchtitan's ``dp_shard_mod_ep``): each expert

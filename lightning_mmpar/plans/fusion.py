@@ -76,10 +76,12 @@ __all__ = [
     "TensorParallelOptions",
     "adapter_plan",
     "apply_tensor_parallel",
+    "check_moe_layout",
     "checkpoint_units",
     "dropout_regions",
     "fusion_plan",
     "language_plan",
+    "moe_layers",
     "parallelize_fusion",
     "validate_tensor_parallel",
     "vision_plan",
@@ -304,6 +306,33 @@ def fusion_plan(
     )
 
 
+def check_moe_layout(config: FusionConfig, tp: int, ep: int, *, sequence_parallel: bool) -> None:
+    """The MoE decoder against the layout, from the config alone (the CLI runs it before any
+    process starts). Raises ``ValueError`` naming field, value and fix when ``ep > 1`` without
+    MoE layers, ``num_experts`` does not divide by ``ep``, or sequence parallelism (``tp > 1``)
+    meets MoE layers (they route whole sequences on every tp rank)."""
+    moe = config.language.moe
+    if moe is None:
+        if ep > 1:
+            raise ValueError(
+                f"expert_parallel ({ep}) needs mixture-of-experts layers, but "
+                "model.fusion.language.moe is null; configure MoE FFNs (e.g. recipes/"
+                "clip_llama_moe_cpu.yaml) or set trainer.strategy.init_args.expert_parallel=1."
+            )
+        return
+    if moe.num_experts % ep:
+        raise ValueError(
+            f"model.fusion.language.moe.num_experts ({moe.num_experts}) must be divisible by "
+            f"expert_parallel ({ep}); use a multiple of {ep} experts or another expert_parallel."
+        )
+    if sequence_parallel and tp > 1:
+        raise ValueError(
+            "tensor_parallel.sequence_parallel (True) is not supported with mixture-of-experts "
+            "layers (model.fusion.language.moe): they route whole sequences on every tp rank; "
+            "set model.tensor_parallel.sequence_parallel to false."
+        )
+
+
 def moe_layers(model: FusionModel) -> tuple[str, ...]:
     """Paths of the decoder's mixture-of-experts FFNs (``language.layers.<i>.mlp``)."""
     layers = model.language.layers
@@ -327,14 +356,10 @@ def parallelize_fusion(
     """
     if dims.tp > 1:
         validate_tensor_parallel(model.config, dims.tp, vision_parallel=options.vision_parallel)
-    experts = moe_layers(model)
-    if experts and options.sequence_parallel and dims.tp > 1:
-        raise ValueError(
-            f"sequence_parallel (True) with mixture-of-experts layers ({experts[0]}, ...) is not "
-            "supported: MoE layers route whole sequences on every tp rank; set "
-            "tensor_parallel.sequence_parallel to false."
-        )
-    for path in experts:  # TECHNIQUES 1.4: routed sequences padded to lcm(tp, E) multiples
+    check_moe_layout(model.config, dims.tp, dims.ep, sequence_parallel=options.sequence_parallel)
+    for path in moe_layers(
+        model
+    ):  # TECHNIQUES 1.4: routed sequences padded to lcm(tp, E) multiples
         setattr(model.get_submodule(path), "sequence_multiple", dims.tp)  # noqa: B010
     apply_plan(model, fusion_plan(model, options), plan_meshes(dims), dims)
     return model

@@ -36,7 +36,7 @@ from lightning_mmpar.models.fusion import (
     freeze_for_finetuning,
     weight_decay_split,
 )
-from lightning_mmpar.parallel.data import update_expert_biases
+from lightning_mmpar.parallel.data import average_density_estimates, update_expert_biases
 from lightning_mmpar.plans.fusion import parallelize_fusion
 from lightning_mmpar.recipes import parallel_env as penv
 from lightning_mmpar.recipes.config import (
@@ -300,6 +300,7 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
             if not _skipped(self.trainer, step - 1):
                 dp = ParallelDims.of(self.trainer).get_group("dp")
                 update_expert_biases(self, dp)  # aux-free MoE balancing (a no-op without it)
+                average_density_estimates(self, dp)  # density-driven top-k: one estimate
                 if self.head is not None:
                     self.head.after_optimizer_step()
 

@@ -20,7 +20,7 @@ from lightning_mmpar.config import ParallelConfig
 from lightning_mmpar.models.fusion import FusionModel
 from lightning_mmpar.parallel.checkpoint import validate_checkpoint
 from lightning_mmpar.parallel.pipeline import partition
-from lightning_mmpar.plans.fusion import validate_tensor_parallel
+from lightning_mmpar.plans.fusion import check_moe_layout, validate_tensor_parallel
 from lightning_mmpar.recipes.config import check_image_size
 from lightning_mmpar.recipes.module import ClipLlamaModule
 from lightning_mmpar.strategy import MultimodalParallelStrategy
@@ -44,11 +44,14 @@ _LIGHTNING_CKPT_NAMES = ("last", "best", "hpc", "registry")
 
 
 def _check_model(model: ClipLlamaModule, tp: int, config: ParallelConfig | None) -> None:
-    """Heads and widths vs tp (``validate_tensor_parallel``), pipeline stages vs the model's
-    blocks (``partition``, blocks counted on a meta-device model)."""
+    """Heads and widths vs tp (``validate_tensor_parallel``), MoE layers vs ep and sequence
+    parallelism (``check_moe_layout``), pipeline stages vs the model's blocks (``partition``,
+    blocks counted on a meta-device model)."""
     fusion = model._resolved_config(tp)
     if tp > 1:
         validate_tensor_parallel(fusion, tp, vision_parallel=model.tp_options.vision_parallel)
+    ep = config.expert_parallel if config is not None else 1
+    check_moe_layout(fusion, tp, ep, sequence_parallel=model.tp_options.sequence_parallel)
     if config is not None and config.pipeline_parallel > 1:
         with torch.device("meta"):
             blocks = len(FusionModel(fusion).pipeline_blocks())

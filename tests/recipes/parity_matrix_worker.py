@@ -220,6 +220,28 @@ def reference(key: tuple[int, float | None, str | None, int], digits: Any) -> rw
     return rw.fit(module, data, accumulate=n, clip=clip, callbacks=[AuxScale(1.0 / n)])
 
 
+def density_run(rank: int, digits: Any) -> dict[str, Any]:
+    """ep 2 (dp 2) with density-driven top-k, 2 steps: every rank's estimates afterwards (the
+    recipe averages them over dp after each optimizer step) and the experts per token seen."""
+    from dataclasses import replace
+
+    from lightning_mmpar.models import GradientDensity, MoEFeedForward
+
+    moe = replace(MOE["moe"], density_threshold=0.85)
+    module = rw.tiny_module(digits.vocab_size, moe=moe)
+    local = [dp_slice(b, 2, rank) for b in rw.batches(digits, 2)]
+    rw.fit(module, local, strategy=MultimodalParallelStrategy(expert_parallel=2), devices=2)
+    found = [m for m in module.modules() if isinstance(m, GradientDensity)]
+    moes = [m for m in module.modules() if isinstance(m, MoEFeedForward)]
+    return {
+        "estimates": [m.estimate.clone() for m in found],
+        "seen": [int(m.seen.sum()) for m in found],
+        "experts_per_token": [
+            float(s.experts_per_token) for m in moes for s in m.last_stats.values()
+        ],
+    }
+
+
 def dp_slice(batch: dict[str, Any], dp: int, dp_rank: int) -> dict[str, Any]:
     """Rows ``[r * B / dp, (r + 1) * B / dp)`` of every tensor of ``batch``."""
     out = {}
@@ -258,6 +280,8 @@ def world(rank: int, world_size: int, root: str) -> dict[str, Any]:
             continue
         data = rw.batches(digits, layout.steps * layout.accumulate)
         out[layout.name] = run_layout(layout, rank, digits.vocab_size, data)
+    if world_size == 2:
+        out["moe density"] = density_run(rank, digits)
     if world_size == 4:
         import moe_reshard_worker
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import parity_matrix_worker as pm
@@ -55,6 +56,11 @@ def _check_yaml_runs(world_size: int, results: list[dict[str, Any]]) -> None:
             tp, pp = args.get("tensor_parallel", 1), args.get("pipeline_parallel", 1)
             assert (layout["tp"], layout["pp"], layout["dp"]) == (tp, pp, world_size // (tp * pp))
             assert layout["ep"] == args.get("expert_parallel", 1), (name, layout)
+            if "moe" in name:  # rank 0 (first stage) reports the MoE layers of every stage
+                router = summary["router"]
+                assert sorted(router) == ["text", "vision"], router
+                layers = yw.overrides(name, Path())["model"]["fusion"]["language"]
+                assert router["text"]["layers"] == layers["num_hidden_layers"], router
             assert layout["virtual"] == args.get("virtual_pipeline", 1), (name, layout)
             shipped = yaml.safe_load((yw.RECIPES / f"{name}.yaml").read_text())["trainer"]
             assert result["yaml"][name]["precision"] == shipped.get("precision", "32-true")
@@ -65,6 +71,12 @@ def _check_world(world_size: int, refs: dict[tuple[int, float | None], Any], roo
     results = spawn(pm.world, world_size, str(root), timeout=900)
     _check_yaml_runs(world_size, results)
     results = [r["parity"] for r in results]
+    if world_size == 2:  # density-driven top-k: one estimate over dp (checkpoints hold one copy)
+        runs = [r.pop("moe density") for r in results]
+        assert len(runs[0]["estimates"]) == 2 and min(runs[0]["seen"]) > 0, runs[0]
+        for a, b in zip(runs[0]["estimates"], runs[1]["estimates"], strict=True):
+            assert bool(a.any()) and torch.equal(a, b)
+        assert any(k < 2.0 for r in runs for k in r["experts_per_token"]), runs  # fewer experts
     if world_size == 4:  # DCP reshards the MoE module ep 2 -> ep 1 -> ep 4, bitwise
         reshard = results[0].pop("moe reshard")
         print(f"moe reshard | {reshard}")

@@ -91,10 +91,15 @@ def overrides(name: str, root: Path) -> dict[str, Any]:
             "default_root_dir": str(root),
             "strategy": strategy,
             "callbacks": [
+                *(
+                    [{"class_path": "lightning_mmpar.callbacks.ExpertLoadMonitor"}]
+                    if "moe" in name
+                    else []
+                ),
                 {
                     "class_path": "lightning_mmpar.recipes.summary.RunSummary",
                     "init_args": {"plots": False, "caption_batches": 1},
-                }
+                },
             ],
         },
         "model": run["model"],

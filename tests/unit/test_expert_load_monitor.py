@@ -161,6 +161,7 @@ def test_modality_summary_is_token_weighted_over_layers(fitted: dict[str, Any]) 
     assert sorted(summary) == ["text", "vision"]
     for mod in ("text", "vision"):
         per_layer = [expected(batches, (name, mod)) for name in ("moe_a", "moe_b")]
+        assert summary[mod].pop("layers") == 2.0
         for metric, got in summary[mod].items():
             want = (per_layer[0][metric] + per_layer[1][metric]) / 2
             assert got == pytest.approx(want, rel=1e-6), (mod, metric)

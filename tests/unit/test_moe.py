@@ -406,3 +406,11 @@ def test_aux_free_bias_steps_after_each_optimizer_step_in_the_recipe() -> None:
     want = torch.tensor([[-rate, rate, rate, -rate], [0.0, 0.0, 0.0, 0.0]])
     torch.testing.assert_close(layers[0].expert_bias, want, rtol=0, atol=0)
     assert not layers[0].pending_load.any() and bool((layers[1].expert_bias == 0).all())
+
+
+def test_llama_export_refuses_an_moe_decoder() -> None:
+    from lightning_mmpar.models import LanguageConfig
+    from lightning_mmpar.models.convert import llama_config
+
+    with pytest.raises(ValueError, match=r"LanguageConfig.moe is set: .* no LlamaForCausalLM"):
+        llama_config(LanguageConfig(moe=MoEConfig()))

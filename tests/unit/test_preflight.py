@@ -66,13 +66,36 @@ MISTAKES = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("args", "message"), MISTAKES, ids=lambda v: str(v)[:40])
+MOE_YAML = str(Path(YAML).with_name("clip_llama_moe_cpu.yaml"))
+MISTAKES = [(YAML, args, message) for args, message in MISTAKES] + [
+    (YAML, *m) if "expert_parallel" in m[0][0] else (MOE_YAML, *m)
+    for m in [
+    (  # expert parallelism without MoE layers: raised in the strategy's setup before
+        [f"{STRATEGY}expert_parallel", "2", f"{STRATEGY}pipeline_parallel", "1",
+         f"{STRATEGY}micro_batches", "null"],
+        r"expert_parallel \(2\) needs mixture-of-experts layers, but model.fusion.language.moe "
+        r"is null",
+    ),
+    (  # sequence parallel with MoE layers: raised in configure_model before
+        ["--model.tensor_parallel.sequence_parallel", "true"],
+        r"sequence_parallel \(True\) is not supported with mixture-of-experts layers",
+    ),
+    (  # experts vs ep: raised by apply_expert_parallel in configure_model before
+        ["--model.fusion.language.moe.num_experts", "3"],
+        r"model.fusion.language.moe.num_experts \(3\) must be divisible by expert_parallel "
+        r"\(2\)",
+    ),
+    ]
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("config", "args", "message"), MISTAKES, ids=lambda v: str(v)[-40:])
 def test_mistake_fails_in_main_process_before_launch(
-    launched: list[str], args: list[str], message: str
+    launched: list[str], config: str, args: list[str], message: str
 ) -> None:
     start = time.perf_counter()
     with pytest.raises(ValueError, match=message):
-        run_cli(["fit", "--config", YAML, *args])
+        run_cli(["fit", "--config", config, *args])
     assert launched == [], f"ran past the check: {launched}"
     assert time.perf_counter() - start < 10
 
