@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_mmpar.models.language import RMSNorm
+from lightning_mmpar.models.moe import MoEFeedForward
+from lightning_mmpar.models.moe_routing import MoEConfig
 
 
 @dataclass(kw_only=True)
@@ -38,6 +40,10 @@ class AdapterConfig:
     """Std of the normal init of every adapter projection weight (biases start at 0)."""
     gate_init: float = 0.1
     """Initial value ``a`` of both ``tanh(a)`` residual gates (see :class:`TanhGate`)."""
+    moe: MoEConfig | None = None
+    """``None``: the gated FFN is a GELU MLP; else a :class:`MoEFeedForward` (SwiGLU experts,
+    routed by the ``text`` router; ``modalities`` must include ``"text"``) whose aux losses
+    reach the parameters through the backward pass."""
 
     def __post_init__(self) -> None:
         if self.width % self.heads != 0:
@@ -46,6 +52,11 @@ class AdapterConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"AdapterConfig.dropout ({self.dropout}) must be in [0, 1).")
+        if self.moe is not None and "text" not in self.moe.modalities:
+            raise ValueError(
+                f"AdapterConfig.moe.modalities ({self.moe.modalities!r}) must include 'text': "
+                "the adapter FFN routes the text stream with the 'text' router."
+            )
 
 
 class TanhGate(nn.Module):
@@ -112,14 +123,30 @@ class CrossModalAdapter(nn.Module):
         self.attn = CrossAttention(dim, config.width, config.heads)
         self.attn_gate = TanhGate(config.gate_init)
         self.norm_ffn = RMSNorm(dim)
-        self.mlp = AdapterMLP(dim, config.ffn_width)
+        self.mlp: AdapterMLP | MoEFeedForward
+        if config.moe is None:
+            self.mlp = AdapterMLP(dim, config.ffn_width)
+        else:
+            self.mlp = MoEFeedForward(dim, config.moe, attach_aux_loss=True)
         self.ffn_gate = TanhGate(config.gate_init)
         self.dropout = nn.Dropout(config.dropout)
-        for module in (*self.attn.children(), *self.mlp.children()):
+        dense = self.mlp.children() if isinstance(self.mlp, AdapterMLP) else ()
+        for module in (*self.attn.children(), *dense):
             assert isinstance(module, nn.Linear)
             nn.init.normal_(module.weight, std=config.init_std)
             nn.init.zeros_(module.bias)
 
-    def forward(self, text: Tensor, image: Tensor) -> Tensor:
+    @property
+    def moe(self) -> MoEFeedForward | None:
+        """The mixture-of-experts FFN, or ``None`` for the GELU MLP."""
+        return self.mlp if isinstance(self.mlp, MoEFeedForward) else None
+
+    def forward(self, text: Tensor, image: Tensor, padding_mask: Tensor | None = None) -> Tensor:
+        """``text [B, T, D]``, ``image [B, N, D]`` -> ``[B, T, D]``; ``padding_mask [B, T]``
+        (True = padding) keeps padded text out of MoE routing."""
         h = text + self.attn_gate(self.dropout(self.attn(self.norm_q(text), self.norm_kv(image))))
-        return h + self.ffn_gate(self.dropout(self.mlp(self.norm_ffn(h))))
+        x = self.norm_ffn(h)
+        if isinstance(self.mlp, MoEFeedForward):
+            ids = torch.full(x.shape[:2], self.mlp.config.modalities.index("text"), device=x.device)
+            return h + self.ffn_gate(self.dropout(self.mlp(x, ids, padding_mask)))
+        return h + self.ffn_gate(self.dropout(self.mlp(x)))

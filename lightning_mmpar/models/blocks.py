@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_mmpar.models import language as llama
-from lightning_mmpar.models.adapter import CrossModalAdapter
+from lightning_mmpar.models.adapter import AdapterMLP, CrossModalAdapter
 from lightning_mmpar.models.cost import BlockCost, CostTally, linear_weight
 from lightning_mmpar.models.heads import MomentumHeads, TextPooler
 from lightning_mmpar.models.language import LanguageModel, LlamaDecoderLayer, LlamaMLP
@@ -257,7 +257,8 @@ class AdapterLayer(FusionBlock):
 
     def forward(self, *state: Tensor) -> tuple[Tensor, ...]:
         s = Streams(*state)
-        return tuple(s._replace(h=self.adapter(s.h, s.img)))
+        pad = llama.padding_after(s.last, s.h.shape[1])  # used by an MoE FFN only
+        return tuple(s._replace(h=self.adapter(s.h, s.img, pad)))
 
     def _tally(self, tally: CostTally, n: int, t: int) -> None:
         a = self.adapter
@@ -269,6 +270,10 @@ class AdapterLayer(FusionBlock):
         tally.attention(t, n, width)
         tally.linear(t, a.attn.o_proj)
         tally.keep(t * dim)  # norm_ffn
+        if a.moe is not None:
+            tally.moe(t, dim, a.moe.config, train=a.moe.experts.w_gate.requires_grad)
+            return
+        assert isinstance(a.mlp, AdapterMLP)
         tally.linear(t, a.mlp.fc1)
         tally.keep(t * a.mlp.fc1.weight.shape[0])  # GELU
         tally.linear(t, a.mlp.fc2)
@@ -324,15 +329,8 @@ class DecoderLayer(FusionBlock):
             tally.keep(2 * t * mlp.gate_proj.weight.shape[0])  # SiLU input, up-projection
             tally.linear(t, mlp.down_proj)
             return
-        # router + top-k experts (+ shared) per token, image tokens included under joint attention
-        cfg, routed = moe.config, t + n
-        tally.linear(routed, moe.router_proj)
-        tally.matmul(routed, cfg.router_dim, cfg.num_experts, train=True)
-        width = cfg.ffn_width * (cfg.top_k + cfg.num_shared_experts)
-        train = moe.experts.w_gate.requires_grad
-        for d_in, d_out in ((dim, width), (dim, width), (width, dim)):
-            tally.matmul(routed, d_in, d_out, train=train)
-        tally.keep(2 * routed * width)
+        train = moe.experts.w_gate.requires_grad  # image tokens routed too under joint attention
+        tally.moe(t + n, dim, moe.config, train=train)
 
 
 class Head(FusionBlock):

@@ -20,6 +20,7 @@ rather than any kernel's exact behaviour:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from torch import Tensor, nn
 
@@ -83,6 +84,17 @@ class CostTally:
         keeps ``q``, ``k``, ``v`` and the output."""
         self.flops += 3 * 2 * (2.0 * queries * keys * width)
         self.elements += (2 * queries + 2 * keys) * width
+
+    def moe(self, routed: int, dim: int, config: Any, *, train: bool) -> None:
+        """A mixture-of-experts FFN (``config``: an ``MoEConfig``) on ``routed`` tokens: the
+        router (``dim -> router_dim -> E``), then ``top_k`` routed plus the shared SwiGLU
+        experts per token (``train``: the experts take weight gradients)."""
+        self.matmul(routed, dim, config.router_dim, train=True)
+        self.matmul(routed, config.router_dim, config.num_experts, train=True)
+        width = config.ffn_width * (config.top_k + config.num_shared_experts)
+        for d_in, d_out in ((dim, width), (dim, width), (width, dim)):
+            self.matmul(routed, d_in, d_out, train=train)
+        self.keep(2 * routed * width)  # SiLU input, up-projection
 
     def keep(self, elements: float) -> None:
         """An element-wise op (norm, activation function) that keeps its input."""

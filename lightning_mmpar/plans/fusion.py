@@ -185,12 +185,13 @@ def _combine_style(vl_combine: VLCombine, seq: Shard | Replicate) -> ParallelSty
 
 
 def adapter_plan(
-    num_blocks: int, *, sequence_parallel: bool, vl_combine: VLCombine
+    num_blocks: int, *, sequence_parallel: bool, vl_combine: VLCombine, moe: bool = False
 ) -> tuple[dict[str, ParallelStyle], dict[str, ParallelStyle]]:
     """``(plan on the vl mesh, plan on the tp mesh)`` for the adapter blocks.
 
     Cross-attention (q/k/v column parallel, combine per ``vl_combine``) runs on the dedicated
-    vision-language group; the FFN (fc1 column, fc2 row parallel) on the tp group.
+    vision-language group; the FFN (fc1 column, fc2 row parallel) on the tp group, unless
+    ``moe`` (mixture-of-experts FFNs stay whole on every tp rank).
     """
     seq: Shard | Replicate = Shard(1) if sequence_parallel else Replicate()
     vl: dict[str, ParallelStyle] = {}
@@ -200,8 +201,9 @@ def adapter_plan(
         for name in ("q_proj", "k_proj", "v_proj"):
             vl[f"{p}.attn.{name}"] = ColwiseParallel()
         vl[f"{p}.attn.o_proj"] = _combine_style(vl_combine, seq)
-        tp[f"{p}.mlp.fc1"] = ColwiseParallel()
-        tp[f"{p}.mlp.fc2"] = RowwiseParallel(output_layouts=seq)
+        if not moe:
+            tp[f"{p}.mlp.fc1"] = ColwiseParallel()
+            tp[f"{p}.mlp.fc2"] = RowwiseParallel(output_layouts=seq)
         if sequence_parallel:
             vl[f"{p}.attn"] = PrepareModuleInput(
                 input_layouts=(Shard(1), Replicate()), desired_input_layouts=(Replicate(),) * 2
@@ -279,7 +281,10 @@ def fusion_plan(
     groups: list[StyleGroup] = []
     if options.vision_parallel == "tp":
         groups.append(StyleGroup("vision", "tp", vision_plan(model.vision)))
-    vl, tp = adapter_plan(len(model.adapters), sequence_parallel=seq, vl_combine=options.vl_combine)
+    moe = model.config.adapter.moe is not None
+    vl, tp = adapter_plan(
+        len(model.adapters), sequence_parallel=seq, vl_combine=options.vl_combine, moe=moe
+    )
     groups += [
         StyleGroup("adapters", "vl", vl),
         StyleGroup("adapters", "tp", tp),
@@ -307,36 +312,37 @@ def fusion_plan(
 
 
 def check_moe_layout(config: FusionConfig, tp: int, ep: int, *, sequence_parallel: bool) -> None:
-    """The MoE decoder against the layout, from the config alone (the CLI runs it before any
-    process starts). Raises ``ValueError`` naming field, value and fix when ``ep > 1`` without
-    MoE layers, ``num_experts`` does not divide by ``ep``, or sequence parallelism (``tp > 1``)
-    meets MoE layers (they route whole sequences on every tp rank)."""
-    moe = config.language.moe
+    """MoE FFNs against the layout, from the config alone (the CLI runs it before launch).
+    ``ValueError`` naming field, value and fix: ``ep > 1`` without MoE layers, ``num_experts``
+    not divisible by ``ep``, sequence parallelism (``tp > 1``) with MoE layers."""
+    moe = config.language.moe or config.adapter.moe
     if moe is None:
         if ep > 1:
             raise ValueError(
-                f"expert_parallel ({ep}) needs mixture-of-experts layers, but "
-                "model.fusion.language.moe is null; configure MoE FFNs (e.g. recipes/"
-                "clip_llama_moe_cpu.yaml) or set trainer.strategy.init_args.expert_parallel=1."
+                f"expert_parallel ({ep}) needs mixture-of-experts layers, but model.fusion."
+                "language.moe is null (adapter.moe too); configure MoE FFNs (recipes/clip_llama_"
+                "moe_cpu.yaml) or set trainer.strategy.init_args.expert_parallel=1."
             )
         return
-    if moe.num_experts % ep:
-        raise ValueError(
-            f"model.fusion.language.moe.num_experts ({moe.num_experts}) must be divisible by "
-            f"expert_parallel ({ep}); use a multiple of {ep} experts or another expert_parallel."
-        )
+    for part in ("language", "adapter"):
+        cfg = getattr(config, part).moe
+        if cfg is not None and cfg.num_experts % ep:
+            raise ValueError(
+                f"model.fusion.{part}.moe.num_experts ({cfg.num_experts}) must be divisible by "
+                f"expert_parallel ({ep}); use a multiple of {ep} experts or another ep."
+            )
     if sequence_parallel and tp > 1:
         raise ValueError(
             "tensor_parallel.sequence_parallel (True) is not supported with mixture-of-experts "
-            "layers (model.fusion.language.moe): they route whole sequences on every tp rank; "
-            "set model.tensor_parallel.sequence_parallel to false."
+            "layers: they route whole sequences on every tp rank; set it to false."
         )
 
 
 def moe_layers(model: FusionModel) -> tuple[str, ...]:
-    """Paths of the decoder's mixture-of-experts FFNs (``language.layers.<i>.mlp``)."""
+    """Paths of the MoE FFNs: ``adapters.<i>.mlp``, ``language.layers.<i>.mlp``."""
+    adapters = [f"adapters.{i}.mlp" for i, a in enumerate(model.adapters) if a.moe is not None]
     layers = model.language.layers
-    return tuple(f"language.layers.{i}.mlp" for i, layer in enumerate(layers) if layer.moe)
+    return (*adapters, *(f"language.layers.{i}.mlp" for i, x in enumerate(layers) if x.moe))
 
 
 def parallelize_fusion(

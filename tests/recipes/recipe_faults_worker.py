@@ -76,7 +76,7 @@ def tiny_module(
     moe: MoEConfig | None = None,
 ) -> SeededModule:
     """Every part trainable, dropout 0, the CPU YAML's loss weights unless given; ``moe``:
-    mixture-of-experts FFNs in both decoder layers."""
+    mixture-of-experts FFNs in the adapter and both decoder layers."""
     return SeededModule(
         zero_momentum=zero_momentum,
         fusion=tiny_fusion(logit_scale_init=logit_scale_init, moe=moe),
@@ -108,7 +108,7 @@ def tiny_fusion(logit_scale_init: float = 1 / 0.07, moe: MoEConfig | None = None
             joint_attention=True,
             moe=moe,
         ),
-        adapter=AdapterConfig(heads=2, width=32, ffn_width=48, dropout=0.0),
+        adapter=AdapterConfig(heads=2, width=32, ffn_width=48, dropout=0.0, moe=moe),
         contrastive_dim=16,
         logit_scale_init=logit_scale_init,
     )

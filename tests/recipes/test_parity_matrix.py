@@ -73,7 +73,7 @@ def _check_world(world_size: int, refs: dict[tuple[int, float | None], Any], roo
     results = [r["parity"] for r in results]
     if world_size == 2:  # density-driven top-k: one estimate over dp (checkpoints hold one copy)
         runs = [r.pop("moe density") for r in results]
-        assert len(runs[0]["estimates"]) == 2 and min(runs[0]["seen"]) > 0, runs[0]
+        assert len(runs[0]["estimates"]) == 3 and min(runs[0]["seen"]) > 0, runs[0]  # adapter + 2
         for a, b in zip(runs[0]["estimates"], runs[1]["estimates"], strict=True):
             assert bool(a.any()) and torch.equal(a, b)
         assert any(k < 2.0 for r in runs for k in r["experts_per_token"]), runs  # fewer experts

@@ -414,3 +414,20 @@ def test_llama_export_refuses_an_moe_decoder() -> None:
 
     with pytest.raises(ValueError, match=r"LanguageConfig.moe is set: .* no LlamaForCausalLM"):
         llama_config(LanguageConfig(moe=MoEConfig()))
+
+
+def test_adapter_ffn_as_moe_routes_text_only_and_never_padding() -> None:
+    """``AdapterConfig.moe``: the adapter's gated FFN is an MoE layer on the text stream; padded
+    text positions are not routed and the modalities must include the text router."""
+    from lightning_mmpar.models import AdapterConfig, CrossModalAdapter
+
+    config = MoEConfig(num_experts=4, top_k=2, ffn_width=8, router_dim=4, capacity_factor=None)
+    adapter = CrossModalAdapter(16, AdapterConfig(heads=2, width=16, ffn_width=32, moe=config))
+    text, image = torch.randn(2, 5, 16), torch.randn(2, 3, 16)
+    pad = torch.zeros(2, 5, dtype=torch.bool)
+    pad[1, 3:] = True
+    adapter(text, image, pad)
+    assert adapter.moe is not None and list(adapter.moe.last_stats) == ["text"]
+    assert int(adapter.moe.last_stats["text"].tokens) == 8
+    with pytest.raises(ValueError, match=r"AdapterConfig.moe.modalities .*'vision'.* must include"):
+        AdapterConfig(moe=MoEConfig(modalities=("vision",)))
