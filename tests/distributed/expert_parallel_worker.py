@@ -12,6 +12,7 @@ checks (``check_placement``, ``check_locality``) state their references in their
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -273,9 +274,13 @@ def check_checkpoint(mesh: Any) -> float:
         n: (t.full_tensor() if isinstance(t, DTensor) else t)
         for n, t in sharded.state_dict().items()
     }
-    return max(
+    diff = max(
         float((plain.state_dict()[n].float() - t.float()).abs().max()) for n, t in full.items()
     )
+    dist.barrier()  # every rank has read the files
+    if dist.get_rank() == 0:
+        shutil.rmtree(path[0], ignore_errors=True)
+    return diff
 
 
 class _SwiGLU(torch.nn.Module):
