@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_mmpar.models.language import RMSNorm
+from lightning_mmpar.models.language import RMSNorm, modality_ids
 from lightning_mmpar.models.moe import MoEFeedForward
 from lightning_mmpar.models.moe_routing import MoEConfig
 
@@ -147,6 +147,6 @@ class CrossModalAdapter(nn.Module):
         h = text + self.attn_gate(self.dropout(self.attn(self.norm_q(text), self.norm_kv(image))))
         x = self.norm_ffn(h)
         if isinstance(self.mlp, MoEFeedForward):
-            ids = torch.full(x.shape[:2], self.mlp.config.modalities.index("text"), device=x.device)
+            ids = modality_ids(self.mlp, x, "text")
             return h + self.ffn_gate(self.dropout(self.mlp(x, ids, padding_mask)))
         return h + self.ffn_gate(self.dropout(self.mlp(x)))

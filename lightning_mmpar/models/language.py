@@ -261,10 +261,16 @@ class LlamaDecoderLayer(nn.Module):
         ``padding_mask [B, T]`` (True = padding) keeps padded tokens out of MoE routing."""
         h = self.attend(x, image)
         if isinstance(self.mlp, MoEFeedForward):
-            text = self.mlp.config.modalities.index("text")
-            ids = torch.full(h.shape[:2], text, dtype=torch.long, device=h.device)
+            ids = modality_ids(self.mlp, h, "text")
             return h + self.mlp(self.post_attention_layernorm(h), ids, padding_mask)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def modality_ids(moe: MoEFeedForward, like: Tensor, name: str) -> Tensor:
+    """``[B, S]`` long (``like [B, S, ...]``) filled with modality ``name``'s router id in
+    ``moe.config.modalities``."""
+    index = moe.config.modalities.index(name)
+    return torch.full(like.shape[:2], index, dtype=torch.long, device=like.device)
 
 
 def padding_after(last: Tensor, length: int) -> Tensor:
@@ -288,14 +294,10 @@ def moe_streams(
     assert moe is not None
     fused = layer.attend(h, img)
     text = layer.attend(ht, img.new_zeros(ht.shape[0], 0, img.shape[-1]))
-    names = moe.config.modalities
-    route_image = layer.image_norm is not None and "vision" in names
+    route_image = layer.image_norm is not None and "vision" in moe.config.modalities
     parts = ([img] if route_image else []) + [fused, text]
     kinds = (["vision"] if route_image else []) + ["text", "text"]
-    ids = [
-        torch.full(p.shape[:2], names.index(k), dtype=torch.long, device=p.device)
-        for p, k in zip(parts, kinds, strict=True)
-    ]
+    ids = [modality_ids(moe, p, k) for p, k in zip(parts, kinds, strict=True)]
     pads = ([torch.zeros_like(ids[0], dtype=torch.bool)] if route_image else []) + [
         text_padding,
         text_padding,

@@ -28,13 +28,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_mmpar.models.moe_density import GradientDensity
-from lightning_mmpar.models.moe_experts import (
-    GroupedExperts,
-)
+from lightning_mmpar.models.moe_experts import GroupedExperts
 from lightning_mmpar.models.moe_routing import (
     MoEConfig,
     RouteDecision,
-    aligned_sequence_length,
+    align_sequence,
     load_balancing_loss,
     route_tokens,
     router_z_loss,
@@ -92,10 +90,8 @@ class RoutingPlan:
 
 @dataclass(frozen=True)
 class MoEStats:
-    """Router statistics of one modality in one forward (detached 0-d tensors unless noted).
-
-    Padded tokens are excluded from every figure.
-    """
+    """Router statistics of one modality in one forward (detached 0-d tensors unless noted;
+    padded tokens are excluded from every figure)."""
 
     tokens: Tensor
     """Unpadded tokens ``T_m`` routed by this modality's router (long)."""
@@ -219,23 +215,34 @@ class MoEFeedForward(nn.Module):
                     f"{tuple(x.shape[:2])}."
                 )
         n_mod = len(self.config.modalities)
-        if modality is not None and modality.numel() and not 0 <= int(modality.min()):
+        if modality is None or not modality.numel():
+            return
+        low, high = (int(v) for v in torch.aminmax(modality))  # one host sync
+        if low < 0:
             raise ValueError(f"MoEFeedForward modality ids must be in [0, {n_mod}).")
-        if modality is not None and modality.numel() and int(modality.max()) >= n_mod:
+        if high >= n_mod:
             raise ValueError(
-                f"MoEFeedForward modality id {int(modality.max())} has no router: "
+                f"MoEFeedForward modality id {high} has no router: "
                 f"config.modalities is {self.config.modalities!r}; add the modality there."
             )
 
-    def route(self, x: Tensor, modality: Tensor | None, padding_mask: Tensor | None) -> RoutingPlan:
+    def route(
+        self,
+        x: Tensor,
+        modality: Tensor | None,
+        padding_mask: Tensor | None,
+        *,
+        checked: bool = False,
+    ) -> RoutingPlan:
         """Routing of ``x [B, S, D]``: modality ``m`` tokens use router ``m`` only; padded tokens
         (``padding_mask`` True) are never routed. Modality ``None`` = all modality 0.
 
         Only experts allowed by ``expert_mask & locality_mask`` (``[E]`` bool buffers: the
         sparsity schedule's pruning mask, expert-parallel group-limited routing) are chosen
-        (their logits are ``-inf``); ``density`` gives per-token top-k when set. Raises
-        ``ValueError`` when fewer than ``top_k`` experts are allowed."""
-        self._check_inputs(x, modality, padding_mask)
+        (their logits are ``-inf``); ``density`` gives per-token top-k when set. ``ValueError``:
+        fewer than ``top_k`` allowed experts, or invalid inputs (unless ``checked`` by forward)."""
+        if not checked:
+            self._check_inputs(x, modality, padding_mask)
         cfg, flat = self.config, x.reshape(-1, x.shape[-1])
         valid = torch.ones(flat.shape[0], dtype=torch.bool, device=x.device)
         if padding_mask is not None:
@@ -329,10 +336,11 @@ class MoEFeedForward(nn.Module):
         """
         self._check_inputs(x, modality, padding_mask)
         length = x.shape[1]
-        x, modality, padding_mask = self._aligned(x, modality, padding_mask)
+        multiple, experts = self.sequence_multiple, self.config.num_experts
+        x, modality, padding_mask = align_sequence(x, modality, padding_mask, multiple, experts)
         if self.density is not None and self.training:
             self.density.observe(x, modality, padding_mask)
-        plan = self.route(x, modality, padding_mask)
+        plan = self.route(x, modality, padding_mask, checked=True)
         flat = x.reshape(-1, x.shape[-1])
         tokens = flat[plan.token_index]
         if self.expert_dispatch is None:
@@ -347,24 +355,6 @@ class MoEFeedForward(nn.Module):
             y = _AttachAuxLoss.apply(y, self.aux_loss, self.aux_loss_scale)
             self.aux_loss = self.aux_loss.detach()
         return y[:, :length]
-
-    def _aligned(
-        self, x: Tensor, modality: Tensor | None, mask: Tensor | None
-    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """Right-pad ``x [B, S, D]`` to :func:`aligned_sequence_length` with ``padding_mask``
-        True on the new positions (TECHNIQUES 1.4); unchanged when already aligned."""
-        length = x.shape[1]
-        target = aligned_sequence_length([length], self.sequence_multiple, self.config.num_experts)
-        if target == length:
-            return x, modality, mask
-        pad = target - length
-        x = F.pad(x, (0, 0, 0, pad))
-        if mask is None:
-            mask = torch.zeros(x.shape[0], length, dtype=torch.bool, device=x.device)
-        mask = F.pad(mask.to(torch.bool), (0, pad), value=True)
-        if modality is not None:
-            modality = F.pad(modality, (0, pad))
-        return x, modality, mask
 
     def _record(self, plan: RoutingPlan) -> None:
         cfg = self.config

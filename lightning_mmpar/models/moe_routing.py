@@ -293,3 +293,20 @@ def alignment_padding_mask(lengths: Sequence[int], tp_size: int, num_experts: in
     length = aligned_sequence_length(lengths, tp_size, num_experts)
     positions = torch.arange(length)
     return positions[None, :] >= torch.tensor(list(lengths))[:, None]
+
+
+def align_sequence(
+    x: Tensor, modality: Tensor | None, mask: Tensor | None, tp_size: int, num_experts: int
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Right-pad ``x [B, S, D]`` (and ``modality [B, S]``) to
+    :func:`aligned_sequence_length` ``([S], tp_size, num_experts)``, with ``mask [B, S]`` (True =
+    padding; ``None``: none) True on the new positions (TECHNIQUES 1.4); unchanged when aligned."""
+    length = x.shape[1]
+    pad = aligned_sequence_length([length], tp_size, num_experts) - length
+    if pad == 0:
+        return x, modality, mask
+    if mask is None:
+        mask = torch.zeros(x.shape[0], length, dtype=torch.bool, device=x.device)
+    mask = F.pad(mask.to(torch.bool), (0, pad), value=True)
+    modality = None if modality is None else F.pad(modality, (0, pad))
+    return F.pad(x, (0, 0, 0, pad)), modality, mask

@@ -190,10 +190,11 @@ def scale_expert_gradients(module: nn.Module, ep: int) -> None:
 
 
 def _fully_shard(module: nn.Module, dp_mesh: DeviceMesh) -> None:
-    """``fully_shard`` with 0-dim parameters and expert weights left to the ``ep``/``edp``
-    reduction (:func:`sync_expert_gradients`) ignored, :func:`shard_placement` per parameter."""
+    """``fully_shard`` with 0-dim parameters and expert weights (averaged over their own
+    ``edp`` group: :func:`shard_experts` or the strategy's all-reduce) ignored,
+    :func:`shard_placement` per parameter."""
     dp = dp_mesh.size()
-    params = [p for p in module.parameters()]
+    params = list(module.parameters())
     ignored = {p for p in params if p.ndim == 0 or is_expert_parameter(p)}
     if ignored and len(ignored) == len(params):
         return  # nothing to shard: the scalars stay replicated
