@@ -42,6 +42,7 @@ from lightning_mmpar.parallel import data as dpar
 from lightning_mmpar.parallel.checkpoint_hooks import ShardedCheckpointHooks
 from lightning_mmpar.parallel.numerics import clip_grad_norm_
 from lightning_mmpar.parallel.pipeline import PipelineChunk, PipelineEngine, PipelineModule
+from lightning_mmpar.parallel.stash import GradientStash
 from lightning_mmpar.precision.plugins import GlobalNormClipping, with_global_clipping
 from lightning_mmpar.topology import ParallelDims
 
@@ -106,7 +107,8 @@ class MultimodalParallelStrategy(ShardedCheckpointHooks, ModelParallelStrategy):
         self._chunk: PipelineChunk | None = None
         self._replicated: list[nn.Parameter] = []
         self._experts: list[nn.Parameter] = []
-        self._pipeline_grads: list[Tensor | None] | None = None
+        self._partial_over_tp: list[nn.Parameter] = []  # towers run data-parallel inside tp
+        self._stash = GradientStash()  # the pipeline schedule's gradients until backward()
         mode = finite.check_mode(on_nonfinite)
         self.nonfinite = None if mode == "off" else finite.NonFiniteGuard(mode)
 
@@ -255,6 +257,7 @@ class MultimodalParallelStrategy(ShardedCheckpointHooks, ModelParallelStrategy):
             if dims.edp > 1:
                 dpar.shard_experts(module, edp_mesh)
             dpar.apply_fsdp(module, dp_mesh)
+        self._partial_over_tp = dpar.partial_over_tp_parameters(module) if dims.tp > 1 else []
         if dims.dp > 1 and cfg.data_parallel != "none":
             self._replicated = dpar.replicated_parameters(module)
             dpar.broadcast_parameters(self._replicated, dp_mesh.get_group())
@@ -333,17 +336,9 @@ class MultimodalParallelStrategy(ShardedCheckpointHooks, ModelParallelStrategy):
             return super().training_step(*args, **kwargs)
         if self.pipeline is None:
             loss = self._loss(args[0], train=True)
-        else:
-            # Lightning zeroes gradients between training_step and backward: keep the
-            # pipeline's gradients aside and hand them back in backward().
+        else:  # Lightning zeroes gradients before backward(): keep the schedule's aside
             params = list(self._module.parameters())
-            before = [p.grad for p in params]
-            for p in params:
-                p.grad = None
-            loss = self._loss(args[0], train=True)
-            self._pipeline_grads = [p.grad for p in params]
-            for p, g in zip(params, before, strict=True):
-                p.grad = g
+            loss = self._stash.capture(params, lambda: self._loss(args[0], train=True))
         self._log("train_loss", loss, args[0])
         return loss
 
@@ -373,10 +368,13 @@ class MultimodalParallelStrategy(ShardedCheckpointHooks, ModelParallelStrategy):
         if self.nonfinite is not None and (self.pipeline is None or self.pipeline.has_last):
             self.nonfinite.observe_loss(closure_loss)  # the loss exists on the last stage only
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        if self._pipeline_grads is not None:
-            self._restore_pipeline_grads()
+        if self._stash.pending:
+            scale = 1.0 / module.trainer.accumulate_grad_batches
+            self._stash.restore(list(module.parameters()), scale)
         else:
             self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+        if self._partial_over_tp:  # each tp rank's share of the batch: sum over tp
+            dpar.sync_gradients(self._partial_over_tp, self.parallel_dims.get_group("tp"), "sum")
         if self._replicated:
             dpar.sync_gradients(self._replicated, self.parallel_dims.get_mesh("dp").get_group())
         if self._experts:  # expert weights: mean over their edp replicas (ep ranks differ)
@@ -384,16 +382,6 @@ class MultimodalParallelStrategy(ShardedCheckpointHooks, ModelParallelStrategy):
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
-
-    def _restore_pipeline_grads(self) -> None:
-        assert self._pipeline_grads is not None
-        scale = 1.0 / self._module.trainer.accumulate_grad_batches
-        for p, g in zip(self._module.parameters(), self._pipeline_grads, strict=True):
-            if g is None:
-                continue
-            g = g * scale if scale != 1.0 else g
-            p.grad = g if p.grad is None else p.grad + g
-        self._pipeline_grads = None
 
     # save/load/remove: ShardedCheckpointHooks (DCP shards, guarded against non-finite weights)
     def _rank_layout(self) -> dict[str, int]:

@@ -259,9 +259,11 @@ def broadcast_parameters(params: Iterable[Tensor], group: dist.ProcessGroup | No
 
 
 @torch.no_grad()
-def sync_gradients(params: Iterable[Tensor], group: dist.ProcessGroup | None) -> None:
-    """Average gradients over ``group`` with one coalesced all-reduce per dtype (local shards of
-    DTensor gradients)."""
+def sync_gradients(
+    params: Iterable[Tensor], group: dist.ProcessGroup | None, op: comm.ReduceOp = "avg"
+) -> None:
+    """Average (``op="sum"``: sum) gradients over ``group`` with one coalesced all-reduce per
+    dtype (local shards of DTensor gradients)."""
     if comm.group_size(group) == 1:
         return
     by_dtype: dict[torch.dtype, list[Tensor]] = {}
@@ -270,8 +272,23 @@ def sync_gradients(params: Iterable[Tensor], group: dist.ProcessGroup | None) ->
             g = comm.to_local(p.grad)
             by_dtype.setdefault(g.dtype, []).append(g)
     for grads in by_dtype.values():
-        flat = comm.all_reduce(torch.cat([g.reshape(-1) for g in grads]), "avg", group)
+        flat = comm.all_reduce(torch.cat([g.reshape(-1) for g in grads]), op, group)
         offset = 0
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
+
+
+PARTIAL_OVER_TP = "_mmpar_partial_over_tp"
+"""Attribute a plan sets (``True``) on parameters whose gradient each tensor-parallel rank
+computes from its own share of the batch (a tower run data-parallel inside the tp group): the
+strategy sums their gradients over ``tp`` after backward."""
+
+
+def partial_over_tp_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """Trainable parameters of ``module`` marked :data:`PARTIAL_OVER_TP`, each once."""
+    seen: dict[int, nn.Parameter] = {}
+    for p in module.parameters():
+        if p.requires_grad and getattr(p, PARTIAL_OVER_TP, False):
+            seen.setdefault(id(p), p)
+    return list(seen.values())
