@@ -28,6 +28,7 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
+from lightning_mmpar.layout import BlockSpec, measure_blocks
 from lightning_mmpar.models.blocks import Head
 from lightning_mmpar.models.fusion import (
     FusionConfig,
@@ -192,6 +193,26 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         """The fusion model's blocks (vision, aligner, language, head)."""
         assert self.blocks is not None, "configure_model() builds the blocks"
         return list(self.blocks)
+
+    def pipeline_block_specs(self, text_length: int | None = None) -> list[BlockSpec]:
+        """Each block's name (``vision.stem``, ``vision.layer0``, .., ``vision.pool``, ``bridge``,
+        ``adapter0``, ``decoder0``, .., ``head``), kind, cost at ``(image_size // patch_size)**2``
+        image tokens and ``text_length`` (default: the data's ``max_length``) and parameter bytes
+        (:func:`lightning_mmpar.layout.measure_blocks`; meta-device models work). Call after
+        :meth:`configure_model`, before pipeline stages drop parameters.
+
+        Raises:
+            ValueError: no ``text_length`` given and no data module with ``max_length``.
+        """
+        data = getattr(self._trainer, "datamodule", None)
+        t = text_length or int(getattr(data, "max_length", 0) or 0)
+        m, v = self.fusion_model, self.fusion_config.vision
+        vl, ad, de = len(m.vision.transformer.resblocks), len(m.adapters), len(m.language.layers)
+        names = ["vision.stem", *(f"vision.layer{i}" for i in range(vl)), "vision.pool"]
+        names += ["bridge", *(f"adapter{i}" for i in range(ad))]
+        names += [*(f"decoder{i}" for i in range(de)), "head"]
+        n = (v.image_size // v.patch_size) ** 2
+        return measure_blocks(self.pipeline_blocks(), n, t, names)
 
     def pipeline_inputs(self, batch: dict[str, Tensor]) -> tuple[tuple[Tensor, ...], Tensor]:
         """The model's block-0 inputs (with the data's class prompts) and

@@ -1,0 +1,177 @@
+"""A pipeline's blocks (:class:`BlockSpec`) and a cut of them into stages (:class:`StagePlan`):
+per-stage FLOPs, parameters, activations and memory, and their tables.
+
+Stage bytes (the ``memory`` partition and :attr:`StagePlan.stage_bytes`)::
+
+    parameters + 3 * trainable + activations * micro_batch_size * (pp - rank)
+
+``3 * trainable``: fp32 AdamW keeps a gradient (4 bytes) and two moments (8 bytes) per 4-byte
+trainable parameter. ``pp - rank``: micro-batches in flight on a rank under 1F1B (rank 0 holds
+``pp`` forwards before its first backward; Narayanan et al. 2021, PipeDream-Flush / Megatron-LM),
+applied to every virtual stage of that rank. Bytes are whole-stage figures, summed over the
+stage's tensor-parallel shards (divide by ``tp`` for a per-device estimate of sharded blocks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["BlockSpec", "StagePlan", "gib", "measure_blocks", "side_by_side"]
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """One pipeline block's cost per sample (see ``lightning_mmpar.models.cost``)."""
+
+    name: str
+    kind: str
+    """``vision``, ``aligner``, ``language`` or ``head`` (any other kind: not in ``ratio``)."""
+    flops: float
+    """Forward + backward FLOPs per sample."""
+    activation_bytes: float
+    """Activation bytes kept from forward to backward per sample."""
+    parameter_bytes: float
+    """Bytes of all of the block's parameters (global shapes)."""
+    trainable_bytes: float
+    """Bytes of its trainable parameters (gradient and two AdamW moments apply)."""
+
+
+def measure_blocks(
+    blocks: Sequence[Any], image_tokens: int, text_length: int, names: Sequence[str]
+) -> list[BlockSpec]:
+    """A :class:`BlockSpec` per block from its ``kind``, ``cost(image_tokens, text_length)``
+    (``.flops``, ``.activation_bytes``; e.g. ``lightning_mmpar.models.blocks.FusionBlock``)
+    and ``parameters()`` (``numel() * element_size()``: a DTensor's global size; meta tensors
+    work; trainable: ``requires_grad``). Duck-typed: this package imports no model.
+
+    Raises:
+        ValueError: ``image_tokens`` or ``text_length`` < 1, or ``names`` not one per block.
+    """
+    if not isinstance(text_length, int) or text_length < 1 or image_tokens < 1:
+        raise ValueError(
+            f"text_length ({text_length!r}) and image_tokens ({image_tokens!r}) must be >= 1; "
+            "pass text_length, the caption length T (data.max_length), e.g. 32."
+        )
+    if len(names) != len(blocks):
+        raise ValueError(f"{len(names)} names for {len(blocks)} blocks; give one per block.")
+    specs = []
+    for name, block in zip(names, blocks, strict=True):
+        cost = block.cost(image_tokens, text_length)
+        sizes = [(p.numel() * p.element_size(), p.requires_grad) for p in block.parameters()]
+        total, trainable = sum(n for n, _ in sizes), sum(n for n, grad in sizes if grad)
+        specs.append(BlockSpec(name, block.kind, float(cost.flops), float(cost.activation_bytes),
+                               float(total), float(trainable)))  # fmt: skip
+    return specs
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Stages of a pipeline: block ranges and per-stage cost (stage ``s`` on rank ``s % pp``)."""
+
+    mode: str
+    """The partition that made it (``str(Partition)``)."""
+    pipeline_parallel: int
+    virtual_pipeline: int
+    ranges: list[range]
+    """Block indices of each of the ``pp * v`` stages."""
+    blocks: tuple[BlockSpec, ...]
+    micro_batch_size: int = 1
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.ranges)
+
+    @property
+    def boundaries(self) -> list[int]:
+        """First block index of stages ``1 .. S-1`` (an explicit partition giving this plan)."""
+        return [r.start for r in self.ranges[1:]]
+
+    def _sum(self, field: str) -> list[float]:
+        return [float(sum(getattr(self.blocks[i], field) for i in r)) for r in self.ranges]
+
+    @property
+    def stage_flops(self) -> list[float]:
+        """Forward + backward FLOPs per sample of each stage."""
+        return self._sum("flops")
+
+    @property
+    def stage_parameter_bytes(self) -> list[float]:
+        return self._sum("parameter_bytes")
+
+    @property
+    def stage_activation_bytes(self) -> list[float]:
+        """Activation bytes held at the stage's peak: per sample * micro_batch_size * ``pp - rank``
+        micro-batches in flight (1F1B)."""
+        per_sample = self._sum("activation_bytes")
+        pp, mbs = self.pipeline_parallel, self.micro_batch_size
+        return [a * mbs * (pp - s % pp) for s, a in enumerate(per_sample)]
+
+    @property
+    def stage_bytes(self) -> list[float]:
+        """Parameters + 3 * trainable (fp32 AdamW grad + moments) + in-flight activations."""
+        extra = zip(self._sum("trainable_bytes"), self.stage_activation_bytes, strict=True)
+        return [p + 3 * t + a for p, (t, a) in zip(self.stage_parameter_bytes, extra, strict=True)]
+
+    @property
+    def stage_kinds(self) -> list[tuple[str, ...]]:
+        """Distinct kinds of each stage, in block order."""
+        return [tuple(dict.fromkeys(self.blocks[i].kind for i in r)) for r in self.ranges]
+
+    @property
+    def imbalance(self) -> float:
+        """``max / mean`` stage FLOPs (1.0 = perfectly balanced; the pipeline runs at the max)."""
+        return _ratio(self.stage_flops)
+
+    @property
+    def memory_imbalance(self) -> float:
+        """``max / mean`` of :attr:`stage_bytes`."""
+        return _ratio(self.stage_bytes)
+
+    def describe(self) -> str:
+        """One line for logs: mode, boundaries, imbalance, largest stage bytes."""
+        return (
+            f"partition {self.mode}: {self.num_stages} stages (pp {self.pipeline_parallel} x v "
+            f"{self.virtual_pipeline}), boundaries {self.boundaries}, imbalance "
+            f"{self.imbalance:.3f}, max stage memory {gib(max(self.stage_bytes))}"
+        )
+
+    def table(self) -> str:
+        """Per stage: rank, blocks, kinds, cost share, parameters, activations, total bytes."""
+        total, flops, kinds = sum(self.stage_flops) or 1.0, self.stage_flops, self.stage_kinds
+        params, acts, mem = (
+            self.stage_parameter_bytes,
+            self.stage_activation_bytes,
+            self.stage_bytes,
+        )
+        rows = [("stage", "rank", "blocks", "kinds", "cost %", "params", "activ.", "memory")]
+        for s, r in enumerate(self.ranges):
+            last = f" .. {self.blocks[r.stop - 1].name}" if len(r) > 1 else ""
+            names = f"{r.start}-{r.stop - 1} ({self.blocks[r.start].name}{last})"
+            share = f"{100 * flops[s] / total:.1f}"
+            rows.append((str(s), str(s % self.pipeline_parallel), names, "+".join(kinds[s]),
+                         share, gib(params[s]), gib(acts[s]), gib(mem[s])))  # fmt: skip
+        widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+        lines = ["  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)) for row in rows]
+        return "\n".join([*(line.rstrip() for line in lines), self.describe()])
+
+
+def _ratio(values: Sequence[float]) -> float:
+    mean = sum(values) / len(values)
+    return max(values) / mean if mean > 0 else 1.0
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.3f} GiB" if n >= 2**27 else f"{n / 2**20:.2f} MiB"
+
+
+def side_by_side(plans: Sequence[StagePlan]) -> str:
+    """One row per plan: mode, boundaries, imbalance (FLOPs), largest stage memory."""
+    width = max(len(p.mode) for p in plans)
+    rows = [f"{'mode'.ljust(width)}  imbalance  max memory  boundaries"]
+    rows += [
+        f"{p.mode.ljust(width)}  {p.imbalance:9.3f}  {gib(max(p.stage_bytes)):>10}  {p.boundaries}"
+        for p in plans
+    ]
+    return "\n".join(rows)

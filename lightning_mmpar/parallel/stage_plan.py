@@ -1,0 +1,68 @@
+"""The pipeline stage plan of a :class:`~lightning_mmpar.parallel.pipeline.PipelineModule`.
+
+Joins a module's blocks to :mod:`lightning_mmpar.layout.partition`: the module's own block
+costs when it has them (``pipeline_block_specs()``, e.g. the recipe's ``ClipLlamaModule``), else
+one unit of cost per block with the block's ``kind`` (enough for ``equal``, ``ratio`` and
+explicit boundaries; ``balanced`` and ``memory`` need real costs and are refused).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from lightning_mmpar.layout import BlockSpec, StagePlan, parse_partition, plan_stages
+
+__all__ = ["module_stage_plan"]
+
+
+def _unit_specs(blocks: Sequence[Any]) -> list[BlockSpec]:
+    specs = []
+    for i, block in enumerate(blocks):
+        sizes = [(p.numel() * p.element_size(), p.requires_grad) for p in block.parameters()]
+        total, trainable = sum(n for n, _ in sizes), sum(n for n, grad in sizes if grad)
+        kind = str(getattr(block, "kind", "") or type(block).__name__)
+        specs.append(BlockSpec(f"block{i}", kind, 1.0, 0.0, float(total), float(trainable)))
+    return specs
+
+
+def module_stage_plan(
+    module: Any,
+    pipeline_parallel: int,
+    virtual_pipeline: int,
+    partition: str | Sequence[int],
+    *,
+    micro_batch_size: int = 1,
+) -> StagePlan:
+    """Cut ``module.pipeline_blocks()`` into ``pipeline_parallel * virtual_pipeline`` stages by
+    ``partition`` (``equal``, ``balanced``, ``memory``, ``ratio:V:A:D`` or boundaries).
+
+    Call before the pipeline drops other stages' parameters (the specs count them all).
+
+    Raises:
+        ValueError: ``balanced`` / ``memory`` for a module without ``pipeline_block_specs()``,
+            specs not one per block, or any error of :func:`~lightning_mmpar.layout.plan_stages`.
+    """
+    stages = pipeline_parallel * virtual_pipeline
+    part = parse_partition(partition, stages)
+    blocks = list(module.pipeline_blocks())
+    specs_of = getattr(module, "pipeline_block_specs", None)
+    if specs_of is not None:
+        specs = list(specs_of())
+    elif part.mode in ("balanced", "memory"):
+        raise ValueError(
+            f"partition ({part}) balances block costs, and {type(module).__name__} has no "
+            "pipeline_block_specs(); implement it (one lightning_mmpar.layout.BlockSpec per "
+            "pipeline block, see ClipLlamaModule.pipeline_block_specs) or use partition='equal', "
+            "'ratio:V:A:D' or explicit boundaries."
+        )
+    else:
+        specs = _unit_specs(blocks)
+    if len(specs) != len(blocks):
+        raise ValueError(
+            f"{type(module).__name__}.pipeline_block_specs() gave {len(specs)} specs for "
+            f"{len(blocks)} pipeline blocks; return one per block, in order."
+        )
+    return plan_stages(
+        specs, pipeline_parallel, virtual_pipeline, part, micro_batch_size=micro_batch_size
+    )

@@ -1,0 +1,134 @@
+"""Pipeline stage plans of a recipe YAML, without training:
+``python -m lightning_mmpar.recipes.partition --config recipes/clip_llama_cpu.yaml --pp 4``.
+
+Builds the YAML's ``model:`` (and ``data:``, for the vocabulary and caption length) as
+``ClipLlamaCLI`` would, on the meta device (no memory, no process group), costs its pipeline
+blocks (``ClipLlamaModule.pipeline_block_specs``) and prints the chosen partition per stage
+(blocks, kinds, cost share, parameters, activation memory) and the imbalance of every mode side
+by side (:func:`lightning_mmpar.layout.compare_modes`). ``--pp`` / ``--virtual`` default to the
+YAML strategy's ``pipeline_parallel`` / ``virtual_pipeline``, ``--micro-batch-size`` to
+``data.batch_size // micro_batches``. Invalid arguments exit with status 2 and the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from lightning.pytorch.cli import LightningArgumentParser
+
+from lightning_mmpar.layout import (
+    BlockSpec,
+    compare_modes,
+    parse_partition,
+    plan_stages,
+    side_by_side,
+)
+from lightning_mmpar.recipes.cli import RecipeDigitsCaptions
+from lightning_mmpar.recipes.module import ClipLlamaModule
+
+__all__ = ["build_module", "build_specs", "main"]
+
+
+def _strategy_args(config: dict[str, Any]) -> dict[str, Any]:
+    strategy = (config.get("trainer") or {}).get("strategy")
+    args = strategy.get("init_args") if isinstance(strategy, dict) else None
+    return args if isinstance(args, dict) else {}
+
+
+def build_module(
+    config: dict[str, Any], meta: bool = True
+) -> tuple[ClipLlamaModule, RecipeDigitsCaptions]:
+    """The YAML's ``model:`` and ``data:`` sections instantiated as the recipe CLI does
+    (``data.vocab_size -> model.vocab_size``); ``meta``: the model built on the meta device
+    (else unbuilt: a Trainer's ``configure_model`` builds it, as in ``fit``).
+
+    Raises:
+        ValueError: the sections do not build (jsonargparse's reason included).
+    """
+    parser = LightningArgumentParser(exit_on_error=False)
+    parser.add_lightning_class_args(ClipLlamaModule, "model", subclass_mode=False)
+    parser.add_lightning_class_args(RecipeDigitsCaptions, "data", subclass_mode=False)
+    parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
+    sections = {k: config.get(k) or {} for k in ("model", "data")}
+    try:
+        instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes
+        init = instantiate(parser.parse_object(sections))
+    except Exception as err:  # jsonargparse reports bad fields with its own types
+        raise ValueError(f"the YAML's model/data sections do not build: {err}") from None
+    module, data = init["model"], init["data"]
+    if meta:
+        with torch.device("meta"):
+            module.configure_model()
+    return module, data
+
+
+def build_specs(config: dict[str, Any], text_length: int | None = None) -> list[BlockSpec]:
+    """The block specs of :func:`build_module`'s model at ``text_length`` (default: the
+    data's ``max_length``)."""
+    module, data = build_module(config)
+    return module.pipeline_block_specs(text_length or data.max_length)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m lightning_mmpar.recipes.partition",
+        description="Pipeline stage plans of a recipe YAML: per stage blocks, kinds, cost "
+        "share, parameters and activation memory; every mode's imbalance side by side.",
+    )
+    p.add_argument("--config", required=True, help="recipe YAML (the LightningCLI config)")
+    p.add_argument("--pp", type=int, help="pipeline_parallel (default: the YAML's)")
+    p.add_argument("--virtual", type=int, help="virtual_pipeline (default: the YAML's or 1)")
+    p.add_argument("--micro-batch-size", type=int, help="default: batch_size // micro_batches")
+    p.add_argument("--memory-limit-gib", type=float, help="per-stage memory limit (GiB)")
+    p.add_argument("--text-length", type=int, help="caption length T (default: the data's)")
+    p.add_argument(
+        "--partition",
+        help="equal | balanced | memory | ratio:V:A:D | b1,b2,... (default: the YAML's or equal)",
+    )
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print the plans; 0 on success. Invalid arguments: ``SystemExit(2)`` with the reason."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        path = Path(args.config)
+        if not path.is_file():
+            raise ValueError(f"--config {str(path)!r}: no such file; pass a recipe YAML.")
+        config = yaml.safe_load(path.read_text()) or {}
+        strategy = _strategy_args(config)
+        pp = args.pp if args.pp is not None else int(strategy.get("pipeline_parallel", 1))
+        v = args.virtual if args.virtual is not None else int(strategy.get("virtual_pipeline", 1))
+        batch = int((config.get("data") or {}).get("batch_size", 1))
+        mbs = args.micro_batch_size or max(1, batch // int(strategy.get("micro_batches", 1)))
+        chosen = parse_partition(args.partition or strategy.get("partition") or "equal", pp * v)
+        limit = args.memory_limit_gib
+        if limit is not None and limit <= 0:
+            raise ValueError(f"--memory-limit-gib ({limit}) must be > 0 (GiB per stage).")
+        blocks = build_specs(config, args.text_length)
+        plan = plan_stages(
+            blocks, pp, v, chosen, micro_batch_size=mbs,
+            memory_limit_bytes=None if limit is None else limit * 2**30,
+        )  # fmt: skip
+        plans = compare_modes(blocks, pp, v, chosen, micro_batch_size=mbs)
+    except ValueError as err:
+        parser.error(str(err))
+    print(
+        f"{path}: {len(blocks)} blocks, pp {pp} x v {v} = {pp * v} stages, micro-batch {mbs}"
+        + ("" if limit is None else f", memory limit {limit} GiB per stage")
+    )
+    print(plan.table())
+    print("\nevery mode (imbalance = max / mean stage FLOPs):")
+    print(side_by_side(plans))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
