@@ -198,12 +198,17 @@ def _fully_shard(module: nn.Module, dp_mesh: DeviceMesh) -> None:
     ignored = {p for p in params if p.ndim == 0 or is_expert_parameter(p)}
     if ignored and len(ignored) == len(params):
         return  # nothing to shard: the scalars stay replicated
+    # fully_shard registers new DTensor parameters: carry the partial-over-tp mark over
+    partial = {n for n, p in module.named_parameters() if getattr(p, PARTIAL_OVER_TP, False)}
     fully_shard(
         module,
         mesh=dp_mesh,
         shard_placement_fn=lambda p: shard_placement(p, dp),
         ignored_params=ignored or None,
     )
+    for name, p in module.named_parameters():
+        if name in partial:
+            setattr(p, PARTIAL_OVER_TP, True)
 
 
 def shard_blocks(blocks: Iterable[nn.Module], root: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:

@@ -20,10 +20,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+
+from lightning_mmpar.parallel import comm
 
 __all__ = [
     "FusedQKVColwiseParallel",
@@ -33,6 +37,8 @@ __all__ = [
     "apply_styles",
     "full_gradients",
     "full_state_dict",
+    "gather_rows",
+    "local_rows",
 ]
 
 
@@ -181,3 +187,50 @@ def full_gradients(model: nn.Module) -> dict[str, Tensor]:
         grad = param.grad
         grads[name] = grad.full_tensor() if isinstance(grad, DTensor) else grad
     return grads
+
+
+def local_rows(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """Rank ``r``'s rows ``[r B / P, (r + 1) B / P)`` of ``x [B, ...]`` over a group of ``P``
+    ranks (a view: differentiable, no communication); ``x`` itself when ``P == 1``.
+
+    Raises ``ValueError`` when ``B`` is not a multiple of ``P`` (callers catch it to name their
+    own fix, as :mod:`lightning_mmpar.plans.fusion_vision` does).
+    """
+    size = comm.group_size(group)
+    if size == 1:
+        return x
+    if x.shape[0] % size:
+        raise ValueError(f"local_rows: {x.shape[0]} rows do not split over {size} ranks.")
+    n = x.shape[0] // size
+    return x[comm.group_rank(group) * n : (comm.group_rank(group) + 1) * n]
+
+
+class _GatherRows(torch.autograd.Function):
+    """All-gather along dim 0; backward keeps this rank's rows of the (replicated) gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:  # type: ignore[override]
+        ctx.group, ctx.rows = group, x.shape[0]  # no tensor saved: checkpoint-neutral
+        return torch.cat(comm.all_gather(x.contiguous(), group), dim=0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        start = comm.group_rank(ctx.group) * ctx.rows
+        return grad[start : start + ctx.rows], None
+
+
+def gather_rows(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """Concatenate every rank's ``x [b, ...]`` (equal shapes) along dim 0: ``[P b, ...]`` in
+    group-rank order, the inverse of :func:`local_rows`; ``x`` itself when ``P == 1``.
+
+    Backward: the gradient of the result must be the same on every rank (the gathered tensor
+    feeds replicated computation, e.g. a tensor-parallel model's replicated activations), so each
+    rank takes its own ``b`` rows of it, no reduction (Megatron-LM's
+    ``gather_from_sequence_parallel_region`` with ``tensor_parallel_output_grad=False``).
+    Parameters upstream of ``x`` then hold gradients of this rank's rows only; sum them over
+    ``group`` after backward (:data:`lightning_mmpar.parallel.data.PARTIAL_OVER_TP`).
+    """
+    if comm.group_size(group) == 1:
+        return x
+    out: Tensor = _GatherRows.apply(x, group)
+    return out

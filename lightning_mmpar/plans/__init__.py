@@ -8,6 +8,11 @@ from lightning_mmpar.plans.fusion import (
     parallelize_fusion,
     validate_tensor_parallel,
 )
+from lightning_mmpar.plans.fusion_vision import (
+    VISION_PARALLEL,
+    apply_vision_data_parallel,
+    check_vision_batch,
+)
 from lightning_mmpar.plans.plan import (
     ParallelPlan,
     apply_plan,
@@ -18,10 +23,13 @@ from lightning_mmpar.plans.plan import (
 from lightning_mmpar.plans.toy import parallelize_toy, toy_plan
 
 __all__ = [
+    "VISION_PARALLEL",
     "ParallelPlan",
     "TensorParallelOptions",
     "apply_plan",
     "apply_tensor_parallel",
+    "apply_vision_data_parallel",
+    "check_vision_batch",
     "checkpoint_activations",
     "fusion_plan",
     "parallelize_fusion",

@@ -2,11 +2,10 @@
 
 Megatron's column/row patterns (:mod:`lightning_mmpar.parallel.tensor`) per tower:
 
-* **vision** (``model.vision``): per ViT block the fused ``attn.in_proj`` column parallel by
-  whole heads (:class:`FusedQKVColwiseParallel`), ``attn.out_proj`` row parallel, ``mlp.c_fc``
-  column and ``mlp.c_proj`` row parallel; embeddings, norms and ``proj`` replicated. Never
-  sequence-parallel (open_clip's ``grid**2 + 1`` tokens rarely divide by the TP size).
-  ``vision_parallel="replicate"`` keeps a full ViT per tp rank instead (same numbers).
+* **vision** (``model.vision``), per ``vision_parallel`` (:mod:`lightning_mmpar.plans.
+  fusion_vision`): ``tp`` shards every ViT block by heads / FFN columns, ``replicate`` keeps a
+  full ViT computing every image on each tp rank, ``dp`` a full ViT per tp rank encoding
+  ``1 / tp`` of the images, gathered after the last block.
 * **adapter** (``model.adapters``): cross-attention q/k/v column parallel and its combine
   (``vl_combine``: row-parallel ``o_proj`` with partial sums all-reduced, or the heads
   all-gathered and ``o_proj`` replicated) on the **vl** mesh (same ranks as tp, own
@@ -61,13 +60,16 @@ from torch.distributed.tensor.parallel import (
 
 from lightning_mmpar.models.fusion import FusionConfig, FusionModel
 from lightning_mmpar.models.language import LanguageModel
-from lightning_mmpar.models.vision import VisionTower
 from lightning_mmpar.parallel.random import REPLICATED, TENSOR_PARALLEL
-from lightning_mmpar.parallel.tensor import (
-    FusedQKVColwiseParallel,
-    HeadShardedReplicate,
-    SequenceLengthCheck,
-    StyleGroup,
+from lightning_mmpar.parallel.tensor import HeadShardedReplicate, SequenceLengthCheck, StyleGroup
+from lightning_mmpar.plans.fusion_vision import (
+    VisionParallel,
+    apply_vision_data_parallel,
+    check_vision_parallel,
+    parallelize_vision,
+    vision_checks,
+    vision_dropout_regions,
+    vision_plan,
 )
 from lightning_mmpar.plans.plan import ParallelPlan, apply_plan, plan_meshes, tp_meshes
 from lightning_mmpar.topology import ParallelDims
@@ -87,7 +89,6 @@ __all__ = [
     "vision_plan",
 ]
 
-VisionParallel = Literal["tp", "replicate"]
 VLCombine = Literal["all_reduce", "all_gather"]
 
 
@@ -99,7 +100,9 @@ class TensorParallelOptions:
     """
 
     vision_parallel: VisionParallel = "tp"
-    """Shard the ViT by heads (``tp``) or keep a full copy per tp rank (``replicate``)."""
+    """Shard the ViT by heads (``tp``), keep a full copy computing every image per tp rank
+    (``replicate``), or a full copy per tp rank encoding ``1 / tp`` of each micro-batch's images
+    (``dp``: the micro-batch must divide by tp; :mod:`lightning_mmpar.plans.fusion_vision`)."""
     sequence_parallel: bool = False
     """Shard the text residual stream along the sequence (text length must divide by tp)."""
     vl_combine: VLCombine = "all_reduce"
@@ -111,10 +114,7 @@ class TensorParallelOptions:
     activations (same loss and gradients, less memory, about one more forward)."""
 
     def __post_init__(self) -> None:
-        if self.vision_parallel not in ("tp", "replicate"):
-            raise ValueError(
-                f"vision_parallel ({self.vision_parallel!r}) must be 'tp' or 'replicate'."
-            )
+        check_vision_parallel(self.vision_parallel)
         if self.vl_combine not in ("all_reduce", "all_gather"):
             raise ValueError(
                 f"vl_combine ({self.vl_combine!r}) must be 'all_reduce' or 'all_gather'."
@@ -131,12 +131,7 @@ def validate_tensor_parallel(
 ) -> None:
     """Raise a ``ValueError`` naming module, field, value and the nearest valid sizes."""
     v, a, lang = config.vision, config.adapter, config.language
-    checks: list[tuple[str, str, int]] = []
-    if vision_parallel == "tp":
-        checks += [
-            ("vision.transformer.resblocks.*.attn", "VisionConfig.heads", v.heads),
-            ("vision.transformer.resblocks.*.mlp", "VisionConfig.mlp_width", v.mlp_width),
-        ]
+    checks = vision_checks(v, vision_parallel)
     attn = "language.layers.*.self_attn"
     checks += [
         ("adapters.*.attn", "AdapterConfig.heads", a.heads),
@@ -152,18 +147,6 @@ def validate_tensor_parallel(
                 f"{module}: {name} ({value}) must be divisible by the tensor-parallel size ({tp}); "
                 f"nearest valid sizes: {_nearest(value, tp)}."
             )
-
-
-def vision_plan(vision: VisionTower) -> dict[str, ParallelStyle]:
-    """Heads of every ViT block column/row parallel; embeddings, norms and ``proj`` replicated."""
-    plan: dict[str, ParallelStyle] = {}
-    for i in range(len(vision.transformer.resblocks)):
-        p = f"transformer.resblocks.{i}"
-        plan[f"{p}.attn.in_proj"] = FusedQKVColwiseParallel()
-        plan[f"{p}.attn.out_proj"] = RowwiseParallel()
-        plan[f"{p}.mlp.c_fc"] = ColwiseParallel()
-        plan[f"{p}.mlp.c_proj"] = RowwiseParallel()
-    return plan
 
 
 def _combine_style(vl_combine: VLCombine, seq: Shard | Replicate) -> ParallelStyle:
@@ -265,18 +248,23 @@ def checkpoint_units(model: FusionModel) -> tuple[str, ...]:
     return (*vision, *adapters, *layers)
 
 
-def dropout_regions(model: FusionModel, *, sequence_parallel: bool) -> tuple[tuple[str, str], ...]:
+def dropout_regions(
+    model: FusionModel, *, sequence_parallel: bool, vision_parallel: VisionParallel = "tp"
+) -> tuple[tuple[str, str], ...]:
     """``(adapters.<i>.dropout, region)`` per adapter: ``tensor-parallel`` when the residual
-    branches it drops are sequence shards (``sequence_parallel``), else ``replicated``."""
+    branches it drops are sequence shards (``sequence_parallel``), else ``replicated``; then
+    any ViT dropout (:func:`~lightning_mmpar.plans.fusion_vision.vision_dropout_regions`)."""
     region = TENSOR_PARALLEL if sequence_parallel else REPLICATED
-    return tuple((f"adapters.{i}.dropout", region) for i in range(len(model.adapters)))
+    adapters = tuple((f"adapters.{i}.dropout", region) for i in range(len(model.adapters)))
+    return adapters + vision_dropout_regions(model.vision, vision_parallel)
 
 
 def fusion_plan(
     model: FusionModel,
     options: TensorParallelOptions = TensorParallelOptions(),  # noqa: B008
 ) -> ParallelPlan:
-    """The fusion model's plan as data (no process group needed to build or inspect it)."""
+    """The fusion model's plan as data (no process group needed to build or inspect it).
+    ``vision_parallel="dp"`` adds hooks, not styles: :func:`parallelize_fusion` installs them."""
     seq = options.sequence_parallel
     groups: list[StyleGroup] = []
     if options.vision_parallel == "tp":
@@ -305,7 +293,9 @@ def fusion_plan(
     return ParallelPlan(
         tensor_parallel=tuple(groups),
         activation_checkpointing=checkpoint_units(model) if ac else (),
-        dropout_regions=dropout_regions(model, sequence_parallel=seq),
+        dropout_regions=dropout_regions(
+            model, sequence_parallel=seq, vision_parallel=options.vision_parallel
+        ),
         pipeline_blocks=model.pipeline_blocks,
         expert_parallel=moe_layers(model),
     )
@@ -358,7 +348,8 @@ def parallelize_fusion(
     checkpointing when ``options.activation_checkpointing``; only the dropout when ``tp == 1``
     (nothing on one process). Call it on the built model, before the pipeline split and FSDP (which
     the strategy applies, one unit per pipeline block). Raises ``ValueError`` when a size does not
-    divide by ``dims.tp``.
+    divide by ``dims.tp``; ``vision_parallel="dp"`` raises it for dims not built by
+    ``mm_parallel``, and at forward time for a micro-batch not divisible by ``dims.tp``.
     """
     if dims.tp > 1:
         validate_tensor_parallel(model.config, dims.tp, vision_parallel=options.vision_parallel)
@@ -368,6 +359,7 @@ def parallelize_fusion(
     ):  # TECHNIQUES 1.4: routed sequences padded to lcm(tp, E) multiples
         setattr(model.get_submodule(path), "sequence_multiple", dims.tp)  # noqa: B010
     apply_plan(model, fusion_plan(model, options), plan_meshes(dims), dims)
+    parallelize_vision(model.vision, dims, options.vision_parallel)  # after checkpointing
     return model
 
 
@@ -385,7 +377,9 @@ def apply_tensor_parallel(
     layout).
 
     ``vision_parallel``: ``tp`` shards the ViT by heads / FFN columns, ``replicate`` keeps a full
-    copy on every tp rank. ``vl_combine``: ``all_reduce`` or ``all_gather`` combine of the
+    copy on every tp rank, ``dp`` a full copy encoding ``1 / tp`` of the images per rank (sum the
+    gradients of :data:`~lightning_mmpar.parallel.data.PARTIAL_OVER_TP` parameters over tp after
+    backward: the strategy does). ``vl_combine``: ``all_reduce`` or ``all_gather`` combine of the
     cross-attention heads (TECHNIQUES 1.3), run on ``vl_group`` (same ranks as ``tp_mesh``, its
     own communicator; default: the tp group itself). Raises ``ValueError`` for unknown options, a
     mesh that is not 1-D, a ``vl_group`` of other ranks, or sizes that do not divide by tp.
@@ -396,4 +390,6 @@ def apply_tensor_parallel(
     meshes = tp_meshes(tp_mesh, vl_group)
     validate_tensor_parallel(model.config, tp_mesh.size(), vision_parallel=vision_parallel)
     apply_plan(model, fusion_plan(model, options), meshes)
+    if vision_parallel == "dp":
+        apply_vision_data_parallel(model.vision, tp_mesh.get_group())
     return model

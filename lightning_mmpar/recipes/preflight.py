@@ -21,6 +21,7 @@ from lightning_mmpar.models.fusion import FusionModel
 from lightning_mmpar.parallel.checkpoint import validate_checkpoint
 from lightning_mmpar.parallel.pipeline import partition
 from lightning_mmpar.plans.fusion import check_moe_layout, validate_tensor_parallel
+from lightning_mmpar.plans.fusion_vision import check_vision_batch
 from lightning_mmpar.recipes.config import check_image_size
 from lightning_mmpar.recipes.module import ClipLlamaModule
 from lightning_mmpar.strategy import MultimodalParallelStrategy
@@ -64,6 +65,18 @@ def _check_model(model: ClipLlamaModule, tp: int, config: ParallelConfig | None)
             ) from None
 
 
+def _check_vision_batch(batch_size: int, config: ParallelConfig) -> None:
+    """``vision_parallel='dp'``: each micro-batch's images split over the tp ranks."""
+    tp, n = config.tensor_parallel, config.num_micro_batches
+    if tp == 1:
+        return
+    if config.pipeline_parallel > 1:
+        what = f"each micro-batch (data.batch_size {batch_size} / micro_batches {n})"
+        check_vision_batch(batch_size // n, tp, what)
+    else:
+        check_vision_batch(batch_size, tp, f"each batch (data.batch_size {batch_size})")
+
+
 def preflight(
     trainer: Trainer,
     model: LightningModule | None,
@@ -78,7 +91,9 @@ def preflight(
     ``ParallelConfig.check_world``). Checks here: every sharded size vs tp
     (:func:`~lightning_mmpar.plans.fusion.validate_tensor_parallel`), pipeline stages vs blocks
     (:func:`~lightning_mmpar.parallel.pipeline.partition`), ``data.batch_size`` vs micro-batches
-    (:meth:`ParallelConfig.check_batch_size`) and ``data.image_size`` vs the ViT's
+    (:meth:`ParallelConfig.check_batch_size`; under ``vision_parallel='dp'`` each micro-batch
+    vs tp, :func:`~lightning_mmpar.plans.fusion_vision.check_vision_batch`) and
+    ``data.image_size`` vs the ViT's
     (:func:`~lightning_mmpar.recipes.config.check_image_size`); under ``mm_parallel`` a
     ``ckpt_path`` is validated (:func:`~lightning_mmpar.parallel.checkpoint.validate_checkpoint`:
     complete, undamaged files, the same hyper-parameters apart from :data:`RESUME_MAY_CHANGE`).
@@ -101,6 +116,8 @@ def preflight(
     batch_size = getattr(datamodule, "batch_size", None)
     if config is not None and isinstance(batch_size, int):
         config.check_batch_size(batch_size)
+        if isinstance(model, ClipLlamaModule) and model.tp_options.vision_parallel == "dp":
+            _check_vision_batch(batch_size, config)
     if ckpt_path is not None and config is not None and ckpt_path not in _LIGHTNING_CKPT_NAMES:
         hparams = model.hparams if model is not None else None
         validate_checkpoint(ckpt_path, hparams, ignore=RESUME_MAY_CHANGE)

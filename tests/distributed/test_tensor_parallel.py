@@ -1,6 +1,6 @@
 """Tensor-parallel fusion model vs the unsharded model, in real gloo worlds (TP=2 and TP=4).
 
-One world per size runs every variant (vision tp / replicate, all-reduce / all-gather combine,
+One world per size runs every variant (vision tp / replicate / dp, all-reduce / all-gather combine,
 sequence parallel on / off, joint attention with a learnable temperature, activation
 checkpointing after TP) and compares the loss, the logits, both feature sets and the gradient of
 every parameter with the single-process model.
@@ -29,6 +29,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from lightning_mmpar.models.adapter import AdapterConfig
 from lightning_mmpar.models.convert import build_fusion_model, export_llama, export_open_clip_visual
 from lightning_mmpar.models.fusion import FusionModel
+from lightning_mmpar.parallel.data import partial_over_tp_parameters, sync_gradients
 from lightning_mmpar.parallel.numerics import vocab_parallel_cross_entropy
 from lightning_mmpar.parallel.tensor import full_gradients, full_state_dict
 from lightning_mmpar.plans import checkpoint_activations
@@ -46,7 +47,12 @@ VARIANTS: list[dict[str, Any]] = [
     dict(
         vision_parallel="tp", sequence_parallel=True, vl_combine="all_reduce", joint=True, ac=True
     ),
-]
+    dict(  # images split over tp, ViT outputs gathered (tp2 only: the hooks do not depend on tp)
+        vision_parallel="dp", sequence_parallel=True, vl_combine="all_gather", joint=True, ac=True,
+        world=2,
+    ),
+]  # fmt: skip
+B = 4  # images per batch: vision_parallel="dp" splits them over tp (2 or 4)
 
 
 def towers() -> tuple[VisionTransformer, LlamaForCausalLM]:
@@ -101,20 +107,35 @@ def max_diff(a: torch.Tensor, b: torch.Tensor, what: str) -> float:
 def check_variant(tp_mesh: Any, vl_group: Any, variant: dict[str, Any]) -> dict[str, float]:
     options = dict(variant)
     joint, ac = options.pop("joint"), options.pop("ac", False)
+    options.pop("world", None)
     torch.manual_seed(1)
     ref = build(joint)
     model = apply_tensor_parallel(copy.deepcopy(ref), tp_mesh, vl_group=vl_group, **options)
     if ac:  # TP -> activation checkpointing, the plans' order: recomputation redoes collectives
         checkpoint_activations(model, checkpoint_units(model))
+    rows: list[int] = []  # images each ViT block encodes on this rank
+    for block in model.vision.transformer.resblocks:
+        block.register_forward_pre_hook(lambda _m, args: rows.append(args[0].shape[0]))
     torch.manual_seed(2)
-    labels = torch.randint(0, 64, (3, 8))
+    labels = torch.randint(0, 64, (B, 8))
     labels[0, -2:] = -100
-    mask = torch.ones(3, 8, dtype=torch.long)
+    mask = torch.ones(B, 8, dtype=torch.long)
     mask[0, -2:] = 0
-    batch = (torch.randn(3, 3, 16, 16), torch.randint(0, 64, (3, 8)), mask, labels)
-    batch += (torch.randn(3, 8), torch.randn(3, 8))
+    batch = (torch.randn(B, 3, 16, 16), torch.randint(0, 64, (B, 8)), mask, labels)
+    batch += (torch.randn(B, 8), torch.randn(B, 8))
     ref_loss, ref_out = step(ref, batch)
     loss, out = step(model, batch)
+    partial = partial_over_tp_parameters(model)
+    tp = tp_mesh.size()
+    if options["vision_parallel"] == "dp":  # the strategy's sum over tp of each rank's share
+        sync_gradients(partial, tp_mesh.get_group(), "sum")
+        stem = [model.vision.class_embedding, model.vision.positional_embedding]
+        stem += [*model.vision.conv1.parameters(), *model.vision.ln_pre.parameters()]
+        assert {id(p) for p in partial} == {
+            id(p) for p in [*stem, *model.vision.transformer.resblocks.parameters()]
+        }, "stem and ViT blocks partial over tp; ln_post and proj full"
+    assert rows == [B // tp if options["vision_parallel"] == "dp" else B] * len(rows), rows
+    assert options["vision_parallel"] == "dp" or not partial
     diffs = {"loss": max_diff(loss, ref_loss, "loss")}
     diffs["logits"] = max_diff(gathered(out.logits), ref_out.logits, "logits")
     diffs["features"] = max(
@@ -220,12 +241,18 @@ def check_sequence_error(tp_mesh: Any) -> None:
     model = apply_tensor_parallel(build(False), tp_mesh, sequence_parallel=True)
     with pytest.raises(ValueError, match=r"text length \(7\) divisible by .* pad input_ids to 8"):
         model(torch.randn(1, 3, 16, 16), torch.randint(0, 64, (1, 7)))
+    model = apply_tensor_parallel(build(False), tp_mesh, vision_parallel="dp")
+    message = r"its size \(3\) must be divisible by tensor_parallel \(2\); .*\(e.g. 2: "
+    with pytest.raises(ValueError, match=message):
+        model(torch.randn(3, 3, 16, 16), torch.randint(0, 64, (3, 8)))
 
 
 def tp_world(rank: int, world: int) -> list[dict[str, float]]:
     tp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     vl_group, _ = dist.new_subgroups_by_enumeration([list(range(world))])
-    results = [check_variant(tp_mesh, vl_group, v) for v in VARIANTS]
+    results = [
+        check_variant(tp_mesh, vl_group, v) for v in VARIANTS if v.get("world", world) == world
+    ]
     check_export(tp_mesh)
     check_canonical_state_dict(tp_mesh)
     if world == 2:

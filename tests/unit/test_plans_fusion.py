@@ -6,15 +6,28 @@ import dataclasses
 from typing import Any
 
 import pytest
+import torch
+from torch import nn
 
 from lightning_mmpar.models.adapter import AdapterConfig
-from lightning_mmpar.models.fusion import FusionConfig
+from lightning_mmpar.models.fusion import FusionConfig, FusionModel
 from lightning_mmpar.models.language import LanguageConfig
 from lightning_mmpar.models.vision import VisionConfig
+from lightning_mmpar.parallel.data import partial_over_tp_parameters
+from lightning_mmpar.parallel.tensor import gather_rows, local_rows
 from lightning_mmpar.plans.fusion import (
+    TensorParallelOptions,
     apply_tensor_parallel,
+    dropout_regions,
+    fusion_plan,
     validate_tensor_parallel,
 )
+from lightning_mmpar.plans.fusion_vision import (
+    apply_vision_data_parallel,
+    check_vision_batch,
+    parallelize_vision,
+)
+from lightning_mmpar.topology import ParallelDims
 
 
 def config(**changes: Any) -> FusionConfig:
@@ -63,11 +76,52 @@ def test_indivisible_sizes_name_module_field_value_and_fix(
 
 def test_replicated_vision_is_not_checked() -> None:
     validate_tensor_parallel(config(vision__heads=2), 4, vision_parallel="replicate")
+    validate_tensor_parallel(config(vision__heads=2), 4, vision_parallel="dp")
     validate_tensor_parallel(config(), 4)
+    with pytest.raises(ValueError, match=r"VisionConfig.layers is 0; use layers >= 1 or"):
+        validate_tensor_parallel(config(vision__layers=0), 2, vision_parallel="dp")
 
 
 def test_option_errors() -> None:
-    with pytest.raises(ValueError, match=r"vision_parallel \('sharded'\) must be 'tp' or"):
+    with pytest.raises(ValueError, match=r"\('sharded'\) must be 'tp' or 'replicate' or 'dp'"):
         apply_tensor_parallel(None, None, vision_parallel="sharded")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"vl_combine \('sum'\) must be 'all_reduce' or"):
         apply_tensor_parallel(None, None, vl_combine="sum")  # type: ignore[arg-type]
+
+
+def test_vision_dp_batch_check() -> None:
+    check_vision_batch(4, 2)
+    message = (
+        r"vision_parallel='dp' splits the images of the micro-batch over the tensor-parallel "
+        r"ranks: its size \(6\) must be divisible by tensor_parallel \(4\); use a multiple of "
+        r"4 images per micro-batch \(e.g. 4: .*\) or vision_parallel='replicate'\."
+    )
+    with pytest.raises(ValueError, match=message):
+        check_vision_batch(6, 4)
+    foreign = ParallelDims(world_size=2, tp=2)  # another strategy's layout: no mm_parallel mesh
+    with pytest.raises(
+        ValueError, match=r"'dp' needs the mm_parallel strategy .* vision_parallel='replicate'"
+    ):
+        parallelize_vision(None, foreign, "dp")  # type: ignore[arg-type]
+    parallelize_vision(None, foreign, "replicate")  # type: ignore[arg-type]
+
+
+def test_vision_dp_plan_without_process_group() -> None:
+    """One process: the row helpers are the identity and ``dp`` installs nothing; the plan has
+    no vision styles (as ``replicate``); ViT dropout (none in open_clip's ViT) gets the
+    ``tensor-parallel`` region under ``dp`` only."""
+    torch.manual_seed(0)
+    model = FusionModel(config())
+    x = torch.randn(3, 2)
+    assert local_rows(x, None) is x and gather_rows(x, None) is x
+    apply_vision_data_parallel(model.vision, None)
+    assert partial_over_tp_parameters(model) == []
+    assert not model.vision.conv1._forward_pre_hooks
+    for layout in ("replicate", "dp"):
+        plan = fusion_plan(model, TensorParallelOptions(vision_parallel=layout))  # type: ignore[arg-type]
+        assert all(not g.path.startswith("vision") for g in plan.tensor_parallel)
+    model.vision.transformer.resblocks[0].register_module("drop", nn.Dropout(0.1))
+    path = "vision.transformer.resblocks.0.drop"
+    for layout, region in (("tp", "replicated"), ("dp", "tensor-parallel")):
+        regions = dropout_regions(model, sequence_parallel=False, vision_parallel=layout)  # type: ignore[arg-type]
+        assert regions[-1] == (path, region)

@@ -63,6 +63,11 @@ MISTAKES = [
         ["--data.image_size", "16"],
         r"data.image_size \(16\) must equal model.fusion.vision.image_size \(32\)",
     ),
+    (  # vision_parallel="dp": micro-batch vs tp, raised at the first forward before
+        ["--model.tensor_parallel.vision_parallel", "dp", "--data.batch_size", "70"],
+        r"vision_parallel='dp' splits the images of each micro-batch \(data.batch_size 70 / "
+        r"micro_batches 2\) .*its size \(35\) must be divisible by tensor_parallel \(2\)",
+    ),
 ]  # fmt: skip
 
 
