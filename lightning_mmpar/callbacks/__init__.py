@@ -1,6 +1,7 @@
 """Stability callbacks that work in any Lightning Trainer (one device, DDP, FSDP,
 ``ModelParallelStrategy``, ``mm_parallel``): gradient drift and noise scale, FP8 fallback,
-MoE expert load, the expert sparsity schedule and per-branch gradient clipping.
+MoE expert load, the expert sparsity schedule, per-branch gradient clipping, the measured
+pipeline bubble (:class:`PipelineTimeline`) and dynamic micro-batching.
 
 They find their process groups through :meth:`lightning_mmpar.topology.ParallelDims.of` and
 communicate through :mod:`lightning_mmpar.parallel.comm`.
@@ -13,6 +14,8 @@ from lightning_mmpar.callbacks.expert_load import ExpertLoadMonitor
 from lightning_mmpar.callbacks.expert_sparsity import ExpertSparsitySchedule
 from lightning_mmpar.callbacks.fp8_fallback import FP8FallbackCallback, FP8FallbackError
 from lightning_mmpar.callbacks.grad_drift import GradientDriftMonitor, GradReport
+from lightning_mmpar.callbacks.micro_batching import DynamicMicroBatching, brief_policy
+from lightning_mmpar.callbacks.pipeline_timeline import PipelineTimeline, formula_bubble
 from lightning_mmpar.callbacks.replicas import Drift, ReplicaGroup
 from lightning_mmpar.callbacks.snapshot import Snapshot
 
@@ -22,6 +25,7 @@ __all__ = [
     "BranchGradientClipping",
     "Drift",
     "DriftConfig",
+    "DynamicMicroBatching",
     "ExpertLoadMonitor",
     "ExpertSparsitySchedule",
     "FP8FallbackCallback",
@@ -29,6 +33,9 @@ __all__ = [
     "FallbackConfig",
     "GradReport",
     "GradientDriftMonitor",
+    "PipelineTimeline",
     "ReplicaGroup",
     "Snapshot",
+    "brief_policy",
+    "formula_bubble",
 ]

@@ -1,0 +1,367 @@
+"""PipelineTimeline: the measured pipeline bubble of chosen steps, next to the schedule's formula.
+
+For each recorded step every pipeline rank times its stage actions through the engine's
+observers (``trainer.strategy.pipeline.observers``: ``(stage, action, micro_batch, start, end)``
+after each action, ``time.perf_counter`` seconds; actions ``forward``, ``backward`` (full),
+``backward_input`` and ``backward_weight`` for the zero-bubble schedules' split backward).
+After the step the intervals are gathered over the pipeline group (one ``all_gather_object``
+through :mod:`lightning_mmpar.parallel.comm`) and the bubble is measured as::
+
+    span   = last action end - first action start (over all pipeline ranks)
+    busy_r = length of the union of rank r's action intervals
+    bubble = sum_r (span - busy_r) / (span * pp)
+
+over the training schedule's actions (:func:`last_pass`: a gradient-cache module runs a
+forward-only pass first; ``measured_step`` covers the whole step).
+
+Ranks align their clocks by a barrier at the step start (each rank's times are relative to its
+own post-barrier ``perf_counter``), so the figure holds across hosts. The idle time includes
+everything between actions: point-to-point send/recv waits, the loss on the last stage (torch's
+schedules compute it after the forward action) and the schedule's own bookkeeping; and stages
+of unequal cost wait for the slowest one. The measured bubble is therefore above the formula,
+which assumes equal stage costs and free communication.
+
+The formula (:func:`formula_bubble`, a fraction of the span with equal per-micro-batch costs):
+
+* GPipe, 1F1B: ``(p - 1) / (m + p - 1)`` (Huang et al. 2019 GPipe; Narayanan et al. 2021,
+  Megatron-LM, whose ``(p - 1) / m`` is the same bubble relative to the compute);
+* Interleaved 1F1B, LoopedBFS (``v`` stages per rank): ``(p - 1) / (v m + p - 1)``, Megatron-LM's
+  ``(1 / v) (p - 1) / m`` as a fraction of the span (Lamy-Poirier 2022 for breadth-first);
+* InterleavedZeroBubble (torch: the ZB1P schedule of Qi et al. 2024, "Zero Bubble Pipeline
+  Parallelism", ZB-H1): nominal ``(p - 1) / (3 v m + p - 1)``, a third of 1F1B's bubble time
+  with ``T_F = T_B = T_W``;
+* ZBVZeroBubble (Qi et al. 2024 section 6, ZB-V) and DualPipeV (DeepSeek-V3 report, arXiv
+  2412.19437, table 2: ``(p/2 - 1)(T_FB + T_B - 3 T_W)``): nominal ``0`` (torch's docs: only if
+  forward, backward-input and backward-weight take the same time).
+
+Logged per recorded step (every rank, its pipeline group's value): ``pipeline_bubble_measured``
+and ``pipeline_bubble_formula``. Global rank 0 (first data/tensor-parallel replica) writes the
+intervals of every recorded step as JSON and the timeline of the last one as a PNG (matplotlib,
+one row per pipeline rank, a numbered box per action and micro-batch). Without a pipeline
+(another strategy, ``pipeline_parallel=1``) the callback warns once and does nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
+
+from lightning_mmpar.parallel import comm
+from lightning_mmpar.topology import ParallelDims
+
+Interval = tuple[int, str, int, float, float]
+"""``(stage, action, micro_batch, start, end)``; seconds relative to the step start."""
+
+ACTIONS = {
+    "forward": ("F", "#4c72b0"),
+    "backward": ("B", "#55a868"),
+    "backward_input": ("B", "#dd8452"),
+    "backward_weight": ("W", "#8172b3"),
+}
+"""Engine action -> (label, colour) of the timeline."""
+
+ZERO_BUBBLE_SOURCES = {
+    "interleaved_zero_bubble": "nominal ZB-H1 (ZB1P): Qi et al. 2024, Zero Bubble Pipeline "
+    "Parallelism, arXiv 2401.10241; torch ScheduleInterleavedZeroBubble",
+    "zbv_zero_bubble": "nominal 0 if T_F = T_B = T_W: Qi et al. 2024 section 6 (ZB-V); torch "
+    "ScheduleZBVZeroBubble",
+    "dualpipev": "nominal 0 if T_F = T_B = T_W: DeepSeek-V3 report (arXiv 2412.19437) table 2; "
+    "torch ScheduleDualPipeV",
+}
+
+
+def formula_bubble(schedule: str, pp: int, micro_batches: int, virtual: int = 1) -> float:
+    """The schedule's bubble as a fraction of the step span (see the module docstring).
+
+    Args: ``schedule`` a name of :data:`FORMULA_SOURCES`, ``pp`` pipeline ranks, ``micro_batches``
+    per step (``m``), ``virtual`` stages per rank (``v``). Raises ``ValueError`` for an unknown
+    schedule or non-positive sizes.
+    """
+    for name, value in (("pp", pp), ("micro_batches", micro_batches), ("virtual", virtual)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"formula_bubble {name} ({value!r}) must be a positive integer.")
+    p, m, v = pp, micro_batches, virtual
+    if schedule in ("gpipe", "1f1b"):
+        return (p - 1) / (m + p - 1)
+    if schedule in ("interleaved_1f1b", "looped_bfs"):
+        return (p - 1) / (v * m + p - 1)
+    if schedule == "interleaved_zero_bubble":
+        return (p - 1) / (3 * v * m + p - 1)
+    if schedule in ("zbv_zero_bubble", "dualpipev"):
+        return 0.0
+    raise ValueError(
+        f"formula_bubble schedule ({schedule!r}) is unknown; use one of "
+        f"{', '.join(FORMULA_SOURCES)}."
+    )
+
+
+FORMULA_SOURCES = {
+    "gpipe": "(p-1)/(m+p-1): Huang et al. 2019 (GPipe)",
+    "1f1b": "(p-1)/(m+p-1): Narayanan et al. 2021 (Megatron-LM, PipeDream-Flush)",
+    "interleaved_1f1b": "(p-1)/(v m+p-1): Narayanan et al. 2021 (Megatron-LM interleaved)",
+    "looped_bfs": "(p-1)/(v m+p-1): Lamy-Poirier 2022 (Breadth-First Pipeline Parallelism)",
+    "interleaved_zero_bubble": "(p-1)/(3 v m+p-1), "
+    + ZERO_BUBBLE_SOURCES["interleaved_zero_bubble"],
+    "zbv_zero_bubble": ZERO_BUBBLE_SOURCES["zbv_zero_bubble"],
+    "dualpipev": ZERO_BUBBLE_SOURCES["dualpipev"],
+}
+"""Schedule name -> the formula of :func:`formula_bubble` and its source."""
+
+
+def _union_length(spans: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def measured_bubble(per_rank: Sequence[Sequence[Interval]]) -> tuple[float, float]:
+    """``(bubble, span)`` of one step from every pipeline rank's intervals (rank order).
+
+    ``bubble = sum_r (span - busy_r) / (span * ranks)``, ``busy_r`` the union length of rank
+    ``r``'s intervals, ``span`` from the first start to the last end over all ranks (seconds).
+    A rank without intervals counts as idle throughout. Raises ``ValueError`` when no rank has
+    an interval.
+    """
+    starts = [i[3] for rank in per_rank for i in rank]
+    if not starts:
+        raise ValueError("measured_bubble needs at least one interval; none was recorded.")
+    span = max(i[4] for rank in per_rank for i in rank) - min(starts)
+    if span <= 0:
+        return 0.0, 0.0
+    idle = sum(span - _union_length([(i[3], i[4]) for i in rank]) for rank in per_rank)
+    return idle / (span * len(per_rank)), span
+
+
+def last_pass(intervals: Sequence[Interval]) -> list[Interval]:
+    """The intervals of the last schedule pass of one rank's step, in time order.
+
+    A step may run more than one schedule: a gradient-cache module
+    (:class:`~lightning_mmpar.parallel.gradient_cache.BatchLossModule`) first runs a
+    forward-only pass, then the training schedule. A pass ends where an action repeats for the
+    same ``(stage, micro_batch)``.
+    """
+    passes: list[list[Interval]] = [[]]
+    seen: set[tuple[int, str, int]] = set()
+    for item in sorted(intervals, key=lambda i: i[3]):
+        key = (item[0], item[1], item[2])
+        if key in seen:
+            passes.append([])
+            seen = set()
+        seen.add(key)
+        passes[-1].append(item)
+    return passes[-1]
+
+
+def draw_timeline(result: dict[str, Any], path: str | Path) -> Path | None:
+    """Draw one :attr:`PipelineTimeline.results` entry to ``path`` (PNG): one row per pipeline
+    rank, a box per action coloured by kind (:data:`ACTIONS`) and numbered by micro-batch
+    (``m/s`` with the stage when ranks hold several stages); actions before the training
+    schedule's pass (:func:`last_pass`) hatched. ``None`` without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+    except ImportError:  # pragma: no cover - matplotlib is a dependency of the docs/extras
+        rank_zero_warn("PipelineTimeline: matplotlib is not installed; no timeline drawn.")
+        return None
+    rows = result["intervals"]
+    t0 = min(i[3] for rank in rows for i in rank)
+    scale = 1e3  # milliseconds
+    several = result["num_stages"] > result["pp"]
+    width = max(i[4] for rank in rows for i in rank) * scale - t0 * scale
+    hatched = False
+    fig, ax = plt.subplots(figsize=(11, 0.9 + 0.7 * len(rows)))
+    for r, rank in enumerate(rows):
+        training = set(last_pass([tuple(i) for i in rank]))
+        for stage, action, mb, start, end in rank:
+            label, colour = ACTIONS.get(action, ("?", "#999999"))
+            x, w = (start - t0) * scale, (end - start) * scale
+            earlier = (stage, action, mb, start, end) not in training  # forward-only pass
+            ax.barh(
+                r, w, left=x, height=0.8, color=colour, edgecolor="black", linewidth=0.4,
+                alpha=0.4 if earlier else 1.0, hatch="//" if earlier else None,
+            )  # fmt: skip
+            text = f"{label}{mb}/s{stage}" if several else f"{label}{mb}"
+            if w >= 0.012 * width:  # no label on slivers (a no-grad pass's empty backward)
+                ax.text(x + w / 2, r, text, ha="center", va="center", fontsize=7, clip_on=True)
+            hatched = hatched or earlier
+    ax.set_yticks(range(len(rows)), [f"pp rank {r}" for r in range(len(rows))])
+    ax.invert_yaxis()
+    ax.set_xlabel("time in step (ms)")
+    used = {a for rank in rows for i in rank for a in [i[1]]}
+    handles = [Patch(color=c, label=f"{lbl} ({a})") for a, (lbl, c) in ACTIONS.items() if a in used]
+    if hatched:
+        handles.append(
+            Patch(facecolor="white", edgecolor="black", hatch="//", label="earlier pass")
+        )
+    ax.legend(
+        handles=handles,
+        loc="lower right",
+        bbox_to_anchor=(1.0, 1.0),
+        fontsize=7,
+        ncols=len(handles),
+        frameon=False,
+    )
+    ax.set_title(
+        f"{result['schedule']} p={result['pp']} v={result['virtual']} m={result['micro_batches']}"
+        f", step {result['step']}: bubble measured {result['measured']:.3f}, formula "
+        f"{result['formula']:.3f}",
+        fontsize=9,
+        loc="left",
+    )
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+class PipelineTimeline(Callback):
+    """Measure the pipeline bubble of chosen training steps and draw their timeline.
+
+    Args:
+        steps: ``trainer.global_step`` values (at batch start) to record; default ``(1,)`` (the
+            second step: the first one builds the schedules).
+        every_n_steps: also record every step divisible by this (``None``: only ``steps``).
+        path: PNG of the last recorded step (``None``: ``<log_dir>/pipeline_timeline.png``);
+            the JSON of every recorded step goes next to it with the suffix ``.json``.
+
+    Attributes: :attr:`results` (one dict per recorded batch: ``step``, ``schedule``, ``pp``,
+    ``virtual``, ``num_stages``, ``micro_batches``, ``measured`` and ``span_s`` of the training
+    schedule (:func:`last_pass`), ``measured_step`` and ``step_span_s`` of the whole step (a
+    gradient-cache module's forward-only pass included), ``formula``, ``source`` and
+    ``intervals``: per pipeline rank a list of :data:`Interval`), :attr:`path`.
+    Raises ``ValueError`` (naming the argument, its value and a fix) on invalid arguments.
+    Collectives: a barrier and an object gather over the pipeline group on recorded steps.
+    """
+
+    def __init__(
+        self,
+        steps: Sequence[int] = (1,),
+        every_n_steps: int | None = None,
+        path: str | Path | None = None,
+    ) -> None:
+        bad = [s for s in steps if isinstance(s, bool) or not isinstance(s, int) or s < 0]
+        if bad:
+            raise ValueError(
+                f"PipelineTimeline steps ({list(steps)!r}) must be non-negative integers; "
+                "use e.g. steps=[5, 6]."
+            )
+        n = every_n_steps
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(
+                f"PipelineTimeline every_n_steps ({n!r}) must be a positive integer or None; "
+                "use None to record only `steps`."
+            )
+        self.steps = frozenset(steps)
+        self.every_n_steps = n
+        self.path = None if path is None else Path(path)
+        self.results: list[dict[str, Any]] = []
+        self._engine: Any = None
+        self._group: Any = None
+        self._warned = False
+        self._recording = False
+        self._t0 = 0.0
+        self._step = self._m = 0
+        self._local: list[Interval] = []
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.path is None:  # ``trainer.log_dir`` broadcasts under DDP: resolved on every rank
+            folder = Path(trainer.log_dir or trainer.default_root_dir)
+            self.path = folder / "pipeline_timeline.png"
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        engine = getattr(trainer.strategy, "pipeline", None)
+        if engine is None or not hasattr(engine, "observers"):
+            if not self._warned:
+                rank_zero_warn(
+                    "PipelineTimeline: the strategy runs no pipeline schedule "
+                    f"({type(trainer.strategy).__name__}); nothing is recorded. Use "
+                    "mm_parallel with pipeline_parallel >= 2."
+                )
+                self._warned = True
+            return
+        self._engine = engine
+        self._group = ParallelDims.of(trainer).get_group("pp")
+        engine.observers.append(self._observe)
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._engine is not None and self._observe in self._engine.observers:
+            self._engine.observers.remove(self._observe)
+        self._engine = None
+
+    def _due(self, step: int) -> bool:
+        n = self.every_n_steps
+        return step in self.steps or (n is not None and step % n == 0)
+
+    def _observe(self, stage: int, action: str, mb: int, start: float, end: float) -> None:
+        if self._recording:
+            self._local.append((stage, action, mb, start - self._t0, end - self._t0))
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._engine is None or not self._due(trainer.global_step):
+            return
+        comm.barrier(self._group)  # a common origin on every pipeline rank
+        self._local, self._recording = [], True
+        self._step, self._m = trainer.global_step, int(self._engine.num_micro_batches)
+        self._t0 = time.perf_counter()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+        batch_idx: int,
+    ) -> None:  # fmt: skip
+        if not self._recording:
+            return
+        self._recording = False
+        per_rank = comm.all_gather_objects(self._local, self._group)
+        result = self._result(self._step, per_rank)
+        self.results.append(result)
+        pl_module.log("pipeline_bubble_measured", result["measured"], on_step=True, on_epoch=False)
+        pl_module.log("pipeline_bubble_formula", result["formula"], on_step=True, on_epoch=False)
+        if trainer.is_global_zero and self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.with_suffix(".json").write_text(json.dumps(self.results, indent=1))
+            draw_timeline(result, self.path)
+
+    def _result(self, step: int, per_rank: list[list[Interval]]) -> dict[str, Any]:
+        engine = self._engine
+        pp, stages = int(engine.pp), int(engine.num_stages)
+        m, schedule = self._m, str(engine.schedule_name)
+        measured, span = measured_bubble([last_pass(rank) for rank in per_rank])
+        whole, step_span = measured_bubble(per_rank)
+        return {
+            "step": step,
+            "schedule": schedule,
+            "pp": pp,
+            "virtual": stages // pp,
+            "num_stages": stages,
+            "micro_batches": m,
+            "measured": measured,
+            "formula": formula_bubble(schedule, pp, m, stages // pp),
+            "source": FORMULA_SOURCES.get(schedule, ""),
+            "span_s": span,
+            "measured_step": whole,
+            "step_span_s": step_span,
+            "intervals": [[list(i) for i in rank] for rank in per_rank],
+        }
