@@ -9,11 +9,54 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+Schedule = Literal[
+    "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
+    "zbv_zero_bubble", "dualpipev",
+]  # fmt: skip
 DataParallel = Literal["fsdp", "ddp", "none"]
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
+SCHEDULES: tuple[str, ...] = (
+    "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
+    "zbv_zero_bubble", "dualpipev",
+)  # fmt: skip
+"""Pipeline schedules by name (torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B,
+ScheduleInterleaved1F1B, ScheduleLoopedBFS, ScheduleInterleavedZeroBubble,
+ScheduleZBVZeroBubble, ScheduleDualPipeV)."""
+MULTI_STAGE_SCHEDULES: frozenset[str] = frozenset(SCHEDULES[2:])
+"""Schedules that run ``virtual_pipeline >= 2`` stages per pipeline rank."""
+V_SCHEDULES: frozenset[str] = frozenset(("zbv_zero_bubble", "dualpipev"))
+"""Schedules on the "V" stage layout: exactly two stages per rank, rank ``r`` holding stages
+``r`` and ``2 * pp - 1 - r`` (the last stage on pipeline rank 0)."""
 DATA_PARALLEL_ENGINES: tuple[str, ...] = ("fsdp", "ddp", "none")
+
+SPLIT_BACKWARD_SCHEDULES: frozenset[str] = frozenset(
+    ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
+)
+"""Zero-bubble schedules: backward split into input-gradient and weight-gradient actions."""
+ROUND_SCHEDULES: frozenset[str] = frozenset(("interleaved_1f1b", "interleaved_zero_bubble"))
+"""Schedules that run micro-batches in rounds of ``micro_batches // pp``: the micro-batch count
+must be a multiple of the rounds (torch's check)."""
+
+
+def min_micro_batches(schedule: str, pp: int, virtual: int = 1) -> int:
+    """The fewest micro-batches ``schedule`` runs with at ``pp`` pipeline ranks and ``virtual``
+    stages per rank: ``pp`` for 1F1B and ``pp * virtual`` (the stage count) for DualPipeV
+    (torch's checks); 1 otherwise (tried on gloo with torch 2.14: the interleaved, looped-BFS
+    and zero-bubble schedules give exact gradients with fewer micro-batches than ranks; the
+    interleaved ones then need ``micro_batches`` a multiple of ``micro_batches // pp``)."""
+    if pp == 1:
+        return 1
+    if schedule == "1f1b":
+        return pp
+    if schedule == "dualpipev":
+        return pp * virtual
+    return 1
+
+
+def stage_layout(schedule: str) -> Literal["loop", "v"]:
+    """``"v"`` for :data:`V_SCHEDULES` (rank ``r`` holds stages ``r`` and ``2 * pp - 1 - r``),
+    ``"loop"`` otherwise (stage ``s`` on rank ``s % pp``, Megatron's virtual pipeline)."""
+    return "v" if schedule in V_SCHEDULES else "loop"
 
 
 def _positive(name: str, value: int) -> None:
@@ -37,12 +80,14 @@ class ParallelConfig:
     expert_parallel: int = 1
     """Ranks over which MoE experts are spread; must divide the data-parallel size."""
     virtual_pipeline: int = 1
-    """Pipeline stages per rank (Megatron's virtual pipeline); > 1 needs ``interleaved_1f1b``."""
+    """Pipeline stages per rank (Megatron's virtual pipeline); > 1 needs a multi-stage schedule."""
     micro_batches: int | None = None
     """Micro-batches per optimizer step under pipeline parallelism; default ``pipeline_parallel``
-    (for every schedule, the interleaved one included)."""
+    (``2 * pipeline_parallel`` for ``dualpipev``, whose minimum is the stage count)."""
     schedule: Schedule = "1f1b"
-    """Pipeline schedule: ``gpipe``, ``1f1b`` or ``interleaved_1f1b``."""
+    """Pipeline schedule, one of :data:`SCHEDULES`; multi-stage ones
+    (:data:`MULTI_STAGE_SCHEDULES`) need ``virtual_pipeline >= 2``, the V ones
+    (:data:`V_SCHEDULES`) exactly 2; micro-batch minimums in :func:`min_micro_batches`."""
     data_parallel: DataParallel = "fsdp"
     """Data-parallel engine: ``fsdp`` (FSDP2 ``fully_shard``, ZeRO-3 role), ``ddp`` or ``none``
     (no data parallelism: only for a data-parallel size of 1, see :meth:`check_world`)."""
@@ -65,33 +110,43 @@ class ParallelConfig:
         self._check_pipeline()
 
     def _check_pipeline(self) -> None:
-        pp, v = self.pipeline_parallel, self.virtual_pipeline
+        pp, v, name = self.pipeline_parallel, self.virtual_pipeline, self.schedule
         if v > 1 and pp == 1:
             raise ValueError(
                 f"virtual_pipeline ({v}) needs pipeline_parallel > 1 (got 1); "
                 "set pipeline_parallel >= 2 or virtual_pipeline=1."
             )
-        if v > 1 and self.schedule != "interleaved_1f1b":
+        if v > 1 and name not in MULTI_STAGE_SCHEDULES:
             raise ValueError(
-                f"virtual_pipeline ({v}) needs schedule='interleaved_1f1b' "
-                f"(got {self.schedule!r}); set schedule='interleaved_1f1b' or virtual_pipeline=1."
+                f"virtual_pipeline ({v}) needs a multi-stage schedule (got {name!r}); set "
+                f"schedule to one of {', '.join(sorted(MULTI_STAGE_SCHEDULES))} or "
+                "virtual_pipeline=1."
             )
-        if self.schedule == "interleaved_1f1b" and pp > 1 and v == 1:
+        if pp == 1:
+            return
+        if name in MULTI_STAGE_SCHEDULES and v == 1:
             raise ValueError(
-                "schedule='interleaved_1f1b' needs virtual_pipeline >= 2 (got 1); "
+                f"schedule={name!r} needs virtual_pipeline >= 2 (got 1); "
                 "set virtual_pipeline=2 or use schedule='1f1b'."
             )
-        n = self.num_micro_batches
-        if pp > 1 and self.schedule in ("1f1b", "interleaved_1f1b") and n < pp:
+        if name in V_SCHEDULES and v != 2:
             raise ValueError(
-                f"micro_batches ({n}) must be >= pipeline_parallel ({pp}) for the "
-                f"{self.schedule} schedule; set micro_batches to at least {pp}."
+                f"schedule={name!r} needs virtual_pipeline=2 (got {v}): its V layout holds "
+                "exactly two stages per pipeline rank; set virtual_pipeline=2."
+            )
+        n, low = self.num_micro_batches, min_micro_batches(name, pp, v)
+        if n < low:
+            what = "pipeline_parallel" if low == pp else "the pipeline stages"
+            size = f"{pp}" if low == pp else f"{low} = pipeline_parallel * virtual_pipeline"
+            raise ValueError(
+                f"micro_batches ({n}) must be >= {what} ({size}) for the {name} schedule; "
+                f"set micro_batches to at least {low}."
             )
         rounds = max(1, n // pp)
-        if self.schedule == "interleaved_1f1b" and pp > 1 and n % rounds != 0:
+        if name in ROUND_SCHEDULES and n % rounds != 0:
             raise ValueError(
                 f"micro_batches ({n}) must be a multiple of its rounds ({rounds} = "
-                f"micro_batches // pipeline_parallel) for interleaved_1f1b; use {rounds * pp}."
+                f"micro_batches // pipeline_parallel) for {name}; use {rounds * pp}."
             )
 
     def check_world(self, world_size: int) -> None:
@@ -99,12 +154,26 @@ class ParallelConfig:
 
         ``data_parallel="none"`` with a data-parallel size ``world_size / (tensor_parallel *
         pipeline_parallel)`` above 1 would train replicas whose gradients are never averaged and
-        whose weights drift apart, silently; it raises ``ValueError`` naming both fixes. A
+        whose weights drift apart, silently; it raises ``ValueError`` naming both fixes. So does
+        a zero-bubble schedule (:data:`SPLIT_BACKWARD_SCHEDULES`) with ``data_parallel="fsdp"``
+        over several replicas (wrong gradients on torch 2.14; DDP is exact). A
         ``world_size`` the model-parallel sizes do not divide is left to
         :class:`lightning_mmpar.topology.ParallelDims`, which names that fix.
         """
         model = self.tensor_parallel * self.pipeline_parallel
-        if self.data_parallel != "none" or world_size % model or world_size // model <= 1:
+        if world_size % model or world_size // model <= 1:
+            return
+        dp = world_size // model
+        split = self.schedule in SPLIT_BACKWARD_SCHEDULES and self.pipeline_parallel > 1
+        if split and self.data_parallel == "fsdp":
+            raise ValueError(
+                f"schedule={self.schedule!r} cannot run with data_parallel='fsdp' over {dp} "
+                "data-parallel replicas on this torch: its split weight-gradient backward "
+                "bypasses FSDP2's per-block gradient reduce-scatter (measured: wrong gradients "
+                "at dp 2 x pp 2). "
+                "Set data_parallel='ddp', or choose schedule='interleaved_1f1b' or 'looped_bfs'."
+            )
+        if self.data_parallel != "none":
             return
         raise ValueError(
             f"data_parallel ('none') cannot run {world_size // model} data-parallel replicas "
@@ -139,10 +208,15 @@ class ParallelConfig:
 
     @property
     def num_micro_batches(self) -> int:
-        """Micro-batches per step (1 without pipeline parallelism)."""
+        """Micro-batches per step: ``micro_batches``, by default ``pipeline_parallel`` (or the
+        schedule's minimum when higher, :func:`min_micro_batches`); 1 without pipeline
+        parallelism."""
         if self.micro_batches is not None:
             return self.micro_batches
-        return self.pipeline_parallel if self.pipeline_parallel > 1 else 1
+        pp = self.pipeline_parallel
+        if pp == 1:
+            return 1
+        return max(pp, min_micro_batches(self.schedule, pp, self.virtual_pipeline))
 
     @property
     def num_stages(self) -> int:

@@ -1,8 +1,8 @@
-"""Mechanisms for any model and any plan: tensor-parallel styles, the pipeline engine, FSDP2 /
-DDP, DCP checkpoints, the DeepSpeed engine, device-aware collectives (:mod:`.comm`), the
-numerics core (:mod:`.numerics`) and the model-parallel RNG (:mod:`.random`). Nothing here
-imports a model, a plan, the strategy, a recipe or a callback (import-linter contracts in
-pyproject.toml).
+"""Mechanisms for any model and any plan: tensor-parallel styles, the pipeline engine and its
+schedules (:mod:`.pipeline_schedules`), FSDP2 / DDP, DCP checkpoints, the DeepSpeed engine,
+device-aware collectives (:mod:`.comm`), the numerics core (:mod:`.numerics`) and the
+model-parallel RNG (:mod:`.random`). Nothing here imports a model, a plan, the strategy, a
+recipe or a callback (import-linter contracts in pyproject.toml).
 """
 
 from lightning_mmpar.parallel.checkpoint import load_sharded, save_sharded, validate_checkpoint
@@ -47,6 +47,16 @@ from lightning_mmpar.parallel.pipeline import (
     PipelineSteps,
     partition,
 )
+from lightning_mmpar.parallel.pipeline_schedules import (
+    SCHEDULE_CLASSES,
+    ZERO_BUBBLE,
+    StageObserver,
+    build_schedule,
+    check_stage_ranges,
+    schedule_class,
+    stage_ranks,
+    unsplit_parameters,
+)
 from lightning_mmpar.parallel.random import (
     ParallelDropout,
     RNGStatesTracker,
@@ -67,6 +77,8 @@ from lightning_mmpar.parallel.tensor import (
 
 __all__ = [
     "MM_PARALLEL_KEYS",
+    "SCHEDULE_CLASSES",
+    "ZERO_BUBBLE",
     "AllToAllDispatcher",
     "BatchLossModule",
     "CPUCapableDeepSpeedStrategy",
@@ -83,11 +95,14 @@ __all__ = [
     "RNGStatesTracker",
     "SequenceLengthCheck",
     "ShardedCheckpointHooks",
+    "StageObserver",
     "StyleGroup",
     "apply_expert_parallel",
     "apply_fsdp",
     "apply_styles",
     "broadcast_parameters",
+    "build_schedule",
+    "check_stage_ranges",
     "checkpoint_rng_contexts",
     "clip_grad_norm_",
     "expert_parallel_block",
@@ -110,9 +125,12 @@ __all__ = [
     "replicated_parameters",
     "resolve_batch",
     "save_sharded",
+    "schedule_class",
     "shard_blocks",
     "shard_placement",
+    "stage_ranks",
     "sync_gradients",
+    "unsplit_parameters",
     "validate_checkpoint",
     "vocab_parallel_cross_entropy",
 ]

@@ -2,10 +2,12 @@
 
 A LightningModule opts in by implementing :class:`PipelineModule`: it hands the strategy an
 ordered list of blocks, says how a batch becomes (inputs, target), and computes the loss on the
-last block's output. The strategy cuts the list into ``pp * v`` stages, keeps this rank's stages
-(stage ``s`` lives on pipeline rank ``s % pp``, the loop layout of Megatron's virtual pipeline),
-unregisters the parameters of every other block (so state dicts and optimizers hold only owned
-parameters, under their original names), and drives a GPipe / 1F1B / Interleaved1F1B schedule.
+last block's output. The strategy cuts the list into ``pp * v`` stages (equal split or explicit
+``stage_ranges``), keeps this rank's stages (loop layout: stage ``s`` on pipeline rank ``s % pp``,
+Megatron's virtual pipeline; V layout for ZBV / DualPipeV: rank ``r`` holds stages ``r`` and
+``2 * pp - 1 - r``), unregisters the parameters of every other block (so state dicts and
+optimizers hold only owned parameters, under their original names), and drives one of torch's
+schedules by name (:mod:`~lightning_mmpar.parallel.pipeline_schedules`).
 
 Block contract: ``block(*tensors) -> Tensor | tuple[Tensor, ...]``; a tuple is unpacked into the
 next block's arguments, so a stage boundary may carry several tensors (text hidden states and
@@ -19,22 +21,30 @@ step), evaluation collects the micro-batches' features and computes the coupled 
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-)
+from torch.distributed.pipelining import PipelineStage
 
 from lightning_mmpar.config import ParallelConfig
 from lightning_mmpar.parallel import comm
 from lightning_mmpar.parallel import gradient_cache as gc
+from lightning_mmpar.parallel import pipeline_schedules as ps
+from lightning_mmpar.parallel.pipeline_schedules import (
+    _drop_parameters,
+    check_ownership,
+    partition,
+)
+
+__all__ = [
+    "PipelineChunk", "PipelineEngine", "PipelineModule", "PipelineSteps", "check_ownership",
+    "partition",
+]  # fmt: skip
 
 
 @runtime_checkable
@@ -59,7 +69,8 @@ class PipelineChunk(nn.Module):
 
     Outputs are made contiguous: they are a stage's send buffers and the templates of the next
     stage's receive buffers, and point-to-point ops refuse non-contiguous tensors (a block may
-    return a view, e.g. rows broadcast with ``expand``).
+    return a view, e.g. rows broadcast with ``expand``). Views are copied: torch's zero-bubble
+    input backward detaches the stage outputs in place, which views refuse.
     """
 
     def __init__(self, blocks: Sequence[nn.Module]) -> None:
@@ -70,7 +81,7 @@ class PipelineChunk(nn.Module):
         for block in self.blocks:
             out = block(*args)
             args = out if isinstance(out, tuple) else (out,)
-        args = tuple(t.contiguous() for t in args)
+        args = tuple(t.clone() if t._is_view() else t.contiguous() for t in args)
         return args[0] if len(args) == 1 else args
 
 
@@ -99,61 +110,6 @@ class PipelineSteps:
         return self._pipeline_step("test", batch)
 
 
-def partition(num_blocks: int, num_stages: int) -> list[range]:
-    """Equal split of ``num_blocks`` into ``num_stages`` contiguous ranges (earlier stages get
-    the remainder)."""
-    if num_blocks < num_stages:
-        raise ValueError(
-            f"pipeline stages ({num_stages} = pipeline_parallel * virtual_pipeline) exceed the "
-            f"model's pipeline blocks ({num_blocks}); use at most {num_blocks} stages or a deeper "
-            "model."
-        )
-    base, extra = divmod(num_blocks, num_stages)
-    bounds = [0]
-    for s in range(num_stages):
-        bounds.append(bounds[-1] + base + (1 if s < extra else 0))
-    return [range(bounds[s], bounds[s + 1]) for s in range(num_stages)]
-
-
-def _drop_parameters(
-    root: nn.Module, owned: Sequence[nn.Module], others: Sequence[nn.Module]
-) -> int:
-    """Unregister, everywhere under ``root``, the parameters and buffers of blocks on other ranks.
-
-    Blocks may be registered submodules or unregistered wrappers around them; either way the
-    tensors disappear from ``root``'s state dict and optimizer, and this rank's own tensors
-    keep their original names. Returns the number of parameters dropped.
-    """
-    keep = {id(t) for b in owned for t in (*b.parameters(), *b.buffers())}
-    drop = {id(t) for b in others for t in (*b.parameters(), *b.buffers())} - keep
-    count = 0
-    for module in (*root.modules(), *others):
-        for table in (module._parameters, module._buffers):
-            for name, t in list(table.items()):
-                if t is not None and id(t) in drop:
-                    del table[name]
-                    count += table is module._parameters
-    return count
-
-
-def check_ownership(module: nn.Module, blocks: Sequence[nn.Module]) -> None:
-    """Refuse trainable parameters of ``module`` that are in none of ``blocks``.
-
-    Under pipeline parallelism a parameter used outside the blocks (in ``pipeline_loss``, say)
-    exists on every pipeline rank, gets its gradient summed over micro-batches on the last stage
-    only and is saved from the first stage. Raises ``ValueError`` naming them.
-    """
-    inside = {id(p) for b in blocks for p in b.parameters()}
-    outside = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in inside]
-    if outside:
-        raise ValueError(
-            f"trainable parameters outside pipeline_blocks(): {', '.join(outside)}; under "
-            "pipeline parallelism every trainable parameter must belong to a block. Move them "
-            "into a block (the last one if pipeline_loss uses them, and use them in its forward) "
-            "or freeze them (requires_grad=False)."
-        )
-
-
 def _grad_flags(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
     return tuple(t.detach().requires_grad_(t.is_floating_point()) for t in tensors)
 
@@ -168,9 +124,15 @@ class PipelineEngine:
     coupled term on the whole batch, then the schedule with surrogate losses); its evaluation
     adds the coupled term of the collected features to the mean micro-batch loss.
 
+    ``stage_ranges`` gives each stage's blocks (``pp * v`` contiguous non-empty ranges covering
+    every block); ``None`` is :func:`partition`'s equal split. ``observers`` receive the timing
+    of every stage action (:data:`~lightning_mmpar.parallel.pipeline_schedules.StageObserver`);
+    :meth:`set_micro_batches` changes the micro-batch count between steps.
+
     Raises:
         TypeError: ``module`` is not a :class:`PipelineModule`.
-        ValueError: a trainable parameter of ``module`` is in no block (:func:`check_ownership`).
+        ValueError: a trainable parameter of ``module`` is in no block (:func:`check_ownership`),
+            or bad ``stage_ranges`` (:func:`~.pipeline_schedules.check_stage_ranges`).
     """
 
     def __init__(
@@ -180,6 +142,7 @@ class PipelineEngine:
         pp_group: dist.ProcessGroup,
         device: torch.device,
         wrap_chunk: Any = None,
+        stage_ranges: Sequence[range] | None = None,
     ) -> None:
         if not isinstance(module, PipelineModule):
             raise TypeError(
@@ -190,12 +153,24 @@ class PipelineEngine:
         self.module = module
         self.config = config
         self.group = pp_group
-        pp = comm.group_size(pp_group)
+        self.pp = pp = comm.group_size(pp_group)
         self.pp_rank = comm.group_rank(pp_group)
         blocks = list(module.pipeline_blocks())
         check_ownership(module, blocks)
-        ranges = partition(len(blocks), config.num_stages)
-        self.stage_ids = list(range(self.pp_rank, config.num_stages, pp))
+        n_stages = config.num_stages
+        if stage_ranges is None:
+            ranges = partition(len(blocks), n_stages)
+        else:
+            ranges = ps.check_stage_ranges(stage_ranges, n_stages, len(blocks))
+        self.stage_ranges = ranges
+        self.schedule_name: str = config.schedule
+        ps.schedule_class(config.schedule)  # refuse a schedule this torch lacks, now
+        self._stage_ranks = ps.stage_ranks(config.schedule, n_stages, pp)
+        self.stage_ids = [s for s, r in enumerate(self._stage_ranks) if r == self.pp_rank]
+        """This rank's stage indices, ascending."""
+        self._unsplit: set[int] = set()  # stages whose zero-bubble split misses parameters
+        self.observers: list[ps.StageObserver] = []
+        """Called after each stage action with ``(stage, action, micro_batch, start, end)``."""
         stage_of = [s for s, r in enumerate(ranges) for _ in r]
         owned = set(self.stage_ids)
         self.chunks = [PipelineChunk([blocks[i] for i in ranges[s]]) for s in self.stage_ids]
@@ -229,7 +204,7 @@ class PipelineEngine:
         n = self.config.num_micro_batches
         for t in inputs:
             self.config.check_batch_size(int(t.shape[0]), name="batch size")
-        key = (train, *((tuple(t.shape), t.dtype) for t in inputs))
+        key = (train, n, *((tuple(t.shape), t.dtype) for t in inputs))
         if key not in self._schedules:
             io = self._example_io(tuple(t.tensor_split(n)[0] for t in inputs))
             stages = [
@@ -247,39 +222,69 @@ class PipelineEngine:
         def grads(ts: tuple[Tensor, ...]) -> tuple[Tensor | None, ...]:
             return tuple(t if t.requires_grad else None for t in ts)
 
-        return PipelineStage(
+        full = index in self._unsplit  # zero-bubble: whole backward in the I step
+        stage = PipelineStage(
             chunk, index, self.config.num_stages, self.device, group=self.group,
             input_args=x, output_args=y, input_grads=grads(x), output_grads=grads(y),
+            dw_builder=(lambda: lambda: None) if full else None,
         )  # fmt: skip
+        stage.stage_index_to_group_rank = dict(enumerate(self._stage_ranks))
+        ps.instrument_stage(stage, self.observers)
+        ps.allow_forward_only_turn(stage)
+        return stage
 
     @torch.no_grad()
     def _example_io(self, mb: tuple[Tensor, ...]) -> dict[int, tuple[tuple[Tensor, ...], ...]]:
-        """Run one micro-batch through the stages in order (point-to-point between owners)."""
-        pp = comm.group_size(self.group)
+        """Run one micro-batch through the stages in order (point-to-point between owners,
+        in memory between two consecutive stages of this rank: the V layout's turn)."""
         chunks = dict(zip(self.stage_ids, self.chunks, strict=True))
         io: dict[int, tuple[tuple[Tensor, ...], ...]] = {}
+        y: tuple[Tensor, ...] = ()
         for s in self.stage_ids:
             if s == 0:
                 x = mb
+            elif self.stage_rank(s - 1) == self.pp_rank:
+                x = tuple(t.detach() for t in y)
             else:
-                received = comm.recv_object((s - 1) % pp, self.group)
+                received = comm.recv_object(self.stage_rank(s - 1), self.group)
                 x = tuple(t.to(self.device) for t in received)
-            out = chunks[s](*x)
-            y = out if isinstance(out, tuple) else (out,)
+            split = s > 0 and self.schedule_name in ps.ZERO_BUBBLE  # see unsplit_parameters
+            with torch.enable_grad() if split else contextlib.nullcontext():
+                x = _grad_flags(x) if split else x
+                out = chunks[s](*x)
+                y = out if isinstance(out, tuple) else (out,)
+                if split and ps.unsplit_parameters(x, y):
+                    self._unsplit.add(s)
             # the flags tell the stages which boundary tensors carry gradients
             io[s] = (_grad_flags(x) if s > 0 else x, _grad_flags(y))
-            if s < self.config.num_stages - 1:
+            nxt = s + 1
+            if nxt < self.config.num_stages and self.stage_rank(nxt) != self.pp_rank:
                 payload = tuple(t.detach().cpu() for t in y)
-                comm.send_object(payload, (s + 1) % pp, self.group)
+                comm.send_object(payload, self.stage_rank(nxt), self.group)
         return io
 
     def _build_schedule(self, stages: list[Any]) -> Any:
         n = self.config.num_micro_batches
-        loss_fn = self._loss_fn
-        if self.config.schedule == "interleaved_1f1b":
-            return ScheduleInterleaved1F1B(stages, n, loss_fn=loss_fn)
-        cls = ScheduleGPipe if self.config.schedule == "gpipe" else Schedule1F1B
-        return cls(stages[0], n, loss_fn=loss_fn)
+        return ps.build_schedule(self.config.schedule, stages, n, self._loss_fn)
+
+    def stage_rank(self, stage: int) -> int:
+        """Pipeline rank (in the pp group) that runs ``stage`` (loop or V layout)."""
+        return self._stage_ranks[stage]
+
+    @property
+    def num_stages(self) -> int:
+        """All pipeline stages: ``pp * virtual_pipeline``."""
+        return self.config.num_stages
+
+    @property
+    def num_micro_batches(self) -> int:
+        """Micro-batches per step (changed by :meth:`set_micro_batches`)."""
+        return self.config.num_micro_batches
+
+    @property
+    def last_rank(self) -> int:
+        """Pipeline rank of the last stage (``pp - 1`` in the loop layout, 0 in the V one)."""
+        return self._stage_ranks[-1]
 
     @property
     def has_first(self) -> bool:
@@ -288,6 +293,17 @@ class PipelineEngine:
     @property
     def has_last(self) -> bool:
         return self.config.num_stages - 1 in self.stage_ids
+
+    def set_micro_batches(self, n: int) -> None:
+        """Run ``n`` micro-batches per step from the next step on (every rank must call it
+        alike). Gradients stay the full batch's mean (scaled by ``1 / n``); each batch must
+        divide by ``n``. Schedules are built once per (``n``, input shapes).
+
+        Raises:
+            ValueError: ``n`` not a positive integer or below the schedule's minimum
+                (:func:`~lightning_mmpar.config.min_micro_batches`), naming the fix.
+        """
+        self.config = dataclasses.replace(self.config, micro_batches=n)
 
     def _coupled(self) -> bool:
         module = self.module
@@ -378,5 +394,4 @@ class PipelineEngine:
                 loss = loss + extra.detach().float().to(device)
         else:
             loss = torch.zeros((), device=device)
-        last_rank = (self.config.num_stages - 1) % comm.group_size(self.group)
-        return comm.broadcast(loss, src=last_rank, group=self.group)
+        return comm.broadcast(loss, src=self.last_rank, group=self.group)

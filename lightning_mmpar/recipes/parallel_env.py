@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_mmpar.config import stage_layout
 from lightning_mmpar.parallel import comm
 from lightning_mmpar.recipes.config import OptimConfig
 from lightning_mmpar.topology import ParallelDims
@@ -46,11 +47,21 @@ def pipeline_parallel(trainer: Any) -> int:
     return ParallelDims.of(trainer).pp
 
 
+def _last_stage_rank(trainer: Any, dims: ParallelDims) -> int:
+    """Pipeline rank of the last stage: ``pp - 1`` in the loop layout, 0 in the V layout of
+    ZBV / DualPipeV (the engine's ``last_rank``; from the strategy's schedule before it exists)."""
+    strategy = trainer.strategy
+    engine = getattr(strategy, "pipeline", None)
+    if engine is not None:
+        return int(engine.last_rank)
+    schedule = getattr(getattr(strategy, "config", None), "schedule", "1f1b")
+    return 0 if stage_layout(schedule) == "v" else dims.pp - 1
+
+
 def owns_last_stage(trainer: Any) -> bool:
-    """Whether this rank runs the last pipeline stage: stage ``pp * v - 1`` lives on pipeline
-    rank ``(pp * v - 1) % pp = pp - 1`` (always true without a pipeline)."""
+    """Whether this rank runs the last pipeline stage (always true without a pipeline)."""
     dims = ParallelDims.of(trainer)
-    return dims.pp == 1 or dims.local_rank("pp") == dims.pp - 1
+    return dims.pp == 1 or dims.local_rank("pp") == _last_stage_rank(trainer, dims)
 
 
 def from_last_stage(trainer: Any, values: Tensor, owner: bool) -> Tensor:
@@ -59,7 +70,7 @@ def from_last_stage(trainer: Any, values: Tensor, owner: bool) -> Tensor:
     if dims.pp == 1:
         return values
     out = values.clone() if owner else torch.zeros_like(values)
-    return comm.broadcast(out, src=dims.pp - 1, group=dims.get_group("pp"))
+    return comm.broadcast(out, src=_last_stage_rank(trainer, dims), group=dims.get_group("pp"))
 
 
 def dp_sum(trainer: Any, values: Tensor) -> Tensor:

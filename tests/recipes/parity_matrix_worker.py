@@ -14,10 +14,14 @@ every layout of its size in order, then the shipped YAMLs of that size.
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import recipe_faults_worker as rw
+import schedules_worker
+import torch.distributed as dist
 import yaml_runs_worker
 from lightning.pytorch import Callback
 from torch import Tensor
@@ -55,6 +59,10 @@ class Layout:
     clip: float | None = None
     moe: str | None = None
     """``None``: dense FFNs; a key of :data:`MOE`: mixture-of-experts decoder FFNs."""
+    vision_parallel: str = "tp"
+    """The vision tower's layout under tensor parallelism: ``tp``, ``replicate`` or ``dp``."""
+    max_steps: int | None = None
+    """Fewer steps than :data:`STEPS` (compared with the reference's first ones): saves time."""
 
     @property
     def dims(self) -> ParallelDims:
@@ -80,7 +88,7 @@ class Layout:
 
     @property
     def steps(self) -> int:
-        return 1 if self.moe == "aux" else STEPS
+        return 1 if self.moe == "aux" else self.max_steps or STEPS
 
 
 LAYOUTS: tuple[Layout, ...] = (
@@ -183,6 +191,29 @@ MOE_LAYOUTS: tuple[Layout, ...] = (
 LAYOUTS += MOE_LAYOUTS
 
 
+def _pp(schedule: str, pp: int, micro: int, v: int = 2, **more: int) -> dict[str, Any]:
+    return {"pipeline_parallel": pp, "virtual_pipeline": v, "micro_batches": micro,
+            "schedule": schedule, **more}  # fmt: skip
+
+
+SCHEDULE_LAYOUTS: tuple[Layout, ...] = (  # issue 11: torch's other schedules, 3 steps each
+    Layout("pp2 x v2 looped bfs", 2, _pp("looped_bfs", 2, 2), max_steps=3),
+    Layout("pp2 x v2 zero bubble", 2, _pp("interleaved_zero_bubble", 2, 2), max_steps=3),
+    Layout("pp2 zbv zero bubble", 2, _pp("zbv_zero_bubble", 2, 2), max_steps=3),
+    Layout("pp2 dualpipev", 2, _pp("dualpipev", 2, 4), max_steps=3),
+    Layout("pp4 zbv zero bubble (8 stages)", 4, _pp("zbv_zero_bubble", 4, 4), max_steps=3),
+    Layout("pp4 dualpipev (8 stages)", 4, _pp("dualpipev", 4, 8), max_steps=3),
+    Layout("pp2 zbv x dp2 ddp", 4, _pp("zbv_zero_bubble", 2, 2, data_parallel="ddp"), max_steps=3),
+)
+VISION_LAYOUTS: tuple[Layout, ...] = (  # issue 11: the vision tower's layouts under tp
+    Layout("tp2 vision replicate", 2, {"tensor_parallel": 2}, vision_parallel="replicate"),
+    Layout("tp2 vision dp", 2, {"tensor_parallel": 2}, vision_parallel="dp"),
+    Layout("tp2 x dp2 vision dp", 4, {"tensor_parallel": 2}, vision_parallel="dp"),
+    Layout("tp2 x pp2 vision dp", 4, _pp("1f1b", 2, 2, 1, tensor_parallel=2), vision_parallel="dp"),
+)
+LAYOUTS += SCHEDULE_LAYOUTS + VISION_LAYOUTS
+
+
 class AuxScale(Callback):
     """Set every MoE layer's aux-loss gradient factor (the one-process reference of chunked
     aux-only runs: ``1 / accumulated chunks``)."""
@@ -196,14 +227,21 @@ class AuxScale(Callback):
                 m.aux_loss_scale = self.scale
 
 
-def build(vocab_size: int, layout_moe: str | None, sequence_parallel: bool = False) -> Any:
+def build(
+    vocab_size: int,
+    layout_moe: str | None,
+    sequence_parallel: bool = False,
+    vision_parallel: str = "tp",
+) -> Any:
     """The recipe module of a layout (aux-only: every other loss weight 0)."""
     if layout_moe == "aux":
         return rw.tiny_module(
             vocab_size, contrastive_weight=0.0, caption_weight=0.0, mml_weight=0.0, moe=MOE["aux"]
         )
     moe = MOE[layout_moe] if layout_moe else None
-    return rw.tiny_module(vocab_size, sequence_parallel=sequence_parallel, moe=moe)
+    return rw.tiny_module(
+        vocab_size, sequence_parallel=sequence_parallel, moe=moe, vision_parallel=vision_parallel
+    )
 
 
 def reference(key: tuple[int, float | None, str | None, int], digits: Any) -> rw.Recorder:
@@ -255,10 +293,11 @@ def dp_slice(batch: dict[str, Any], dp: int, dp_rank: int) -> dict[str, Any]:
 
 def run_layout(layout: Layout, rank: int, vocab_size: int, data: list[dict[str, Any]]) -> dict:
     """Train ``layout`` on this rank; the losses and this rank's first-step gradients."""
+    start = time.perf_counter()
     dims = layout.dims
     coords = dims.rank_coords(rank)
     local = [dp_slice(b, dims.dp, coords["dp"]) for b in data]
-    module = build(vocab_size, layout.moe, layout.sequence_parallel)
+    module = build(vocab_size, layout.moe, layout.sequence_parallel, layout.vision_parallel)
     rec = rw.fit(
         module,
         local,
@@ -267,7 +306,19 @@ def run_layout(layout: Layout, rank: int, vocab_size: int, data: list[dict[str, 
         accumulate=layout.accumulate,
         clip=layout.clip,
     )
-    return {"losses": rec.losses, "grads": rec.grads}
+    return {"losses": rec.losses, "grads": rec.grads, "seconds": time.perf_counter() - start}
+
+
+def only() -> list[str]:
+    """``MMPAR_PARITY_ONLY`` (layout names separated by ``;``): a local run of those layouts
+    alone, without the YAML, density and reshard runs (unset in CI: everything runs)."""
+    return [x for x in os.environ.get("MMPAR_PARITY_ONLY", "").split(";") if x]
+
+
+def selected(world_size: int) -> list[Layout]:
+    """The layouts of this world size (narrowed by :func:`only`)."""
+    names = only()
+    return [x for x in LAYOUTS if x.world == world_size and (not names or x.name in names)]
 
 
 def world(rank: int, world_size: int, root: str) -> dict[str, Any]:
@@ -275,11 +326,13 @@ def world(rank: int, world_size: int, root: str) -> dict[str, Any]:
     shipped YAMLs of this size (:mod:`yaml_runs_worker`, run directories under ``root``)."""
     digits = rw.digits()
     out: dict[str, Any] = {}
-    for layout in LAYOUTS:
-        if layout.world != world_size:
-            continue
+    if world_size == 2:  # first: on the spawned world's group, before any Trainer
+        out["engine"] = schedules_worker.engine_checks(dist.group.WORLD)
+    for layout in selected(world_size):
         data = rw.batches(digits, layout.steps * layout.accumulate)
         out[layout.name] = run_layout(layout, rank, digits.vocab_size, data)
+    if only():
+        return {"parity": out, "yaml": {}}
     if world_size == 2:
         out["moe density"] = density_run(rank, digits)
     if world_size == 4:

@@ -74,9 +74,11 @@ def tiny_module(
     zero_momentum: bool = False,
     contrastive_weight: float = 1.0,
     moe: MoEConfig | None = None,
+    vision_parallel: str = "tp",
 ) -> SeededModule:
     """Every part trainable, dropout 0, the CPU YAML's loss weights unless given; ``moe``:
-    mixture-of-experts FFNs in the adapter and both decoder layers."""
+    mixture-of-experts FFNs in the adapter and both decoder layers; ``vision_parallel``: the
+    vision tower's layout under tensor parallelism (``tp``, ``replicate`` or ``dp``)."""
     return SeededModule(
         zero_momentum=zero_momentum,
         fusion=tiny_fusion(logit_scale_init=logit_scale_init, moe=moe),
@@ -87,7 +89,10 @@ def tiny_module(
             mml=MMLConfig(weight=mml_weight, momentum=momentum),
         ),
         optim=OptimConfig(lr=lr, weight_decay=0.01, warmup_steps=1, min_lr_ratio=1.0),
-        tensor_parallel=TensorParallelOptions(sequence_parallel=sequence_parallel),
+        tensor_parallel=TensorParallelOptions(
+            sequence_parallel=sequence_parallel,
+            vision_parallel=vision_parallel,  # type: ignore[arg-type]
+        ),
         vocab_size=vocab_size,
     )
 

@@ -69,20 +69,24 @@ def _check_yaml_runs(world_size: int, results: list[dict[str, Any]]) -> None:
 
 def _check_world(world_size: int, refs: dict[tuple[int, float | None], Any], root: Path) -> None:
     results = spawn(pm.world, world_size, str(root), timeout=900)
-    _check_yaml_runs(world_size, results)
+    if not pm.only():
+        _check_yaml_runs(world_size, results)
     results = [r["parity"] for r in results]
-    if world_size == 2:  # density-driven top-k: one estimate over dp (checkpoints hold one copy)
+    if world_size == 2:
+        _check_engine([r.pop("engine") for r in results])
+    if world_size == 2 and not pm.only():  # density-driven top-k: one estimate over dp
         runs = [r.pop("moe density") for r in results]
         assert len(runs[0]["estimates"]) == 3 and min(runs[0]["seen"]) > 0, runs[0]  # adapter + 2
         for a, b in zip(runs[0]["estimates"], runs[1]["estimates"], strict=True):
             assert bool(a.any()) and torch.equal(a, b)
         assert any(k < 2.0 for r in runs for k in r["experts_per_token"]), runs  # fewer experts
-    if world_size == 4:  # DCP reshards the MoE module ep 2 -> ep 1 -> ep 4, bitwise
+    if world_size == 4 and not pm.only():  # DCP reshards the MoE module ep 2 -> 1 -> 4, bitwise
         reshard = results[0].pop("moe reshard")
         print(f"moe reshard | {reshard}")
         assert reshard["count"] > 100 and all(reshard["same_keys"].values()), reshard
         assert reshard["diffs"] == {"ep1": 0.0, "ep4": 0.0}, reshard
-    layouts = [x for x in pm.LAYOUTS if x.world == world_size]
+    layouts = [x for x in pm.LAYOUTS if x.world == world_size and x.name in results[0]]
+    assert len(layouts) == len(pm.selected(world_size))  # MMPAR_PARITY_ONLY: a local subset
     assert layouts
     failures = []
     for layout in layouts:
@@ -92,16 +96,45 @@ def _check_world(world_size: int, refs: dict[tuple[int, float | None], Any], roo
         for result in results:
             got = result[layout.name]
             if layout.moe != "aux":  # aux-only runs log a zero loss: their gradients are checked
-                assert len(got["losses"]) == len(ref.losses), layout.name
-                for a, b in zip(got["losses"], ref.losses, strict=True):
+                n = layout.steps * layout.accumulate  # a loss per batch; max_steps: the first
+                assert len(got["losses"]) == n, layout.name
+                for a, b in zip(got["losses"], ref.losses[:n], strict=True):
                     loss_diff = max(loss_diff, abs(a - b) / abs(b))
             grads.update(got["grads"])
         assert grads.keys() == ref.grads.keys(), (layout.name, grads.keys() ^ ref.grads.keys())
         name, ratio = rw.worst_gradient(grads, ref.grads)
-        print(f"parity | {layout.name} | loss {loss_diff:.1e} | gradient {ratio:.1e} ({name})")
+        took = max(r[layout.name]["seconds"] for r in results)
+        print(f"parity | {layout.name} | loss {loss_diff:.1e} | gradient {ratio:.1e} ({name}) | "
+              f"{took:.1f} s")  # fmt: skip
         if loss_diff > RTOL or ratio > RTOL:
             failures.append((layout.name, loss_diff, name, ratio))
     assert not failures, failures
+
+
+def _check_engine(ranks: list[dict[str, dict[str, Any]]]) -> None:
+    """:func:`parity_matrix_worker.engine_checks`: every schedule's loss, gradients (also after
+    ``set_micro_batches(4)``) and eval loss equal autograd's; stages on the loop / V layout;
+    every stage reports its actions (split backward for the zero-bubble schedules)."""
+    for name in ranks[0]:
+        got = [r[name] for r in ranks]
+        print(f"engine | {name} | " + " | ".join(f"{k} {got[0][k]:.1e}" for k in ("loss", "eval"))
+              + f" | gradient {max(g['grad'] for g in got):.1e} | {got[0]['actions']}")  # fmt: skip
+        for g in got:
+            assert max(g["loss"], g["grad"], g["eval"]) <= RTOL, (name, g)
+            assert g["stages"] == g["owned"] and g["micro"] == [0, 1, 2, 3], (name, g)
+        actions = {a for g in got for a in g["actions"]}
+        split = {"backward_input", "backward_weight"}  # zero-bubble: dW deferred
+        assert "forward" in actions and actions <= split | {"forward", "backward"}, actions
+        zero_bubble = "zero_bubble" in name or name == "dualpipev"
+        assert split <= actions if zero_bubble else not split & actions, (name, actions)
+        if name in ("gpipe", "1f1b"):
+            assert [g["owned"] for g in got] == [[0], [1]]
+        elif name in ("zbv_zero_bubble", "dualpipev"):  # V: the last stage on pp rank 0
+            assert [g["owned"] for g in got] == [[0, 3], [1, 2]]
+        else:
+            assert [g["owned"] for g in got] == [[0, 2], [1, 3]]
+        top = max(s for g in got for s in g["owned"])  # the last stage's owner, on every rank
+        assert {g["last_rank"] for g in got} == {r for r, g in enumerate(got) if top in g["owned"]}
 
 
 def test_references_differ_by_option(references: dict[Any, Any]) -> None:

@@ -69,10 +69,11 @@ def test_virtual_pipeline_needs_pipeline_parallel() -> None:
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_virtual_pipeline_needs_interleaved_schedule(schedule: str) -> None:
+def test_virtual_pipeline_needs_multi_stage_schedule(schedule: str) -> None:
     msg = (
-        f"virtual_pipeline (2) needs schedule='interleaved_1f1b' (got {schedule!r}); "
-        "set schedule='interleaved_1f1b' or virtual_pipeline=1."
+        f"virtual_pipeline (2) needs a multi-stage schedule (got {schedule!r}); set schedule to "
+        "one of dualpipev, interleaved_1f1b, interleaved_zero_bubble, looped_bfs, "
+        "zbv_zero_bubble or virtual_pipeline=1."
     )
     with pytest.raises(ValueError, match=_exact(msg)):
         ParallelConfig(pipeline_parallel=2, virtual_pipeline=2, schedule=schedule)  # type: ignore[arg-type]
@@ -87,7 +88,7 @@ def test_interleaved_schedule_needs_virtual_pipeline() -> None:
         ParallelConfig(pipeline_parallel=2, schedule="interleaved_1f1b")
 
 
-@pytest.mark.parametrize("schedule, virtual", [("1f1b", 1), ("interleaved_1f1b", 2)])
+@pytest.mark.parametrize("schedule, virtual", [("1f1b", 1)])
 def test_fewer_micro_batches_than_pipeline_ranks(schedule: str, virtual: int) -> None:
     msg = (
         f"micro_batches (2) must be >= pipeline_parallel (4) for the {schedule} schedule; "
@@ -118,7 +119,8 @@ def test_interleaved_micro_batches_multiple_of_rounds() -> None:
 def test_unknown_schedule() -> None:
     msg = (
         "schedule ('zero_bubble') is not a known pipeline schedule; "
-        "choose one of gpipe, 1f1b, interleaved_1f1b."
+        "choose one of gpipe, 1f1b, interleaved_1f1b, looped_bfs, interleaved_zero_bubble, "
+        "zbv_zero_bubble, dualpipev."
     )
     with pytest.raises(ValueError, match=_exact(msg)):
         ParallelConfig(schedule="zero_bubble")  # type: ignore[arg-type]

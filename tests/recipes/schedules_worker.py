@@ -1,0 +1,90 @@
+"""The pipeline engine under every schedule on a toy model, in an existing spawned world
+(:func:`engine_checks`, run by :mod:`parity_matrix_worker` at world size 2; issue 11)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_mmpar import ParallelConfig
+from lightning_mmpar.config import MULTI_STAGE_SCHEDULES, SCHEDULES, min_micro_batches
+from lightning_mmpar.parallel.pipeline import PipelineChunk, PipelineEngine
+
+
+class ToyBlock(nn.Module):
+    """``(h, z) -> (tanh(W h) + z, z)`` (``z``: token ids, ignored, or their embedding); the
+    embedding block returns ``(tanh(W h), E[z])``, the last block ``h`` alone."""
+
+    def __init__(self, embed: bool, last: bool) -> None:
+        super().__init__()
+        self.lin, self.last = nn.Linear(4, 4), last
+        self.embed = nn.Embedding(10, 4) if embed else None
+
+    def forward(self, h: Tensor, z: Tensor) -> Any:
+        if self.embed is not None:  # E reaches the output through no gradient-carrying input
+            return torch.tanh(self.lin(h)), self.embed(z)
+        h = torch.tanh(self.lin(h)) + (z if z.is_floating_point() else 0)
+        return h if self.last else (h, z)
+
+
+class ToyBlocks(nn.Module):
+    """``n`` :class:`ToyBlock` with a mean-squared loss (a :class:`PipelineModule`); block 2
+    embeds the token ids (a parameter no gradient-carrying stage input reaches)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([ToyBlock(i == 2, i == n - 1) for i in range(n)])
+
+    def pipeline_blocks(self) -> list[nn.Module]:
+        return list(self.blocks)
+
+    def pipeline_inputs(self, batch: Any) -> tuple[tuple[Tensor, ...], Tensor]:
+        return (batch[0], batch[1]), batch[2]
+
+    def pipeline_loss(self, output: Tensor, target: Tensor) -> Tensor:
+        return ((output - target) ** 2).mean()
+
+
+def engine_checks(group: Any) -> dict[str, dict[str, Any]]:
+    """The pipeline engine at pp 2 under every schedule, on :class:`ToyBlocks` split by explicit
+    uneven ``stage_ranges`` (2 blocks, 1 per middle stage, 2; the embedding on stage 1): worst
+    relative loss / gradient error
+    of a training step against autograd on one process, at the schedule's fewest micro-batches
+    and after ``set_micro_batches(4)``; the eval loss's; the observed stage actions."""
+    out = {}
+    x, y = torch.randn(8, 4, generator=torch.Generator().manual_seed(1)), torch.ones(8, 4) / 3
+    ids = torch.arange(8) % 10
+    for name in SCHEDULES:
+        v = 2 if name in MULTI_STAGE_SCHEDULES else 1
+        torch.manual_seed(0)
+        toy = ToyBlocks(2 * v + 2)
+        ref = copy.deepcopy(toy)
+        want = ref.pipeline_loss(PipelineChunk(ref.pipeline_blocks())(x, ids), y)
+        want.backward()
+        want = want.detach()
+        n = max(1, min_micro_batches(name, 2, v))
+        config = ParallelConfig(pipeline_parallel=2, virtual_pipeline=v, schedule=name,
+                                micro_batches=n)  # fmt: skip
+        ranges = [range(0, 2), *(range(s + 1, s + 2) for s in range(1, 2 * v - 1))]
+        ranges.append(range(2 * v, 2 * v + 2))
+        engine = PipelineEngine(toy, config, group, torch.device("cpu"), stage_ranges=ranges)
+        events: list[tuple[Any, ...]] = []
+        engine.observers.append(lambda *e, seen=events: seen.append(e))
+        errs = {"loss": 0.0, "grad": 0.0, "eval": 0.0}
+        for micro in (n, 4):
+            engine.set_micro_batches(micro)
+            toy.zero_grad()
+            loss = engine.train_step((x, ids, y))
+            errs["loss"] = max(errs["loss"], abs(float(loss - want)) / float(want))
+            for key, p in toy.named_parameters():  # no gradient at all: error 1
+                b = dict(ref.named_parameters())[key].grad
+                got = p.grad if p.grad is not None else torch.zeros_like(b)
+                errs["grad"] = max(errs["grad"], float((got - b).norm() / b.norm()))
+        errs["eval"] = abs(float(engine.eval_step((x, ids, y)) - want)) / float(want)
+        seen = {key: sorted({e[i] for e in events}) for i, key in enumerate(("stages", "actions",
+                                                                            "micro"))}  # fmt: skip
+        out[name] = {**errs, **seen, "owned": engine.stage_ids, "last_rank": engine.last_rank}
+    return out
