@@ -6,8 +6,10 @@ Every check runs at construction, before any process group exists, and raises a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
+
+from lightning_mmpar.layout import parse_partition
 
 Schedule = Literal[
     "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
@@ -91,6 +93,13 @@ class ParallelConfig:
     data_parallel: DataParallel = "fsdp"
     """Data-parallel engine: ``fsdp`` (FSDP2 ``fully_shard``, ZeRO-3 role), ``ddp`` or ``none``
     (no data parallelism: only for a data-parallel size of 1, see :meth:`check_world`)."""
+    partition: str | list[int] = "equal"
+    """How the pipeline blocks are cut into ``pp * v`` stages
+    (:func:`lightning_mmpar.layout.plan_stages`): ``equal``, ``balanced`` (least maximum stage
+    FLOPs), ``memory`` (least maximum stage bytes), ``ratio:V:A:D`` (vision : aligner : decoder
+    stage counts) or explicit boundaries (first block of stages 1 .. S-1)."""
+    partition_mode: str = field(default="equal", init=False, repr=False, compare=False)
+    """``partition``'s mode (``explicit`` for boundaries), set at construction."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel", "pipeline_parallel", "expert_parallel", "virtual_pipeline"):
@@ -108,6 +117,8 @@ class ParallelConfig:
                 f"choose one of {', '.join(DATA_PARALLEL_ENGINES)}."
             )
         self._check_pipeline()
+        stages = self.num_stages if self.pipeline_parallel > 1 else None
+        self.partition_mode = parse_partition(self.partition, stages).mode
 
     def _check_pipeline(self) -> None:
         pp, v, name = self.pipeline_parallel, self.virtual_pipeline, self.schedule
@@ -193,6 +204,11 @@ class ParallelConfig:
         pipeline schedules act on pipeline stages only).
         """
         notes, pp = [], self.pipeline_parallel
+        if pp == 1 and self.partition_mode != "equal":
+            notes.append(
+                f"partition ({self.partition!r}) has no effect with pipeline_parallel=1: there "
+                "are no stages to cut; set pipeline_parallel >= 2 or leave partition unset."
+            )
         if pp == 1 and self.micro_batches is not None:
             notes.append(
                 f"micro_batches ({self.micro_batches}) has no effect with pipeline_parallel=1: "

@@ -28,7 +28,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size, sized_len
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -36,12 +36,14 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mmpar.config import DataParallel, ParallelConfig, Schedule, check_train_batches
+from lightning_mmpar.layout import StagePlan
 from lightning_mmpar.parallel import checkpoint as ckpt
 from lightning_mmpar.parallel import comm, finite
 from lightning_mmpar.parallel import data as dpar
 from lightning_mmpar.parallel.checkpoint_hooks import ShardedCheckpointHooks
 from lightning_mmpar.parallel.numerics import clip_grad_norm_
 from lightning_mmpar.parallel.pipeline import PipelineChunk, PipelineEngine, PipelineModule
+from lightning_mmpar.parallel.stage_plan import stage_plan_for
 from lightning_mmpar.parallel.stash import GradientStash
 from lightning_mmpar.precision.plugins import GlobalNormClipping, with_global_clipping
 from lightning_mmpar.topology import ParallelDims
@@ -57,9 +59,12 @@ class MultimodalParallelStrategy(ShardedCheckpointHooks, ModelParallelStrategy):
         expert_parallel: expert-parallel ranks, carved out of the dp ranks (needs MoE layers).
         virtual_pipeline: stages per pipeline rank (interleaved 1F1B).
         micro_batches: micro-batches per step under pipeline parallelism (default: pp).
-        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
+        schedule: a torch pipeline schedule by name (``gpipe``, ``1f1b``, ``interleaved_1f1b``,
+            ``looped_bfs``, ``interleaved_zero_bubble``, ``zbv_zero_bubble``, ``dualpipev``).
         data_parallel: ``"fsdp"`` (FSDP2 on the dp axis), ``"ddp"`` or ``"none"`` (only with a
             single data-parallel replica; refused otherwise).
+        partition: how blocks become stages: ``equal``, ``balanced``, ``memory``,
+            ``ratio:V:A:D`` or boundaries (:class:`ParallelConfig`); the plan is logged.
         config: a complete :class:`ParallelConfig` instead of the individual sizes.
         on_nonfinite: what a non-finite loss or gradient does before the optimizer step
             (Megatron's ``--check-for-nan-in-loss-and-grad``): ``"raise"`` stops the run with a
@@ -87,6 +92,7 @@ class MultimodalParallelStrategy(ShardedCheckpointHooks, ModelParallelStrategy):
         micro_batches: int | None = None,
         schedule: Schedule = "1f1b",
         data_parallel: DataParallel = "fsdp",
+        partition: str | list[int] = "equal",
         config: ParallelConfig | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -101,9 +107,11 @@ class MultimodalParallelStrategy(ShardedCheckpointHooks, ModelParallelStrategy):
             micro_batches=micro_batches,
             schedule=schedule,
             data_parallel=data_parallel,
+            partition=partition,
         )
         self._dims: ParallelDims | None = None
         self.pipeline: PipelineEngine | None = None
+        self.stage_plan: StagePlan | None = None  # the partition in use (pp > 1, after setup)
         self._chunk: PipelineChunk | None = None
         self._replicated: list[nn.Parameter] = []
         self._experts: list[nn.Parameter] = []
@@ -249,7 +257,11 @@ class MultimodalParallelStrategy(ShardedCheckpointHooks, ModelParallelStrategy):
 
         if cfg.pipeline_parallel > 1:
             pp_group = dims.get_mesh("pp").get_group()
-            self.pipeline = PipelineEngine(module, cfg, pp_group, self.root_device, wrap)
+            self.stage_plan = plan = stage_plan_for(module, cfg)
+            rank_zero_info(f"{plan.describe()}\n{plan.table()}")
+            self.pipeline = PipelineEngine(
+                module, cfg, pp_group, self.root_device, wrap, stage_ranges=plan.ranges
+            )
         elif isinstance(module, PipelineModule):
             self._chunk = PipelineChunk(list(module.pipeline_blocks()))
             wrap(self._chunk)

@@ -11,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from lightning_mmpar.config import ParallelConfig
 from lightning_mmpar.layout import BlockSpec, StagePlan, parse_partition, plan_stages
 
-__all__ = ["module_stage_plan"]
+__all__ = ["module_stage_plan", "stage_plan_for"]
 
 
 def _unit_specs(blocks: Sequence[Any]) -> list[BlockSpec]:
@@ -47,16 +48,22 @@ def module_stage_plan(
     part = parse_partition(partition, stages)
     blocks = list(module.pipeline_blocks())
     specs_of = getattr(module, "pipeline_block_specs", None)
+    costed = part.mode in ("balanced", "memory")
+    specs: list[BlockSpec] | None = None
     if specs_of is not None:
-        specs = list(specs_of())
-    elif part.mode in ("balanced", "memory"):
+        try:
+            specs = list(specs_of())
+        except ValueError:  # costs unknown here (no caption length, say): needed only to balance
+            if costed:
+                raise
+    if specs is None and costed:
         raise ValueError(
             f"partition ({part}) balances block costs, and {type(module).__name__} has no "
             "pipeline_block_specs(); implement it (one lightning_mmpar.layout.BlockSpec per "
             "pipeline block, see ClipLlamaModule.pipeline_block_specs) or use partition='equal', "
             "'ratio:V:A:D' or explicit boundaries."
         )
-    else:
+    if specs is None:
         specs = _unit_specs(blocks)
     if len(specs) != len(blocks):
         raise ValueError(
@@ -66,3 +73,13 @@ def module_stage_plan(
     return plan_stages(
         specs, pipeline_parallel, virtual_pipeline, part, micro_batch_size=micro_batch_size
     )
+
+
+def stage_plan_for(module: Any, config: ParallelConfig) -> StagePlan:
+    """:func:`module_stage_plan` of a LightningModule for ``config`` (its ``partition``);
+    activation memory at its data module's ``batch_size / micro_batches`` when it has one."""
+    data = getattr(getattr(module, "_trainer", None), "datamodule", None)
+    batch = getattr(data, "batch_size", None)
+    mbs = max(1, batch // config.num_micro_batches) if isinstance(batch, int) else 1
+    return module_stage_plan(module, config.pipeline_parallel, config.virtual_pipeline,
+                             config.partition, micro_batch_size=mbs)  # fmt: skip

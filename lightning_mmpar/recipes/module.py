@@ -125,6 +125,7 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         self._decode_position: int | None = None
         self._decoded: list[Tensor] = []
         self._stepped_at = 0  # trainer.global_step when the last optimizer step was followed up
+        self.text_length: int | None = None  # block costs' caption length without a datamodule
 
     # ------------------------------------------------------------------ model
     def _resolved_config(self, tp: int) -> FusionConfig:
@@ -197,7 +198,8 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
     def pipeline_block_specs(self, text_length: int | None = None) -> list[BlockSpec]:
         """Each block's name (``vision.stem``, ``vision.layer0``, .., ``vision.pool``, ``bridge``,
         ``adapter0``, ``decoder0``, .., ``head``), kind, cost at ``(image_size // patch_size)**2``
-        image tokens and ``text_length`` (default: the data's ``max_length``) and parameter bytes
+        image tokens and ``text_length`` (default: :attr:`text_length`, else the data's
+        ``max_length``) and parameter bytes
         (:func:`lightning_mmpar.layout.measure_blocks`; meta-device models work). Call after
         :meth:`configure_model`, before pipeline stages drop parameters.
 
@@ -205,7 +207,7 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
             ValueError: no ``text_length`` given and no data module with ``max_length``.
         """
         data = getattr(self._trainer, "datamodule", None)
-        t = text_length or int(getattr(data, "max_length", 0) or 0)
+        t = text_length or self.text_length or int(getattr(data, "max_length", 0) or 0)
         m, v = self.fusion_model, self.fusion_config.vision
         vl, ad, de = len(m.vision.transformer.resblocks), len(m.adapters), len(m.language.layers)
         names = ["vision.stem", *(f"vision.layer{i}" for i in range(vl)), "vision.pool"]

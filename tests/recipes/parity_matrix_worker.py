@@ -17,8 +17,10 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import pipeline_callbacks_worker
 import recipe_faults_worker as rw
 import schedules_worker
 import torch.distributed as dist
@@ -211,7 +213,17 @@ VISION_LAYOUTS: tuple[Layout, ...] = (  # issue 11: the vision tower's layouts u
     Layout("tp2 x dp2 vision dp", 4, {"tensor_parallel": 2}, vision_parallel="dp"),
     Layout("tp2 x pp2 vision dp", 4, _pp("1f1b", 2, 2, 1, tensor_parallel=2), vision_parallel="dp"),
 )
-LAYOUTS += SCHEDULE_LAYOUTS + VISION_LAYOUTS
+PARTITION_LAYOUTS: tuple[Layout, ...] = (  # issue 11: stages cut by cost, ratio, boundaries
+    Layout("pp2 balanced", 2, {**_pp("1f1b", 2, 2, 1), "partition": "balanced"}, max_steps=3),
+    Layout("pp2 x v2 boundaries [1, 2, 5]", 2,
+           {**_pp("interleaved_1f1b", 2, 2), "partition": [1, 2, 5]}, max_steps=3),
+    Layout("pp4 ratio:2:1:1", 4, {**_pp("1f1b", 4, 4, 1), "partition": "ratio:2:1:1"},
+           max_steps=3),
+)  # fmt: skip
+PLANS = {"pp2 balanced": [6], "pp2 x v2 boundaries [1, 2, 5]": [1, 2, 5],
+         "pp4 ratio:2:1:1": [2, 3, 5]}  # fmt: skip
+"""The stage boundaries each partition layout must run with (not the equal split)."""
+LAYOUTS += SCHEDULE_LAYOUTS + VISION_LAYOUTS + PARTITION_LAYOUTS
 
 
 class AuxScale(Callback):
@@ -298,15 +310,19 @@ def run_layout(layout: Layout, rank: int, vocab_size: int, data: list[dict[str, 
     coords = dims.rank_coords(rank)
     local = [dp_slice(b, dims.dp, coords["dp"]) for b in data]
     module = build(vocab_size, layout.moe, layout.sequence_parallel, layout.vision_parallel)
+    module.text_length = int(data[0]["input_ids"].shape[1])  # block costs (partition) need it
+    strategy = MultimodalParallelStrategy(**layout.strategy)
     rec = rw.fit(
         module,
         local,
-        strategy=MultimodalParallelStrategy(**layout.strategy),
+        strategy=strategy,
         devices=layout.world,
         accumulate=layout.accumulate,
         clip=layout.clip,
     )
-    return {"losses": rec.losses, "grads": rec.grads, "seconds": time.perf_counter() - start}
+    plan = strategy.stage_plan
+    return {"losses": rec.losses, "grads": rec.grads, "seconds": time.perf_counter() - start,
+            "boundaries": None if plan is None else list(plan.boundaries)}  # fmt: skip
 
 
 def only() -> list[str]:
@@ -335,6 +351,9 @@ def world(rank: int, world_size: int, root: str) -> dict[str, Any]:
         return {"parity": out, "yaml": {}}
     if world_size == 2:
         out["moe density"] = density_run(rank, digits)
+        callbacks_root = Path(root) / "pipeline_callbacks"
+        callbacks_root.mkdir(exist_ok=True)
+        out["pipeline callbacks"] = pipeline_callbacks_worker.world(rank, 2, str(callbacks_root))
     if world_size == 4:
         import moe_reshard_worker
 

@@ -8,7 +8,8 @@ every layout: each step's logged loss and the first-step gradient of every param
 one process. Gradient clipping (global norm 0.05, below the gradient norm) and gradient
 accumulation (2 batches per step) each run in one layout against a one-process run with the
 same option. Layouts are grouped into one spawned world per size (2, 4 and 8 processes),
-which then trains the shipped YAMLs of that size for 3 steps (:mod:`yaml_runs_worker`).
+which then trains the shipped YAMLs of that size for 3 steps (:mod:`yaml_runs_worker`); the
+2-process world also runs the pipeline callbacks (:mod:`pipeline_callbacks_worker`).
 
 Run with ``-s`` to print the measured worst differences (docs/strategy.md reports them).
 """
@@ -25,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import parity_matrix_worker as pm
+import pipeline_callbacks_worker as pcw
 import recipe_faults_worker as rw
 import yaml
 import yaml_runs_worker as yw
@@ -74,6 +76,10 @@ def _check_world(world_size: int, refs: dict[tuple[int, float | None], Any], roo
     results = [r["parity"] for r in results]
     if world_size == 2:
         _check_engine([r.pop("engine") for r in results])
+    if world_size == 2 and not pm.only():  # PipelineTimeline, DynamicMicroBatching at pp 2
+        runs = [r.pop("pipeline callbacks") for r in results]
+        pcw.check_dynamic(runs)
+        pcw.check_timeline(runs, root / "pipeline_callbacks")
     if world_size == 2 and not pm.only():  # density-driven top-k: one estimate over dp
         runs = [r.pop("moe density") for r in results]
         assert len(runs[0]["estimates"]) == 3 and min(runs[0]["seen"]) > 0, runs[0]  # adapter + 2
@@ -102,6 +108,10 @@ def _check_world(world_size: int, refs: dict[tuple[int, float | None], Any], roo
                     loss_diff = max(loss_diff, abs(a - b) / abs(b))
             grads.update(got["grads"])
         assert grads.keys() == ref.grads.keys(), (layout.name, grads.keys() ^ ref.grads.keys())
+        if layout.name in pm.PLANS:  # the partition was applied, on every rank
+            assert {tuple(r[layout.name]["boundaries"]) for r in results} == {
+                tuple(pm.PLANS[layout.name])
+            }, layout.name
         name, ratio = rw.worst_gradient(grads, ref.grads)
         took = max(r[layout.name]["seconds"] for r in results)
         print(f"parity | {layout.name} | loss {loss_diff:.1e} | gradient {ratio:.1e} ({name}) | "

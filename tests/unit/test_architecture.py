@@ -26,6 +26,7 @@ PUBLIC_PACKAGES = (
     "lightning_mmpar",
     "lightning_mmpar.callbacks",
     "lightning_mmpar.data",
+    "lightning_mmpar.layout",
     "lightning_mmpar.losses",
     "lightning_mmpar.models",
     "lightning_mmpar.parallel",

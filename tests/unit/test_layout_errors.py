@@ -236,3 +236,52 @@ def test_unknown_dim_and_early_mesh_access() -> None:
         dims.get_mesh("tp")
     with pytest.raises(RuntimeError, match=r"^Accessing the device mesh before processes"):
         _ = dims.vl_group
+
+
+@pytest.mark.parametrize(
+    ("partition", "match"),
+    [
+        ("fastest", "not a known mode"),
+        ("ratio:1:1:1", "sums to 3 stages"),
+        ([3, 2, 5], "increasing"),
+        ([2], "1 boundaries for 4 stages"),
+    ],
+)
+def test_bad_partition_refused_at_construction(partition: Any, match: str) -> None:
+    """``partition=`` is checked with the layout (stage count pp * v) before any process starts."""
+    with pytest.raises(ValueError, match=match):
+        MultimodalParallelStrategy(
+            pipeline_parallel=2, virtual_pipeline=2, schedule="interleaved_1f1b",
+            partition=partition,
+        )  # fmt: skip
+
+
+def test_partition_without_pipeline_is_an_ineffective_option() -> None:
+    notes = ParallelConfig(partition="balanced").ineffective_options()
+    assert any("partition ('balanced') has no effect" in n for n in notes), notes
+    assert ParallelConfig(pipeline_parallel=2, partition="balanced").partition_mode == "balanced"
+
+
+def test_balanced_partition_needs_block_costs() -> None:
+    """A module without ``pipeline_block_specs()`` gets ``equal`` / ``ratio`` / boundaries by its
+    blocks' kinds; ``balanced`` is refused, naming the method to implement."""
+    from torch import nn
+
+    from lightning_mmpar.parallel.stage_plan import module_stage_plan
+
+    class Blocks(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(4))
+            for layer, kind in zip(self.layers, ("vision", "aligner", "language", "head")):
+                layer.kind = kind  # type: ignore[assignment]
+
+        def pipeline_blocks(self) -> list[nn.Module]:
+            return list(self.layers)
+
+    module = Blocks()
+    assert [list(r) for r in module_stage_plan(module, 2, 1, "equal").ranges] == [[0, 1], [2, 3]]
+    ratio = module_stage_plan(module, 3, 1, "ratio:1:1:1").ranges
+    assert [list(r) for r in ratio] == [[0], [1], [2, 3]]
+    with pytest.raises(ValueError, match="pipeline_block_specs"):
+        module_stage_plan(module, 2, 1, "balanced")

@@ -1,0 +1,236 @@
+"""Pipeline planning on the CPU recipe: partition modes, schedules and vision layouts (one run).
+
+    python benchmarks/bench_pipeline.py        # writes benchmarks/results/pipeline.json and
+                                               # docs/images/pipeline_bench.png
+
+The product's own model and data: ``recipes/clip_llama_cpu.yaml``'s ``model:`` / ``data:``
+sections (CLIP-ViT + adapter + LLaMA on the offline digits, batch 72), trained by
+``Trainer(strategy=MultimodalParallelStrategy(...))`` for a few steps per configuration. Three
+spawned gloo worlds:
+
+* ``pp2`` (2 processes): ``partition`` equal vs balanced under 1F1B, then every schedule at
+  pp 2 (the multi-stage ones with 2 stages per rank) with ``partition="balanced"``;
+* ``pp4`` (4 processes): equal / ratio / balanced under 1F1B, and the interleaved, ZBV and
+  DualPipeV schedules at pp 4 x v 2;
+* ``tp2`` (2 processes): ``vision_parallel`` tp / replicate / dp at tensor parallel 2.
+
+Within a world the configurations run round-robin (A B C A B C ...), so machine load hits them
+alike. A step's time is the slowest rank's (``on_train_batch_start`` to ``_end``), medians over
+the measured steps of all rounds (the first steps build schedules and are skipped); the spread is
+the range of the per-round medians. The measured bubble comes from
+:class:`~lightning_mmpar.callbacks.PipelineTimeline` on one step per round (send/recv waits
+included), next to the schedule's formula. Stage imbalance (max / mean stage FLOPs) is the
+partition's own figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from lightning.pytorch import Callback, seed_everything
+
+ROOT = Path(__file__).resolve().parents[1]
+YAML = ROOT / "recipes" / "clip_llama_cpu.yaml"
+
+Spec = tuple[str, dict[str, Any], str]
+"""(name, strategy arguments, vision_parallel)."""
+
+
+def _pp(pp: int, schedule: str, partition: str, v: int = 1) -> Spec:
+    name = f"{schedule}{' v2' if v > 1 else ''} {partition}"
+    args = {"pipeline_parallel": pp, "virtual_pipeline": v, "schedule": schedule}
+    return name, {**args, "partition": partition}, "tp"
+
+
+MULTI = (
+    "interleaved_1f1b",
+    "looped_bfs",
+    "interleaved_zero_bubble",
+    "zbv_zero_bubble",
+    "dualpipev",
+)
+WORLDS: dict[str, tuple[int, list[Spec]]] = {
+    "pp2": (2, [
+        _pp(2, "1f1b", "equal"), _pp(2, "1f1b", "balanced"), _pp(2, "gpipe", "balanced"),
+        *(_pp(2, s, "balanced", 2) for s in MULTI), _pp(2, "interleaved_1f1b", "ratio:2:1:1", 2),
+    ]),
+    "pp4": (4, [
+        _pp(4, "1f1b", "equal"), _pp(4, "1f1b", "ratio:2:1:1"), _pp(4, "1f1b", "balanced"),
+        *(_pp(4, s, "balanced", 2) for s in ("interleaved_1f1b", "zbv_zero_bubble", "dualpipev")),
+    ]),
+    "tp2": (2, [(f"vision {v}", {"tensor_parallel": 2}, v) for v in ("tp", "replicate", "dp")]),
+}  # fmt: skip
+MICRO_BATCHES = {"pp2": 4, "pp4": 8, "tp2": None}
+
+
+class StepTimer(Callback):
+    """Wall seconds of every training batch on this rank."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._t = 0.0
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._t = time.perf_counter()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.times.append(time.perf_counter() - self._t)
+
+
+def run_one(rank: int, size: int, world: str, spec: tuple[str, dict[str, Any], str], steps: int,
+            measure_step: int, root: str) -> dict[str, Any]:  # fmt: skip
+    from lightning_mmpar import MultimodalParallelStrategy
+    from lightning_mmpar.callbacks import PipelineTimeline
+    from lightning_mmpar.recipes.partition import build_module
+    from lightning_mmpar.testing import quiet_trainer
+
+    name, strategy, vision = spec
+    config = yaml.safe_load(YAML.read_text())
+    config["model"]["tensor_parallel"]["vision_parallel"] = vision
+    seed_everything(0, verbose=False)
+    module, data = build_module(config, meta=False)
+    n = MICRO_BATCHES[world]
+    args = {**strategy, **({"micro_batches": n} if n else {})}
+    timer = StepTimer()
+    callbacks: list[Callback] = [timer]
+    timeline = None
+    if args.get("pipeline_parallel", 1) > 1:
+        path = Path(root) / f"{world}-{name.replace(' ', '_').replace(':', '-')}.png"
+        timeline = PipelineTimeline(steps=[measure_step], path=path)
+        callbacks.append(timeline)
+    strategy_obj = MultimodalParallelStrategy(**args)
+    trainer = quiet_trainer(devices=size, strategy=strategy_obj,
+                            max_steps=steps, limit_val_batches=0, callbacks=callbacks)  # fmt: skip
+    trainer.fit(module, datamodule=data)
+    out: dict[str, Any] = {"times": timer.times}
+    plan = getattr(strategy_obj, "stage_plan", None)
+    if plan is not None:
+        out["imbalance"] = plan.imbalance
+        out["boundaries"] = list(plan.boundaries)
+    if timeline is not None and timeline.results:
+        r = timeline.results[-1]
+        out.update(measured=r["measured"], formula=r["formula"], measured_step=r["measured_step"])
+    return out
+
+
+def worker(rank: int, world_size: int, world: str, rounds: int, steps: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    specs = WORLDS[world][1]
+    results: dict[str, list[dict[str, Any]]] = {s[0]: [] for s in specs}
+    with tempfile.TemporaryDirectory() as root:
+        for _ in range(rounds):
+            for spec in specs:
+                results[spec[0]].append(
+                    run_one(rank, world_size, world, spec, steps, steps - 2, root)
+                )
+    return results
+
+
+def summarise(per_rank: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in per_rank[0]:
+        rounds = len(per_rank[0][name])
+        medians, all_steps = [], []
+        for i in range(rounds):
+            runs = [r[name][i] for r in per_rank]
+            steps = [max(ts) for ts in zip(*(run["times"] for run in runs), strict=True)][warmup:]
+            medians.append(statistics.median(steps))
+            all_steps += steps
+        row: dict[str, Any] = {
+            "step_s": statistics.median(all_steps),
+            "spread_s": [min(medians), max(medians)],
+        }
+        runs0 = [run for r in per_rank for run in r[name]]
+        for key in ("imbalance", "boundaries"):
+            if key in runs0[0]:
+                row[key] = runs0[0][key]
+        bubbles = [run["measured"] for run in runs0 if "measured" in run]
+        if bubbles:
+            row["bubble_measured"] = statistics.median(bubbles)
+            row["bubble_formula"] = next(run["formula"] for run in runs0 if "formula" in run)
+        out[name] = row
+    return out
+
+
+def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4.2))
+    for ax, (world, rows) in zip(axes, results.items(), strict=True):
+        names = list(rows)
+        y = range(len(names))
+        ax.barh(y, [rows[n]["step_s"] * 1000 for n in names], color="#4c72b0", label="step ms")
+        ax.set_yticks(list(y), names, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel("median step (ms)")
+        ax.set_title(world)
+        for i, n in enumerate(names):
+            if "bubble_measured" in rows[n]:
+                row = rows[n]
+                txt = f"bubble {row['bubble_measured']:.2f} (formula {row['bubble_formula']:.2f})"
+                ax.text(rows[n]["step_s"] * 1000, i, " " + txt, va="center", fontsize=6)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from lightning_mmpar.testing import spawn
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5, help="steps per run (2 warm-up)")
+    p.add_argument("--worlds", default=",".join(WORLDS))
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pipeline.json"))
+    p.add_argument("--plot", default=str(ROOT / "docs" / "images" / "pipeline_bench.png"))
+    args = p.parse_args(argv)
+    results: dict[str, Any] = {}
+    started = time.perf_counter()
+    for world in args.worlds.split(","):
+        size = WORLDS[world][0]
+        per_rank = spawn(worker, size, world, args.rounds, args.steps, timeout=1800)
+        results[world] = summarise(per_rank, warmup=2)
+        for name, row in results[world].items():
+            extra = "".join(
+                f"  {k} {row[k]:.3f}" for k in ("imbalance", "bubble_measured", "bubble_formula")
+                if k in row
+            )  # fmt: skip
+            print(f"{world:4} {name:38} {row['step_s'] * 1000:8.1f} ms{extra}", flush=True)
+    report = {
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+        },
+        "config": {
+            "yaml": str(YAML.relative_to(ROOT)),
+            "rounds": args.rounds,
+            "steps": args.steps,
+            "micro_batches": MICRO_BATCHES,
+        },
+        "wall_s": round(time.perf_counter() - started, 1),
+        "results": results,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    if args.plot:
+        plot(results, Path(args.plot))
+    return report
+
+
+if __name__ == "__main__":
+    main()
