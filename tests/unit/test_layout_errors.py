@@ -273,7 +273,9 @@ def test_balanced_partition_needs_block_costs() -> None:
         def __init__(self) -> None:
             super().__init__()
             self.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(4))
-            for layer, kind in zip(self.layers, ("vision", "aligner", "language", "head")):
+            for layer, kind in zip(
+                self.layers, ("vision", "aligner", "language", "head"), strict=True
+            ):
                 layer.kind = kind  # type: ignore[assignment]
 
         def pipeline_blocks(self) -> list[nn.Module]:
