@@ -186,11 +186,15 @@ class Hysteresis:
         return value
 
 
-def nearest_valid(target: int, batch: int, accepts: Callable[[int], bool]) -> int | None:
-    """The micro-batch size nearest ``target`` whose count ``batch // size`` divides ``batch``
-    and is accepted (``accepts(n)``); smaller size first on ties; ``None`` when none is."""
+def nearest_valid(
+    target: int, batch: int, accepts: Callable[[int], bool], multiple: int = 1
+) -> int | None:
+    """The micro-batch size nearest ``target`` that divides ``batch``, is a multiple of
+    ``multiple`` and whose count ``batch // size`` is accepted (``accepts(n)``); smaller size
+    first on ties; ``None`` when none is."""
     sizes = sorted(
-        (s for s in range(1, batch + 1) if batch % s == 0), key=lambda s: (abs(s - target), s)
+        (s for s in range(multiple, batch + 1, multiple) if batch % s == 0),
+        key=lambda s: (abs(s - target), s),
     )
     return next((s for s in sizes if accepts(batch // s)), None)
 
@@ -213,6 +217,8 @@ class DynamicMicroBatching(Callback):
         memory_source: :data:`MemorySource` replacing :class:`DeviceMemory` (tests: a fake).
         latency_modules: ``fnmatch`` patterns of module names to time (``None``: the adapters).
         clock: seconds clock of the latency hooks (tests: a fake).
+        size_multiple: every chosen size is a multiple of this (the tensor-parallel size under
+            ``vision_parallel="dp"``, whose ranks split each micro-batch's images).
 
     Attributes: :attr:`decisions` (one dict per decision: ``step``, ``memory_fraction``,
     ``latency_ms``, ``policy_size``, ``chosen_size``, ``applied``), :attr:`modules` (the timed
@@ -230,8 +236,10 @@ class DynamicMicroBatching(Callback):
         memory_source: MemorySource | None = None,
         latency_modules: Sequence[str] | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        size_multiple: int = 1,
     ) -> None:
         _check_int("every_n_steps", every_n_steps, 1, "use e.g. 10")
+        _check_int("size_multiple", size_multiple, 1, "use the tensor-parallel size or 1")
         _check_int("patience", patience, 1, "use 1 to apply every new choice at once")
         if memory_limit_bytes is not None:
             _check_int(
@@ -248,6 +256,7 @@ class DynamicMicroBatching(Callback):
         self.memory_source = memory_source
         self.latency_modules = None if latency_modules is None else list(latency_modules)
         self.clock = clock
+        self.size_multiple = size_multiple
         self.hysteresis = Hysteresis(patience)
         self.decisions: list[dict[str, Any]] = []
         self.modules: dict[str, nn.Module] = {}
@@ -334,7 +343,7 @@ class DynamicMicroBatching(Callback):
                 f"{fraction:.3f} and latency {lat_ms:.2f} ms; a policy must return a positive int."
             )
         current = self._batch // self._n
-        chosen = nearest_valid(target, self._batch, self._accepts) or current
+        chosen = nearest_valid(target, self._batch, self._accepts, self.size_multiple) or current
         applied = self.hysteresis.propose(chosen, current)
         if applied is not None:
             self._engine.set_micro_batches(self._batch // applied)

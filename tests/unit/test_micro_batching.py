@@ -47,6 +47,9 @@ def test_nearest_valid_size() -> None:
     assert nearest_valid(5, 8, lambda n: True) == 4
     assert nearest_valid(5, 12, lambda n: True) == 4  # 4 and 6 tie: 4
     assert nearest_valid(2, 8, lambda n: False) is None
+    assert nearest_valid(3, 72, lambda n: True) == 3
+    assert nearest_valid(3, 72, lambda n: True, multiple=2) == 2  # vision dp at tp 2: even sizes
+    assert nearest_valid(9, 72, lambda n: True, multiple=2) == 8
 
 
 def test_hysteresis_needs_a_streak_and_never_oscillates() -> None:
