@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 import yaml
+from bench_stability import StepTimer  # the same per-batch wall-time callback
 from lightning.pytorch import Callback, seed_everything
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,20 +72,6 @@ WORLDS: dict[str, tuple[int, list[Spec]]] = {
     "tp2": (2, [(f"vision {v}", {"tensor_parallel": 2}, v) for v in ("tp", "replicate", "dp")]),
 }  # fmt: skip
 MICRO_BATCHES = {"pp2": 4, "pp4": 8, "tp2": None}
-
-
-class StepTimer(Callback):
-    """Wall seconds of every training batch on this rank."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self._t = 0.0
-
-    def on_train_batch_start(self, *args: Any) -> None:
-        self._t = time.perf_counter()
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        self.times.append(time.perf_counter() - self._t)
 
 
 def run_one(rank: int, size: int, world: str, spec: tuple[str, dict[str, Any], str], steps: int,

@@ -45,6 +45,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
+from lightning_mmpar.callbacks.pipeline_timeline import no_pipeline, pipeline_engine
 from lightning_mmpar.parallel import comm
 
 Policy = Callable[[float, float], int]
@@ -269,14 +270,11 @@ class DynamicMicroBatching(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        engine = getattr(trainer.strategy, "pipeline", None)
-        if engine is None or not hasattr(engine, "set_micro_batches"):
+        engine = pipeline_engine(trainer, "set_micro_batches")
+        if engine is None:
             if not self._warned:
-                rank_zero_warn(
-                    "DynamicMicroBatching: the strategy runs no pipeline schedule "
-                    f"({type(trainer.strategy).__name__}); the micro-batch size stays as it is. "
-                    "Use mm_parallel with pipeline_parallel >= 2."
-                )
+                effect = "the micro-batch size stays as it is"
+                rank_zero_warn(no_pipeline("DynamicMicroBatching", trainer, effect))
                 self._warned = True
             return
         self._engine = engine

@@ -230,6 +230,21 @@ def draw_timeline(result: dict[str, Any], path: str | Path) -> Path | None:
     return out
 
 
+def pipeline_engine(trainer: pl.Trainer, needs: str) -> Any:
+    """The strategy's pipeline engine (``trainer.strategy.pipeline``, duck-typed: callbacks do
+    not import the strategy) when it has the attribute ``needs``; ``None`` otherwise."""
+    engine = getattr(trainer.strategy, "pipeline", None)
+    return engine if engine is not None and hasattr(engine, needs) else None
+
+
+def no_pipeline(who: str, trainer: pl.Trainer, effect: str) -> str:
+    """The warning of a pipeline callback in a run without a pipeline schedule."""
+    return (
+        f"{who}: the strategy runs no pipeline schedule ({type(trainer.strategy).__name__}); "
+        f"{effect}. Use mm_parallel with pipeline_parallel >= 2."
+    )
+
+
 class PipelineTimeline(Callback):
     """Measure the pipeline bubble of chosen training steps and draw their timeline.
 
@@ -287,14 +302,10 @@ class PipelineTimeline(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        engine = getattr(trainer.strategy, "pipeline", None)
-        if engine is None or not hasattr(engine, "observers"):
+        engine = pipeline_engine(trainer, "observers")
+        if engine is None:
             if not self._warned:
-                rank_zero_warn(
-                    "PipelineTimeline: the strategy runs no pipeline schedule "
-                    f"({type(trainer.strategy).__name__}); nothing is recorded. Use "
-                    "mm_parallel with pipeline_parallel >= 2."
-                )
+                rank_zero_warn(no_pipeline("PipelineTimeline", trainer, "nothing is recorded"))
                 self._warned = True
             return
         self._engine = engine
