@@ -258,7 +258,7 @@ class MultimodalParallelStrategy(ShardedCheckpointHooks, ModelParallelStrategy):
         if cfg.pipeline_parallel > 1:
             pp_group = dims.get_mesh("pp").get_group()
             self.stage_plan = plan = stage_plan_for(module, cfg)
-            rank_zero_info(f"{plan.describe()}\n{plan.table()}")
+            rank_zero_info(plan.table())
             self.pipeline = PipelineEngine(
                 module, cfg, pp_group, self.root_device, wrap, stage_ranges=plan.ranges
             )

@@ -267,6 +267,8 @@ class DynamicMicroBatching(Callback):
         self._batch = 0
         self._n = 0
         self._decided = -1
+        self._configured: int | None = None  # the count the run started with (evaluation)
+        self._chosen: int | None = None
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -278,6 +280,7 @@ class DynamicMicroBatching(Callback):
                 self._warned = True
             return
         self._engine = engine
+        self._configured = int(engine.num_micro_batches)
         device = trainer.strategy.root_device
         if self.memory_source is None:
             self.memory_source = DeviceMemory(device, self.memory_limit_bytes)
@@ -289,6 +292,26 @@ class DynamicMicroBatching(Callback):
             )
         sync = torch.cuda.synchronize if device.type == "cuda" else None
         self._meter = LatencyMeter(list(self.modules.values()), self.clock, sync)
+
+    def _use(self, n: int | None) -> None:
+        if self._engine is not None and n and n != self._engine.num_micro_batches:
+            self._engine.set_micro_batches(n)
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # evaluation (a last batch smaller than the training batch, greedy decoding) runs with
+        # the configured count, which the strategy checked against the data; training resumes
+        # with the chosen one
+        self._chosen = None if self._engine is None else self._engine.num_micro_batches
+        self._use(self._configured)
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._use(self._chosen)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._use(self._configured)  # before any callback's on_fit_end evaluates or decodes
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

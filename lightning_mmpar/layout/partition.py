@@ -28,7 +28,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lightning_mmpar.layout.stages import BlockSpec, StagePlan, gib
 
@@ -162,10 +162,15 @@ def plan_stages(
     *,
     micro_batch_size: int = 1,
     memory_limit_bytes: float | None = None,
+    stage_ranks: Sequence[int] | None = None,
+    in_flight: Sequence[int] | None = None,
 ) -> StagePlan:
     """Cut ``blocks`` into ``pipeline_parallel * virtual_pipeline`` contiguous stages.
 
     ``memory_limit_bytes`` (any mode): the plan's largest :attr:`StagePlan.stage_bytes` must fit.
+    ``stage_ranks`` / ``in_flight``: each stage's pipeline rank and in-flight micro-batches under
+    the schedule (default: loop layout, 1F1B's ``pp - rank``); they weigh activations in
+    ``memory`` mode and label the table.
 
     Raises:
         ValueError: bad sizes, fewer blocks than stages, an invalid partition (see
@@ -186,12 +191,19 @@ def plan_stages(
             f"pipeline stages ({stages} = pipeline_parallel * virtual_pipeline) exceed the "
             f"model's pipeline blocks ({n}); use at most {n} stages or a deeper model."
         )
-    plan = StagePlan(str(part), pipeline_parallel, virtual_pipeline,
-                     _ranges(part, blocks, stages, pipeline_parallel, micro_batch_size),
-                     blocks, micro_batch_size)  # fmt: skip
+    ranks, flight = tuple(stage_ranks or ()), tuple(in_flight or ())
+    shape = StagePlan(str(part), pipeline_parallel, virtual_pipeline, [], blocks,
+                      micro_batch_size, ranks, flight)  # fmt: skip
+    for name, given in (("stage_ranks", stage_ranks), ("in_flight", in_flight)):
+        if given is not None and len(given) != stages:
+            raise ValueError(f"{name} has {len(given)} entries for {stages} stages; give one each.")
+    ranges = _ranges(part, blocks, stages, pipeline_parallel, micro_batch_size,
+                     _in_flight(shape, stages))  # fmt: skip
+    plan = replace(shape, ranges=ranges)
     if memory_limit_bytes is not None and max(plan.stage_bytes) > memory_limit_bytes * (1 + 1e-9):
         best = plan if part.mode == "memory" else plan_stages(
-            blocks, pipeline_parallel, virtual_pipeline, "memory", micro_batch_size=micro_batch_size
+            blocks, pipeline_parallel, virtual_pipeline, "memory",
+            micro_batch_size=micro_batch_size, stage_ranks=stage_ranks, in_flight=in_flight,
         )  # fmt: skip
         raise ValueError(
             f"memory_limit ({gib(memory_limit_bytes)} per stage) is exceeded by partition "
@@ -203,8 +215,20 @@ def plan_stages(
     return plan
 
 
+def _in_flight(shape: StagePlan, stages: int) -> list[int]:
+    """Per-stage in-flight micro-batches of a plan's schedule (its ranges not needed)."""
+    pp = shape.pipeline_parallel
+    ranks = list(shape.stage_ranks) or [s % pp for s in range(stages)]
+    return list(shape.in_flight) or [pp - r for r in ranks]
+
+
 def _ranges(
-    part: Partition, blocks: tuple[BlockSpec, ...], stages: int, pp: int, mbs: int
+    part: Partition,
+    blocks: tuple[BlockSpec, ...],
+    stages: int,
+    pp: int,
+    mbs: int,
+    flight: Sequence[int],
 ) -> list[range]:
     n = len(blocks)
     if part.mode == "equal":
@@ -225,9 +249,7 @@ def _ranges(
     # memory
     fixed = _prefix([b.parameter_bytes + 3 * b.trainable_bytes for b in blocks])
     act = _prefix([b.activation_bytes * mbs for b in blocks])
-    return _minimax(
-        n, stages, lambda s, i, j: fixed[j] - fixed[i] + (act[j] - act[i]) * (pp - s % pp)
-    )
+    return _minimax(n, stages, lambda s, i, j: fixed[j] - fixed[i] + (act[j] - act[i]) * flight[s])
 
 
 def _equal(start: int, stop: int, stages: int) -> list[range]:
@@ -328,6 +350,8 @@ def compare_modes(
     partition: str | Sequence[int] | Partition | None = None,
     *,
     micro_batch_size: int = 1,
+    stage_ranks: Sequence[int] | None = None,
+    in_flight: Sequence[int] | None = None,
 ) -> list[StagePlan]:
     """Plans of every mode side by side: ``equal``, a FLOPs-proportional ``ratio`` (when every
     tower can have a stage), ``balanced``, ``memory``, and ``partition`` if it is another one.
@@ -344,7 +368,13 @@ def compare_modes(
         parts.append(chosen)
     return [
         plan_stages(
-            blocks, pipeline_parallel, virtual_pipeline, p, micro_batch_size=micro_batch_size
+            blocks,
+            pipeline_parallel,
+            virtual_pipeline,
+            p,
+            micro_batch_size=micro_batch_size,
+            stage_ranks=stage_ranks,
+            in_flight=in_flight,
         )
         for p in parts
     ]

@@ -68,7 +68,9 @@ def measure_blocks(
 
 @dataclass(frozen=True)
 class StagePlan:
-    """Stages of a pipeline: block ranges and per-stage cost (stage ``s`` on rank ``s % pp``)."""
+    """Stages of a pipeline: block ranges and per-stage cost; stage ``s`` runs on
+    ``stage_ranks[s]`` (default the loop layout ``s % pp``) with ``in_flight[s]`` micro-batches'
+    activations held at its peak (default 1F1B's ``pp - rank``)."""
 
     mode: str
     """The partition that made it (``str(Partition)``)."""
@@ -78,10 +80,26 @@ class StagePlan:
     """Block indices of each of the ``pp * v`` stages."""
     blocks: tuple[BlockSpec, ...]
     micro_batch_size: int = 1
+    stage_ranks: tuple[int, ...] = ()
+    """Pipeline rank of each stage (empty: ``s % pp``; the V schedules differ)."""
+    in_flight: tuple[int, ...] = ()
+    """Micro-batches whose activations each stage holds at once (empty: ``pp - rank``)."""
 
     @property
     def num_stages(self) -> int:
         return len(self.ranges)
+
+    @property
+    def ranks(self) -> list[int]:
+        """Pipeline rank of each stage."""
+        pp = self.pipeline_parallel
+        return list(self.stage_ranks) or [s % pp for s in range(self.num_stages)]
+
+    @property
+    def in_flight_micro_batches(self) -> list[int]:
+        """Micro-batches in flight on each stage (activation memory multiplier)."""
+        pp = self.pipeline_parallel
+        return list(self.in_flight) or [pp - r for r in self.ranks]
 
     @property
     def boundaries(self) -> list[int]:
@@ -102,11 +120,10 @@ class StagePlan:
 
     @property
     def stage_activation_bytes(self) -> list[float]:
-        """Activation bytes held at the stage's peak: per sample * micro_batch_size * ``pp - rank``
-        micro-batches in flight (1F1B)."""
-        per_sample = self._sum("activation_bytes")
-        pp, mbs = self.pipeline_parallel, self.micro_batch_size
-        return [a * mbs * (pp - s % pp) for s, a in enumerate(per_sample)]
+        """Activation bytes held at the stage's peak: per sample * micro_batch_size *
+        :attr:`in_flight_micro_batches`."""
+        per_sample, mbs = self._sum("activation_bytes"), self.micro_batch_size
+        return [a * mbs * k for a, k in zip(per_sample, self.in_flight_micro_batches, strict=True)]
 
     @property
     def stage_bytes(self) -> list[float]:
@@ -146,11 +163,11 @@ class StagePlan:
             self.stage_bytes,
         )
         rows = [("stage", "rank", "blocks", "kinds", "cost %", "params", "activ.", "memory")]
-        for s, r in enumerate(self.ranges):
+        for s, (r, rank) in enumerate(zip(self.ranges, self.ranks, strict=True)):
             last = f" .. {self.blocks[r.stop - 1].name}" if len(r) > 1 else ""
             names = f"{r.start}-{r.stop - 1} ({self.blocks[r.start].name}{last})"
             share = f"{100 * flops[s] / total:.1f}"
-            rows.append((str(s), str(s % self.pipeline_parallel), names, "+".join(kinds[s]),
+            rows.append((str(s), str(rank), names, "+".join(kinds[s]),
                          share, gib(params[s]), gib(acts[s]), gib(mem[s])))  # fmt: skip
         widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
         lines = ["  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)) for row in rows]

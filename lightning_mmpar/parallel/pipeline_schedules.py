@@ -46,6 +46,7 @@ __all__ = [
     "build_schedule",
     "check_ownership",
     "check_stage_ranges",
+    "in_flight_micro_batches",
     "instrument_stage",
     "partition",
     "schedule_class",
@@ -142,6 +143,16 @@ def stage_ranks(schedule: str, num_stages: int, pp: int) -> list[int]:
             f"on {pp} ranks); set virtual_pipeline=2."
         )
     return [s if s < pp else 2 * pp - 1 - s for s in range(num_stages)]
+
+
+def in_flight_micro_batches(schedule: str, ranks: Sequence[int], pp: int, m: int) -> list[int]:
+    """Micro-batches whose activations each stage holds at its peak (memory planning): all
+    ``m`` under ``gpipe`` (every forward before any backward), ``min(m, pp - rank)`` under the
+    1F1B family, the zero-bubble and V schedules included (an approximation for the
+    interleaved and V ones, whose warm-up depends on the stage's position)."""
+    if schedule == "gpipe":
+        return [m] * len(ranks)
+    return [min(m, pp - r) for r in ranks]
 
 
 def check_stage_ranges(ranges: Sequence[range], num_stages: int, num_blocks: int) -> list[range]:

@@ -13,6 +13,7 @@ from typing import Any
 
 from lightning_mmpar.config import ParallelConfig
 from lightning_mmpar.layout import BlockSpec, StagePlan, parse_partition, plan_stages
+from lightning_mmpar.parallel.pipeline_schedules import in_flight_micro_batches, stage_ranks
 
 __all__ = ["module_stage_plan", "stage_plan_for"]
 
@@ -34,6 +35,8 @@ def module_stage_plan(
     partition: str | Sequence[int],
     *,
     micro_batch_size: int = 1,
+    schedule: str = "1f1b",
+    micro_batches: int | None = None,
 ) -> StagePlan:
     """Cut ``module.pipeline_blocks()`` into ``pipeline_parallel * virtual_pipeline`` stages by
     ``partition`` (``equal``, ``balanced``, ``memory``, ``ratio:V:A:D`` or boundaries).
@@ -70,9 +73,12 @@ def module_stage_plan(
             f"{type(module).__name__}.pipeline_block_specs() gave {len(specs)} specs for "
             f"{len(blocks)} pipeline blocks; return one per block, in order."
         )
+    ranks = stage_ranks(schedule, stages, pipeline_parallel)
+    m = micro_batches or pipeline_parallel
     return plan_stages(
-        specs, pipeline_parallel, virtual_pipeline, part, micro_batch_size=micro_batch_size
-    )
+        specs, pipeline_parallel, virtual_pipeline, part, micro_batch_size=micro_batch_size,
+        stage_ranks=ranks, in_flight=in_flight_micro_batches(schedule, ranks, pipeline_parallel, m),
+    )  # fmt: skip
 
 
 def stage_plan_for(module: Any, config: ParallelConfig) -> StagePlan:
@@ -82,4 +88,5 @@ def stage_plan_for(module: Any, config: ParallelConfig) -> StagePlan:
     batch = getattr(data, "batch_size", None)
     mbs = max(1, batch // config.num_micro_batches) if isinstance(batch, int) else 1
     return module_stage_plan(module, config.pipeline_parallel, config.virtual_pipeline,
-                             config.partition, micro_batch_size=mbs)  # fmt: skip
+                             config.partition, micro_batch_size=mbs, schedule=config.schedule,
+                             micro_batches=config.num_micro_batches)  # fmt: skip

@@ -22,6 +22,7 @@ import torch
 import yaml
 from lightning.pytorch.cli import LightningArgumentParser
 
+from lightning_mmpar.config import MULTI_STAGE_SCHEDULES, ParallelConfig
 from lightning_mmpar.layout import (
     BlockSpec,
     compare_modes,
@@ -29,6 +30,7 @@ from lightning_mmpar.layout import (
     plan_stages,
     side_by_side,
 )
+from lightning_mmpar.parallel.pipeline_schedules import in_flight_micro_batches, stage_ranks
 from lightning_mmpar.recipes.cli import RecipeDigitsCaptions
 from lightning_mmpar.recipes.module import ClipLlamaModule
 
@@ -75,6 +77,12 @@ def build_specs(config: dict[str, Any], text_length: int | None = None) -> list[
     return module.pipeline_block_specs(text_length or data.max_length)
 
 
+def _schedule(schedule: str, virtual: int) -> str:
+    """The YAML's schedule, or ``interleaved_1f1b`` when ``--virtual`` asks for several stages
+    per rank and the YAML's schedule runs one (a preview of another layout, not a refusal)."""
+    return "interleaved_1f1b" if virtual > 1 and schedule not in MULTI_STAGE_SCHEDULES else schedule
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m lightning_mmpar.recipes.partition",
@@ -84,6 +92,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="recipe YAML (the LightningCLI config)")
     p.add_argument("--pp", type=int, help="pipeline_parallel (default: the YAML's)")
     p.add_argument("--virtual", type=int, help="virtual_pipeline (default: the YAML's or 1)")
+    p.add_argument(
+        "--schedule",
+        help="pipeline schedule (default: the YAML's; interleaved_1f1b if --virtual > 1 and the "
+        "YAML's runs one stage per rank)",
+    )
+    p.add_argument(
+        "--micro-batches", type=int, help="default: the YAML's (the schedule's with --pp)"
+    )
     p.add_argument("--micro-batch-size", type=int, help="default: batch_size // micro_batches")
     p.add_argument("--memory-limit-gib", type=float, help="per-stage memory limit (GiB)")
     p.add_argument("--text-length", type=int, help="caption length T (default: the data's)")
@@ -102,26 +118,47 @@ def main(argv: Sequence[str] | None = None) -> int:
         path = Path(args.config)
         if not path.is_file():
             raise ValueError(f"--config {str(path)!r}: no such file; pass a recipe YAML.")
-        config = yaml.safe_load(path.read_text()) or {}
+        try:
+            config = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ValueError(f"--config {str(path)!r} is not valid YAML: {err}") from None
+        if not isinstance(config, dict) or "model" not in config:
+            raise ValueError(f"--config {str(path)!r} has no model: section; pass a recipe YAML.")
         strategy = _strategy_args(config)
         pp = args.pp if args.pp is not None else int(strategy.get("pipeline_parallel", 1))
         v = args.virtual if args.virtual is not None else int(strategy.get("virtual_pipeline", 1))
+        # the strategy's own checks: schedule constraints, micro-batch minimums, partition form
+        schedule: Any = args.schedule or _schedule(strategy.get("schedule", "1f1b"), v)
+        layout = ParallelConfig(
+            pipeline_parallel=pp, virtual_pipeline=v, schedule=schedule,
+            # another --pp than the YAML's: the schedule's default count, not the YAML's
+            micro_batches=args.micro_batches
+            or (strategy.get("micro_batches") if args.pp is None else None),
+            partition=args.partition or strategy.get("partition") or "equal",
+        )  # fmt: skip
+        m = layout.num_micro_batches
         batch = int((config.get("data") or {}).get("batch_size", 1))
-        mbs = args.micro_batch_size or max(1, batch // int(strategy.get("micro_batches", 1)))
-        chosen = parse_partition(args.partition or strategy.get("partition") or "equal", pp * v)
+        if args.micro_batch_size is not None and args.micro_batch_size < 1:
+            raise ValueError(f"--micro-batch-size ({args.micro_batch_size}) must be >= 1.")
+        mbs = args.micro_batch_size or max(1, batch // m)
+        chosen = parse_partition(layout.partition, pp * v)
+        ranks = stage_ranks(layout.schedule, pp * v, pp)
+        place = {"stage_ranks": ranks,
+                 "in_flight": in_flight_micro_batches(layout.schedule, ranks, pp, m)}  # fmt: skip
         limit = args.memory_limit_gib
         if limit is not None and limit <= 0:
             raise ValueError(f"--memory-limit-gib ({limit}) must be > 0 (GiB per stage).")
         blocks = build_specs(config, args.text_length)
         plan = plan_stages(
             blocks, pp, v, chosen, micro_batch_size=mbs,
-            memory_limit_bytes=None if limit is None else limit * 2**30,
+            memory_limit_bytes=None if limit is None else limit * 2**30, **place,
         )  # fmt: skip
-        plans = compare_modes(blocks, pp, v, chosen, micro_batch_size=mbs)
+        plans = compare_modes(blocks, pp, v, chosen, micro_batch_size=mbs, **place)
     except ValueError as err:
         parser.error(str(err))
     print(
-        f"{path}: {len(blocks)} blocks, pp {pp} x v {v} = {pp * v} stages, micro-batch {mbs}"
+        f"{path}: {len(blocks)} blocks, pp {pp} x v {v} = {pp * v} stages, {layout.schedule}, "
+        f"{m} micro-batches of {mbs}"
         + ("" if limit is None else f", memory limit {limit} GiB per stage")
     )
     print(plan.table())

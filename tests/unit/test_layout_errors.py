@@ -287,3 +287,8 @@ def test_balanced_partition_needs_block_costs() -> None:
     assert [list(r) for r in ratio] == [[0], [1], [2, 3]]
     with pytest.raises(ValueError, match="pipeline_block_specs"):
         module_stage_plan(module, 2, 1, "balanced")
+    # the plan places stages as the schedule runs them: V layout, last stage on rank 0
+    v = module_stage_plan(module, 2, 2, "equal", schedule="zbv_zero_bubble", micro_batches=4)
+    assert v.ranks == [0, 1, 1, 0] and v.in_flight_micro_batches == [2, 1, 1, 2]
+    gpipe = module_stage_plan(module, 2, 1, "equal", schedule="gpipe", micro_batches=4)
+    assert gpipe.in_flight_micro_batches == [4, 4]  # every forward before any backward

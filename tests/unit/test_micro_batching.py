@@ -130,11 +130,15 @@ class Pipelined(nn.Module):
         self.logged = {**getattr(self, "logged", {}), name: value}
 
 
-def run(cb: DynamicMicroBatching, engine: FakeEngine, steps: int, accumulate: int = 1) -> list[int]:
+def run(
+    cb: DynamicMicroBatching, engine: FakeEngine, steps: int, accumulate: int = 1,
+    trainer: Any = None,
+) -> list[int]:  # fmt: skip
     """Drive the callback ``steps`` batches of 8 rows (``accumulate`` batches per optimizer
-    step); the micro-batch size of every batch."""
+    step); the micro-batch size of every batch. With ``trainer`` given the fit does not end."""
     module = Pipelined()
-    trainer = SimpleNamespace(
+    ends = trainer is None
+    trainer = trainer or SimpleNamespace(
         strategy=SimpleNamespace(pipeline=engine, root_device=torch.device("cpu")), global_step=0
     )
     cb.on_fit_start(trainer, module)  # type: ignore[arg-type]
@@ -146,8 +150,28 @@ def run(cb: DynamicMicroBatching, engine: FakeEngine, steps: int, accumulate: in
         trainer.global_step = (step + 1) // accumulate
         cb.on_train_batch_end(trainer, module, None, None, step)  # type: ignore[arg-type]
         assert module.logged == {"micro_batch_size": sizes[-1], "num_micro_batches": 8 / sizes[-1]}
-    cb.on_fit_end(trainer, module)  # type: ignore[arg-type]
+    if ends:
+        cb.on_fit_end(trainer, module)  # type: ignore[arg-type]
     return sizes
+
+
+def test_evaluation_and_the_end_of_training_use_the_configured_count() -> None:
+    """Validation (whose last batch may be smaller) and what runs after training (greedy
+    decoding in on_fit_end) use the count the run started with; training resumes with the
+    chosen one."""
+    cb = DynamicMicroBatching(every_n_steps=1, memory_source=lambda: (0.9, 1.0), latency_modules=[])
+    engine = FakeEngine(n=2)
+    trainer = SimpleNamespace(
+        strategy=SimpleNamespace(pipeline=engine, root_device=torch.device("cpu")), global_step=0
+    )
+    assert run(cb, engine, 4, trainer=trainer)[-1] == 2  # size 2: 4 micro-batches
+    module: Any = Pipelined()
+    cb.on_validation_start(trainer, module)  # type: ignore[arg-type]
+    assert engine.num_micro_batches == 2
+    cb.on_validation_end(trainer, module)  # type: ignore[arg-type]
+    assert engine.num_micro_batches == 4
+    cb.on_train_end(trainer, module)  # type: ignore[arg-type]
+    assert engine.num_micro_batches == 2
 
 
 def test_callback_changes_size_after_patience_every_n_steps() -> None:

@@ -185,7 +185,7 @@ def test_cli_on_shipped_yamls(capsys: pytest.CaptureFixture[str]) -> None:
     cpu = str(ROOT / "recipes" / "clip_llama_cpu.yaml")
     assert cli.main(["--config", cpu, "--pp", "4", "--virtual", "2"]) == 0
     out = capsys.readouterr().out
-    assert "9 blocks, pp 4 x v 2 = 8 stages, micro-batch 36" in out
+    assert "9 blocks, pp 4 x v 2 = 8 stages, interleaved_1f1b, 4 micro-batches of 18" in out
     for name in ("vision.stem", "vision.layer1", "vision.pool", "bridge", "adapter0", "decoder1",
                  "head", "balanced", "memory", "ratio:4:1:3"):  # fmt: skip
         assert name in out
@@ -197,6 +197,8 @@ def test_cli_on_shipped_yamls(capsys: pytest.CaptureFixture[str]) -> None:
         (["--pp", "4", "--partition", "ratio:1:1:1"], "ratio sums to 3 stages"),
         (["--pp", "20", "--virtual", "2"], "exceed the model's pipeline blocks (9)"),
         (["--memory-limit-gib", "0.001", "--partition", "memory"], "memory_limit (1.02 MiB"),
+        (["--pp", "4", "--micro-batches", "2"], "must be >= pipeline_parallel (4)"),
+        (["--micro-batch-size", "0"], "--micro-batch-size (0) must be >= 1"),
     ):
         with pytest.raises(SystemExit) as exit_:
             cli.main(["--config", cpu, *argv])
