@@ -319,7 +319,11 @@ class PipelineTimeline(Callback):
         self._engine = None
 
     def _due(self, step: int) -> bool:
+        """``step`` is chosen and not recorded yet (under gradient accumulation several batches
+        share a step: the first one is recorded)."""
         n = self.every_n_steps
+        if self.results and self.results[-1]["step"] == step:
+            return False
         return step in self.steps or (n is not None and step % n == 0)
 
     def _observe(self, stage: int, action: str, mb: int, start: float, end: float) -> None:
