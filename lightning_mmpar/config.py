@@ -6,7 +6,7 @@ Every check runs at construction, before any process group exists, and raises a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from lightning_mmpar.layout import parse_partition
@@ -98,8 +98,6 @@ class ParallelConfig:
     (:func:`lightning_mmpar.layout.plan_stages`): ``equal``, ``balanced`` (least maximum stage
     FLOPs), ``memory`` (least maximum stage bytes), ``ratio:V:A:D`` (vision : aligner : decoder
     stage counts) or explicit boundaries (first block of stages 1 .. S-1)."""
-    partition_mode: str = field(default="equal", init=False, repr=False, compare=False)
-    """``partition``'s mode (``explicit`` for boundaries), set at construction."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel", "pipeline_parallel", "expert_parallel", "virtual_pipeline"):
@@ -117,8 +115,7 @@ class ParallelConfig:
                 f"choose one of {', '.join(DATA_PARALLEL_ENGINES)}."
             )
         self._check_pipeline()
-        stages = self.num_stages if self.pipeline_parallel > 1 else None
-        self.partition_mode = parse_partition(self.partition, stages).mode
+        parse_partition(self.partition, self.num_stages if self.pipeline_parallel > 1 else None)
 
     def _check_pipeline(self) -> None:
         pp, v, name = self.pipeline_parallel, self.virtual_pipeline, self.schedule
@@ -221,6 +218,11 @@ class ParallelConfig:
                 "no pipeline to schedule; set pipeline_parallel >= 2 or leave schedule unset."
             )
         return notes
+
+    @property
+    def partition_mode(self) -> str:
+        """``partition``'s mode (``explicit`` for boundaries)."""
+        return parse_partition(self.partition).mode
 
     @property
     def num_micro_batches(self) -> int:

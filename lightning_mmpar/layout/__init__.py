@@ -10,11 +10,18 @@ from lightning_mmpar.layout.partition import (
     Partition,
     compare_modes,
     default_ratio,
+    equal_ranges,
     parse_partition,
     plan_stages,
     tower_of,
 )
-from lightning_mmpar.layout.stages import BlockSpec, StagePlan, measure_blocks, side_by_side
+from lightning_mmpar.layout.stages import (
+    BlockSpec,
+    StagePlan,
+    measure_blocks,
+    parameter_bytes,
+    side_by_side,
+)
 
 __all__ = [
     "BlockSpec",
@@ -22,7 +29,9 @@ __all__ = [
     "StagePlan",
     "compare_modes",
     "default_ratio",
+    "equal_ranges",
     "measure_blocks",
+    "parameter_bytes",
     "parse_partition",
     "plan_stages",
     "side_by_side",

@@ -36,6 +36,7 @@ __all__ = [
     "Partition",
     "compare_modes",
     "default_ratio",
+    "equal_ranges",
     "parse_partition",
     "plan_stages",
     "tower_of",
@@ -232,7 +233,7 @@ def _ranges(
 ) -> list[range]:
     n = len(blocks)
     if part.mode == "equal":
-        return _equal(0, n, stages)
+        return equal_ranges(0, n, stages)
     if part.mode == "explicit":
         if part.boundaries[-1] >= n:
             raise ValueError(
@@ -252,7 +253,9 @@ def _ranges(
     return _minimax(n, stages, lambda s, i, j: fixed[j] - fixed[i] + (act[j] - act[i]) * flight[s])
 
 
-def _equal(start: int, stop: int, stages: int) -> list[range]:
+def equal_ranges(start: int, stop: int, stages: int) -> list[range]:
+    """Blocks ``start .. stop - 1`` in ``stages`` contiguous ranges of equal size, the earlier
+    stages taking the remainder (Megatron's and torch's even split)."""
     base, extra = divmod(stop - start, stages)
     bounds = [start]
     for s in range(stages):
@@ -280,7 +283,7 @@ def _ratio_ranges(part: Partition, blocks: tuple[BlockSpec, ...]) -> list[range]
                 else f"partition {part}: the {tower} tower has no blocks; give it 0 stages."
             )
         if count:
-            ranges += _equal(start, start + size, count)
+            ranges += equal_ranges(start, start + size, count)
         start += size
     return ranges
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["BlockSpec", "StagePlan", "gib", "measure_blocks", "side_by_side"]
+__all__ = ["BlockSpec", "StagePlan", "gib", "measure_blocks", "parameter_bytes", "side_by_side"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,13 @@ class BlockSpec:
     """Bytes of all of the block's parameters (global shapes)."""
     trainable_bytes: float
     """Bytes of its trainable parameters (gradient and two AdamW moments apply)."""
+
+
+def parameter_bytes(block: Any) -> tuple[float, float]:
+    """``(all, trainable)`` parameter bytes of ``block`` (``numel() * element_size()``: a
+    DTensor's global size; meta tensors work; trainable: ``requires_grad``)."""
+    sizes = [(p.numel() * p.element_size(), p.requires_grad) for p in block.parameters()]
+    return float(sum(n for n, _ in sizes)), float(sum(n for n, grad in sizes if grad))
 
 
 def measure_blocks(
@@ -59,8 +66,7 @@ def measure_blocks(
     specs = []
     for name, block in zip(names, blocks, strict=True):
         cost = block.cost(image_tokens, text_length)
-        sizes = [(p.numel() * p.element_size(), p.requires_grad) for p in block.parameters()]
-        total, trainable = sum(n for n, _ in sizes), sum(n for n, grad in sizes if grad)
+        total, trainable = parameter_bytes(block)
         specs.append(BlockSpec(name, block.kind, float(cost.flops), float(cost.activation_bytes),
                                float(total), float(trainable)))  # fmt: skip
     return specs

@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed import pipelining as tpp
 
 from lightning_mmpar.config import MULTI_STAGE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, stage_layout
+from lightning_mmpar.layout import equal_ranges
 
 __all__ = [
     "SCHEDULE_CLASSES",
@@ -80,11 +81,7 @@ def partition(num_blocks: int, num_stages: int) -> list[range]:
             f"model's pipeline blocks ({num_blocks}); use at most {num_blocks} stages or a deeper "
             "model."
         )
-    base, extra = divmod(num_blocks, num_stages)
-    bounds = [0]
-    for s in range(num_stages):
-        bounds.append(bounds[-1] + base + (1 if s < extra else 0))
-    return [range(bounds[s], bounds[s + 1]) for s in range(num_stages)]
+    return equal_ranges(0, num_blocks, num_stages)
 
 
 def _drop_parameters(

@@ -12,7 +12,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_mmpar.config import ParallelConfig
-from lightning_mmpar.layout import BlockSpec, StagePlan, parse_partition, plan_stages
+from lightning_mmpar.layout import (
+    BlockSpec,
+    StagePlan,
+    parameter_bytes,
+    parse_partition,
+    plan_stages,
+)
 from lightning_mmpar.parallel.pipeline_schedules import in_flight_micro_batches, stage_ranks
 
 __all__ = ["module_stage_plan", "stage_plan_for"]
@@ -21,8 +27,7 @@ __all__ = ["module_stage_plan", "stage_plan_for"]
 def _unit_specs(blocks: Sequence[Any]) -> list[BlockSpec]:
     specs = []
     for i, block in enumerate(blocks):
-        sizes = [(p.numel() * p.element_size(), p.requires_grad) for p in block.parameters()]
-        total, trainable = sum(n for n, _ in sizes), sum(n for n, grad in sizes if grad)
+        total, trainable = parameter_bytes(block)
         kind = str(getattr(block, "kind", "") or type(block).__name__)
         specs.append(BlockSpec(f"block{i}", kind, 1.0, 0.0, float(total), float(trainable)))
     return specs
