@@ -6,6 +6,14 @@
 ``python -m lightning_mmpar.recipes.partition`` prints a recipe YAML's plans side by side.
 """
 
+from lightning_mmpar.layout.devices import (
+    COLLECTIVES,
+    LINK_CLASSES,
+    DeviceGraph,
+    LinkClass,
+    collective_seconds,
+    load_topology,
+)
 from lightning_mmpar.layout.partition import (
     Partition,
     compare_modes,
@@ -14,6 +22,16 @@ from lightning_mmpar.layout.partition import (
     parse_partition,
     plan_stages,
     tower_of,
+)
+from lightning_mmpar.layout.placement import (
+    DEFAULT_TRAFFIC,
+    MESH_AXES,
+    Placement,
+    group_positions,
+    machine_placement,
+    megatron_placement,
+    place,
+    placement_seconds,
 )
 from lightning_mmpar.layout.stages import (
     BlockSpec,
@@ -24,15 +42,29 @@ from lightning_mmpar.layout.stages import (
 )
 
 __all__ = [
+    "COLLECTIVES",
+    "DEFAULT_TRAFFIC",
+    "LINK_CLASSES",
+    "MESH_AXES",
     "BlockSpec",
+    "DeviceGraph",
+    "LinkClass",
     "Partition",
+    "Placement",
     "StagePlan",
+    "collective_seconds",
     "compare_modes",
     "default_ratio",
     "equal_ranges",
+    "group_positions",
+    "load_topology",
+    "machine_placement",
     "measure_blocks",
+    "megatron_placement",
     "parameter_bytes",
     "parse_partition",
+    "place",
+    "placement_seconds",
     "plan_stages",
     "side_by_side",
     "tower_of",
