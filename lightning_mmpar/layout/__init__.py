@@ -6,6 +6,7 @@
 ``python -m lightning_mmpar.recipes.partition`` prints a recipe YAML's plans side by side.
 """
 
+from lightning_mmpar.layout.comm import comm_bounds, comm_bytes, world_dim
 from lightning_mmpar.layout.devices import (
     COLLECTIVES,
     LINK_CLASSES,
@@ -13,6 +14,21 @@ from lightning_mmpar.layout.devices import (
     LinkClass,
     collective_seconds,
     load_topology,
+)
+from lightning_mmpar.layout.memory import (
+    StateBytes,
+    local_shape,
+    shard_dim,
+    stage_blocks,
+    state_bytes,
+)
+from lightning_mmpar.layout.model import (
+    Boundary,
+    Collective,
+    LayoutSpec,
+    LossSpec,
+    ModelSpec,
+    ParamSpec,
 )
 from lightning_mmpar.layout.partition import (
     Partition,
@@ -47,17 +63,27 @@ __all__ = [
     "LINK_CLASSES",
     "MESH_AXES",
     "BlockSpec",
+    "Boundary",
+    "Collective",
     "DeviceGraph",
+    "LayoutSpec",
     "LinkClass",
+    "LossSpec",
+    "ModelSpec",
+    "ParamSpec",
     "Partition",
     "Placement",
     "StagePlan",
+    "StateBytes",
     "collective_seconds",
+    "comm_bounds",
+    "comm_bytes",
     "compare_modes",
     "default_ratio",
     "equal_ranges",
     "group_positions",
     "load_topology",
+    "local_shape",
     "machine_placement",
     "measure_blocks",
     "megatron_placement",
@@ -66,6 +92,10 @@ __all__ = [
     "place",
     "placement_seconds",
     "plan_stages",
+    "shard_dim",
     "side_by_side",
+    "stage_blocks",
+    "state_bytes",
     "tower_of",
+    "world_dim",
 ]

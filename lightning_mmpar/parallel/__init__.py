@@ -7,6 +7,7 @@ recipe or a callback (import-linter contracts in pyproject.toml).
 
 from lightning_mmpar.parallel.checkpoint import load_sharded, save_sharded, validate_checkpoint
 from lightning_mmpar.parallel.checkpoint_hooks import ShardedCheckpointHooks
+from lightning_mmpar.parallel.comm_count import CommCounter, state_bytes_of
 from lightning_mmpar.parallel.data import (
     apply_fsdp,
     broadcast_parameters,
@@ -82,6 +83,7 @@ __all__ = [
     "AllToAllDispatcher",
     "BatchLossModule",
     "CPUCapableDeepSpeedStrategy",
+    "CommCounter",
     "DeepSpeedPlan",
     "FusedQKVColwiseParallel",
     "HeadShardedReplicate",
@@ -129,6 +131,7 @@ __all__ = [
     "shard_blocks",
     "shard_placement",
     "stage_ranks",
+    "state_bytes_of",
     "sync_gradients",
     "unsplit_parameters",
     "validate_checkpoint",

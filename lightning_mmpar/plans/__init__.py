@@ -8,6 +8,7 @@ from lightning_mmpar.plans.fusion import (
     parallelize_fusion,
     validate_tensor_parallel,
 )
+from lightning_mmpar.plans.fusion_cost import fusion_model_spec
 from lightning_mmpar.plans.fusion_vision import (
     VISION_PARALLEL,
     apply_vision_data_parallel,
@@ -31,6 +32,7 @@ __all__ = [
     "apply_vision_data_parallel",
     "check_vision_batch",
     "checkpoint_activations",
+    "fusion_model_spec",
     "fusion_plan",
     "parallelize_fusion",
     "parallelize_toy",

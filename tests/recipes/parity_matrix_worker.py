@@ -30,6 +30,7 @@ from torch import Tensor
 
 from lightning_mmpar import MultimodalParallelStrategy
 from lightning_mmpar.models.moe_routing import MoEConfig
+from lightning_mmpar.parallel.comm_count import CommCounter, state_bytes_of
 from lightning_mmpar.topology import ParallelDims
 
 STEPS = 5  # AdamW steps per layout (accumulation: 2 batches per step)
@@ -230,6 +231,33 @@ PLANS = {"pp2 balanced": [6], "pp2 x v2 boundaries [1, 2, 5]": [1, 2, 5],
 LAYOUTS += SCHEDULE_LAYOUTS + VISION_LAYOUTS + PARTITION_LAYOUTS
 
 
+MEASURED = frozenset(("dp2 fsdp", "dp2 ddp", "tp2", "tp2 + sequence parallel", "pp2 1f1b",
+    "tp2 x dp2 fsdp, clip 0.05", "pp2 x dp2, accumulate 2", "tp2 x pp2, clip 0.05",
+    "ep2 dp2 fsdp (moe)", "ep2 x tp2 fsdp, clip 0.05 (moe)"))  # fmt: skip
+"""Layouts whose communication per optimizer step and state bytes are measured (issue 12)."""
+
+
+class Meter(Callback):
+    """Bytes by ``"<dim>.<kind>"`` of every collective of optimizer step 2 (from the end of
+    step 1's last batch to the end of step 2's: Lightning's per-batch SIGTERM broadcasts, the
+    optimizer step, clipping and logging included), and the state bytes after training."""
+
+    def __init__(self, accumulate: int) -> None:
+        self.ends, self.counter = (accumulate - 1, 2 * accumulate - 1), None
+        self.bytes: dict[str, int] = {}
+        self.state: tuple[int, ...] = ()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        if args[-1] == self.ends[0]:
+            self.counter = CommCounter(trainer.strategy.parallel_dims).__enter__()
+        elif args[-1] == self.ends[1] and self.counter is not None:
+            self.counter.__exit__(None, None, None)
+            self.bytes = {k: v for k, v in self.counter.bytes.items() if k != "self"}
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self.state = state_bytes_of(pl_module, trainer.optimizers[0])
+
+
 class AuxScale(Callback):
     """Set every MoE layer's aux-loss gradient factor (the one-process reference of chunked
     aux-only runs: ``1 / accumulated chunks``)."""
@@ -308,7 +336,8 @@ def dp_slice(batch: dict[str, Any], dp: int, dp_rank: int) -> dict[str, Any]:
 
 
 def run_layout(layout: Layout, rank: int, vocab_size: int, data: list[dict[str, Any]]) -> dict:
-    """Train ``layout`` on this rank; the losses and this rank's first-step gradients."""
+    """Train ``layout`` on this rank; the losses and this rank's first-step gradients; for
+    :data:`MEASURED` layouts also step 2's communication and the final state bytes."""
     start = time.perf_counter()
     dims = layout.dims
     coords = dims.rank_coords(rank)
@@ -316,17 +345,13 @@ def run_layout(layout: Layout, rank: int, vocab_size: int, data: list[dict[str, 
     module = build(vocab_size, layout.moe, layout.sequence_parallel, layout.vision_parallel)
     module.text_length = int(data[0]["input_ids"].shape[1])  # block costs (partition) need it
     strategy = MultimodalParallelStrategy(**layout.strategy)
-    rec = rw.fit(
-        module,
-        local,
-        strategy=strategy,
-        devices=layout.world,
-        accumulate=layout.accumulate,
-        clip=layout.clip,
-    )
+    meter = [Meter(layout.accumulate)] if layout.name in MEASURED else []
+    rec = rw.fit(module, local, strategy=strategy, devices=layout.world,
+                 accumulate=layout.accumulate, clip=layout.clip, callbacks=meter)  # fmt: skip
     plan = strategy.stage_plan
     return {"losses": rec.losses, "grads": rec.grads, "seconds": time.perf_counter() - start,
-            "boundaries": None if plan is None else list(plan.boundaries)}  # fmt: skip
+            "boundaries": None if plan is None else list(plan.boundaries),
+            **({"comm": meter[0].bytes, "state": meter[0].state} if meter else {})}  # fmt: skip
 
 
 def only() -> list[str]:

@@ -31,6 +31,10 @@ import recipe_faults_worker as rw
 import yaml
 import yaml_runs_worker as yw
 
+from lightning_mmpar.layout.comm import comm_bounds, comm_bytes
+from lightning_mmpar.layout.memory import state_bytes
+from lightning_mmpar.layout.model import LayoutSpec
+from lightning_mmpar.plans.fusion_cost import fusion_model_spec
 from lightning_mmpar.testing import spawn
 
 RTOL = 1e-5
@@ -112,6 +116,8 @@ def _check_world(world_size: int, refs: dict[tuple[int, float | None], Any], roo
             assert {tuple(r[layout.name]["boundaries"]) for r in results} == {
                 tuple(pm.PLANS[layout.name])
             }, layout.name
+        if layout.name in pm.MEASURED:
+            _check_measured(layout, results)
         name, ratio = rw.worst_gradient(grads, ref.grads)
         took = max(r[layout.name]["seconds"] for r in results)
         print(f"parity | {layout.name} | loss {loss_diff:.1e} | gradient {ratio:.1e} ({name}) | "
@@ -119,6 +125,46 @@ def _check_world(world_size: int, refs: dict[tuple[int, float | None], Any], roo
         if loss_diff > RTOL or ratio > RTOL:
             failures.append((layout.name, loss_diff, name, ratio))
     assert not failures, failures
+
+
+def layout_spec(layout: pm.Layout) -> LayoutSpec:
+    """The cost model's view of a parity layout (the batch of :data:`rw.BATCH` rows split
+    over dp ranks and micro-batches)."""
+    s, dims = layout.strategy, layout.dims
+    micro = (s.get("micro_batches") or dims.pp) if dims.pp > 1 else 1
+    return LayoutSpec(
+        tp=dims.tp, pp=dims.pp, dp=dims.dp, ep=dims.ep, virtual=s.get("virtual_pipeline", 1),
+        micro_batches=micro, micro_batch_size=rw.BATCH // dims.dp // micro,
+        accumulate=layout.accumulate, schedule=s.get("schedule", "1f1b"),
+        partition=tuple(p) if isinstance(p := s.get("partition", "equal"), list) else p,
+        vision_parallel=layout.vision_parallel, sequence_parallel=layout.sequence_parallel,
+        data_parallel=s.get("data_parallel", "fsdp"), clip=layout.clip is not None,
+    )  # fmt: skip
+
+
+def _check_measured(layout: pm.Layout, results: list[dict[str, Any]]) -> None:
+    """Issue 12: every rank's communication bytes of one optimizer step, per ``<dim>.<kind>``,
+    and its parameter / gradient / AdamW-state bytes equal the cost model's, exactly; the MoE
+    token dispatch (``ep.all_to_all_v``, routing-dependent) within its predicted bounds."""
+    spec = layout_spec(layout)
+    module = pm.build(rw.digits().vocab_size, layout.moe, layout.sequence_parallel,
+                      layout.vision_parallel)  # fmt: skip
+    model = fusion_model_spec(module, spec, rw.TEXT_LENGTH)
+    for rank, result in enumerate(results):
+        coords = layout.dims.rank_coords(rank)
+        got = result[layout.name]
+        bounds = comm_bounds(model, spec, coords["pp"])
+        exact = {k: low for k, (low, high) in bounds.items() if low == high}
+        counted = {k: v for k, v in got["comm"].items() if k in exact or k not in bounds}
+        state = state_bytes(model, spec, coords)
+        print(f"comm | {layout.name} | rank {rank} | counted {got['comm']} | state {got['state']}"
+              f" | expected {comm_bytes(model, spec, coords['pp'])}")  # fmt: skip
+        assert counted == exact, (layout.name, rank, got["comm"], bounds)
+        for key in bounds.keys() - exact.keys():  # data-dependent: within bounds
+            assert bounds[key][0] <= got["comm"].get(key, 0) <= bounds[key][1], (layout.name, key)
+        assert got["state"] == (state.parameters, state.gradients, state.optimizer), (
+            layout.name, rank, got["state"], state,
+        )  # fmt: skip
 
 
 def _check_engine(ranks: list[dict[str, dict[str, Any]]]) -> None:

@@ -1,0 +1,202 @@
+"""Communication bytes per optimizer step of one rank, by mesh dimension and kind (pure Python).
+
+:func:`comm_bytes` returns ``{"<dim>.<kind>": bytes}`` for one rank of pipeline rank
+``pp_rank``, in nccl-tests' ``size`` convention (all-reduce / broadcast: the buffer; all-gather:
+the OUTPUT; reduce-scatter: the INPUT; all-to-all: the input; send / recv: one message), the
+same keys :class:`lightning_mmpar.parallel.comm_count.CommCounter` counts. ``dim``: ``tp``,
+``pp``, ``dp``, ``edp``, ``ep``; a collective over every rank (the default group) takes the
+first of ``tp, pp, dp, edp, ep`` that spans the world, else ``world``.
+
+What runs, per batch (``accumulate`` batches per optimizer step; a dp rank's batch is
+``b = micro_batches * micro_batch_size`` samples):
+
+* **data parallelism** (``dp > 1``): ``ddp``: one all-reduce of every trainable dense gradient
+  held (``lightning_mmpar.parallel.data.sync_gradients``); ``fsdp``: per FSDP unit (pipeline
+  block) an all-gather of its non-scalar parameters (each padded on its shard dim to a multiple
+  of ``dp``: FSDP2's padding) in every forward and again in backward, a reduce-scatter of the
+  trainable ones' gradients, and one all-reduce of the 0-dim parameters' gradients;
+* **expert parallelism** (MoE layers, ``ep > 1``): per layer call the per-expert token counts
+  (``ep.all_to_all``, exact: ``8 E`` bytes) and the token dispatch and return, forward and
+  backward (``ep.all_to_all_v``): routing- and padding-dependent, so predicted as its
+  uniform-routing expectation within ``[0, high]`` (:func:`comm_bounds`);
+* **tensor parallelism**: the model's per-block :class:`~lightning_mmpar.layout.model.Collective`
+  list times the samples (``forward`` ones once per forward pass, ``loss`` and ``backward`` ones
+  once);
+* **pipeline**: at each stage boundary the sender sends every tensor of the boundary per forward
+  pass (two per micro-batch: the gradient cache's forward-only pass and the schedule's) and
+  receives the gradient of every floating-point one once; the loss (4 bytes) and the logged
+  terms (48 bytes) are broadcast from the last stage;
+* **loss** (``dp > 1``, on the last stage): the caption token count (8-byte all-reduce), three
+  dp gathers of the image / text features (row counts: ``8 dp`` bytes; each tensor ``b dp``
+  rows) whose two differentiable ones all-reduce their gradient in backward; every rank
+  all-reduces the logged loss pair (8 bytes) and the term sums (48 bytes);
+* over the world: Lightning's SIGTERM flag (an int64 broadcast before every batch); per
+  optimizer step the non-finite guard's all-gather of 3 float64 per rank, and with clipping one
+  float64 all-reduce of the squared norm (after the ``Partial`` gradients of tp-replicated
+  parameters, ``ParamSpec.partial_grad``, are all-reduced over tp).
+
+Exactness is checked against :class:`~lightning_mmpar.parallel.comm_count.CommCounter` on the
+CPU parity layouts (tests/recipes/test_parity_matrix.py).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from lightning_mmpar.layout.memory import fsdp_group, shard_dim, stage_blocks, tp_local_shape
+from lightning_mmpar.layout.model import V_SCHEDULES, LayoutSpec, ModelSpec, ParamSpec
+from lightning_mmpar.layout.partition import plan_stages
+
+__all__ = ["comm_bounds", "comm_bytes", "world_dim"]
+
+GUARD_BYTES = 24
+"""The non-finite guard's ``[3]`` float64 row per rank."""
+LOG_PAIR_BYTES = 8
+"""The strategy's logged ``(loss * rows, rows)`` float32 pair."""
+TERM_BYTES = 48
+"""The recipe's ``[2, 3]`` float64 term sums."""
+TOKEN_BYTES = 8
+"""The caption's int64 token count."""
+LOSS_BYTES = 4
+"""The pipeline's float32 loss broadcast from the last stage."""
+SIGTERM_BYTES = 8
+"""Lightning's int64 SIGTERM flag, broadcast from rank 0 before every training batch
+(``_TrainingEpochLoop._broadcast_sigterm_tensor``)."""
+
+
+def world_dim(layout: LayoutSpec) -> str:
+    """The key of a collective over every rank: the first of ``tp, pp, dp, edp, ep`` whose
+    size is the world, else ``world``."""
+    sizes = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "edp": layout.edp,
+             "ep": layout.ep}  # fmt: skip
+    return next((d for d, n in sizes.items() if n == layout.world), "world")
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _padded_bytes(p: ParamSpec, layout: LayoutSpec) -> int:
+    shape = list(tp_local_shape(p, layout))
+    n = fsdp_group(p, layout)
+    d = 0 if p.expert else shard_dim(tuple(shape), n)
+    shape[d] = -(-shape[d] // n) * n
+    return _numel(tuple(shape)) * p.element_size
+
+
+def _grad_bytes(p: ParamSpec, layout: LayoutSpec) -> int:
+    size = _numel(tp_local_shape(p, layout)) * p.element_size
+    return size * layout.tp if p.full_grad and layout.tp > 1 else size
+
+
+def _stage_of_block(model: ModelSpec, layout: LayoutSpec) -> tuple[list[int], list[int]]:
+    """Per block: its stage and that stage's pipeline rank."""
+    n = len(model.blocks)
+    if layout.pp == 1:
+        return [0] * n, [0] * n
+    plan = plan_stages(model.blocks, layout.pp, layout.virtual, layout.partition)
+    stage, rank = [0] * n, [0] * n
+    pp = layout.pp
+    for s, r in enumerate(plan.ranges):
+        owner = (s if s < pp else 2 * pp - 1 - s) if layout.schedule in V_SCHEDULES else s % pp
+        for i in r:
+            stage[i], rank[i] = s, owner
+    return stage, rank
+
+
+def comm_bytes(model: ModelSpec, layout: LayoutSpec, pp_rank: int = 0) -> dict[str, int]:
+    """Bytes per optimizer step of one rank on pipeline rank ``pp_rank`` (module docstring),
+    keys ``"<dim>.<kind>"`` with non-zero bytes; data-dependent keys (``ep.all_to_all_v``: the
+    MoE token dispatch) at their expected value (:func:`comm_bounds` gives their range).
+
+    Raises:
+        ValueError: ``pp_rank`` outside the pipeline, or a partition the model cannot take.
+    """
+    return _comm(model, layout, pp_rank, "expected")
+
+
+def comm_bounds(
+    model: ModelSpec, layout: LayoutSpec, pp_rank: int = 0
+) -> dict[str, tuple[int, int]]:
+    """``(low, high)`` bytes per key of :func:`comm_bytes`; equal for every exact key.
+
+    Raises:
+        ValueError: as :func:`comm_bytes`.
+    """
+    low, high = _comm(model, layout, pp_rank, "low"), _comm(model, layout, pp_rank, "high")
+    return {k: (low.get(k, 0), high[k]) for k in high}
+
+
+def _comm(model: ModelSpec, layout: LayoutSpec, pp_rank: int, bound: str) -> dict[str, int]:
+    held = set(stage_blocks(model, layout, pp_rank))
+    out: Counter[str] = Counter()
+    b, acc = layout.local_batch, layout.accumulate
+    passes = 2 if layout.pp > 1 else 1  # the gradient cache's forward-only pass
+    params = [p for p in model.params if p.block in held]
+    # data parallelism, per batch
+    if layout.dp > 1 and layout.data_parallel != "none":
+        dense = [p for p in params if p.trainable and not p.expert]
+        if layout.data_parallel == "ddp":
+            out["dp.all_reduce"] += acc * sum(_grad_bytes(p, layout) for p in dense)
+        else:
+            units: dict[int, list[ParamSpec]] = {}
+            for p in params:
+                if p.shape and not p.expert:
+                    units.setdefault(p.block, []).append(p)
+            for unit in units.values():
+                gathered = sum(_padded_bytes(p, layout) for p in unit)
+                out["dp.all_gather"] += acc * gathered * (passes * layout.micro_batches + 1
+                                                          if layout.pp > 1 else 2)  # fmt: skip
+                out["dp.reduce_scatter"] += acc * sum(
+                    _padded_bytes(p, layout) for p in unit if p.trainable
+                )
+            out["dp.all_reduce"] += acc * sum(_grad_bytes(p, layout) for p in dense
+                                              if not p.shape)  # fmt: skip
+    # tensor (and expert) parallel activations
+    for block in held:
+        for c in model.collectives[block] if model.collectives else ():
+            times = passes if c.phase == "forward" else 1  # "loss", "backward": once
+            per_sample = c.bytes_per_sample
+            if c.upper_per_sample is not None and bound != "expected":
+                per_sample = c.upper_per_sample if bound == "high" else 0
+            calls = layout.micro_batches
+            out[f"{c.dim}.{c.kind}"] += acc * times * (b * per_sample + calls * c.bytes_per_call)
+    # pipeline boundaries
+    last = len(model.blocks) - 1
+    if layout.pp > 1:
+        stage, rank = _stage_of_block(model, layout)
+        for i in range(last):
+            if stage[i] == stage[i + 1] or rank[i] == rank[i + 1]:
+                continue
+            sent = sum(x.bytes_per_sample for x in model.boundaries[i])
+            grads = sum(x.bytes_per_sample for x in model.boundaries[i] if x.requires_grad)
+            if rank[i] == pp_rank:
+                out["pp.send"] += acc * passes * b * sent
+                out["pp.recv"] += acc * b * grads
+            if rank[i + 1] == pp_rank:
+                out["pp.recv"] += acc * passes * b * sent
+                out["pp.send"] += acc * b * grads
+        out["pp.broadcast"] += acc * (LOSS_BYTES + TERM_BYTES)
+    # the loss and its logging
+    if layout.dp > 1:
+        loss = model.loss
+        if loss is not None and last in held:
+            rows = b * layout.dp * loss.feature_bytes
+            out["dp.all_reduce"] += acc * TOKEN_BYTES
+            out["dp.all_gather"] += acc * loss.gathers * (8 * layout.dp + 2 * rows)
+            out["dp.all_reduce"] += acc * loss.gathers_with_grad * 2 * rows
+        out["dp.all_reduce"] += acc * (LOG_PAIR_BYTES + TERM_BYTES)
+    # over the world: Lightning's SIGTERM flag per batch; the guard and clipping per step
+    if layout.world > 1:
+        world = world_dim(layout)
+        out[f"{world}.broadcast"] += acc * SIGTERM_BYTES
+        out[f"{world}.all_gather"] += GUARD_BYTES * layout.world
+        if layout.clip:
+            out[f"{world}.all_reduce"] += 8
+            if layout.tp > 1:  # Partial gradients summed over tp before their norm
+                out["tp.all_reduce"] += sum(_grad_bytes(p, layout) for p in params
+                                            if p.trainable and p.partial_grad)  # fmt: skip
+    return {k: v for k, v in sorted(out.items()) if v}

@@ -1,0 +1,281 @@
+"""The fusion model as a :class:`~lightning_mmpar.layout.model.ModelSpec` (issue 12's cost model).
+
+:func:`fusion_model_spec` reads a recipe module (``ClipLlamaModule``, built or not) and a
+:class:`~lightning_mmpar.layout.model.LayoutSpec` and returns, without a process group and
+without allocating a tensor (the model is rebuilt on the meta device, so a 70B config costs
+nothing):
+
+* every parameter (:class:`~lightning_mmpar.layout.model.ParamSpec`): global shape, pipeline
+  block (``FusionModel.pipeline_blocks``, FSDP units too), trainable per the module's finetune
+  policy, expert weights (the plan's MoE layers), and the dim tensor parallelism shards, read off
+  the plan's styles (:func:`lightning_mmpar.plans.fusion.fusion_plan`): ``ColwiseParallel`` /
+  ``FusedQKVColwiseParallel`` shard a Linear's weight and bias on dim 0 (an Embedding's on dim
+  1), ``RowwiseParallel`` a Linear's weight on dim 1 (bias replicated) and an Embedding's on
+  dim 0 (vocab parallel); every other style replicates;
+* the tensors crossing each block boundary (per sample bytes and whether a gradient flows
+  back): one meta forward of the blocks on a one-sample batch;
+* the activation collectives of tensor parallelism per block, from Megatron's patterns as this
+  plan applies them (module docstring of :mod:`lightning_mmpar.plans.fusion`; training mode,
+  two text streams: fused ``h`` and text-only ``ht``; ``b`` samples, ``T`` text length, ``D``
+  hidden size, ``N`` image tokens, ``V`` ViT tokens of width ``W``; 4-byte activations):
+
+  ============  ==================================  ========================================
+  block         forward                             backward (when the input needs a grad)
+  ============  ==================================  ========================================
+  ViT layer     2 all-reduce ``b V W``              2 all-reduce ``b V W``
+  bridge        vocab embedding: 1 AR ``b T D``      -- (SP: 1 AG ``b T D``)
+  adapter       combine + fc2: 2 AR ``b T D``         q, fc1: 2 AR ``b T D``; k, v: 2 AR
+                                                    ``b N D``
+  decoder       o, down per stream: 4 AR ``b T D``    q, k, v, gate, up per stream: 10 AR
+                                                    ``b T D``; joint k, v on the image tokens:
+                                                    2 AR ``b N D``
+  head          vocab-parallel CE: AR ``b (T-1)``     lm_head input: 1 AR ``b T D``
+                (max) + AR ``2 b (T-1)`` (sums),
+                in the schedule's forward only
+  ============  ==================================  ========================================
+
+  An MoE FFN stays whole on every tp rank: an MoE adapter drops fc1 / fc2's all-reduces (1
+  forward, 1 backward), an MoE decoder layer down / gate / up's (1 forward, 2 backward per
+  stream); MoE layers refuse sequence parallelism.
+
+  With sequence parallelism every text all-reduce of the forward becomes a reduce-scatter,
+  each text layer's input an all-gather (adapter 2, decoder 2 per stream, the head 2: lm_head
+  and the text pooler), backward mirrors them (the all-gathers' reduce-scatters except the
+  pooler's, whose gradient is a row pick; each reduce-scatter's all-gather), and the image
+  tokens' k/v gradients are reduced once per attention module (their ``PrepareModuleInput``).
+
+Activation bytes are 4 per element for ``32-true`` (checked exactly, tests/recipes), 2 for the
+bf16 precisions and fp8 (activations stay bf16 between layers).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_mmpar.layout.model import Boundary, Collective, LayoutSpec, LossSpec, ModelSpec
+from lightning_mmpar.layout.model import ParamSpec as Param
+from lightning_mmpar.layout.stages import measure_blocks
+from lightning_mmpar.models.fusion import FusionModel
+from lightning_mmpar.parallel.tensor import FusedQKVColwiseParallel, HeadShardedReplicate
+from lightning_mmpar.plans.fusion import TensorParallelOptions, fusion_plan
+
+__all__ = ["fusion_model_spec"]
+
+
+def _meta_model(module: Any, layout: LayoutSpec) -> FusionModel:
+    with torch.device("meta"):
+        model = FusionModel(module._resolved_config(layout.tp),
+                            momentum=module.loss_config.mml.momentum)  # fmt: skip
+    module._freeze(model)
+    return model
+
+
+def _tp_dims(model: FusionModel, options: TensorParallelOptions) -> dict[int, int]:
+    """``id(parameter) -> sharded dim`` for every parameter the plan shards over tp / vl
+    (``-1``: a vocab-parallel embedding, dim 0, whose gradient comes back whole; ``-2``: a
+    :class:`HeadShardedReplicate` parameter, replicated, its gradient ``Partial``)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    out: dict[int, int] = {}
+    for group in fusion_plan(model, options).tensor_parallel:
+        styles = group.styles if isinstance(group.styles, dict) else {"": group.styles}
+        for rel, style in styles.items():
+            path = ".".join(x for x in (group.path, rel) if x)
+            mod = model.get_submodule(path)
+            embed = isinstance(mod, nn.Embedding) or "Embedding" in type(mod).__name__
+            for name, p in mod.named_parameters(recurse=False):
+                if isinstance(style, HeadShardedReplicate):
+                    out[id(p)] = -2
+                elif isinstance(style, FusedQKVColwiseParallel):  # [3, D, D] / [3, D]: heads
+                    out[id(p)] = 1
+                elif isinstance(style, ColwiseParallel):
+                    out[id(p)] = 1 if embed else 0
+                elif isinstance(style, RowwiseParallel) and (embed or name == "weight"):
+                    out[id(p)] = -1 if embed else 1
+    return out
+
+
+def _boundaries(model: FusionModel, text_length: int, prompts: Any) -> list[tuple[Boundary, ...]]:
+    """One meta forward of a one-sample batch; MoE FFNs swapped for dense ones (routing reads
+    values, which meta tensors lack; block outputs keep their shapes)."""
+    config = model.config
+    if config.adapter.moe is not None or config.language.moe is not None:
+        language = type(config.language)(**{**vars(config.language), "moe": None})
+        adapter = type(config.adapter)(**{**vars(config.adapter), "moe": None})
+        config = type(config)(**{**vars(config), "language": language, "adapter": adapter})
+        with torch.device("meta"):
+            model = FusionModel(config)
+    cfg = config.vision
+    with torch.device("meta"):
+        images = torch.empty(1, 3, cfg.image_size, cfg.image_size)
+        ids = torch.zeros(1, text_length, dtype=torch.long)
+        p_ids = None if prompts is None else torch.zeros(*prompts, dtype=torch.long)
+        state = FusionModel.pipeline_inputs(images, ids, None, p_ids, None)
+        out = []
+        for block in model.pipeline_blocks():
+            block.training = True
+            state = block(*state)
+            out.append(tuple(Boundary(t.numel() * t.element_size(), t.is_floating_point())
+                             for t in state))  # fmt: skip
+    return out
+
+
+def _ep_collectives(
+    model: FusionModel, layout: LayoutSpec, names: list[str], text_length: int
+) -> list[tuple[Collective, ...]]:
+    """Per MoE layer call (``ep > 1``): the per-expert counts (``8 E`` bytes, equal splits) and
+    the token dispatch + return (``all_to_all_v``), forward and backward. A layer routes ``N``
+    tokens per sample (an adapter the fused stream: ``T``; a decoder layer both text streams in
+    one call: ``2 T``), each to ``k`` experts: a rank sends ``S <= N k`` rows (padding is not
+    routed) and receives ``R`` (what its peers route to its experts, ``<= ep N k``); each
+    direction moves ``S + R`` rows of ``D`` values. Expected (uniform routing, no padding):
+    ``R = S = N k``; bounds ``[0, (1 + ep) N k]`` rows per direction."""
+    out: list[tuple[Collective, ...]] = [() for _ in names]
+    if layout.ep == 1:
+        return out
+    e, d = 4 if layout.precision == "32-true" else 2, model.config.language.hidden_size
+    cfg = model.config
+    layers = {f"adapter{i}": cfg.adapter.moe for i, a in enumerate(model.adapters) if a.moe}
+    layers |= {
+        f"decoder{i}": cfg.language.moe for i, x in enumerate(model.language.layers) if x.moe
+    }
+    for i, name in enumerate(names):
+        moe = layers.get(name)
+        if moe is None:
+            continue
+        n = text_length * (2 if name.startswith("decoder") else 1) * moe.top_k
+        row = d * e
+        found = [Collective("ep", "all_to_all", 0, "forward", bytes_per_call=8 * moe.num_experts)]
+        for phase in ("forward", "backward"):
+            found.append(Collective("ep", "all_to_all_v", 2 * n * row, phase,
+                                    upper_per_sample=(1 + layout.ep) * n * row))  # fmt: skip
+        out[i] = tuple(found)
+    return out
+
+
+def _tp_collectives(
+    model: FusionModel, layout: LayoutSpec, names: list[str], text_length: int, grads: list[bool]
+) -> list[tuple[Collective, ...]]:
+    """Per block: tensor parallelism's activation collectives (module docstring's table);
+    ``grads[i]``: block ``i`` or one before it trains (its backward runs)."""
+    if layout.tp == 1:
+        return [() for _ in names]
+    cfg = model.config
+    e = 4 if layout.precision == "32-true" else 2
+    t, d = text_length, cfg.language.hidden_size
+    n_img = (cfg.vision.image_size // cfg.vision.patch_size) ** 2
+    vit = (n_img + 1) * cfg.vision.width * e
+    text, img, sp = t * d * e, n_img * d * e, layout.sequence_parallel
+    joint = [getattr(x.self_attn, "temperature", None) is not None for x in model.language.layers]
+    ar, ag, rs = "all_reduce", "all_gather", "reduce_scatter"
+
+    def c(kind: str, size: int, n: int, phase: str = "forward") -> list[Collective]:
+        return [Collective("tp", kind, size, phase)] * n
+
+    out: list[tuple[Collective, ...]] = []
+    layer = 0
+    for i, name in enumerate(names):
+        back = "backward" if grads[i] else None
+        found: list[Collective] = []
+        if name.startswith("vision.layer") and layout.vision_parallel == "tp":
+            found = c(ar, vit, 2) + (c(ar, vit, 2, "backward") if back else [])
+        elif name == "bridge":  # vocab-parallel embedding (SP: its backward gathers)
+            found = (
+                c(rs, text, 1) + (c(ag, text, 1, back) if back else []) if sp else c(ar, text, 1)
+            )
+        elif name.startswith("adapter"):  # MoE FFN: whole on every tp rank (no SP with MoE)
+            ffn = 0 if model.adapters[int(name[7:])].moe else 1
+            found = c(rs, text, 2) + c(ag, text, 2) if sp else c(ar, text, 1 + ffn)
+            if back:
+                found += (c(ag, text, 2, back) + c(rs, text, 2, back) + c(ar, img, 1, back)
+                          if sp else c(ar, text, 1 + ffn, back) + c(ar, img, 2, back))  # fmt: skip
+        elif name.startswith("decoder"):
+            streams, j = 2, joint[layer]
+            ffn = 0 if model.language.layers[layer].moe else 1
+            layer += 1
+            found = (
+                c(rs, text, 2 * streams) + c(ag, text, 2 * streams)
+                if sp
+                else c(ar, text, (1 + ffn) * streams)
+            )
+            if back:
+                found += (c(ag, text, 2 * streams, back) + c(rs, text, 2 * streams, back)
+                          if sp else c(ar, text, (3 + 2 * ffn) * streams, back))  # fmt: skip
+                found += c(ar, img, (1 if sp else 2) * j, back)
+        elif name == "head":
+            rows = (t - 1) * 4
+            found = c(ar, rows, 1, "loss") + c(ar, 2 * rows, 1, "loss")
+            found += c(ag, text, 2) if sp else []
+            if back:
+                found += c(rs, text, 1, back) if sp else c(ar, text, 1, back)
+        out.append(tuple(found))
+    return out
+
+
+def fusion_model_spec(
+    module: Any, layout: LayoutSpec, text_length: int, prompts: tuple[int, int] | None = None
+) -> ModelSpec:
+    """The :class:`ModelSpec` of ``module`` (a ``ClipLlamaModule``, built or not: its configs
+    are read and the model rebuilt on the meta device) under ``layout``.
+
+    ``text_length``: caption tokens per sample (the data's ``max_length``). ``prompts``: the
+    class prompts' ``(K, T_p)`` the data module hands the model (None: none, the first caption
+    stands in, ``K = 1``).
+
+    Raises:
+        ValueError: ``text_length`` < 2.
+    """
+    if not isinstance(text_length, int) or text_length < 2:
+        raise ValueError(f"text_length ({text_length!r}) must be an int >= 2 (caption tokens).")
+    model = _meta_model(module, layout)
+    blocks = model.pipeline_blocks()
+    vl, de = len(model.vision.transformer.resblocks), len(model.language.layers)
+    names = ["vision.stem", *(f"vision.layer{i}" for i in range(vl)), "vision.pool", "bridge"]
+    names += [*(f"adapter{i}" for i in range(len(model.adapters)))]
+    names += [*(f"decoder{i}" for i in range(de)), "head"]
+    v = model.config.vision
+    specs = measure_blocks(blocks, (v.image_size // v.patch_size) ** 2, text_length, names)
+    opts = module.tp_options
+    options = TensorParallelOptions(sequence_parallel=layout.sequence_parallel,
+                                    vision_parallel=layout.vision_parallel,  # type: ignore[arg-type]
+                                    vl_combine=opts.vl_combine)  # fmt: skip
+    tp_dims = _tp_dims(model, options) if layout.tp > 1 else {}
+    experts = tuple(f"{p}.experts" for p in fusion_plan(model, options).expert_parallel)
+    model_names = {id(p): n for n, p in model.named_parameters()}  # the plan's paths
+    seen: set[int] = set()
+    params = []
+    trainable_before: list[bool] = []
+    upstream = False
+    for b, block in enumerate(blocks):
+        for name, p in block.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            full = model_names.get(id(p), "")
+            expert = layout.ep > 1 and any(full.startswith(x + ".") for x in experts)
+            dim = tp_dims.get(id(p))
+            params.append(Param(f"blocks.{b}.{name}", tuple(p.shape), b, None if dim in (None, -2)
+                                else max(dim, 0), p.requires_grad, expert, p.element_size(),
+                                full_grad=dim == -1, partial_grad=dim == -2))  # fmt: skip
+        upstream = upstream or any(p.requires_grad for p in block.parameters())
+        trainable_before.append(upstream)
+    loss = LossSpec(feature_bytes=model.config.contrastive_dim * 4,
+                    caption_positions=text_length - 1)  # fmt: skip
+    return ModelSpec(
+        blocks=tuple(specs),
+        params=tuple(params),
+        boundaries=tuple(_boundaries(model, text_length, prompts)),
+        collectives=tuple(
+            tp + ep
+            for tp, ep in zip(
+                _tp_collectives(model, layout, names, text_length, trainable_before),
+                _ep_collectives(model, layout, names, text_length),
+                strict=True,
+            )
+        ),
+        loss=loss,
+        extra={"text_length": text_length},
+    )
