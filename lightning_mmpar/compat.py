@@ -2,10 +2,36 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+
+
+@contextmanager
+def _ordered_groups() -> Iterator[None]:
+    """While set, the groups ``DeviceMesh`` creates keep its rank order (``sort_ranks=False``).
+
+    torch 2.14's ``DeviceMesh`` creates each group with ``new_group(ranks)``, which sorts the
+    ranks, while ``get_coordinate()`` (DTensor's shard offsets) reads the mesh tensor: on a
+    permuted mesh a rank's group-local rank (``get_local_rank``, every collective's order) then
+    differs from its coordinate (checked on gloo: tp group ``[3, 1]`` gave rank 3 coordinate 0,
+    group rank 1). Keeping the order makes both agree (pytorch/pytorch PR 193224 proposes the
+    same as a ``preserve_rank_order`` flag). A no-op for sorted rank lists.
+    """
+    from functools import partial
+
+    import torch.distributed.device_mesh as device_mesh
+
+    original = device_mesh.new_group  # type: ignore[attr-defined]
+    device_mesh.new_group = partial(original, sort_ranks=False)  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        device_mesh.new_group = original  # type: ignore[attr-defined]
 
 
 def init_mesh(
@@ -13,20 +39,51 @@ def init_mesh(
     shape: tuple[int, ...],
     names: tuple[str, ...],
     flattened: dict[str, tuple[str, ...]],
+    ranks: Sequence[int] | None = None,
 ) -> DeviceMesh:
-    """Build a named mesh and register flattened dimensions (``DeviceMesh._flatten``)."""
-    from torch.distributed.device_mesh import init_device_mesh
+    """Build a named mesh and register flattened dimensions (``DeviceMesh._flatten``).
 
-    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
-    for flat_name, dims in flattened.items():
-        mesh[dims]._flatten(flat_name)
+    ``ranks`` (length ``prod(shape)``, default ``0 .. n - 1``): the global rank of each mesh
+    position, row-major; the mesh is ``DeviceMesh(device_type, tensor(ranks).reshape(shape))``
+    with order-preserving groups (:func:`_ordered_groups`). A dimension spanning the whole
+    world gets a group of its own in that order (torch would reuse the default group, ordered
+    by global rank).
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    if ranks is None or list(ranks) == list(range(len(ranks))):
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        for flat_name, dims in flattened.items():
+            mesh[dims]._flatten(flat_name)
+        return mesh
+    world, backend = math.prod(shape), dist.get_backend()
+    override = tuple((backend, None) if size == world else (None, None) for size in shape)
+    with _ordered_groups():
+        mesh = DeviceMesh(
+            device_type,
+            torch.tensor(list(ranks), dtype=torch.int).reshape(shape),
+            mesh_dim_names=names,
+            backend_override=override,  # type: ignore[arg-type]
+        )
+        for flat_name, dims in flattened.items():
+            size = math.prod(shape[names.index(d)] for d in dims)
+            mesh[dims]._flatten(flat_name, backend if size == world else None)
     return mesh
 
 
 def own_communicator(mesh: DeviceMesh, name: str) -> DeviceMesh:
-    """A 1-D mesh over the same ranks as ``mesh``, with its own communicator, derived from the
-    same root mesh (``DeviceMesh._unflatten``), so FSDP2 can combine it with the dp mesh."""
-    return mesh._unflatten(0, (mesh.size(),), (name,))
+    """A 1-D mesh over the same ranks as ``mesh``, in its order, with its own communicator,
+    derived from the same root mesh (``DeviceMesh._unflatten``), so FSDP2 can combine it with
+    the dp mesh."""
+    import torch.distributed as dist
+
+    ranks = mesh.mesh.flatten().tolist()
+    whole = len(ranks) == dist.get_world_size() and ranks != sorted(ranks)
+    override = {name: dist.get_backend()} if whole else None  # see init_mesh
+    with _ordered_groups():
+        return mesh._unflatten(0, (mesh.size(),), (name,), override)  # type: ignore[arg-type]
 
 
 def checkpoint_module(module: Any, context_fn: Any = None) -> None:

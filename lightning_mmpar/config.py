@@ -7,7 +7,9 @@ Every check runs at construction, before any process group exists, and raises a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Literal
 
 from lightning_mmpar.layout import parse_partition
 
@@ -98,6 +100,10 @@ class ParallelConfig:
     (:func:`lightning_mmpar.layout.plan_stages`): ``equal``, ``balanced`` (least maximum stage
     FLOPs), ``memory`` (least maximum stage bytes), ``ratio:V:A:D`` (vision : aligner : decoder
     stage counts) or explicit boundaries (first block of stages 1 .. S-1)."""
+    placement: str | list[int] | None = None
+    """Global rank of each mesh position (TECHNIQUES 2.4; :meth:`resolve_placement`): ``None`` /
+    ``"auto"``, ``"megatron"`` (identity), a list (``list[i]`` = rank at Megatron position
+    ``i``) or a topology file (nvidia-smi text or YAML)."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel", "pipeline_parallel", "expert_parallel", "virtual_pipeline"):
@@ -116,6 +122,7 @@ class ParallelConfig:
             )
         self._check_pipeline()
         parse_partition(self.partition, self.num_stages if self.pipeline_parallel > 1 else None)
+        check_placement_option(self.placement)
 
     def _check_pipeline(self) -> None:
         pp, v, name = self.pipeline_parallel, self.virtual_pipeline, self.schedule
@@ -219,6 +226,42 @@ class ParallelConfig:
             )
         return notes
 
+    def resolve_placement(self, world_size: int) -> tuple[tuple[int, ...] | None, str]:
+        """``(placement, source)`` for ``world_size`` ranks (cached): ``placement[i]`` is the
+        global rank at mesh position ``i`` (``None``: Megatron's order). ``None`` / ``"auto"``:
+        :func:`lightning_mmpar.layout.placement.machine_placement` on a CUDA machine whose
+        ``nvidia-smi topo -m`` shows ``world_size`` GPUs, else Megatron's order. A file:
+        ``layout.devices.load_topology`` then ``layout.placement.place``.
+
+        Raises:
+            ValueError: a list not of length ``world_size``; a topology file that does not
+                parse or describes another number of devices.
+        """
+        value = self.placement
+        key = tuple(value) if isinstance(value, list) else value
+        return _resolve(key, world_size, self.tensor_parallel, self.pipeline_parallel,
+                        self.expert_parallel)  # fmt: skip
+
+    @staticmethod
+    def check_clipping(plugin: str, global_norm: bool, clip: float | None, mode: str | None) -> str:
+        """The warning (``""``: none) for a precision plugin named ``plugin`` that does not clip
+        by the global norm (``global_norm`` False) under ``on_nonfinite=mode`` (``None``: off).
+        Raises ``ValueError`` if ``clip`` (``gradient_clip_val``) is set with such a plugin."""
+        if clip and not global_norm:
+            raise ValueError(
+                f"gradient_clip_val ({clip}) needs a precision plugin that clips by the global "
+                f"norm; {plugin} clips local shards only. Use precision='32-true', 'bf16-mixed', "
+                "'16-mixed', 'bf16-true' or '16-true', or mix "
+                "lightning_mmpar.precision.GlobalNormClipping into your plugin."
+            )
+        if mode is None or global_norm:
+            return ""
+        return (
+            f"on_nonfinite={mode!r} is not checked with the precision plugin {plugin}; use one "
+            "of Lightning's precision flags or mix lightning_mmpar.precision.GlobalNormClipping "
+            "into your plugin."
+        )
+
     @property
     def partition_mode(self) -> str:
         """``partition``'s mode (``explicit`` for boundaries)."""
@@ -256,6 +299,80 @@ class ParallelConfig:
                 f"parallelism; use a multiple of {n}, e.g. {max(n, batch_size // n * n)} "
                 "(drop_last=True avoids a short last batch)."
             )
+
+
+PLACEMENT_NAMES: tuple[str, ...] = ("auto", "megatron")
+"""Named :attr:`ParallelConfig.placement` values; any other string is a topology file path."""
+
+
+def check_placement_option(value: Any) -> None:
+    """Check a :attr:`ParallelConfig.placement` before the world size is known: raises
+    ``ValueError`` for a list that is not a permutation of ``0 .. len - 1``, a string neither
+    ``"auto"`` / ``"megatron"`` nor an existing file, or another type."""
+    if value is None or value in PLACEMENT_NAMES:
+        return
+    if isinstance(value, str):
+        if not Path(value).is_file():
+            raise ValueError(
+                f"placement ({value!r}) is neither one of {', '.join(PLACEMENT_NAMES)} nor an "
+                "existing topology file; pass the path of `nvidia-smi topo -m` output or a YAML "
+                "topology, or 'auto'."
+            )
+        return
+    ints = isinstance(value, (list, tuple)) and all(type(r) is int for r in value)
+    if ints and sorted(value) == list(range(len(value))):
+        return
+    raise ValueError(
+        f"placement ({value!r}) must be None, 'auto', 'megatron', a topology file path or a "
+        "list of global ranks (each of 0 .. world_size - 1 once: list[i] = the rank running "
+        "mesh position i); fix the list or use 'megatron'."
+    )
+
+
+@lru_cache(maxsize=16)
+def _resolve(
+    value: str | tuple[int, ...] | None, world_size: int, tp: int, pp: int, ep: int
+) -> tuple[tuple[int, ...] | None, str]:
+    """:meth:`ParallelConfig.resolve_placement` (a topology file or nvidia-smi read once)."""
+    dp = max(1, world_size // (tp * pp))
+    if value is None or value == "auto":
+        found = _machine_placement(world_size, pp=pp, dp=dp, ep=ep, tp=tp)
+        return (found, "machine topology (nvidia-smi topo -m)") if found else (None, "megatron")
+    if value == "megatron":
+        return None, "megatron"
+    if isinstance(value, str):
+        from lightning_mmpar.layout.devices import load_topology
+        from lightning_mmpar.layout.placement import place
+
+        graph = load_topology(value)
+        if graph.num_devices != world_size:
+            raise ValueError(
+                f"placement ({value!r}) describes {graph.num_devices} devices but the run has "
+                f"{world_size} processes; pass the topology of all {world_size} devices "
+                "(nodes * GPUs per node) or placement='megatron'."
+            )
+        return tuple(place(graph, pp=pp, dp=dp, ep=ep, tp=tp).devices), f"topology {value}"
+    if len(value) != world_size:
+        raise ValueError(
+            f"placement ({list(value)!r}) lists {len(value)} ranks but the run has {world_size} "
+            f"processes; list each of the {world_size} global ranks once."
+        )
+    return tuple(value), "given"
+
+
+def _machine_placement(world: int, **degrees: int) -> tuple[int, ...] | None:
+    """This CUDA machine's placement; ``None`` without CUDA, ``layout.placement`` or a readable
+    ``nvidia-smi topo -m``."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    try:
+        from lightning_mmpar.layout.placement import machine_placement
+    except ImportError:
+        return None
+    found = machine_placement(world=world, **degrees)
+    return None if found is None else tuple(found)
 
 
 def check_train_batches(total: int | None, dataloader: object) -> None:

@@ -65,6 +65,10 @@ class MultimodalParallelStrategy(ShardedCheckpointHooks, ModelParallelStrategy):
             single data-parallel replica; refused otherwise).
         partition: how blocks become stages: ``equal``, ``balanced``, ``memory``,
             ``ratio:V:A:D`` or boundaries (:class:`ParallelConfig`); the plan is logged.
+        placement: which global rank runs each mesh position (TECHNIQUES 2.4): ``None`` /
+            ``"auto"`` (topology-aware from ``nvidia-smi topo -m`` on a CUDA machine, else
+            Megatron's order), ``"megatron"``, a list of ranks or a topology file; numerics do
+            not change. Applied as ``parallel_dims.placement``, logged on rank 0.
         config: a complete :class:`ParallelConfig` instead of the individual sizes.
         on_nonfinite: what a non-finite loss or gradient does before the optimizer step
             (Megatron's ``--check-for-nan-in-loss-and-grad``): ``"raise"`` stops the run with a
@@ -93,6 +97,7 @@ class MultimodalParallelStrategy(ShardedCheckpointHooks, ModelParallelStrategy):
         schedule: Schedule = "1f1b",
         data_parallel: DataParallel = "fsdp",
         partition: str | list[int] = "equal",
+        placement: str | list[int] | None = None,
         config: ParallelConfig | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -100,15 +105,11 @@ class MultimodalParallelStrategy(ShardedCheckpointHooks, ModelParallelStrategy):
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self.config = config or ParallelConfig(
-            tensor_parallel=tensor_parallel,
-            pipeline_parallel=pipeline_parallel,
-            expert_parallel=expert_parallel,
-            virtual_pipeline=virtual_pipeline,
-            micro_batches=micro_batches,
-            schedule=schedule,
-            data_parallel=data_parallel,
-            partition=partition,
-        )
+            tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
+            expert_parallel=expert_parallel, virtual_pipeline=virtual_pipeline,
+            micro_batches=micro_batches, schedule=schedule, data_parallel=data_parallel,
+            partition=partition, placement=placement,
+        )  # fmt: skip
         self._dims: ParallelDims | None = None
         self.pipeline: PipelineEngine | None = None
         self.stage_plan: StagePlan | None = None  # the partition in use (pp > 1, after setup)
@@ -122,11 +123,8 @@ class MultimodalParallelStrategy(ShardedCheckpointHooks, ModelParallelStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name,
-            cls,
-            description="Tensor, pipeline, expert and data parallelism for multimodal models",
-        )
+        description = "Tensor, pipeline, expert and data parallelism for multimodal models"
+        strategy_registry.register(cls.strategy_name, cls, description=description)
 
     @property  # type: ignore[override]
     @override
@@ -158,9 +156,10 @@ class MultimodalParallelStrategy(ShardedCheckpointHooks, ModelParallelStrategy):
         return self._dims
 
     def _make_dims(self) -> ParallelDims:
-        c = self.config
-        dims = ParallelDims(world_size=self.num_nodes * self.num_processes, tp=c.tensor_parallel,
-                            pp=c.pipeline_parallel, ep=c.expert_parallel)  # fmt: skip
+        c, world = self.config, self.num_nodes * self.num_processes
+        placement = c.resolve_placement(world)[0]  # cached: a file or nvidia-smi is read once
+        dims = ParallelDims(world_size=world, tp=c.tensor_parallel, pp=c.pipeline_parallel,
+                            ep=c.expert_parallel, placement=placement)  # fmt: skip
         c.check_world(dims.world_size)
         return dims
 
@@ -209,6 +208,11 @@ class MultimodalParallelStrategy(ShardedCheckpointHooks, ModelParallelStrategy):
         self._setup_distributed()
         if self._dims is None or not self._dims.is_built:  # once per strategy, not per fit/test
             self._dims = self._make_dims()
+            placement, source = self.config.resolve_placement(self._dims.world_size)  # cached
+            if source.startswith("machine"):  # each rank read nvidia-smi: all must agree
+                self._dims.check_agreed(comm.all_gather_objects(placement))
+            if placement is not None:
+                rank_zero_info(f"rank placement ({source}): {placement}")
         mesh = self._dims.build_mesh(self.root_device.type)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = mesh
@@ -277,19 +281,11 @@ class MultimodalParallelStrategy(ShardedCheckpointHooks, ModelParallelStrategy):
             dpar.broadcast_parameters(self._experts, edp_mesh.get_group())
 
     def _check_clipping(self, trainer: Trainer) -> None:
-        if self.nonfinite is not None and not isinstance(self.precision_plugin, GlobalNormClipping):
-            rank_zero_warn(
-                f"on_nonfinite={self.nonfinite.mode!r} is not checked with the precision plugin "
-                f"{type(self.precision_plugin).__name__}; use one of Lightning's precision flags "
-                "or mix lightning_mmpar.precision.GlobalNormClipping into your plugin."
-            )
-        if trainer.gradient_clip_val and not isinstance(self.precision_plugin, GlobalNormClipping):
-            raise ValueError(
-                f"gradient_clip_val ({trainer.gradient_clip_val}) needs a precision plugin that "
-                f"clips by the global norm; {type(self.precision_plugin).__name__} clips local "
-                "shards only. Use precision='32-true', 'bf16-mixed', '16-mixed', 'bf16-true' or "
-                "'16-true', or mix lightning_mmpar.precision.GlobalNormClipping into your plugin."
-            )
+        plugin = self.precision_plugin
+        mode = None if self.nonfinite is None else self.nonfinite.mode
+        glob, name = isinstance(plugin, GlobalNormClipping), type(plugin).__name__
+        if note := ParallelConfig.check_clipping(name, glob, trainer.gradient_clip_val, mode):
+            rank_zero_warn(note)
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         """Clip by the norm over every tp/dp shard and pp stage (one all-reduce)."""
@@ -397,4 +393,5 @@ class MultimodalParallelStrategy(ShardedCheckpointHooks, ModelParallelStrategy):
 
     # save/load/remove: ShardedCheckpointHooks (DCP shards, guarded against non-finite weights)
     def _rank_layout(self) -> dict[str, int]:
-        return ckpt.rank_layout(self.parallel_dims, self.config.virtual_pipeline, self.global_rank)
+        dims = self.parallel_dims  # keyed by mesh position: resumable under another placement
+        return ckpt.rank_layout(dims, self.config.virtual_pipeline, dims.position(self.global_rank))

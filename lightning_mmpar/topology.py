@@ -7,6 +7,14 @@ Rank order (fastest first) is tensor, expert, data, pipeline, i.e. for a global 
 which is megatron-core's ``order="tp-cp-ep-dp-pp"`` (context parallel = 1). The data-parallel
 group of dense parameters is the flattened ``(edp, ep)`` pair, so expert parallelism is carved
 out of the data-parallel ranks exactly as in Megatron.
+
+A *placement* (TECHNIQUES 2.4) permutes that order: ``placement[i]`` is the global rank that runs
+mesh position ``i`` (``i`` the Megatron rank above), so a topology-aware order
+(:func:`lightning_mmpar.layout.placement.place`) puts tensor-parallel peers on the fastest links
+without changing any coordinate's meaning. The mesh is then built from the permuted rank tensor
+(``DeviceMesh(device_type, torch.tensor(placement).reshape(shape))``) with order-preserving
+groups (:func:`lightning_mmpar.compat.init_mesh`), so every group-local rank equals the
+coordinate.
 """
 
 from __future__ import annotations
@@ -36,6 +44,10 @@ class ParallelDims:
     """The degrees of one layout on ``world_size`` ranks, validated at construction.
 
     Data parallelism is inferred as ``world_size // (tp * pp)``; ``ep`` must divide it.
+    ``placement`` (default ``None``: Megatron's order, the identity) is stored resolved, as a
+    tuple: ``placement[i]`` = the global rank at mesh position ``i``. Raises ``ValueError``
+    for a degree below 1, a world the sizes do not divide, or a placement that is not a
+    permutation of ``range(world_size)``.
     """
 
     world_size: int
@@ -46,8 +58,12 @@ class ParallelDims:
     """Pipeline-parallel degree."""
     ep: int = 1
     """Expert-parallel degree (a divisor of the data-parallel degree)."""
+    placement: tuple[int, ...] | None = None
+    """Global rank of each mesh position (Megatron row-major over :data:`MESH_DIMS`); ``None``
+    is the identity and is stored as ``tuple(range(world_size))``."""
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _vl_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+    _position: dict[int, int] = field(default_factory=dict, init=False, repr=False, compare=False)
     _groups: dict[str, Any] | None = field(default=None, init=False, repr=False)
     """Groups of a layout this package did not build (another strategy's), by dim name."""
 
@@ -70,6 +86,23 @@ class ParallelDims:
                 f"world_size {self.world_size} / (tensor_parallel {self.tp} * pipeline_parallel "
                 f"{self.pp})); choose expert_parallel from {_divisors(self.dp)}."
             )
+        self.placement = check_placement(self.placement, self.world_size)
+        self._position = {rank: i for i, rank in enumerate(self.placement)}
+
+    @property
+    def is_identity(self) -> bool:
+        """Whether :attr:`placement` is Megatron's order (mesh position = global rank)."""
+        return self.placement == tuple(range(self.world_size))
+
+    def position(self, rank: int) -> int:
+        """Mesh position (the Megatron rank) that global ``rank`` runs; the inverse of
+        :attr:`placement`. Raises ``ValueError`` for a rank outside ``[0, world_size)``."""
+        if rank not in self._position:
+            raise ValueError(
+                f"rank ({rank!r}) must be a global rank in [0, {self.world_size}); pass a rank "
+                "of this world."
+            )
+        return self._position[rank]
 
     @property
     def dp(self) -> int:
@@ -86,9 +119,23 @@ class ParallelDims:
         """Shape of the root mesh, in :data:`MESH_DIMS` order."""
         return (self.pp, self.edp, self.ep, self.tp)
 
+    def check_agreed(self, placements: list[Any]) -> None:
+        """Check that every rank resolved the same placement (``placements``: each rank's
+        :attr:`placement`, by global rank, e.g. an object all-gather). Raises ``RuntimeError``
+        naming the ranks that differ from rank 0 (a placement read from each node's
+        ``nvidia-smi`` that disagrees would silently pair the wrong ranks)."""
+        first = tuple(placements[0])
+        odd = [r for r, p in enumerate(placements) if tuple(p) != first]
+        if odd:
+            raise RuntimeError(
+                f"ranks {odd} resolved another rank placement than rank 0 ({first}); pass "
+                "placement='megatron', a list of ranks or one topology file to every rank."
+            )
+
     def rank_coords(self, rank: int) -> dict[str, int]:
-        """Coordinates of a global rank (no process group needed)."""
-        coords = {}
+        """Coordinates of a global rank (no process group needed): those of its mesh position
+        :meth:`position`, i.e. Megatron's arithmetic on ``placement.index(rank)``."""
+        coords, rank = {}, self.position(rank)
         for name, size in zip(reversed(MESH_DIMS), reversed(self.shape), strict=True):
             coords[name] = rank % size
             rank //= size
@@ -96,10 +143,14 @@ class ParallelDims:
         return coords
 
     def groups(self, name: str) -> list[list[int]]:
-        """All rank groups along one dimension (``pp``, ``dp``, ``edp``, ``ep``, ``tp``)."""
+        """All rank groups along one dimension (``pp``, ``dp``, ``edp``, ``ep``, ``tp``).
+
+        Each group lists its global ranks in coordinate order (index = group-local rank); the
+        groups are sorted. Under a placement: the identity layout's groups mapped through it.
+        """
         dims = DERIVED_DIMS.get(name, (name,))
         self._check_name(name)
-        ranks = torch.arange(self.world_size).reshape(self.shape)
+        ranks = torch.tensor(self.placement).reshape(self.shape)
         keep = [MESH_DIMS.index(d) for d in dims]
         rest = [i for i in range(len(MESH_DIMS)) if i not in keep]
         flat = ranks.permute(*rest, *keep).reshape(
@@ -195,7 +246,8 @@ class ParallelDims:
                 **DERIVED_DIMS,
                 **{alias: DERIVED_DIMS.get(d, (d,)) for alias, d in LIGHTNING_ALIASES.items()},
             }
-            self._mesh = compat.init_mesh(device_type, self.shape, MESH_DIMS, flattened)
+            ranks = None if self.is_identity else self.placement
+            self._mesh = compat.init_mesh(device_type, self.shape, MESH_DIMS, flattened, ranks)
             self._vl_mesh = compat.own_communicator(self._mesh["tp"], "vl")
         return self._mesh
 
@@ -235,6 +287,29 @@ class ParallelDims:
     def vl_group(self) -> dist.ProcessGroup:
         """The process group of :attr:`vl_mesh`."""
         return self.vl_mesh.get_group()
+
+
+def check_placement(placement: Any, world_size: int) -> tuple[int, ...]:
+    """``placement`` as a tuple (``None``: the identity ``0 .. world_size - 1``).
+
+    Raises:
+        ValueError: not a sequence of ``world_size`` distinct ints covering
+            ``range(world_size)``; the message names the value and the fix.
+    """
+    if placement is None:
+        return tuple(range(world_size))
+    values = list(placement) if isinstance(placement, (list, tuple)) else None
+    if (
+        values is None
+        or any(isinstance(r, bool) or not isinstance(r, int) for r in values)
+        or sorted(values) != list(range(world_size))
+    ):
+        raise ValueError(
+            f"placement ({placement!r}) must list every global rank 0 .. {world_size - 1} once "
+            f"(placement[i] = the rank running mesh position i, world_size {world_size}); pass "
+            "a permutation of range(world_size), or None for Megatron's order."
+        )
+    return tuple(values)
 
 
 def _divisors(n: int) -> list[int]:

@@ -134,7 +134,9 @@ def set_sampler_epoch(dataloader: Any, epoch_progress: Any) -> None:
 
 
 def rank_layout(dims: ParallelDims, virtual_pipeline: int, rank: int) -> dict[str, int]:
-    """What decides whether a rank's saved callback/loop state is its own on load."""
+    """What decides whether a rank's saved callback/loop state is its own on load; ``rank`` is
+    the mesh position (``ParallelDims.position(global_rank)``), so a rank's own state follows its
+    coordinates across placements."""
     return {"world_size": dims.world_size, "tp": dims.tp, "pp": dims.pp, "ep": dims.ep,
             "virtual_pipeline": virtual_pipeline, "rank": rank}  # fmt: skip
 

@@ -251,11 +251,12 @@ def model_parallel_manual_seed(
     tracker = get_rng_tracker() if tracker is None else tracker
     base = torch.initial_seed() if seed is None else _check_seed(seed)
     origin = ("explicit", base) if seed is not None else ("initial_seed", base, _coords(dims))
-    agreed = tracker._agreed.get(origin)
+    key = (*origin, dims.placement)  # the tp peers of a coordinate change with the placement
+    agreed = tracker._agreed.get(key)  # so every peer gathers, or none does
     if agreed is None:
         agreed = _tp_agreed(base, dims)
     tracker.reset()
-    tracker._agreed[origin] = agreed
+    tracker._agreed[key] = agreed
     for name, region_seed in region_seeds(agreed, dims).items():
         tracker.add(name, region_seed)
     tracker.seeded_from = origin

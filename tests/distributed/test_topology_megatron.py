@@ -25,7 +25,11 @@ generator is then ``tp, ep, edp = world / (tp * ep * pp), pp``). Megatron with
 
 The same world then builds our real mesh for a few layouts and checks that every ``get_mesh(name)``
 holds this rank's ``groups(name)`` row and that ``vl_group`` has the tp ranks on its own
-communicator.
+communicator. It also builds meshes under rank placements (:data:`PLACED`: tp peers apart,
+stage 0 off rank 0, a world-spanning dp / tp axis reordered) and checks the same, plus that
+each group-local rank and ``DeviceMesh.get_coordinate()`` equal ``rank_coords`` (torch 2.14's
+``new_group`` sorts ranks: without ``compat``'s order-preserving groups they differ) and that a
+``DTensor`` sharded on the placed tp mesh holds the coordinate's chunk and gathers back whole.
 """
 
 from __future__ import annotations
@@ -34,10 +38,11 @@ import warnings
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from lightning_mmpar.testing import spawn
-from lightning_mmpar.topology import ParallelDims
+from lightning_mmpar.topology import MESH_DIMS, ParallelDims
 
 WORLD = 8
 LAYOUTS: list[tuple[int, int, int]] = [
@@ -48,6 +53,12 @@ LAYOUTS: list[tuple[int, int, int]] = [
 """(tp, pp, ep) layouts proven against megatron-core."""
 MESH_LAYOUTS: list[tuple[int, int, int]] = [(2, 2, 2), (1, 2, 4), (4, 1, 2)]
 """(tp, pp, ep) layouts whose real ``DeviceMesh`` is built."""
+PLACED: list[tuple[tuple[int, int, int], tuple[int, ...]]] = [
+    ((2, 2, 2), (5, 2, 7, 0, 3, 6, 1, 4)),
+    ((1, 1, 1), (7, 6, 5, 4, 3, 2, 1, 0)),
+    ((8, 1, 1), (3, 0, 6, 1, 7, 4, 2, 5)),
+]
+"""((tp, pp, ep), placement) whose permuted ``DeviceMesh`` is built."""
 NAMES: tuple[str, ...] = ("tp", "pp", "dp", "ep", "edp")
 
 
@@ -70,16 +81,26 @@ def _megatron_groups() -> dict[str, tuple[list[int], int]]:
     return out
 
 
-def _mesh_checks(rank: int, tp: int, pp: int, ep: int) -> dict[str, Any]:
-    dims = ParallelDims(world_size=WORLD, tp=tp, pp=pp, ep=ep)
+def _mesh_checks(
+    rank: int, tp: int, pp: int, ep: int, placement: tuple[int, ...] | None = None
+) -> dict[str, Any]:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dims = ParallelDims(world_size=WORLD, tp=tp, pp=pp, ep=ep, placement=placement)
     dims.build_mesh("cpu")
     meshes = {name: dist.get_process_group_ranks(dims.get_mesh(name).get_group()) for name in NAMES}
     vl = dims.vl_group
+    whole = torch.arange(4.0 * tp)
+    shard = distribute_tensor(whole, dims.get_mesh("tp"), [Shard(0)])
     return {
         "mesh": meshes,
         "local": {name: dims.get_mesh(name).get_local_rank() for name in NAMES},
+        "coordinate": dict(zip(MESH_DIMS, dims.mesh.get_coordinate() or (), strict=True)),
         "vl": dist.get_process_group_ranks(vl),
+        "vl_local": dims.vl_mesh.get_local_rank(),
         "vl_is_tp": vl is dims.get_mesh("tp").get_group(),
+        "shard": shard.to_local().tolist(),
+        "gathered": torch.equal(shard.full_tensor(), whole),
     }
 
 
@@ -99,7 +120,8 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
         megatron[(tp, pp, ep)] = _megatron_groups()
         ps.destroy_model_parallel()
     meshes = {layout: _mesh_checks(rank, *layout) for layout in MESH_LAYOUTS}
-    return {"megatron": megatron, "meshes": meshes}
+    placed = {perm: _mesh_checks(rank, *layout, perm) for layout, perm in PLACED}
+    return {"megatron": megatron, "meshes": meshes, "placed": placed}
 
 
 @pytest.fixture(scope="module")
@@ -136,3 +158,23 @@ def test_mesh_matches_groups(world: list[dict[str, Any]], layout: tuple[int, int
             assert checks["local"][name] == coords[name], f"rank {rank}: {name} local rank"
         assert checks["vl"] == checks["mesh"]["tp"], f"rank {rank}: vl_group ranks"
         assert not checks["vl_is_tp"], f"rank {rank}: vl_group must be its own communicator"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", PLACED, ids=lambda c: "tp{}-pp{}-ep{}-placed".format(*c[0]))
+def test_placed_mesh_matches_groups(
+    world: list[dict[str, Any]], case: tuple[tuple[int, int, int], tuple[int, ...]]
+) -> None:
+    (tp, pp, ep), perm = case
+    dims = ParallelDims(world_size=WORLD, tp=tp, pp=pp, ep=ep, placement=perm)
+    for rank, result in enumerate(world):
+        checks, coords = result["placed"][perm], dims.rank_coords(rank)
+        for name in NAMES:
+            mine = next(g for g in dims.groups(name) if rank in g)
+            assert checks["mesh"][name] == mine, f"rank {rank}: placed mesh {name!r}"
+            assert checks["local"][name] == coords[name], f"rank {rank}: {name} group rank"
+        assert checks["coordinate"] == {d: coords[d] for d in ("pp", "edp", "ep", "tp")}
+        assert checks["vl"] == checks["mesh"]["tp"] and checks["vl_local"] == coords["tp"]
+        assert not checks["vl_is_tp"], f"rank {rank}: vl_group must be its own communicator"
+        chunk = list(range(4 * coords["tp"], 4 * coords["tp"] + 4))
+        assert checks["shard"] == chunk and checks["gathered"], f"rank {rank}: tp DTensor"

@@ -75,6 +75,7 @@ class Layout:
             tp=s.get("tensor_parallel", 1),
             pp=s.get("pipeline_parallel", 1),
             ep=s.get("expert_parallel", 1),
+            placement=s.get("placement"),
         )
 
     @property
@@ -228,7 +229,13 @@ PARTITION_LAYOUTS: tuple[Layout, ...] = (  # issue 11: stages cut by cost, ratio
 PLANS = {"pp2 balanced": [6], "pp2 x v2 boundaries [1, 2, 5]": [1, 2, 5],
          "pp4 ratio:2:1:1": [2, 3, 5]}  # fmt: skip
 """The stage boundaries each partition layout must run with (not the equal split)."""
-LAYOUTS += SCHEDULE_LAYOUTS + VISION_LAYOUTS + PARTITION_LAYOUTS
+PLACEMENT_LAYOUTS: tuple[Layout, ...] = (  # issue 12: a rank permutation changes no numerics
+    Layout("tp2 x pp2, placement [3, 1, 0, 2]", 4,
+           {**_pp("1f1b", 2, 2, 1, tensor_parallel=2), "placement": [3, 1, 0, 2]}, max_steps=3),
+    Layout("tp2 x dp2 fsdp, placement [3, 0, 2, 1]", 4,
+           {"tensor_parallel": 2, "placement": [3, 0, 2, 1]}, max_steps=3),
+)  # fmt: skip
+LAYOUTS += SCHEDULE_LAYOUTS + VISION_LAYOUTS + PARTITION_LAYOUTS + PLACEMENT_LAYOUTS
 
 
 MEASURED = frozenset(("dp2 fsdp", "dp2 ddp", "tp2", "tp2 + sequence parallel", "pp2 1f1b",
