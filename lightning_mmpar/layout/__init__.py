@@ -1,12 +1,29 @@
-"""Choosing a layout, model-agnostic: block costs in, stage partitions out (pure Python).
+"""Choosing a layout, model-agnostic (pure Python): block costs, stage partitions, the device
+graph, rank placement, the cost model and the planner.
 
 :func:`plan_stages` cuts a model's costed pipeline blocks (:class:`BlockSpec`) into
 ``pipeline_parallel * virtual_pipeline`` stages by mode (``equal``, ``ratio``, ``balanced``,
 ``memory``, explicit boundaries) and returns a :class:`StagePlan`;
 ``python -m lightning_mmpar.recipes.partition`` prints a recipe YAML's plans side by side.
+:class:`DeviceGraph` reads ``nvidia-smi topo -m`` or a YAML description, :func:`place` orders
+ranks on it, :func:`comm_bytes` / :func:`state_bytes` / :func:`predict` cost a
+:class:`LayoutSpec` of a :class:`ModelSpec`, and :func:`plan` ranks the layouts of a world;
+``python -m lightning_mmpar.recipes.plan`` is its CLI (docs/planner.md).
 """
 
 from lightning_mmpar.layout.comm import comm_bounds, comm_bytes, world_dim
+from lightning_mmpar.layout.cost import (
+    DEVICES,
+    DeviceSpec,
+    Prediction,
+    RankMemory,
+    activation_bytes,
+    bubble_fraction,
+    compute_seconds,
+    in_flight,
+    predict,
+    stage_ranks,
+)
 from lightning_mmpar.layout.devices import (
     COLLECTIVES,
     LINK_CLASSES,
@@ -49,6 +66,13 @@ from lightning_mmpar.layout.placement import (
     place,
     placement_seconds,
 )
+from lightning_mmpar.layout.planner import (
+    Rejected,
+    candidate_layouts,
+    describe,
+    divisors,
+    plan,
+)
 from lightning_mmpar.layout.stages import (
     BlockSpec,
     StagePlan,
@@ -60,12 +84,14 @@ from lightning_mmpar.layout.stages import (
 __all__ = [
     "COLLECTIVES",
     "DEFAULT_TRAFFIC",
+    "DEVICES",
     "LINK_CLASSES",
     "MESH_AXES",
     "BlockSpec",
     "Boundary",
     "Collective",
     "DeviceGraph",
+    "DeviceSpec",
     "LayoutSpec",
     "LinkClass",
     "LossSpec",
@@ -73,15 +99,25 @@ __all__ = [
     "ParamSpec",
     "Partition",
     "Placement",
+    "Prediction",
+    "RankMemory",
+    "Rejected",
     "StagePlan",
     "StateBytes",
+    "activation_bytes",
+    "bubble_fraction",
+    "candidate_layouts",
     "collective_seconds",
     "comm_bounds",
     "comm_bytes",
     "compare_modes",
+    "compute_seconds",
     "default_ratio",
+    "describe",
+    "divisors",
     "equal_ranges",
     "group_positions",
+    "in_flight",
     "load_topology",
     "local_shape",
     "machine_placement",
@@ -91,10 +127,13 @@ __all__ = [
     "parse_partition",
     "place",
     "placement_seconds",
+    "plan",
     "plan_stages",
+    "predict",
     "shard_dim",
     "side_by_side",
     "stage_blocks",
+    "stage_ranks",
     "state_bytes",
     "tower_of",
     "world_dim",

@@ -25,6 +25,7 @@ Stage bytes: see :mod:`lightning_mmpar.layout.stages`.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -198,8 +199,8 @@ def plan_stages(
     for name, given in (("stage_ranks", stage_ranks), ("in_flight", in_flight)):
         if given is not None and len(given) != stages:
             raise ValueError(f"{name} has {len(given)} entries for {stages} stages; give one each.")
-    ranges = _ranges(part, blocks, stages, pipeline_parallel, micro_batch_size,
-                     _in_flight(shape, stages))  # fmt: skip
+    ranges = list(_cached_ranges(part, blocks, stages, pipeline_parallel, micro_batch_size,
+                                 tuple(_in_flight(shape, stages))))  # fmt: skip
     plan = replace(shape, ranges=ranges)
     if memory_limit_bytes is not None and max(plan.stage_bytes) > memory_limit_bytes * (1 + 1e-9):
         best = plan if part.mode == "memory" else plan_stages(
@@ -221,6 +222,19 @@ def _in_flight(shape: StagePlan, stages: int) -> list[int]:
     pp = shape.pipeline_parallel
     ranks = list(shape.stage_ranks) or [s % pp for s in range(stages)]
     return list(shape.in_flight) or [pp - r for r in ranks]
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_ranges(
+    part: Partition,
+    blocks: tuple[BlockSpec, ...],
+    stages: int,
+    pp: int,
+    mbs: int,
+    flight: tuple[int, ...],
+) -> tuple[range, ...]:
+    """:func:`_ranges`, memoised: the planner asks for the same cut thousands of times."""
+    return tuple(_ranges(part, blocks, stages, pp, mbs, flight))
 
 
 def _ranges(

@@ -1,0 +1,400 @@
+"""The layout planner's cost model against measurement (CPU), and its predictions at scale.
+
+    python benchmarks/bench_planner.py     # measure + predict CPU layouts -> results/planner.json
+    python benchmarks/bench_planner.py --steps 2 --layouts "dp4 ddp,tp2 pp2"   # dry run
+    python benchmarks/bench_planner.py --scale         # docs/planner.md's tables (no processes)
+    python benchmarks/bench_planner.py --measure-cpu   # DEVICES["cpu"]'s figure
+
+**Measurement**: ``recipes/clip_llama_cpu.yaml``'s model and data trained by
+``Trainer(strategy=MultimodalParallelStrategy(...))`` on 4 gloo processes, one layout after
+another, round-robin (machine load hits them alike), at one global batch (``--global-batch``
+samples per optimizer step: ``data.batch_size = global / dp``). A step's time is the slowest
+rank's, the median over the steps after ``--warmup``. In the same world: the CPU's fp32 matmul
+rate on one thread at the model's shapes (``cores / processes`` of it per process when the
+processes outnumber the cores), the fixed cost per block and micro-batch
+(``DeviceSpec.overhead``: the blocks timed at micro-batch 1 and 8, the intercept), and gloo's
+alpha-beta (all-reduce of 4 B and 4 MiB, the ring formula solved: a loopback link class).
+
+**Prediction**: :func:`lightning_mmpar.layout.cost.predict` of each layout with that device and
+link class; **Spearman's rank correlation** of predicted vs measured step times goes to the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_stability import StepTimer  # the same per-batch wall-time callback
+
+ROOT = Path(__file__).resolve().parents[1]
+YAML = ROOT / "recipes" / "clip_llama_cpu.yaml"
+OUT = ROOT / "benchmarks" / "results" / "planner.json"
+WORLD = 4
+
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "dp4 ddp": {"data_parallel": "ddp"},
+    "dp4 fsdp": {"data_parallel": "fsdp"},
+    "tp2 dp2": {"tensor_parallel": 2},
+    "pp2 dp2": {"pipeline_parallel": 2, "micro_batches": 4},
+    "tp4": {"tensor_parallel": 4},
+    "tp2 pp2": {"tensor_parallel": 2, "pipeline_parallel": 2, "micro_batches": 4},
+    "pp4": {"pipeline_parallel": 4, "micro_batches": 8},
+}
+"""Strategy arguments of each measured layout (4 processes; dp is what remains)."""
+
+
+def _dp(args: dict[str, Any]) -> int:
+    return WORLD // (args.get("tensor_parallel", 1) * args.get("pipeline_parallel", 1))
+
+
+def layout_spec(args: dict[str, Any], global_batch: int, precision: str = "32-true") -> Any:
+    from lightning_mmpar.layout.model import LayoutSpec
+
+    pp, dp = args.get("pipeline_parallel", 1), _dp(args)
+    m = args.get("micro_batches", 1) if pp > 1 else 1
+    return LayoutSpec(
+        tp=args.get("tensor_parallel", 1), pp=pp, dp=dp, micro_batches=m,
+        micro_batch_size=global_batch // dp // m, schedule="1f1b",
+        data_parallel=args.get("data_parallel", "fsdp"), precision=precision,
+    )  # fmt: skip
+
+
+def matmul_flops(rows: int, width: int, seconds: float = 0.5) -> float:
+    """fp32 FLOP/s of ``[rows, width] x [width, 2 width]`` on this thread."""
+    a, b = torch.randn(rows, width), torch.randn(width, 2 * width)
+    for _ in range(5):
+        a @ b
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        n += 1
+    return 2.0 * rows * width * 2 * width * n / (time.perf_counter() - start)
+
+
+def gloo_alpha_beta(world: int, repeats: int = 20) -> tuple[float, float]:
+    """Per-hop latency (s) and bandwidth (bytes/s) of the ring all-reduce of this world."""
+    from lightning_mmpar.parallel import comm
+
+    def timed(numel: int) -> float:
+        t = torch.zeros(numel)
+        comm.all_reduce(t)
+        times = []
+        for _ in range(repeats):
+            comm.barrier()
+            start = time.perf_counter()
+            comm.all_reduce(t)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    small, big, nbytes = timed(1), timed(2**20), 4 * 2**20
+    steps = 2 * (world - 1)
+    return small / steps, steps * (nbytes / world) / max(big - small, 1e-9)
+
+
+def block_overhead(repeats: int = 10) -> float:
+    """Fixed seconds per block per micro-batch (forward + backward) on this thread: the CPU
+    model's blocks timed at micro-batch 1 and 8, ``t(b) = n_blocks * overhead + b * c``."""
+    from lightning.pytorch import seed_everything
+
+    from lightning_mmpar.models.fusion import FusionModel
+    from lightning_mmpar.recipes.partition import build_module
+
+    seed_everything(0, verbose=False)
+    module, data = build_module(yaml.safe_load(YAML.read_text()), meta=False)
+    module.configure_model()
+    blocks, size = module.pipeline_blocks(), module.fusion_config.vision.image_size
+
+    def timed(b: int) -> float:
+        ids = torch.randint(0, 32, (b, int(data.max_length)))
+        state = FusionModel.pipeline_inputs(torch.randn(b, 3, size, size), ids)
+        times = []
+        for _ in range(repeats):
+            start, out = time.perf_counter(), state
+            for block in blocks:  # training mode: modules start in it
+                out = block(*out)
+            sum(t.float().sum() for t in out if t.requires_grad).backward()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[2:])
+
+    t1, t8 = timed(1), timed(8)
+    return max(0.0, (8 * t1 - t8) / 7 / len(blocks))
+
+
+def run_one(size: int, args: dict[str, Any], global_batch: int, steps: int) -> list[float]:
+    from lightning.pytorch import seed_everything
+
+    from lightning_mmpar import MultimodalParallelStrategy
+    from lightning_mmpar.recipes.partition import build_module
+    from lightning_mmpar.testing import quiet_trainer
+
+    config = yaml.safe_load(YAML.read_text())
+    config["data"]["batch_size"] = global_batch // _dp(args)
+    seed_everything(0, verbose=False)
+    module, data = build_module(config, meta=False)
+    timer = StepTimer()
+    trainer = quiet_trainer(devices=size, strategy=MultimodalParallelStrategy(**args),
+                            max_steps=steps, limit_val_batches=0, callbacks=[timer])  # fmt: skip
+    trainer.fit(module, datamodule=data)
+    return timer.times
+
+
+def worker(rank: int, size: int, names: list[str], global_batch: int, steps: int,
+           rounds: int) -> dict[str, Any]:  # fmt: skip
+    torch.set_num_threads(1)
+    times: dict[str, list[list[float]]] = {n: [] for n in names}
+    for _ in range(rounds):
+        for name in names:
+            times[name].append(run_one(size, LAYOUTS[name], global_batch, steps))
+    alpha, beta = gloo_alpha_beta(size)
+    flops = matmul_flops(global_batch * 16, 64) if rank == 0 else 0.0
+    overhead = block_overhead() if rank == 0 else 0.0
+    return {"times": times, "alpha": alpha, "beta": beta, "flops": flops, "overhead": overhead}
+
+
+def spearman(x: list[float], y: list[float]) -> float:
+    """Spearman's rho: Pearson's correlation of the ranks (ties share their average rank)."""
+
+    def ranks(v: list[float]) -> list[float]:
+        s = sorted(v)
+        return [(s.index(a) + len(s) - 1 - s[::-1].index(a)) / 2 for a in v]
+
+    rx, ry = ranks(x), ranks(y)
+    if len(set(rx)) < 2 or len(set(ry)) < 2:
+        return 0.0
+    return statistics.correlation(rx, ry)
+
+
+def predict_cpu(names: list[str], global_batch: int, flops: float, overhead: float,
+                alpha: float, beta: float) -> dict[str, dict[str, float]]:  # fmt: skip
+    """The cost model's step time of each layout on this machine's measured figures."""
+    from lightning_mmpar.layout.cost import DeviceSpec, predict
+    from lightning_mmpar.layout.devices import DeviceGraph
+    from lightning_mmpar.plans.fusion_cost import fusion_model_spec
+    from lightning_mmpar.recipes.partition import build_module
+
+    share = min(1.0, (os.cpu_count() or 1) / WORLD)
+    device = DeviceSpec("cpu", {"fp32": flops * share / 1e12}, 16.0, efficiency=1.0,
+                        overhead=overhead / share)  # fmt: skip
+    graph = DeviceGraph.from_yaml({"nodes": 1, "gpus_per_node": WORLD,
+                                   "intra": {"bandwidth": beta, "latency": alpha}})  # fmt: skip
+    config = yaml.safe_load(YAML.read_text())
+    module, data = build_module(config)
+    out = {}
+    for name in names:
+        layout = layout_spec(LAYOUTS[name], global_batch)
+        model = fusion_model_spec(module, layout, int(data.max_length))
+        p = predict(model, layout, device, graph)
+        out[name] = {"step_s": p.step_seconds, "compute_s": p.compute_seconds,
+                     "bubble": p.bubble, "comm_s": p.comm_seconds}  # fmt: skip
+    return out
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    from lightning_mmpar.testing import spawn
+
+    names = [n.strip() for n in args.layouts.split(",")]
+    unknown = [n for n in names if n not in LAYOUTS]
+    if unknown:
+        raise SystemExit(f"unknown layouts {unknown}; choose from {list(LAYOUTS)}")
+    started = time.perf_counter()
+    per_rank = spawn(worker, WORLD, names, args.global_batch, args.steps, args.rounds,
+                     timeout=3600)  # fmt: skip
+    measured = {}
+    for name in names:
+        steps = []
+        for r in range(args.rounds):
+            runs = [rank["times"][name][r] for rank in per_rank]
+            steps += [max(ts) for ts in zip(*runs, strict=True)][args.warmup :]
+        measured[name] = statistics.median(steps)
+    alpha = statistics.median(r["alpha"] for r in per_rank)
+    beta = statistics.median(r["beta"] for r in per_rank)
+    flops, overhead = per_rank[0]["flops"], per_rank[0]["overhead"]
+    predicted = predict_cpu(names, args.global_batch, flops, overhead, alpha, beta)
+    rho = spearman([measured[n] for n in names], [predicted[n]["step_s"] for n in names])
+    for n in names:
+        print(f"{n:10} measured {measured[n] * 1e3:8.1f} ms  predicted "
+              f"{predicted[n]['step_s'] * 1e3:8.1f} ms")  # fmt: skip
+    print(f"Spearman rank correlation: {rho:.3f}")
+    return {
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                    "torch": torch.__version__},
+        "config": {"yaml": str(YAML.relative_to(ROOT)), "processes": WORLD,
+                   "global_batch": args.global_batch, "steps": args.steps,
+                   "warmup": args.warmup, "rounds": args.rounds},
+        "command": "python benchmarks/bench_planner.py " + " ".join(sys.argv[1:]),
+        "cpu_fp32_flops_one_thread": flops,
+        "cpu_overhead_s_per_block_micro_batch": overhead,
+        "gloo": {"latency_s": alpha, "bandwidth_bytes_s": beta},
+        "measured_step_s": measured,
+        "predicted": predicted,
+        "spearman": rho,
+        "wall_s": round(time.perf_counter() - started, 1),
+    }  # fmt: skip
+
+
+VIT_L14_336 = {"image_size": 336, "patch_size": 14, "width": 1024, "layers": 24, "heads": 16,
+               "output_dim": 768}  # fmt: skip
+SCALE_MODELS: dict[str, dict[str, Any]] = {
+    # Qwen2-VL-7B-sized: ViT-L/14 at 336 px (576 patches) + Llama-2-7B dims
+    "7B": {"vision": VIT_L14_336,
+           "language": {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                        "num_attention_heads": 32, "num_key_value_heads": 32},
+           "adapter": {"num_blocks": 4, "heads": 32, "width": 4096, "ffn_width": 16384}},
+    # 70B-class: the same ViT + Llama-2-70B dims (GQA: 8 key-value heads)
+    "70B": {"vision": VIT_L14_336,
+            "language": {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                         "num_attention_heads": 64, "num_key_value_heads": 8},
+            "adapter": {"num_blocks": 4, "heads": 64, "width": 8192, "ffn_width": 32768}},
+}  # fmt: skip
+"""docs/planner.md's models: ViT frozen (TECHNIQUES 1.5), adapters + decoder + embeddings
+trained, vocabulary 32000, text length 2048."""
+SCALE_WORLDS = (8, 16, 64, 256, 1024)
+TEXT_LENGTH = 2048
+
+
+def scale_module(name: str) -> Any:
+    """The ``ClipLlamaModule`` of :data:`SCALE_MODELS` ``name``, built on the meta device."""
+    from lightning_mmpar.models.adapter import AdapterConfig
+    from lightning_mmpar.models.fusion import FusionConfig
+    from lightning_mmpar.models.language import LanguageConfig
+    from lightning_mmpar.models.vision import VisionConfig
+    from lightning_mmpar.recipes.config import FinetuneConfig
+    from lightning_mmpar.recipes.module import ClipLlamaModule
+
+    dims = SCALE_MODELS[name]
+    fusion = FusionConfig(
+        vision=VisionConfig(**dims["vision"]), language=LanguageConfig(**dims["language"]),
+        adapter=AdapterConfig(**dims["adapter"]), contrastive_dim=768,
+    )  # fmt: skip
+    module = ClipLlamaModule(
+        fusion=fusion, vocab_size=32000,
+        finetune=FinetuneConfig(train_vision=False, train_decoder_layers=-1,
+                                train_embeddings=True),
+    )  # fmt: skip
+    with torch.device("meta"):
+        module.configure_model()
+    return module
+
+
+def scale_graph(world: int) -> Any:
+    """Nodes of 8 GPUs on NVSwitch (the default link classes), joined by one 400 Gb/s NIC per GPU
+    (50 GB/s, 5 us: InfiniBand NDR as in NVIDIA's DGX H100 reference architecture)."""
+    from lightning_mmpar.layout.devices import DeviceGraph, LinkClass
+
+    return DeviceGraph.uniform(8, 8).replicate(world // 8, LinkClass("NET", 50e9, 5e-6))
+
+
+def scale_plan(model: Any, world: int, device: Any, accept: Any, base: Any) -> list[Any]:
+    """Ranked layouts at scale: global batch ``max(64, 2 x world)``, v 1 or 2, sequence
+    parallelism with tp, FSDP."""
+    from lightning_mmpar.layout.planner import plan
+
+    ranked, _ = plan(model, world, device, scale_graph(world), accept=accept,
+                     global_batch=max(64, 2 * world), virtual=(1, 2), sequence_parallel=(True,),
+                     data_parallel=("fsdp",), base=base)  # fmt: skip
+    return ranked
+
+
+def scale_tables(devices: tuple[str, ...] = ("h100", "h200"), top: int = 3) -> str:
+    """Markdown: the best predicted layouts of each model on 8 .. 1024 GPUs, bf16, global
+    batch ``max(64, 2 x GPUs)`` sequences, on :func:`scale_graph`."""
+    from lightning_mmpar.layout.cost import DEVICES, GIB, predict
+    from lightning_mmpar.layout.model import LayoutSpec
+    from lightning_mmpar.layout.planner import describe
+    from lightning_mmpar.recipes.plan import accept_layout, spec_cache
+
+    lines = []
+    for name in SCALE_MODELS:
+        module = scale_module(name)
+        base = LayoutSpec(precision="bf16-mixed", sequence_parallel=True)
+        model = spec_cache(module, TEXT_LENGTH)
+        accept = accept_layout(module, TEXT_LENGTH)
+        for dev in devices:
+            lines += [f"\n### {name} fusion on {dev.upper()} (bf16)\n",
+                      "| GPUs | global batch | layout | mem/rank GiB | comm GB/step | bubble "
+                      "| step s | MFU |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+            for world in SCALE_WORLDS:
+                batch, graph = max(64, 2 * world), scale_graph(world)
+                ranked = scale_plan(model, world, DEVICES[dev], accept, base)
+                picks = ranked[:top]
+                if world == 16 and name == "7B":  # the brief's launch, wherever it ranks
+                    brief = LayoutSpec(tp=4, pp=2, dp=2, virtual=2, micro_batches=4,
+                                       micro_batch_size=batch // 2 // 4,
+                                       schedule="interleaved_1f1b", sequence_parallel=True,
+                                       precision="bf16-mixed")  # fmt: skip
+                    picks.append(predict(model(brief), brief, DEVICES[dev], graph))
+                for p in picks or []:
+                    lines.append(
+                        f"| {world} | {batch} | {describe(p.layout)} | "
+                        f"{p.memory.total / GIB:.1f} | {p.comm_total_bytes / 1e9:.1f} | "
+                        f"{p.bubble:.3f} | {p.step_seconds:.3f} | {100 * p.mfu:.1f}% |"
+                    )
+                if not ranked:
+                    lines.append(f"| {world} | {batch} | no layout fits | | | | | |")
+    lines += fp8_anchor()
+    return "\n".join(lines)
+
+
+def fp8_anchor() -> list[str]:
+    """The 7B fusion's best bf16 layout on 8 H100s, predicted again in fp8 (torchtitan's
+    Float8 anchor: +28% on Llama 3.1 8B, 8 H100s; Liang et al. 2024)."""
+    from dataclasses import replace
+
+    from lightning_mmpar.layout.cost import DEVICES, predict
+    from lightning_mmpar.layout.model import LayoutSpec
+    from lightning_mmpar.layout.planner import describe
+    from lightning_mmpar.recipes.plan import accept_layout, spec_cache
+
+    module = scale_module("7B")
+    model, h100 = spec_cache(module, TEXT_LENGTH), DEVICES["h100"]
+    base = LayoutSpec(precision="bf16-mixed", sequence_parallel=True)
+    bf16 = scale_plan(model, 8, h100, accept_layout(module, TEXT_LENGTH), base)[0]
+    fp8 = predict(model(bf16.layout), replace(bf16.layout, precision="fp8"), h100, scale_graph(8))
+    gain = bf16.step_seconds / fp8.step_seconds - 1
+    return [
+        f"\n7B on 8 H100, {describe(bf16.layout)}: bf16 {bf16.step_seconds:.3f} s/step, fp8 "
+        f"{fp8.step_seconds:.3f} s/step: +{100 * gain:.0f}% throughput predicted"
+    ]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layouts", default=",".join(LAYOUTS))
+    p.add_argument("--global-batch", type=int, default=48)
+    p.add_argument("--steps", type=int, default=8, help="steps per run")
+    p.add_argument("--warmup", type=int, default=3, help="first steps not timed")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--out", default=str(OUT))
+    p.add_argument("--scale", action="store_true", help="print docs/planner.md's tables")
+    p.add_argument(
+        "--measure-cpu", action="store_true", help="print the one-thread fp32 matmul rate"
+    )
+    args = p.parse_args(argv)
+    if args.measure_cpu:
+        torch.set_num_threads(1)
+        rates = [matmul_flops(args.global_batch * 16, 64) for _ in range(5)]
+        print(f"cpu fp32, one thread: {statistics.median(rates) / 1e12:.4f} TFLOP/s")
+        return {}
+    if args.scale:
+        print(scale_tables())
+        return {}
+    args.warmup = min(args.warmup, args.steps - 1)
+    report = measure(args)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()

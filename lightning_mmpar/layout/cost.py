@@ -1,0 +1,400 @@
+"""Predicted step time, memory and MFU of a layout from a model's costed blocks (pure Python).
+
+:func:`predict` = compute (FLOPs over ``peak x efficiency`` of a :data:`DEVICES` entry) +
+communication (:func:`lightning_mmpar.layout.comm.comm_bytes` timed by
+:func:`lightning_mmpar.layout.devices.collective_seconds` on the placed groups, no overlap) +
+the pipeline bubble (:func:`bubble_fraction`)::
+
+    step = (compute + tp + ep + pp comm) / (1 - bubble) + dp comm
+    MFU  = model FLOPs / (step x world x peak)       (PaLM, Chowdhery et al. 2022, app. B)
+
+and memory per rank = :func:`lightning_mmpar.layout.memory.state_bytes` (exact) +
+:func:`activation_bytes` at the schedule's peak. Formulas and assumptions: docs/planner.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_mmpar.layout.comm import comm_bytes
+from lightning_mmpar.layout.devices import DeviceGraph, collective_seconds
+from lightning_mmpar.layout.memory import stage_blocks, state_bytes
+from lightning_mmpar.layout.partition import plan_stages
+from lightning_mmpar.layout.placement import group_positions
+from lightning_mmpar.layout.stages import BlockSpec
+
+__all__ = ["DEVICES", "DeviceSpec", "Prediction", "RankMemory", "activation_bytes",
+           "bubble_fraction", "compute_seconds", "in_flight", "predict", "stage_ranks"]  # fmt: skip
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator: dense peak TFLOP/s by precision, memory, and the fraction of the peak
+    that training matmuls reach (``efficiency``: compute seconds = FLOPs / (peak x it))."""
+
+    name: str
+    tflops: dict[str, float]  # dense (no 2:4 sparsity) peak by fp32, tf32, bf16, fp8
+    memory_gib: float  # as nvidia-smi reports the total
+    efficiency: float = 0.6  # achieved / peak of a training step's kernels (assumed)
+    overhead: float = 0.0  # fixed seconds per block per micro-batch, forward + backward
+    source: str = ""
+
+    def peak(self, precision: str) -> float:
+        """Peak FLOP/s for a Lightning precision (``32-true``: fp32, ``bf16-*``: bf16, ``fp8``);
+        ``ValueError`` for a precision the device has no figure for."""
+        key = _PEAK_KEY.get(precision)
+        if key is None or key not in self.tflops:
+            raise ValueError(
+                f"precision {precision!r} has no peak figure on {self.name} (figures: "
+                f"{sorted(self.tflops)}); use one of "
+                f"{sorted(p for p, k in _PEAK_KEY.items() if k in self.tflops)}."
+            )
+        return self.tflops[key] * 1e12
+
+
+_PEAK_KEY = {"32-true": "fp32", "tf32": "tf32", "bf16-mixed": "bf16", "bf16-true": "bf16",
+             "fp8": "fp8"}  # fmt: skip
+ACTIVATION_ELEMENT_BYTES = {"32-true": 4, "tf32": 4, "bf16-mixed": 2, "bf16-true": 2, "fp8": 2}
+"""Bytes per kept activation element (fp8: torchao keeps bf16 activations, casts per matmul)."""
+_NVIDIA = "NVIDIA datasheet, dense (half the 'with sparsity' figure)"
+DEVICES: dict[str, DeviceSpec] = {
+    "a100": DeviceSpec("A100-SXM4-80GB", {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0}, 80.0,
+                       source=f"{_NVIDIA}: A100 Tensor Core GPU datasheet (2021)"),
+    "h100": DeviceSpec("H100-SXM5-80GB", {"fp32": 67.0, "tf32": 494.5, "bf16": 989.5,
+                                          "fp8": 1979.0}, 79.6,
+                       source=f"{_NVIDIA}: H100 Tensor Core GPU datasheet (2023)"),
+    "h200": DeviceSpec("H200-SXM-141GB", {"fp32": 67.0, "tf32": 494.5, "bf16": 989.5,
+                                          "fp8": 1979.0}, 140.4,
+                       source=f"{_NVIDIA}: H200 Tensor Core GPU datasheet (2024)"),
+    "b200": DeviceSpec("B200-SXM-180GB", {"fp32": 75.0, "tf32": 1100.0, "bf16": 2250.0,
+                                          "fp8": 4500.0}, 179.1,
+                       source=f"{_NVIDIA}: HGX B200 datasheet (2024), per GPU = 1/8"),
+    # Measured (`python benchmarks/bench_planner.py --measure-cpu`, one thread, fp32 matmuls of
+    # the CPU recipe's shapes; overhead: block_overhead()), 2-core VM under load; the benchmark
+    # measures its own figures in the run it predicts (benchmarks/results/planner.json).
+    "cpu": DeviceSpec("CPU core (fp32, one thread)", {"fp32": 0.052}, 16.0, efficiency=1.0,
+                      overhead=2.9e-3, source="measured, benchmarks/bench_planner.py"),
+}  # fmt: skip
+"""Devices by ``--device`` name (memory ``nvidia-smi`` totals; the H200 one as on an H200 SXM)."""
+
+_NOT_RECOMPUTED = ("vision.stem", "vision.pool", "bridge", "head")  # plans.checkpoint_units
+REPLICATED_SHARE = 10 / 34
+"""Share of a transformer layer's kept activations that tensor parallelism without sequence
+parallelism leaves whole on every rank (norm and dropout inputs, the column-parallel inputs):
+``10 s b h`` of ``34 s b h`` (Korthikanti et al. 2022, "Reducing Activation Recomputation in
+Large Transformer Models", eq. 2-4; attention scores not counted, flash kernels)."""
+
+
+def stage_ranks(schedule: str, pp: int, virtual: int) -> list[int]:
+    """Pipeline rank of each of the ``pp * virtual`` stages: the loop layout ``s % pp``, or for
+    the V schedules (``zbv_zero_bubble``, ``dualpipev``) ``s`` then ``2 pp - 1 - s`` (as
+    ``lightning_mmpar.parallel.pipeline_schedules.stage_ranks``)."""
+    stages = pp * virtual
+    if schedule in ("zbv_zero_bubble", "dualpipev") and stages == 2 * pp:
+        return [s if s < pp else 2 * pp - 1 - s for s in range(stages)]
+    return [s % pp for s in range(stages)]
+
+
+def in_flight(schedule: str, pp: int, virtual: int, micro_batches: int) -> list[int]:
+    """Micro-batches whose activations each stage holds at its peak: all ``m`` under GPipe,
+    ``min(m, pp - rank)`` under the 1F1B family (PipeDream-Flush; Narayanan et al. 2021) as
+    the strategy's memory plan counts them; the interleaved schedules' warm-up of rank ``r``
+    holds ``2 (pp - 1 - r) + (v - 1) pp + 1`` stage-micro-batches (Megatron-LM's
+    ``get_num_warmup_microbatches``), spread evenly over its ``v`` stages (rounded up)."""
+    ranks, m = stage_ranks(schedule, pp, virtual), micro_batches
+    if schedule == "gpipe":
+        return [m] * len(ranks)
+    if schedule in ("interleaved_1f1b", "interleaved_zero_bubble") and pp > 1:
+        return [min(m, math.ceil((2 * (pp - 1 - r) + (virtual - 1) * pp + 1) / virtual))
+                for r in ranks]  # fmt: skip
+    return [min(m, pp - r) for r in ranks]
+
+
+def bubble_fraction(schedule: str, pp: int, virtual: int, micro_batches: int) -> float:
+    """Idle fraction of a pipeline rank's step (0 without pipelining).
+
+    With ``F``, ``B``, ``W`` the forward, input-gradient and weight-gradient times of one stage
+    and micro-batch, assumed ``B = 1.5 F``, ``W = F`` (attention's backward has no weight part):
+
+    * ``gpipe``, ``1f1b``: ``(p - 1) / (m + p - 1)`` (GPipe, Huang et al. 2019; PipeDream-Flush,
+      Narayanan et al. 2021).
+    * ``interleaved_1f1b``, ``looped_bfs``: ``(p - 1) / (v m + p - 1)`` (Narayanan et al. 2021;
+      Lamy-Poirier 2023 for breadth-first, same idle time).
+    * ``interleaved_zero_bubble``: the interleaved bubble scaled by ZB-H1's
+      ``(F + B - W) / (F + B + W)`` (Qi et al. 2023, "Zero Bubble Pipeline Parallelism").
+    * ``zbv_zero_bubble``, ``dualpipev``: ZB-V's ``(p - 1)(F + B - 2 W)`` idle per chunk (Qi et
+      al. 2024; DeepSeek-V3 report Table 2 gives DualPipe's ``(p/2 - 1)(F&B + B - 3 W)``, which
+      needs overlapped forward-backward chunks this package does not run, so DualPipeV is
+      charged ZB-V's figure).
+
+    Raises:
+        ValueError: an unknown schedule or sizes < 1.
+    """
+    for name, value in (("pp", pp), ("virtual", virtual), ("micro_batches", micro_batches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} ({value!r}) must be an int >= 1.")
+    if schedule not in _SCHEDULES:
+        raise ValueError(f"schedule {schedule!r} is unknown; choose one of {sorted(_SCHEDULES)}.")
+    if pp == 1:
+        return 0.0
+    p, v, m = pp, virtual, micro_batches
+    f, b, w = 1.0, 1.5, 1.0
+    work = v * m * (f + b + w) if schedule in ("zbv_zero_bubble", "dualpipev") else m * (f + b + w)
+    loop, zb = (p - 1) * (f + b + w), (p - 1) * (f + b - w)
+    # V schedules: per chunk (half a rank's layers), 2 m (F + B + W) of work per step
+    idle = {"gpipe": loop, "1f1b": loop, "interleaved_1f1b": loop / v, "looped_bfs": loop / v,
+            "interleaved_zero_bubble": zb / v, "zbv_zero_bubble": (p - 1) * (f + b - 2 * w),
+            "dualpipev": (p - 1) * (f + b - 2 * w)}  # fmt: skip
+    return idle[schedule] / (idle[schedule] + work)
+
+
+_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
+              "zbv_zero_bubble", "dualpipev")  # fmt: skip
+
+
+def _tp_share(block: BlockSpec, layout: Any, kept: bool) -> float:
+    """The share of a block's work (``kept=False``) or kept activations (``kept=True``) one
+    tensor-parallel rank carries."""
+    tp = layout.tp
+    if tp == 1:
+        return 1.0
+    if block.kind == "vision" and layout.vision_parallel == "replicate":
+        return 1.0
+    if block.kind == "vision" and layout.vision_parallel == "dp":
+        return 1.0 / tp  # 1 / tp of the images, whole blocks
+    if kept and not layout.sequence_parallel:
+        return REPLICATED_SHARE + (1 - REPLICATED_SHARE) / tp
+    return 1.0 / tp
+
+
+def _stages_of(model: Any, layout: Any) -> tuple[list[range], list[int], list[int]]:
+    """Block ranges, pipeline rank and in-flight micro-batches of every stage."""
+    plan = _plan(tuple(model.blocks), layout.pp, layout.virtual, layout.partition)
+    ranks = stage_ranks(layout.schedule, layout.pp, layout.virtual)
+    return plan.ranges, ranks, in_flight(layout.schedule, layout.pp, layout.virtual,
+                                         layout.micro_batches)  # fmt: skip
+
+
+def activation_bytes(model: Any, layout: Any, pp_rank: int = 0) -> int:
+    """Kept activation bytes of pipeline rank ``pp_rank`` at the schedule's peak.
+
+    Per stage on the rank: ``sum(BlockSpec.activation_bytes) x micro_batch_size x in_flight``
+    (:func:`in_flight`), times the element size of ``layout.precision`` / 4 (the specs count
+    fp32), times the tensor-parallel share (``1 / tp``, with sequence parallelism; without it
+    :data:`REPLICATED_SHARE` stays whole; the ViT under ``vision_parallel='replicate'`` is
+    not divided). Activation checkpointing keeps only the inputs of recomputed blocks
+    (``ModelSpec.boundaries`` of the block before) and adds the largest such block's activations of
+    one micro-batch (recomputed in its backward).
+
+    ``model``: a ``ModelSpec`` (``.blocks``, ``.boundaries``); ``layout``: a
+    ``LayoutSpec``. Raises ``ValueError`` from :func:`plan_stages` for a pipeline the blocks
+    cannot fill.
+    """
+    ranges, ranks, flight = _stages_of(model, layout)
+    scale = ACTIVATION_ELEMENT_BYTES.get(layout.precision, 4) / 4 * layout.micro_batch_size
+    inputs = _input_bytes(model)
+    total, recompute = 0.0, 0.0
+    for r, rank, k in zip(ranges, ranks, flight, strict=True):
+        if rank != pp_rank:
+            continue
+        for i in r:
+            block = model.blocks[i]
+            kept = block.activation_bytes * _tp_share(block, layout, kept=True)
+            if layout.activation_checkpointing and block.name not in _NOT_RECOMPUTED:
+                recompute = max(recompute, kept)
+                kept = inputs[i] * (1 / layout.tp if layout.sequence_parallel else 1.0)
+            total += kept * k
+    return round((total + recompute) * scale)
+
+
+def _input_bytes(model: Any) -> Sequence[float]:
+    """Per-sample bytes entering each block (kept under checkpointing): the previous block's
+    outputs (``ModelSpec.boundaries``; image tokens passed on unchanged count at every block,
+    an over-estimate); without boundaries an eighth of the block's activations."""
+    bounds = getattr(model, "boundaries", ())
+    if bounds:
+        sizes = [float(sum(t.bytes_per_sample for t in b)) for b in bounds]
+        return (0.0, *sizes[:-1])
+    return tuple(b.activation_bytes / 8 for b in model.blocks)
+
+
+def _rank_flops(model: Any, layout: Any) -> tuple[list[float], list[float], float]:
+    """FLOPs per optimizer step of each pipeline rank (one tp shard, recomputation included),
+    its block runs per micro-batch (recomputed ones count 4/3), and the global model FLOPs."""
+    ranges, ranks, _ = _stages_of(model, layout)
+    samples = layout.micro_batch_size * layout.micro_batches * layout.accumulate
+    per_rank, runs = [0.0] * layout.pp, [0.0] * layout.pp
+    for r, rank in zip(ranges, ranks, strict=True):
+        for i in r:
+            block = model.blocks[i]
+            again = layout.activation_checkpointing and block.name not in _NOT_RECOMPUTED
+            extra = 4 / 3 if again else 1.0  # one more forward, ~1/3 of forward + backward
+            per_rank[rank] += block.flops * _tp_share(block, layout, kept=False) * extra * samples
+            runs[rank] += extra
+    return per_rank, runs, sum(b.flops for b in model.blocks) * samples * layout.dp
+
+
+def compute_seconds(model: Any, layout: Any, device: DeviceSpec) -> list[float]:
+    """Compute seconds per optimizer step of each pipeline rank (no bubble): its FLOPs over
+    ``peak x efficiency``, plus ``device.overhead`` per block per micro-batch."""
+    rate = device.peak(layout.precision) * device.efficiency
+    flops, runs, _ = _rank_flops(model, layout)
+    batches = layout.micro_batches * layout.accumulate
+    return [f / rate + device.overhead * n * batches for f, n in zip(flops, runs, strict=True)]
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes on the fullest rank: exact state (parameters, gradients, optimizer) + activations."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    pp_rank: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + self.activations
+
+    def describe(self) -> str:
+        """``93.1 GiB (pipeline rank 0: parameters 41.2 + gradients ... + activations 21.0)``."""
+        parts = ("parameters", "gradients", "optimizer", "activations")
+        terms = " + ".join(f"{p} {getattr(self, p) / GIB:.1f}" for p in parts)
+        return f"{self.total / GIB:.1f} GiB (pipeline rank {self.pp_rank}: {terms})"
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """:func:`predict`'s answer for one layout (per optimizer step)."""
+
+    layout: Any
+    memory: RankMemory  # the fullest rank's bytes
+    comm_bytes: dict[str, int]  # per step by "<dim>.<kind>", the largest over pipeline ranks
+    comm_seconds: dict[str, float]  # per step by dimension (tp, ep, pp, dp)
+    compute_seconds: float  # the slowest pipeline rank's, no bubble
+    bubble: float
+    step_seconds: float
+    mfu: float
+    fits: bool
+    reason: str = ""
+    """Why it does not fit (empty when it does)."""
+
+    @property
+    def comm_total_bytes(self) -> int:
+        return sum(self.comm_bytes.values())
+
+
+_DIMS = ("tp", "ep", "edp", "dp", "pp")
+_P2P = {"send": "send_recv", "recv": "send_recv", "broadcast": "all_gather"}
+
+
+def predict(
+    model: Any,
+    layout: Any,
+    device: DeviceSpec,
+    graph: Any = None,
+    placement: Any = None,
+    *,
+    memory_gib: float | None = None,
+) -> Prediction:
+    """Predict one layout's step time, memory per rank, communication and MFU (module doc).
+
+    ``model``: a ``ModelSpec``; ``layout``: a ``LayoutSpec``; ``graph``: a ``DeviceGraph`` of
+    ``>= layout.world`` devices (None: NVSwitch nodes of 8); ``placement``: a ``Placement``
+    (None: Megatron's order); ``memory_gib``: what ``fits`` checks (None: the device's).
+
+    Raises:
+        ValueError: the graph has fewer devices than the layout's world, a precision the device
+            has no figure for, or a pipeline the model's blocks cannot fill.
+    """
+    world = layout.world
+    graph = graph if graph is not None else _uniform(world)
+    if graph.num_devices < world:
+        raise ValueError(
+            f"the topology has {graph.num_devices} devices, the layout needs {world} "
+            "(tp * pp * dp); give a topology of the whole job or a smaller layout."
+        )
+    order = tuple(placement.devices) if placement is not None else tuple(range(world))
+    bubble = bubble_fraction(layout.schedule, layout.pp, layout.virtual, layout.micro_batches)
+    compute = compute_seconds(model, layout, device)
+    critical, exposed = [], []
+    worst_bytes: dict[str, int] = {}
+    worst_secs: dict[str, float] = {}
+    memories = []
+    for r in range(layout.pp):
+        nbytes = comm_bytes(model, layout, r)
+        secs = _comm_seconds(graph, model, layout, order, r, nbytes)
+        for key, n in nbytes.items():
+            worst_bytes[key] = max(worst_bytes.get(key, 0), int(n))
+        for dim, s in secs.items():
+            worst_secs[dim] = max(worst_secs.get(dim, 0.0), s)
+        critical.append(compute[r] + sum(secs.get(d, 0.0) for d in ("tp", "ep", "pp")))
+        exposed.append(sum(s for d, s in secs.items() if d not in ("tp", "ep", "pp")))
+        state = state_bytes(model, layout, {"pp": r, "tp": 0, "dp": 0, "ep": 0})
+        acts = activation_bytes(model, layout, r)
+        memories.append(RankMemory(state.parameters, state.gradients, state.optimizer, acts, r))
+    step = max(critical) / (1 - bubble) + max(exposed)
+    model_flops = _rank_flops(model, layout)[2]
+    peak = device.peak(layout.precision)
+    memory = max(memories, key=lambda m: m.total)
+    limit = device.memory_gib if memory_gib is None else memory_gib
+    fits = memory.total <= limit * GIB
+    reason = "" if fits else f"needs {memory.describe()} > {limit:g} GiB"
+    return Prediction(
+        layout=layout, memory=memory, comm_bytes=worst_bytes, comm_seconds=worst_secs,
+        compute_seconds=max(compute), bubble=bubble, step_seconds=step,
+        mfu=model_flops / (step * world * peak) if step > 0 else 0.0, fits=fits, reason=reason,
+    )  # fmt: skip
+
+
+def _comm_seconds(graph: Any, model: Any, layout: Any, order: Sequence[int], pp_rank: int,
+                  nbytes: dict[str, int]) -> dict[str, float]:  # fmt: skip
+    """Seconds per dimension of pipeline rank ``pp_rank``'s collectives, each key timed on the
+    slowest of the rank's groups of its dimension as its messages, every one paying the latency:
+    tp / ep collectives once per block entry and micro-batch (forward ones twice with a pipeline:
+    its forward-only pass), stage sends / receives once per micro-batch and stage, FSDP once per
+    block (its unit), DDP once per 25 MiB bucket (torch's default ``bucket_cap_mb``)."""
+    held = stage_blocks(model, layout, pp_rank)
+    batches, calls = layout.micro_batches * layout.accumulate, dict[str, int]()
+    for c in (c for i in held for c in (model.collectives[i] if model.collectives else ())):
+        n = (2 if c.phase == "forward" and layout.pp > 1 else 1) * batches
+        calls[f"{c.dim}.{c.kind}"] = calls.get(f"{c.dim}.{c.kind}", 0) + n
+    shape, per_pp = (layout.pp, layout.dp // layout.ep, layout.ep, layout.tp), layout.dp * layout.tp
+    out: dict[str, float] = {}
+    for key, n in nbytes.items():
+        dim, _, kind = key.partition(".")
+        if dim not in _DIMS or not n or kind == "barrier":
+            continue
+        if dim == "pp":
+            calls[key] = batches * layout.virtual
+        elif dim in ("dp", "edp"):
+            fsdp = layout.data_parallel == "fsdp" and kind in ("all_gather", "reduce_scatter")
+            calls[key] = len(held) * layout.accumulate if fsdp else -(-n // (25 * 2**20))
+        groups = [g for g in _groups(shape, dim) if dim == "pp" or g[0] // per_pp == pp_rank]
+        k, kind = max(1, calls.get(key, 1)), _P2P.get(kind, kind)
+        t = k * max(collective_seconds(graph, kind, [order[p] for p in g], n / k) for g in groups)
+        label = "dp" if dim == "edp" else dim
+        out[label] = out.get(label, 0.0) + t
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(blocks: tuple[BlockSpec, ...], pp: int, v: int, partition: Any) -> Any:
+    return plan_stages(blocks, pp, v, partition)  # a balanced DP: cached per (blocks, pp, v)
+
+
+@functools.lru_cache(maxsize=16)
+def _uniform(world: int) -> DeviceGraph:
+    return DeviceGraph.uniform(world, min(world, 8))
+
+
+@functools.lru_cache(maxsize=256)
+def _groups(shape: tuple[int, ...], dim: str) -> list[list[int]]:
+    return group_positions(shape, dim)

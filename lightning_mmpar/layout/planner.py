@@ -1,0 +1,165 @@
+"""Enumerate the layouts of ``N`` devices, predict each (:func:`lightning_mmpar.layout.cost.
+predict`) and rank them by predicted step time (pure Python; the model-specific validity
+checks come in as ``accept``, see ``python -m lightning_mmpar.recipes.plan``).
+
+Peers: Megatron-LM and torchtitan take a hand-written layout; DeepSpeed's autotuner and
+Alpa/Galvatron search by trials or by a cost model of their own. This one is a cost model
+checked against the package's own measurements (tests/unit/test_cost_model.py,
+benchmarks/bench_planner.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from lightning_mmpar.layout.cost import DeviceSpec, Prediction, predict
+from lightning_mmpar.layout.model import LayoutSpec
+
+__all__ = ["Rejected", "candidate_layouts", "describe", "divisors", "plan"]
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A layout the planner will not run, and why (invalid, or over the memory limit)."""
+
+    layout: Any
+    reason: str
+    prediction: Prediction | None = None
+    """Set for layouts that are valid but do not fit."""
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n >= 1`` in increasing order."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(
+    world: int,
+    num_blocks: int,
+    *,
+    global_batch: int,
+    max_tp: int = 8,
+    experts: int = 0,
+    virtual: Sequence[int] = (1, 2, 4, 8),
+    micro_batch_counts: Callable[[int, int], Iterable[int]] | None = None,
+    sequence_parallel: Sequence[bool] = (False, True),
+    data_parallel: Sequence[str] = ("fsdp", "ddp"),
+    checkpointing: Sequence[bool] = (False, True),
+    base: Any = None,
+) -> list[Any]:
+    """Every ``LayoutSpec`` of ``world`` devices at a fixed ``global_batch`` (samples per
+    optimizer step): ``tp`` a divisor of ``world`` up to ``max_tp`` (a node's NVLink island),
+    ``pp`` a divisor of the rest with ``pp * v <= num_blocks``, ``dp = world / (tp pp)`` dividing
+    ``global_batch``, ``ep`` a divisor of ``dp`` and of ``experts`` (MoE models only), ``v``
+    from ``virtual`` (``> 1``: ``interleaved_1f1b``), micro-batches per step from
+    ``micro_batch_counts(pp, per_dp_batch)`` (default: ``pp``, ``2 pp``, ``4 pp`` and the whole
+    per-rank batch, those dividing it; 1 without a pipeline), sequence parallelism only with
+    ``tp > 1``, ``ddp`` only with ``dp > 1``. ``base``: a ``LayoutSpec`` whose other fields
+    (precision, vision layout, partition) every candidate keeps.
+
+    Raises:
+        ValueError: ``world``, ``num_blocks`` or ``global_batch`` < 1.
+    """
+    for name, value in (("world", world), ("num_blocks", num_blocks),
+                        ("global_batch", global_batch)):  # fmt: skip
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} ({value!r}) must be an int >= 1.")
+    base = base if base is not None else LayoutSpec()
+    counts = micro_batch_counts or _micro_batch_counts
+    out = []
+    for tp in (d for d in divisors(world) if d <= max_tp):
+        for pp in (d for d in divisors(world // tp) if d <= num_blocks):
+            dp = world // (tp * pp)
+            if global_batch % dp:
+                continue
+            per_dp = global_batch // dp
+            eps = [e for e in divisors(dp) if experts % e == 0] if experts else [1]
+            vs = [v for v in virtual if pp > 1 and pp * v <= num_blocks] if pp > 1 else [1]
+            for ep, v, m in ((e, v, m) for e in eps for v in vs for m in counts(pp, per_dp)):
+                if per_dp % m:
+                    continue
+                schedule = "1f1b" if v == 1 else "interleaved_1f1b"
+                for sp in sequence_parallel if tp > 1 else (False,):
+                    for mode in data_parallel if dp > 1 else ("fsdp",):
+                        for ckpt in checkpointing:
+                            out.append(replace(base, tp=tp, pp=pp, dp=dp, ep=ep, virtual=v,
+                                                micro_batches=m, micro_batch_size=per_dp // m,
+                                                accumulate=1, schedule=schedule,
+                                                sequence_parallel=sp, data_parallel=mode,
+                                                activation_checkpointing=ckpt))  # fmt: skip
+    return out
+
+
+def _micro_batch_counts(pp: int, per_dp: int) -> list[int]:
+    if pp == 1:
+        return [1]
+    return sorted({m for m in (pp, 2 * pp, 4 * pp, per_dp) if m <= per_dp and per_dp % m == 0})
+
+
+def plan(
+    model: Any,
+    world: int,
+    device: DeviceSpec,
+    graph: Any = None,
+    memory_gib: float | None = None,
+    *,
+    candidates: Sequence[Any] | None = None,
+    accept: Callable[[Any], str | None] | None = None,
+    placement: Callable[[Any], Any] | None = None,
+    **enumerate_args: Any,
+) -> tuple[list[Prediction], list[Rejected]]:
+    """Predict every candidate and rank them: ``(ranked, rejected)``.
+
+    ``model``: a ``ModelSpec``, or a function ``layout -> ModelSpec`` when the spec depends on
+    the layout (a fusion model's vocabulary padding and collectives do; cache it).
+    ``ranked``: predictions that fit in ``memory_gib`` (default the device's), fastest
+    predicted step first (ties: less memory). ``rejected``: layouts ``accept`` refuses (its
+    string is the reason; None accepts), whose prediction raises ``ValueError`` (its message),
+    or that do not fit (``"needs 93.1 GiB > 80 GiB: parameters ..."``), in candidate order.
+    ``candidates`` default to :func:`candidate_layouts` (``world``, the model's block count and
+    ``enumerate_args``); ``placement(layout)`` gives each layout's ``Placement`` (None:
+    Megatron's order).
+
+    Raises:
+        ValueError: bad enumeration arguments (see :func:`candidate_layouts`).
+    """
+    spec_of = model if callable(model) else (lambda _: model)
+    if candidates is None:
+        base = enumerate_args.get("base")
+        blocks = len(spec_of(base if base is not None else LayoutSpec()).blocks)
+        candidates = candidate_layouts(world, blocks, **enumerate_args)
+    ranked: list[Prediction] = []
+    rejected: list[Rejected] = []
+    for layout in candidates:
+        reason = accept(layout) if accept is not None else None
+        if reason:
+            rejected.append(Rejected(layout, reason))
+            continue
+        try:
+            place = placement(layout) if placement is not None else None
+            pred = predict(spec_of(layout), layout, device, graph, place, memory_gib=memory_gib)
+        except ValueError as err:
+            rejected.append(Rejected(layout, str(err)))
+            continue
+        if pred.fits:
+            ranked.append(pred)
+        else:
+            rejected.append(Rejected(layout, pred.reason, pred))
+    ranked.sort(key=lambda p: (p.step_seconds, p.memory.total))
+    return ranked, rejected
+
+
+def describe(layout: Any) -> str:
+    """``tp 4 pp 2 v 2 dp 2 ep 1 mb 8x4 sp fsdp ckpt`` for tables and logs."""
+    flags = " ".join(
+        f
+        for f, on in (("sp", layout.sequence_parallel), ("ckpt", layout.activation_checkpointing))
+        if on
+    )
+    return (
+        f"tp {layout.tp} pp {layout.pp} v {layout.virtual} dp {layout.dp} ep {layout.ep} "
+        f"mb {layout.micro_batches}x{layout.micro_batch_size} {layout.data_parallel}"
+        + (f" {flags}" if flags else "")
+    )

@@ -1,0 +1,275 @@
+"""Rank the layouts of a recipe YAML on ``N`` devices by predicted step time:
+``python -m lightning_mmpar.recipes.plan --config recipes/clip_llama_16gpu.yaml --gpus 16``.
+
+Builds the YAML's model on the meta device (:func:`lightning_mmpar.recipes.partition.
+build_module`), turns it into a ``ModelSpec`` (:func:`lightning_mmpar.plans.fusion_cost.
+fusion_model_spec`), enumerates tp / pp / v / dp / ep / micro-batches / sequence parallelism /
+FSDP or DDP / activation checkpointing at the YAML's global batch
+(:func:`lightning_mmpar.layout.planner.candidate_layouts`), refuses the layouts the strategy
+and the model would refuse (``ParallelConfig``, ``validate_tensor_parallel``,
+``check_moe_layout``, sequence parallelism vs the text length, ``vision_parallel='dp'`` vs the
+micro-batch), predicts the rest (:func:`lightning_mmpar.layout.cost.predict`) and prints the
+best, the rejected ones with their reasons, and the YAML fragment of the best
+(``--write-yaml``). ``--topo`` (``nvidia-smi topo -m`` text or a YAML description) places the
+ranks (:func:`lightning_mmpar.layout.placement.place`) and prints the predicted communication
+time of that order next to Megatron's. Invalid arguments exit with status 2 and the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lightning_mmpar.config import ParallelConfig
+from lightning_mmpar.layout.cost import DEVICES, GIB, Prediction, predict
+from lightning_mmpar.layout.model import LayoutSpec
+from lightning_mmpar.layout.planner import Rejected, describe, plan
+from lightning_mmpar.plans.fusion import check_moe_layout, validate_tensor_parallel
+from lightning_mmpar.plans.fusion_cost import fusion_model_spec
+from lightning_mmpar.plans.fusion_vision import check_vision_batch
+from lightning_mmpar.recipes.module import ClipLlamaModule
+from lightning_mmpar.recipes.partition import _strategy_args, build_module
+from lightning_mmpar.strategy import MultimodalParallelStrategy
+
+__all__ = ["accept_layout", "fragment", "main", "spec_cache"]
+
+_STRATEGY = "lightning_mmpar.strategy.MultimodalParallelStrategy"
+
+
+def accept_layout(module: ClipLlamaModule, text_length: int) -> Any:
+    """A ``layout -> reason | None`` filter: the checks the strategy (``ParallelConfig``, its
+    batch check) and the recipe's preflight run, on one candidate."""
+
+    def accept(layout: LayoutSpec) -> str | None:
+        try:
+            config = ParallelConfig(**layout.strategy_args())
+            config.check_batch_size(layout.micro_batches * layout.micro_batch_size)
+            config.check_world(layout.world)
+            fusion = module._resolved_config(layout.tp)
+            if layout.tp > 1:
+                vision: Any = layout.vision_parallel
+                validate_tensor_parallel(fusion, layout.tp, vision_parallel=vision)
+                if layout.vision_parallel == "dp":
+                    check_vision_batch(layout.micro_batch_size, layout.tp, "each micro-batch")
+            check_moe_layout(fusion, layout.tp, layout.ep,
+                             sequence_parallel=layout.sequence_parallel)  # fmt: skip
+            if layout.sequence_parallel and text_length % layout.tp:
+                raise ValueError(
+                    f"sequence parallelism shards the text (length {text_length}) over tp "
+                    f"{layout.tp}; it must divide (data.max_length)."
+                )
+        except ValueError as err:
+            return str(err)
+        return None
+
+    return accept
+
+
+def spec_cache(module: ClipLlamaModule, text_length: int) -> Any:
+    """``layout -> ModelSpec`` of ``module`` (:func:`fusion_model_spec`), one per distinct tp,
+    ep, sequence parallelism and vision layout (what the spec depends on)."""
+    cache: dict[tuple[Any, ...], Any] = {}
+
+    def spec(layout: LayoutSpec) -> Any:
+        key = (layout.tp, layout.ep, layout.sequence_parallel, layout.vision_parallel)
+        if key not in cache:
+            cache[key] = fusion_model_spec(module, layout, text_length)
+        return cache[key]
+
+    return spec
+
+
+def fragment(layout: LayoutSpec, placement: Sequence[int] | None = None) -> dict[str, Any]:
+    """The YAML the recipe accepts for ``layout``: ``trainer.strategy`` (class and init args),
+    ``model.tensor_parallel`` (sequence parallelism, vision layout, checkpointing) and
+    ``data.batch_size`` (per data-parallel rank); ``placement`` when it is not Megatron's order
+    (and the strategy takes one)."""
+    args = dict(layout.strategy_args())
+    takes = "placement" in inspect.signature(MultimodalParallelStrategy.__init__).parameters
+    if placement is not None and tuple(placement) != tuple(range(len(placement))) and takes:
+        args["placement"] = list(placement)
+    tp_options = {"sequence_parallel": layout.sequence_parallel,
+                  "vision_parallel": layout.vision_parallel,
+                  "activation_checkpointing": layout.activation_checkpointing}  # fmt: skip
+    return {
+        "trainer": {"strategy": {"class_path": _STRATEGY, "init_args": args},
+                    "accumulate_grad_batches": layout.accumulate},
+        "model": {"tensor_parallel": tp_options},
+        "data": {"batch_size": layout.micro_batches * layout.micro_batch_size},
+    }  # fmt: skip
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _merge(out[key], value) if both else value
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m lightning_mmpar.recipes.plan",
+        description="Rank a recipe's layouts on N devices by predicted step time (memory per "
+        "rank, communication, bubble, MFU); list the rejected ones with reasons.",
+    )
+    p.add_argument("--config", required=True, help="recipe YAML (the LightningCLI config)")
+    p.add_argument("--gpus", type=int, required=True, help="devices of the job (world size)")
+    p.add_argument("--topo", help="nvidia-smi topo -m output or a topology YAML (placement)")
+    p.add_argument("--memory-gib", type=float, help="memory per device (default: the device's)")
+    p.add_argument("--device", default="h100", help=f"one of {', '.join(DEVICES)}")
+    p.add_argument("--precision", help="default: the YAML's trainer.precision or 32-true")
+    p.add_argument(
+        "--global-batch", type=int,
+        help="samples per optimizer step (default: data.batch_size x the YAML's dp)",
+    )  # fmt: skip
+    p.add_argument("--max-tp", type=int, default=8, help="largest tensor-parallel size")
+    p.add_argument("--top", type=int, default=10, help="layouts shown")
+    p.add_argument("--write-yaml", help="write the best layout's YAML fragment here")
+    return p
+
+
+def _global_batch(config: dict[str, Any], args: argparse.Namespace) -> int:
+    if args.global_batch is not None:
+        if args.global_batch < 1:
+            raise ValueError(f"--global-batch ({args.global_batch}) must be >= 1.")
+        return int(args.global_batch)
+    trainer, strategy = config.get("trainer") or {}, _strategy_args(config)
+    world = int(trainer.get("devices", 1) or 1) * int(trainer.get("num_nodes", 1) or 1)
+    dp = max(1, world // (int(strategy.get("tensor_parallel", 1))
+                          * int(strategy.get("pipeline_parallel", 1))))  # fmt: skip
+    return int((config.get("data") or {}).get("batch_size", 1)) * dp
+
+
+def _load(path_text: str) -> dict[str, Any]:
+    path = Path(path_text)
+    if not path.is_file():
+        raise ValueError(f"--config {str(path)!r}: no such file; pass a recipe YAML.")
+    try:
+        config = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ValueError(f"--config {str(path)!r} is not valid YAML: {err}") from None
+    if not isinstance(config, dict) or "model" not in config:
+        raise ValueError(f"--config {str(path)!r} has no model: section; pass a recipe YAML.")
+    return config
+
+
+def _table(ranked: Sequence[Prediction]) -> str:
+    rows = [("#", "layout (tp pp v dp ep mb sp dp-mode ckpt)", "mem/rank GiB", "comm GB/step",
+             "bubble", "step s", "MFU")]  # fmt: skip
+    for i, p in enumerate(ranked, 1):
+        rows.append((str(i), describe(p.layout), f"{p.memory.total / GIB:.2f}",
+                     f"{p.comm_total_bytes / 1e9:.3f}", f"{p.bubble:.3f}",
+                     f"{p.step_seconds:.4g}", f"{100 * p.mfu:.1f}%"))  # fmt: skip
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    return "\n".join("  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)).rstrip()
+                     for r in rows)  # fmt: skip
+
+
+def _rejected(rejected: Sequence[Rejected], shown: int) -> list[str]:
+    """One line per distinct reason (the first ``shown``): an example layout, the count."""
+    groups: dict[str, list[Rejected]] = {}
+    for r in rejected:
+        groups.setdefault("memory" if r.prediction is not None else r.reason, []).append(r)
+    lines = [f"rejected: {len(rejected)} layouts, {len(groups)} reasons"]
+    for items in list(groups.values())[:shown]:
+        more = f" (and {len(items) - 1} more)" if len(items) > 1 else ""
+        lines.append(f"  {describe(items[0].layout)}{more}: {items[0].reason}")
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print the ranking; 0 on success. Invalid arguments: ``SystemExit(2)`` with the reason."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        config = _load(args.config)
+        if args.gpus < 1:
+            raise ValueError(f"--gpus ({args.gpus}) must be >= 1.")
+        if args.device not in DEVICES:
+            raise ValueError(f"--device {args.device!r} is unknown; choose one of {list(DEVICES)}.")
+        if args.memory_gib is not None and args.memory_gib <= 0:
+            raise ValueError(f"--memory-gib ({args.memory_gib}) must be > 0.")
+        device = DEVICES[args.device]
+        precision = args.precision or str((config.get("trainer") or {}).get("precision", "32-true"))
+        device.peak(precision)
+        module, data = build_module(config)
+        text_length = int(data.max_length)
+        strategy = _strategy_args(config)
+        base = LayoutSpec(precision=precision, partition=strategy.get("partition", "equal"),
+                          vision_parallel=module.tp_options.vision_parallel)  # fmt: skip
+        model = spec_cache(module, text_length)
+        graph, place = None, None
+        if args.topo:
+            graph, place = _topology(args.topo, args.gpus)
+        moe = module.fusion_config.language.moe or module.fusion_config.adapter.moe
+        ranked, rejected = plan(
+            model, args.gpus, device, graph, args.memory_gib,
+            accept=accept_layout(module, text_length), placement=place,
+            global_batch=_global_batch(config, args), max_tp=args.max_tp,
+            experts=moe.num_experts if moe is not None else 0, base=base,
+        )  # fmt: skip
+    except (ValueError, OSError) as err:
+        parser.error(str(err))
+    limit = device.memory_gib if args.memory_gib is None else args.memory_gib
+    print(f"{args.config}: {len(model(base).blocks)} blocks, {args.gpus} x {args.device} "
+          f"({precision}, {limit:g} GiB), {len(ranked)} layouts fit, best first:")  # fmt: skip
+    print(_table(ranked[: args.top]))
+    print("\n".join(_rejected(rejected, 8)))
+    if not ranked:
+        return 1
+    best = ranked[0]
+    order: tuple[int, ...] | None = None
+    if place is not None:
+        lay = best.layout
+        order = tuple(place(lay).devices)
+        megatron = predict(model(lay), lay, device, graph, None, memory_gib=args.memory_gib)
+        print(f"placement {list(order)}: comm {_seconds(best)} vs Megatron order "
+              f"{_seconds(megatron)}")  # fmt: skip
+    out = fragment(best.layout, order)
+    build_module(_merge(config, {"model": out["model"], "data": out["data"]}))  # it parses
+    text = yaml.safe_dump(out, sort_keys=False)
+    print(f"\nYAML fragment of the best layout:\n{text}", end="")
+    if args.write_yaml:
+        Path(args.write_yaml).write_text(text)
+    return 0
+
+
+def _seconds(p: Prediction) -> str:
+    return ", ".join(f"{d} {s * 1e3:.2f} ms" for d, s in sorted(p.comm_seconds.items()))
+
+
+def _topology(path: str, gpus: int) -> tuple[Any, Any]:
+    """The graph of ``path`` (repeated over nodes when it describes fewer devices) and a
+    placement function (:func:`~lightning_mmpar.layout.placement.place`, default traffic
+    weights)."""
+    from lightning_mmpar.layout.devices import load_topology
+    from lightning_mmpar.layout.placement import place
+
+    graph = load_topology(path)
+    if graph.num_devices < gpus and gpus % graph.num_devices == 0:
+        graph = graph.replicate(gpus // graph.num_devices)
+    if graph.num_devices != gpus:
+        raise ValueError(
+            f"--topo {path!r} describes {graph.num_devices} devices, --gpus is {gpus}; give "
+            "one node (repeated) or the whole job."
+        )
+    cache: dict[tuple[int, ...], Any] = {}  # a placement depends on the degrees only
+
+    def placement(lay: LayoutSpec) -> Any:
+        key = (lay.pp, lay.dp, lay.ep, lay.tp)
+        if key not in cache:
+            cache[key] = place(graph, pp=lay.pp, dp=lay.dp, ep=lay.ep, tp=lay.tp)
+        return cache[key]
+
+    return graph, placement
+
+
+if __name__ == "__main__":
+    sys.exit(main())
