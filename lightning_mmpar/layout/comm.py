@@ -15,6 +15,15 @@ What runs, per batch (``accumulate`` batches per optimizer step; a dp rank's bat
   block) an all-gather of its non-scalar parameters (each padded on its shard dim to a multiple
   of ``dp``: FSDP2's padding) in every forward and again in backward, a reduce-scatter of the
   trainable ones' gradients, and one all-reduce of the 0-dim parameters' gradients;
+* **expert weights** (``edp = dp / ep > 1``): ``fsdp``: each MoE layer's experts are an FSDP2
+  unit over ``edp`` (``lightning_mmpar.parallel.data.shard_experts``: all-gathers and a
+  reduce-scatter of the ``ep``-local weights, as a dense unit); ``ddp``: one ``edp`` all-reduce
+  of their gradients per batch;
+* **partial gradients over tp**: parameters of a tower run data-parallel inside tp
+  (``ParamSpec.sum_over_tp``: ``vision_parallel="dp"``) are all-reduced (summed) over tp after
+  every backward, their local (FSDP) shard; ``Partial`` gradients (``ParamSpec.partial_grad``:
+  a head-sharded temperature, a sequence-parallel norm or gate) of parameters FSDP2 shards are
+  made ``Replicate`` over tp in backward (FSDP's reduce-scatter needs them so), once per batch;
 * **expert parallelism** (MoE layers, ``ep > 1``): per layer call the per-expert token counts
   (``ep.all_to_all``, exact: ``8 E`` bytes) and the token dispatch and return, forward and
   backward (``ep.all_to_all_v``): routing- and padding-dependent, so predicted as its
@@ -36,14 +45,27 @@ What runs, per batch (``accumulate`` batches per optimizer step; a dp rank's bat
   parameters, ``ParamSpec.partial_grad``, are all-reduced over tp).
 
 Exactness is checked against :class:`~lightning_mmpar.parallel.comm_count.CommCounter` on the
-CPU parity layouts (tests/recipes/test_parity_matrix.py).
+CPU parity layouts (tests/recipes/test_parity_matrix.py: dp, tp, sequence parallel, the three
+vision layouts, pp with 1f1b / interleaved / ZBV / DualPipeV schedules and accumulation, ep with
+edp 1 and 2 under FSDP and DDP, clipping, a permuted placement, tp x pp x dp; fp32). Not
+measured, derived: bf16 / fp8 activation collectives (2 bytes per element; pipeline boundaries
+keep the fp32 residual stream under ``bf16-mixed``), ``bf16-true`` (2-byte parameters and
+activations), uneven FSDP shards of ``sum_over_tp`` parameters (dp rank 0's, the largest, is
+counted). Not modelled: activation checkpointing's recomputation (it re-runs forward
+collectives of the recomputed blocks in backward; :func:`comm_bytes` counts none of them).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
-from lightning_mmpar.layout.memory import fsdp_group, shard_dim, stage_blocks, tp_local_shape
+from lightning_mmpar.layout.memory import (
+    fsdp_group,
+    local_shape,
+    shard_dim,
+    stage_blocks,
+    tp_local_shape,
+)
 from lightning_mmpar.layout.model import V_SCHEDULES, LayoutSpec, ModelSpec, ParamSpec
 from lightning_mmpar.layout.partition import plan_stages
 
@@ -113,7 +135,10 @@ def comm_bytes(model: ModelSpec, layout: LayoutSpec, pp_rank: int = 0) -> dict[s
     MoE token dispatch) at their expected value (:func:`comm_bounds` gives their range).
 
     Raises:
-        ValueError: ``pp_rank`` outside the pipeline, or a partition the model cannot take.
+        ValueError: ``pp_rank`` outside the pipeline, a partition the model cannot take, or a
+            layout the strategy refuses (``vision_parallel="dp"`` with a micro-batch not
+            divisible by ``tp``; sequence parallelism with ``ModelSpec.extra["text_length"]``
+            not divisible by ``tp``).
     """
     return _comm(model, layout, pp_rank, "expected")
 
@@ -130,7 +155,24 @@ def comm_bounds(
     return {k: (low.get(k, 0), high[k]) for k in high}
 
 
+def _check(model: ModelSpec, layout: LayoutSpec) -> None:
+    """Layouts the strategy refuses at run time: no byte count exists for them."""
+    tp, t = layout.tp, model.extra.get("text_length")
+    if tp > 1 and layout.vision_parallel == "dp" and layout.micro_batch_size % tp:
+        raise ValueError(
+            f"LayoutSpec.micro_batch_size ({layout.micro_batch_size}) must be divisible by tp "
+            f"({tp}) under vision_parallel='dp' (each tp rank encodes 1 / tp of the images); "
+            f"use a multiple of {tp} or vision_parallel='replicate'."
+        )
+    if tp > 1 and layout.sequence_parallel and isinstance(t, int) and t % tp:
+        raise ValueError(
+            f"LayoutSpec.sequence_parallel (True) shards the text ({t} tokens) over tp ({tp}), "
+            f"which does not divide it; pad the text to a multiple of {tp} or turn it off."
+        )
+
+
 def _comm(model: ModelSpec, layout: LayoutSpec, pp_rank: int, bound: str) -> dict[str, int]:
+    _check(model, layout)
     held = set(stage_blocks(model, layout, pp_rank))
     out: Counter[str] = Counter()
     b, acc = layout.local_batch, layout.accumulate
@@ -155,6 +197,27 @@ def _comm(model: ModelSpec, layout: LayoutSpec, pp_rank: int, bound: str) -> dic
                 )
             out["dp.all_reduce"] += acc * sum(_grad_bytes(p, layout) for p in dense
                                               if not p.shape)  # fmt: skip
+    # expert weights over their edp replicas (FSDP2 units of their own, or an all-reduce)
+    experts = [p for p in params if p.expert and p.shape]
+    if layout.edp > 1 and layout.data_parallel != "none" and experts:
+        if layout.data_parallel == "ddp":
+            out["edp.all_reduce"] += acc * sum(_grad_bytes(p, layout) for p in experts
+                                               if p.trainable)  # fmt: skip
+        else:
+            gathered = sum(_padded_bytes(p, layout) for p in experts)
+            out["edp.all_gather"] += acc * gathered * (passes * layout.micro_batches + 1
+                                                       if layout.pp > 1 else 2)  # fmt: skip
+            out["edp.reduce_scatter"] += acc * sum(_padded_bytes(p, layout) for p in experts
+                                                   if p.trainable)  # fmt: skip
+    # a tower run data-parallel inside tp: its gradients summed over tp after every backward;
+    # Partial gradients that FSDP2 reduce-scatters are made Replicate over tp first (backward)
+    partial = [p for p in params if p.trainable and p.partial_grad]
+    if layout.tp > 1:
+        summed = [p for p in params if p.trainable and p.sum_over_tp]
+        out["tp.all_reduce"] += acc * sum(_numel(local_shape(p, layout, {})) * p.element_size
+                                          for p in summed)  # fmt: skip
+        out["tp.all_reduce"] += acc * sum(_grad_bytes(p, layout) for p in partial
+                                          if fsdp_group(p, layout) > 1)  # fmt: skip
     # tensor (and expert) parallel activations
     for block in held:
         for c in model.collectives[block] if model.collectives else ():
@@ -196,7 +259,7 @@ def _comm(model: ModelSpec, layout: LayoutSpec, pp_rank: int, bound: str) -> dic
         out[f"{world}.all_gather"] += GUARD_BYTES * layout.world
         if layout.clip:
             out[f"{world}.all_reduce"] += 8
-            if layout.tp > 1:  # Partial gradients summed over tp before their norm
-                out["tp.all_reduce"] += sum(_grad_bytes(p, layout) for p in params
-                                            if p.trainable and p.partial_grad)  # fmt: skip
+            if layout.tp > 1:  # Partial gradients (no FSDP) summed over tp before their norm
+                out["tp.all_reduce"] += sum(_grad_bytes(p, layout) for p in partial
+                                            if fsdp_group(p, layout) == 1)  # fmt: skip
     return {k: v for k, v in sorted(out.items()) if v}

@@ -158,8 +158,14 @@ class ParamSpec:
     """The gradient's local piece is the whole tensor-parallel tensor (a vocab-parallel
     embedding's gradient comes back unsharded on every tp rank)."""
     partial_grad: bool = False
-    """A tp-replicated parameter applied to head-sharded activations (a per-head temperature):
-    its gradient is ``Partial`` over tp, all-reduced when the global norm reads it (clipping)."""
+    """A tp-replicated parameter applied to head- or sequence-sharded activations (a per-head
+    temperature, a sequence-parallel norm or gate): its gradient is ``Partial`` over tp,
+    all-reduced in backward when FSDP2 shards the parameter, else when the global norm reads it
+    (clipping)."""
+    sum_over_tp: bool = False
+    """Each tp rank computes the gradient from its own share of the batch (a tower run
+    data-parallel inside the tp group, ``lightning_mmpar.parallel.data.PARTIAL_OVER_TP``): the
+    strategy all-reduces (sums) it over tp after every backward."""
 
     @property
     def numel(self) -> int:

@@ -34,6 +34,11 @@ nothing):
                 in the schedule's forward only
   ============  ==================================  ========================================
 
+  ``vision_parallel``: the ViT rows above are ``tp``'s; ``replicate`` has no ViT collective;
+  ``dp`` one all-gather of ``b V W`` after the last ViT block (forward only: its backward takes
+  the local rows), the stem's and blocks' parameters ``sum_over_tp`` and the outputs of the
+  stem and every ViT block but the last ``1 / tp`` of the images.
+
   An MoE FFN stays whole on every tp rank: an MoE adapter drops fc1 / fc2's all-reduces (1
   forward, 1 backward), an MoE decoder layer down / gate / up's (1 forward, 2 backward per
   stream); MoE layers refuse sequence parallelism.
@@ -43,9 +48,15 @@ nothing):
   and the text pooler), backward mirrors them (the all-gathers' reduce-scatters except the
   pooler's, whose gradient is a row pick; each reduce-scatter's all-gather), and the image
   tokens' k/v gradients are reduced once per attention module (their ``PrepareModuleInput``).
+  The fused and text-only streams cross pipeline stage boundaries sequence-sharded (``1 / tp``),
+  and the norms and gates of the sharded stream (``SequenceParallel``) get ``Partial``
+  gradients, as the joint-attention temperatures (:class:`HeadShardedReplicate`) do.
 
 Activation bytes are 4 per element for ``32-true`` (checked exactly, tests/recipes), 2 for the
-bf16 precisions and fp8 (activations stay bf16 between layers).
+bf16 precisions and fp8 (activations stay bf16 between layers); ``bf16-true`` also halves the
+parameters and the floating-point pipeline boundaries (not measured: CPU parity runs fp32).
+The layout must be one the strategy accepts for this model (``validate_tensor_parallel``,
+``check_moe_layout``), else ``ValueError``.
 """
 
 from __future__ import annotations
@@ -60,9 +71,19 @@ from lightning_mmpar.layout.model import ParamSpec as Param
 from lightning_mmpar.layout.stages import measure_blocks
 from lightning_mmpar.models.fusion import FusionModel
 from lightning_mmpar.parallel.tensor import FusedQKVColwiseParallel, HeadShardedReplicate
-from lightning_mmpar.plans.fusion import TensorParallelOptions, fusion_plan
+from lightning_mmpar.plans.fusion import (
+    TensorParallelOptions,
+    check_moe_layout,
+    fusion_plan,
+    validate_tensor_parallel,
+)
 
 __all__ = ["fusion_model_spec"]
+
+_VISION_DP = ("vision.conv1.", "vision.ln_pre.", "vision.transformer.resblocks.",
+              "vision.class_embedding", "vision.positional_embedding")  # fmt: skip
+"""Parameters ``vision_parallel="dp"`` marks ``PARTIAL_OVER_TP`` (the stem and the ViT blocks:
+``lightning_mmpar.plans.fusion_vision.apply_vision_data_parallel``)."""
 
 
 def _meta_model(module: Any, layout: LayoutSpec) -> FusionModel:
@@ -76,8 +97,13 @@ def _meta_model(module: Any, layout: LayoutSpec) -> FusionModel:
 def _tp_dims(model: FusionModel, options: TensorParallelOptions) -> dict[int, int]:
     """``id(parameter) -> sharded dim`` for every parameter the plan shards over tp / vl
     (``-1``: a vocab-parallel embedding, dim 0, whose gradient comes back whole; ``-2``: a
-    :class:`HeadShardedReplicate` parameter, replicated, its gradient ``Partial``)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    :class:`HeadShardedReplicate` or ``SequenceParallel`` parameter, replicated, its gradient
+    ``Partial``)."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
     out: dict[int, int] = {}
     for group in fusion_plan(model, options).tensor_parallel:
@@ -87,8 +113,8 @@ def _tp_dims(model: FusionModel, options: TensorParallelOptions) -> dict[int, in
             mod = model.get_submodule(path)
             embed = isinstance(mod, nn.Embedding) or "Embedding" in type(mod).__name__
             for name, p in mod.named_parameters(recurse=False):
-                if isinstance(style, HeadShardedReplicate):
-                    out[id(p)] = -2
+                if isinstance(style, HeadShardedReplicate | SequenceParallel):
+                    out[id(p)] = -2  # applied to head / sequence shards: Partial gradient
                 elif isinstance(style, FusedQKVColwiseParallel):  # [3, D, D] / [3, D]: heads
                     out[id(p)] = 1
                 elif isinstance(style, ColwiseParallel):
@@ -120,6 +146,33 @@ def _boundaries(model: FusionModel, text_length: int, prompts: Any) -> list[tupl
             state = block(*state)
             out.append(tuple(Boundary(t.numel() * t.element_size(), t.is_floating_point())
                              for t in state))  # fmt: skip
+    return out
+
+
+def _local_rows(
+    found: list[tuple[Boundary, ...]], names: list[str], layout: LayoutSpec
+) -> list[tuple[Boundary, ...]]:
+    """Block outputs a tp rank holds ``1 / tp`` of: under ``vision_parallel="dp"`` every
+    output of the stem and of the ViT blocks but the last (its images; the gather follows the
+    last block); under sequence parallelism the fused and text-only streams (``Streams.h``,
+    ``ht``: positions 2, 3) after the bridge, adapters and decoder layers. ``bf16-true``
+    halves every floating-point output first."""
+    tp = layout.tp
+    if layout.precision == "bf16-true":  # every floating-point activation in bf16
+        found = [tuple(Boundary(x.bytes_per_sample // 2 if x.requires_grad else x.bytes_per_sample,
+                                x.requires_grad) for x in block) for block in found]  # fmt: skip
+    if tp == 1:
+        return found
+    vit = [i for i, n in enumerate(names) if n.startswith("vision.layer")]
+    text = ("bridge", "adapter", "decoder")
+    out = []
+    for i, block in enumerate(found):
+        if layout.vision_parallel == "dp" and names[i].startswith("vision.") and i < max(vit):
+            block = tuple(Boundary(x.bytes_per_sample // tp, x.requires_grad) for x in block)
+        elif layout.sequence_parallel and names[i].startswith(text):
+            block = tuple(Boundary(x.bytes_per_sample // tp, x.requires_grad) if j in (2, 3)
+                          else x for j, x in enumerate(block))  # fmt: skip
+        out.append(block)
     return out
 
 
@@ -170,6 +223,7 @@ def _tp_collectives(
     vit = (n_img + 1) * cfg.vision.width * e
     text, img, sp = t * d * e, n_img * d * e, layout.sequence_parallel
     joint = [getattr(x.self_attn, "temperature", None) is not None for x in model.language.layers]
+    last_vit = f"vision.layer{len(model.vision.transformer.resblocks) - 1}"
     ar, ag, rs = "all_reduce", "all_gather", "reduce_scatter"
 
     def c(kind: str, size: int, n: int, phase: str = "forward") -> list[Collective]:
@@ -182,6 +236,8 @@ def _tp_collectives(
         found: list[Collective] = []
         if name.startswith("vision.layer") and layout.vision_parallel == "tp":
             found = c(ar, vit, 2) + (c(ar, vit, 2, "backward") if back else [])
+        elif name == last_vit and layout.vision_parallel == "dp":  # the images' gather
+            found = c(ag, vit, 1)
         elif name == "bridge":  # vocab-parallel embedding (SP: its backward gathers)
             found = (
                 c(rs, text, 1) + (c(ag, text, 1, back) if back else []) if sp else c(ar, text, 1)
@@ -226,11 +282,18 @@ def fusion_model_spec(
     stands in, ``K = 1``).
 
     Raises:
-        ValueError: ``text_length`` < 2.
+        ValueError: ``text_length`` < 2, or a layout the strategy refuses for this model (sizes
+            not divisible by ``tp``: ``validate_tensor_parallel``; ``ep`` without MoE layers or
+            not dividing the experts, sequence parallelism with MoE: ``check_moe_layout``).
     """
     if not isinstance(text_length, int) or text_length < 2:
         raise ValueError(f"text_length ({text_length!r}) must be an int >= 2 (caption tokens).")
     model = _meta_model(module, layout)
+    if layout.tp > 1:  # the strategy's own checks: sizes that must divide by tp
+        vision: Any = layout.vision_parallel
+        validate_tensor_parallel(model.config, layout.tp, vision_parallel=vision)
+    check_moe_layout(model.config, layout.tp, layout.ep,
+                     sequence_parallel=layout.sequence_parallel)  # fmt: skip
     blocks = model.pipeline_blocks()
     vl, de = len(model.vision.transformer.resblocks), len(model.language.layers)
     names = ["vision.stem", *(f"vision.layer{i}" for i in range(vl)), "vision.pool", "bridge"]
@@ -245,6 +308,8 @@ def fusion_model_spec(
     tp_dims = _tp_dims(model, options) if layout.tp > 1 else {}
     experts = tuple(f"{p}.experts" for p in fusion_plan(model, options).expert_parallel)
     model_names = {id(p): n for n, p in model.named_parameters()}  # the plan's paths
+    vision_dp = layout.vision_parallel == "dp" and layout.tp > 1
+    size = 2 if layout.precision == "bf16-true" else 0  # bf16-true: parameters cast to bf16
     seen: set[int] = set()
     params = []
     trainable_before: list[bool] = []
@@ -258,8 +323,9 @@ def fusion_model_spec(
             expert = layout.ep > 1 and any(full.startswith(x + ".") for x in experts)
             dim = tp_dims.get(id(p))
             params.append(Param(f"blocks.{b}.{name}", tuple(p.shape), b, None if dim in (None, -2)
-                                else max(dim, 0), p.requires_grad, expert, p.element_size(),
-                                full_grad=dim == -1, partial_grad=dim == -2))  # fmt: skip
+                                else max(dim, 0), p.requires_grad, expert, size or p.element_size(),
+                                full_grad=dim == -1, partial_grad=dim == -2,
+                                sum_over_tp=vision_dp and full.startswith(_VISION_DP)))  # fmt: skip
         upstream = upstream or any(p.requires_grad for p in block.parameters())
         trainable_before.append(upstream)
     loss = LossSpec(feature_bytes=model.config.contrastive_dim * 4,
@@ -267,7 +333,7 @@ def fusion_model_spec(
     return ModelSpec(
         blocks=tuple(specs),
         params=tuple(params),
-        boundaries=tuple(_boundaries(model, text_length, prompts)),
+        boundaries=tuple(_local_rows(_boundaries(model, text_length, prompts), names, layout)),
         collectives=tuple(
             tp + ep
             for tp, ep in zip(

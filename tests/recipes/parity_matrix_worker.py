@@ -238,9 +238,12 @@ PLACEMENT_LAYOUTS: tuple[Layout, ...] = (  # issue 12: a rank permutation change
 LAYOUTS += SCHEDULE_LAYOUTS + VISION_LAYOUTS + PARTITION_LAYOUTS + PLACEMENT_LAYOUTS
 
 
-MEASURED = frozenset(("dp2 fsdp", "dp2 ddp", "tp2", "tp2 + sequence parallel", "pp2 1f1b",
-    "tp2 x dp2 fsdp, clip 0.05", "pp2 x dp2, accumulate 2", "tp2 x pp2, clip 0.05",
-    "ep2 dp2 fsdp (moe)", "ep2 x tp2 fsdp, clip 0.05 (moe)"))  # fmt: skip
+MEASURED = frozenset(x.name for x in VISION_LAYOUTS + PLACEMENT_LAYOUTS) | frozenset(("dp2 fsdp",
+    "ep2 x dp4 fsdp, experts sharded over edp 2, clip 0.05 (moe)", "tp2 x dp2 fsdp, clip 0.05",
+    "tp2 x pp2 x dp2 (sp, v2 interleaved, fsdp)", "ep2 x tp2 fsdp, clip 0.05 (moe)", "pp2 1f1b",
+    "tp2 + sequence parallel", "pp2 x dp2, accumulate 2", "tp2 x pp2, clip 0.05", "ep4 ddp (moe)",
+    "pp2 x v2 interleaved", "pp2 x v2 zero bubble", "pp2 x v2 looped bfs", "pp2 zbv zero bubble",
+    "ep2 dp2 fsdp (moe)", "pp4 ratio:2:1:1", "pp2 dualpipev", "dp2 ddp", "tp2"))  # fmt: skip
 """Layouts whose communication per optimizer step and state bytes are measured (issue 12)."""
 
 

@@ -16,6 +16,7 @@ Run with ``-s`` to print the measured worst differences (docs/strategy.md report
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from pathlib import Path
@@ -142,12 +143,19 @@ def layout_spec(layout: pm.Layout) -> LayoutSpec:
     )  # fmt: skip
 
 
+@functools.cache
+def _vocab_size() -> int:
+    return int(rw.digits().vocab_size)
+
+
 def _check_measured(layout: pm.Layout, results: list[dict[str, Any]]) -> None:
     """Issue 12: every rank's communication bytes of one optimizer step, per ``<dim>.<kind>``,
     and its parameter / gradient / AdamW-state bytes equal the cost model's, exactly; the MoE
-    token dispatch (``ep.all_to_all_v``, routing-dependent) within its predicted bounds."""
+    token dispatch (``ep.all_to_all_v``, routing-dependent) within its predicted bounds. A
+    placed layout (a rank permutation) is predicted at each rank's mesh coordinates, unplaced:
+    the placement moves bytes between ranks, never changes them."""
     spec = layout_spec(layout)
-    module = pm.build(rw.digits().vocab_size, layout.moe, layout.sequence_parallel,
+    module = pm.build(_vocab_size(), layout.moe, layout.sequence_parallel,
                       layout.vision_parallel)  # fmt: skip
     model = fusion_model_spec(module, spec, rw.TEXT_LENGTH)
     for rank, result in enumerate(results):

@@ -137,6 +137,11 @@ def tiny() -> Any:
     return rw.tiny_module(VOCAB)
 
 
+@pytest.fixture(scope="module")
+def tiny_vision_dp() -> Any:
+    return rw.tiny_module(VOCAB, vision_parallel="dp")
+
+
 MEASURED = {  # rank 0 of tests/recipes/test_parity_matrix.py's counts (batch 8, T = 12)
     "dp2 ddp": (LayoutSpec(dp=2, data_parallel="ddp", micro_batch_size=4),
                 {"dp.all_gather": 3168, "dp.all_reduce": 190748, "dp.broadcast": 8}),
@@ -195,3 +200,68 @@ def test_pure_functions_are_fast(tiny: Any) -> None:
         comm_bytes(model, lay, 1)
         state_bytes(model, lay, {"pp": 1, "dp": 1})
     assert time.perf_counter() - start < 1.0
+
+
+def test_expert_weights_move_over_edp() -> None:
+    """dp 4 = edp 2 x ep 2: an expert weight ``[4, 6, 2]`` keeps 2 experts per rank; FSDP2
+    gathers / reduce-scatters that ``[2, 6, 2]`` over edp (forward, backward) as its own unit;
+    under DDP it is all-reduced over edp once per batch. ep == dp (edp 1): nothing moves."""
+    expert = ParamSpec("e", (4, 6, 2), 0, None, True, expert=True)
+    model = spec(expert, n=1)
+    fsdp = comm_bytes(model, LayoutSpec(dp=4, ep=2, accumulate=3))
+    assert (fsdp["edp.all_gather"], fsdp["edp.reduce_scatter"]) == (3 * 2 * 96, 3 * 96)
+    ddp = comm_bytes(model, LayoutSpec(dp=4, ep=2, data_parallel="ddp", accumulate=3))
+    assert ddp["edp.all_reduce"] == 3 * 96 and "edp.all_gather" not in ddp
+    assert not any(k.startswith("edp") for k in comm_bytes(model, LayoutSpec(dp=4, ep=4)))
+
+
+def test_partial_gradients_over_tp() -> None:
+    """``sum_over_tp`` (a tower data-parallel inside tp): the local gradient is summed over tp
+    after every backward (its FSDP shard under FSDP). ``partial_grad`` (a Partial gradient):
+    all-reduced over tp in backward when FSDP shards the parameter (its reduce-scatter needs
+    it Replicate), else only when clipping reads it."""
+    tower = ParamSpec("v", (6, 4), 0, None, True, sum_over_tp=True)
+    norm = ParamSpec("n", (8,), 0, None, True, partial_grad=True)
+    model = spec(tower, norm, n=1)
+    got = comm_bytes(model, LayoutSpec(tp=2, accumulate=2))
+    assert got["tp.all_reduce"] == 2 * 96  # the tower; the norm's stays Partial (no clip)
+    assert comm_bytes(model, LayoutSpec(tp=2, clip=True))["tp.all_reduce"] == 96 + 32 + 8
+    sharded = comm_bytes(model, LayoutSpec(tp=2, dp=2, accumulate=2, clip=True))
+    assert sharded["tp.all_reduce"] == 2 * (48 + 32)  # per batch: FSDP shard, whole norm
+
+
+def test_layouts_the_strategy_refuses_raise(tiny: Any, tiny_vision_dp: Any) -> None:
+    """No byte count for a layout that cannot run: the error names the option and the fix."""
+    lay = LayoutSpec(tp=2, micro_batch_size=3, vision_parallel="dp")
+    model = fusion_model_spec(tiny_vision_dp, lay, rw.TEXT_LENGTH)
+    with pytest.raises(ValueError, match=r"micro_batch_size \(3\) must be divisible by tp \(2\)"):
+        comm_bytes(model, lay)
+    sp = LayoutSpec(tp=2, sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"sequence_parallel \(True\).*\(11 tokens\).*tp \(2\)"):
+        comm_bytes(fusion_model_spec(tiny, sp, 11), sp)
+    with pytest.raises(ValueError, match="expert_parallel"):
+        fusion_model_spec(tiny, LayoutSpec(dp=2, ep=2), rw.TEXT_LENGTH)  # no MoE layers
+
+
+def test_fusion_spec_vision_dp_sequence_parallel_and_bf16(tiny: Any, tiny_vision_dp: Any) -> None:
+    """vision dp: one tp all-gather of the ViT output (``[5, 32]`` per image) on the last ViT
+    block, the stem's and blocks' gradients summed over tp (the counted rank-0 bytes of the
+    parity layout), ``1 / tp`` of the images across ViT stage boundaries. Sequence parallel:
+    the two text streams cross stage boundaries sharded; norms get Partial gradients.
+    bf16-true: 2-byte parameters and activations."""
+    lay = LayoutSpec(tp=2, micro_batch_size=8, vision_parallel="dp")
+    model = fusion_model_spec(tiny_vision_dp, lay, rw.TEXT_LENGTH)
+    assert comm_bytes(model, lay) == {"tp.all_gather": 5168, "tp.all_reduce": 519840,
+                                      "tp.broadcast": 8}  # fmt: skip
+    summed = {p.name.split(".", 2)[2].split(".")[0] for p in model.params if p.sum_over_tp}
+    assert summed == {"conv1", "ln_pre", "class_embedding", "positional_embedding", "block"}
+    assert model.boundaries[0][0].bytes_per_sample == 5 * 32 * 4 // 2  # stem -> layer0
+    assert model.boundaries[1][0].bytes_per_sample == 5 * 32 * 4  # after the gather
+    sp = LayoutSpec(tp=2, sequence_parallel=True)
+    model = fusion_model_spec(tiny, sp, rw.TEXT_LENGTH)
+    bridge = next(i for i, b in enumerate(model.blocks) if b.name == "bridge")
+    assert [x.bytes_per_sample for x in model.boundaries[bridge]][2:4] == [768, 768]
+    assert sum(p.partial_grad for p in model.params) == 4 + 2 * 3 + 1  # norms, gates, temps
+    half = fusion_model_spec(tiny, LayoutSpec(precision="bf16-true"), rw.TEXT_LENGTH)
+    assert {p.element_size for p in half.params} == {2}
+    assert half.boundaries[0][0].bytes_per_sample == 5 * 32 * 2
