@@ -28,7 +28,8 @@ from lightning_mmpar.layout.placement import group_positions
 from lightning_mmpar.layout.stages import BlockSpec
 
 __all__ = ["DEVICES", "DeviceSpec", "Prediction", "RankMemory", "activation_bytes",
-           "bubble_fraction", "compute_seconds", "in_flight", "predict", "stage_ranks"]  # fmt: skip
+           "bubble_fraction", "compute_seconds", "default_graph", "in_flight", "predict",
+           "stage_ranks"]  # fmt: skip
 
 GIB = 2**30
 
@@ -292,7 +293,8 @@ class Prediction:
 
 
 _DIMS = ("tp", "ep", "edp", "dp", "pp")
-_P2P = {"send": "send_recv", "recv": "send_recv", "broadcast": "all_gather"}
+_P2P = {"send": "send_recv", "recv": "send_recv", "broadcast": "all_gather",
+        "all_to_all_v": "all_to_all"}  # fmt: skip
 
 
 def predict(
@@ -307,7 +309,7 @@ def predict(
     """Predict one layout's step time, memory per rank, communication and MFU (module doc).
 
     ``model``: a ``ModelSpec``; ``layout``: a ``LayoutSpec``; ``graph``: a ``DeviceGraph`` of
-    ``>= layout.world`` devices (None: NVSwitch nodes of 8); ``placement``: a ``Placement``
+    ``>= layout.world`` devices (None: :func:`default_graph`); ``placement``: a ``Placement``
     (None: Megatron's order); ``memory_gib``: what ``fits`` checks (None: the device's).
 
     Raises:
@@ -315,7 +317,7 @@ def predict(
             has no figure for, or a pipeline the model's blocks cannot fill.
     """
     world = layout.world
-    graph = graph if graph is not None else _uniform(world)
+    graph = graph if graph is not None else default_graph(world)
     if graph.num_devices < world:
         raise ValueError(
             f"the topology has {graph.num_devices} devices, the layout needs {world} "
@@ -324,10 +326,8 @@ def predict(
     order = tuple(placement.devices) if placement is not None else tuple(range(world))
     bubble = bubble_fraction(layout.schedule, layout.pp, layout.virtual, layout.micro_batches)
     compute = compute_seconds(model, layout, device)
-    critical, exposed = [], []
-    worst_bytes: dict[str, int] = {}
-    worst_secs: dict[str, float] = {}
-    memories = []
+    critical, exposed, memories = [], [], []
+    worst_bytes, worst_secs = dict[str, int](), dict[str, float]()
     for r in range(layout.pp):
         nbytes = comm_bytes(model, layout, r)
         secs = _comm_seconds(graph, model, layout, order, r, nbytes)
@@ -341,8 +341,7 @@ def predict(
         acts = activation_bytes(model, layout, r)
         memories.append(RankMemory(state.parameters, state.gradients, state.optimizer, acts, r))
     step = max(critical) / (1 - bubble) + max(exposed)
-    model_flops = _rank_flops(model, layout)[2]
-    peak = device.peak(layout.precision)
+    model_flops, peak = _rank_flops(model, layout)[2], device.peak(layout.precision)
     memory = max(memories, key=lambda m: m.total)
     limit = device.memory_gib if memory_gib is None else memory_gib
     fits = memory.total <= limit * GIB
@@ -391,8 +390,9 @@ def _plan(blocks: tuple[BlockSpec, ...], pp: int, v: int, partition: Any) -> Any
 
 
 @functools.lru_cache(maxsize=16)
-def _uniform(world: int) -> DeviceGraph:
-    return DeviceGraph.uniform(world, min(world, 8))
+def default_graph(world: int) -> DeviceGraph:
+    """:func:`predict`'s default: NVSwitch nodes of ``world`` (<= 8) or ``gcd(world, 8)``, NET."""
+    return DeviceGraph.uniform(world, world if world <= 8 else math.gcd(world, 8))
 
 
 @functools.lru_cache(maxsize=256)

@@ -30,14 +30,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-__all__ = [
-    "COLLECTIVES",
-    "LINK_CLASSES",
-    "DeviceGraph",
-    "LinkClass",
-    "collective_seconds",
-    "load_topology",
-]
+__all__ = ["COLLECTIVES", "LINK_CLASSES", "DeviceGraph", "LinkClass", "collective_seconds",
+           "load_topology"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -201,8 +195,11 @@ class DeviceGraph:
         Raises:
             ValueError: ``nodes`` < 1 or this graph spans several nodes.
         """
-        if not isinstance(nodes, int) or nodes < 1 or self.nodes != 1:
-            raise ValueError(f"nodes ({nodes!r}) must be a positive integer (of one-node graphs).")
+        if not isinstance(nodes, int) or nodes < 1:
+            raise ValueError(f"nodes ({nodes!r}) must be a positive integer.")
+        if self.nodes != 1:
+            raise ValueError(f"the graph has {self.num_devices} devices in {self.nodes} nodes; "
+                             "only a one-node graph repeats; describe one node.")  # fmt: skip
         net, n = inter or self.classes.get("NET", LINK_CLASSES["NET"]), self.num_devices
         links = [
             [self.links[i % n][j % n] if i // n == j // n else net.name for j in range(n * nodes)]
@@ -322,7 +319,11 @@ def _mapping(source: str | Path | Mapping[str, Any]) -> Mapping[str, Any]:
     import yaml  # only here: the layout package stays importable with the standard library
 
     is_file = isinstance(source, Path) or ("\n" not in source and Path(source).is_file())
-    data = yaml.safe_load(Path(source).read_text() if is_file else source)
+    try:
+        data = yaml.safe_load(Path(source).read_text() if is_file else source)
+    except yaml.YAMLError as err:
+        why, what = " ".join(str(err).split()), repr(str(source)) if is_file else "text"
+        raise ValueError(f"topology YAML: {what} is not valid YAML: {why}") from None
     if not isinstance(data, Mapping):
         raise ValueError(f"topology YAML: {str(source)[:80]!r} is neither a file nor a mapping "
                          f"with keys nodes, gpus_per_node, ...")  # fmt: skip
@@ -334,12 +335,15 @@ def load_topology(path: str | Path, nodes: int = 1) -> DeviceGraph:
     (:meth:`DeviceGraph.from_yaml`), told apart by a tab-separated ``GPU0`` header row.
 
     Raises:
-        ValueError: as the parser of the detected format; ``OSError`` when unreadable.
+        ValueError: the parser's error (invalid YAML too), naming ``path``. OSError: unreadable.
     """
     text = Path(path).read_text()
-    if re.search(r"\tGPU0\b", text):
-        return DeviceGraph.from_nvidia_smi(text, nodes=nodes)
-    return DeviceGraph.from_yaml(text)
+    try:
+        if re.search(r"\tGPU0\b", text):
+            return DeviceGraph.from_nvidia_smi(text, nodes=nodes)
+        return DeviceGraph.from_yaml(text)
+    except ValueError as err:
+        raise ValueError(f"topology file {str(path)!r}: {err}") from None
 
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
@@ -374,18 +378,16 @@ def collective_seconds(
         raise ValueError(f"kind ({kind!r}) must be one of {', '.join(COLLECTIVES)}.")
     n = len(devices)
     if len(set(devices)) != n or any(not 0 <= d < graph.num_devices for d in devices):
-        raise ValueError(
-            f"devices ({list(devices)}) must be distinct indices in [0, {graph.num_devices})."
-        )
+        raise ValueError(f"devices ({list(devices)}) must be distinct indices in "
+                         f"[0, {graph.num_devices}).")  # fmt: skip
     if not nbytes >= 0:
         raise ValueError(f"nbytes ({nbytes!r}) must be >= 0 bytes.")
     if n < 2:
         return 0.0
 
     def step(pairs: Sequence[tuple[int, int]], message: float) -> float:
-        return max(
-            graph.link(a, b).latency + message / graph.link(a, b).bandwidth for a, b in pairs
-        )
+        links = [graph.link(a, b) for a, b in pairs]
+        return max(x.latency + message / x.bandwidth for x in links)
 
     if kind == "send_recv":
         return step(list(itertools.pairwise(devices)), nbytes)
@@ -393,8 +395,6 @@ def collective_seconds(
     if kind == "all_reduce":
         return 2 * (n - 1) * step(ring, nbytes / n)
     if kind == "all_to_all":
-        return sum(
-            step([(devices[r], devices[(r + s) % n]) for r in range(n)], nbytes / n)
-            for s in range(1, n)
-        )
+        shifts = ([(devices[r], devices[(r + s) % n]) for r in range(n)] for s in range(1, n))
+        return sum(step(pairs, nbytes / n) for pairs in shifts)
     return (n - 1) * step(ring, nbytes / n)

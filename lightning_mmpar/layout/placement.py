@@ -41,7 +41,8 @@ __all__ = [
 MESH_AXES: tuple[str, ...] = ("pp", "edp", "ep", "tp")
 """Mesh axes, slowest first (``lightning_mmpar.topology.MESH_DIMS``)."""
 _FLATTENED = {"dp": ("edp", "ep"), "vl": ("tp",)}  # vl: the tp ranks' own communicator
-_AS = {"send": "send_recv", "broadcast": "all_gather"}  # a pipelined ring broadcast ~ a gather
+_AS = {"send": "send_recv", "broadcast": "all_gather",  # a pipelined ring broadcast ~ a gather
+       "all_to_all_v": "all_to_all"}  # fmt: skip
 _SKIP = ("recv", "barrier")  # a receive is the same message as a send, counted there
 _KIND = {"tp": "all_reduce", "vl": "all_reduce", "dp": "all_reduce", "edp": "all_reduce",
          "ep": "all_to_all", "pp": "send_recv"}  # fmt: skip
@@ -116,7 +117,13 @@ class Placement:
 
 
 def megatron_placement(world: int) -> Placement:
-    """The identity: position ``i`` on rank ``i`` (Megatron-LM's and torchtitan's order)."""
+    """The identity: position ``i`` on rank ``i`` (Megatron-LM's and torchtitan's order).
+
+    Raises:
+        ValueError: ``world`` not an int >= 1.
+    """
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"world ({world!r}) must be an int >= 1 (the job's device count).")
     return Placement(tuple(range(world)))
 
 

@@ -31,7 +31,13 @@ class Rejected:
 
 
 def divisors(n: int) -> list[int]:
-    """The divisors of ``n >= 1`` in increasing order."""
+    """The divisors of ``n >= 1`` in increasing order.
+
+    Raises:
+        ValueError: ``n`` not an int >= 1.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n ({n!r}) must be an int >= 1 to have divisors.")
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -60,10 +66,10 @@ def candidate_layouts(
     (precision, vision layout, partition) every candidate keeps.
 
     Raises:
-        ValueError: ``world``, ``num_blocks`` or ``global_batch`` < 1.
+        ValueError: ``world``, ``num_blocks``, ``global_batch`` or ``max_tp`` < 1.
     """
     for name, value in (("world", world), ("num_blocks", num_blocks),
-                        ("global_batch", global_batch)):  # fmt: skip
+                        ("global_batch", global_batch), ("max_tp", max_tp)):  # fmt: skip
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} ({value!r}) must be an int >= 1.")
     base = base if base is not None else LayoutSpec()
@@ -117,7 +123,8 @@ def plan(
     ``ranked``: predictions that fit in ``memory_gib`` (default the device's), fastest
     predicted step first (ties: less memory). ``rejected``: layouts ``accept`` refuses (its
     string is the reason; None accepts), whose prediction raises ``ValueError`` (its message),
-    or that do not fit (``"needs 93.1 GiB > 80 GiB: parameters ..."``), in candidate order.
+    or that do not fit (``"needs 93.1 GiB (pipeline rank 0: parameters 41.2 + gradients ... +
+    activations 21.0) > 80 GiB"``: :meth:`RankMemory.describe`), in candidate order.
     ``candidates`` default to :func:`candidate_layouts` (``world``, the model's block count and
     ``enumerate_args``); ``placement(layout)`` gives each layout's ``Placement`` (None:
     Megatron's order).

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,9 +28,9 @@ from typing import Any
 import yaml
 
 from lightning_mmpar.config import ParallelConfig
-from lightning_mmpar.layout.cost import DEVICES, GIB, Prediction, predict
+from lightning_mmpar.layout.cost import DEVICES, GIB, Prediction, default_graph, predict
 from lightning_mmpar.layout.model import LayoutSpec
-from lightning_mmpar.layout.planner import Rejected, describe, plan
+from lightning_mmpar.layout.planner import Rejected, describe, divisors, plan
 from lightning_mmpar.plans.fusion import check_moe_layout, validate_tensor_parallel
 from lightning_mmpar.plans.fusion_cost import fusion_model_spec
 from lightning_mmpar.plans.fusion_vision import check_vision_batch
@@ -42,33 +43,64 @@ __all__ = ["accept_layout", "fragment", "main", "spec_cache"]
 _STRATEGY = "lightning_mmpar.strategy.MultimodalParallelStrategy"
 
 
-def accept_layout(module: ClipLlamaModule, text_length: int) -> Any:
+def accept_layout(module: ClipLlamaModule, text_length: int, tp_sizes: Sequence[int] = ()) -> Any:
     """A ``layout -> reason | None`` filter: the checks the strategy (``ParallelConfig``, its
-    batch check) and the recipe's preflight run, on one candidate."""
+    batch check) and the recipe's preflight run, on one candidate. A model that refuses the
+    layout's tp is reported with the ``tp_sizes`` (default 1 .. 8) it accepts."""
+    valid: dict[str, list[int]] = {}
 
     def accept(layout: LayoutSpec) -> str | None:
+        vision: Any = layout.vision_parallel
         try:
             config = ParallelConfig(**layout.strategy_args())
             config.check_batch_size(layout.micro_batches * layout.micro_batch_size)
             config.check_world(layout.world)
             fusion = module._resolved_config(layout.tp)
             if layout.tp > 1:
-                vision: Any = layout.vision_parallel
-                validate_tensor_parallel(fusion, layout.tp, vision_parallel=vision)
+                try:
+                    validate_tensor_parallel(fusion, layout.tp, vision_parallel=vision)
+                except ValueError as err:
+                    if vision not in valid:
+                        valid[vision] = _tp_sizes(module, tp_sizes or range(1, 9), vision)
+                    return _tp_reason(str(err), layout.tp, valid[vision])
                 if layout.vision_parallel == "dp":
                     check_vision_batch(layout.micro_batch_size, layout.tp, "each micro-batch")
             check_moe_layout(fusion, layout.tp, layout.ep,
                              sequence_parallel=layout.sequence_parallel)  # fmt: skip
             if layout.sequence_parallel and text_length % layout.tp:
                 raise ValueError(
-                    f"sequence parallelism shards the text (length {text_length}) over tp "
-                    f"{layout.tp}; it must divide (data.max_length)."
+                    f"sequence parallelism splits the text sequence over the {layout.tp} tp "
+                    f"ranks, but its length (data.max_length = {text_length}) is not a "
+                    f"multiple of {layout.tp}."
                 )
         except ValueError as err:
             return str(err)
         return None
 
     return accept
+
+
+def _tp_sizes(module: ClipLlamaModule, sizes: Sequence[int], vision: Any) -> list[int]:
+    """The tensor-parallel sizes among ``sizes`` the model's dimensions allow."""
+    ok = []
+    for tp in sizes:
+        try:
+            validate_tensor_parallel(module._resolved_config(tp), tp, vision_parallel=vision)
+        except ValueError:
+            continue
+        ok.append(tp)
+    return ok
+
+
+def _tp_reason(message: str, tp: int, valid: Sequence[int]) -> str:
+    """``validate_tensor_parallel``'s message about a model field, said about tp."""
+    found = re.match(r"(.*?): (\S+) \((\d+)\) must be divisible by the tensor-parallel", message)
+    sizes = ", ".join(map(str, valid)) or "none"
+    if found is None:
+        return f"{message.split('; nearest')[0]}; tp sizes this model allows: {sizes}."
+    where, name, value = found.groups()
+    return (f"tp {tp} does not divide {name} ({value}, {where}); tp sizes this model "
+            f"allows: {sizes}.")  # fmt: skip
 
 
 def spec_cache(module: ClipLlamaModule, text_length: int) -> Any:
@@ -86,14 +118,23 @@ def spec_cache(module: ClipLlamaModule, text_length: int) -> Any:
 
 
 def fragment(layout: LayoutSpec, placement: Sequence[int] | None = None) -> dict[str, Any]:
-    """The YAML the recipe accepts for ``layout``: ``trainer.strategy`` (class and init args),
-    ``model.tensor_parallel`` (sequence parallelism, vision layout, checkpointing) and
-    ``data.batch_size`` (per data-parallel rank); ``placement`` when it is not Megatron's order
-    (and the strategy takes one)."""
-    args = dict(layout.strategy_args())
-    takes = "placement" in inspect.signature(MultimodalParallelStrategy.__init__).parameters
-    if placement is not None and tuple(placement) != tuple(range(len(placement))) and takes:
-        args["placement"] = list(placement)
+    """The YAML the recipe accepts for ``layout``: ``trainer.strategy`` (class and every layout
+    init arg, defaults included, so that merged over a recipe YAML none of the recipe's own
+    values survive; ``micro_batches: null`` without a pipeline), ``trainer.
+    accumulate_grad_batches``, ``model.tensor_parallel`` (sequence parallelism, vision layout,
+    checkpointing) and ``data.batch_size`` (per data-parallel rank); ``placement``: the device
+    order when it is not Megatron's (and the strategy takes one), else null."""
+    part = layout.partition
+    args: dict[str, Any] = {
+        "tensor_parallel": layout.tp, "pipeline_parallel": layout.pp,
+        "virtual_pipeline": layout.virtual, "expert_parallel": layout.ep,
+        "micro_batches": layout.micro_batches if layout.pp > 1 else None,
+        "schedule": layout.schedule, "data_parallel": layout.data_parallel,
+        "partition": list(part) if isinstance(part, tuple) else part,
+    }  # fmt: skip
+    if "placement" in inspect.signature(MultimodalParallelStrategy.__init__).parameters:
+        moved = placement is not None and tuple(placement) != tuple(range(len(placement)))
+        args["placement"] = list(placement) if moved and placement is not None else None
     tp_options = {"sequence_parallel": layout.sequence_parallel,
                   "vision_parallel": layout.vision_parallel,
                   "activation_checkpointing": layout.activation_checkpointing}  # fmt: skip
@@ -137,8 +178,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def _global_batch(config: dict[str, Any], args: argparse.Namespace) -> int:
     if args.global_batch is not None:
-        if args.global_batch < 1:
-            raise ValueError(f"--global-batch ({args.global_batch}) must be >= 1.")
         return int(args.global_batch)
     trainer, strategy = config.get("trainer") or {}, _strategy_args(config)
     world = int(trainer.get("devices", 1) or 1) * int(trainer.get("num_nodes", 1) or 1)
@@ -154,9 +193,13 @@ def _load(path_text: str) -> dict[str, Any]:
     try:
         config = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
-        raise ValueError(f"--config {str(path)!r} is not valid YAML: {err}") from None
+        why = " ".join(str(err).split())
+        raise ValueError(f"--config {str(path)!r} is not valid YAML: {why}") from None
     if not isinstance(config, dict) or "model" not in config:
         raise ValueError(f"--config {str(path)!r} has no model: section; pass a recipe YAML.")
+    for key in ("trainer", "model", "data"):
+        if not isinstance(config.get(key) or {}, dict):
+            raise ValueError(f"--config {str(path)!r}: {key} ({config[key]!r}) must be a mapping.")
     return config
 
 
@@ -173,29 +216,43 @@ def _table(ranked: Sequence[Prediction]) -> str:
 
 
 def _rejected(rejected: Sequence[Rejected], shown: int) -> list[str]:
-    """One line per distinct reason (the first ``shown``): an example layout, the count."""
+    """One line per distinct reason (the first ``shown``): an example layout (for memory, the
+    one closest to fitting), the count."""
     groups: dict[str, list[Rejected]] = {}
     for r in rejected:
         groups.setdefault("memory" if r.prediction is not None else r.reason, []).append(r)
-    lines = [f"rejected: {len(rejected)} layouts, {len(groups)} reasons"]
-    for items in list(groups.values())[:shown]:
+    lines = [f"rejected: {_plural(len(rejected), 'layout')}, {_plural(len(groups), 'reason')}"]
+    for key, items in list(groups.items())[:shown]:
+        least = min(items, key=lambda r: r.prediction.memory.total if r.prediction else 0)
+        first = least if key == "memory" else items[0]
         more = f" (and {len(items) - 1} more)" if len(items) > 1 else ""
-        lines.append(f"  {describe(items[0].layout)}{more}: {items[0].reason}")
+        lines.append(f"  {describe(first.layout)}{more}: {first.reason}")
     return lines
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    for flag, value in (("--gpus", args.gpus), ("--max-tp", args.max_tp), ("--top", args.top),
+                        ("--global-batch", args.global_batch)):  # fmt: skip
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} ({value}) must be >= 1.")
+    if args.memory_gib is not None and args.memory_gib <= 0:
+        raise ValueError(f"--memory-gib ({args.memory_gib}) must be > 0.")
+    if args.device not in DEVICES:
+        raise ValueError(f"--device {args.device!r} is unknown; choose one of {list(DEVICES)}.")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Print the ranking; 0 on success. Invalid arguments: ``SystemExit(2)`` with the reason."""
+    """Print the ranking; 0 on success, 1 when no layout fits. Invalid arguments (and an
+    unreadable ``--config`` or ``--topo``): ``SystemExit(2)`` with the reason."""
     parser = _parser()
     args = parser.parse_args(argv)
     try:
+        _check_numbers(args)
         config = _load(args.config)
-        if args.gpus < 1:
-            raise ValueError(f"--gpus ({args.gpus}) must be >= 1.")
-        if args.device not in DEVICES:
-            raise ValueError(f"--device {args.device!r} is unknown; choose one of {list(DEVICES)}.")
-        if args.memory_gib is not None and args.memory_gib <= 0:
-            raise ValueError(f"--memory-gib ({args.memory_gib}) must be > 0.")
         device = DEVICES[args.device]
         precision = args.precision or str((config.get("trainer") or {}).get("precision", "32-true"))
         device.peak(precision)
@@ -205,13 +262,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         base = LayoutSpec(precision=precision, partition=strategy.get("partition", "equal"),
                           vision_parallel=module.tp_options.vision_parallel)  # fmt: skip
         model = spec_cache(module, text_length)
-        graph, place = None, None
+        graph, place, topo = None, None, f"{_graph_text(default_graph(args.gpus))} (assumed; " \
+            "pass --topo)"  # fmt: skip
         if args.topo:
-            graph, place = _topology(args.topo, args.gpus)
+            graph, place, topo = _topology(args.topo, args.gpus)
         moe = module.fusion_config.language.moe or module.fusion_config.adapter.moe
+        tp_sizes = [d for d in divisors(args.gpus) if d <= args.max_tp]
         ranked, rejected = plan(
             model, args.gpus, device, graph, args.memory_gib,
-            accept=accept_layout(module, text_length), placement=place,
+            accept=accept_layout(module, text_length, tp_sizes), placement=place,
             global_batch=_global_batch(config, args), max_tp=args.max_tp,
             experts=moe.num_experts if moe is not None else 0, base=base,
         )  # fmt: skip
@@ -220,9 +279,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     limit = device.memory_gib if args.memory_gib is None else args.memory_gib
     print(f"{args.config}: {len(model(base).blocks)} blocks, {args.gpus} x {args.device} "
           f"({precision}, {limit:g} GiB), {len(ranked)} layouts fit, best first:")  # fmt: skip
-    print(_table(ranked[: args.top]))
+    print(f"topology: {topo}")
+    print(_table(ranked[: args.top]) if ranked else "no layout fits")
     print("\n".join(_rejected(rejected, 8)))
     if not ranked:
+        if args.write_yaml:
+            print(f"--write-yaml {args.write_yaml}: not written (no layout fits).")
         return 1
     best = ranked[0]
     order: tuple[int, ...] | None = None
@@ -245,20 +307,35 @@ def _seconds(p: Prediction) -> str:
     return ", ".join(f"{d} {s * 1e3:.2f} ms" for d, s in sorted(p.comm_seconds.items()))
 
 
-def _topology(path: str, gpus: int) -> tuple[Any, Any]:
-    """The graph of ``path`` (repeated over nodes when it describes fewer devices) and a
-    placement function (:func:`~lightning_mmpar.layout.placement.place`, default traffic
-    weights)."""
+def _graph_text(graph: Any) -> str:
+    """``2 nodes x 8 GPUs, NVSWITCH / NET``: the link classes fastest first."""
+    links = sorted({graph.links[i][j] for i in range(graph.num_devices)
+                    for j in range(graph.num_devices) if i != j},
+                   key=lambda c: -graph.classes[c].bandwidth)  # fmt: skip
+    per = graph.num_devices // graph.nodes
+    return (f"{_plural(graph.nodes, 'node')} x {_plural(per, 'GPU')}, "
+            f"{' / '.join(links) or 'one device'}")  # fmt: skip
+
+
+def _topology(path: str, gpus: int) -> tuple[Any, Any, str]:
+    """The graph of ``path`` (a one-node file repeated over nodes), a placement function
+    (:func:`~lightning_mmpar.layout.placement.place`, default traffic weights) and the line
+    describing the graph."""
     from lightning_mmpar.layout.devices import load_topology
     from lightning_mmpar.layout.placement import place
 
     graph = load_topology(path)
-    if graph.num_devices < gpus and gpus % graph.num_devices == 0:
-        graph = graph.replicate(gpus // graph.num_devices)
+    n, nodes, note = graph.num_devices, graph.nodes, ""
+    if n < gpus and gpus % n == 0 and nodes == 1:
+        graph = graph.replicate(gpus // n)
+        note = (f"\nnote: --topo {path} describes one node of {n} devices; the planner repeats "
+                f"it over {gpus // n} nodes (joined by NET). The strategy's placement=<file> "
+                f"needs the whole job's {gpus} devices: use the printed list.")  # fmt: skip
     if graph.num_devices != gpus:
         raise ValueError(
-            f"--topo {path!r} describes {graph.num_devices} devices, --gpus is {gpus}; give "
-            "one node (repeated) or the whole job."
+            f"--topo {path!r} describes {_plural(n, 'device')} in {_plural(nodes, 'node')}, "
+            f"--gpus is {gpus}; give a one-node description (repeated over nodes) or a "
+            f"description of all {gpus} devices."
         )
     cache: dict[tuple[int, ...], Any] = {}  # a placement depends on the degrees only
 
@@ -268,7 +345,7 @@ def _topology(path: str, gpus: int) -> tuple[Any, Any]:
             cache[key] = place(graph, pp=lay.pp, dp=lay.dp, ep=lay.ep, tp=lay.tp)
         return cache[key]
 
-    return graph, placement
+    return graph, placement, f"{path}: {_graph_text(graph)}{note}"
 
 
 if __name__ == "__main__":

@@ -8,13 +8,16 @@ import pytest
 import yaml
 
 from lightning_mmpar.config import ParallelConfig
+from lightning_mmpar.layout.model import LayoutSpec
 from lightning_mmpar.recipes import plan as cli
 from lightning_mmpar.recipes.partition import build_module
 from lightning_mmpar.strategy import MultimodalParallelStrategy
 
 ROOT = Path(__file__).parents[2]
 CPU = str(ROOT / "recipes" / "clip_llama_cpu.yaml")
-PCIE = str(ROOT / "tests" / "fixtures" / "topology" / "pcie_4gpu_2numa.txt")
+MOE = str(ROOT / "recipes" / "clip_llama_moe_cpu.yaml")
+TOPO = ROOT / "tests" / "fixtures" / "topology"
+PCIE = str(TOPO / "pcie_4gpu_2numa.txt")
 
 
 def test_plan_cpu_recipe_table_rejections_placement_and_yaml(
@@ -27,13 +30,15 @@ def test_plan_cpu_recipe_table_rejections_placement_and_yaml(
     text = capsys.readouterr().out
     lines = text.splitlines()
     assert "4 x cpu (32-true" in lines[0]
+    assert lines[1] == f"topology: {PCIE}: 1 node x 4 GPUs, PIX / PHB / SYS"
     header = next(i for i, ln in enumerate(lines) if ln.startswith("#  layout"))
     rows = [ln.split() for ln in lines[header + 1 : header + 6]]
     steps = [float(r[-2]) for r in rows]
     assert len(rows) == 5 and steps == sorted(steps)
     assert all(r[0] == str(i) for i, r in enumerate(rows, 1))
-    # the strategy's own check: the CPU model's 2 key-value heads refuse tp 4
-    assert any("num_key_value_heads (2) must be divisible" in ln for ln in lines)
+    # the strategy's own check, said about tp: the CPU model's 2 key-value heads refuse tp 4
+    assert any("tp 4 does not divide LanguageConfig.num_key_value_heads (2, " in ln
+               and ln.endswith("tp sizes this model allows: 1, 2.") for ln in lines)  # fmt: skip
     assert any(ln.startswith("placement [") and "vs Megatron order" in ln for ln in lines)
     # the fragment: what the recipe's parser and the strategy accept
     fragment = yaml.safe_load(out_yaml.read_text())
@@ -57,14 +62,19 @@ def test_plan_cpu_recipe_table_rejections_placement_and_yaml(
 
 
 def test_plan_rejects_layouts_over_the_memory_limit_with_the_reason(
-    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert cli.main(["--config", CPU, "--gpus", "2", "--device", "cpu",
-                     "--memory-gib", "0.0001"]) == 1  # fmt: skip
+    assert cli.main(["--config", CPU, "--gpus", "2", "--device", "cpu", "--memory-gib", "0.0001",
+                     "--write-yaml", str(tmp_path / "x.yaml")]) == 1  # fmt: skip
     text = capsys.readouterr().out
-    assert "0 layouts fit" in text
-    assert any("needs " in ln and "> 0.0001 GiB" in ln and "parameters" in ln
-               for ln in text.splitlines())  # fmt: skip
+    assert "0 layouts fit" in text and "\nno layout fits\n" in text and "#  layout" not in text
+    assert "topology: 1 node x 2 GPUs, NVSWITCH (assumed; pass --topo)" in text
+    assert "rejected: 32 layouts, 2 reasons" in text
+    memory = [ln for ln in text.splitlines() if "> 0.0001 GiB" in ln]
+    assert len(memory) == 1 and "needs " in memory[0] and "parameters" in memory[0]
+    # the example is the layout closest to fitting: pp 2 with checkpointing holds the least
+    assert "pp 2 " in memory[0] and memory[0].split(":")[0].endswith("ckpt (and 29 more)")
+    assert not (tmp_path / "x.yaml").exists() and "--write-yaml" in text and "not written" in text
 
 
 @pytest.mark.parametrize(
@@ -76,13 +86,93 @@ def test_plan_rejects_layouts_over_the_memory_limit_with_the_reason(
         (["--config", CPU, "--gpus", "4", "--memory-gib", "-1"], "--memory-gib (-1.0) must be"),
         (["--config", CPU, "--gpus", "4", "--device", "a100", "--precision", "fp8"],
          "precision 'fp8' has no peak figure on A100"),
-        (["--config", CPU, "--gpus", "3", "--topo", PCIE], "describes 4 devices, --gpus is 3"),
+        (["--config", CPU, "--gpus", "3", "--topo", PCIE], "describes 4 devices in 1 node, --g"),
+        (["--config", CPU, "--gpus", "32", "--topo", str(TOPO / "two_nodes_h100.yaml")],
+         "describes 16 devices in 2 nodes, --gpus is 32; give a one-node description"),
+        (["--config", CPU, "--gpus", "4", "--max-tp", "0"], "--max-tp (0) must be >= 1"),
+        (["--config", CPU, "--gpus", "4", "--top", "0"], "--top (0) must be >= 1"),
+        (["--config", CPU, "--gpus", "4", "--global-batch", "-3"], "--global-batch (-3) must be"),
+        (["--config", "BAD_CONFIG", "--gpus", "4"], "BAD_CONFIG' is not valid YAML: while parsing"),
+        (["--config", "BAD_TRAINER", "--gpus", "4"], "BAD_TRAINER': trainer (3) must be a mapping"),
+        (["--config", CPU, "--gpus", "4", "--topo", "BAD_TOPO"],
+         "BAD_TOPO': topology YAML: text is not valid YAML: while parsing a flow sequence"),
     ],
 )  # fmt: skip
 def test_invalid_arguments_exit_2_with_the_reason(
-    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    files = {"BAD_CONFIG": "model: [1, 2\n", "BAD_TOPO": "gpus: [1,2\n",  # unclosed sequences
+             "BAD_TRAINER": "trainer: 3\nmodel: {}\n"}  # fmt: skip
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    argv = [str(tmp_path / a) if a in files else a for a in argv]
     with pytest.raises(SystemExit) as err:
         cli.main(argv)
     assert err.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_moe_recipe_ranks_expert_parallel_layouts(capsys: pytest.CaptureFixture[str]) -> None:
+    """The MoE dispatch (``ep.all_to_all_v``) is timed as an all-to-all: ep 2 layouts rank."""
+    assert cli.main(["--config", MOE, "--gpus", "4", "--device", "cpu", "--max-tp", "1",
+                     "--top", "100"]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    assert "all_to_all_v" not in text and "must be one of" not in text
+    rows = [ln.split() for ln in text.splitlines() if ln[:1].isdigit() and " ep " in ln]
+    ep2 = [r for r in rows if r[r.index("ep") + 1] == "2"]
+    assert ep2 and all(0 < float(r[-2]) < float("inf") for r in rows)
+    assert "rejected: " not in text or "ep 2" not in text.split("rejected: ")[1]
+
+
+def _alternative(value: object, options: list[object]) -> object:
+    return next(o for o in options if o != value)
+
+
+@pytest.mark.parametrize("recipe", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.name)
+def test_fragment_merged_over_a_recipe_overrides_every_layout_field(recipe: Path) -> None:
+    """jsonargparse merges a later ``--config`` per key (init_args of the same class_path too):
+    the fragment must set every layout field, or the recipe's own values survive."""
+    config = yaml.safe_load(recipe.read_text())
+    old = config["trainer"]["strategy"].get("init_args") or {}
+    options = config["model"].get("tensor_parallel") or {}
+    layout = LayoutSpec(
+        tp=_alternative(old.get("tensor_parallel", 1), [8, 1]),
+        pp=_alternative(old.get("pipeline_parallel", 1), [4, 1]), dp=4,
+        ep=_alternative(old.get("expert_parallel", 1), [4, 1]),
+        virtual=_alternative(old.get("virtual_pipeline", 1), [2, 1]),
+        micro_batches=_alternative(old.get("micro_batches"), [16, 8]), micro_batch_size=3,
+        accumulate=_alternative(config["trainer"].get("accumulate_grad_batches", 1), [3, 2]),
+        schedule=_alternative(old.get("schedule", "1f1b"), ["looped_bfs", "interleaved_1f1b"]),
+        partition=_alternative(old.get("partition", "equal"), ["memory", "equal"]),
+        data_parallel=_alternative(old.get("data_parallel", "fsdp"), ["ddp", "fsdp"]),
+        sequence_parallel=not options.get("sequence_parallel", False),
+        vision_parallel=_alternative(options.get("vision_parallel", "tp"), ["dp", "tp"]),
+        activation_checkpointing=not options.get("activation_checkpointing", False),
+    )  # fmt: skip
+    assert layout.micro_batches * layout.micro_batch_size != config["data"]["batch_size"]
+    order = list(range(layout.world))[::-1]
+    merged = cli._merge(config, cli.fragment(layout, order))
+    args = merged["trainer"]["strategy"]["init_args"]
+    expected = {"tensor_parallel": layout.tp, "pipeline_parallel": layout.pp,
+                "virtual_pipeline": layout.virtual, "expert_parallel": layout.ep,
+                "micro_batches": layout.micro_batches, "schedule": layout.schedule,
+                "data_parallel": layout.data_parallel, "partition": layout.partition,
+                "placement": order}  # fmt: skip
+    assert {k: args.get(k) for k in expected} == expected
+    assert set(args) - set(expected) <= set(old) - set(expected)  # nothing else added
+    strategy = MultimodalParallelStrategy(**{k: args[k] for k in expected})
+    got = strategy.config
+    assert (got.tensor_parallel, got.pipeline_parallel, got.expert_parallel) == (
+        layout.tp, layout.pp, layout.ep)  # fmt: skip
+    assert (got.num_micro_batches, got.schedule) == (layout.micro_batches, layout.schedule)
+    tp_options = merged["model"]["tensor_parallel"]
+    assert tp_options["sequence_parallel"] == layout.sequence_parallel
+    assert tp_options["vision_parallel"] == layout.vision_parallel
+    assert tp_options["activation_checkpointing"] == layout.activation_checkpointing
+    assert merged["data"]["batch_size"] == layout.micro_batches * layout.micro_batch_size
+    assert merged["trainer"]["accumulate_grad_batches"] == layout.accumulate
+    # without a pipeline micro_batches is null (ParallelConfig refuses it at pp 1), and
+    # Megatron's order writes placement null: neither recipe value survives either
+    flat = cli.fragment(LayoutSpec(dp=4), None)["trainer"]["strategy"]["init_args"]
+    assert flat["micro_batches"] is None and flat["placement"] is None
+    assert flat["pipeline_parallel"] == 1 and flat["tensor_parallel"] == 1

@@ -111,6 +111,20 @@ def test_yaml_errors_name_the_key(data: dict, message: str) -> None:
         DeviceGraph.from_yaml(data)
 
 
+def test_malformed_yaml_and_replicating_several_nodes(tmp_path: Path) -> None:
+    bad = tmp_path / "topo.yaml"
+    bad.write_text("gpus: [1,2\n")
+    with pytest.raises(ValueError, match=r"topology file '.*topo\.yaml': .* not valid YAML"):
+        load_topology(bad)
+    with pytest.raises(ValueError, match=r"topology YAML: text is not valid YAML: while parsing"):
+        DeviceGraph.from_yaml("nodes: {1\n")
+    two = load_topology(TOPO / "two_nodes_h100.yaml")
+    with pytest.raises(ValueError, match=r"graph has 16 devices in 2 nodes; only a one-node"):
+        two.replicate(2)
+    with pytest.raises(ValueError, match=r"nodes \(0\) must be a positive integer"):
+        DeviceGraph.uniform(2, 2).replicate(0)
+
+
 def test_malformed_nvidia_smi_names_the_line() -> None:
     text = (TOPO / "pcie_4gpu_2numa.txt").read_text()
     bad_link = r"line 4: 'GPU2\\tSYS\\tSYS\\t X \\tPHX.*unknown link 'PHX'"

@@ -190,6 +190,13 @@ def test_traffic_keys_and_errors() -> None:
     assert Placement([1, 0]).devices == (1, 0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="placement has 4 ranks"):
         placement_seconds(PAIRS, megatron_placement(4), pp=1, dp=4, ep=1, tp=2)
+    for world in (0, -2, 2.0):
+        with pytest.raises(ValueError, match=r"world \(.*\) must be an int >= 1"):
+            megatron_placement(world)  # type: ignore[arg-type]
+    routed = {"ep.all_to_all_v": 1e8, "tp": 1e8}  # MoE dispatch: an all-to-all of its bytes
+    assert placement_seconds(PAIRS, ident, pp=2, dp=2, ep=2, tp=2, traffic=routed) == (
+        placement_seconds(PAIRS, ident, pp=2, dp=2, ep=2, tp=2,
+                          traffic={"ep.all_to_all": 1e8, "tp": 1e8}))  # fmt: skip
 
 
 def test_machine_placement(monkeypatch: pytest.MonkeyPatch) -> None:

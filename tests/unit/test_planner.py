@@ -3,14 +3,23 @@ synthetic ModelSpec (pure Python, no model, no process)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from lightning_mmpar.layout.comm import comm_bytes
-from lightning_mmpar.layout.cost import DEVICES, GIB, bubble_fraction, compute_seconds, predict
+from lightning_mmpar.layout.cost import (
+    DEVICES,
+    GIB,
+    bubble_fraction,
+    compute_seconds,
+    default_graph,
+    predict,
+)
 from lightning_mmpar.layout.devices import DeviceGraph
 from lightning_mmpar.layout.model import Boundary, Collective, LayoutSpec, ModelSpec, ParamSpec
 from lightning_mmpar.layout.placement import Placement
-from lightning_mmpar.layout.planner import candidate_layouts, describe, plan
+from lightning_mmpar.layout.planner import candidate_layouts, describe, divisors, plan
 from lightning_mmpar.layout.stages import BlockSpec
 
 H100 = DEVICES["h100"]
@@ -97,3 +106,30 @@ def test_plan_ranks_by_step_time_and_rejects_with_reasons() -> None:
                                  "8.0 + optimizer 16.0 + activations 17.0) > 40 GiB")  # fmt: skip
     # FSDP shards the same state 8 ways: it fits
     assert any(p.layout.dp == 8 and p.layout.data_parallel == "fsdp" for p in ranked)
+
+
+def test_moe_dispatch_is_timed_as_an_all_to_all_and_bad_sizes_raise() -> None:
+    """comm_bytes' ``ep.all_to_all_v`` (routed tokens, an expected value) is priced as an
+    even all-to-all of its bytes; the sizes the planner enumerates from must be >= 1."""
+    spec = model(blocks=4, width=1024)
+
+    def with_ep(first: str) -> ModelSpec:
+        ep = (Collective("ep", first, 1 << 20, "forward"),
+              Collective("ep", "all_to_all", 1 << 20, "backward"))  # fmt: skip
+        return replace(spec, collectives=tuple(c + ep for c in spec.collectives))
+
+    layout = LayoutSpec(dp=4, ep=2)
+    routed = predict(with_ep("all_to_all_v"), layout, H100)
+    even = predict(with_ep("all_to_all"), layout, H100)
+    assert routed.comm_bytes["ep.all_to_all_v"] == 4 << 20
+    assert 0 < routed.comm_seconds["ep"] == pytest.approx(even.comm_seconds["ep"], rel=1e-12)
+    assert routed.step_seconds == pytest.approx(even.step_seconds, rel=1e-12)
+    assert divisors(12) == [1, 2, 3, 4, 6, 12]
+    for bad in (0, -2, 2.0, True):
+        with pytest.raises(ValueError, match=r"n \(.*\) must be an int >= 1"):
+            divisors(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"max_tp \(0\) must be an int >= 1"):
+        candidate_layouts(8, 4, global_batch=8, max_tp=0)
+    # the assumed graph: one NVSwitch node up to 8 devices, else nodes of gcd(world, 8)
+    shapes = {w: (default_graph(w).nodes, default_graph(w).num_devices) for w in (4, 12, 32)}
+    assert shapes == {4: (1, 4), 12: (3, 12), 32: (4, 32)}
