@@ -47,11 +47,11 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "dp4 fsdp": {"data_parallel": "fsdp"},
     "tp2 dp2": {"tensor_parallel": 2},
     "pp2 dp2": {"pipeline_parallel": 2, "micro_batches": 4},
-    "tp4": {"tensor_parallel": 4},
+    "pp2 dp2 ddp": {"pipeline_parallel": 2, "micro_batches": 4, "data_parallel": "ddp"},
     "tp2 pp2": {"tensor_parallel": 2, "pipeline_parallel": 2, "micro_batches": 4},
     "pp4": {"pipeline_parallel": 4, "micro_batches": 8},
 }
-"""Strategy arguments of each measured layout (4 processes; dp is what remains)."""
+"""Strategy arguments per layout (4 processes, dp the rest; no tp 4: the model has 2 kv heads)."""
 
 
 def _dp(args: dict[str, Any]) -> int:
