@@ -2,8 +2,7 @@
 
     python benchmarks/bench_planner.py     # measure + predict CPU layouts -> results/planner.json
     python benchmarks/bench_planner.py --steps 2 --layouts "dp4 ddp,tp2 pp2"   # dry run
-    python benchmarks/bench_planner.py --scale         # docs/planner.md's tables (no processes)
-    python benchmarks/bench_planner.py --measure-cpu   # DEVICES["cpu"]'s figure
+    python benchmarks/bench_planner.py --scale  # docs/planner.md's tables; --measure-cpu: cpu
 
 **Measurement**: ``recipes/clip_llama_cpu.yaml``'s model and data trained by
 ``Trainer(strategy=MultimodalParallelStrategy(...))`` on 4 gloo processes, one layout after
@@ -13,7 +12,8 @@ rank's, the median over the steps after ``--warmup``. In the same world: the CPU
 rate on one thread at the model's shapes (``cores / processes`` of it per process when the
 processes outnumber the cores), the fixed cost per block and micro-batch
 (``DeviceSpec.overhead``: the blocks timed at micro-batch 1 and 8, the intercept), and gloo's
-alpha-beta (all-reduce of 4 B and 4 MiB, the ring formula solved: a loopback link class).
+alpha-beta (all-reduce of 4 B and 4 MiB, the ring formula solved: a loopback link class; the
+latency is a call's cost under load, :mod:`sync_latency`, when larger than the idle one).
 
 **Prediction**: :func:`lightning_mmpar.layout.cost.predict` of each layout with that device and
 link class; **Spearman's rank correlation** of predicted vs measured step times goes to the JSON.
@@ -36,6 +36,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_stability import StepTimer  # the same per-batch wall-time callback
+from sync_latency import loaded_call_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
 YAML = ROOT / "recipes" / "clip_llama_cpu.yaml"
@@ -156,7 +157,8 @@ def worker(rank: int, size: int, names: list[str], global_batch: int, steps: int
     for _ in range(rounds):
         for name in names:
             times[name].append(run_one(size, LAYOUTS[name], global_batch, steps))
-    alpha, beta = gloo_alpha_beta(size)
+    alpha, beta = gloo_alpha_beta(size)  # latency: a call's cost under load if larger
+    alpha = max(alpha, loaded_call_seconds() / (2 * (size - 1)))
     flops = matmul_flops(global_batch * 16, 64) if rank == 0 else 0.0
     overhead = block_overhead() if rank == 0 else 0.0
     return {"times": times, "alpha": alpha, "beta": beta, "flops": flops, "overhead": overhead}
@@ -377,9 +379,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", default=str(OUT))
     p.add_argument("--scale", action="store_true", help="print docs/planner.md's tables")
-    p.add_argument(
-        "--measure-cpu", action="store_true", help="print the one-thread fp32 matmul rate"
-    )
+    p.add_argument("--measure-cpu", action="store_true", help="one-thread fp32 matmul rate")
     args = p.parse_args(argv)
     if args.measure_cpu:
         torch.set_num_threads(1)
