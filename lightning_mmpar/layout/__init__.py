@@ -23,7 +23,6 @@ from lightning_mmpar.layout.cost import (
     default_graph,
     in_flight,
     predict,
-    stage_ranks,
 )
 from lightning_mmpar.layout.devices import (
     COLLECTIVES,
@@ -47,6 +46,7 @@ from lightning_mmpar.layout.model import (
     LossSpec,
     ModelSpec,
     ParamSpec,
+    stage_ranks,
 )
 from lightning_mmpar.layout.partition import (
     Partition,

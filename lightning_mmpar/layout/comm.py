@@ -66,7 +66,7 @@ from lightning_mmpar.layout.memory import (
     stage_blocks,
     tp_local_shape,
 )
-from lightning_mmpar.layout.model import V_SCHEDULES, LayoutSpec, ModelSpec, ParamSpec
+from lightning_mmpar.layout.model import LayoutSpec, ModelSpec, ParamSpec, stage_ranks
 from lightning_mmpar.layout.partition import plan_stages
 
 __all__ = ["comm_bounds", "comm_bytes", "world_dim"]
@@ -121,9 +121,8 @@ def _stage_of_block(model: ModelSpec, layout: LayoutSpec) -> tuple[list[int], li
         return [0] * n, [0] * n
     plan = plan_stages(model.blocks, layout.pp, layout.virtual, layout.partition)
     stage, rank = [0] * n, [0] * n
-    pp = layout.pp
-    for s, r in enumerate(plan.ranges):
-        owner = (s if s < pp else 2 * pp - 1 - s) if layout.schedule in V_SCHEDULES else s % pp
+    owners = stage_ranks(layout.schedule, layout.pp, layout.virtual)
+    for s, (r, owner) in enumerate(zip(plan.ranges, owners, strict=True)):
         for i in r:
             stage[i], rank[i] = s, owner
     return stage, rank

@@ -23,6 +23,7 @@ from typing import Any
 from lightning_mmpar.layout.comm import comm_bytes
 from lightning_mmpar.layout.devices import DeviceGraph, collective_seconds
 from lightning_mmpar.layout.memory import stage_blocks, state_bytes
+from lightning_mmpar.layout.model import stage_ranks
 from lightning_mmpar.layout.partition import plan_stages
 from lightning_mmpar.layout.placement import group_positions
 from lightning_mmpar.layout.stages import BlockSpec
@@ -90,16 +91,6 @@ REPLICATED_SHARE = 10 / 34
 parallelism leaves whole on every rank (norm and dropout inputs, the column-parallel inputs):
 ``10 s b h`` of ``34 s b h`` (Korthikanti et al. 2022, "Reducing Activation Recomputation in
 Large Transformer Models", eq. 2-4; attention scores not counted, flash kernels)."""
-
-
-def stage_ranks(schedule: str, pp: int, virtual: int) -> list[int]:
-    """Pipeline rank of each of the ``pp * virtual`` stages: the loop layout ``s % pp``, or for
-    the V schedules (``zbv_zero_bubble``, ``dualpipev``) ``s`` then ``2 pp - 1 - s`` (as
-    ``lightning_mmpar.parallel.pipeline_schedules.stage_ranks``)."""
-    stages = pp * virtual
-    if schedule in ("zbv_zero_bubble", "dualpipev") and stages == 2 * pp:
-        return [s if s < pp else 2 * pp - 1 - s for s in range(stages)]
-    return [s % pp for s in range(stages)]
 
 
 def in_flight(schedule: str, pp: int, virtual: int, micro_batches: int) -> list[int]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_mmpar.layout.model import V_SCHEDULES, LayoutSpec, ModelSpec, ParamSpec
+from lightning_mmpar.layout.model import LayoutSpec, ModelSpec, ParamSpec, stage_ranks
 from lightning_mmpar.layout.partition import plan_stages
 
 __all__ = ["StateBytes", "local_shape", "shard_dim", "stage_blocks", "state_bytes"]
@@ -58,15 +58,8 @@ def stage_blocks(model: ModelSpec, layout: LayoutSpec, pp_rank: int) -> list[int
     if layout.pp == 1:
         return list(range(len(model.blocks)))
     plan = plan_stages(model.blocks, layout.pp, layout.virtual, layout.partition)
-    pp = layout.pp
-    out: list[int] = []
-    for s, r in enumerate(plan.ranges):
-        rank = s % pp
-        if layout.schedule in V_SCHEDULES:
-            rank = s if s < pp else 2 * pp - 1 - s
-        if rank == pp_rank:
-            out += list(r)
-    return out
+    ranks = stage_ranks(layout.schedule, layout.pp, layout.virtual)
+    return [i for r, blocks in zip(ranks, plan.ranges, strict=True) if r == pp_rank for i in blocks]
 
 
 def shard_dim(shape: tuple[int, ...], n: int) -> int:
