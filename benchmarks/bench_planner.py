@@ -36,6 +36,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_stability import StepTimer  # the same per-batch wall-time callback
+from call_overhead import host_call_seconds
+from lightning.pytorch import Callback
 from sync_latency import loaded_call_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,7 +134,26 @@ def block_overhead(repeats: int = 10) -> float:
     return max(0.0, (8 * t1 - t8) / 7 / len(blocks))
 
 
-def run_one(size: int, args: dict[str, Any], global_batch: int, steps: int) -> list[float]:
+class CallMeter(Callback):
+    """Collective calls and bytes by ``"<dim>.<kind>"`` of optimizer step 2 (as the parity
+    matrix's ``Meter``: from the end of step 1 to the end of step 2)."""
+
+    def __init__(self) -> None:
+        self.counter: Any = None
+        self.calls: dict[str, int] = {}
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        from lightning_mmpar.parallel import CommCounter
+
+        if args[-1] == 0:
+            self.counter = CommCounter(trainer.strategy.parallel_dims).__enter__()
+        elif args[-1] == 1 and self.counter is not None:
+            self.counter.__exit__(None, None, None)
+            self.calls = {k: v for k, v in self.counter.calls.items() if k != "self"}
+
+
+def run_one(size: int, args: dict[str, Any], global_batch: int, steps: int,
+            count: bool = False) -> tuple[list[float], dict[str, int]]:  # fmt: skip
     from lightning.pytorch import seed_everything
 
     from lightning_mmpar import MultimodalParallelStrategy
@@ -143,25 +164,33 @@ def run_one(size: int, args: dict[str, Any], global_batch: int, steps: int) -> l
     config["data"]["batch_size"] = global_batch // _dp(args)
     seed_everything(0, verbose=False)
     module, data = build_module(config, meta=False)
-    timer = StepTimer()
+    timer, meter = StepTimer(), CallMeter()
     trainer = quiet_trainer(devices=size, strategy=MultimodalParallelStrategy(**args),
-                            max_steps=steps, limit_val_batches=0, callbacks=[timer])  # fmt: skip
+                            max_steps=steps, limit_val_batches=0,
+                            callbacks=[timer, meter] if count else [timer])  # fmt: skip
     trainer.fit(module, datamodule=data)
-    return timer.times
+    return timer.times, meter.calls
 
 
 def worker(rank: int, size: int, names: list[str], global_batch: int, steps: int,
            rounds: int) -> dict[str, Any]:  # fmt: skip
     torch.set_num_threads(1)
+    from lightning_mmpar.layout.devices import DeviceGraph
+
     times: dict[str, list[list[float]]] = {n: [] for n in names}
+    calls = {n: run_one(size, LAYOUTS[n], global_batch, 2, count=True)[1] for n in names}
     for _ in range(rounds):
         for name in names:
-            times[name].append(run_one(size, LAYOUTS[name], global_batch, steps))
+            times[name].append(run_one(size, LAYOUTS[name], global_batch, steps)[0])
     alpha, beta = gloo_alpha_beta(size)  # latency: a call's cost under load if larger
     alpha = max(alpha, loaded_call_seconds() / (2 * (size - 1)))
+    graph = DeviceGraph.from_yaml({"nodes": 1, "gpus_per_node": size,
+                                   "intra": {"bandwidth": beta, "latency": alpha}})  # fmt: skip
+    host = host_call_seconds(graph)
     flops = matmul_flops(global_batch * 16, 64) if rank == 0 else 0.0
     overhead = block_overhead() if rank == 0 else 0.0
-    return {"times": times, "alpha": alpha, "beta": beta, "flops": flops, "overhead": overhead}
+    return {"times": times, "calls": calls, "alpha": alpha, "beta": beta, "flops": flops,
+            "overhead": overhead, "host_call_s": host}  # fmt: skip
 
 
 def spearman(x: list[float], y: list[float]) -> float:
@@ -178,16 +207,19 @@ def spearman(x: list[float], y: list[float]) -> float:
 
 
 def predict_cpu(names: list[str], global_batch: int, flops: float, overhead: float,
-                alpha: float, beta: float) -> dict[str, dict[str, float]]:  # fmt: skip
-    """The cost model's step time of each layout on this machine's measured figures."""
+                alpha: float, beta: float, call_s: float) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """The cost model's step time of each layout on this machine's measured figures: one
+    thread's fp32 rate and block overhead, ``shared = processes / cores`` when the processes
+    outnumber the cores, ``call_s`` host seconds per collective call, the gloo link."""
+    from lightning_mmpar.layout.comm import comm_calls
     from lightning_mmpar.layout.cost import DeviceSpec, predict
     from lightning_mmpar.layout.devices import DeviceGraph
     from lightning_mmpar.plans.fusion_cost import fusion_model_spec
     from lightning_mmpar.recipes.partition import build_module
 
-    share = min(1.0, (os.cpu_count() or 1) / WORLD)
-    device = DeviceSpec("cpu", {"fp32": flops * share / 1e12}, 16.0, efficiency=1.0,
-                        overhead=overhead / share)  # fmt: skip
+    shared = max(1.0, WORLD / (os.cpu_count() or 1))
+    device = DeviceSpec("cpu", {"fp32": flops / 1e12}, 16.0, efficiency=1.0, overhead=overhead,
+                        call_overhead=call_s, shared=shared)  # fmt: skip
     graph = DeviceGraph.from_yaml({"nodes": 1, "gpus_per_node": WORLD,
                                    "intra": {"bandwidth": beta, "latency": alpha}})  # fmt: skip
     config = yaml.safe_load(YAML.read_text())
@@ -198,7 +230,8 @@ def predict_cpu(names: list[str], global_batch: int, flops: float, overhead: flo
         model = fusion_model_spec(module, layout, int(data.max_length))
         p = predict(model, layout, device, graph)
         out[name] = {"step_s": p.step_seconds, "compute_s": p.compute_seconds,
-                     "bubble": p.bubble, "comm_s": p.comm_seconds}  # fmt: skip
+                     "bubble": p.bubble, "comm_s": p.comm_seconds,
+                     "calls": [comm_calls(model, layout, r) for r in range(layout.pp)]}  # fmt: skip
     return out
 
 
@@ -222,7 +255,21 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     alpha = statistics.median(r["alpha"] for r in per_rank)
     beta = statistics.median(r["beta"] for r in per_rank)
     flops, overhead = per_rank[0]["flops"], per_rank[0]["overhead"]
-    predicted = predict_cpu(names, args.global_batch, flops, overhead, alpha, beta)
+    host = {k: statistics.median(r["host_call_s"][k] for r in per_rank) for k in ("fsdp", "tp")}
+    call_s = statistics.mean(host.values())
+    predicted = predict_cpu(names, args.global_batch, flops, overhead, alpha, beta, call_s)
+    calls = {}
+    for n in names:  # counted on every rank vs comm_calls of its pipeline rank
+        pp = LAYOUTS[n].get("pipeline_parallel", 1)
+        counted = [r["calls"][n] for r in per_rank]
+        expected = [predicted[n]["calls"][rank // (WORLD // pp)] for rank in range(WORLD)]
+        calls[n] = {
+            "counted": counted,
+            "predicted": expected,
+            "equal": all(c == e for c, e in zip(counted, expected, strict=True)),
+        }
+        if not calls[n]["equal"]:
+            print(f"{n}: calls counted {counted[0]} predicted {expected[0]} (rank 0)")
     rho = spearman([measured[n] for n in names], [predicted[n]["step_s"] for n in names])
     for n in names:
         print(f"{n:10} measured {measured[n] * 1e3:8.1f} ms  predicted "
@@ -238,6 +285,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "cpu_fp32_flops_one_thread": flops,
         "cpu_overhead_s_per_block_micro_batch": overhead,
         "gloo": {"latency_s": alpha, "bandwidth_bytes_s": beta},
+        "host_call_s": host, "call_overhead_s": call_s, "calls": calls,
         "measured_step_s": measured,
         "predicted": predicted,
         "spearman": rho,

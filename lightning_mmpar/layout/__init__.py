@@ -11,7 +11,7 @@ ranks on it, :func:`comm_bytes` / :func:`state_bytes` / :func:`predict` cost a
 ``python -m lightning_mmpar.recipes.plan`` is its CLI (docs/planner.md).
 """
 
-from lightning_mmpar.layout.comm import comm_bounds, comm_bytes, world_dim
+from lightning_mmpar.layout.comm import comm_bounds, comm_bytes, comm_calls, world_dim
 from lightning_mmpar.layout.cost import (
     DEVICES,
     DeviceSpec,
@@ -111,6 +111,7 @@ __all__ = [
     "collective_seconds",
     "comm_bounds",
     "comm_bytes",
+    "comm_calls",
     "compare_modes",
     "compute_seconds",
     "default_graph",

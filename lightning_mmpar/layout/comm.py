@@ -69,7 +69,7 @@ from lightning_mmpar.layout.memory import (
 from lightning_mmpar.layout.model import LayoutSpec, ModelSpec, ParamSpec, stage_ranks
 from lightning_mmpar.layout.partition import plan_stages
 
-__all__ = ["comm_bounds", "comm_bytes", "world_dim"]
+__all__ = ["comm_bounds", "comm_bytes", "comm_calls", "world_dim"]
 
 GUARD_BYTES = 24
 """The non-finite guard's ``[3]`` float64 row per rank."""
@@ -171,52 +171,86 @@ def _check(model: ModelSpec, layout: LayoutSpec) -> None:
 
 
 def _comm(model: ModelSpec, layout: LayoutSpec, pp_rank: int, bound: str) -> dict[str, int]:
+    return _count(model, layout, pp_rank, bound)[0]
+
+
+def comm_calls(model: ModelSpec, layout: LayoutSpec, pp_rank: int = 0) -> dict[str, int]:
+    """Collective calls per optimizer step of one rank on pipeline rank ``pp_rank``, by the keys
+    of :func:`comm_bytes` (each op one call, as :attr:`~lightning_mmpar.parallel.comm_count.
+    CommCounter.calls` counts them): what a call's fixed cost (latency, host software)
+    multiplies. Raises ``ValueError`` as :func:`comm_bytes`."""
+    nbytes, calls = _count(model, layout, pp_rank, "expected")
+    return {k: calls[k] for k in nbytes if calls[k]}
+
+
+def _count(model: ModelSpec, layout: LayoutSpec, pp_rank: int,
+           bound: str) -> tuple[dict[str, int], Counter[str]]:  # fmt: skip
+    """Bytes (``bound``: ``expected``, ``low`` or ``high``) and calls per key."""
     _check(model, layout)
     held = set(stage_blocks(model, layout, pp_rank))
     out: Counter[str] = Counter()
+    calls: Counter[str] = Counter()
+
+    def add(key: str, nbytes: int | float, n: int) -> None:
+        out[key] += nbytes  # type: ignore[assignment]
+        if nbytes:
+            calls[key] += n
+
     b, acc = layout.local_batch, layout.accumulate
     passes = 2 if layout.pp > 1 else 1  # the gradient cache's forward-only pass
+    gathers = passes * layout.micro_batches + 1 if layout.pp > 1 else 2  # per FSDP unit
     params = [p for p in model.params if p.block in held]
     # data parallelism, per batch
     if layout.dp > 1 and layout.data_parallel != "none":
         dense = [p for p in params if p.trainable and not p.expert]
-        if layout.data_parallel == "ddp":
-            out["dp.all_reduce"] += acc * sum(_grad_bytes(p, layout) for p in dense)
+        if layout.data_parallel == "ddp":  # one coalesced all-reduce per dtype
+            add("dp.all_reduce", acc * sum(_grad_bytes(p, layout) for p in dense),
+                acc * len({p.element_size for p in dense}))  # fmt: skip
         else:
             units: dict[int, list[ParamSpec]] = {}
             for p in params:
                 if p.shape and not p.expert:
                     units.setdefault(p.block, []).append(p)
             for unit in units.values():
-                gathered = sum(_padded_bytes(p, layout) for p in unit)
-                out["dp.all_gather"] += acc * gathered * (passes * layout.micro_batches + 1
-                                                          if layout.pp > 1 else 2)  # fmt: skip
-                out["dp.reduce_scatter"] += acc * sum(
-                    _padded_bytes(p, layout) for p in unit if p.trainable
+                add("dp.all_gather", acc * gathers * sum(_padded_bytes(p, layout) for p in unit),
+                    acc * gathers)  # fmt: skip
+                add(
+                    "dp.reduce_scatter",
+                    acc * sum(_padded_bytes(p, layout) for p in unit if p.trainable),
+                    acc,
                 )
-            out["dp.all_reduce"] += acc * sum(_grad_bytes(p, layout) for p in dense
-                                              if not p.shape)  # fmt: skip
+            scalars = [p for p in dense if not p.shape]
+            add("dp.all_reduce", acc * sum(_grad_bytes(p, layout) for p in scalars),
+                acc * len({p.element_size for p in scalars}))  # fmt: skip
     # expert weights over their edp replicas (FSDP2 units of their own, or an all-reduce)
     experts = [p for p in params if p.expert and p.shape]
     if layout.edp > 1 and layout.data_parallel != "none" and experts:
         if layout.data_parallel == "ddp":
-            out["edp.all_reduce"] += acc * sum(_grad_bytes(p, layout) for p in experts
-                                               if p.trainable)  # fmt: skip
+            trained = [p for p in experts if p.trainable]
+            add("edp.all_reduce", acc * sum(_grad_bytes(p, layout) for p in trained),
+                acc * len({p.element_size for p in trained}))  # fmt: skip
         else:
-            gathered = sum(_padded_bytes(p, layout) for p in experts)
-            out["edp.all_gather"] += acc * gathered * (passes * layout.micro_batches + 1
-                                                       if layout.pp > 1 else 2)  # fmt: skip
-            out["edp.reduce_scatter"] += acc * sum(_padded_bytes(p, layout) for p in experts
-                                                   if p.trainable)  # fmt: skip
+            layers = len({p.block for p in experts})
+            add("edp.all_gather",
+                acc * gathers * sum(_padded_bytes(p, layout) for p in experts),
+                acc * gathers * layers)  # fmt: skip
+            add(
+                "edp.reduce_scatter",
+                acc * sum(_padded_bytes(p, layout) for p in experts if p.trainable),
+                acc * layers,
+            )
     # a tower run data-parallel inside tp: its gradients summed over tp after every backward;
     # Partial gradients that FSDP2 reduce-scatters are made Replicate over tp first (backward)
     partial = [p for p in params if p.trainable and p.partial_grad]
     if layout.tp > 1:
         summed = [p for p in params if p.trainable and p.sum_over_tp]
-        out["tp.all_reduce"] += acc * sum(_numel(local_shape(p, layout, {})) * p.element_size
-                                          for p in summed)  # fmt: skip
-        out["tp.all_reduce"] += acc * sum(_grad_bytes(p, layout) for p in partial
-                                          if fsdp_group(p, layout) > 1)  # fmt: skip
+        add(
+            "tp.all_reduce",
+            acc * sum(_numel(local_shape(p, layout, {})) * p.element_size for p in summed),
+            acc * len({p.element_size for p in summed}),
+        )
+        sharded = [p for p in partial if fsdp_group(p, layout) > 1]
+        add("tp.all_reduce", acc * sum(_grad_bytes(p, layout) for p in sharded), acc * len(sharded))
     # tensor (and expert) parallel activations
     for block in held:
         for c in model.collectives[block] if model.collectives else ():
@@ -224,41 +258,48 @@ def _comm(model: ModelSpec, layout: LayoutSpec, pp_rank: int, bound: str) -> dic
             per_sample = c.bytes_per_sample
             if c.upper_per_sample is not None and bound != "expected":
                 per_sample = c.upper_per_sample if bound == "high" else 0
-            calls = layout.micro_batches
-            out[f"{c.dim}.{c.kind}"] += acc * times * (b * per_sample + calls * c.bytes_per_call)
-    # pipeline boundaries
+            m = layout.micro_batches
+            add(f"{c.dim}.{c.kind}", acc * times * (b * per_sample + m * c.bytes_per_call),
+                acc * times * m)  # fmt: skip
+    # pipeline boundaries: one send / recv per tensor, micro-batch and pass
     last = len(model.blocks) - 1
     if layout.pp > 1:
         stage, rank = _stage_of_block(model, layout)
+        m = layout.micro_batches
         for i in range(last):
             if stage[i] == stage[i + 1] or rank[i] == rank[i + 1]:
                 continue
             sent = sum(x.bytes_per_sample for x in model.boundaries[i])
+            n_sent = sum(1 for x in model.boundaries[i] if x.bytes_per_sample)
             grads = sum(x.bytes_per_sample for x in model.boundaries[i] if x.requires_grad)
+            n_grads = sum(1 for x in model.boundaries[i] if x.requires_grad and x.bytes_per_sample)
             if rank[i] == pp_rank:
-                out["pp.send"] += acc * passes * b * sent
-                out["pp.recv"] += acc * b * grads
+                add("pp.send", acc * passes * b * sent, acc * passes * m * n_sent)
+                add("pp.recv", acc * b * grads, acc * m * n_grads)
             if rank[i + 1] == pp_rank:
-                out["pp.recv"] += acc * passes * b * sent
-                out["pp.send"] += acc * b * grads
-        out["pp.broadcast"] += acc * (LOSS_BYTES + TERM_BYTES)
+                add("pp.recv", acc * passes * b * sent, acc * passes * m * n_sent)
+                add("pp.send", acc * b * grads, acc * m * n_grads)
+        add("pp.broadcast", acc * (LOSS_BYTES + TERM_BYTES), acc * 2)
     # the loss and its logging
     if layout.dp > 1:
         loss = model.loss
         if loss is not None and last in held:
             rows = b * layout.dp * loss.feature_bytes
-            out["dp.all_reduce"] += acc * TOKEN_BYTES
-            out["dp.all_gather"] += acc * loss.gathers * (8 * layout.dp + 2 * rows)
-            out["dp.all_reduce"] += acc * loss.gathers_with_grad * 2 * rows
-        out["dp.all_reduce"] += acc * (LOG_PAIR_BYTES + TERM_BYTES)
+            add("dp.all_reduce", acc * TOKEN_BYTES, acc)
+            # per gather: the row counts, then the image and the text features
+            add("dp.all_gather", acc * loss.gathers * (8 * layout.dp + 2 * rows),
+                acc * loss.gathers * 3)  # fmt: skip
+            add("dp.all_reduce", acc * loss.gathers_with_grad * 2 * rows,
+                acc * loss.gathers_with_grad * 2)  # fmt: skip
+        add("dp.all_reduce", acc * (LOG_PAIR_BYTES + TERM_BYTES), acc * 2)
     # over the world: Lightning's SIGTERM flag per batch; the guard and clipping per step
     if layout.world > 1:
         world = world_dim(layout)
-        out[f"{world}.broadcast"] += acc * SIGTERM_BYTES
-        out[f"{world}.all_gather"] += GUARD_BYTES * layout.world
+        add(f"{world}.broadcast", acc * SIGTERM_BYTES, acc)
+        add(f"{world}.all_gather", GUARD_BYTES * layout.world, 1)
         if layout.clip:
-            out[f"{world}.all_reduce"] += 8
+            add(f"{world}.all_reduce", 8, 1)
             if layout.tp > 1:  # Partial gradients (no FSDP) summed over tp before their norm
-                out["tp.all_reduce"] += sum(_grad_bytes(p, layout) for p in partial
-                                            if fsdp_group(p, layout) == 1)  # fmt: skip
-    return {k: v for k, v in sorted(out.items()) if v}
+                whole = [p for p in partial if fsdp_group(p, layout) == 1]
+                add("tp.all_reduce", sum(_grad_bytes(p, layout) for p in whole), len(whole))
+    return {k: v for k, v in sorted(out.items()) if v}, calls

@@ -20,17 +20,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_mmpar.layout.comm import comm_bytes
+from lightning_mmpar.layout.comm import comm_bytes, comm_calls
 from lightning_mmpar.layout.devices import DeviceGraph, collective_seconds
-from lightning_mmpar.layout.memory import stage_blocks, state_bytes
+from lightning_mmpar.layout.memory import state_bytes
 from lightning_mmpar.layout.model import stage_ranks
 from lightning_mmpar.layout.partition import plan_stages
 from lightning_mmpar.layout.placement import group_positions
 from lightning_mmpar.layout.stages import BlockSpec
 
 __all__ = ["DEVICES", "DeviceSpec", "Prediction", "RankMemory", "activation_bytes",
-           "bubble_fraction", "compute_seconds", "default_graph", "in_flight", "predict",
-           "stage_ranks"]  # fmt: skip
+           "bubble_fraction", "compute_seconds", "default_graph", "in_flight",
+           "predict", "stage_ranks"]  # fmt: skip
 
 GIB = 2**30
 
@@ -46,6 +46,12 @@ class DeviceSpec:
     efficiency: float = 0.6  # achieved / peak of a training step's kernels (assumed)
     overhead: float = 0.0  # fixed seconds per block per micro-batch, forward + backward
     source: str = ""
+    call_overhead: float = 0.0
+    """Host seconds per collective call taken from compute (CPU ranks: Python, DTensor
+    dispatch, FSDP2 copy-in / copy-out); 0 on accelerators, where it overlaps the kernels."""
+    shared: float = 1.0
+    """Ranks per compute unit (> 1 when processes outnumber CPU cores): the machine's
+    throughput then bounds a step, ``step >= shared x mean rank busy seconds + comm``."""
 
     def peak(self, precision: str) -> float:
         """Peak FLOP/s for a Lightning precision (``32-true``: fp32, ``bf16-*``: bf16, ``fp8``);
@@ -284,6 +290,8 @@ class Prediction:
 
 
 _DIMS = ("tp", "ep", "edp", "dp", "pp")
+_BATCHED = ("pp.send", "pp.recv")
+"""Point-to-point keys: batched per micro-batch, and no host work beyond the wire's."""
 _P2P = {"send": "send_recv", "recv": "send_recv", "broadcast": "all_gather",
         "all_to_all_v": "all_to_all"}  # fmt: skip
 
@@ -317,21 +325,27 @@ def predict(
     order = tuple(placement.devices) if placement is not None else tuple(range(world))
     bubble = bubble_fraction(layout.schedule, layout.pp, layout.virtual, layout.micro_batches)
     compute = compute_seconds(model, layout, device)
-    critical, exposed, memories = [], [], []
+    critical, exposed, busy, wire, memories = [], [], [], [], []
     worst_bytes, worst_secs = dict[str, int](), dict[str, float]()
     for r in range(layout.pp):
         nbytes = comm_bytes(model, layout, r)
-        secs = _comm_seconds(graph, model, layout, order, r, nbytes)
+        calls = comm_calls(model, layout, r)
+        secs = _comm_seconds(graph, layout, order, r, nbytes, calls)
         for key, n in nbytes.items():
             worst_bytes[key] = max(worst_bytes.get(key, 0), int(n))
         for dim, s in secs.items():
             worst_secs[dim] = max(worst_secs.get(dim, 0.0), s)
-        critical.append(compute[r] + sum(secs.get(d, 0.0) for d in ("tp", "ep", "pp")))
+        host = sum(n for k, n in calls.items() if k not in _BATCHED)
+        busy.append(compute[r] + device.call_overhead * host)
+        critical.append(busy[r] + sum(secs.get(d, 0.0) for d in ("tp", "ep", "pp")))
         exposed.append(sum(s for d, s in secs.items() if d not in ("tp", "ep", "pp")))
+        wire.append(sum(secs.values()))
         state = state_bytes(model, layout, {"pp": r, "tp": 0, "dp": 0, "ep": 0})
         acts = activation_bytes(model, layout, r)
         memories.append(RankMemory(state.parameters, state.gradients, state.optimizer, acts, r))
     step = max(critical) / (1 - bubble) + max(exposed)
+    if device.shared > 1:  # ranks time-share cores: idle ranks lend theirs, busy ones share
+        step = max(step, device.shared * sum(busy) / len(busy) + max(wire))
     model_flops, peak = _rank_flops(model, layout)[2], device.peak(layout.precision)
     memory = max(memories, key=lambda m: m.total)
     limit = device.memory_gib if memory_gib is None else memory_gib
@@ -344,31 +358,24 @@ def predict(
     )  # fmt: skip
 
 
-def _comm_seconds(graph: Any, model: Any, layout: Any, order: Sequence[int], pp_rank: int,
-                  nbytes: dict[str, int]) -> dict[str, float]:  # fmt: skip
+def _comm_seconds(graph: Any, layout: Any, order: Sequence[int], pp_rank: int,
+                  nbytes: dict[str, int], calls: dict[str, int]) -> dict[str, float]:  # fmt: skip
     """Seconds per dimension of pipeline rank ``pp_rank``'s collectives, each key timed on the
-    slowest of the rank's groups of its dimension as its messages, every one paying the latency:
-    tp / ep collectives once per block entry and micro-batch (forward ones twice with a pipeline:
-    its forward-only pass), stage sends / receives once per micro-batch and stage, FSDP once per
-    block (its unit), DDP once per 25 MiB bucket (torch's default ``bucket_cap_mb``)."""
-    held = stage_blocks(model, layout, pp_rank)
-    batches, calls = layout.micro_batches * layout.accumulate, dict[str, int]()
-    for c in (c for i in held for c in (model.collectives[i] if model.collectives else ())):
-        n = (2 if c.phase == "forward" and layout.pp > 1 else 1) * batches
-        calls[f"{c.dim}.{c.kind}"] = calls.get(f"{c.dim}.{c.kind}", 0) + n
+    slowest of the rank's groups of its dimension as ``calls[key]`` equal messages
+    (:func:`lightning_mmpar.layout.comm.comm_calls`), every one paying the latency; a stage's
+    sends (receives) of one micro-batch are one batched op (``batch_isend_irecv``), one
+    latency per micro-batch and virtual stage."""
     shape, per_pp = (layout.pp, layout.dp // layout.ep, layout.ep, layout.tp), layout.dp * layout.tp
     out: dict[str, float] = {}
     for key, n in nbytes.items():
         dim, _, kind = key.partition(".")
         if dim not in _DIMS or not n or kind == "barrier":
             continue
-        if dim == "pp":
-            calls[key] = batches * layout.virtual
-        elif dim in ("dp", "edp"):
-            fsdp = layout.data_parallel == "fsdp" and kind in ("all_gather", "reduce_scatter")
-            calls[key] = len(held) * layout.accumulate if fsdp else -(-n // (25 * 2**20))
+        k = max(1, calls.get(key, 1))
+        if key in _BATCHED:  # a micro-batch's tensors at a boundary go as one batched P2P op
+            k = layout.micro_batches * layout.accumulate * layout.virtual
         groups = [g for g in _groups(shape, dim) if dim == "pp" or g[0] // per_pp == pp_rank]
-        k, kind = max(1, calls.get(key, 1)), _P2P.get(kind, kind)
+        kind = _P2P.get(kind, kind)
         t = k * max(collective_seconds(graph, kind, [order[p] for p in g], n / k) for g in groups)
         label = "dp" if dim == "edp" else dim
         out[label] = out.get(label, 0.0) + t

@@ -165,3 +165,56 @@ def test_activation_memory_within_15_percent_of_measured() -> None:
     assert abs(total_p - total_m) / total_m <= 0.15, (predicted, measured)
     for kind in ("vision", "language"):  # the towers that dominate at scale
         assert abs(predicted[kind] - measured[kind]) / measured[kind] <= 0.15, kind
+
+
+def test_comm_calls_count_each_op_of_each_mechanism() -> None:
+    """``comm_calls``: what a call's fixed cost multiplies, each op one call (the benchmark
+    checks them equal to ``CommCounter.calls`` on every rank of its 7 layouts): DDP one
+    coalesced all-reduce per dtype and batch; FSDP per unit two all-gathers (forward, backward)
+    and one reduce-scatter, ``2 m + 1`` gathers under a pipeline; one send per boundary tensor,
+    micro-batch and forward pass; the same keys as ``comm_bytes``."""
+    from lightning_mmpar.layout.comm import comm_bytes, comm_calls
+    from lightning_mmpar.layout.model import Boundary, LayoutSpec, ModelSpec, ParamSpec
+
+    ps_ = (ParamSpec("w", (6, 4), 0, None, True), ParamSpec("v", (4,), 0, None, True),
+           ParamSpec("u", (4, 4), 1, None, True))  # fmt: skip
+    model = ModelSpec(blocks=blocks(2).blocks, params=ps_,
+                      boundaries=((Boundary(100, True), Boundary(8, False)), ()))  # fmt: skip
+    ddp = LayoutSpec(dp=2, data_parallel="ddp", accumulate=3)
+    assert comm_calls(model, ddp) == {
+        "dp.all_gather": 1,
+        "dp.all_reduce": 3 * 3,
+        "dp.broadcast": 3,
+    }  # grads + pair + terms; guard; SIGTERM
+    fsdp = LayoutSpec(dp=2)
+    assert comm_calls(model, fsdp) == {"dp.all_gather": 2 * 2 + 1, "dp.all_reduce": 2,
+                                       "dp.broadcast": 1, "dp.reduce_scatter": 2}  # fmt: skip
+    piped = LayoutSpec(pp=2, dp=2, micro_batches=3, micro_batch_size=1)
+    zero, one = comm_calls(model, piped, 0), comm_calls(model, piped, 1)
+    assert zero["dp.all_gather"] == 2 * 3 + 1 and zero["dp.reduce_scatter"] == 1
+    assert zero["world.all_gather"] == 1  # the guard: no single dimension spans the 4 ranks
+    assert zero["pp.send"] == one["pp.recv"] == 2 * 3 * 2  # 2 tensors, 3 micro-batches, 2 passes
+    assert zero["pp.recv"] == one["pp.send"] == 3  # the float tensor's gradient
+    for lay in (ddp, fsdp, piped):
+        assert comm_calls(model, lay).keys() == comm_bytes(model, lay).keys()
+
+
+def test_host_call_cost_and_shared_cores() -> None:
+    """``DeviceSpec.call_overhead`` adds host seconds per non-P2P call to the rank's critical
+    path; ``shared`` (ranks per core) bounds the step by ``shared x mean busy + comm``."""
+    from dataclasses import replace
+
+    from lightning_mmpar.layout.comm import comm_calls
+    from lightning_mmpar.layout.cost import predict
+    from lightning_mmpar.layout.model import LayoutSpec, ModelSpec, ParamSpec
+
+    model = ModelSpec(blocks=blocks(2).blocks, params=(ParamSpec("w", (64, 64), 0, None, True),))
+    lay, cpu = LayoutSpec(dp=2), DEVICES["cpu"]
+    base = predict(model, lay, cpu)
+    calls = sum(comm_calls(model, lay).values())
+    costly = predict(model, lay, replace(cpu, call_overhead=1e-3))
+    assert costly.step_seconds - base.step_seconds == pytest.approx(calls * 1e-3)
+    shared = predict(model, lay, replace(cpu, call_overhead=1e-3, shared=2.0))
+    wire = sum(costly.comm_seconds.values())
+    busy = costly.step_seconds - wire
+    assert shared.step_seconds == pytest.approx(2 * busy + wire)
