@@ -13,10 +13,14 @@ rate on one thread at the model's shapes (``cores / processes`` of it per proces
 processes outnumber the cores), the fixed cost per block and micro-batch
 (``DeviceSpec.overhead``: the blocks timed at micro-batch 1 and 8, the intercept), and gloo's
 alpha-beta (all-reduce of 4 B and 4 MiB, the ring formula solved: a loopback link class; the
-latency is a call's cost under load, :mod:`sync_latency`, when larger than the idle one).
+latency is a call's cost under load, :mod:`sync_latency`, when larger than the idle one), and
+the host work per DTensor / FSDP2 call (:mod:`call_overhead`, a synthetic model). Each layout's
+collective calls of step 2 are counted (``CommCounter.calls``) and compared with
+:func:`lightning_mmpar.layout.comm.comm_calls` on every rank.
 
-**Prediction**: :func:`lightning_mmpar.layout.cost.predict` of each layout with that device and
-link class; **Spearman's rank correlation** of predicted vs measured step times goes to the JSON.
+**Prediction**: :func:`lightning_mmpar.layout.cost.predict` of each layout with that device
+(``shared = processes / cores``) and link class; **Spearman's rank correlation** of predicted vs
+measured step times goes to the JSON.
 """
 
 from __future__ import annotations

@@ -11,7 +11,13 @@ ranks on it, :func:`comm_bytes` / :func:`state_bytes` / :func:`predict` cost a
 ``python -m lightning_mmpar.recipes.plan`` is its CLI (docs/planner.md).
 """
 
-from lightning_mmpar.layout.comm import comm_bounds, comm_bytes, comm_calls, world_dim
+from lightning_mmpar.layout.comm import (
+    comm_bounds,
+    comm_bytes,
+    comm_calls,
+    dispatched_calls,
+    world_dim,
+)
 from lightning_mmpar.layout.cost import (
     DEVICES,
     DeviceSpec,
@@ -117,6 +123,7 @@ __all__ = [
     "default_graph",
     "default_ratio",
     "describe",
+    "dispatched_calls",
     "divisors",
     "equal_ranges",
     "group_positions",

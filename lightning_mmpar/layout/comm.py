@@ -69,7 +69,7 @@ from lightning_mmpar.layout.memory import (
 from lightning_mmpar.layout.model import LayoutSpec, ModelSpec, ParamSpec, stage_ranks
 from lightning_mmpar.layout.partition import plan_stages
 
-__all__ = ["comm_bounds", "comm_bytes", "comm_calls", "world_dim"]
+__all__ = ["comm_bounds", "comm_bytes", "comm_calls", "dispatched_calls", "world_dim"]
 
 GUARD_BYTES = 24
 """The non-finite guard's ``[3]`` float64 row per rank."""
@@ -179,22 +179,35 @@ def comm_calls(model: ModelSpec, layout: LayoutSpec, pp_rank: int = 0) -> dict[s
     of :func:`comm_bytes` (each op one call, as :attr:`~lightning_mmpar.parallel.comm_count.
     CommCounter.calls` counts them): what a call's fixed cost (latency, host software)
     multiplies. Raises ``ValueError`` as :func:`comm_bytes`."""
-    nbytes, calls = _count(model, layout, pp_rank, "expected")
+    nbytes, calls, _ = _count(model, layout, pp_rank, "expected")
     return {k: calls[k] for k in nbytes if calls[k]}
 
 
+def dispatched_calls(model: ModelSpec, layout: LayoutSpec, pp_rank: int = 0) -> int:
+    """Of :func:`comm_calls`, the calls issued through DTensor or FSDP2 (the tensor-parallel
+    activation collectives and ``Partial`` redistributions, FSDP's unit all-gathers and
+    reduce-scatters), which carry per-call host work (sharding propagation, copy-in / copy-out,
+    hooks) beyond a plain ``torch.distributed`` call's. Raises ``ValueError`` as
+    :func:`comm_bytes`."""
+    return _count(model, layout, pp_rank, "expected")[2]
+
+
 def _count(model: ModelSpec, layout: LayoutSpec, pp_rank: int,
-           bound: str) -> tuple[dict[str, int], Counter[str]]:  # fmt: skip
-    """Bytes (``bound``: ``expected``, ``low`` or ``high``) and calls per key."""
+           bound: str) -> tuple[dict[str, int], Counter[str], int]:  # fmt: skip
+    """Bytes (``bound``: ``expected``, ``low`` or ``high``) and calls per key, and the calls
+    issued through DTensor / FSDP2."""
     _check(model, layout)
     held = set(stage_blocks(model, layout, pp_rank))
     out: Counter[str] = Counter()
     calls: Counter[str] = Counter()
+    dispatched = 0
 
-    def add(key: str, nbytes: int | float, n: int) -> None:
+    def add(key: str, nbytes: int | float, n: int, via_dtensor: bool = False) -> None:
+        nonlocal dispatched
         out[key] += nbytes  # type: ignore[assignment]
         if nbytes:
             calls[key] += n
+            dispatched += n if via_dtensor else 0
 
     b, acc = layout.local_batch, layout.accumulate
     passes = 2 if layout.pp > 1 else 1  # the gradient cache's forward-only pass
@@ -213,11 +226,12 @@ def _count(model: ModelSpec, layout: LayoutSpec, pp_rank: int,
                     units.setdefault(p.block, []).append(p)
             for unit in units.values():
                 add("dp.all_gather", acc * gathers * sum(_padded_bytes(p, layout) for p in unit),
-                    acc * gathers)  # fmt: skip
+                    acc * gathers, True)  # fmt: skip
                 add(
                     "dp.reduce_scatter",
                     acc * sum(_padded_bytes(p, layout) for p in unit if p.trainable),
                     acc,
+                    True,
                 )
             scalars = [p for p in dense if not p.shape]
             add("dp.all_reduce", acc * sum(_grad_bytes(p, layout) for p in scalars),
@@ -233,11 +247,12 @@ def _count(model: ModelSpec, layout: LayoutSpec, pp_rank: int,
             layers = len({p.block for p in experts})
             add("edp.all_gather",
                 acc * gathers * sum(_padded_bytes(p, layout) for p in experts),
-                acc * gathers * layers)  # fmt: skip
+                acc * gathers * layers, True)  # fmt: skip
             add(
                 "edp.reduce_scatter",
                 acc * sum(_padded_bytes(p, layout) for p in experts if p.trainable),
                 acc * layers,
+                True,
             )
     # a tower run data-parallel inside tp: its gradients summed over tp after every backward;
     # Partial gradients that FSDP2 reduce-scatters are made Replicate over tp first (backward)
@@ -250,7 +265,8 @@ def _count(model: ModelSpec, layout: LayoutSpec, pp_rank: int,
             acc * len({p.element_size for p in summed}),
         )
         sharded = [p for p in partial if fsdp_group(p, layout) > 1]
-        add("tp.all_reduce", acc * sum(_grad_bytes(p, layout) for p in sharded), acc * len(sharded))
+        add("tp.all_reduce", acc * sum(_grad_bytes(p, layout) for p in sharded),
+            acc * len(sharded), True)  # fmt: skip
     # tensor (and expert) parallel activations
     for block in held:
         for c in model.collectives[block] if model.collectives else ():
@@ -260,7 +276,7 @@ def _count(model: ModelSpec, layout: LayoutSpec, pp_rank: int,
                 per_sample = c.upper_per_sample if bound == "high" else 0
             m = layout.micro_batches
             add(f"{c.dim}.{c.kind}", acc * times * (b * per_sample + m * c.bytes_per_call),
-                acc * times * m)  # fmt: skip
+                acc * times * m, c.dim == "tp")  # fmt: skip
     # pipeline boundaries: one send / recv per tensor, micro-batch and pass
     last = len(model.blocks) - 1
     if layout.pp > 1:
@@ -301,5 +317,5 @@ def _count(model: ModelSpec, layout: LayoutSpec, pp_rank: int,
             add(f"{world}.all_reduce", 8, 1)
             if layout.tp > 1:  # Partial gradients (no FSDP) summed over tp before their norm
                 whole = [p for p in partial if fsdp_group(p, layout) == 1]
-                add("tp.all_reduce", sum(_grad_bytes(p, layout) for p in whole), len(whole))
-    return {k: v for k, v in sorted(out.items()) if v}, calls
+                add("tp.all_reduce", sum(_grad_bytes(p, layout) for p in whole), len(whole), True)
+    return {k: v for k, v in sorted(out.items()) if v}, calls, dispatched

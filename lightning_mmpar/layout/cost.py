@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_mmpar.layout.comm import comm_bytes, comm_calls
+from lightning_mmpar.layout.comm import comm_bytes, comm_calls, dispatched_calls
 from lightning_mmpar.layout.devices import DeviceGraph, collective_seconds
 from lightning_mmpar.layout.memory import state_bytes
 from lightning_mmpar.layout.model import stage_ranks
@@ -47,8 +47,10 @@ class DeviceSpec:
     overhead: float = 0.0  # fixed seconds per block per micro-batch, forward + backward
     source: str = ""
     call_overhead: float = 0.0
-    """Host seconds per collective call taken from compute (CPU ranks: Python, DTensor
-    dispatch, FSDP2 copy-in / copy-out); 0 on accelerators, where it overlaps the kernels."""
+    """Host seconds per collective call issued through DTensor or FSDP2
+    (:func:`~lightning_mmpar.layout.comm.dispatched_calls`: sharding propagation, copy-in /
+    copy-out, hooks) taken from compute on a CPU rank; 0 on accelerators, where it overlaps
+    the kernels. A plain call's host cost is in the link's measured latency."""
     shared: float = 1.0
     """Ranks per compute unit (> 1 when processes outnumber CPU cores): the machine's
     throughput then bounds a step, ``step >= shared x mean rank busy seconds + comm``."""
@@ -84,10 +86,12 @@ DEVICES: dict[str, DeviceSpec] = {
                                           "fp8": 4500.0}, 179.1,
                        source=f"{_NVIDIA}: HGX B200 datasheet (2024), per GPU = 1/8"),
     # Measured (`python benchmarks/bench_planner.py --measure-cpu`, one thread, fp32 matmuls of
-    # the CPU recipe's shapes; overhead: block_overhead()), 2-core VM under load; the benchmark
+    # the CPU recipe's shapes; overhead: block_overhead(); call_overhead: host work per DTensor /
+    # FSDP2 call, benchmarks/call_overhead.py), 2-core VM under load; the benchmark
     # measures its own figures in the run it predicts (benchmarks/results/planner.json).
     "cpu": DeviceSpec("CPU core (fp32, one thread)", {"fp32": 0.052}, 16.0, efficiency=1.0,
-                      overhead=2.9e-3, source="measured, benchmarks/bench_planner.py"),
+                      overhead=2.9e-3, source="measured, benchmarks/bench_planner.py",
+                      call_overhead=5e-3),  # benchmarks/call_overhead.py, 4 processes
 }  # fmt: skip
 """Devices by ``--device`` name (memory ``nvidia-smi`` totals; the H200 one as on an H200 SXM)."""
 
@@ -224,15 +228,20 @@ def _input_bytes(model: Any) -> Sequence[float]:
 
 def _rank_flops(model: Any, layout: Any) -> tuple[list[float], list[float], float]:
     """FLOPs per optimizer step of each pipeline rank (one tp shard, recomputation included),
-    its block runs per micro-batch (recomputed ones count 4/3), and the global model FLOPs."""
+    its block runs per micro-batch (a forward counts 1/3 of forward + backward), and the global
+    model FLOPs. Extra forwards: a recomputed block's (activation checkpointing) and, with a
+    pipeline, every block's forward-only pass of the gradient cache (the recipe's contrastive
+    features of the whole batch before the schedule runs; :mod:`lightning_mmpar.layout.comm`
+    counts its collectives too)."""
     ranges, ranks, _ = _stages_of(model, layout)
     samples = layout.micro_batch_size * layout.micro_batches * layout.accumulate
     per_rank, runs = [0.0] * layout.pp, [0.0] * layout.pp
+    cached = 1 / 3 if layout.pp > 1 else 0.0
     for r, rank in zip(ranges, ranks, strict=True):
         for i in r:
             block = model.blocks[i]
             again = layout.activation_checkpointing and block.name not in _NOT_RECOMPUTED
-            extra = 4 / 3 if again else 1.0  # one more forward, ~1/3 of forward + backward
+            extra = (4 / 3 if again else 1.0) + cached  # a forward: ~1/3 of forward + backward
             per_rank[rank] += block.flops * _tp_share(block, layout, kept=False) * extra * samples
             runs[rank] += extra
     return per_rank, runs, sum(b.flops for b in model.blocks) * samples * layout.dp
@@ -291,7 +300,7 @@ class Prediction:
 
 _DIMS = ("tp", "ep", "edp", "dp", "pp")
 _BATCHED = ("pp.send", "pp.recv")
-"""Point-to-point keys: batched per micro-batch, and no host work beyond the wire's."""
+"""Point-to-point keys: a micro-batch's tensors at a stage boundary go as one batched op."""
 _P2P = {"send": "send_recv", "recv": "send_recv", "broadcast": "all_gather",
         "all_to_all_v": "all_to_all"}  # fmt: skip
 
@@ -335,8 +344,7 @@ def predict(
             worst_bytes[key] = max(worst_bytes.get(key, 0), int(n))
         for dim, s in secs.items():
             worst_secs[dim] = max(worst_secs.get(dim, 0.0), s)
-        host = sum(n for k, n in calls.items() if k not in _BATCHED)
-        busy.append(compute[r] + device.call_overhead * host)
+        busy.append(compute[r] + device.call_overhead * dispatched_calls(model, layout, r))
         critical.append(busy[r] + sum(secs.get(d, 0.0) for d in ("tp", "ep", "pp")))
         exposed.append(sum(s for d, s in secs.items() if d not in ("tp", "ep", "pp")))
         wire.append(sum(secs.values()))
