@@ -1,7 +1,7 @@
 """Pipeline planning on the CPU recipe: partition modes, schedules and vision layouts (one run).
 
-    python benchmarks/bench_pipeline.py        # writes benchmarks/results/pipeline.json and
-                                               # docs/images/pipeline_bench.png
+    python benchmarks/bench_pipeline.py        # writes docs/results/pipeline.json + .png
+    python benchmarks/bench_pipeline.py --smoke --out-dir /tmp/r   # one short run, pp2 only
 
 The product's own model and data: ``recipes/clip_llama_cpu.yaml``'s ``model:`` / ``data:``
 sections (CLIP-ViT + adapter + LLaMA on the offline digits, batch 72), trained by
@@ -26,10 +26,8 @@ partition's own figure.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -37,8 +35,11 @@ from typing import Any
 
 import torch
 import yaml
-from bench_stability import StepTimer  # the same per-batch wall-time callback
 from lightning.pytorch import Callback, seed_everything
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_stability import StepTimer  # the same per-batch wall-time callback
+from report import save_figure, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 YAML = ROOT / "recipes" / "clip_llama_cpu.yaml"
@@ -110,9 +111,10 @@ def run_one(rank: int, size: int, world: str, spec: tuple[str, dict[str, Any], s
     return out
 
 
-def worker(rank: int, world_size: int, world: str, rounds: int, steps: int) -> dict[str, Any]:
+def worker(rank: int, world_size: int, world: str, rounds: int, steps: int,
+           limit: int | None = None) -> dict[str, Any]:  # fmt: skip
     torch.set_num_threads(1)
-    specs = WORLDS[world][1]
+    specs = WORLDS[world][1][:limit]
     results: dict[str, list[dict[str, Any]]] = {s[0]: [] for s in specs}
     with tempfile.TemporaryDirectory() as root:
         for _ in range(rounds):
@@ -149,14 +151,14 @@ def summarise(per_rank: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     return out
 
 
-def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
+def plot(results: dict[str, dict[str, Any]], out_dir: Path | None) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4.2))
-    for ax, (world, rows) in zip(axes, results.items(), strict=True):
+    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4.2), squeeze=False)
+    for ax, (world, rows) in zip(axes[0], results.items(), strict=True):
         names = list(rows)
         y = range(len(names))
         ax.barh(y, [rows[n]["step_s"] * 1000 for n in names], color="#4c72b0", label="step ms")
@@ -169,10 +171,9 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
                 row = rows[n]
                 txt = f"bubble {row['bubble_measured']:.2f} (formula {row['bubble_formula']:.2f})"
                 ax.text(rows[n]["step_s"] * 1000, i, " " + txt, va="center", fontsize=6)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    path = save_figure(fig, "pipeline", out_dir)
     plt.close(fig)
+    return path
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -182,14 +183,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=5, help="steps per run (2 warm-up)")
     p.add_argument("--worlds", default=",".join(WORLDS))
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pipeline.json"))
-    p.add_argument("--plot", default=str(ROOT / "docs" / "images" / "pipeline_bench.png"))
+    p.add_argument("--smoke", action="store_true", help="pp2, two configurations, 3 steps")
+    p.add_argument("--out-dir", type=Path, default=None, help="default docs/results")
     args = p.parse_args(argv)
+    limit = None
+    if args.smoke:
+        args.rounds, args.steps, args.worlds, limit = 1, 3, "pp2", 2
     results: dict[str, Any] = {}
     started = time.perf_counter()
     for world in args.worlds.split(","):
         size = WORLDS[world][0]
-        per_rank = spawn(worker, size, world, args.rounds, args.steps, timeout=1800)
+        per_rank = spawn(worker, size, world, args.rounds, args.steps, limit, timeout=1800)
         results[world] = summarise(per_rank, warmup=2)
         for name, row in results[world].items():
             extra = "".join(
@@ -198,11 +202,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )  # fmt: skip
             print(f"{world:4} {name:38} {row['step_s'] * 1000:8.1f} ms{extra}", flush=True)
     report = {
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "torch": torch.__version__,
-        },
         "config": {
             "yaml": str(YAML.relative_to(ROOT)),
             "rounds": args.rounds,
@@ -212,10 +211,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "wall_s": round(time.perf_counter() - started, 1),
         "results": results,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    if args.plot:
-        plot(results, Path(args.plot))
+    write_result("pipeline", report, args.out_dir)
+    plot(results, args.out_dir)
     return report
 
 

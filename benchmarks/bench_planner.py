@@ -1,7 +1,7 @@
 """The layout planner's cost model against measurement (CPU), and its predictions at scale.
 
-    python benchmarks/bench_planner.py     # measure + predict CPU layouts -> results/planner.json
-    python benchmarks/bench_planner.py --steps 2 --layouts "dp4 ddp,tp2 pp2"   # dry run
+    python benchmarks/bench_planner.py     # measure + predict layouts, docs/results/planner.json
+    python benchmarks/bench_planner.py --smoke --out-dir /tmp/r   # 2 layouts, 3 steps, 1 round
     python benchmarks/bench_planner.py --scale  # docs/planner.md's tables; --measure-cpu: cpu
 
 **Measurement**: ``recipes/clip_llama_cpu.yaml``'s model and data trained by
@@ -26,9 +26,7 @@ measured step times goes to the JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -42,11 +40,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_stability import StepTimer  # the same per-batch wall-time callback
 from call_overhead import host_call_seconds
 from lightning.pytorch import Callback
+from report import write_result
 from sync_latency import loaded_call_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
 YAML = ROOT / "recipes" / "clip_llama_cpu.yaml"
-OUT = ROOT / "benchmarks" / "results" / "planner.json"
 WORLD = 4
 
 LAYOUTS: dict[str, dict[str, Any]] = {
@@ -280,12 +278,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
               f"{predicted[n]['step_s'] * 1e3:8.1f} ms")  # fmt: skip
     print(f"Spearman rank correlation: {rho:.3f}")
     return {
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "torch": torch.__version__},
         "config": {"yaml": str(YAML.relative_to(ROOT)), "processes": WORLD,
                    "global_batch": args.global_batch, "steps": args.steps,
                    "warmup": args.warmup, "rounds": args.rounds},
-        "command": "python benchmarks/bench_planner.py " + " ".join(sys.argv[1:]),
         "cpu_fp32_flops_one_thread": flops,
         "cpu_overhead_s_per_block_micro_batch": overhead,
         "gloo": {"latency_s": alpha, "bandwidth_bytes_s": beta},
@@ -429,7 +424,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--steps", type=int, default=8, help="steps per run")
     p.add_argument("--warmup", type=int, default=3, help="first steps not timed")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--out", default=str(OUT))
+    p.add_argument("--out-dir", type=Path, default=None, help="default docs/results")
+    p.add_argument("--smoke", action="store_true", help='"dp4 ddp,tp2 pp2", 3 steps, 1 round')
     p.add_argument("--scale", action="store_true", help="print docs/planner.md's tables")
     p.add_argument("--measure-cpu", action="store_true", help="one-thread fp32 matmul rate")
     args = p.parse_args(argv)
@@ -441,10 +437,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.scale:
         print(scale_tables())
         return {}
+    if args.smoke:
+        args.layouts, args.steps, args.rounds = "dp4 ddp,tp2 pp2", 3, 1
     args.warmup = min(args.warmup, args.steps - 1)
     report = measure(args)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    write_result("planner", report, args.out_dir)
     return report
 
 

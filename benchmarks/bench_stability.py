@@ -1,6 +1,7 @@
 """Overhead of the stability callbacks and speed of FP8 emulation on CPU (ratios, one run).
 
-    python benchmarks/bench_stability.py            # writes benchmarks/results/stability.json
+    python benchmarks/bench_stability.py            # writes docs/results/stability.json
+    python benchmarks/bench_stability.py --smoke --out-dir /tmp/r   # a few steps of each
 
 1. Step time of a Lightning run with no callback, with GradientDriftMonitor, and with
    GradientDriftMonitor + FP8FallbackCallback (snapshot every step), interleaved in one process
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -34,6 +34,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_mmpar.callbacks import FP8FallbackCallback, GradientDriftMonitor
 from lightning_mmpar.precision import FP8Policy, convert_to_fp8, set_precision
 from lightning_mmpar.testing import quiet_trainer, spawn
+
+sys.path.insert(0, str(Path(__file__).parent))
+from report import write_result
 
 VARIANTS = ("off", "monitor", "monitor+fallback")
 
@@ -178,31 +181,25 @@ def precision_speed(width: int, depth: int, tokens: int, iters: int) -> dict[str
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "stability.json"))
+    parser.add_argument("--out-dir", type=Path, default=None, help="default docs/results")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--fusion-steps", type=int, default=23)
-    parser.add_argument("--only-fusion", action="store_true", help="only (re)run section 2")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="one repeat of a few steps each")
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    if args.only_fusion:  # refresh section 2 in the existing results file
-        out = Path(args.out)
-        result = json.loads(out.read_text()) if out.exists() else {}
-        result["fusion_ddp_overhead"] = fusion_ddp_overhead(args.repeats, args.fusion_steps)
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        print(json.dumps(result["fusion_ddp_overhead"], indent=2))
-        return
+    steps = (6, 6, 6, 6) if args.smoke else (23, 13, args.fusion_steps, 12)
+    repeats = 1 if args.smoke else args.repeats
     result = {
-        "host": {"machine": platform.machine(), "torch": torch.__version__, "threads": 1},
-        "callback_overhead_small": callback_overhead(args.repeats, width=256, depth=4, steps=23),
-        "callback_overhead_large": callback_overhead(args.repeats, width=1024, depth=4, steps=13),
-        "fusion_ddp_overhead": fusion_ddp_overhead(args.repeats, steps=args.fusion_steps),
-        "precision_cpu": precision_speed(width=512, depth=4, tokens=256, iters=12),
+        "callback_overhead_small": callback_overhead(repeats, width=256, depth=4, steps=steps[0]),
+        "callback_overhead_large": callback_overhead(repeats, width=1024, depth=4, steps=steps[1]),
+        "fusion_ddp_overhead": fusion_ddp_overhead(repeats, steps=steps[2]),
+        "precision_cpu": precision_speed(width=512, depth=4, tokens=256, iters=steps[3]),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result("stability", result, args.out_dir)
     print(json.dumps(result, indent=2))
+    return result
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """One fused-model train step under TP=2 (gloo, CPU): combine and vision-placement options.
 
-    python benchmarks/bench_tensor_parallel.py     # writes benchmarks/results/tensor_parallel.json
+    python benchmarks/bench_tensor_parallel.py     # writes docs/results/tensor_parallel.json
 
 Four layouts - cross-attention combine ``all_reduce`` / ``all_gather`` x vision ``tp`` /
 ``replicate`` - plus the unsharded model on every rank, all built in one spawned 2-rank world and
@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,9 @@ from lightning_mmpar.models.fusion import FusionModel
 from lightning_mmpar.parallel.numerics import vocab_parallel_cross_entropy
 from lightning_mmpar.plans.fusion import apply_tensor_parallel
 from lightning_mmpar.testing import spawn
+
+sys.path.insert(0, str(Path(__file__).parent))
+from report import write_result
 
 LAYOUTS = {
     "all_reduce+vision_tp": dict(vl_combine="all_reduce", vision_parallel="tp"),
@@ -101,18 +104,17 @@ def worker(rank: int, world: int, rounds: int) -> dict[str, list[float]]:
     return times
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/tensor_parallel.json"))
-    args = parser.parse_args()
-    times = spawn(worker, 2, args.rounds)[0]
+    parser.add_argument("--out-dir", type=Path, default=None, help="default docs/results")
+    parser.add_argument("--smoke", action="store_true", help="one round")
+    args = parser.parse_args(argv)
+    times = spawn(worker, 2, 1 if args.smoke else args.rounds)[0]
     base = statistics.median(times["unsharded"])
     result: dict[str, Any] = {
         "benchmark": "bench_tensor_parallel",
         "setup": {"tp": 2, "backend": "gloo", "device": "cpu", **SIZES, "rounds": args.rounds},
-        "machine": {"platform": platform.platform(), "cpus": torch.get_num_threads()},
-        "torch": torch.__version__,
         "step_seconds": {
             k: {"median": statistics.median(v), "min": min(v)} for k, v in times.items()
         },
@@ -127,9 +129,9 @@ def main() -> None:
         "vision replicate/tp (all_reduce)": med["all_reduce+vision_replicate"]
         / med["all_reduce+vision_tp"],
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result("tensor_parallel", result, args.out_dir)
     print(json.dumps(result, indent=2))
+    return result
 
 
 if __name__ == "__main__":

@@ -59,18 +59,20 @@ def save_figure(fig: Any, name: str, out_dir: Path | None = None) -> Path:
 def interleaved(
     sides: dict[str, Callable[[], Sequence[float]]], repeats: int
 ) -> dict[str, list[list[float]]]:
-    """Run every side once per repeat, in turn (A B A B ...); each call returns its per-step
-    seconds. Returns ``{side: [per-step seconds of repeat 0, of repeat 1, ...]}``."""
+    """Run every side once per repeat, in turn, the order reversed every other repeat (A B, B A,
+    A B ...: neither side always runs first, after the same neighbour); each call returns its
+    per-step seconds. Returns ``{side: [per-step seconds of repeat 0, of repeat 1, ...]}``."""
     out: dict[str, list[list[float]]] = {k: [] for k in sides}
-    for _ in range(repeats):
-        for name, run in sides.items():
-            out[name].append(list(run()))
+    names = list(sides)
+    for i in range(repeats):
+        for name in names if i % 2 == 0 else names[::-1]:
+            out[name].append(list(sides[name]()))
     return out
 
 
 def ratio_stats(
     ours: Sequence[Sequence[float]], theirs: Sequence[Sequence[float]]
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """Median and spread of ``median(ours_i) / median(theirs_i)`` over paired repeats ``i``
     (ours' step time over the peer's: below 1 is faster). ``spread`` = max - min of the
     per-repeat ratios; ``ours_s`` / ``theirs_s``: median step seconds over all steps."""

@@ -88,7 +88,7 @@ DEVICES: dict[str, DeviceSpec] = {
     # Measured (`python benchmarks/bench_planner.py --measure-cpu`, one thread, fp32 matmuls of
     # the CPU recipe's shapes; overhead: block_overhead(); call_overhead: host work per DTensor /
     # FSDP2 call, benchmarks/call_overhead.py), 2-core VM under load; the benchmark
-    # measures its own figures in the run it predicts (benchmarks/results/planner.json).
+    # measures its own figures in the run it predicts (docs/results/planner.json).
     "cpu": DeviceSpec("CPU core (fp32, one thread)", {"fp32": 0.052}, 16.0, efficiency=1.0,
                       overhead=2.9e-3, source="measured, benchmarks/bench_planner.py",
                       call_overhead=5e-3),  # benchmarks/call_overhead.py, 4 processes

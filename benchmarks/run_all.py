@@ -1,0 +1,69 @@
+"""Run every benchmark, one after another; each writes docs/results/<name>.json (+ .png).
+
+    python benchmarks/run_all.py                     # full runs (2-core budget: ~15 minutes)
+    python benchmarks/run_all.py --smoke --out-dir /tmp/r   # each for one short iteration
+    python benchmarks/run_all.py --only overhead,zero
+
+Each benchmark runs in its own Python process (``python benchmarks/<script> [--smoke]
+--out-dir DIR``), so one failing does not hide the others; the exit status is non-zero when any
+failed. Wall seconds per benchmark go to ``<out-dir>/run_all.json``. docs/results.md shows the
+results and the command behind each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+from report import RESULTS, write_result
+
+HERE = Path(__file__).resolve().parent
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "overhead": ("bench_overhead.py", "1-2: vs Lightning ddp, FSDP2, tensor parallel"),
+    "zero": ("bench_zero.py", "3, 8: FSDP2 / DDP vs DeepSpeed ZeRO-2 / ZeRO-3; torchtitan"),
+    "memory_comm": ("bench_memory_comm.py", "4-5: memory per rank vs ideal; bytes per collective"),
+    "pipeline": ("bench_pipeline.py", "6: schedules, partitions; bubble vs formula"),
+    "scaling": ("bench_scaling.py", "7: step time and memory as the work doubles"),
+    "planner": ("bench_planner.py", "planner: predicted vs measured step-time ranking"),
+    "tensor_parallel": ("bench_tensor_parallel.py", "tp2 combine and vision placement options"),
+    "stability": ("bench_stability.py", "stability callbacks' overhead; fp8 emulation speed"),
+}  # fmt: skip
+"""Benchmark name -> (script, what it measures: the issue's item numbers)."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="each benchmark for one iteration")
+    p.add_argument("--out-dir", type=Path, default=RESULTS)
+    p.add_argument("--only", default=",".join(BENCHMARKS), help="comma-separated names")
+    args = p.parse_args(argv)
+    names = [n.strip() for n in args.only.split(",") if n.strip()]
+    unknown = [n for n in names if n not in BENCHMARKS]
+    if unknown:
+        raise SystemExit(f"--only: unknown benchmarks {unknown}; choose from {list(BENCHMARKS)}")
+    rows: dict[str, dict[str, Any]] = {}
+    for name in names:
+        script, what = BENCHMARKS[name]
+        cmd = [sys.executable, str(HERE / script), "--out-dir", str(args.out_dir)]
+        cmd += ["--smoke"] if args.smoke else []
+        print(f"== {name}: {what}\n   {' '.join(cmd[1:])}", flush=True)
+        start = time.perf_counter()
+        rc = subprocess.run(cmd, check=False).returncode
+        rows[name] = {"script": script, "rc": rc, "wall_s": round(time.perf_counter() - start, 1)}
+    print(f"\n{'benchmark':16} {'rc':>3} {'wall s':>8}")
+    for name, row in rows.items():
+        print(f"{name:16} {row['rc']:>3} {row['wall_s']:>8}")
+    total = sum(r["wall_s"] for r in rows.values())
+    print(f"{'total':16} {'':>3} {total:>8.1f}")
+    write_result("run_all", {"smoke": args.smoke, "benchmarks": rows, "total_s": total},
+                 args.out_dir)  # fmt: skip
+    return 1 if any(r["rc"] for r in rows.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
