@@ -62,13 +62,16 @@ from lightning_mmpar.recipes.module import ClipLlamaModule
 
 PAIRS: dict[int, tuple[tuple[str, dict[str, Any], str, float], ...]] = {
     2: (("ddp", {"data_parallel": "ddp"}, "ddp", 1.03),
+        ("ddp guard off", {"data_parallel": "ddp", "on_nonfinite": "off"}, "ddp", 1.03),
         ("fsdp", {}, "model_parallel", 1.03),
         ("tp2", {"tensor_parallel": 2}, "model_parallel", 1.00)),
     4: (("ddp", {"data_parallel": "ddp"}, "ddp", 1.03),
         ("fsdp", {}, "model_parallel", 1.03),
         ("tp2 dp2", {"tensor_parallel": 2}, "model_parallel", 1.00)),
 }  # fmt: skip
-"""Per world size: (name, ``MultimodalParallelStrategy`` arguments, Lightning side, target)."""
+"""Per world size: (name, ``MultimodalParallelStrategy`` arguments, Lightning side, target).
+``ddp guard off``: ours without the non-finite guard (``on_nonfinite="off"``; Lightning has no
+such check), to show what the guard's default costs."""
 LOSS_RTOL = 1e-6
 """Relative tolerance of the loss agreement, first and last step (measured: bit-equal at 2
 processes; leaving the 0-dim parameters' gradients unaveraged on the Lightning side moves the

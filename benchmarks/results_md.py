@@ -73,6 +73,61 @@ def _stability(r: dict[str, Any]) -> list[str]:
     return out
 
 
+def _ratio_rows(ratios: dict[str, dict[str, Any]], label: str) -> list[str]:
+    out = [f"| {label} | ours ms | theirs ms | ratio | spread |", "|---|---|---|---|---|"]
+    for name, r in ratios.items():
+        out.append(f"| {name} | {_ms(r['ours_s'])} | {_ms(r['theirs_s'])} | {r['ratio']:.3f} | "
+                   f"{r['spread']:.3f} |")  # fmt: skip
+    return out
+
+
+def _overhead(r: dict[str, Any]) -> list[str]:
+    out = ["| procs | pair | vs | ours ms | theirs ms | ratio | spread | target | same losses |",
+           "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for world, pairs in r["results"].items():
+        for name, p in pairs.items():
+            out.append(f"| {world} | {name} | {p['theirs']} | {_ms(p['ours_s'])} | "
+                       f"{_ms(p['theirs_s'])} | {p['ratio']:.3f} | {p['spread']:.3f} | "
+                       f"<= {p['target']} | {'yes' if p['same_work'] else 'NO'} |")  # fmt: skip
+    return out
+
+
+def _zero(r: dict[str, Any]) -> list[str]:
+    out = _ratio_rows(r["ratios"], "pair (ours / DeepSpeed)")
+    out += ["", "| side | parameters | gradients | optimizer | fp32 master | other | total B |",
+            "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for side, b in r["bytes"].items():
+        b = b[0] if isinstance(b, list) else b  # rank 0
+        roles = ("parameters", "gradients", "optimizer", "master", "other")
+        total = sum(int(b.get(k, 0)) for k in roles)
+        cells = " | ".join(str(b.get(k, 0)) for k in roles)
+        out.append(f"| {side} | {cells} | {total} |")
+    out.append(f"\nFirst-step loss, every side vs mm_fsdp: {r['loss_check']}. torchtitan: "
+               f"{r['torchtitan'].get('finding', r['torchtitan'])}")  # fmt: skip
+    return out
+
+
+def _memory_comm(r: dict[str, Any]) -> list[str]:
+    out = ["| layout | state / ideal (max, mean) | within 5% | state = model | comm = model |",
+           "|---|---|---|---|---|"]  # fmt: skip
+    for name, x in r["memory_comm"].items():
+        ranged = {k: v for rank in x["ranks"] for k, v in rank.get("comm_ranged", {}).items()}
+        note = f" (outside bounds: {ranged})" if ranged and not x["comm_equal"] else ""
+        out.append(f"| {name} | {x['ratio_max']:.3f}, {x['ratio_mean']:.3f} | "
+                   f"{'yes' if x['within_5pct'] else 'no'} | {'yes' if x['state_equal'] else 'NO'}"
+                   f" | {'yes' if x['comm_equal'] else 'NO'}{note} |")  # fmt: skip
+    return out
+
+
+def _scaling(r: dict[str, Any]) -> list[str]:
+    out = ["| doubled | step-time exponent (expected from FLOPs) | memory exponent (expected) |",
+           "|---|---|---|"]  # fmt: skip
+    for axis, x in r["scaling"].items():
+        out.append(f"| {axis} | {x['time_exponent']:.2f} ({x['time_expected']:.2f}) | "
+                   f"{x['memory_exponent']:.2f} ({x['memory_expected']:.2f}) |")  # fmt: skip
+    return out
+
+
 def _generic(r: dict[str, Any]) -> list[str]:
     """Top-level numbers, and the ``ratio`` of any nested comparison."""
     out = ["| figure | value |", "|---|---|"]
@@ -127,6 +182,18 @@ def render(results: Path = RESULTS) -> str:
         png = results / f"{name}.png"
         if png.exists():
             lines += [f"![{name}]({png.relative_to(ROOT / 'docs').as_posix()})", ""]
+    lines += ["## gpu_check: the product's model on one GPU (BF16, FP8, forced FP8 fallback)", ""]
+    gpu = results / "gpu_check.json"
+    if gpu.exists():
+        r = json.loads(gpu.read_text())
+        lines += [f"`{r.get('command')}` on {r.get('device', '?')}.", "", *_generic(r), ""]
+    else:
+        lines += ["Not run on a GPU yet (none was lent to the sessions so far): "
+                  "`bash benchmarks/gpu_check.sh` on a CUDA machine writes "
+                  "`docs/results/gpu_check.json` (ViT-B/16 + a 1B-class LLaMA: tokens/s, MFU "
+                  "against the device's peak, peak memory, every collective helper on NCCL). "
+                  "Its code path runs on CPU at tiny sizes in the tests "
+                  "(`python benchmarks/gpu_check.py --smoke`).", ""]  # fmt: skip
     return "\n".join(lines)
 
 

@@ -4,6 +4,12 @@ Process start-up costs seconds on small machines, so callers run many checks in 
 ``spawn(fn, 8, ...)`` calls ``fn(rank, world_size, *args)`` in 8 fresh processes with the
 default process group initialised, and returns every rank's return value.
 :func:`quiet_trainer` is the CPU ``Trainer`` of such checks.
+
+Ranks are forked from a ``forkserver`` that imported :data:`PRELOAD` once (torch, Lightning
+and this package: about 14 CPU-seconds per fresh interpreter), instead of each rank importing
+them again; a rank still starts in a fresh process with the caller's environment, ``sys.path``
+and working directory at the time of the call. ``MMPAR_START_METHOD=spawn`` starts every rank
+as a fresh interpreter instead (the behaviour before: slower, nothing shared with a server).
 """
 
 from __future__ import annotations
@@ -20,6 +26,19 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+PRELOAD: tuple[str, ...] = ("lightning_mmpar", "lightning_mmpar.strategy", "lightning.pytorch")
+"""Modules the forkserver imports once, before it forks any rank (fork-safe: imports only)."""
+
+
+def _context() -> Any:
+    method = os.environ.get("MMPAR_START_METHOD", "forkserver")
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"MMPAR_START_METHOD={method!r}: use 'forkserver' or 'spawn'.")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(list(PRELOAD))  # no effect once the server runs
+    return ctx
+
 
 def free_port() -> int:
     """A TCP port that was free a moment ago."""
@@ -29,8 +48,17 @@ def free_port() -> int:
 
 
 def _entry(
-    fn: Callable[..., Any], rank: int, world: int, port: int, out: Any, args: tuple[Any, ...]
+    fn: Callable[..., Any],
+    rank: int,
+    world: int,
+    port: int,
+    out: Any,
+    args: tuple[Any, ...],
+    env: dict[str, str],
 ) -> None:
+    for key in set(os.environ) - set(env):  # the caller's environment now, not the server's
+        del os.environ[key]
+    os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -76,11 +104,12 @@ class _PortTaken(RuntimeError):
 def _spawn_once(
     fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], timeout: float
 ) -> list[Any]:
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     out = ctx.Queue()
     port = free_port()
+    env = dict(os.environ)
     procs = [
-        ctx.Process(target=_entry, args=(fn, r, world_size, port, out, args), daemon=False)
+        ctx.Process(target=_entry, args=(fn, r, world_size, port, out, args, env), daemon=False)
         for r in range(world_size)
     ]
     for p in procs:

@@ -177,7 +177,7 @@ def _tp_share(block: BlockSpec, layout: Any, kept: bool) -> float:
 
 def _stages_of(model: Any, layout: Any) -> tuple[list[range], list[int], list[int]]:
     """Block ranges, pipeline rank and in-flight micro-batches of every stage."""
-    plan = _plan(tuple(model.blocks), layout.pp, layout.virtual, layout.partition)
+    plan = plan_stages(model.blocks, layout.pp, layout.virtual, layout.partition)  # memoised
     ranks = stage_ranks(layout.schedule, layout.pp, layout.virtual)
     return plan.ranges, ranks, in_flight(layout.schedule, layout.pp, layout.virtual,
                                          layout.micro_batches)  # fmt: skip
@@ -370,9 +370,8 @@ def _comm_seconds(graph: Any, layout: Any, order: Sequence[int], pp_rank: int,
                   nbytes: dict[str, int], calls: dict[str, int]) -> dict[str, float]:  # fmt: skip
     """Seconds per dimension of pipeline rank ``pp_rank``'s collectives, each key timed on the
     slowest of the rank's groups of its dimension as ``calls[key]`` equal messages
-    (:func:`lightning_mmpar.layout.comm.comm_calls`), every one paying the latency; a stage's
-    sends (receives) of one micro-batch are one batched op (``batch_isend_irecv``), one
-    latency per micro-batch and virtual stage."""
+    (:func:`lightning_mmpar.layout.comm.comm_calls`), each paying the latency; a stage's sends
+    of a micro-batch are one batched op (``batch_isend_irecv``): one latency."""
     shape, per_pp = (layout.pp, layout.dp // layout.ep, layout.ep, layout.tp), layout.dp * layout.tp
     out: dict[str, float] = {}
     for key, n in nbytes.items():
@@ -388,11 +387,6 @@ def _comm_seconds(graph: Any, layout: Any, order: Sequence[int], pp_rank: int,
         label = "dp" if dim == "edp" else dim
         out[label] = out.get(label, 0.0) + t
     return out
-
-
-@functools.lru_cache(maxsize=256)
-def _plan(blocks: tuple[BlockSpec, ...], pp: int, v: int, partition: Any) -> Any:
-    return plan_stages(blocks, pp, v, partition)  # a balanced DP: cached per (blocks, pp, v)
 
 
 @functools.lru_cache(maxsize=16)

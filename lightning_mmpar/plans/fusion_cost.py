@@ -182,10 +182,11 @@ def _ep_collectives(
     """Per MoE layer call (``ep > 1``): the per-expert counts (``8 E`` bytes, equal splits) and
     the token dispatch + return (``all_to_all_v``), forward and backward. A layer routes ``N``
     tokens per sample (an adapter the fused stream: ``T``; a decoder layer both text streams in
-    one call: ``2 T``), each to ``k`` experts: a rank sends ``S <= N k`` rows (padding is not
-    routed) and receives ``R`` (what its peers route to its experts, ``<= ep N k``); each
-    direction moves ``S + R`` rows of ``D`` values. Expected (uniform routing, no padding):
-    ``R = S = N k``; bounds ``[0, (1 + ep) N k]`` rows per direction."""
+    one call: ``2 T``, plus the image tokens under joint attention with a ``vision`` router:
+    ``models.language.moe_streams``), each to ``k`` experts: a rank sends ``S <= N k`` rows
+    (padding is not routed) and receives ``R`` (what its peers route to its experts,
+    ``<= ep N k``); each direction moves ``S + R`` rows of ``D`` values. Expected (uniform
+    routing, no padding): ``R = S = N k``; bounds ``[0, (1 + ep) N k]`` rows per direction."""
     out: list[tuple[Collective, ...]] = [() for _ in names]
     if layout.ep == 1:
         return out
@@ -199,7 +200,11 @@ def _ep_collectives(
         moe = layers.get(name)
         if moe is None:
             continue
-        n = text_length * (2 if name.startswith("decoder") else 1) * moe.top_k
+        tokens = text_length * (2 if name.startswith("decoder") else 1)
+        layer = model.language.layers[int(name[7:])] if name.startswith("decoder") else None
+        if layer is not None and layer.image_norm is not None and "vision" in moe.modalities:
+            tokens += (cfg.vision.image_size // cfg.vision.patch_size) ** 2  # [img; h; ht]
+        n = tokens * moe.top_k
         row = d * e
         found = [Collective("ep", "all_to_all", 0, "forward", bytes_per_call=8 * moe.num_experts)]
         for phase in ("forward", "backward"):

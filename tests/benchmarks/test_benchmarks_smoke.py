@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -33,8 +34,32 @@ def _pipeline(r: dict[str, Any]) -> None:
     assert rows and all(row["step_s"] > 0 for row in rows.values())
 
 
+def _zero(r: dict[str, Any]) -> None:
+    assert r["loss_check"]["ok"], r["loss_check"]  # every side trains the same first step
+    for side in ("mm_fsdp", "mm_ddp"):  # measured state bytes = the cost model's, every rank
+        for rank, want in enumerate(r["analytical"][side]):
+            got = {k: r["bytes"][side][rank][k] for k in ("parameters", "gradients", "optimizer")}
+            assert got == want, (side, rank, got, want)
+    for pair in ("mm_fsdp/ds_zero3", "mm_fsdp/ds_zero2", "mm_ddp/ds_zero2"):
+        assert r["ratios"][pair]["ratio"] > 0
+    assert r["torchtitan"]["finding"]
+
+
+def _memory_comm(r: dict[str, Any]) -> None:
+    layouts = r["memory_comm"]
+    assert layouts and all(x["state_equal"] and x["comm_equal"] for x in layouts.values())
+
+
+def _scaling(r: dict[str, Any]) -> None:
+    axes = r["scaling"]
+    assert set(axes) == {"image tokens", "text length", "layers", "experts"}
+    assert all(len(x["points"]) >= 2 and x["time_expected"] == x["time_expected"]
+               for x in axes.values())  # fmt: skip
+
+
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
-    "overhead": _overhead, "planner": _planner, "pipeline": _pipeline,
+    "overhead": _overhead, "planner": _planner, "pipeline": _pipeline, "zero": _zero,
+    "memory_comm": _memory_comm, "scaling": _scaling,
 }  # fmt: skip
 
 
@@ -59,3 +84,27 @@ def test_results_page_renders_the_committed_results() -> None:
     text = render()
     assert all(f"## {name}:" in text for name in BENCHMARKS)
     assert (ROOT / "docs" / "results.md").read_text() == text
+
+
+def test_gpu_check_code_path_on_cpu(tmp_path: Path) -> None:
+    """benchmarks/gpu_check.py's code path at tiny sizes on CPU (gloo at world size 1, FP8
+    emulation): bf16, fp8 and a forced FP8 fallback train finite losses, the fallback fires,
+    and every parallel.comm helper (and the raw collectives) passes its check."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--smoke", "--out-dir",
+         str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    r = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert r["ok"] and r["runs"]["fp8_fallback"]["fallback"]["ok"]
+    assert r["runs"]["fp8"]["fp8_layers"][0] > 0
+    col = r["runs"]["bf16"]["collectives"]
+    assert col["backend"] == "gloo" and not col["failed"] and len(col["helpers"]) == 68
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the script runs the real check")
+def test_gpu_check_sh_exits_0_without_cuda() -> None:
+    script = str(ROOT / "benchmarks" / "gpu_check.sh")
+    done = subprocess.run(["bash", script], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, check=False)  # fmt: skip
+    assert done.returncode == 0 and "no CUDA device" in done.stdout, done.stdout + done.stderr

@@ -171,16 +171,21 @@ def test_fusion_spec_per_decoder_layer_and_state(tiny: Any) -> None:
 
 
 def test_moe_counts_exact_token_dispatch_bounded() -> None:
-    """ep 2 (dp 2, FSDP): 3 MoE layers (adapter: T tokens per sample, 2 decoder layers: both
-    streams, 2 T) exchange 4 int64 expert counts each (exact) and dispatch k = 2 copies of
-    each token (routing-dependent: expectation and [0, high]); expert weights split over ep.
-    Every other key as without experts (the parity run counts them: tests/recipes)."""
+    """ep 2 (dp 2, FSDP): 3 MoE layers (adapter: T tokens per sample; 2 decoder layers: both
+    streams and, under joint attention with a vision router, the N image tokens: 2 T + N)
+    exchange 4 int64 expert counts each (exact) and dispatch k = 2 copies of each token
+    (routing-dependent: expectation and [0, high]); expert weights split over ep. Every other
+    key as without experts (the parity run counts them: tests/recipes)."""
     moe = MoEConfig(num_experts=4, top_k=2, ffn_width=32, router_dim=8, capacity_factor=None,
                     aux_loss_weight=0.0, z_loss_weight=0.0)  # fmt: skip
     lay = LayoutSpec(dp=2, ep=2, micro_batch_size=4)
-    model = fusion_model_spec(rw.tiny_module(VOCAB, moe=moe), lay, rw.TEXT_LENGTH)
+    module = rw.tiny_module(VOCAB, moe=moe)
+    model = fusion_model_spec(module, lay, rw.TEXT_LENGTH)
     bounds = comm_bounds(model, lay)
-    rows = 4 * (12 + 24 + 24) * 2  # samples * tokens routed * k: 480 rows of 32 floats
+    vision = module.fusion_config.vision
+    n_img = (vision.image_size // vision.patch_size) ** 2  # joint attention routes [img; h; ht]
+    assert n_img == 4
+    rows = 4 * (12 + 2 * (24 + n_img)) * 2  # samples * tokens routed * k: 544 rows of 32 floats
     assert bounds["ep.all_to_all"] == (3 * 32, 3 * 32)
     assert bounds["ep.all_to_all_v"] == (0, 2 * 3 * rows * 128)  # 2 phases x (1 + ep) x rows
     assert comm_bytes(model, lay)["ep.all_to_all_v"] == 2 * 2 * rows * 128
