@@ -153,6 +153,10 @@ SUMMARIES: dict[str, Summary] = {
     "planner": _planner,
     "tensor_parallel": _tensor_parallel,
     "stability": _stability,
+    "overhead": _overhead,
+    "zero": _zero,
+    "memory_comm": _memory_comm,
+    "scaling": _scaling,
 }
 """Per benchmark: its key figures as markdown lines (others: :func:`_generic`)."""
 

@@ -49,7 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, dict[str, Any]] = {}
     for name in names:
         script, what = BENCHMARKS[name]
-        cmd = [sys.executable, str(HERE / script), "--out-dir", str(args.out_dir)]
+        cmd = [sys.executable, str(HERE / script)]
+        if Path(args.out_dir).resolve() != RESULTS.resolve():
+            cmd += ["--out-dir", str(args.out_dir)]
         cmd += ["--smoke"] if args.smoke else []
         print(f"== {name}: {what}\n   {' '.join(cmd[1:])}", flush=True)
         start = time.perf_counter()
