@@ -290,8 +290,8 @@ class Prediction:
     step_seconds: float
     mfu: float
     fits: bool
-    reason: str = ""
-    """Why it does not fit (empty when it does)."""
+    reason: str = ""  # why it does not fit (empty when it does)
+    placement: Any = None  # the rank order predicted (None: Megatron's)
 
     @property
     def comm_total_bytes(self) -> int:
@@ -361,7 +361,7 @@ def predict(
     reason = "" if fits else f"needs {memory.describe()} > {limit:g} GiB"
     return Prediction(
         layout=layout, memory=memory, comm_bytes=worst_bytes, comm_seconds=worst_secs,
-        compute_seconds=max(compute), bubble=bubble, step_seconds=step,
+        compute_seconds=max(compute), bubble=bubble, step_seconds=step, placement=placement,
         mfu=model_flops / (step * world * peak) if step > 0 else 0.0, fits=fits, reason=reason,
     )  # fmt: skip
 

@@ -145,8 +145,11 @@ def plan(
             rejected.append(Rejected(layout, reason))
             continue
         try:
-            place = placement(layout) if placement is not None else None
-            pred = predict(spec_of(layout), layout, device, graph, place, memory_gib=memory_gib)
+            pred = predict(spec_of(layout), layout, device, graph, None, memory_gib=memory_gib)
+            if placement is not None:  # placed, unless Megatron's order is predicted faster
+                placed = predict(spec_of(layout), layout, device, graph, placement(layout),
+                                 memory_gib=memory_gib)  # fmt: skip
+                pred = placed if placed.step_seconds <= pred.step_seconds else pred
         except ValueError as err:
             rejected.append(Rejected(layout, str(err)))
             continue

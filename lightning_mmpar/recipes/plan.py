@@ -290,10 +290,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     order: tuple[int, ...] | None = None
     if place is not None:
         lay = best.layout
-        order = tuple(place(lay).devices)
         megatron = predict(model(lay), lay, device, graph, None, memory_gib=args.memory_gib)
-        print(f"placement {list(order)}: comm {_seconds(best)} vs Megatron order "
-              f"{_seconds(megatron)}")  # fmt: skip
+        if best.placement is None:  # the placed order was predicted slower for this layout
+            print(f"placement: Megatron's order kept (comm {_seconds(megatron)}; placed "
+                  "predicted slower)")  # fmt: skip
+        else:
+            order = tuple(best.placement.devices)
+            print(f"placement {list(order)}: comm {_seconds(best)} vs Megatron order "
+                  f"{_seconds(megatron)}")  # fmt: skip
     out = fragment(best.layout, order)
     build_module(_merge(config, {"model": out["model"], "data": out["data"]}))  # it parses
     text = yaml.safe_dump(out, sort_keys=False)
