@@ -133,3 +133,21 @@ def test_moe_dispatch_is_timed_as_an_all_to_all_and_bad_sizes_raise() -> None:
     # the assumed graph: one NVSwitch node up to 8 devices, else nodes of gcd(world, 8)
     shapes = {w: (default_graph(w).nodes, default_graph(w).num_devices) for w in (4, 12, 32)}
     assert shapes == {4: (1, 4), 12: (3, 12), 32: (4, 32)}
+
+
+def test_plan_never_predicts_a_placement_slower_than_megatrons_order() -> None:
+    """A placement function that splits every tensor-parallel group of 4 over the two nodes:
+    the planner predicts each layout both ways and keeps the faster, so no layout is predicted
+    slower than in Megatron's order; where the split loses (tp 4, pp 1) ``Prediction.placement`` is
+    None, where it wins (some layout) it is the placement."""
+    spec, graph = model(), DeviceGraph.uniform(8, 4)
+    split = Placement((0, 4, 1, 5, 2, 6, 3, 7))
+    kw = dict(global_batch=8, checkpointing=(False,), memory_gib=80)
+    ranked, _ = plan(spec, 8, H100, graph, placement=lambda lay: split, **kw)
+    plain = {p.layout: p.step_seconds for p in plan(spec, 8, H100, graph, **kw)[0]}
+    assert plain.keys() == {p.layout for p in ranked}
+    assert all(p.step_seconds <= plain[p.layout] for p in ranked)
+    tp4 = [p for p in ranked if p.layout.tp == 4 and p.layout.pp == 1]
+    assert tp4 and all(p.placement is None for p in tp4)  # split tp groups: Megatron's kept
+    won = [p for p in ranked if p.step_seconds < plain[p.layout]]
+    assert won and all(p.placement == split for p in won)
