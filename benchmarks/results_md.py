@@ -1,4 +1,4 @@
-"""Write docs/results.md from the benchmarks' JSON in docs/results/ (run_all.py calls it).
+"""Write docs/results.md from the benchmarks' JSON in docs/results/ (run it after run_all.py).
 
     python benchmarks/results_md.py            # docs/results/*.json -> docs/results.md
 
@@ -204,7 +204,10 @@ def render(results: Path = RESULTS) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
     out = ROOT / "docs" / "results.md"
     out.write_text(render())
     print(f"wrote {out}")

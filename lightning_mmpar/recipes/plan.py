@@ -239,8 +239,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
                         ("--global-batch", args.global_batch)):  # fmt: skip
         if value is not None and value < 1:
             raise ValueError(f"{flag} ({value}) must be >= 1.")
-    if args.memory_gib is not None and args.memory_gib <= 0:
-        raise ValueError(f"--memory-gib ({args.memory_gib}) must be > 0.")
+    if args.memory_gib is not None and not 0 < args.memory_gib < float("inf"):  # nan too
+        raise ValueError(f"--memory-gib ({args.memory_gib}) must be a finite number > 0.")
     if args.device not in DEVICES:
         raise ValueError(f"--device {args.device!r} is unknown; choose one of {list(DEVICES)}.")
 
