@@ -15,6 +15,7 @@ from lightning_mmpar.layout.comm import (
     comm_bounds,
     comm_bytes,
     comm_calls,
+    comm_profile,
     dispatched_calls,
     world_dim,
 )
@@ -118,6 +119,7 @@ __all__ = [
     "comm_bounds",
     "comm_bytes",
     "comm_calls",
+    "comm_profile",
     "compare_modes",
     "compute_seconds",
     "default_graph",

@@ -69,7 +69,14 @@ from lightning_mmpar.layout.memory import (
 from lightning_mmpar.layout.model import LayoutSpec, ModelSpec, ParamSpec, stage_ranks
 from lightning_mmpar.layout.partition import plan_stages
 
-__all__ = ["comm_bounds", "comm_bytes", "comm_calls", "dispatched_calls", "world_dim"]
+__all__ = [
+    "comm_bounds",
+    "comm_bytes",
+    "comm_calls",
+    "comm_profile",
+    "dispatched_calls",
+    "world_dim",
+]
 
 GUARD_BYTES = 24
 """The non-finite guard's ``[3]`` float64 row per rank."""
@@ -179,8 +186,17 @@ def comm_calls(model: ModelSpec, layout: LayoutSpec, pp_rank: int = 0) -> dict[s
     of :func:`comm_bytes` (each op one call, as :attr:`~lightning_mmpar.parallel.comm_count.
     CommCounter.calls` counts them): what a call's fixed cost (latency, host software)
     multiplies. Raises ``ValueError`` as :func:`comm_bytes`."""
-    nbytes, calls, _ = _count(model, layout, pp_rank, "expected")
-    return {k: calls[k] for k in nbytes if calls[k]}
+    return comm_profile(model, layout, pp_rank)[1]
+
+
+def comm_profile(
+    model: ModelSpec, layout: LayoutSpec, pp_rank: int = 0
+) -> tuple[dict[str, int], dict[str, int], int]:
+    """:func:`comm_bytes`, :func:`comm_calls` and :func:`dispatched_calls` of one rank from
+    one count (the cost model needs all three per layout). Raises ``ValueError`` as
+    :func:`comm_bytes`."""
+    nbytes, calls, dispatched = _count(model, layout, pp_rank, "expected")
+    return nbytes, {k: calls[k] for k in nbytes if calls[k]}, dispatched
 
 
 def dispatched_calls(model: ModelSpec, layout: LayoutSpec, pp_rank: int = 0) -> int:

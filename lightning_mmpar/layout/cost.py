@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_mmpar.layout.comm import comm_bytes, comm_calls, dispatched_calls
+from lightning_mmpar.layout.comm import comm_profile
 from lightning_mmpar.layout.devices import DeviceGraph, collective_seconds
 from lightning_mmpar.layout.memory import state_bytes
 from lightning_mmpar.layout.model import stage_ranks
@@ -337,14 +337,13 @@ def predict(
     critical, exposed, busy, wire, memories = [], [], [], [], []
     worst_bytes, worst_secs = dict[str, int](), dict[str, float]()
     for r in range(layout.pp):
-        nbytes = comm_bytes(model, layout, r)
-        calls = comm_calls(model, layout, r)
+        nbytes, calls, dispatched = comm_profile(model, layout, r)  # one count: hot path
         secs = _comm_seconds(graph, layout, order, r, nbytes, calls)
         for key, n in nbytes.items():
             worst_bytes[key] = max(worst_bytes.get(key, 0), int(n))
         for dim, s in secs.items():
             worst_secs[dim] = max(worst_secs.get(dim, 0.0), s)
-        busy.append(compute[r] + device.call_overhead * dispatched_calls(model, layout, r))
+        busy.append(compute[r] + device.call_overhead * dispatched)
         critical.append(busy[r] + sum(secs.get(d, 0.0) for d in ("tp", "ep", "pp")))
         exposed.append(sum(s for d, s in secs.items() if d not in ("tp", "ep", "pp")))
         wire.append(sum(secs.values()))
