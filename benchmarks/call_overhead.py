@@ -106,3 +106,41 @@ def host_call_seconds(graph: Any, blocks: int = 6, width: int = 32,
         extra = statistics.median(ours) - statistics.median(base) - wire
         out[name] = max(0.0, extra / max(1, calls))
     return out
+
+
+def _worker(rank: int, size: int) -> dict[str, float]:
+    torch.set_num_threads(1)
+    from bench_planner import gloo_alpha_beta
+
+    from lightning_mmpar.layout.devices import DeviceGraph
+
+    alpha, beta = gloo_alpha_beta(size)
+    graph = DeviceGraph.from_yaml({"nodes": 1, "gpus_per_node": size,
+                                   "intra": {"bandwidth": beta, "latency": alpha}})  # fmt: skip
+    return host_call_seconds(graph)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python benchmarks/call_overhead.py [--world 4]``: print the host seconds per call
+    (bench_planner.py measures the same inside its own world and feeds the cost model)."""
+    import argparse
+    import sys
+    from pathlib import Path
+
+    from lightning_mmpar.testing import spawn
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--world", type=int, default=4, help="gloo processes, even (default 4)")
+    args = p.parse_args(argv)
+    if args.world < 2 or args.world % 2:
+        p.error(f"--world {args.world}: the tensor-parallel case needs an even world >= 2")
+    got = spawn(_worker, args.world, timeout=600)[0]
+    print(
+        f"host seconds per call beyond the wire, {args.world} gloo processes: "
+        + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in got.items())
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -13,7 +13,9 @@ a fresh module and Trainer: ``bf16``; ``fp8`` (every linear but the LM head conv
 ``convert_to_fp8``: ``torch._scaled_mm`` on GPUs of capability >= 8.9, else the exact
 emulation); ``fp8_fallback``: ``fp8`` with ``FP8FallbackCallback`` and, at one step, one FP8
 layer's input scaled by :data:`OUTLIER` (its delayed scale overflows): that layer must fall
-back to bf16 and the step be redone.
+back to bf16 and the step be redone (``ok``: it fell back at that step, not before; what fell
+back before the outlier is listed). The timed runs are interleaved, ``bf16 fp8`` then
+``fp8 bf16`` (``fp8_2``, ``bf16_2``): the FP8 speed-up is the median of the two rounds' ratios.
 
 **Figures** over the steps after ``--warmup`` (device synchronised around each): median step
 seconds, tokens/s (the batch's image patches + text tokens / step), MFU = model FLOPs of a step
@@ -38,7 +40,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ import torch
 from lightning.pytorch import Callback
 
 sys.path.insert(0, str(Path(__file__).parent))
+from gpu_collectives import CollectiveProbe
 from report import write_result
 
 SIZES: dict[str, dict[str, Any]] = {
@@ -134,8 +136,9 @@ class Timer(Callback):
 class ForceOverflow(Callback):
     """At step ``step``, scale one FP8 layer's input by :data:`OUTLIER`, once (not in the redo)."""
 
-    def __init__(self, step: int) -> None:
+    def __init__(self, step: int, fallback: Any = None) -> None:
         self.step, self.target, self.fired_at, self._armed = step, "", -1, False
+        self.fallback, self.fallen_before = fallback, list[str]()
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         from lightning_mmpar.precision import fp8_modules
@@ -146,6 +149,8 @@ class ForceOverflow(Callback):
 
     def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
         self._armed = trainer.global_step == self.step and self.fired_at < 0
+        if self._armed and self.fallback is not None:  # what fell back before the outlier
+            self.fallen_before = sorted(self.fallback.fallen)
 
     def _hook(self, module: Any, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         if not self._armed:
@@ -182,11 +187,11 @@ def run(kind: str, args: argparse.Namespace, sizes: dict[str, Any], root: str) -
 
     device, steps = torch.device(args.device), args.warmup + args.steps
     module = build_module(sizes, fp8=kind != "bf16")
-    timer, force, checks = Timer(), ForceOverflow(step=args.warmup), CollectiveProbe()
+    timer, checks, fallback = Timer(), CollectiveProbe(), None
     callbacks: list[Callback] = [timer, checks] if kind == "bf16" else [timer]
-    fallback = None
     if kind == "fp8_fallback":
         fallback = FP8FallbackCallback(monitor=GradientDriftMonitor(log_dir=f"{root}/{kind}"))
+        force = ForceOverflow(step=args.warmup, fallback=fallback)
         callbacks += [force, fallback.mon, fallback]
     if device.type == "cuda":  # the earlier runs' Trainer/module cycles freed, then the peak reset
         gc.collect()
@@ -220,113 +225,18 @@ def run(kind: str, args: argparse.Namespace, sizes: dict[str, Any], root: str) -
         info, mods = detect_backend("auto"), fp8_modules(module).values()
         out["fp8_backend"] = f"{info.name} ({info.reason})"
         out["fp8_layers"] = [sum(m.precision == "fp8" for m in mods), len(mods)]
-    if fallback is not None:
+    if fallback is not None:  # ok: the forced module fell back at the outlier, not before
         fallen = sorted(fallback.fallen)
         out["fallback"] = {
             "forced_module": force.target, "outlier_at_step": force.fired_at,
             "counters": dict(fallback.counters), "fallen_back": fallen,
+            "fell_back_before_outlier": force.fallen_before,
             "ok": force.fired_at >= 0 and force.target in fallen
-            and fallback.counters["redone_steps"] >= 1,
+            and force.target not in force.fallen_before and fallback.counters["redone_steps"] >= 1,
         }  # fmt: skip
     if checks.result:
         out["collectives"] = checks.result
     return out
-
-
-class CollectiveProbe(Callback):
-    """At the end of training (the strategy's process group live): :func:`collective_checks`."""
-
-    result: dict[str, Any] = {}
-
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        self.result = collective_checks(trainer.strategy, pl_module.device)
-
-
-def _check(fn: Any) -> dict[str, Any]:
-    """``{"ok": bool, "detail": str}`` of ``fn()`` (``True`` or a reason) or its exception."""
-    try:
-        got = fn()
-    except Exception as err:  # recorded per helper: the check goes on
-        got = f"{type(err).__name__}: {err}"
-    return {"ok": got is True, "detail": "ok" if got is True else str(got)}
-
-
-def _refused(fn: Any) -> Any:
-    """``True`` when ``fn()`` raises torch's ``ValueError`` about the rank (no peer), else why."""
-    try:
-        fn()
-    except ValueError as err:
-        return True if "rank" in str(err) else f"ValueError without a rank: {err}"
-    return "no ValueError at world size 1"
-
-
-def _helper_cases(g: Any, t: torch.Tensor, backend: str | None) -> dict[str, Callable[[], Any]]:
-    """Each helper of ``comm`` on group ``g`` at size 1: a call returning ``True`` or why not."""
-    from lightning_mmpar.parallel import comm
-
-    def a2a() -> bool:
-        x = t.clone().requires_grad_(True)
-        y = comm.all_to_all_single(x, [8], [8], g)
-        y.sum().backward()
-        return x.grad is not None and torch.equal(y.detach(), t) and torch.equal(x.grad, t * 0 + 1)
-
-    def reduced(op: Any) -> Callable[[], Any]:
-        return lambda: torch.equal(comm.all_reduce(t.clone(), op, g), t)
-
-    device = "cuda" if backend is not None and "nccl" in backend else "cpu"
-    cases: dict[str, Callable[[], Any]] = {
-        "is_distributed": lambda: comm.is_distributed() is (backend is not None),
-        "group_size": lambda: comm.group_size(g) == 1,
-        "group_rank": lambda: comm.group_rank(g) == 0,
-        "group_device": lambda: comm.group_device(g).type == device,
-        "to_local": lambda: comm.to_local(t) is t,
-        **{f"all_reduce[{op}]": reduced(op) for op in ("sum", "max", "min", "avg")},
-        "broadcast": lambda: torch.equal(comm.broadcast(t.clone(), 0, g), t),
-        "all_gather": lambda: [x.tolist() for x in comm.all_gather(t, g)] == [t.tolist()],
-        "all_gather_objects": lambda: comm.all_gather_objects({"a": 1}, g) == [{"a": 1}],
-        "all_to_all_counts": lambda: torch.equal(comm.all_to_all_counts(t, g), t),
-        "all_to_all_single": a2a,
-        "barrier": lambda: [comm.barrier(g)] == [None],  # type: ignore[func-returns-value]
-    }
-    if backend is not None:  # point-to-point: no peer at world size 1, must refuse
-        cases["send_object"] = lambda: _refused(lambda: comm.send_object(1, 0, g))
-        cases["recv_object"] = lambda: _refused(lambda: comm.recv_object(0, g))
-    return cases
-
-
-def collective_checks(strategy: Any, device: torch.device) -> dict[str, Any]:
-    """Every public helper of :mod:`lightning_mmpar.parallel.comm` on the world group and each
-    of the strategy's dp / tp / pp groups, results checked; then the same collectives once
-    through ``torch.distributed`` on the world group (the backend itself)."""
-    import torch.distributed as dist
-
-    from lightning_mmpar.parallel import comm
-
-    groups: dict[str, Any] = {"world": None}
-    if comm.is_distributed():
-        groups |= {d: strategy.parallel_dims.get_mesh(d).get_group() for d in ("dp", "tp", "pp")}
-    backend = str(dist.get_backend()) if comm.is_distributed() else None
-    t = torch.arange(8, dtype=torch.float32, device=device)
-    helpers = {f"{gname}.{name}": _check(fn) for gname, g in groups.items()
-               for name, fn in _helper_cases(g, t, backend).items()}  # fmt: skip
-    raw: dict[str, Any] = {}
-    if comm.is_distributed():  # the backend's own kernels, on the group's device
-        x = torch.arange(8, dtype=torch.float32, device=comm.group_device())
-
-        def same(op: Callable[[torch.Tensor], Any]) -> Callable[[], bool]:
-            return lambda: (op(y := torch.zeros_like(x)), torch.equal(y, x))[1]
-
-        raw = {k: _check(same(op)) for k, op in {
-            "all_reduce": lambda y: dist.all_reduce(y.copy_(x)),
-            "broadcast": lambda y: dist.broadcast(y.copy_(x), 0),
-            "all_gather_into_tensor": lambda y: dist.all_gather_into_tensor(y, x),
-            "reduce_scatter_tensor": lambda y: dist.reduce_scatter_tensor(y, x),
-            "all_to_all_single": lambda y: dist.all_to_all_single(y, x),
-            "barrier": lambda y: (dist.barrier(), y.copy_(x)),
-        }.items()}  # fmt: skip
-    failed = {k: v["detail"] for k, v in {**helpers, **raw}.items() if not v["ok"]}
-    return {"backend": backend, "groups": list(groups), "helpers": helpers, "raw": raw,
-            "failed": failed}  # fmt: skip
 
 
 def print_table(result: dict[str, Any]) -> None:
@@ -344,9 +254,11 @@ def print_table(result: dict[str, Any]) -> None:
     print(f"MFU peak: {bf['peak']}; peak memory: "
           f"{'null (CPU: no allocator statistics)' if cpu else 'max_memory_allocated'}\n"
           f"fp8: {result['runs']['fp8']['fp8_backend']}; speed-up vs bf16 "
-          f"{result['fp8_speedup']:.2f}x\n"
+          f"{result['fp8_speedup']:.2f}x (rounds bf16 fp8, fp8 bf16: "
+          f"{', '.join(f'{x:.2f}' for x in result['fp8_speedup_rounds'])})\n"
           f"fp8 fallback forced at step {f['outlier_at_step']} on {f['forced_module']}: "
-          f"{'OK' if f['ok'] else 'FAILED'} (fell back: {f['fallen_back']}, {f['counters']})\n"
+          f"{'OK' if f['ok'] else 'FAILED'} (fell back: {f['fallen_back']}; before the "
+          f"outlier: {f['fell_back_before_outlier'] or 'none'}; {f['counters']})\n"
           f"collectives ({col['backend']}, groups {col['groups']}): {len(col['helpers'])} helper "
           f"checks, {len(col['raw'])} raw; failed: {col['failed'] or 'none'}")  # fmt: skip
 
@@ -377,11 +289,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "sizes": "tiny" if args.tiny else "realistic", "model": sizes,
         "steps": args.steps, "warmup": args.warmup, "runs": {},
     }  # fmt: skip
-    with tempfile.TemporaryDirectory() as root:
-        for kind in ("bf16", "fp8", "fp8_fallback"):
-            result["runs"][kind] = run(kind, args, sizes, root)
+    with tempfile.TemporaryDirectory() as root:  # A B, then B A: the fp8 speed-up interleaved
+        for kind in ("bf16", "fp8", "fp8_fallback", "fp8_2", "bf16_2"):
+            result["runs"][kind] = run(kind.removesuffix("_2"), args, sizes, root)
     runs = result["runs"]
-    result["fp8_speedup"] = runs["bf16"]["step_s"] / runs["fp8"]["step_s"]
+    result["fp8_speedup_rounds"] = [runs[f"bf16{r}"]["step_s"] / runs[f"fp8{r}"]["step_s"]
+                                    for r in ("", "_2")]  # fmt: skip
+    result["fp8_speedup"] = statistics.median(result["fp8_speedup_rounds"])
     result["ok"] = bool(
         all(r["losses_finite"] for r in runs.values())
         and runs["fp8_fallback"]["fallback"]["ok"]

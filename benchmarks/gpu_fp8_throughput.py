@@ -1,8 +1,9 @@
 """FP8 (torch._scaled_mm via Float8Linear) vs BF16 throughput of a transformer-MLP-sized stack.
 
 Prepared for a single FP8-capable GPU (compute capability >= 8.9, e.g. H100/H200); not run
-here. Without CUDA it exits with status 2 and a clear message. Writes JSON to
-``benchmarks/results/gpu_fp8_throughput.json``::
+here. Without CUDA it exits with status 2 and a clear message. The precisions are timed
+interleaved (bf16, fp8, fp8, bf16; each figure the mean of its two rounds). Writes
+``docs/results/gpu_fp8_throughput.json`` (``--out-dir`` elsewhere)::
 
     python benchmarks/gpu_fp8_throughput.py --hidden 4096 --ffn 14336 --tokens 8192 --layers 4
 """
@@ -16,6 +17,9 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+from report import write_result
 
 from lightning_mmpar.precision.fp8 import FP8Policy, convert_to_fp8, detect_backend, set_precision
 
@@ -51,9 +55,7 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument(
-        "--out", default=str(Path(__file__).parent / "results" / "gpu_fp8_throughput.json")
-    )
+    p.add_argument("--out-dir", type=Path, default=None, help="default docs/results")
     a = p.parse_args()
     if not torch.cuda.is_available():
         print("gpu_fp8_throughput: no CUDA device available; this benchmark needs an FP8-capable "
@@ -67,23 +69,26 @@ def main() -> int:
     flops = 2 * a.tokens * a.hidden * a.ffn * 2 * a.layers  # forward matmul FLOPs
     res: dict[str, object] = {"device": torch.cuda.get_device_name(), "backend": info.name,
                               "backend_reason": info.reason, "config": vars(a)}  # fmt: skip
-    for prec in ("bf16", "fp8"):
+    timed: dict[str, list[tuple[float, float]]] = {"bf16": [], "fp8": []}
+    for prec in ("bf16", "fp8", "fp8", "bf16"):  # interleaved: A B B A
         set_precision(model, prec)  # type: ignore[arg-type]
-        fwd = time_ms(model, x, a.iters, backward=False)
-        step = time_ms(model, x, a.iters, backward=True)
+        timed[prec].append((time_ms(model, x, a.iters, backward=False),
+                            time_ms(model, x, a.iters, backward=True)))  # fmt: skip
+    for prec, rounds in timed.items():
+        fwd, step = (sum(r[k] for r in rounds) / len(rounds) for k in (0, 1))
         res[prec] = {
             "forward_ms": fwd,
             "fwd_bwd_ms": step,
             "forward_tflops": flops / fwd / 1e9,
             "fwd_bwd_tflops": 3 * flops / step / 1e9,
+            "rounds_ms": rounds,
         }
     bf, f8 = res["bf16"], res["fp8"]
     assert isinstance(bf, dict) and isinstance(f8, dict)
     res["speedup_fp8_vs_bf16_forward"] = bf["forward_ms"] / f8["forward_ms"]
     res["speedup_fp8_vs_bf16_fwd_bwd"] = bf["fwd_bwd_ms"] / f8["fwd_bwd_ms"]
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
     print(json.dumps(res, indent=2))
+    print(f"wrote {write_result('gpu_fp8_throughput', res, a.out_dir)}")
     return 0
 
 

@@ -84,3 +84,10 @@ def ratio_stats(
     return {"ratio": statistics.median(ratios), "spread": max(ratios) - min(ratios),
             "ratios": ratios, "ours_s": statistics.median(flat_a),
             "theirs_s": statistics.median(flat_b)}  # fmt: skip
+
+
+if __name__ == "__main__":
+    raise SystemExit(
+        "report.py is the benchmarks' shared library (no CLI): run `python benchmarks/run_all.py`"
+        " (every benchmark) or one `python benchmarks/bench_<name>.py --help`."
+    )

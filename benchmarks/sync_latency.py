@@ -53,3 +53,30 @@ def loaded_call_seconds(calls: int = 60, gap_s: float = 0.002, repeats: int = 3)
         comm.barrier()
         extra.append(max(0.0, (time.perf_counter() - start - free) / calls))
     return sorted(extra)[len(extra) // 2]
+
+
+def _worker(rank: int, size: int, calls: int, gap_s: float) -> float:
+    torch.set_num_threads(1)
+    return loaded_call_seconds(calls=calls, gap_s=gap_s)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python benchmarks/sync_latency.py [--world 4]``: print the loaded cost of one call."""
+    import argparse
+
+    from lightning_mmpar.testing import spawn
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--world", type=int, default=4, help="gloo processes (default 4)")
+    p.add_argument("--calls", type=int, default=60, help="timed rounds per repeat")
+    p.add_argument("--gap-ms", type=float, default=2.0, help="compute between calls, ms")
+    args = p.parse_args(argv)
+    got = spawn(_worker, args.world, args.calls, args.gap_ms / 1e3, timeout=300)
+    print(
+        f"loaded cost of one 4-byte all-reduce, {args.world} gloo processes, "
+        f"{args.gap_ms} ms compute between calls: {got[0] * 1e3:.3f} ms"
+    )
+
+
+if __name__ == "__main__":
+    main()

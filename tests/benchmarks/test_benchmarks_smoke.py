@@ -98,6 +98,10 @@ def test_gpu_check_code_path_on_cpu(tmp_path: Path) -> None:
     r = json.loads((tmp_path / "gpu_check.json").read_text())
     assert r["ok"] and r["runs"]["fp8_fallback"]["fallback"]["ok"]
     assert r["runs"]["fp8"]["fp8_layers"][0] > 0
+    fb = r["runs"]["fp8_fallback"]["fallback"]
+    assert fb["forced_module"] not in fb["fell_back_before_outlier"]
+    assert list(r["runs"]) == ["bf16", "fp8", "fp8_fallback", "fp8_2", "bf16_2"]  # A B, B A
+    assert len(r["fp8_speedup_rounds"]) == 2 and r["fp8_speedup"] > 0
     col = r["runs"]["bf16"]["collectives"]
     assert col["backend"] == "gloo" and not col["failed"] and len(col["helpers"]) == 68
 
