@@ -83,3 +83,12 @@ def world(rank: int, world_size: int, root: str) -> dict[str, Any]:
         cli.trainer.strategy.barrier()
         steps[name] = cli.trainer.global_step
     return {"rank": rank, "steps": steps}
+
+
+def tiny_fusion_config() -> Any:
+    """:data:`MODEL`'s fusion config as the dataclass (vocabulary left to the module)."""
+    from lightning.pytorch.cli import instantiate_module
+
+    from lightning_mmpar.recipes.module import ClipLlamaModule
+
+    return instantiate_module(ClipLlamaModule, MODEL).fusion_config
