@@ -93,7 +93,8 @@ def test_export_matches_transformers_and_open_clip(
     assert llama.config.vocab_size == 39 and not llama.config.tie_word_embeddings
     tokenizer = WordTokenizer.from_dict(meta["RecipeDigitsCaptions"]["tokenizer"])
     ids = tokenizer(["a photo of the digit seven", "the number 3 drawn by hand"], 10)["input_ids"]
-    ids = torch.cat([ids, torch.randint(0, 39, (2, 10), generator=torch.Generator().manual_seed(0))])
+    g = torch.Generator().manual_seed(0)
+    ids = torch.cat([ids, torch.randint(0, 39, (2, 10), generator=g)])
     with torch.no_grad():
         ours = model.language(ids)
         measured["llama_logits"] = max_diff(llama(input_ids=ids).logits, ours[..., :39])
@@ -161,12 +162,13 @@ def test_cli_errors_and_a_transformers_tokenizer(
     vocab = {"<unk>": 0, "a": 1, "digit": 2, "seven": 3}
     raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     raw.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>").save_pretrained(tmp_path / "hf")
+    hf = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>")
+    hf.save_pretrained(tmp_path / "hf")
     out = tmp_path / "with_hf"
     export_checkpoint(ckpt, out, tokenizer=tmp_path / "hf")
     copied = AutoTokenizer.from_pretrained(str(out / "tokenizer"), local_files_only=True)
     assert copied("a digit seven")["input_ids"] == [1, 2, 3]
-    with pytest.raises(ValueError, match="holds neither tokenizer.json"):
+    with pytest.raises(ValueError, match=r"holds neither tokenizer\.json"):
         export_checkpoint(ckpt, tmp_path / "o", tokenizer=tmp_path)
 
 
