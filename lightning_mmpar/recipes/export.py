@@ -193,30 +193,41 @@ def _save(path: Path, state: Mapping[str, Tensor]) -> None:
     save_file({k: v.contiguous() for k, v in state.items()}, str(path))
 
 
-def _tokenizer(meta: Mapping[str, Any], source: str | Path | None, out: Path) -> str | None:
-    """Write the tokenizer into ``out``; the reason when there is none."""
+def _tokenizer(meta: Mapping[str, Any], source: str | Path | None, vocab: int) -> Any:
+    """The tokenizer to write (``WordTokenizer`` or a transformers tokenizer): ``source``'s,
+    else the one the data module saved in ``meta.pt``; ``None`` when there is neither.
+
+    Raises:
+        ValueError: ``source`` holds no tokenizer, or the tokenizer's size is not ``vocab``.
+    """
+    tokenizer: Any = None
     if source is not None:
         src = Path(source)
         if (src / "tokenizer_config.json").is_file():
             from transformers import AutoTokenizer
 
-            AutoTokenizer.from_pretrained(str(src), local_files_only=True).save_pretrained(out)
-            return None
-        if (src / TOKENIZER_FILE).is_file():
-            WordTokenizer.load(src).save(out)
-            return None
+            tokenizer = AutoTokenizer.from_pretrained(str(src), local_files_only=True)
+        elif (src / TOKENIZER_FILE).is_file():
+            tokenizer = WordTokenizer.load(src)
+        else:
+            raise ValueError(
+                f"--tokenizer {str(src)!r} holds neither {TOKENIZER_FILE} (WordTokenizer.save) "
+                "nor tokenizer_config.json (transformers save_pretrained); pass such a directory."
+            )
+    else:
+        states = [
+            v["tokenizer"] for v in meta.values() if isinstance(v, Mapping) and "tokenizer" in v
+        ]
+        if states and states[0] is not None:
+            tokenizer = WordTokenizer.from_dict(states[0], source="checkpoint")
+    size = tokenizer.vocab_size if isinstance(tokenizer, WordTokenizer) else len(tokenizer or ())
+    if tokenizer is not None and size != vocab:
         raise ValueError(
-            f"--tokenizer {str(src)!r} holds neither {TOKENIZER_FILE} (WordTokenizer.save) nor "
-            "tokenizer_config.json (transformers save_pretrained); pass such a directory."
+            f"tokenizer {str(source or 'of the checkpoint')!r} has {size} tokens, the model's "
+            f"vocabulary (hyper_parameters.vocab_size) is {vocab}; pass the tokenizer the model "
+            "was trained with."
         )
-    states = [v["tokenizer"] for v in meta.values() if isinstance(v, Mapping) and "tokenizer" in v]
-    if not states or states[0] is None:
-        return (
-            "tokenizer: the checkpoint's data module saved none; pass --tokenizer <dir> to "
-            "copy one."
-        )
-    WordTokenizer.from_dict(states[0], source="checkpoint").save(out)
-    return None
+    return tokenizer
 
 
 def export_checkpoint(
@@ -238,13 +249,15 @@ def export_checkpoint(
 
     Raises:
         FileNotFoundError, ValueError: as :func:`load_fusion_model`; ``ValueError`` for a
-            ``tokenizer`` directory without a tokenizer.
+            ``tokenizer`` directory without a tokenizer, or a tokenizer whose size is not the
+            model's vocabulary (``hyper_parameters.vocab_size``); nothing is written then.
     """
     model, hparams, meta = load_fusion_model(ckpt)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     fusion: FusionConfig = hparams["fusion"]
     vocab = int(hparams.get("vocab_size", fusion.language.vocab_size))
+    token_source = _tokenizer(meta, tokenizer, vocab)  # checked before anything is written
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     padded = model.language.embed_tokens.weight.shape[0]
     state = _fusion_state(model)
     notes: list[str] = []
@@ -267,11 +280,13 @@ def export_checkpoint(
             "llama: not written: the decoder has mixture-of-experts FFNs (fusion.language.moe), "
             f"which LlamaForCausalLM cannot hold; its weights are in {LANGUAGE_FILE}."
         )
-    missing_tokenizer = _tokenizer(meta, tokenizer, out / TOKENIZER_DIR)
-    if missing_tokenizer:
-        notes.append(missing_tokenizer)
+    if isinstance(token_source, WordTokenizer):
+        token_source.save(out / TOKENIZER_DIR)
+    elif token_source is not None:
+        token_source.save_pretrained(str(out / TOKENIZER_DIR))
     else:
-        files.append(TOKENIZER_DIR)
+        notes.append("tokenizer: the checkpoint's data module saved none; pass --tokenizer <dir>.")
+    files += [TOKENIZER_DIR] if token_source is not None else []
     result = ExportResult(out, files, vocab, padded, notes, {})
     if verify:
         result.diffs = verify_export(model, out, vocab)

@@ -162,15 +162,23 @@ def test_cli_errors_and_a_transformers_tokenizer(
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    vocab = {"<unk>": 0, "a": 1, "digit": 2, "seven": 3}
-    raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    raw.pre_tokenizer = pre_tokenizers.Whitespace()
-    hf = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>")
-    hf.save_pretrained(tmp_path / "hf")
+    def hf_tokenizer(words: list[str], path: Path) -> Path:
+        raw = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+        raw.pre_tokenizer = pre_tokenizers.Whitespace()
+        PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>").save_pretrained(path)
+        return path
+
+    words = torch.load(ckpt / "meta.pt", weights_only=False)["RecipeDigitsCaptions"]
+    vocab = words["tokenizer"]["vocab"]  # the digits vocabulary (39 tokens)
     out = tmp_path / "with_hf"
-    export_checkpoint(ckpt, out, tokenizer=tmp_path / "hf")
+    export_checkpoint(ckpt, out, tokenizer=hf_tokenizer(vocab, tmp_path / "hf"))
     copied = AutoTokenizer.from_pretrained(str(out / "tokenizer"), local_files_only=True)
-    assert copied("a digit seven")["input_ids"] == [1, 2, 3]
+    want = [vocab.index(w) for w in ("a", "digit", "seven")]
+    assert len(copied) == 39 and copied("a digit seven")["input_ids"] == want
+    small = hf_tokenizer(["<unk>", "a", "digit"], tmp_path / "small")
+    with pytest.raises(ValueError, match=r"has 3 tokens, the model's vocabulary .* is 39"):
+        export_checkpoint(ckpt, tmp_path / "o", tokenizer=small)
+    assert not (tmp_path / "o").exists()  # checked before anything is written
     with pytest.raises(ValueError, match=r"holds neither tokenizer\.json"):
         export_checkpoint(ckpt, tmp_path / "o", tokenizer=tmp_path)
 
