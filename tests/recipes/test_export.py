@@ -210,3 +210,38 @@ def test_moe_decoder_exports_all_but_llama(tmp_path: Path) -> None:
     assert any(".experts." in k or ".moe" in k or "router" in k for k in language), sorted(language)
     for key, value in language.items():
         assert torch.equal(value, state[key]), key
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"pool_type": "avg", "final_ln_after_pool": True},
+        {"act": "quick_gelu", "ls_init_value": 0.5, "no_ln_pre": True, "mlp_ratio": 3.0},
+    ],
+)
+def test_open_clip_config_rebuilds_every_vision_option(options: dict, tmp_path: Path) -> None:
+    """open_clip builds, from ``open_clip_model_config``, a ``visual`` that takes our ViT's
+    exported state dict strictly and gives its features (each VisionConfig option)."""
+    import open_clip
+
+    from lightning_mmpar.models.convert import export_open_clip_visual, open_clip_model_config
+    from lightning_mmpar.models.vision import VisionConfig, VisionTower
+
+    config = VisionConfig(
+        image_size=16, patch_size=4, width=32, layers=2, heads=4, output_dim=24, **options
+    )
+    torch.manual_seed(0)
+    ours = VisionTower(config).eval()
+    (tmp_path / "open_clip_config.json").write_text(
+        json.dumps({"model_cfg": open_clip_model_config(config)})
+    )
+    clip = open_clip.create_model(f"local-dir:{tmp_path}", load_weights=False)
+    visual = clip.visual.eval()
+    visual.load_state_dict(
+        export_open_clip_visual({f"vision.{k}": v for k, v in ours.state_dict().items()}),
+        strict=True,
+    )
+    images = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        assert max_diff(visual(images), ours(images)[0]) <= TOL
