@@ -10,7 +10,6 @@ from lightning_mmpar.models.convert import (
     export_open_clip_visual,
     import_llama,
     import_open_clip_visual,
-    open_clip_model_config,
     save_llama_pretrained,
 )
 from lightning_mmpar.models.cost import BlockCost, CostTally
@@ -72,7 +71,6 @@ __all__ = [
     "import_open_clip_visual",
     "load_balancing_loss",
     "momentum_copy",
-    "open_clip_model_config",
     "route_tokens",
     "router_z_loss",
     "save_llama_pretrained",
