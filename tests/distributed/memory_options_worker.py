@@ -1,0 +1,70 @@
+"""Workers of tests/distributed/test_memory_options.py (importable by spawned processes).
+
+Each run trains the toy transformer (:mod:`lightning_mmpar.examples.toy_transformer`) for
+``STEPS`` steps under ``mm_parallel`` with one set of precision / memory options and returns the
+logged losses, the first-step full gradients, the final full weights and what the options did.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.utils.data import DataLoader
+
+from lightning_mmpar import MultimodalParallelStrategy
+from lightning_mmpar.examples.toy_transformer import ToyConfig, ToyTransformer
+
+sys.path.insert(0, str(Path(__file__).parent))
+import parity_worker as pw
+
+STEPS = 5  # one epoch of the parity data
+
+
+def toy_with_kinds(cfg: ToyConfig) -> ToyTransformer:
+    """The toy with BlockSpec kinds on its blocks (embedding ``vision``, layers ``language``,
+    head ``head``), so checkpointing by kind has something to select."""
+    torch.manual_seed(0)
+    model = ToyTransformer(cfg)
+    model.embed.kind = "vision"  # type: ignore[assignment]
+    for layer in model.layers:
+        layer.kind = "language"  # type: ignore[assignment]
+    model.head.kind = "head"  # type: ignore[assignment]
+    return model
+
+
+def fit(world: int, tp: int = 1, pp: int = 1, **memory: Any) -> dict[str, Any]:
+    """Train one layout (dp = world / (tp * pp)) with ``memory`` options."""
+    cfg = ToyConfig()
+    model = toy_with_kinds(cfg)
+    strategy = MultimodalParallelStrategy(
+        tensor_parallel=tp,
+        pipeline_parallel=pp,
+        micro_batches=2 * pp if pp > 1 else None,
+        **memory,
+    )
+    rec = pw.Recorder()
+    trainer = pw._trainer(strategy, world, STEPS, [rec])
+    dp = world // (tp * pp)
+    trainer.fit(model, DataLoader(pw.dataset(cfg), batch_size=pw.GLOBAL_BATCH // dp))
+    blocks = model.pipeline_blocks()
+    fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    policies = [m._get_fsdp_state()._fsdp_param_group for m in fsdp]  # type: ignore[operator]
+    return {
+        "losses": rec.losses,
+        "grads": rec.grads,
+        "weights": pw.full_weights(model),
+        "wrapped": [i for i, b in enumerate(blocks) if getattr(b, "_mmpar_block_options", False)],
+        "fsdp_units": len(fsdp),
+        "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        "mp": sorted({str(g.mp_policy.param_dtype) for g in policies if g is not None}),
+        "offload": sorted({type(g.offload_policy).__name__ for g in policies if g is not None}),
+    }
+
+
+def run_all(rank: int, world: int, runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Every run of ``runs`` (name -> :func:`fit` keyword arguments) in this one world."""
+    return {name: fit(world, **kwargs) for name, kwargs in runs.items()}
