@@ -4,7 +4,10 @@ Both replace a block's ``forward`` by a wrapper of the original, in place, so pa
 state-dict keys and checkpoints do not change (unlike ``checkpoint_wrapper``, which inserts a
 ``_checkpoint_wrapped_module`` level), and both compose with tensor-parallel plans (applied
 before, in ``configure_model``), pipeline stages and ``fully_shard`` (applied after: its hooks
-run around the wrapped ``forward``, torchtitan's order: checkpoint, compile, FSDP).
+run around the wrapped ``forward``). A block both compiled and checkpointed is checkpointed
+around its compiled ``forward`` (torch refuses a custom ``context_fn``, which replays the
+model-parallel dropout streams, inside a compiled region), so the recomputation runs the
+compiled graph again.
 
 Activation checkpointing (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost";
 Megatron's ``--recompute-granularity full``) keeps only a block's inputs from forward to
@@ -120,10 +123,10 @@ def apply_block_options(
         if i not in chosen and backend is None:
             continue
         forward = block.forward
-        if i in chosen:
-            forward = _checkpointed(forward)
         if backend is not None:
             forward = torch.compile(forward, backend=backend)
+        if i in chosen:  # outside the compiled region: the model-parallel RNG replay runs eagerly
+            forward = _checkpointed(forward)
         block.forward = forward  # type: ignore[method-assign]
         block._mmpar_block_options = True  # type: ignore[assignment]
     return sorted(chosen)

@@ -8,6 +8,7 @@ logged losses, the first-step full gradients, the final full weights and what th
 from __future__ import annotations
 
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader
 
 from lightning_mmpar import MultimodalParallelStrategy
+from lightning_mmpar.callbacks import DriftConfig, FP8Training
 from lightning_mmpar.examples.toy_transformer import ToyConfig, ToyTransformer
+from lightning_mmpar.precision import FP8Policy, fp8_modules
 
 sys.path.insert(0, str(Path(__file__).parent))
 import parity_worker as pw
@@ -36,8 +39,9 @@ def toy_with_kinds(cfg: ToyConfig) -> ToyTransformer:
     return model
 
 
-def fit(world: int, tp: int = 1, pp: int = 1, **memory: Any) -> dict[str, Any]:
-    """Train one layout (dp = world / (tp * pp)) with ``memory`` options."""
+def fit(world: int, tp: int = 1, pp: int = 1, fp8: bool = False, **memory: Any) -> dict[str, Any]:
+    """Train one layout (dp = world / (tp * pp)) with ``memory`` options (strategy arguments)
+    and, with ``fp8``, the :class:`FP8Training` callback (emulated FP8; head kept in FP32)."""
     cfg = ToyConfig()
     model = toy_with_kinds(cfg)
     strategy = MultimodalParallelStrategy(
@@ -47,7 +51,11 @@ def fit(world: int, tp: int = 1, pp: int = 1, **memory: Any) -> dict[str, Any]:
         **memory,
     )
     rec = pw.Recorder()
-    trainer = pw._trainer(strategy, world, STEPS, [rec])
+    callbacks: list[Any] = [rec]
+    if fp8:
+        policy = FP8Policy(keep_high_precision=("head.*",), high_precision="fp32", backend="auto")
+        callbacks.append(FP8Training(policy, drift=DriftConfig(log_dir=tempfile.mkdtemp())))
+    trainer = pw._trainer(strategy, world, STEPS, callbacks)
     dp = world // (tp * pp)
     trainer.fit(model, DataLoader(pw.dataset(cfg), batch_size=pw.GLOBAL_BATCH // dp))
     blocks = model.pipeline_blocks()
@@ -62,6 +70,8 @@ def fit(world: int, tp: int = 1, pp: int = 1, **memory: Any) -> dict[str, Any]:
         "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
         "mp": sorted({str(g.mp_policy.param_dtype) for g in policies if g is not None}),
         "offload": sorted({type(g.offload_policy).__name__ for g in policies if g is not None}),
+        "fp8": sorted(n for n, m in fp8_modules(model).items() if m.precision == "fp8"),
+        "fp8_counters": dict(callbacks[-1].counters) if fp8 else {},
     }
 
 

@@ -143,13 +143,15 @@ def test_checkpointing_recomputes_exactly_and_saves_less() -> None:
 
 
 def test_compile_per_block_keeps_results() -> None:
-    plain, compiled = _blocks().eval(), _blocks().eval()
+    plain, compiled, both = _blocks().eval(), _blocks().eval(), _blocks().eval()
     apply_block_options(list(compiled), None, "aot_eager")
+    assert apply_block_options(list(both), 2, "aot_eager") == [1, 3]  # checkpointed + compiled
     out_p, grads_p, _ = _step(plain)
-    out_c, grads_c, _ = _step(compiled)
-    torch.testing.assert_close(out_c, out_p, rtol=1e-6, atol=0)
-    for k in grads_p:
-        torch.testing.assert_close(grads_c[k], grads_p[k], rtol=1e-6, atol=1e-7)
+    for model in (compiled, both):
+        out_c, grads_c, _ = _step(model)
+        torch.testing.assert_close(out_c, out_p, rtol=1e-6, atol=0)
+        for k in grads_p:
+            torch.testing.assert_close(grads_c[k], grads_p[k], rtol=1e-6, atol=1e-7)
 
 
 def test_fp8_conversion_keeps_forward_hooks() -> None:
