@@ -16,8 +16,13 @@ One world of 1 process and one of 2 (gloo, CPU) train the toy transformer for 5 
   process with the same policy: the losses are BF16 numbers (the toy's loss comes from BF16
   logits) and agree to one BF16 unit in the last place (2**-7 relative); the FP32 first-step
   gradients and final weights differ from the one-process BF16 run by no more than that run
-  differs from FP32 (the layout adds no error beyond BF16's own; printed); and BF16 compute
-  really happened (the losses differ from FP32).
+  differs from FP32 (relative L2 over all tensors: the layout adds no error beyond BF16's own;
+  printed); and BF16 compute
+  really happened (the losses differ from FP32);
+* ``FP8Training`` (emulated FP8, the head kept in FP32 by policy) at dp2 against one process:
+  the first step's gradients agree to 1e-5 (relative L2; power-of-two scales come out equal on
+  every rank), later losses to ``FP8_LOSS_RTOL``: each rank's delayed scaling follows the amax
+  history of its own half batch (amax is not reduced over dp ranks), so scales may differ.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ pytestmark = pytest.mark.distributed
 LOSS_RTOL = 1e-5
 GRAD_RTOL = 1e-5
 WEIGHT_ATOL = 5e-4
-FP8_LOSS_RTOL = 1e-2  # provisional
+FP8_LOSS_RTOL = 5e-3  # measured 1.5e-3: each dp rank scales from its own amax history
 BF16_ULP = 2.0**-7  # relative spacing of BF16 numbers (8 significant bits)
 
 ONE = {
@@ -164,4 +169,4 @@ def test_fp8_training_parity(one: dict[str, Any], two: dict[str, Any]) -> None:
     print(f"dp2 fp8 vs 1 process fp8: loss {rel:.2e}, first-step gradients {grads:.2e} "
           f"(FP8 vs FP32: {grads_fp8:.2e}), relative L2")  # fmt: skip
     assert rel <= FP8_LOSS_RTOL, f"dp2 fp8: loss differs by {rel:.2e} (relative)"
-    assert grads <= grads_fp8, (grads, grads_fp8)
+    assert grads < GRAD_RTOL, f"dp2 fp8: first-step gradients differ by {grads:.2e}"
