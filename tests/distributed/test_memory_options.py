@@ -17,8 +17,7 @@ One world of 1 process and one of 2 (gloo, CPU) train the toy transformer for 5 
   logits) and agree to one BF16 unit in the last place (2**-7 relative); the FP32 first-step
   gradients and final weights differ from the one-process BF16 run by no more than that run
   differs from FP32 (relative L2 over all tensors: the layout adds no error beyond BF16's own;
-  printed); and BF16 compute
-  really happened (the losses differ from FP32);
+  printed); and BF16 compute really happened (the losses differ from FP32);
 * ``FP8Training`` (emulated FP8, the head kept in FP32 by policy) at dp2 against one process:
   the first step's gradients agree to 1e-5 (relative L2; power-of-two scales come out equal on
   every rank), later losses to ``FP8_LOSS_RTOL``: each rank's delayed scaling follows the amax
