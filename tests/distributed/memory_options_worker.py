@@ -76,5 +76,82 @@ def fit(world: int, tp: int = 1, pp: int = 1, fp8: bool = False, **memory: Any) 
 
 
 def run_all(rank: int, world: int, runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Every run of ``runs`` (name -> :func:`fit` keyword arguments) in this one world."""
-    return {name: fit(world, **kwargs) for name, kwargs in runs.items()}
+    """Every run of ``runs`` (name -> :func:`fit` keyword arguments, or :func:`fit_recipe`'s
+    for a run with a ``recipe``) in this one world."""
+    return {
+        name: fit_recipe(world, **kw) if "recipe" in kw else fit(world, **kw)
+        for name, kw in runs.items()
+    }
+
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+
+
+def yaml_precision_sections(name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The commented ``precision.fp8`` callback entry and ``memory`` strategy options of the
+    shipped ``recipes/<name>.yaml``, uncommented."""
+    import re
+
+    import yaml
+
+    lines = (RECIPES / f"{name}.yaml").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("    # precision.fp8:"))
+    block = [line[6:] for line in lines[start:] if re.match(r"    # (- |  )", line)]
+    (entry,) = yaml.safe_load("\n".join(block))
+    (memory,) = [line.split("# memory:", 1)[1] for line in lines if "# memory:" in line]
+    return entry, yaml.safe_load(memory)
+
+
+def fit_recipe(world: int, recipe: str, tp: int, steps: int = 3) -> dict[str, Any]:
+    """The recipe CLI on ``recipes/<name>.yaml`` with its precision sections uncommented, the
+    model shrunk to CPU size, tensor parallel ``tp``, for ``steps`` steps."""
+    import yaml
+
+    from lightning_mmpar.recipes.cli import run_cli
+
+    name = recipe
+    entry, memory = yaml_precision_sections(name)
+    shipped = yaml.safe_load((RECIPES / f"{name}.yaml").read_text())
+    strategy = shipped["trainer"]["strategy"]
+    strategy["init_args"].update(tensor_parallel=tp, pipeline_parallel=1, **memory)
+    strategy["init_args"].pop("micro_batches", None)
+    root = Path(tempfile.mkdtemp())
+    heads = 4
+    override = {
+        "trainer": {
+            "accelerator": "cpu", "devices": world, "num_nodes": 1, "max_steps": steps,
+            "precision": "32-true", "limit_val_batches": 0, "logger": False,
+            "enable_progress_bar": False, "enable_checkpointing": False,
+            "default_root_dir": str(root), "strategy": strategy, "callbacks": [entry],
+        },
+        "model": {"fusion": {
+            "vision": {"image_size": 16, "patch_size": 8, "width": 32, "layers": 2,
+                       "heads": heads, "output_dim": 16},
+            "language": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                         "num_attention_heads": heads, "num_key_value_heads": heads},
+            "adapter": {"heads": heads, "width": 32, "ffn_width": 64},
+            "contrastive_dim": 16,
+        }},
+        "data": {"image_size": 16, "batch_size": 8},
+    }  # fmt: skip
+    extra = root / "override.yaml"
+    extra.write_text(yaml.safe_dump(override))
+    cli = run_cli(["fit", "--config", str(RECIPES / f"{name}.yaml"), "--config", str(extra)])
+    trainer, module = cli.trainer, cli.model
+    (fp8,) = [c for c in trainer.callbacks if isinstance(c, FP8Training)]
+    mods = fp8_modules(module)
+    fsdp = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in fsdp]  # type: ignore[operator]
+    return {
+        "steps": trainer.global_step,
+        "loss": float(trainer.callback_metrics["train_loss"]),
+        "fp8": sorted(n for n, m in mods.items() if m.precision == "fp8"),
+        "pinned": sorted(n for n, m in mods.items() if m.pinned),
+        "counters": dict(fp8.counters),
+        "mp": sorted({str(g.mp_policy.param_dtype) for g in groups if g is not None}),
+        "checkpointed": [
+            getattr(b, "kind", "")
+            for b in module.pipeline_blocks()
+            if getattr(b, "_mmpar_block_options", False)
+        ],
+    }

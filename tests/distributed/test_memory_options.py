@@ -21,11 +21,17 @@ One world of 1 process and one of 2 (gloo, CPU) train the toy transformer for 5 
 * ``FP8Training`` (emulated FP8, the head kept in FP32 by policy) at dp2 against one process:
   the first step's gradients agree to 1e-5 (relative L2; power-of-two scales come out equal on
   every rank), later losses to ``FP8_LOSS_RTOL``: each rank's delayed scaling follows the amax
-  history of its own half batch (amax is not reduced over dp ranks), so scales may differ.
+  history of its own half batch (amax is not reduced over dp ranks), so scales may differ;
+* the recipe CLI on ``recipes/clip_llama_8gpu.yaml`` with its commented ``precision.fp8``
+  callback and ``memory`` options uncommented (model shrunk, tp2) trains 3 steps: FP8 in the
+  adapter and decoder layers, the policy's layers pinned, BF16 FSDP2 units, the language blocks
+  checkpointed.
 """
 
 from __future__ import annotations
 
+import math
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -64,6 +70,7 @@ TWO = {
     "pp2_ac_all": {"pp": 2, "activation_checkpointing": "all"},
     "dp2_mp": {"mixed_precision": "bf16"},
     "dp2_fp8": {"fp8": True},
+    "recipe_8gpu_tp2": {"recipe": "clip_llama_8gpu", "tp": 2},
 }
 
 
@@ -169,3 +176,14 @@ def test_fp8_training_parity(one: dict[str, Any], two: dict[str, Any]) -> None:
           f"(FP8 vs FP32: {grads_fp8:.2e}), relative L2")  # fmt: skip
     assert rel <= FP8_LOSS_RTOL, f"dp2 fp8: loss differs by {rel:.2e} (relative)"
     assert grads < GRAD_RTOL, f"dp2 fp8: first-step gradients differ by {grads:.2e}"
+
+
+def test_recipe_yaml_precision_sections(two: dict[str, Any]) -> None:
+    run = two["recipe_8gpu_tp2"]
+    assert run["steps"] == 3 and math.isfinite(run["loss"])
+    assert run["fp8"] and all(re.match(r"blocks\.\d+\.(adapter|layer)\.", n) for n in run["fp8"])
+    assert any(".block." in n for n in run["pinned"]) and any("lm_head" in n for n in run["pinned"])
+    assert any(n.endswith(".projector") for n in run["pinned"])
+    assert run["counters"]["attempts"] == 0
+    assert run["mp"] == ["torch.bfloat16"]
+    assert run["checkpointed"] == ["language", "language"]  # the 2 decoder layers
