@@ -12,7 +12,7 @@ One world of 1 process and one of 2 (gloo, CPU) train the toy transformer for 5 
 * ``torch.compile`` per block with ``backend="aot_eager"`` (AOTAutograd's traced graphs run
   eagerly: the same capture as inductor without its C++ code generation, which would take
   minutes on 2 CPU cores) is within the parity tolerance of eager mode at 1 process and at tp2;
-* FSDP2 mixed precision (BF16 parameters and compute, FP32 reduction) at dp2 against one
+* FSDP2 mixed precision (BF16 parameters and compute, FP32 reduction) at dp2 and pp2 against one
   process with the same policy: the losses are BF16 numbers (the toy's loss comes from BF16
   logits) and agree to one BF16 unit in the last place (2**-7 relative); the FP32 first-step
   gradients and final weights differ from the one-process BF16 run by no more than that run
@@ -69,6 +69,7 @@ TWO = {
     },
     "pp2_ac_all": {"pp": 2, "activation_checkpointing": "all"},
     "dp2_mp": {"mixed_precision": "bf16"},
+    "pp2_mp": {"pp": 2, "mixed_precision": "bf16"},
     "dp2_fp8": {"fp8": True},
     "recipe_8gpu_tp2": {"recipe": "clip_llama_8gpu", "tp": 2},
 }
@@ -98,9 +99,11 @@ def _rel_to_max(run: dict[str, Tensor], ref: dict[str, Tensor]) -> float:
 
 
 def _l2_rel(run: dict[str, Tensor], ref: dict[str, Tensor]) -> float:
-    """``||run - ref|| / ||ref||`` over all tensors of ``ref`` together."""
-    diff = sum(float((run[k] - r).double().square().sum()) for k, r in ref.items())
-    norm = sum(float(r.double().square().sum()) for r in ref.values())
+    """``||run - ref|| / ||ref||`` over all tensors of ``run`` together (a pipeline rank holds
+    its own stage's)."""
+    assert run and set(run) <= set(ref), sorted(set(run) - set(ref))
+    diff = sum(float((r - ref[k]).double().square().sum()) for k, r in run.items())
+    norm = sum(float(ref[k].double().square().sum()) for k in run)
     return (diff / norm) ** 0.5
 
 
@@ -161,6 +164,13 @@ def test_mixed_precision_parity(one: dict[str, Any], two: dict[str, Any]) -> Non
           f"{weights_bf16:.2e}), relative L2 over all tensors")  # fmt: skip
     assert grads <= grads_bf16, (grads, grads_bf16)
     assert weights <= weights_bf16, (weights, weights_bf16)
+    pp2 = two["pp2_mp"]  # BF16 activations sent between stages; rank 0 holds stage 0
+    rel, grads = _loss_rel(pp2, mp), _l2_rel(pp2["grads"], mp["grads"])
+    weights = _l2_rel(pp2["weights"], mp["weights"])
+    print(f"pp2 bf16 vs 1 process bf16: loss {rel:.2e}, stage-0 first-step gradients "
+          f"{grads:.2e}, weights {weights:.2e}")  # fmt: skip
+    assert pp2["mp"] == ["torch.bfloat16"] and rel <= BF16_ULP, rel
+    assert grads <= grads_bf16 and weights <= weights_bf16, (grads, weights)
 
 
 def test_fp8_training_parity(one: dict[str, Any], two: dict[str, Any]) -> None:
