@@ -237,3 +237,33 @@ def test_gpu_yamls_document_the_options(name: str) -> None:
     (memory,) = [line.split("# memory:", 1)[1] for line in lines if "# memory:" in line]
     strategy_args = yaml.safe_load("\n".join(lines))["trainer"]["strategy"]["init_args"]
     MultimodalParallelStrategy(**strategy_args, **yaml.safe_load(memory))
+
+
+def _saved_activation_mib(spec: Any) -> float:
+    """MiB of distinct non-parameter tensors autograd keeps from forward to backward for one
+    batch of the toy transformer (256 wide, 4 layers, 128 tokens, batch 8)."""
+    from lightning_mmpar.examples.toy_transformer import ToyConfig, ToyTransformer
+
+    torch.manual_seed(0)
+    model = ToyTransformer(ToyConfig(dim=256, heads=8, layers=4, seq=128, vocab=512))
+    apply_block_options(model.pipeline_blocks(), spec)
+    params = {p.data_ptr() for p in model.parameters()}
+    kept: dict[tuple[int, Any], int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        kept[(t.data_ptr(), t.shape)] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        x = torch.randint(0, 512, (8, 128))
+        for block in model.pipeline_blocks():
+            x = block(x)
+    x.float().logsumexp(-1).mean().backward()
+    return sum(n for (ptr, _), n in kept.items() if ptr not in params) / 2**20
+
+
+def test_checkpointing_memory_on_the_toy() -> None:
+    """Measured: 70.2 MiB kept without checkpointing, 37.1 MiB every 2nd block, 5.0 MiB all
+    (the blocks' inputs only); docs/strategy.md."""
+    none, half, every = (_saved_activation_mib(s) for s in (None, 2, "all"))
+    assert 69 < none < 72 and 36 < half < 38.5 and 4.5 < every < 5.5, (none, half, every)
