@@ -139,14 +139,14 @@ def cached_attention(
         cos, sin = rope_cos_sin(
             torch.arange(n_image, device=x.device), hd, attn.rope_theta, q.dtype
         )
-        cache.keys = apply_rope(_heads(attn.k_proj(image), hd), cos, sin)
-        cache.keys = cache.keys * attn.temperature.temperature[:1].to(q.dtype)
+        keys = apply_rope(_heads(attn.k_proj(image), hd), cos, sin)
+        cache.keys = attn.temperature(keys, n_image)  # the module: its TP hooks apply
         cache.values = _heads(attn.v_proj(image), hd)
     pos = torch.arange(n_image + start, n_image + start + s, device=x.device)
     cos, sin = rope_cos_sin(pos, hd, attn.rope_theta, q.dtype)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if attn.temperature is not None:
-        k = k * attn.temperature.temperature[1:].to(k.dtype)
+        k = attn.temperature(k, 0)  # text key rows
     if cache.keys is None:
         cache.keys, cache.values = k, v
     else:

@@ -50,8 +50,9 @@ def run(strategy: Any, devices: int, out: Path, *, validate: bool) -> dict[str, 
     digits = data()
     module = rw.tiny_module(digits.vocab_size)
     writer = CaptionWriter(str(out))
-    kw: dict[str, Any] = {"strategy": strategy, "devices": devices}
-    trainer = quiet_trainer(**kw, callbacks=[writer], use_distributed_sampler=False)
+    trainer = quiet_trainer(
+        strategy=strategy, devices=devices, callbacks=[writer], use_distributed_sampler=False
+    )
     trainer.predict(module, datamodule=digits, return_predictions=False)
     result: dict[str, Any] = {"rows": writer.rows, "accuracy": writer.accuracy}
     images = next(iter(digits.val_dataloader()))["images"]
@@ -60,8 +61,7 @@ def run(strategy: Any, devices: int, out: Path, *, validate: bool) -> dict[str, 
     with torch.no_grad():
         result["cached"] = module._greedy({"images": images, "input_ids": ids})
         result["uncached"] = module._greedy({"images": images, "input_ids": ids}, False)
-    if validate:
-        trainer = quiet_trainer(**kw, use_distributed_sampler=False)
+    if validate:  # same trainer: the strategy keeps its pipeline
         trainer.validate(module, datamodule=digits, verbose=False)
         result["metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
     return result
