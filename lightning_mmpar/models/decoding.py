@@ -186,6 +186,7 @@ def language_decode_step(model: LanguageModel, ids: Tensor, cache: DecodeCache) 
     (``LlamaForCausalLM`` with ``use_cache=True``); ``cache.length`` advances by ``S``."""
     h = model.embed_tokens(ids)
     for layer in model.layers:
+        assert isinstance(layer, LlamaDecoderLayer)
         h = cached_decoder_layer(layer, h, cache.layer(layer))
     cache.advance(ids.shape[1])
     return model.lm_head(model.norm(h))  # type: ignore[no-any-return]

@@ -110,11 +110,11 @@ def test_generate_cached_equals_uncached_and_refusals() -> None:
     assert torch.equal(cached, module.generate(images, 8, use_cache=False))
     assert cached.shape == (4, 8) and (cached[:, 0] == data.tokenizer.bos_id).all()
     module.train()
-    with pytest.raises(ValueError, match="use_cache=True.*training mode"):
+    with pytest.raises(ValueError, match=r"use_cache=True.*training mode"):
         module.generate(images, 4, use_cache=True)
     moe = MoEConfig(num_experts=2, top_k=1, ffn_width=16, router_dim=8)
     module, _ = _module(moe)
-    with pytest.raises(ValueError, match="use_cache=True.*mixture-of-experts"):
+    with pytest.raises(ValueError, match=r"use_cache=True.*mixture-of-experts"):
         module.generate(images, 4, use_cache=True)
     assert module.generate(images[:2], 4).shape == (2, 4)  # None: uncached for MoE
 
