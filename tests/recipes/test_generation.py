@@ -4,7 +4,8 @@ batch and class recall.
 Oracles: transformers' ``LlamaForCausalLM.generate(use_cache=True)`` on the language tower
 (tokens and per-step scores), the fusion model's full forward (logits of every prefix), the
 uncached greedy loop, and one process for the 2-process layouts (``generation_worker``: pp 2 and
-tp 2 ``predict`` JSONL, pp 2 ``validate`` with a last batch of 5 under 2 micro-batches).
+tp 2 ``predict`` JSONL, pp 2 ``validate`` with a last batch of 5 under 2 micro-batches, FSDP2
+at dp 2 cached and uncached captions).
 """
 
 from __future__ import annotations
@@ -153,7 +154,12 @@ def test_predict_and_short_batch_eval_at_pp2_and_tp2_equal_one_process(tmp_path:
             path = tmp_path / layout / f"captions.rank{rank}.jsonl"
             assert [json.loads(x) for x in path.read_text().splitlines()] == rows, (layout, rank)
             assert torch.equal(got[rank][layout]["cached"], want["cached"]), (layout, rank)
-            assert torch.equal(got[rank][layout]["uncached"], want["cached"]), (layout, rank)
+    for rank in range(2):
+        assert torch.equal(got[rank]["pp2"]["uncached"], want["cached"]), rank
+        fsdp = got[rank]["fsdp2"]
+        assert fsdp["sharded"], rank
+        mine = want["cached"][4 * rank : 4 * rank + 4]
+        assert torch.equal(fsdp["cached"], mine) and torch.equal(fsdp["uncached"], mine), rank
     metrics = want["metrics"]
     assert {"val/i2t_class_recall@1", "val/t2i_class_recall@5", "val_loss"} <= metrics.keys()
     for rank in range(2):
