@@ -266,7 +266,7 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
     def _run(self, state: tuple[Tensor, ...]) -> FusionOutput:
         assert self.blocks is not None
         if self.head is None or len(self.blocks) == 0:
-            raise RuntimeError("generation and forward() need pipeline_parallel=1 (all blocks).")
+            raise RuntimeError("forward() needs pipeline_parallel=1 (all blocks on this rank).")
         for block in self.blocks:
             state = block(*state)
         return FusionOutput(*state)
