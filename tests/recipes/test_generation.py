@@ -11,6 +11,7 @@ at dp 2 cached and uncached captions).
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -166,3 +167,26 @@ def test_predict_and_short_batch_eval_at_pp2_and_tp2_equal_one_process(tmp_path:
         pp2 = got[rank]["pp2"]["metrics"]
         for key, value in metrics.items():
             assert pp2[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (rank, key)
+
+
+def test_run_summary_prints_class_recall_apart_from_per_pair(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from lightning_mmpar.recipes.summary import RunSummary
+
+    caplog.set_level(logging.INFO)
+    trainer: Any = SimpleNamespace(
+        datamodule=None, checkpoint_callback=None, logger=None, default_root_dir=str(tmp_path),
+        global_step=3, world_size=1, is_global_zero=True, strategy=SimpleNamespace(),
+        sanity_checking=False,
+        callback_metrics={"val/i2t_recall@1": torch.tensor(0.181),
+                          "val/i2t_class_recall@1": torch.tensor(0.925)},
+    )  # fmt: skip
+    summary = RunSummary(plots=False)
+    summary.on_fit_start(trainer, None)  # type: ignore[arg-type]
+    summary.on_validation_end(trainer, None)  # type: ignore[arg-type]
+    summary.on_fit_end(trainer, None)  # type: ignore[arg-type]
+    assert summary.summary["retrieval"]["i2t_class_recall@1"] == pytest.approx(0.925)
+    printed = caplog.text
+    assert "retrieval per pair (own caption)  i2t_recall@1 18.1%" in printed, printed
+    assert "retrieval by class (same digit)   i2t_class_recall@1 92.5%" in printed, printed
