@@ -7,7 +7,8 @@ take part. A cached decode therefore runs, per generated token:
 * the ViT, the bridge's projector and every decoder layer's image keys/values **once** (the
   prefill step: the image tokens ``img [B, N, D]`` and, under joint attention, the rotated and
   temperature-scaled image keys are stored);
-* the new token's embedding, the adapters (cross-attention of that token over ``img``), each
+* the new token's embedding, the adapters (cross-attention of that token over the image keys
+  and values, kept from the prefill), each
   decoder layer's attention of the new query over the cached ``[image; text]`` keys and values
   (the new key/value appended), its feed-forward, the final norm and ``lm_head``.
 
@@ -35,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_mmpar.models.adapter import CrossModalAdapter
 from lightning_mmpar.models.blocks import (
     AdapterLayer,
     Bridge,
@@ -56,6 +58,7 @@ from lightning_mmpar.models.moe import MoEFeedForward
 __all__ = [
     "DecodeCache",
     "LayerCache",
+    "cached_adapter",
     "cached_attention",
     "cached_decoder_layer",
     "check_cacheable",
@@ -164,6 +167,29 @@ def cached_attention(
     return attn.o_proj(out.transpose(1, 2).flatten(2))  # type: ignore[no-any-return]
 
 
+def cached_adapter(
+    adapter: CrossModalAdapter, h: Tensor, cache: LayerCache, image: Tensor
+) -> Tensor:
+    """:class:`~lightning_mmpar.models.adapter.CrossModalAdapter` on the new positions
+    ``h [B, S, D]``: the image keys and values ``k, v = norm_kv(img) W_k^T, W_v^T`` are computed
+    at the first call and kept in ``cache`` (cross-attention: no text keys, no mask)."""
+    if adapter.moe is not None:
+        raise ValueError(
+            "cached decoding of a mixture-of-experts adapter is not supported; decode without "
+            "the cache (use_cache=False)."
+        )
+    attn, hd = adapter.attn, adapter.attn.head_dim
+    if cache.keys is None:
+        kv = adapter.norm_kv(image)
+        cache.keys, cache.values = _heads(attn.k_proj(kv), hd), _heads(attn.v_proj(kv), hd)
+        cache.n_image = image.shape[1]
+    q = _heads(attn.q_proj(adapter.norm_q(h)), hd)
+    assert cache.values is not None
+    out = F.scaled_dot_product_attention(q, cache.keys, cache.values)
+    h = h + adapter.attn_gate(adapter.dropout(attn.o_proj(out.transpose(1, 2).flatten(2))))
+    return h + adapter.ffn_gate(adapter.dropout(adapter.mlp(adapter.norm_ffn(h))))  # type: ignore[no-any-return]
+
+
 def cached_decoder_layer(
     layer: LlamaDecoderLayer, x: Tensor, cache: LayerCache, image: Tensor | None = None
 ) -> Tensor:
@@ -223,7 +249,7 @@ def decode_block(
     img = cache.img
     assert img is not None, "the prefill step carries the image tokens"
     if isinstance(block, AdapterLayer):
-        h = block.adapter(h, img)
+        h = cached_adapter(block.adapter, h, cache.layer(block.adapter), img)
     elif isinstance(block, DecoderLayer):
         h = cached_decoder_layer(block.layer, h, cache.layer(block.layer), img)
     elif isinstance(block, Head):
