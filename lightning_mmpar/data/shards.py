@@ -235,8 +235,9 @@ class CaptionStream(Iterator[dict[str, torch.Tensor]]):
                 raise ValueError(
                     f"{where}: {decoded}; fix or remove the sample, or pass on_error='skip'."
                 )
-            self.bad += 1
-            log.warning("%s: %s; skipped (%d so far by this reader)", where, decoded, self.bad)
+            if self.consumed <= self.total:  # counted and logged once, not again when wrapping
+                self.bad += 1
+                log.warning("%s: %s; skipped (%d so far by this reader)", where, decoded, self.bad)
         raise ValueError(f"shards {[self.data.urls[i] for i in self.shards]}: no usable sample.")
 
     def state_dict(self) -> dict[str, Any]:
