@@ -10,9 +10,8 @@ from lightning_mmpar.data.caption_files import (
 from lightning_mmpar.data.captions import CaptionsDataModule, CaptionsDataset
 from lightning_mmpar.data.digits import CLASS_NAMES, TEMPLATES, DigitsCaptions, DigitsDataset
 from lightning_mmpar.data.sampler import ResumableRandomSampler
-from lightning_mmpar.data.text import CaptionTokenizer
 from lightning_mmpar.data.tokenizer import IGNORE_INDEX, SPECIAL_TOKENS, WordTokenizer
-from lightning_mmpar.data.transforms import CLIP_MEAN, CLIP_STD, ImagePreprocess, clip_transform
+from lightning_mmpar.data.transforms import CLIP_MEAN, CLIP_STD, clip_transform
 
 __all__ = [
     "CLASS_NAMES",
@@ -22,13 +21,11 @@ __all__ = [
     "SPECIAL_TOKENS",
     "TEMPLATES",
     "CaptionRow",
-    "CaptionTokenizer",
     "CaptionsDataModule",
     "CaptionsDataset",
     "CaptionsFormat",
     "DigitsCaptions",
     "DigitsDataset",
-    "ImagePreprocess",
     "ResumableRandomSampler",
     "SkippedRow",
     "WordTokenizer",

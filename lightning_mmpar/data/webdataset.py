@@ -5,7 +5,7 @@ for the split by dp rank and worker, bad samples and the resumable position).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -34,11 +34,20 @@ class _EpochLoader(StatefulDataLoader):  # type: ignore[misc]
     iteration (Lightning calls ``set_epoch`` on samplers only; an iterable dataset has none)."""
 
     epoch_of: Any = None
+    bad_seen: int = 0
+    """Bad samples skipped by this rank's readers so far in the current (or last) epoch."""
 
     def __iter__(self) -> Any:
         if self.epoch_of is not None:
             self.dataset.set_epoch(self.epoch_of())
-        return super().__iter__()
+        inner = super().__iter__()
+
+        def counted() -> Iterator[Any]:  # the readers' counts live in their (worker) states
+            for batch in inner:
+                self.bad_seen = bad_in_state(inner.state_dict())
+                yield batch
+
+        return counted()
 
 
 class WebDatasetCaptions(ClassPrompts, pl.LightningDataModule):
@@ -114,7 +123,7 @@ class WebDatasetCaptions(ClassPrompts, pl.LightningDataModule):
         self.transform = self.preprocess.transform(image_size)
         self.tokenizer = tokenizer or (WordTokenizer.load(tokenizer_dir) if tokenizer_dir else None)
         self.datasets: dict[str, ShardedCaptions] = {}
-        self.loaders: dict[str, StatefulDataLoader] = {}
+        self.loaders: dict[str, _EpochLoader] = {}
 
     def _ensure_tokenizer(self) -> Any:
         """The tokenizer; a WordTokenizer of the first ``vocab_samples`` captions if none."""
@@ -193,8 +202,9 @@ class WebDatasetCaptions(ClassPrompts, pl.LightningDataModule):
 
     @property
     def num_skipped(self) -> dict[str, int]:
-        """Bad samples skipped per split by this rank's readers (from the loaders' states)."""
-        return {split: bad_in_state(loader.state_dict()) for split, loader in self.loaders.items()}
+        """Bad samples skipped per split by this rank's readers in the current (or last) epoch
+        (read from the readers' states, which live in the DataLoader workers)."""
+        return {split: loader.bad_seen for split, loader in self.loaders.items()}
 
     def state_dict(self) -> dict[str, Any]:
         """Carried by Lightning checkpoints: a built/loaded :class:`WordTokenizer`. (The

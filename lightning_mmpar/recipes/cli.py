@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningDataModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from torch import Tensor
 from torch.utils.data import DataLoader
@@ -50,6 +50,9 @@ class ClipLlamaCLI(LightningCLI):
     _deepspeed_plan: DeepSpeedPlan | None = None
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        # Any LightningDataModule (--data.class_path); the digits demo when none is named, so a
+        # YAML with a bare `data:` section (init arguments only) keeps working.
+        parser.set_defaults({"data": {"class_path": f"{__name__}.RecipeDigitsCaptions"}})
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
         parser.add_argument(
             "--deepspeed",
@@ -144,7 +147,8 @@ def run_cli(args: list[str] | None = None) -> ClipLlamaCLI:
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")
     return ClipLlamaCLI(
         ClipLlamaModule,
-        RecipeDigitsCaptions,
+        LightningDataModule,
+        subclass_mode_data=True,
         args=args,
         save_config_kwargs={"overwrite": True},
     )
