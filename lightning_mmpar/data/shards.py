@@ -10,9 +10,10 @@ Layout (WebDataset's): each sample is the files of one key in a tar, ``<key>.jpg
 samples inside a shard keep their order, WebDataset shards being shuffled when written) and deals
 them round-robin to the ``dp * num_workers`` readers (reader ``rank * num_workers + worker``), so
 tensor- and pipeline-parallel peers (same dp rank) read the same samples and every sample is read
-by one reader. Every reader yields the same number of samples, the smallest reader's share
-(open_clip sizes an epoch from ``sizes.json`` the same way), so every dp rank has the same
-number of batches (collectives would otherwise hang at the epoch's end).
+by one reader. Every reader yields the same number of samples in every epoch, the total of the
+``len(shards) // readers`` smallest shards (open_clip sizes an epoch from ``sizes.json``
+too), so every dp rank has the same, known number of batches (collectives would otherwise hang
+at the epoch's end; all samples are read once when the shards are equal and divide evenly).
 
 **Bad samples** (no image or caption, an image PIL cannot decode, a caption that is empty or not
 UTF-8, an unknown label) raise ``ValueError`` naming shard, key and fix under
@@ -149,6 +150,8 @@ class ShardedCaptions(IterableDataset[dict[str, torch.Tensor]]):
         self.rank, self.world, self.shuffle, self.seed = rank, world, shuffle, seed
         self.on_error, self.caption_key, self.class_names = on_error, caption_key, class_names
         self.epoch = 0
+        self.workers, self.batch_size, self.drop_last = 1, 1, False
+        """DataLoader workers, batch size and drop_last of the loader (for :meth:`__len__`)."""
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch whose shard order the next iterator reads."""
@@ -156,7 +159,9 @@ class ShardedCaptions(IterableDataset[dict[str, torch.Tensor]]):
 
     def plan(self, epoch: int, workers: int) -> tuple[list[list[int]], int]:
         """Shard indices of each reader (``rank * workers + worker``) in ``epoch`` and the
-        samples every reader yields.
+        samples every reader yields: the ``len(urls) // readers`` smallest shards' total, a
+        share every reader has in every epoch (so the epoch length is fixed: all samples once
+        when the shards are equal and divide evenly).
 
         Raises:
             ValueError: fewer shards than readers.
@@ -173,7 +178,18 @@ class ShardedCaptions(IterableDataset[dict[str, torch.Tensor]]):
             gen = torch.Generator().manual_seed(self.seed + epoch)
             order = torch.randperm(len(self.urls), generator=gen).tolist()
         dealt = [order[r::readers] for r in range(readers)]
-        return dealt, min(sum(self.sizes[i] for i in shards) for shards in dealt)
+        return dealt, sum(sorted(self.sizes)[: len(self.urls) // readers])
+
+    def __len__(self) -> int:
+        """Samples per dp rank, reported so that ``len(DataLoader)`` is the exact batch count
+        (``workers`` readers each batch their own ``quota``): Lightning then knows the epoch
+        length and does not prefetch a batch past a checkpoint (an unsized loader's saved
+        position would be one batch ahead)."""
+        quota, batch = self.plan(self.epoch, self.workers)[1], self.batch_size
+        if self.drop_last:
+            return self.workers * (quota // batch) * batch
+        batches = self.workers * -(-quota // batch)
+        return max(0, (batches - 1) * batch + 1)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         info = get_worker_info()

@@ -177,7 +177,9 @@ class WebDatasetCaptions(ClassPrompts, pl.LightningDataModule):
         if split not in self.datasets:
             raise ValueError(f"no {split} data: call setup() first, or pass {split}_shards.")
         dataset = self.datasets[split]
-        dataset.plan(0, max(1, self.num_workers))  # enough shards for every reader, or raise
+        dataset.workers, dataset.batch_size = max(1, self.num_workers), self.batch_size
+        dataset.drop_last = train
+        dataset.plan(0, dataset.workers)  # enough shards for every reader, or raise
         loader = _EpochLoader(
             dataset, batch_size=self.batch_size, drop_last=train, num_workers=self.num_workers
         )
