@@ -1,4 +1,10 @@
-"""LightningCLI of the CLIP-LLaMA recipe, with a DeepSpeed-JSON option.
+"""LightningCLI of the CLIP-LLaMA recipe, with any data module and a DeepSpeed-JSON option.
+
+``--data.class_path`` names any ``LightningDataModule`` (LightningCLI's ``subclass_mode_data``):
+:class:`~lightning_mmpar.data.CaptionsDataModule` (CSV/JSONL + images),
+:class:`~lightning_mmpar.data.webdataset.WebDatasetCaptions` (tar shards) or the user's own;
+without it, :class:`RecipeDigitsCaptions`, whose arguments a bare ``data:`` section holds. The
+data's ``vocab_size`` becomes ``model.vocab_size``.
 
 ``--deepspeed ds_config.json`` replaces ``trainer.strategy`` by what
 :func:`lightning_mmpar.recipes.deepspeed.strategy_from_deepspeed` maps the JSON to (DeepSpeed's
