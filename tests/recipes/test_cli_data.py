@@ -113,3 +113,23 @@ def test_bare_data_section_is_the_digits_demo(monkeypatch: pytest.MonkeyPatch) -
                    "--trainer.strategy", "auto", "--data.batch_size", "36"])  # fmt: skip
     assert type(cli.datamodule).__name__ == "RecipeDigitsCaptions"
     assert cli.datamodule.batch_size == 36 and cli.model.vocab_size == cli.datamodule.vocab_size
+
+
+def test_planner_builds_any_data_module(tmp_path: Path) -> None:
+    from lightning_mmpar.recipes.partition import build_module, data_args
+
+    rows = [{"filepath": "0.png", "title": "a red square"}]
+    _image(0, 0).save(tmp_path / "0.png")
+    (tmp_path / "train.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    data = {
+        "class_path": "lightning_mmpar.data.captions.CaptionsDataModule",
+        "init_args": {"train_file": str(tmp_path / "train.jsonl"), "image_size": 16},
+        "batch_size": 6,  # a layout fragment merged beside class_path (plan --write-yaml)
+    }
+    config = {"model": TINY["model"], "data": data}
+    assert data_args(config) == {**data["init_args"], "batch_size": 6}
+    module, dm = build_module(config)
+    assert type(dm).__name__ == "CaptionsDataModule" and dm.batch_size == 6
+    assert module.vocab_size == dm.vocab_size
+    digits = build_module({"model": TINY["model"], "data": {"image_size": 16}})[1]
+    assert type(digits).__name__ == "RecipeDigitsCaptions" and digits.image_size == 16
