@@ -59,7 +59,9 @@ class ClipLlamaCLI(LightningCLI):
         # Any LightningDataModule (--data.class_path); the digits demo when none is named, so a
         # YAML with a bare `data:` section (init arguments only) keeps working.
         parser.set_defaults({"data": {"class_path": f"{__name__}.RecipeDigitsCaptions"}})
-        parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
+        parser.link_arguments(
+            "data", "model.vocab_size", compute_fn=data_vocab_size, apply_on="instantiate"
+        )
         parser.add_argument(
             "--deepspeed",
             type=str | None,
@@ -110,6 +112,22 @@ class ClipLlamaCLI(LightningCLI):
     def before_predict(self) -> None:
         """As :meth:`before_fit`."""
         self._preflight()
+
+
+def data_vocab_size(data: Any) -> int:
+    """``data.vocab_size``: the LM head's output size comes from the data's tokenizer.
+
+    Raises:
+        ValueError: the data module has no positive integer ``vocab_size``.
+    """
+    size = getattr(data, "vocab_size", None)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(
+            f"data ({type(data).__name__}) has no vocab_size (got {size!r}): the recipe sizes "
+            "its LM head from the data's tokenizer; give the data module a vocab_size property "
+            "(e.g. tokenizer.vocab_size), or use a caption module of lightning_mmpar.data."
+        )
+    return size
 
 
 def _read_deepspeed_json(path: Path) -> Any:

@@ -133,3 +133,13 @@ def test_planner_builds_any_data_module(tmp_path: Path) -> None:
     assert module.vocab_size == dm.vocab_size
     digits = build_module({"model": TINY["model"], "data": {"image_size": 16}})[1]
     assert type(digits).__name__ == "RecipeDigitsCaptions" and digits.image_size == 16
+
+
+def test_data_module_without_vocab_size_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning.pytorch import Trainer
+
+    monkeypatch.setattr(Trainer, "fit", lambda *a, **k: None)
+    boring = "lightning.pytorch.demos.boring_classes.BoringDataModule"
+    with pytest.raises(ValueError, match=r"data \(BoringDataModule\) has no vocab_size"):
+        run_cli(["fit", "--config", "recipes/clip_llama_cpu.yaml", "--trainer.devices", "1",
+                 "--trainer.strategy", "auto", "--data.class_path", boring])  # fmt: skip
