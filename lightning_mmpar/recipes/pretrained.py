@@ -261,9 +261,10 @@ def load_towers(
     """
     owned, report = owned_parameters(module, list(module.blocks))
     files = _open(pretrained)
+    new: dict[int, nn.Parameter] = {}
     for tower, (_, tensors) in files.items():
         used: set[str] = set()
-        for sub, pname, param in _tower_parameters(getattr(model, tower)):
+        for pname, param in getattr(model, tower).named_parameters():
             name = f"{tower}.{pname}"
             key = _vision_key(pname) if tower == "vision" else _language_key(pname, tensors)
             shape, index = _local_index(param)
@@ -283,7 +284,7 @@ def load_towers(
                 local = value[index].clone()
                 report.fresh.append(name)
             used.add(key)
-            sub._parameters[pname.rsplit(".", 1)[-1]] = _as_param(param, local)
+            new[id(param)] = _as_param(param, local)
         stray = [k for k in tensors.shapes if k not in used and not k.endswith(IGNORED_KEYS)]
         if stray:
             raise ValueError(
@@ -291,21 +292,18 @@ def load_towers(
                 "the checkpoint holds another architecture than the configured one."
             )
         report.bytes_read += tensors.bytes_read
-    meta = [n for n, p in model.named_parameters() if p.is_meta]
+    for sub in (*module.modules(), *model.modules()):  # blocks hold some parameters directly
+        for pname, param in list(sub._parameters.items()):
+            if param is not None and id(param) in new:
+                sub._parameters[pname] = new[id(param)]
+    meta = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
     if meta:
-        raise RuntimeError(f"parameters left on the meta device after loading: {meta[:8]}")
+        raise RuntimeError(f"tensors left on the meta device after loading: {meta[:8]}")
     return report
 
 
 def _layer0(match: re.Match[str]) -> str:
     return f"{match.group(1)}.0."
-
-
-def _tower_parameters(tower: nn.Module) -> list[tuple[nn.Module, str, Tensor]]:
-    return [
-        (tower.get_submodule(n.rsplit(".", 1)[0]) if "." in n else tower, n, p)
-        for n, p in tower.named_parameters()
-    ]
 
 
 def check_stage_guess(module: Any, report: LoadReport | None) -> None:

@@ -208,3 +208,9 @@ def world(rank: int, world_size: int, towers: dict[str, str]) -> dict[str, Any]:
     fsdp = MultimodalParallelStrategy(tensor_parallel=2, data_parallel="fsdp")
     out["dp2tp2"] = run(towers, fsdp, rank // 2, 2)
     return out
+
+
+if __name__ == "__main__":  # python tests/recipes/pretrained_worker.py DIR (docs/quickstart.md)
+    import sys
+
+    print(json.dumps(write_towers(Path(sys.argv[1]))))
