@@ -167,9 +167,10 @@ class AtStart(Callback):
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         model = pl_module.fusion_model
-        held = 0
-        for tower in ("vision", "language"):
-            for p in getattr(model, tower).parameters():
+        towers = {id(p) for t in (model.vision, model.language) for p in t.parameters()}
+        held = 0  # what the LightningModule holds (a dropped placeholder stays in model.vision)
+        for p in pl_module.parameters():
+            if id(p) in towers:
                 local = p.to_local() if isinstance(p, DTensor) else p
                 held += local.numel() * local.element_size()
         report = pl_module.load_report
