@@ -17,6 +17,7 @@ memory-mapped ``torch.load`` tensor pages them in on copy. ``bytes_read`` counts
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -131,7 +132,12 @@ def _vision_config(directory: Path) -> VisionConfig:
             f"{directory / OPEN_CLIP_CONFIG}: no 'model_cfg' ({err}); write it as open_clip's "
             "save_for_hf does ({'model_cfg': ..., 'preprocess_cfg': ...})."
         ) from err
-    model = open_clip.create_model(f"local-dir:{directory}", load_weights=False, device="meta")
+    previous = logging.root.manager.disable  # open_clip warns "initialized randomly": on meta
+    logging.disable(logging.WARNING)
+    try:
+        model = open_clip.create_model(f"local-dir:{directory}", load_weights=False, device="meta")
+    finally:
+        logging.disable(previous)
     visual: Any = getattr(model, "visual", model)
     first = visual.transformer.resblocks[0]
     if hasattr(first.ls_1, "gamma"):  # its init value, not a meta tensor's
