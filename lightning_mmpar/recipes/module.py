@@ -199,7 +199,8 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
             check_image_size(image_size, self.fusion_config.vision.image_size)
             self._prompts = data.class_prompts()
             self._tokenizer = data.tokenizer
-            self._digit_classes = digit_token_classes(data.tokenizer, self.vocab_size)
+            rows = ptl.vocab_rows(self, ParallelDims.of(self._trainer).tp)  # the logits' width
+            self._digit_classes = digit_token_classes(data.tokenizer, rows)
 
     # ------------------------------------------------------------------ PipelineModule
     def pipeline_blocks(self) -> list[nn.Module]:

@@ -54,7 +54,7 @@ from lightning_mmpar.recipes.pretrained_files import (
 
 __all__ = [
     "LoadReport", "build_meta_fusion", "check_stage_guess", "load_towers", "meta_fusion",
-    "resolve_fusion_config",
+    "resolve_fusion_config", "vocab_rows",
 ]  # fmt: skip
 
 LLAMA_FILE_FIELDS = (
@@ -325,17 +325,22 @@ def check_stage_guess(module: Any, report: LoadReport | None) -> None:
         )
 
 
+def vocab_rows(module: Any, tp: int) -> int:
+    """Rows of the recipe ``module``'s embedding and LM head at tensor-parallel size ``tp``:
+    the tokenizer's vocabulary (``module.vocab_size``), at least the pretrained checkpoint's,
+    padded to ``lcm(tensor_parallel.vocab_multiple, tp)``."""
+    multiple = math.lcm(module.tp_options.vocab_multiple, tp)
+    rows = module.vocab_size
+    if module.pretrained.language:
+        rows = max(rows, module.fusion_config.language.vocab_size)
+    return -(-rows // multiple) * multiple
+
+
 def meta_fusion(
     module: Any, config: FusionConfig, tp: int
 ) -> tuple[FusionModel, dict[str, Tensor]]:
-    """:func:`build_meta_fusion` for the recipe ``module`` at tensor-parallel size ``tp``:
-    ``config`` (the module's, vocabulary padded to the tokenizer's size) gets at least the
-    checkpoint's vocabulary rows, padded to ``lcm(tensor_parallel.vocab_multiple, tp)``."""
-    if module.pretrained.language:
-        multiple = math.lcm(module.tp_options.vocab_multiple, tp)
-        rows = -(-module.fusion_config.language.vocab_size // multiple) * multiple
-        language = dataclasses.replace(
-            config.language, vocab_size=max(config.language.vocab_size, rows)
-        )
-        config = dataclasses.replace(config, language=language)
+    """:func:`build_meta_fusion` for the recipe ``module`` at tensor-parallel size ``tp``, with
+    :func:`vocab_rows` vocabulary rows."""
+    language = dataclasses.replace(config.language, vocab_size=vocab_rows(module, tp))
+    config = dataclasses.replace(config, language=language)
     return build_meta_fusion(config, module.pretrained, momentum=module.loss_config.mml.momentum)
