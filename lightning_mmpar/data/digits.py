@@ -19,6 +19,12 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from lightning_mmpar.data.hf_tokenizer import (
+    HFTokenizer,
+    Tokenizer,
+    load_tokenizer,
+    tokenizer_from_dict,
+)
 from lightning_mmpar.data.sampler import ResumableRandomSampler
 from lightning_mmpar.data.tokenizer import WordTokenizer
 
@@ -83,6 +89,9 @@ class DigitsCaptions(pl.LightningDataModule):
         templates: caption templates with ``{name}`` and/or ``{digit}``.
         prompt_template: index in ``templates`` of the one held out for zero-shot prompts.
         tokenizer_dir: load the tokenizer saved there instead of deriving it.
+        tokenizer: a transformers tokenizer directory (``AutoTokenizer``, offline; e.g. the
+            pretrained Llama's) instead of the word tokenizer
+            (:class:`~lightning_mmpar.data.hf_tokenizer.HFTokenizer`).
         num_workers: DataLoader worker processes.
     """
 
@@ -98,6 +107,7 @@ class DigitsCaptions(pl.LightningDataModule):
         prompt_template: int = -1,
         tokenizer_dir: str | None = None,
         num_workers: int = 0,
+        tokenizer: str | None = None,
     ) -> None:
         super().__init__()
         _validate(image_size, batch_size, val_fraction, templates, prompt_template)
@@ -107,9 +117,12 @@ class DigitsCaptions(pl.LightningDataModule):
         self.prompt_template = self.templates[prompt_template]
         self.train_templates = tuple(t for t in self.templates if t != self.prompt_template)
         every = [fill(t, c) for t in self.templates for c in range(10)]
-        self.tokenizer = (
-            WordTokenizer.load(tokenizer_dir) if tokenizer_dir else WordTokenizer.build(every)
-        )
+        if tokenizer and tokenizer_dir:
+            raise ValueError("set data.tokenizer (transformers) or data.tokenizer_dir, not both.")
+        self.tokenizer: Tokenizer = (
+            HFTokenizer(tokenizer) if tokenizer else load_tokenizer(tokenizer_dir)
+            if tokenizer_dir else WordTokenizer.build(every)
+        )  # fmt: skip
         self.max_length = max_length or self.tokenizer.max_length_for(every)
         self.train: DigitsDataset | None = None
         self.val: DigitsDataset | None = None
@@ -196,7 +209,7 @@ class DigitsCaptions(pl.LightningDataModule):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the tokenizer saved in a checkpoint."""
-        self.tokenizer = WordTokenizer.from_dict(state_dict["tokenizer"], source="checkpoint")
+        self.tokenizer = tokenizer_from_dict(state_dict["tokenizer"], source="checkpoint")
         self.max_length = int(state_dict["max_length"])
 
     def save_tokenizer(self, directory: str | Path) -> Path:

@@ -13,8 +13,26 @@ from lightning_mmpar.losses.mml import MMLConfig
 from lightning_mmpar.plans.fusion import TensorParallelOptions
 
 __all__ = [
-    "FinetuneConfig", "LossConfig", "OptimConfig", "TensorParallelOptions", "check_image_size",
+    "FinetuneConfig", "LossConfig", "OptimConfig", "PretrainedConfig", "TensorParallelOptions",
+    "check_image_size",
 ]  # fmt: skip
+
+
+@dataclass(kw_only=True)
+class PretrainedConfig:
+    """Local checkpoints of the towers (:mod:`lightning_mmpar.recipes.pretrained`); adapter and
+    heads start fresh. A pretrained tower's sizes come from its file and replace the YAML's."""
+
+    vision: str | None = None
+    """open_clip ViT: a ``local-dir:`` directory (``open_clip_config.json`` + weights) or a
+    state-dict file (``.safetensors`` / ``.pt`` / ``.bin``; the YAML's sizes are then checked)."""
+    language: str | None = None
+    """transformers Llama directory (``config.json`` + ``model.safetensors``)."""
+
+    @property
+    def used(self) -> bool:
+        """Whether any tower is pretrained."""
+        return bool(self.vision or self.language)
 
 
 @dataclass(kw_only=True)
@@ -77,6 +95,20 @@ class OptimConfig:
     """Linear warm-up steps."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of ``lr`` (cosine schedule over ``max_steps``)."""
+    lr_vision: float | None = None
+    """Peak learning rate of the ViT's parameters; ``None``: ``lr``."""
+    lr_language: float | None = None
+    """Peak learning rate of the LLaMA decoder's parameters (embeddings, layers, norm, LM head,
+    joint-attention extras); ``None``: ``lr``."""
+    lr_adapter: float | None = None
+    """Peak learning rate of the fresh parts: projector, adapters, contrastive heads, logit
+    scale; ``None``: ``lr``."""
+
+    def __post_init__(self) -> None:
+        for name in ("lr", "lr_vision", "lr_language", "lr_adapter"):
+            value = getattr(self, name)
+            if value is not None and not value >= 0:
+                raise ValueError(f"optim.{name} ({value}) must be >= 0 (None: optim.lr).")
 
 
 def check_image_size(data_image_size: int, model_image_size: int) -> None:

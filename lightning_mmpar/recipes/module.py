@@ -35,21 +35,23 @@ from lightning_mmpar.models.fusion import (
     FusionModel,
     FusionOutput,
     freeze_for_finetuning,
-    weight_decay_split,
 )
 from lightning_mmpar.parallel.data import average_density_estimates, update_expert_biases
 from lightning_mmpar.plans.fusion import parallelize_fusion
 from lightning_mmpar.recipes import parallel_env as penv
+from lightning_mmpar.recipes import pretrained as ptl
 from lightning_mmpar.recipes.config import (
     FinetuneConfig,
     LossConfig,
     OptimConfig,
+    PretrainedConfig,
     TensorParallelOptions,
     check_image_size,
 )
 from lightning_mmpar.recipes.evaluation import RecipeMetrics, digit_token_classes, eval_values
 from lightning_mmpar.recipes.generation import CaptionGeneration, next_tokens
 from lightning_mmpar.recipes.losses import TERMS, RecipeLoss
+from lightning_mmpar.recipes.optim import recipe_optimizer
 from lightning_mmpar.topology import ParallelDims
 
 __all__ = ["TERMS", "ClipLlamaModule"]
@@ -67,7 +69,8 @@ def _config_classes(config: Any) -> set[type]:
 
 # The hyper-parameters (these dataclasses) are in every checkpoint: Lightning's single-file
 # checkpoints load with torch.load(weights_only=True), which needs them allow-listed.
-_CONFIGS = (FusionConfig(), FinetuneConfig(), LossConfig(), OptimConfig(), TensorParallelOptions())
+_CONFIGS = (FusionConfig(), FinetuneConfig(), LossConfig(), OptimConfig(), TensorParallelOptions(),
+            PretrainedConfig())  # fmt: skip
 torch.serialization.add_safe_globals(list(set().union(*map(_config_classes, _CONFIGS))))
 
 
@@ -83,6 +86,8 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         optim: AdamW and its schedule.
         tensor_parallel: options of the fusion plan (the degree comes from the strategy).
         vocab_size: tokenizer vocabulary (linked from ``data.vocab_size`` by the CLI).
+        pretrained: local tower checkpoints (:mod:`~lightning_mmpar.recipes.pretrained`); their
+            sizes replace ``fusion``'s.
     """
 
     def __init__(
@@ -94,12 +99,15 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         optim: OptimConfig = OptimConfig(),  # noqa: B008
         tensor_parallel: TensorParallelOptions = TensorParallelOptions(),  # noqa: B008
         vocab_size: int = 64,
+        pretrained: PretrainedConfig = PretrainedConfig(),  # noqa: B008
     ) -> None:
         super().__init__()
         # hparams (the dataclass configs) go into every checkpoint's meta.pt, where
         # validate_checkpoint / load_sharded name the fields a resumed run changed
         self.save_hyperparameters()
-        self.fusion_config = fusion
+        self.pretrained = pretrained
+        self.fusion_config = ptl.resolve_fusion_config(fusion, pretrained)
+        self.load_report: ptl.LoadReport | None = None  # what configure_model read (pretrained)
         self.finetune = finetune
         self.loss_config = loss
         self.optim = optim
@@ -134,11 +142,15 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         if self.blocks is not None:
             return
         dims = ParallelDims.of(self._trainer)
-        model = FusionModel(self._resolved_config(dims.tp), momentum=self.loss_config.mml.momentum)
+        cfg = self._resolved_config(dims.tp)
+        meta = ptl.meta_fusion(self, cfg, dims.tp) if self.pretrained.used else None  # towers
+        model = meta[0] if meta else FusionModel(cfg, momentum=self.loss_config.mml.momentum)
         parallelize_fusion(model, dims, self.tp_options)
         self._freeze(model)
         self._fusion = (model,)
         self.blocks = nn.ModuleList(model.pipeline_blocks())
+        if meta:  # each rank reads its shards of the towers (after the plan, before the cut)
+            self.load_report = ptl.load_towers(self, model, self.pretrained, meta[1])
 
     def _freeze(self, model: FusionModel) -> None:
         f = self.finetune
@@ -177,7 +189,8 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
             check_image_size(image_size, self.fusion_config.vision.image_size)
             self._prompts = data.class_prompts()
             self._tokenizer = data.tokenizer
-            self._digit_classes = digit_token_classes(data.tokenizer, self.vocab_size)
+            rows = ptl.vocab_rows(self, ParallelDims.of(self._trainer).tp)  # the logits' width
+            self._digit_classes = digit_token_classes(data.tokenizer, rows)
 
     # ------------------------------------------------------------------ PipelineModule
     def pipeline_blocks(self) -> list[nn.Module]:
@@ -357,25 +370,10 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
 
     # ------------------------------------------------------------------ optimizer
     def configure_optimizers(self) -> Any:
-        """AdamW, weight decay by role (:func:`~lightning_mmpar.models.fusion.weight_decay_split`:
-        none on biases, norms, positional/class embeddings, gates and the logit scale), with
-        linear warm-up and cosine decay per step."""
-        params = dict(self.named_parameters())
-        decay_names, no_decay_names = weight_decay_split(self)
-        decay = [params[n] for n in decay_names]
-        no_decay = [params[n] for n in no_decay_names]
-        o = self.optim
-        opt = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": o.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=o.lr,
-            foreach=False,
-        )
-        total = max(1, int(self.trainer.estimated_stepping_batches))
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, penv.warmup_cosine(o, total))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        """AdamW, weight decay by role and a peak learning rate per tower
+        (:mod:`~lightning_mmpar.recipes.optim`), linear warm-up and cosine decay per step."""
+        ptl.check_stage_guess(self, self.load_report)
+        return recipe_optimizer(self)
 
 
 def _skipped(trainer: Any, step: int) -> bool:

@@ -193,7 +193,9 @@ def test_weight_decay_by_role(data: Any) -> None:
     assert len(decay) + len(no_decay) == sum(p.requires_grad for p in module.parameters())
     groups = module.configure_optimizers()["optimizer"].param_groups
     names = {id(p): n for n, p in module.named_parameters()}
-    by_decay = {g["weight_decay"]: {names[id(p)] for p in g["params"]} for g in groups}
+    by_decay: dict[float, set[str]] = {}  # one group per tower and decay rule
+    for g in groups:
+        by_decay.setdefault(g["weight_decay"], set()).update(names[id(p)] for p in g["params"])
     assert by_decay == {module.optim.weight_decay: DECAY, 0.0: NO_DECAY}
     module.fusion_model.vision.requires_grad_(False)  # frozen parameters are in neither list
     decay, no_decay = weight_decay_split(module)

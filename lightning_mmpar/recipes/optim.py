@@ -1,0 +1,66 @@
+"""The recipe's optimizer: AdamW, weight decay by role, a learning rate per tower.
+
+Parameter groups: ``{vision, language, adapter} x {decay, no decay}`` (empty groups left out).
+Decay by role is :func:`~lightning_mmpar.models.fusion.weight_decay_split` (none on biases,
+norms, positional / class embeddings, gates and the logit scale); the tower of a parameter is
+the fusion model's submodule that holds it (``model.vision``, ``model.language``, anything else
+is the fresh "adapter" part: projector, adapters, heads, logit scale). Each group's peak rate is
+``optim.lr_<tower>`` (``None``: ``optim.lr``), every rate follows the same linear warm-up and
+cosine decay (TECHNIQUES 1.5: separate rates for a pretrained backbone and new layers, as
+LLaVA / Flamingo fine-tuning does).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_mmpar.models.fusion import FusionModel, weight_decay_split
+from lightning_mmpar.recipes import parallel_env as penv
+from lightning_mmpar.recipes.config import OptimConfig
+
+__all__ = ["parameter_groups", "recipe_optimizer"]
+
+
+def tower_of(model: FusionModel) -> dict[int, str]:
+    """``{id(parameter): "vision" | "language"}`` for the towers' parameters."""
+    towers = ("vision", "language")
+    return {id(p): name for name in towers for p in getattr(model, name).parameters()}
+
+
+def parameter_groups(
+    module: nn.Module, model: FusionModel, optim: OptimConfig
+) -> list[dict[str, Any]]:
+    """AdamW parameter groups of ``module``'s trainable parameters (module docstring).
+
+    Each group has ``params``, ``weight_decay``, ``lr`` and ``name``
+    (``<tower>`` or ``<tower>.no_decay``). Call after the strategy wrapped the model (the ids
+    of sharded parameters are those ``model`` holds then).
+    """
+    params = dict(module.named_parameters())
+    towers = tower_of(model)
+    decay, no_decay = weight_decay_split(module)
+    groups: list[dict[str, Any]] = []
+    for tower in ("vision", "language", "adapter"):
+        lr = getattr(optim, f"lr_{tower}")
+        for names, wd, suffix in ((decay, optim.weight_decay, ""), (no_decay, 0.0, ".no_decay")):
+            chosen = [params[n] for n in names if towers.get(id(params[n]), "adapter") == tower]
+            if chosen:
+                groups.append({
+                    "params": chosen, "weight_decay": wd, "name": tower + suffix,
+                    "lr": optim.lr if lr is None else lr,
+                })  # fmt: skip
+    return groups
+
+
+def recipe_optimizer(module: Any) -> Any:
+    """``configure_optimizers`` of the recipe: AdamW over :func:`parameter_groups`, linear
+    warm-up and cosine decay per step."""
+    o: OptimConfig = module.optim
+    groups = parameter_groups(module, module.fusion_model, o)
+    opt = torch.optim.AdamW(groups, lr=o.lr, foreach=False)
+    total = max(1, int(module.trainer.estimated_stepping_batches))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, penv.warmup_cosine(o, total))
+    return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

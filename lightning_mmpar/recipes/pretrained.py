@@ -1,0 +1,346 @@
+"""Pretrained towers in the recipe's fusion model, each rank reading only its own shards.
+
+``model.pretrained.vision`` (open_clip) and ``model.pretrained.language`` (transformers Llama)
+name local checkpoints (:mod:`lightning_mmpar.recipes.pretrained_files`); the projector,
+adapters, heads and logit scale start fresh, as in :func:`~lightning_mmpar.models.convert.
+build_fusion_model` (same key mapping), but without a full model per rank:
+
+1. **Config** (:func:`resolve_fusion_config`): a pretrained tower's sizes come from its file and
+   *replace* the YAML's ``model.fusion.vision`` (every field) or ``model.fusion.language``
+   (the ``LlamaConfig`` fields: vocabulary, widths, layers, heads, ``head_dim``, ``rms_norm_eps``,
+   ``rope_theta``, biases); options a checkpoint does not hold (``joint_attention``,
+   temperatures) stay the YAML's. A bare open_clip state-dict file has no config: the YAML's
+   sizes stay and every tensor shape is checked against them. ``moe`` with a pretrained decoder
+   is refused (a Llama checkpoint has dense FFNs).
+2. **Meta build** (:func:`build_meta_fusion`): the pretrained towers on the meta device (no
+   memory); the fresh parts built for real from the seeded RNG, so every rank and every layout
+   starts from the same values. The tensor-parallel plan is then applied as usual (meta
+   DTensors know their global shape and this rank's slice).
+3. **Shard load** (:func:`load_towers`): each tower parameter becomes this rank's slice of the
+   checkpoint tensor (``compute_local_shape_and_global_offset`` of its DTensor placements; the
+   whole tensor when not sharded), read with ``safe_open().get_slice`` or from a memory-mapped
+   ``torch.load``. Under pipeline parallelism, parameters of blocks another stage owns (the same
+   stage plan the strategy then cuts by) get a zero-stride placeholder of the right shape (no
+   memory, nothing read) that the strategy drops; :func:`check_stage_guess` refuses a run whose
+   cut differs. FSDP then shards the loaded stage (the per-stage TP slice is the peak).
+
+Vocabulary: the embedding and ``lm_head`` have ``max(tokenizer, checkpoint)`` rows padded to the
+tensor-parallel multiple; rows past the checkpoint's start at zero (logit 0 for ids no tokenizer
+emits). Every dp replica reads the same bytes, so replicas are identical after loading.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from lightning_mmpar.models.fusion import FusionConfig, FusionModel
+from lightning_mmpar.recipes.config import PretrainedConfig
+from lightning_mmpar.recipes.pretrained_files import (
+    IGNORED_KEYS,
+    Index,
+    TensorFile,
+    open_clip_vision,
+    transformers_llama,
+)
+
+__all__ = [
+    "LoadReport", "build_meta_fusion", "check_stage_guess", "load_towers", "meta_fusion",
+    "resolve_fusion_config", "vocab_rows",
+]  # fmt: skip
+
+LLAMA_FILE_FIELDS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "attention_bias", "mlp_bias",
+)  # fmt: skip
+"""LanguageConfig fields a Llama checkpoint's config.json sets (the YAML's are replaced)."""
+TOWERS = ("vision", "language")
+_LAYER = re.compile(r"^(layers|transformer\.resblocks)\.\d+\.")
+
+
+@dataclass
+class LoadReport:
+    """What :func:`load_towers` did on this rank (the tests check it)."""
+
+    read: dict[str, tuple[tuple[int, ...], Index]] = field(default_factory=dict)
+    """``{parameter: (global shape, slice read)}`` of every parameter filled from a file."""
+    placeholders: list[str] = field(default_factory=list)
+    """Parameters of other pipeline stages (nothing read, nothing allocated)."""
+    fresh: list[str] = field(default_factory=list)
+    """Tower parameters a checkpoint lacks (joint-attention extras), initialised fresh."""
+    bytes_read: int = 0
+    """Bytes copied out of the checkpoints."""
+    stages: tuple[tuple[range, ...], tuple[int, ...]] | None = None
+    """``(stage ranges, this rank's stages)`` assumed under pipeline parallelism."""
+
+
+def _open(pretrained: PretrainedConfig) -> dict[str, tuple[Any, TensorFile]]:
+    out: dict[str, tuple[Any, TensorFile]] = {}
+    if pretrained.vision:
+        out["vision"] = open_clip_vision(pretrained.vision)
+    if pretrained.language:
+        out["language"] = transformers_llama(pretrained.language)
+    return out
+
+
+def resolve_fusion_config(fusion: FusionConfig, pretrained: PretrainedConfig) -> FusionConfig:
+    """``fusion`` with the pretrained towers' sizes from their files (module docstring, 1.).
+
+    Reads config files only. Raises ``ValueError`` for an unreadable path (naming the field)
+    or ``model.fusion.language.moe`` set together with a pretrained decoder.
+    """
+    vision, language = fusion.vision, fusion.language
+    if pretrained.vision:
+        vision = open_clip_vision(pretrained.vision)[0] or vision
+    if pretrained.language:
+        if language.moe is not None:
+            raise ValueError(
+                "model.fusion.language.moe is set with model.pretrained.language: a Llama "
+                "checkpoint has dense FFNs; set moe: null (or train the decoder from scratch)."
+            )
+        cfg = transformers_llama(pretrained.language)[0]
+        language = dataclasses.replace(language, **{f: getattr(cfg, f) for f in LLAMA_FILE_FIELDS})
+    return dataclasses.replace(fusion, vision=vision, language=language)
+
+
+def _shell_config(config: FusionConfig, pretrained: PretrainedConfig) -> FusionConfig:
+    """``config`` with the pretrained towers shrunk to what the fresh parts need (their widths;
+    one decoder layer for the joint-attention extras; an 8-token vocabulary)."""
+    vision, language = config.vision, config.language
+    if pretrained.vision:
+        vision = dataclasses.replace(vision, layers=0)
+    if pretrained.language:
+        language = dataclasses.replace(language, num_hidden_layers=1, vocab_size=8)
+    return dataclasses.replace(config, vision=vision, language=language)
+
+
+def build_meta_fusion(
+    config: FusionConfig, pretrained: PretrainedConfig, *, momentum: float
+) -> tuple[FusionModel, dict[str, Tensor]]:
+    """The fusion model with its pretrained towers on the meta device (module docstring, 2.).
+
+    Returns the model and ``{tower parameter (layer index 0): fresh value}`` for tower
+    parameters a checkpoint may lack (joint-attention extras; per-layer values taken from
+    layer 0, whose initialisation is a constant).
+    """
+    shell = FusionModel(_shell_config(config, pretrained), momentum=momentum)
+    with torch.device("meta"):
+        model = FusionModel(config, momentum=momentum)
+    for name, child in shell.named_children():
+        if name not in TOWERS or not getattr(pretrained, name):
+            setattr(model, name, child)
+    for name, param in shell.named_parameters(recurse=False):
+        setattr(model, name, param)
+    model._momentum = shell._momentum  # EMA copies of the shell's (now the model's) heads
+    fresh = {
+        f"{tower}.{n}": p.detach()
+        for tower in TOWERS
+        if getattr(pretrained, tower)
+        for n, p in getattr(shell, tower).named_parameters()
+    }
+    return model, fresh
+
+
+def _vision_key(name: str) -> str:
+    return name.replace("attn.in_proj.weight", "attn.in_proj_weight").replace(
+        "attn.in_proj.bias", "attn.in_proj_bias"
+    )
+
+
+def _language_key(name: str, tensors: TensorFile) -> str:
+    if name == "lm_head.weight" and name not in tensors.shapes:  # tied checkpoints omit it
+        return "model.embed_tokens.weight"
+    return name if name.startswith("lm_head.") else f"model.{name}"
+
+
+def _read(tensors: TensorFile, key: str, shape: tuple[int, ...], index: Index) -> Tensor:
+    """``checkpoint[key]`` viewed with our global ``shape``, sliced by ``index``: open_clip's
+    fused ``[3 D, ...]`` rows as ``[3, D, ...]``, and vocabulary rows past the checkpoint's
+    as zeros."""
+    have = tensors.shapes[key]
+    if have == shape:
+        return tensors.read(key, index)
+    if len(have) == len(shape) - 1 and have == (shape[0] * shape[1], *shape[2:]):  # fused qkv
+        d, rows, rest = shape[1], index[1], index[2:]
+        parts = [
+            tensors.read(key, (slice(c * d + rows.start, c * d + rows.stop), *rest))
+            for c in range(index[0].start, index[0].stop)
+        ]
+        return torch.stack(parts)
+    if len(have) == len(shape) and have[1:] == shape[1:] and have[0] < shape[0]:  # padded vocab
+        rows = index[0]
+        top = min(rows.stop, have[0])
+        out = torch.zeros(
+            (rows.stop - rows.start, *[s.stop - s.start for s in index[1:]]),
+            dtype=torch.float32,
+        )
+        if top > rows.start:
+            out[: top - rows.start] = tensors.read(key, (slice(rows.start, top), *index[1:]))
+        return out
+    raise ValueError(
+        f"{tensors.path}: {key!r} has shape {list(have)}, the model's parameter "
+        f"{list(shape)}; the checkpoint does not fit the configured tower (set the tower's "
+        "sizes in model.fusion to the checkpoint's, or pass its directory with a config)."
+    )
+
+
+def _local_index(param: Tensor) -> tuple[tuple[int, ...], Index]:
+    """``(local shape, global slice)`` of this rank's part of ``param``."""
+    if isinstance(param, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(
+            param.shape, param.device_mesh, param.placements
+        )
+    else:
+        shape, offset = tuple(param.shape), (0,) * param.ndim
+    return tuple(shape), tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
+
+
+def _device(param: Tensor) -> torch.device:
+    """Where this rank's part lives: the DTensor mesh's device, else the CPU (the strategy
+    moves plain parameters with the rest of the module)."""
+    kind = param.device_mesh.device_type if isinstance(param, DTensor) else "cpu"
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device(kind, torch.accelerator.current_device_index())
+
+
+def _as_param(param: Tensor, local: Tensor) -> nn.Parameter:
+    if isinstance(param, DTensor):
+        value: Tensor = DTensor.from_local(
+            local.to(_device(param)), param.device_mesh, param.placements, run_check=False,
+            shape=param.shape, stride=param.stride(),
+        )  # fmt: skip
+    else:
+        value = local
+    return nn.Parameter(value, requires_grad=param.requires_grad)
+
+
+def owned_parameters(module: Any, blocks: list[nn.Module]) -> tuple[set[int], LoadReport]:
+    """Ids of the parameters this rank keeps after the strategy's pipeline cut (all of them
+    without pipeline parallelism), with the assumed stages recorded in a report."""
+    report = LoadReport()
+    strategy = getattr(getattr(module, "_trainer", None), "strategy", None)
+    config = getattr(strategy, "config", None)
+    if config is None or getattr(config, "pipeline_parallel", 1) == 1:
+        return {id(p) for b in blocks for p in b.parameters()}, report
+    from lightning_mmpar.parallel import comm
+    from lightning_mmpar.parallel import pipeline_schedules as ps
+    from lightning_mmpar.parallel.stage_plan import stage_plan_for
+    from lightning_mmpar.topology import ParallelDims
+
+    plan = stage_plan_for(module, config)
+    group = ParallelDims.of(module._trainer).get_mesh("pp").get_group()
+    ranks = ps.stage_ranks(config.schedule, config.num_stages, comm.group_size(group))
+    mine = tuple(s for s, r in enumerate(ranks) if r == comm.group_rank(group))
+    report.stages = (tuple(plan.ranges), mine)
+    owned = [blocks[i] for s in mine for i in plan.ranges[s]]
+    return {id(p) for b in owned for p in b.parameters()}, report
+
+
+def load_towers(
+    module: Any,
+    model: FusionModel,
+    pretrained: PretrainedConfig,
+    fresh: dict[str, Tensor],
+) -> LoadReport:
+    """Fill ``model``'s meta tower parameters with this rank's slices (module docstring, 3.).
+
+    Call after the tensor-parallel plan, freezing and the block cut (``module.blocks``).
+
+    Raises:
+        ValueError: a checkpoint lacks a tower parameter, has one of another shape, or holds
+            tensors the tower has no parameter for (naming the keys and the file).
+    """
+    owned, report = owned_parameters(module, list(module.blocks))
+    files = _open(pretrained)
+    new: dict[int, nn.Parameter] = {}
+    for tower, (_, tensors) in files.items():
+        used: set[str] = set()
+        for pname, param in getattr(model, tower).named_parameters():
+            name = f"{tower}.{pname}"
+            key = _vision_key(pname) if tower == "vision" else _language_key(pname, tensors)
+            shape, index = _local_index(param)
+            if id(param) not in owned:
+                local = torch.zeros((), dtype=param.dtype, device=_device(param)).expand(shape)
+                report.placeholders.append(name)
+            elif key in tensors.shapes:
+                local = _read(tensors, key, tuple(param.shape), index).to(param.dtype)
+                report.read[name] = (tuple(param.shape), index)
+            else:
+                value = fresh.get(f"{tower}.{_LAYER.sub(_layer0, pname)}")
+                if value is None:
+                    raise ValueError(
+                        f"{tensors.path}: no tensor {key!r} for the {tower} tower's parameter "
+                        f"{pname!r}; the checkpoint does not fit the configured tower."
+                    )
+                local = value[index].clone()
+                report.fresh.append(name)
+            used.add(key)
+            new[id(param)] = _as_param(param, local)
+        stray = [k for k in tensors.shapes if k not in used and not k.endswith(IGNORED_KEYS)]
+        if stray:
+            raise ValueError(
+                f"{tensors.path}: tensors {stray[:8]} have no parameter in the {tower} tower; "
+                "the checkpoint holds another architecture than the configured one."
+            )
+        report.bytes_read += tensors.bytes_read
+    for sub in (*module.modules(), *model.modules()):  # blocks hold some parameters directly
+        for pname, param in list(sub._parameters.items()):
+            if param is not None and id(param) in new:
+                sub._parameters[pname] = new[id(param)]
+    meta = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
+    if meta:
+        raise RuntimeError(f"tensors left on the meta device after loading: {meta[:8]}")
+    return report
+
+
+def _layer0(match: re.Match[str]) -> str:
+    return f"{match.group(1)}.0."
+
+
+def check_stage_guess(module: Any, report: LoadReport | None) -> None:
+    """Refuse a pipeline cut other than the one :func:`load_towers` assumed (its placeholders
+    would be trained as weights). Call once the strategy has cut the stages.
+
+    Raises:
+        RuntimeError: the strategy's stage ranges or this rank's stages differ.
+    """
+    if report is None or report.stages is None:
+        return
+    engine = getattr(getattr(module.trainer, "strategy", None), "pipeline", None)
+    got = (tuple(engine.stage_ranges), tuple(engine.stage_ids)) if engine else None
+    if got != report.stages:
+        raise RuntimeError(
+            f"pretrained towers were loaded for the pipeline stages {report.stages}, the "
+            f"strategy cut {got}: use a partition that does not depend on the precision "
+            "(e.g. partition: equal or explicit boundaries)."
+        )
+
+
+def vocab_rows(module: Any, tp: int) -> int:
+    """Rows of the recipe ``module``'s embedding and LM head at tensor-parallel size ``tp``:
+    the tokenizer's vocabulary (``module.vocab_size``), at least the pretrained checkpoint's,
+    padded to ``lcm(tensor_parallel.vocab_multiple, tp)``."""
+    multiple = math.lcm(module.tp_options.vocab_multiple, tp)
+    rows = module.vocab_size
+    if module.pretrained.language:
+        rows = max(rows, module.fusion_config.language.vocab_size)
+    return -(-rows // multiple) * multiple
+
+
+def meta_fusion(
+    module: Any, config: FusionConfig, tp: int
+) -> tuple[FusionModel, dict[str, Tensor]]:
+    """:func:`build_meta_fusion` for the recipe ``module`` at tensor-parallel size ``tp``, with
+    :func:`vocab_rows` vocabulary rows."""
+    language = dataclasses.replace(config.language, vocab_size=vocab_rows(module, tp))
+    config = dataclasses.replace(config, language=language)
+    return build_meta_fusion(config, module.pretrained, momentum=module.loss_config.mml.momentum)
