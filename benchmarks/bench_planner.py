@@ -38,7 +38,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_stability import StepTimer  # the same per-batch wall-time callback
-from call_overhead import host_call_seconds
+from call_overhead import gloo_alpha_beta, host_call_seconds
 from lightning.pytorch import Callback
 from report import write_result
 from sync_latency import loaded_call_seconds
@@ -85,26 +85,6 @@ def matmul_flops(rows: int, width: int, seconds: float = 0.5) -> float:
         a @ b
         n += 1
     return 2.0 * rows * width * 2 * width * n / (time.perf_counter() - start)
-
-
-def gloo_alpha_beta(world: int, repeats: int = 20) -> tuple[float, float]:
-    """Per-hop latency (s) and bandwidth (bytes/s) of the ring all-reduce of this world."""
-    from lightning_mmpar.parallel import comm
-
-    def timed(numel: int) -> float:
-        t = torch.zeros(numel)
-        comm.all_reduce(t)
-        times = []
-        for _ in range(repeats):
-            comm.barrier()
-            start = time.perf_counter()
-            comm.all_reduce(t)
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
-
-    small, big, nbytes = timed(1), timed(2**20), 4 * 2**20
-    steps = 2 * (world - 1)
-    return small / steps, steps * (nbytes / world) / max(big - small, 1e-9)
 
 
 def block_overhead(repeats: int = 10) -> float:

@@ -108,10 +108,28 @@ def host_call_seconds(graph: Any, blocks: int = 6, width: int = 32,
     return out
 
 
+def gloo_alpha_beta(world: int, repeats: int = 20) -> tuple[float, float]:
+    """Per-hop latency (s) and bandwidth (bytes/s) of the ring all-reduce of this world."""
+    from lightning_mmpar.parallel import comm
+
+    def timed(numel: int) -> float:
+        t = torch.zeros(numel)
+        comm.all_reduce(t)
+        times = []
+        for _ in range(repeats):
+            comm.barrier()
+            start = time.perf_counter()
+            comm.all_reduce(t)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    small, big, nbytes = timed(1), timed(2**20), 4 * 2**20
+    steps = 2 * (world - 1)
+    return small / steps, steps * (nbytes / world) / max(big - small, 1e-9)
+
+
 def _worker(rank: int, size: int) -> dict[str, float]:
     torch.set_num_threads(1)
-    from bench_planner import gloo_alpha_beta
-
     from lightning_mmpar.layout.devices import DeviceGraph
 
     alpha, beta = gloo_alpha_beta(size)

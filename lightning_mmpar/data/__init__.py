@@ -9,9 +9,12 @@ from lightning_mmpar.data.caption_files import (
 )
 from lightning_mmpar.data.captions import CaptionsDataModule, CaptionsDataset
 from lightning_mmpar.data.digits import CLASS_NAMES, TEMPLATES, DigitsCaptions, DigitsDataset
+from lightning_mmpar.data.hf_tokenizer import HFTokenizer, load_tokenizer
 from lightning_mmpar.data.sampler import ResumableRandomSampler
+from lightning_mmpar.data.text import CaptionTokenizer
 from lightning_mmpar.data.tokenizer import IGNORE_INDEX, SPECIAL_TOKENS, WordTokenizer
-from lightning_mmpar.data.transforms import CLIP_MEAN, CLIP_STD, clip_transform
+from lightning_mmpar.data.transforms import CLIP_MEAN, CLIP_STD, ImagePreprocess, clip_transform
+from lightning_mmpar.data.webdataset import WebDatasetCaptions
 
 __all__ = [
     "CLASS_NAMES",
@@ -21,14 +24,19 @@ __all__ = [
     "SPECIAL_TOKENS",
     "TEMPLATES",
     "CaptionRow",
+    "CaptionTokenizer",
     "CaptionsDataModule",
     "CaptionsDataset",
     "CaptionsFormat",
     "DigitsCaptions",
     "DigitsDataset",
+    "HFTokenizer",
+    "ImagePreprocess",
     "ResumableRandomSampler",
     "SkippedRow",
+    "WebDatasetCaptions",
     "WordTokenizer",
     "clip_transform",
     "index_captions",
+    "load_tokenizer",
 ]

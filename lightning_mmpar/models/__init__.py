@@ -10,9 +10,11 @@ from lightning_mmpar.models.convert import (
     export_open_clip_visual,
     import_llama,
     import_open_clip_visual,
+    open_clip_model_config,
     save_llama_pretrained,
 )
 from lightning_mmpar.models.cost import BlockCost, CostTally
+from lightning_mmpar.models.decoding import DecodeCache
 from lightning_mmpar.models.fusion import FusionConfig, FusionModel, freeze_for_finetuning
 from lightning_mmpar.models.heads import MomentumHeads, TextPooler, ema_update, momentum_copy
 from lightning_mmpar.models.language import LanguageConfig, LanguageModel, LlamaDecoderLayer
@@ -38,6 +40,7 @@ __all__ = [
     "BlockCost",
     "CostTally",
     "CrossModalAdapter",
+    "DecodeCache",
     "FusionBlock",
     "FusionConfig",
     "FusionModel",
@@ -71,6 +74,7 @@ __all__ = [
     "import_open_clip_visual",
     "load_balancing_loss",
     "momentum_copy",
+    "open_clip_model_config",
     "route_tokens",
     "router_z_loss",
     "save_llama_pretrained",

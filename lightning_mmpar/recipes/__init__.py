@@ -10,6 +10,7 @@ from lightning_mmpar.recipes.config import (
     FinetuneConfig,
     LossConfig,
     OptimConfig,
+    PretrainedConfig,
     TensorParallelOptions,
     check_image_size,
 )
@@ -18,8 +19,9 @@ from lightning_mmpar.recipes.deepspeed import (
     optim_from_deepspeed,
     strategy_from_deepspeed,
 )
-from lightning_mmpar.recipes.evaluation import RecipeMetrics
-from lightning_mmpar.recipes.generation import greedy_decode
+from lightning_mmpar.recipes.evaluation import ClassRecall, RecipeMetrics
+from lightning_mmpar.recipes.export import ExportResult, export_checkpoint
+from lightning_mmpar.recipes.generation import cached_greedy_decode, greedy_decode
 from lightning_mmpar.recipes.module import ClipLlamaModule
 from lightning_mmpar.recipes.preflight import preflight
 from lightning_mmpar.recipes.summary import RunSummary
@@ -27,18 +29,23 @@ from lightning_mmpar.recipes.throughput import ThroughputProgressBar
 
 __all__ = [
     "CaptionWriter",
+    "ClassRecall",
     "ClipLlamaCLI",
     "ClipLlamaModule",
+    "ExportResult",
     "FinetuneConfig",
     "LossConfig",
     "OptimConfig",
+    "PretrainedConfig",
     "RecipeDigitsCaptions",
     "RecipeMetrics",
     "RunSummary",
     "TensorParallelOptions",
     "ThroughputProgressBar",
     "apply_deepspeed_json",
+    "cached_greedy_decode",
     "check_image_size",
+    "export_checkpoint",
     "greedy_decode",
     "main",
     "optim_from_deepspeed",
