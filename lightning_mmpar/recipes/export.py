@@ -48,6 +48,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from lightning_mmpar.data.hf_tokenizer import HFTokenizer, tokenizer_from_dict
 from lightning_mmpar.data.tokenizer import TOKENIZER_FILE, WordTokenizer
 from lightning_mmpar.models.convert import (
     JOINT_ONLY_KEYS,
@@ -219,7 +220,9 @@ def _tokenizer(meta: Mapping[str, Any], source: str | Path | None, vocab: int) -
             v["tokenizer"] for v in meta.values() if isinstance(v, Mapping) and "tokenizer" in v
         ]
         if states and states[0] is not None:
-            tokenizer = WordTokenizer.from_dict(states[0], source="checkpoint")
+            tokenizer = tokenizer_from_dict(states[0], source="checkpoint")
+            if isinstance(tokenizer, HFTokenizer):  # the transformers one it wraps
+                tokenizer = tokenizer.tokenizer
     size = tokenizer.vocab_size if isinstance(tokenizer, WordTokenizer) else len(tokenizer or ())
     if tokenizer is not None and size != vocab:
         raise ValueError(

@@ -107,6 +107,8 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         self.save_hyperparameters()
         self.pretrained = pretrained
         self.fusion_config = ptl.resolve_fusion_config(fusion, pretrained)
+        # the sizes the towers' files gave, so a checkpoint describes its model (export)
+        self.hparams["fusion"] = self.fusion_config
         self.load_report: ptl.LoadReport | None = None  # what configure_model read (pretrained)
         self.finetune = finetune
         self.loss_config = loss

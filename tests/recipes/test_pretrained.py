@@ -208,3 +208,32 @@ def fresh_bytes(out: dict[str, Any]) -> int:
     """Bytes of the fresh joint-attention extras a rank holds (tp 2: not sharded, fp32)."""
     return sum(4 * (32 if n.endswith("image_norm.weight") else 2) for n in out["fresh"]
                if n not in out["placeholders"])  # fmt: skip
+
+
+def test_checkpoint_of_pretrained_towers_exports(
+    towers: dict[str, str], loaded: Any, tmp_path: Path
+) -> None:
+    """A checkpoint of pretrained towers names the sizes the files gave (``hparams.fusion`` is
+    the resolved config, not the YAML's defaults), so ``export`` rebuilds the model without the
+    tower files' configs; the transformers tokenizer named by the data state is written back."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import LlamaForCausalLM
+
+    from lightning_mmpar.recipes.export import export_checkpoint
+
+    assert loaded.hparams["fusion"] == loaded.fusion_config
+    assert loaded.hparams["fusion"].vision.width == 32  # the YAML default is 768
+    digits = pw.data(towers)
+    ckpt = tmp_path / "last.ckpt"
+    dcp.save({"state_dict": loaded.state_dict()}, checkpoint_id=ckpt, no_dist=True)
+    meta = {"hyper_parameters": dict(loaded.hparams), "DigitsCaptions": digits.state_dict()}
+    torch.save(meta, ckpt / "meta.pt")
+    result = export_checkpoint(ckpt, tmp_path / "out", verify=True)
+    assert max(result.diffs.values()) <= 1e-5, result.diffs
+    assert {"llama", "tokenizer"} <= set(result.files), result.files
+    llama = LlamaForCausalLM.from_pretrained(str(tmp_path / "out" / "llama"))
+    assert llama.config.hidden_size == 32
+    assert llama.config.vocab_size == len(HFTokenizer(towers["language"]).tokenizer)
+    assert load_tokenizer(tmp_path / "out" / "tokenizer").encode("seven") == HFTokenizer(
+        towers["language"]
+    ).encode("seven")
