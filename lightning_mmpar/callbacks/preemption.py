@@ -132,7 +132,7 @@ class Preemption(Callback):
 
     def checkpoint_path(self, trainer: pl.Trainer) -> Path:
         """``<dirpath>/last.ckpt`` (class docstring)."""
-        dirpath = self.dirpath
+        dirpath: str | Path | None = self.dirpath
         if dirpath is None:
             checkpoints = trainer.checkpoint_callbacks
             dirs = [c.dirpath for c in checkpoints if isinstance(c, ModelCheckpoint)]
