@@ -5,8 +5,9 @@ Every ``log_every_n_steps``-th optimizer step each rank reads its peak: on CUDA 
 allocator's ``torch.cuda.max_memory_allocated`` (tensors; the reserved pool is larger), on a CPU
 the peak resident set size of the process (``getrusage(RUSAGE_SELF).ru_maxrss``: everything the
 process holds, Python and libraries included). One all-gather of a ``[1]`` float64 tensor over
-the default group; rank 0 logs ``memory/peak_gib_rank<r>`` for every rank and
-``memory/peak_gib_max`` to the Trainer's loggers, in GiB (2**30 bytes).
+the default group (:func:`lightning_mmpar.parallel.comm.all_gather`); rank 0 logs
+``memory/peak_gib_rank<r>`` for every rank and ``memory/peak_gib_max`` to the Trainer's loggers,
+in GiB (2**30 bytes).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
+
+from lightning_mmpar.parallel import comm
 
 __all__ = ["PeakMemory", "peak_bytes"]
 
@@ -45,12 +47,8 @@ class PeakMemory(Callback):
     def gather(self, trainer: pl.Trainer) -> list[float]:
         """Every rank's peak in GiB, by global rank (a collective when a group exists)."""
         device = trainer.strategy.root_device
-        mine = torch.tensor([peak_bytes(device) / GIB], dtype=torch.float64, device=device)
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            return [float(mine.item())]
-        out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(out, mine)
-        return [float(t.item()) for t in out]
+        mine = torch.tensor([peak_bytes(device) / GIB], dtype=torch.float64)
+        return [float(t.item()) for t in comm.all_gather(mine)]
 
     @override
     def on_train_batch_end(

@@ -37,9 +37,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from typing_extensions import override
+
+from lightning_mmpar.parallel import comm
 
 __all__ = ["Preemption"]
 
@@ -122,13 +123,10 @@ class Preemption(Callback):
         self._restore_handlers()
 
     def agreed(self, trainer: pl.Trainer) -> bool:
-        """Whether any rank received a signal: an all-reduce ``max`` over the default group
-        (``[1]`` int32 on the strategy's device) when one is initialised."""
+        """Whether any rank received a signal: an all-reduce ``max`` of a ``[1]`` int32 flag over
+        the default group (:func:`lightning_mmpar.parallel.comm.all_reduce`; none without one)."""
         flag = torch.tensor([int(self.received is not None)], dtype=torch.int32)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            flag = flag.to(trainer.strategy.root_device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return bool(comm.all_reduce(flag, "max").item())
 
     def checkpoint_path(self, trainer: pl.Trainer) -> Path:
         """``<dirpath>/last.ckpt`` (class docstring)."""
