@@ -164,6 +164,8 @@ class RecipeThroughput(ThroughputMonitor):
                 available_flops=self.available_flops, world_size=self._dp, **self.kwargs
             )
         self._image_tokens = ThroughputProgressBar._image_tokens(pl_module)
+        if stage != TrainerFn.FITTING:  # training FLOPs only: no MFU (nor warning) elsewhere
+            setattr(pl_module, "flops_per_batch", None)  # noqa: B010
 
     @override
     def on_train_batch_start(

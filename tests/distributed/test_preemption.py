@@ -4,7 +4,8 @@
   ranks get no signal) after its first periodic checkpoint (``every_n_train_steps``): all 4
   ranks agree, save ``last.ckpt`` at one step before ``max_steps`` and exit 0; relaunching the
   same command (``--ckpt_path auto``) resumes there and ends with weights and optimizer state
-  bitwise equal to an uninterrupted run of the same command;
+  bitwise equal to an uninterrupted run of the same command; that run's TensorBoard events
+  (Lightning's default logger) hold throughput, MFU and the peak memory of all 4 ranks;
 * SIGKILL of one rank of a 2-process run launched like a multi-node job (each rank its own
   process, no launcher watching them): the other exits non-zero, within the process-group
   timeout (``timeout: 0:00:30``) and never hangs.
@@ -23,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from lightning_mmpar.parallel.checkpoint_find import complete_checkpoints, newest_checkpoint
@@ -34,6 +36,7 @@ CPU_YAML = str(ROOT / "recipes" / "clip_llama_cpu.yaml")
 STEPS, EVERY = 12, 4
 WAIT = 900.0  # seconds: wall clock on a loaded 2-core machine; the CPU time is ~40 s a launch
 PG_TIMEOUT = 30.0
+PEAK = 1e9  # FLOP/s per device: a stated figure, so that MFU is logged on a CPU
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -45,12 +48,15 @@ def _env(**extra: str) -> dict[str, str]:
 def _command(tmp: Path, root: Path, devices: int = 4, **strategy: Any) -> list[str]:
     every = EVERY if devices == 4 else 2
     trainer = {
-        "max_steps": STEPS, "limit_val_batches": 0, "logger": False,
+        "max_steps": STEPS, "limit_val_batches": 0, "log_every_n_steps": 2,
         "enable_progress_bar": False, "default_root_dir": str(root), "devices": devices,
         "callbacks": [
             {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
              "init_args": {"save_last": True, "save_top_k": 0, "every_n_train_steps": every}},
             {"class_path": "lightning_mmpar.callbacks.preemption.Preemption"},
+            {"class_path": "lightning_mmpar.recipes.throughput.RecipeThroughput",
+             "init_args": {"peak_flops_per_device": PEAK, "window_size": 2}},
+            {"class_path": "lightning_mmpar.callbacks.memory.PeakMemory"},
         ],
     }  # fmt: skip
     if strategy:
@@ -134,6 +140,25 @@ def test_sigterm_saves_and_the_same_command_resumes_exactly(tmp_path: Path) -> N
     assert any(".exp_avg" in k for k in tensors), tensors[:5]  # the optimizer state too
     different = [k for k in tensors if not torch.equal(got_flat[k], want_flat[k])]
     assert not different, different[:5]
+    _check_logged(ref, tmp_path / "ref.log")
+
+
+def _check_logged(root: Path, log: Path) -> None:
+    """Lightning's default logger (TensorBoard) got throughput, MFU and every rank's peak memory,
+    and nobody warned about loggers."""
+    assert (
+        "logger"
+        not in "".join(ln for ln in log.read_text().splitlines() if "Warning" in ln).lower()
+    )
+    events = EventAccumulator(str(next(root.rglob("events.out.tfevents.*")).parent))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    ranks = {f"memory/peak_gib_rank{r}" for r in range(4)}
+    assert {"train/device/mfu", "train/samples_per_sec", "train/items_per_sec"} | ranks <= tags
+    mfu = events.Scalars("train/device/mfu")[-1].value
+    flops = events.Scalars("train/device/flops_per_sec")[-1].value
+    assert 0 < mfu < 1 and mfu == pytest.approx(flops / (4 * PEAK), rel=1e-5)  # replica: 4 ranks
+    assert all(events.Scalars(tag)[-1].value > 0.05 for tag in ranks)  # GiB
 
 
 def test_sigkill_of_one_rank_ends_the_job_within_the_timeout(tmp_path: Path) -> None:
@@ -156,7 +181,9 @@ def test_sigkill_of_one_rank_ends_the_job_within_the_timeout(tmp_path: Path) -> 
     try:
         rc = procs[0].wait(timeout=PG_TIMEOUT + 120)  # + start-up of the error path under load
     finally:
-        procs[0].kill()
+        for p in procs:
+            p.kill()
     elapsed = time.monotonic() - killed_at
     assert rc != 0, log.read_text()[-4000:]
     assert elapsed < PG_TIMEOUT + 120, elapsed
+    print(f"rank 0 exited with code {rc} {elapsed:.1f} s after rank 1 was killed")
