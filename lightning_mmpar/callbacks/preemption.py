@@ -162,7 +162,7 @@ class Preemption(Callback):
                 "Pre-emption (%s): saving %s at global step %d and stopping.",
                 who, path, trainer.global_step,
             )  # fmt: skip
-        trainer.save_checkpoint(path)
+        trainer.save_checkpoint(path, weights_only=False)  # the full state, to resume
         for callback in trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint):
                 callback._last_global_step_saved = trainer.global_step  # saved: no second copy
