@@ -41,7 +41,8 @@ from lightning_mmpar.parallel import checkpoint as ckpt
 from lightning_mmpar.parallel import comm, finite
 from lightning_mmpar.parallel import data as dpar
 from lightning_mmpar.parallel.checkpoint_hooks import ShardedCheckpointHooks
-from lightning_mmpar.parallel.numerics import clip_grad_norm_
+from lightning_mmpar.parallel.fsdp_options import MemoryOptions
+from lightning_mmpar.parallel.numerics_hooks import NumericsHooks
 from lightning_mmpar.parallel.pipeline import PipelineChunk, PipelineEngine, PipelineModule
 from lightning_mmpar.parallel.stage_plan import stage_plan_for
 from lightning_mmpar.parallel.stash import GradientStash
@@ -49,7 +50,7 @@ from lightning_mmpar.precision.plugins import GlobalNormClipping, with_global_cl
 from lightning_mmpar.topology import ParallelDims
 
 
-class MultimodalParallelStrategy(ShardedCheckpointHooks, ModelParallelStrategy):
+class MultimodalParallelStrategy(NumericsHooks, ShardedCheckpointHooks, ModelParallelStrategy):
     """Tensor x pipeline x expert x data parallelism in one Lightning strategy.
 
     Args:
@@ -78,6 +79,12 @@ class MultimodalParallelStrategy(ShardedCheckpointHooks, ModelParallelStrategy):
             Cost: one ``[3]``-per-rank all-gather and one host sync per optimizer step
             (:class:`~lightning_mmpar.parallel.finite.NonFiniteGuard`). Checkpoints with
             non-finite weights are refused in every mode. Raises ``ValueError`` otherwise.
+        mixed_precision: FSDP2 mixed precision: ``"bf16"`` (BF16 parameters and compute, FP32
+            gradient reduction) or a ``MixedPrecisionPolicy`` dict; needs ``data_parallel="fsdp"``.
+        offload_optimizer: FSDP2 ``CPUOffloadPolicy``: parameters, gradients and optimizer state
+            in CPU memory. activation_checkpointing: ``"all"``, every ``k``-th block (``int``)
+            or block kinds; compile_blocks: ``torch.compile`` each block (``True`` or a backend).
+            All four: :class:`~lightning_mmpar.parallel.fsdp_options.MemoryOptions`.
 
     Data parallelism is ``world_size / (tensor_parallel * pipeline_parallel)``. A LightningModule
     that implements ``PipelineModule`` has its steps run by the strategy (any pp, 1 included) and
@@ -102,6 +109,10 @@ class MultimodalParallelStrategy(ShardedCheckpointHooks, ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         on_nonfinite: finite.NonFiniteMode = "raise",
+        mixed_precision: str | dict[str, Any] | None = None,
+        offload_optimizer: bool = False,
+        activation_checkpointing: str | int | list[str] | None = None,
+        compile_blocks: bool | str | None = None,
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self.config = config or ParallelConfig(
@@ -110,6 +121,9 @@ class MultimodalParallelStrategy(ShardedCheckpointHooks, ModelParallelStrategy):
             micro_batches=micro_batches, schedule=schedule, data_parallel=data_parallel,
             partition=partition, placement=placement,
         )  # fmt: skip
+        self.memory = MemoryOptions(mixed_precision, offload_optimizer,
+                                    activation_checkpointing, compile_blocks)  # fmt: skip
+        self.memory.check(self.config.data_parallel, self.config.expert_parallel)
         self._dims: ParallelDims | None = None
         self.pipeline: PipelineEngine | None = None
         self.stage_plan: StagePlan | None = None  # the partition in use (pp > 1, after setup)
@@ -201,6 +215,7 @@ class MultimodalParallelStrategy(ShardedCheckpointHooks, ModelParallelStrategy):
         self._dims = self._make_dims()  # layout errors surface when the Trainer is built
         for note in self.config.ineffective_options():  # and options with no effect, as warnings
             rank_zero_warn(note)
+        self.memory.check_precision(self.precision_plugin)
         super()._configure_launcher()
 
     @override
@@ -249,7 +264,12 @@ class MultimodalParallelStrategy(ShardedCheckpointHooks, ModelParallelStrategy):
                 "implement pipeline_blocks(), pipeline_inputs() and pipeline_loss() "
                 "(lightning_mmpar.parallel.pipeline.PipelineModule); or set pipeline_parallel=1."
             )
-        shard = cfg.data_parallel == "fsdp" and dims.dp > 1 and not dpar.has_fsdp(module)
+        fsdp = cfg.data_parallel == "fsdp" and (dims.dp > 1 or self.memory.needs_fsdp)
+        shard, fsdp_kw = (
+            fsdp and not dpar.has_fsdp(module),
+            self.memory.fsdp_kwargs(self.root_device),
+        )
+        self.memory.apply_to_blocks(module)  # checkpointing, compile: before any sharding
         dp_mesh, edp_mesh = dims.get_mesh("dp"), dims.get_mesh("edp")
         dpar.check_expert_layers(module, dims.ep)
         dpar.scale_expert_gradients(module, dims.ep)
@@ -257,7 +277,7 @@ class MultimodalParallelStrategy(ShardedCheckpointHooks, ModelParallelStrategy):
         def wrap(chunk: PipelineChunk) -> nn.Module:
             if shard and dims.edp > 1:
                 dpar.shard_experts(chunk, edp_mesh)
-            return dpar.shard_blocks(chunk.blocks, chunk, dp_mesh) if shard else chunk
+            return dpar.shard_blocks(chunk.blocks, chunk, dp_mesh, **fsdp_kw) if shard else chunk
 
         if cfg.pipeline_parallel > 1:
             pp_group = dims.get_mesh("pp").get_group()
@@ -272,37 +292,13 @@ class MultimodalParallelStrategy(ShardedCheckpointHooks, ModelParallelStrategy):
         elif shard:
             if dims.edp > 1:
                 dpar.shard_experts(module, edp_mesh)
-            dpar.apply_fsdp(module, dp_mesh)
+            dpar.apply_fsdp(module, dp_mesh, **fsdp_kw)
         self._partial_over_tp = dpar.partial_over_tp_parameters(module) if dims.tp > 1 else []
         if dims.dp > 1 and cfg.data_parallel != "none":
             self._replicated = dpar.replicated_parameters(module)
             dpar.broadcast_parameters(self._replicated, dp_mesh.get_group())
             self._experts = dpar.expert_parameters(module)
             dpar.broadcast_parameters(self._experts, edp_mesh.get_group())
-
-    def _check_clipping(self, trainer: Trainer) -> None:
-        plugin = self.precision_plugin
-        mode = None if self.nonfinite is None else self.nonfinite.mode
-        glob, name = isinstance(plugin, GlobalNormClipping), type(plugin).__name__
-        if note := ParallelConfig.check_clipping(name, glob, trainer.gradient_clip_val, mode):
-            rank_zero_warn(note)
-
-    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
-        """Clip by the norm over every tp/dp shard and pp stage (one all-reduce)."""
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        clip_grad_norm_(params, clip_val, pp=self.parallel_dims.pp)
-
-    def _check_finite(self, optimizer: Optimizer, check_grads: bool) -> None:
-        """Before the optimizer step, after the hooks and clipping: raise or skip on a
-        non-finite loss or gradient (:class:`~lightning_mmpar.parallel.finite.NonFiniteGuard`)."""
-        if (guard := self.nonfinite) is None:
-            return
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        module = self._module
-        names = lambda: {id(p): n for n, p in module.named_parameters()}  # noqa: E731
-        guard.check(params, names, module.trainer.global_step, check_grads)
-        if guard.mode == "skip":
-            module.log("nonfinite_skipped_steps", float(guard.skipped), on_step=True)
 
     # ---------------------------------------------------------------- steps
     @property

@@ -13,6 +13,7 @@ from lightning_mmpar.callbacks.config import DriftConfig, FallbackConfig
 from lightning_mmpar.callbacks.expert_load import ExpertLoadMonitor
 from lightning_mmpar.callbacks.expert_sparsity import ExpertSparsitySchedule
 from lightning_mmpar.callbacks.fp8_fallback import FP8FallbackCallback, FP8FallbackError
+from lightning_mmpar.callbacks.fp8_training import FP8Training
 from lightning_mmpar.callbacks.grad_drift import GradientDriftMonitor, GradReport
 from lightning_mmpar.callbacks.micro_batching import DynamicMicroBatching, brief_policy
 from lightning_mmpar.callbacks.pipeline_timeline import PipelineTimeline, formula_bubble
@@ -30,6 +31,7 @@ __all__ = [
     "ExpertSparsitySchedule",
     "FP8FallbackCallback",
     "FP8FallbackError",
+    "FP8Training",
     "FallbackConfig",
     "GradReport",
     "GradientDriftMonitor",

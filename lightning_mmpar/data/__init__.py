@@ -1,19 +1,17 @@
-"""Data: the offline digits demo, CSV/JSONL caption datasets and a word-level tokenizer."""
+"""Data: the offline digits demo, CSV/JSONL caption files, WebDataset shards, tokenizers and
+image preprocessing from the vision tower's config."""
 
-from lightning_mmpar.data.captions import (
-    CLIP_MEAN,
-    CLIP_STD,
+from lightning_mmpar.data.caption_files import (
     CaptionRow,
-    CaptionsDataModule,
-    CaptionsDataset,
     CaptionsFormat,
     SkippedRow,
-    clip_transform,
     index_captions,
 )
+from lightning_mmpar.data.captions import CaptionsDataModule, CaptionsDataset
 from lightning_mmpar.data.digits import CLASS_NAMES, TEMPLATES, DigitsCaptions, DigitsDataset
 from lightning_mmpar.data.sampler import ResumableRandomSampler
 from lightning_mmpar.data.tokenizer import IGNORE_INDEX, SPECIAL_TOKENS, WordTokenizer
+from lightning_mmpar.data.transforms import CLIP_MEAN, CLIP_STD, clip_transform
 
 __all__ = [
     "CLASS_NAMES",

@@ -1,17 +1,13 @@
-"""Image-caption datasets from a CSV/TSV (open_clip's ``filepath``/``title`` layout) or JSONL.
+"""Image-caption datasets and a data module from CSV/TSV or JSONL caption files.
 
-Every row is checked when the dataset is built: a malformed row, a missing image or (with
-``verify_images``) an image PIL cannot read raises a ``ValueError`` naming the file, the line and
-the fix, or with ``on_error="skip"`` is left out, counted and reported (``dataset.skipped``).
+Rows are indexed and checked by :mod:`lightning_mmpar.data.caption_files` (file, line and fix
+on a bad row, or ``on_error="skip"``: left out, counted, reported in ``dataset.skipped``);
+images are preprocessed as the vision tower expects (:mod:`lightning_mmpar.data.transforms`).
 """
 
 from __future__ import annotations
 
-import csv
-import json
-import logging
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,220 +16,49 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
-from torchvision import transforms as T
 
+from lightning_mmpar.data.caption_files import (
+    _LIMITS,
+    CaptionRow,
+    CaptionsFormat,
+    OnError,
+    SkippedRow,
+    _check_config,
+    index_captions,
+)
 from lightning_mmpar.data.sampler import ResumableRandomSampler
-from lightning_mmpar.data.tokenizer import SPECIAL_TOKENS, WordTokenizer
+from lightning_mmpar.data.text import CaptionTokenizer, ClassPrompts, check_classes
+from lightning_mmpar.data.tokenizer import WordTokenizer
+from lightning_mmpar.data.transforms import CLIP_MEAN, CLIP_STD, ImagePreprocess, clip_transform
 
-log = logging.getLogger(__name__)
-OnError = Literal["raise", "skip"]
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-"""Per-channel mean of CLIP's image normalisation (open_clip OPENAI_DATASET_MEAN)."""
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-"""Per-channel std of CLIP's image normalisation (open_clip OPENAI_DATASET_STD)."""
-_LIMITS = {
-    "image_size": (1, "the side of the square images, e.g. 224"),
-    "max_length": (2, "the token length T, room for <bos> and <eos>, e.g. 32"),
-    "batch_size": (1, "the per-rank batch size, e.g. 32"),
-    "num_workers": (0, "0 (load in the main process) or a worker count"),
-    "max_vocab": (len(SPECIAL_TOKENS) + 1, "None (no cap) or a vocabulary size"),
-}
-
-
-def _check_config(owner: str, on_error: str, **values: Any) -> None:
-    """Refuse bad configuration fields (ValueError naming field, value and fix); reads no file."""
-    if on_error not in ("raise", "skip"):
-        raise ValueError(f"{owner}: on_error ({on_error!r}) must be 'raise' or 'skip'.")
-    for name, value in values.items():
-        low, fix = _LIMITS[name]
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(
-                f"{owner}: {name} ({value!r}) must be an integer >= {low}; set it to {fix}."
-            )
-
-
-def _undecodable(text: str) -> str | None:
-    """Where ``text`` holds a byte that is not UTF-8: files are read with ``surrogateescape`` so
-    that such a byte is a row fault (file, line), not a raw UnicodeDecodeError (utf-8-sig: BOM)."""
-    for at, char in enumerate(text, start=1):
-        if "\udc80" <= char <= "\udcff":
-            return f"byte 0x{ord(char) - 0xDC00:02x} at character {at} is not UTF-8; save as UTF-8"
-    return None
-
-
-@dataclass(kw_only=True)
-class CaptionsFormat:
-    """How to read an image-caption file."""
-
-    image_column: str = "filepath"
-    """Column (CSV) or key (JSONL) holding the image path."""
-    caption_column: str = "title"
-    """Column (CSV) or key (JSONL) holding the caption."""
-    separator: str | None = None
-    """CSV field separator; None: tab for ``.tsv`` files, comma otherwise."""
-    file_format: Literal["csv", "jsonl"] | None = None
-    """None: JSONL for ``.jsonl``/``.json`` suffixes, CSV otherwise."""
-    image_root: str | None = None
-    """Directory relative image paths resolve against; None: the caption file's directory."""
-
-    def resolve(self, file: Path) -> tuple[str, str, Path]:
-        """``(format, separator, image root)`` for ``file``."""
-        fmt = self.file_format or ("jsonl" if file.suffix in (".jsonl", ".json") else "csv")
-        sep = self.separator or ("\t" if file.suffix == ".tsv" else ",")
-        return fmt, sep, Path(self.image_root) if self.image_root else file.parent
-
-
-@dataclass(kw_only=True, frozen=True)
-class CaptionRow:
-    """One usable sample."""
-
-    path: Path
-    """Resolved image path."""
-    caption: str
-    """Caption text."""
-    line: int
-    """1-based line of the row in its file."""
-
-
-@dataclass(kw_only=True, frozen=True)
-class SkippedRow:
-    """A row left out under ``on_error="skip"``."""
-
-    file: str
-    """Caption file."""
-    line: int
-    """1-based line of the row."""
-    reason: str
-    """What was wrong with it."""
-
-
-def _csv_records(file: Path, sep: str, fmt: CaptionsFormat) -> Iterator[tuple[int, Any]]:
-    with file.open(newline="", encoding="utf-8-sig", errors="surrogateescape") as f:
-        reader = csv.reader(f, delimiter=sep)
-        header = next(reader, None)
-        if header is not None and (bad := _undecodable(sep.join(header))):
-            raise ValueError(f"{file}, line 1: header {bad}.")
-        needed = [fmt.image_column, fmt.caption_column]
-        if header is None or any(c not in header for c in needed):
-            raise ValueError(
-                f"{file}, line 1: header {header} lacks column(s) "
-                f"{[c for c in needed if c not in (header or [])]}; set image_column/"
-                f"caption_column, or the separator (now {sep!r})."
-            )
-        while True:
-            try:
-                row = next(reader)
-            except StopIteration:
-                return
-            except csv.Error as err:  # e.g. a field over csv.field_size_limit(); parser resets
-                yield reader.line_num, f"unreadable CSV ({err})"
-                continue
-            if not any(field.strip() for field in row):
-                continue
-            if bad := _undecodable(sep.join(row)):
-                yield reader.line_num, bad
-            elif len(row) != len(header):
-                yield reader.line_num, f"{len(row)} fields where the header has {len(header)}"
-            else:
-                yield reader.line_num, dict(zip(header, row, strict=True))
-
-
-def _jsonl_records(file: Path) -> Iterator[tuple[int, Any]]:
-    with file.open(encoding="utf-8-sig", errors="surrogateescape") as f:
-        for number, text in enumerate(f, start=1):
-            if not text.strip():
-                continue
-            if bad := _undecodable(text):
-                yield number, bad
-                continue
-            try:
-                record = json.loads(text)
-            except json.JSONDecodeError as err:
-                yield number, f"invalid JSON ({err.msg} at column {err.colno})"
-                continue
-            yield number, record if isinstance(record, dict) else "not a JSON object"
-
-
-def _check(record: Any, fmt: CaptionsFormat, root: Path, verify: bool) -> CaptionRow | str:
-    """The row, or the reason it cannot be used."""
-    if isinstance(record, str):
-        return f"malformed row: {record}"
-    path, caption = record.get(fmt.image_column), record.get(fmt.caption_column)
-    for name, value in ((fmt.image_column, path), (fmt.caption_column, caption)):
-        if not isinstance(value, str) or not value.strip():
-            return f"malformed row: {name!r} is missing or empty (got {value!r})"
-    full = Path(path)
-    full = full if full.is_absolute() else root / full
-    if not full.is_file():
-        return f"missing image {path!r} (looked for {full})"
-    if verify:
-        try:
-            with Image.open(full) as img:
-                img.verify()
-        except Exception as err:
-            return f"unreadable image {path!r} ({type(err).__name__}: {err})"
-    return CaptionRow(path=full, caption=caption.strip(), line=0)
-
-
-def index_captions(
-    file: str | Path,
-    *,
-    fmt: CaptionsFormat | None = None,
-    on_error: OnError = "raise",
-    verify_images: bool = True,
-) -> tuple[list[CaptionRow], list[SkippedRow]]:
-    """Parse and check every row of ``file``; return the usable rows and the skipped ones."""
-    file, fmt = Path(file), fmt or CaptionsFormat()
-    _check_config("index_captions", on_error)
-    if not file.is_file():
-        raise ValueError(f"caption file {file} does not exist; check the path.")
-    kind, sep, root = fmt.resolve(file)
-    records = _jsonl_records(file) if kind == "jsonl" else _csv_records(file, sep, fmt)
-    rows: list[CaptionRow] = []
-    skipped: list[SkippedRow] = []
-    for line, record in records:
-        checked = _check(record, fmt, root, verify_images)
-        if isinstance(checked, CaptionRow):
-            rows.append(CaptionRow(path=checked.path, caption=checked.caption, line=line))
-        elif on_error == "raise":
-            raise ValueError(
-                f"{file}, line {line}: {checked}; fix or remove the row, or pass "
-                "on_error='skip' to leave such rows out."
-            )
-        else:
-            skipped.append(SkippedRow(file=str(file), line=line, reason=checked))
-    if skipped:
-        shown = "; ".join(f"line {s.line}: {s.reason}" for s in skipped[:3])
-        total = len(rows) + len(skipped)
-        log.warning("%s: skipped %d of %d rows (%s ...)", file, len(skipped), total, shown)
-    return rows, skipped
-
-
-def clip_transform(image_size: int) -> Callable[[Image.Image], torch.Tensor]:
-    """Resize (bicubic) the short side, centre-crop, CLIP-normalise; RGB ``[3, S, S]``."""
-    return T.Compose(
-        [
-            T.Resize(image_size, interpolation=T.InterpolationMode.BICUBIC),
-            T.CenterCrop(image_size),
-            T.ToTensor(),
-            T.Normalize(CLIP_MEAN, CLIP_STD),
-        ]
-    )
+__all__ = [
+    "CLIP_MEAN",
+    "CLIP_STD",
+    "CaptionRow",
+    "CaptionsDataModule",
+    "CaptionsDataset",
+    "CaptionsFormat",
+    "SkippedRow",
+    "clip_transform",
+    "index_captions",
+]
 
 
 class CaptionsDataset(Dataset[dict[str, torch.Tensor]]):
-    """Images and tokenised captions of one file (items as in :class:`DigitsCaptions` batches,
-    without ``labels``).
+    """Images and tokenised captions of one file: items ``images [3, S, S]`` float,
+    ``input_ids`` / ``attention_mask`` / ``target_ids`` ``[T]`` long, and ``labels`` (0-d long)
+    when ``fmt.label_column`` is set.
 
     Args:
         file: CSV/TSV or JSONL caption file.
-        tokenizer: None builds a :class:`WordTokenizer` from this file's captions.
+        tokenizer: a :class:`~lightning_mmpar.data.text.CaptionTokenizer`; None builds a
+            :class:`WordTokenizer` from this file's captions.
         image_size: side S of the square images (>= 1).
         max_length: token length T of ``input_ids`` (>= 2: ``<bos>`` and ``<eos>``).
-        fmt: columns, separator, format and image root.
+        fmt: columns, separator, format, image root, label column and class names.
         on_error: ``"raise"`` at the first bad row, or ``"skip"`` and count (``skipped``).
         verify_images: open every image with PIL while indexing (catches unreadable files).
-        transform: image transform; None is :func:`clip_transform`.
+        transform: image transform; None is :func:`clip_transform` (open_clip's defaults).
 
     Raises:
         ValueError: bad configuration (before any file is read), a bad row (file, line, fix).
@@ -243,7 +68,7 @@ class CaptionsDataset(Dataset[dict[str, torch.Tensor]]):
         self,
         file: str | Path,
         *,
-        tokenizer: WordTokenizer | None = None,
+        tokenizer: CaptionTokenizer | None = None,
         image_size: int = 224,
         max_length: int = 32,
         fmt: CaptionsFormat | None = None,
@@ -253,6 +78,7 @@ class CaptionsDataset(Dataset[dict[str, torch.Tensor]]):
     ) -> None:
         _check_config("CaptionsDataset", on_error, image_size=image_size, max_length=max_length)
         self.file, self.on_error, self.max_length = Path(file), on_error, max_length
+        self.labelled = fmt is not None and fmt.label_column is not None
         self.rows, self.skipped = index_captions(
             file, fmt=fmt, on_error=on_error, verify_images=verify_images
         )
@@ -292,17 +118,30 @@ class CaptionsDataset(Dataset[dict[str, torch.Tensor]]):
                 self.skipped.append(SkippedRow(file=str(self.file), line=row.line, reason=reason))
                 continue
             text = self.tokenizer([row.caption], self.max_length)
-            return {"images": image, **{k: v[0] for k, v in text.items()}}
+            item = {"images": image, **{k: v[0] for k, v in text.items()}}
+            if self.labelled:
+                item["labels"] = torch.tensor(row.label, dtype=torch.long)
+            return item
         raise ValueError(f"{self.file}: no image of the {len(self.rows)} rows could be read.")
 
 
-class CaptionsDataModule(pl.LightningDataModule):
-    """Train (and optional validation) caption files as a LightningDataModule.
+class CaptionsDataModule(ClassPrompts, pl.LightningDataModule):
+    """Train (and optional validation / predict) caption files as a LightningDataModule.
 
-    The tokenizer is loaded from ``tokenizer_dir`` or built from the training captions in
-    :meth:`setup`; it travels in checkpoints (:meth:`state_dict`). Skipped rows are logged
-    and counted in :attr:`num_skipped`. Arguments as in :class:`CaptionsDataset` and
-    :class:`CaptionsFormat`; ``min_count``/``max_vocab`` shape a built vocabulary.
+    The tokenizer is ``tokenizer`` (any :class:`~lightning_mmpar.data.text.CaptionTokenizer`,
+    e.g. ``class_path`` in YAML), loaded from ``tokenizer_dir``, or a :class:`WordTokenizer`
+    built from the training captions (and the class prompts) when first needed (``vocab_size``
+    or :meth:`setup`); a ``WordTokenizer`` travels in checkpoints (:meth:`state_dict`). With
+    ``class_names`` (index = label) and ``label_column``, batches carry ``labels [B]`` and
+    :meth:`class_prompts` gives the zero-shot prompts (``prompt_template`` per class). Images are
+    preprocessed by ``preprocess`` (:class:`~lightning_mmpar.data.transforms.ImagePreprocess`:
+    open_clip's defaults, or the vision tower's config via ``from_pretrained``). Skipped rows are
+    logged and counted in :attr:`num_skipped`. Other arguments as in :class:`CaptionsDataset`
+    and :class:`CaptionsFormat`; ``min_count``/``max_vocab`` shape a built vocabulary.
+
+    Raises:
+        ValueError: a bad field (named, with the fix) before any file is read; ``class_names``
+            without ``label_column`` or the reverse.
     """
 
     def __init__(
@@ -312,6 +151,7 @@ class CaptionsDataModule(pl.LightningDataModule):
         val_file: str | None = None,
         image_column: str = "filepath",
         caption_column: str = "title",
+        label_column: str | None = None,
         separator: str | None = None,
         file_format: Literal["csv", "jsonl"] | None = None,
         image_root: str | None = None,
@@ -321,13 +161,26 @@ class CaptionsDataModule(pl.LightningDataModule):
         num_workers: int = 0,
         on_error: OnError = "raise",
         verify_images: bool = True,
+        tokenizer: CaptionTokenizer | None = None,
         tokenizer_dir: str | None = None,
         min_count: int = 1,
         max_vocab: int | None = None,
+        class_names: Sequence[str] | None = None,
+        prompt_template: str = "a photo of a {name}",
+        preprocess: ImagePreprocess | None = None,
+        seed: int = 0,
     ) -> None:
         super().__init__()
         fields = {k: v for k, v in locals().items() if k in _LIMITS and v is not None}
         _check_config("CaptionsDataModule", on_error, **fields)
+        self.class_names = check_classes("CaptionsDataModule", class_names, prompt_template)
+        if bool(self.class_names) != (label_column is not None):
+            raise ValueError(
+                f"CaptionsDataModule: class_names ({list(self.class_names)}) and label_column "
+                f"({label_column!r}) go together: zero-shot prompts need a label per row; set "
+                "both or neither."
+            )
+        self.prompt_template = prompt_template
         self.files = {"train": train_file, "val": val_file}
         self.fmt = CaptionsFormat(
             image_column=image_column,
@@ -335,12 +188,21 @@ class CaptionsDataModule(pl.LightningDataModule):
             separator=separator,
             file_format=file_format,
             image_root=image_root,
+            label_column=label_column,
+            class_names=self.class_names,
         )
         self.image_size, self.max_length, self.batch_size = image_size, max_length, batch_size
         self.num_workers, self.on_error, self.verify_images = num_workers, on_error, verify_images
-        self.min_count, self.max_vocab = min_count, max_vocab
-        self.tokenizer = WordTokenizer.load(tokenizer_dir) if tokenizer_dir else None
+        self.min_count, self.max_vocab, self.seed = min_count, max_vocab, seed
+        self.preprocess = preprocess or ImagePreprocess()
+        self.transform = self.preprocess.transform(image_size)
+        self.tokenizer = tokenizer or (WordTokenizer.load(tokenizer_dir) if tokenizer_dir else None)
         self.datasets: dict[str, CaptionsDataset] = {}
+
+    def _ensure_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            self.setup("fit")
+        return self.tokenizer
 
     def setup(self, stage: str | None = None) -> None:
         """Index the files (checking every row) and build the tokenizer if needed."""
@@ -355,10 +217,12 @@ class CaptionsDataModule(pl.LightningDataModule):
                 fmt=self.fmt,
                 on_error=self.on_error,
                 verify_images=self.verify_images,
+                transform=self.transform,
             )
             if self.tokenizer is None:  # the train split comes first and fixes the vocabulary
+                prompts = [self.prompt_template.format(name=n) for n in self.class_names]
                 self.tokenizer = WordTokenizer.build(
-                    dataset.captions, min_count=self.min_count, max_size=self.max_vocab
+                    dataset.captions + prompts, min_count=self.min_count, max_size=self.max_vocab
                 )
                 dataset.tokenizer = self.tokenizer
             self.datasets[split] = dataset
@@ -377,24 +241,33 @@ class CaptionsDataModule(pl.LightningDataModule):
         return StatefulDataLoader(
             dataset,
             batch_size=self.batch_size,
-            sampler=ResumableRandomSampler(dataset) if train else None,
+            sampler=ResumableRandomSampler(dataset, seed=self.seed) if train else None,
             drop_last=train,
             num_workers=self.num_workers,
         )
 
     def train_dataloader(self) -> DataLoader[dict[str, torch.Tensor]]:
-        """Shuffled, last partial batch dropped (equal batches on every dp rank)."""
+        """Shuffled (seeded by ``seed`` and the epoch), last partial batch dropped (equal
+        batches on every dp rank)."""
         return self._loader("train", True)
 
     def val_dataloader(self) -> DataLoader[dict[str, torch.Tensor]]:
         """The validation file in order."""
         return self._loader("val", False)
 
+    def predict_dataloader(self) -> DataLoader[dict[str, torch.Tensor]]:
+        """The validation file in order (``predict`` captions it)."""
+        return self._loader("val", False)
+
     def state_dict(self) -> dict[str, Any]:
-        """Carried by Lightning checkpoints: the tokenizer."""
-        return {"tokenizer": self.tokenizer.to_dict() if self.tokenizer else None}
+        """Carried by Lightning checkpoints: a :class:`WordTokenizer` (other tokenizers are
+        configuration: they come back from the YAML)."""
+        tok = self.tokenizer
+        return {"tokenizer": tok.to_dict() if isinstance(tok, WordTokenizer) else None}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the tokenizer saved in a checkpoint."""
         if state_dict.get("tokenizer") is not None:
             self.tokenizer = WordTokenizer.from_dict(state_dict["tokenizer"], source="checkpoint")
+            for dataset in self.datasets.values():
+                dataset.tokenizer = self.tokenizer

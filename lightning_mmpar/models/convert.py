@@ -187,24 +187,100 @@ def export_open_clip_visual(source: FusionModel | Mapping[str, Tensor]) -> dict[
     }
 
 
-def export_llama(source: FusionModel | Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """``LlamaForCausalLM`` state dict (joint-attention extras dropped)."""
+def export_llama(
+    source: FusionModel | Mapping[str, Tensor],
+    *,
+    fold_text_temperature: bool = False,
+    vocab_size: int | None = None,
+) -> dict[str, Tensor]:
+    """``LlamaForCausalLM`` state dict (joint-attention extras dropped).
+
+    Args:
+        source: a full fusion state dict (or model).
+        fold_text_temperature: with joint attention, multiply each layer's ``k_proj`` weight
+            ``[H_kv d, D]`` (and bias) by its text temperature ``t_txt``
+            (``self_attn.temperature.temperature[1]``). Our text-only stream scales the
+            RoPE-rotated keys by ``t_txt``; RoPE is linear, so ``rope(t k) = t rope(k)`` and the
+            folded ``LlamaForCausalLM`` computes the same logits (to float rounding). Without it
+            the weights are copied bit-exactly and the text-only logits differ unless
+            ``t_txt == 1``.
+        vocab_size: keep the first ``vocab_size`` rows of ``embed_tokens`` / ``lm_head``
+            (strips the rows ``vocab_multiple`` padding added); ``None`` keeps them all.
+
+    Raises:
+        ValueError: ``vocab_size`` exceeds the rows the state holds.
+    """
+    state = _state(source)
     out = {}
-    for key, value in _state(source).items():
+    for key, value in state.items():
         if not key.startswith("language.") or any(t in key for t in JOINT_ONLY_KEYS):
             continue
+        if vocab_size is not None and key.endswith(("embed_tokens.weight", "lm_head.weight")):
+            if vocab_size > value.shape[0]:
+                raise ValueError(
+                    f"vocab_size {vocab_size} exceeds the {value.shape[0]} rows of {key}; pass "
+                    "the tokenizer's vocabulary size (at most the padded one)."
+                )
+            value = value[:vocab_size]
+        if fold_text_temperature and ".self_attn.k_proj." in key:
+            temperature = state.get(key.split(".k_proj.")[0] + ".temperature.temperature")
+            if temperature is not None:
+                value = value * temperature[1].to(value.dtype)
         key = key.removeprefix("language.")
         out[key if key.startswith("lm_head.") else f"model.{key}"] = value
     return out
 
 
 def save_llama_pretrained(
-    source: FusionModel | Mapping[str, Tensor], config: LanguageConfig, path: str | Path
+    source: FusionModel | Mapping[str, Tensor],
+    config: LanguageConfig,
+    path: str | Path,
+    *,
+    fold_text_temperature: bool = False,
 ) -> None:
-    """Write a ``save_pretrained`` directory loadable by ``LlamaForCausalLM.from_pretrained``."""
+    """Write a ``save_pretrained`` directory loadable by ``LlamaForCausalLM.from_pretrained``.
+
+    ``config.vocab_size`` rows of the embedding and LM head are written (fewer than the state
+    holds strips vocabulary padding); ``fold_text_temperature`` as in :func:`export_llama`.
+    """
     from transformers import LlamaForCausalLM
 
     with torch.device("meta"):
         model = LlamaForCausalLM(llama_config(config))
-    model.load_state_dict(export_llama(source), strict=True, assign=True)
+    state = export_llama(
+        source, fold_text_temperature=fold_text_temperature, vocab_size=config.vocab_size
+    )
+    model.load_state_dict(state, strict=True, assign=True)
     model.save_pretrained(str(path))
+
+
+def open_clip_model_config(vision: VisionConfig, *, context_length: int = 8) -> dict[str, Any]:
+    """open_clip's ``model_cfg`` (``embed_dim``, ``quick_gelu``, ``vision_cfg``, ``text_cfg``) for
+    a CLIP whose ``visual`` is our :class:`VisionTower` of ``vision`` (inverse of
+    :func:`vision_config_from_open_clip`).
+
+    open_clip builds a text tower with every CLIP; ``text_cfg`` is the smallest one (1 layer,
+    width 64, ``context_length`` tokens, vocabulary 8) and holds no exported weights: load only
+    ``model.visual``.
+    """
+    heads = vision.heads
+    cfg: dict[str, Any] = {
+        "image_size": vision.image_size,
+        "patch_size": vision.patch_size,
+        "width": vision.width,
+        "layers": vision.layers,
+        "head_width": vision.width // heads,
+        "mlp_ratio": vision.mlp_ratio,
+        "pool_type": vision.pool_type,
+        "final_ln_after_pool": vision.final_ln_after_pool,
+        "no_ln_pre": vision.no_ln_pre,
+    }
+    if vision.ls_init_value is not None:
+        cfg["ls_init_value"] = vision.ls_init_value
+    text = {"context_length": context_length, "vocab_size": 8, "width": 64, "heads": 1}
+    return {
+        "embed_dim": vision.output_dim,
+        "quick_gelu": vision.act == "quick_gelu",
+        "vision_cfg": cfg,
+        "text_cfg": {**text, "layers": 1},
+    }

@@ -22,6 +22,7 @@ Any parameter shape works under FSDP2:
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -189,10 +190,11 @@ def scale_expert_gradients(module: nn.Module, ep: int) -> None:
         setattr(m, "gradient_scale", 1.0 / ep)  # noqa: B010 - any expert module class
 
 
-def _fully_shard(module: nn.Module, dp_mesh: DeviceMesh) -> None:
+def _fully_shard(module: nn.Module, dp_mesh: DeviceMesh, **fsdp_kwargs: Any) -> None:
     """``fully_shard`` with 0-dim parameters and expert weights (averaged over their own
     ``edp`` group: :func:`shard_experts` or the strategy's all-reduce) ignored,
-    :func:`shard_placement` per parameter."""
+    :func:`shard_placement` per parameter, ``fsdp_kwargs`` (``mp_policy``, ``offload_policy``:
+    :class:`~lightning_mmpar.parallel.fsdp_options.MemoryOptions`) passed on."""
     dp = dp_mesh.size()
     params = list(module.parameters())
     ignored = {p for p in params if p.ndim == 0 or is_expert_parameter(p)}
@@ -205,25 +207,28 @@ def _fully_shard(module: nn.Module, dp_mesh: DeviceMesh) -> None:
         mesh=dp_mesh,
         shard_placement_fn=lambda p: shard_placement(p, dp),
         ignored_params=ignored or None,
+        **fsdp_kwargs,
     )
     for name, p in module.named_parameters():
         if name in partial:
             setattr(p, PARTIAL_OVER_TP, True)
 
 
-def shard_blocks(blocks: Iterable[nn.Module], root: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
+def shard_blocks(
+    blocks: Iterable[nn.Module], root: nn.Module, dp_mesh: DeviceMesh, **fsdp_kwargs: Any
+) -> nn.Module:
     """``fully_shard`` each block (one all-gather unit each), then ``root`` over what remains.
 
     0-dim parameters stay replicated (:func:`replicated_parameters`)."""
     for block in blocks:
         if _has_params(block) and not isinstance(block, FSDPModule):
-            _fully_shard(block, dp_mesh)
+            _fully_shard(block, dp_mesh, **fsdp_kwargs)
     if _has_params(root):
-        _fully_shard(root, dp_mesh)
+        _fully_shard(root, dp_mesh, **fsdp_kwargs)
     return root
 
 
-def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh) -> None:
+def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, **fsdp_kwargs: Any) -> None:
     """Shard a plain module tree: every child of every ``ModuleList`` (transformer layers), then
     every direct child of ``module`` that holds parameters. Parameters registered directly on
     ``module`` and 0-dim parameters stay replicated; :func:`sync_gradients` averages them."""
@@ -231,12 +236,12 @@ def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh) -> None:
     for layers in lists:
         for layer in layers:
             if _has_params(layer) and not isinstance(layer, FSDPModule):
-                _fully_shard(layer, dp_mesh)
+                _fully_shard(layer, dp_mesh, **fsdp_kwargs)
     for child in module.children():
         if isinstance(child, nn.ModuleList | nn.ModuleDict):
             continue  # containers have no forward; their layers are sharded above
         if _has_params(child) and not isinstance(child, FSDPModule):
-            _fully_shard(child, dp_mesh)
+            _fully_shard(child, dp_mesh, **fsdp_kwargs)
 
 
 def replicated_parameters(module: nn.Module) -> list[nn.Parameter]:

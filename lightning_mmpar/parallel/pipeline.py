@@ -40,6 +40,7 @@ from lightning_mmpar.parallel.pipeline_schedules import (
     check_ownership,
     partition,
 )
+from lightning_mmpar.parallel.pipeline_steps import PipelineChunk, PipelineSteps
 
 __all__ = [
     "PipelineChunk", "PipelineEngine", "PipelineModule", "PipelineSteps", "check_ownership",
@@ -62,52 +63,6 @@ class PipelineModule(Protocol):
     def pipeline_loss(self, output: Any, target: Any) -> Tensor:
         """Mean loss of one (micro-)batch from the last block's output."""
         ...
-
-
-class PipelineChunk(nn.Module):
-    """Consecutive blocks run as one stage: ``y = b_k(...b_1(*x))``, tuples unpacked.
-
-    Outputs are made contiguous: they are a stage's send buffers and the templates of the next
-    stage's receive buffers, and point-to-point ops refuse non-contiguous tensors (a block may
-    return a view, e.g. rows broadcast with ``expand``). Views are copied: torch's zero-bubble
-    input backward detaches the stage outputs in place, which views refuse.
-    """
-
-    def __init__(self, blocks: Sequence[nn.Module]) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(blocks)
-
-    def forward(self, *args: Tensor) -> Tensor | tuple[Tensor, ...]:
-        for block in self.blocks:
-            out = block(*args)
-            args = out if isinstance(out, tuple) else (out,)
-        args = tuple(t.clone() if t._is_view() else t.contiguous() for t in args)
-        return args[0] if len(args) == 1 else args
-
-
-class PipelineSteps:
-    """Lightning steps for a :class:`PipelineModule`, so it trains under any strategy.
-
-    Mix in before ``LightningModule``. Each step runs the blocks in order on the whole batch and
-    logs ``train_loss`` / ``val_loss`` / ``test_loss``; under ``mm_parallel`` the strategy runs
-    the same computation through its pipeline schedule instead and logs the same names.
-    """
-
-    def _pipeline_step(self, name: str, batch: Any) -> Tensor:
-        inputs, target = self.pipeline_inputs(batch)  # type: ignore[attr-defined]
-        chunk = PipelineChunk(self.pipeline_blocks())  # type: ignore[attr-defined]
-        loss: Tensor = self.pipeline_loss(chunk(*inputs), target)  # type: ignore[attr-defined]
-        self.log(f"{name}_loss", loss, prog_bar=True, sync_dist=True)  # type: ignore[attr-defined]
-        return loss
-
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        return self._pipeline_step("train", batch)
-
-    def validation_step(self, batch: Any, batch_idx: int) -> Tensor:
-        return self._pipeline_step("val", batch)
-
-    def test_step(self, batch: Any, batch_idx: int) -> Tensor:
-        return self._pipeline_step("test", batch)
 
 
 def _grad_flags(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
@@ -334,8 +289,37 @@ class PipelineEngine:
         scale = float(self.config.num_micro_batches)  # cancels the schedule's 1 / M
         return loss + gc.surrogate(features, grads, scale) + self._batch_loss
 
+    def run_in_order(
+        self, first: tuple[Tensor, ...], run: ps.StageRun | None = None
+    ) -> tuple[Tensor, ...] | None:
+        """This rank's stages in order on one whole batch (:func:`~.pipeline_schedules.
+        run_in_order`); ``run(stage, inputs)`` defaults to the stage's chunk. Returns the last
+        stage's outputs (a tuple) on its rank, else ``None``. Collective over the pp group."""
+        chunks = dict(zip(self.stage_ids, self.chunks, strict=True))
+
+        def forward(s: int, x: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+            out = chunks[s](*x)
+            return out if isinstance(out, tuple) else (out,)
+
+        return ps.run_in_order(
+            self.stage_ids, self._stage_ranks, self.group, self.device, run or forward, first
+        )
+
+    def _eval_in_order(self, inputs: tuple[Tensor, ...], target: Any) -> Tensor:
+        """A forward-only batch the micro-batches do not divide (a short last eval batch):
+        every stage in order on the whole batch, ``pipeline_loss`` once on the last stage."""
+        out = self.run_in_order(inputs if self.has_first else ())
+        losses = []
+        if out is not None:
+            module: Any = self.module
+            losses.append(module.pipeline_loss(out[0] if len(out) == 1 else out, target))
+        return self._broadcast_loss(losses)
+
     def _run(self, batch: Any, train: bool) -> Tensor:
         inputs, target = self.module.pipeline_inputs(batch)  # type: ignore[attr-defined]
+        n = self.config.num_micro_batches
+        if not train and any(int(t.shape[0]) % n for t in inputs):
+            return self._eval_in_order(tuple(inputs), target)
         args = inputs if self.has_first else ()
         tgt = target if self.has_last else None
         losses: list[Tensor] = []
@@ -383,7 +367,8 @@ class PipelineEngine:
 
     @torch.no_grad()
     def eval_step(self, batch: Any) -> Tensor:
-        """Forward-only pass of one batch; returns the mean loss on every rank."""
+        """Forward-only pass of one batch; returns the mean loss on every rank. A batch that
+        the micro-batches do not divide runs its stages in order, unscheduled."""
         return self._run(batch, train=False)
 
     def _broadcast_loss(self, losses: list[Tensor], extra: Tensor | None = None) -> Tensor:

@@ -33,11 +33,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch import nn
+import torch.distributed as dist
+from torch import Tensor, nn
 from torch.distributed import pipelining as tpp
 
 from lightning_mmpar.config import MULTI_STAGE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, stage_layout
 from lightning_mmpar.layout import equal_ranges
+from lightning_mmpar.parallel import comm
 
 __all__ = [
     "SCHEDULE_CLASSES",
@@ -50,6 +52,7 @@ __all__ = [
     "in_flight_micro_batches",
     "instrument_stage",
     "partition",
+    "run_in_order",
     "schedule_class",
     "stage_ranks",
     "unsplit_parameters",
@@ -307,3 +310,40 @@ def unsplit_parameters(inputs: Sequence[Any], outputs: Sequence[Any]) -> bool:
         if not found:
             return True
     return False
+
+
+StageRun = Callable[[int, tuple[Tensor, ...]], tuple[Tensor, ...]]
+"""``run(stage, inputs) -> outputs``: one stage's work in :func:`run_in_order`."""
+
+
+def run_in_order(
+    stage_ids: Sequence[int],
+    ranks: Sequence[int],
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    run: StageRun,
+    first: tuple[Tensor, ...],
+) -> tuple[Tensor, ...] | None:
+    """Run this rank's stages in stage order on one whole batch, without a schedule.
+
+    Stage ``s`` gets ``first`` (``s == 0``), the previous stage's outputs in memory (same rank:
+    the V layout's turn) or from its rank by point-to-point (pickled, moved to ``device``);
+    its outputs go to the next stage's rank. Any batch size and any tuple shapes work (no
+    static stage metadata): used for batches the micro-batch count does not divide and for
+    incremental decoding, whose states change shape between steps. ``ranks[s]`` is stage
+    ``s``'s rank in ``group``. Returns the last stage's outputs on its rank, else ``None``.
+    Every rank of ``group`` must call it with the same stage plan (collective over ``group``).
+    """
+    rank = comm.group_rank(group)
+    y: tuple[Tensor, ...] = ()
+    for s in stage_ids:
+        if s == 0:
+            x = first
+        elif ranks[s - 1] == rank:
+            x = y
+        else:
+            x = tuple(t.to(device) for t in comm.recv_object(ranks[s - 1], group))
+        y = run(s, x)
+        if s + 1 < len(ranks) and ranks[s + 1] != rank:
+            comm.send_object(tuple(t.detach().cpu() for t in y), ranks[s + 1], group)
+    return y if len(ranks) - 1 in stage_ids else None

@@ -41,6 +41,16 @@ from lightning_mmpar.precision.formats import (
 log = logging.getLogger(__name__)
 
 
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
+"""The ``nn.Module`` hook registries :meth:`Float8Linear.from_linear` carries over."""
+
+
 class _FP8Linear(torch.autograd.Function):
     """``y = x w^T`` with FP8 operands; see the module docstring for the three matmuls."""
 
@@ -93,11 +103,15 @@ class Float8Linear(nn.Linear):
     def from_linear(
         cls, linear: nn.Linear, policy: FP8Policy, backend: str, precision: Precision = "fp8"
     ) -> Float8Linear:
-        """Wrap ``linear``'s own Parameters (no copy)."""
+        """Wrap ``linear``'s own Parameters (no copy) and keep its forward hooks (a
+        tensor-parallel plan's DTensor input/output hooks: the same hook dictionaries, so
+        handles taken on ``linear`` still remove them)."""
         new = cls(linear.in_features, linear.out_features, linear.bias is not None,
                   policy=policy, backend=backend, precision=precision, device="meta")  # fmt: skip
         new.weight = linear.weight
         new.bias = linear.bias
+        for hooks in _HOOK_DICTS:
+            setattr(new, hooks, getattr(linear, hooks))
         new.train(linear.training)
         return new
 

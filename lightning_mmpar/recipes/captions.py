@@ -20,9 +20,11 @@ __all__ = ["CaptionWriter"]
 class CaptionWriter(BasePredictionWriter):
     """Collect ``predict_step`` rows (dicts with ``caption``, ``digit``, ``label``).
 
-    Each rank writes ``captions.rank<R>.jsonl`` in ``output_dir`` (tensor-parallel peers write
-    identical rows); the fraction of captions that name the right digit is summed over the
-    data-parallel group only and printed.
+    Each rank writes ``captions.rank<R>.jsonl`` in ``output_dir`` (tensor- and pipeline-parallel
+    peers write identical rows: the last stage's tokens are broadcast to its pipeline peers);
+    the fraction of captions that name the right digit is summed over the data-parallel group
+    only and printed. Works at every layout (``predict`` decodes with a key/value cache, through
+    the pipeline stages in order under pipeline parallelism).
 
     Args:
         output_dir: folder of the JSONL files (default: the Trainer's ``default_root_dir``).

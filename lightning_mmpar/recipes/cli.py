@@ -1,4 +1,10 @@
-"""LightningCLI of the CLIP-LLaMA recipe, with a DeepSpeed-JSON option.
+"""LightningCLI of the CLIP-LLaMA recipe, with any data module and a DeepSpeed-JSON option.
+
+``--data.class_path`` names any ``LightningDataModule`` (LightningCLI's ``subclass_mode_data``):
+:class:`~lightning_mmpar.data.CaptionsDataModule` (CSV/JSONL + images),
+:class:`~lightning_mmpar.data.webdataset.WebDatasetCaptions` (tar shards) or the user's own;
+without it, :class:`RecipeDigitsCaptions`, whose arguments a bare ``data:`` section holds. The
+data's ``vocab_size`` becomes ``model.vocab_size``.
 
 ``--deepspeed ds_config.json`` replaces ``trainer.strategy`` by what
 :func:`lightning_mmpar.recipes.deepspeed.strategy_from_deepspeed` maps the JSON to (DeepSpeed's
@@ -20,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningDataModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from torch import Tensor
 from torch.utils.data import DataLoader
@@ -51,7 +57,12 @@ class ClipLlamaCLI(LightningCLI):
     _deepspeed_plan: DeepSpeedPlan | None = None
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
+        # Any LightningDataModule (--data.class_path); the digits demo when none is named, so a
+        # YAML with a bare `data:` section (init arguments only) keeps working.
+        parser.set_defaults({"data": {"class_path": f"{__name__}.RecipeDigitsCaptions"}})
+        parser.link_arguments(
+            "data", "model.vocab_size", compute_fn=data_vocab_size, apply_on="instantiate"
+        )
         parser.add_argument(
             "--deepspeed",
             type=str | None,
@@ -108,6 +119,22 @@ class ClipLlamaCLI(LightningCLI):
         self._preflight()
 
 
+def data_vocab_size(data: Any) -> int:
+    """``data.vocab_size``: the LM head's output size comes from the data's tokenizer.
+
+    Raises:
+        ValueError: the data module has no positive integer ``vocab_size``.
+    """
+    size = getattr(data, "vocab_size", None)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(
+            f"data ({type(data).__name__}) has no vocab_size (got {size!r}): the recipe sizes "
+            "its LM head from the data's tokenizer; give the data module a vocab_size property "
+            "(e.g. tokenizer.vocab_size), or use a caption module of lightning_mmpar.data."
+        )
+    return size
+
+
 def _read_deepspeed_json(path: Path) -> Any:
     """The parsed ``--deepspeed`` file.
 
@@ -149,7 +176,8 @@ def run_cli(args: list[str] | None = None) -> ClipLlamaCLI:
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")
     return ClipLlamaCLI(
         ClipLlamaModule,
-        RecipeDigitsCaptions,
+        LightningDataModule,
+        subclass_mode_data=True,
         args=args,
         save_config_kwargs={"overwrite": True},
     )

@@ -2,16 +2,33 @@
 
 ``python -m lightning_mmpar.recipes.clip_llama fit --config recipes/clip_llama_cpu.yaml``
 
-The LightningModule lives in :mod:`lightning_mmpar.recipes.module`, the LightningCLI in
-:mod:`lightning_mmpar.recipes.cli`; this module re-exports both and runs the CLI.
+``fit``, ``validate``, ``test`` and ``predict`` run the LightningCLI
+(:mod:`lightning_mmpar.recipes.cli`; the LightningModule is
+:mod:`lightning_mmpar.recipes.module`); ``export --ckpt <dir> --out <dir>`` writes a checkpoint
+as transformers / open_clip / safetensors files (:mod:`lightning_mmpar.recipes.export`).
 """
 
 from __future__ import annotations
 
-from lightning_mmpar.recipes.cli import main
+import sys
+from collections.abc import Sequence
+
+from lightning_mmpar.recipes import export
+from lightning_mmpar.recipes.cli import main as cli_main
 from lightning_mmpar.recipes.module import ClipLlamaModule
 
 __all__ = ["ClipLlamaModule", "main"]
+
+
+def main(args: Sequence[str] | None = None) -> None:
+    """``export ...`` -> :func:`lightning_mmpar.recipes.export.main` (argparse); anything else
+    -> the LightningCLI (``fit``, ``validate``, ``test``, ``predict``)."""
+    argv = list(sys.argv[1:] if args is None else args)
+    if argv[:1] == ["export"]:
+        export.main(argv[1:])
+        return
+    cli_main(None if args is None else argv)
+
 
 if __name__ == "__main__":
     main()

@@ -167,7 +167,8 @@ def apply_deepspeed_json(
     for key, value in plan.trainer_kwargs.items():
         _set(cfg, f"trainer.{key}", value, names[key])
     if plan.batch_size is not None:
-        _set(cfg, "data.batch_size", plan.batch_size, "train_micro_batch_size_per_gpu")
+        data = "data.init_args" if cfg.get("data.init_args") is not None else "data"  # subclass
+        _set(cfg, f"{data}.batch_size", plan.batch_size, "train_micro_batch_size_per_gpu")
     for key, value in optim.items():
         _set(cfg, f"model.optim.{key}", value, f"optimizer/scheduler {key}")
     return plan

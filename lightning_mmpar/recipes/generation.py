@@ -1,30 +1,50 @@
-"""Greedy captioning: one token loop for every layout.
+"""Greedy captioning: a KV-cached token loop for every layout, and the uncached reference.
 
-The loop (:func:`greedy_decode`) owns the caption being written; a ``next_token`` function
-returns the argmax token at one position of the model's logits for the current prefix. Without
-a pipeline it runs the blocks on this rank; under pipeline parallelism it runs a forward-only
-schedule and the last stage's tokens are broadcast to its pipeline peers. Both see the same
-inputs: step ``t`` feeds ``ids[:, :t]`` (right-padded, its attention mask covering the prefix)
-and reads the logits at position ``t - 1``.
+:func:`cached_greedy_decode` (the default of :meth:`CaptionGeneration.generate`) computes the
+image side once and one new token per step (:mod:`lightning_mmpar.models.decoding`: the ViT,
+projector and image keys at the prefill, then per token the adapters, the decoder layers against
+their key/value caches and the LM head). Without a pipeline it runs this rank's blocks; under
+pipeline parallelism each rank runs its stages in order on the whole batch
+(:meth:`~lightning_mmpar.parallel.pipeline.PipelineEngine.run_in_order`: the prefill's stage
+boundaries carry the image tokens, later ones the new token's hidden state), and the last
+stage's tokens are broadcast to its pipeline peers. FSDP2 blocks are gathered around each call.
+
+:func:`greedy_decode` is the uncached loop (``use_cache=False``, and the reference the cached one
+equals token for token): step ``t`` feeds ``ids[:, :t]`` (right-padded, its attention mask
+covering the prefix) through every block (under a pipeline: one forward-only schedule) and reads
+the logits at position ``t - 1``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from lightning_mmpar.models.decoding import DecodeCache, check_cacheable, decode_block
 from lightning_mmpar.models.fusion import FusionModel
 from lightning_mmpar.recipes import parallel_env as penv
 from lightning_mmpar.recipes.evaluation import named_digit
 
-__all__ = ["CaptionGeneration", "NextToken", "greedy_decode", "next_tokens"]
+__all__ = [
+    "CachedStep",
+    "CaptionGeneration",
+    "NextToken",
+    "cached_greedy_decode",
+    "greedy_decode",
+    "next_tokens",
+]
 
 NextToken = Callable[[dict[str, Tensor], int], Tensor]
 """``next_token(step_batch, position) -> [B]`` token ids (any device)."""
+
+CachedStep = Callable[[Tensor], Tensor]
+"""``step(new_ids [B, S]) -> [B]`` the next token after the cached prefix plus ``new_ids``."""
 
 
 def next_tokens(logits: Tensor, position: int, vocab_size: int) -> Tensor:
@@ -57,6 +77,35 @@ def greedy_decode(
     return ids
 
 
+def cached_greedy_decode(step: CachedStep, like: Tensor, *, bos: int, eos: int, pad: int) -> Tensor:
+    """Greedy captions ``[B, L]`` from ``<bos>`` (``like [B, L]`` gives shape and device),
+    feeding ``step`` one token per call (the previous one; ``<bos>`` first) and keeping the
+    rest in ``step``'s cache. Rows that produced ``<eos>`` are padded from then on (they still
+    feed tokens, which no other row sees). Always ``L - 1`` calls, on every rank alike."""
+    ids = torch.full_like(like, pad)
+    ids[:, 0] = bos
+    done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+    for t in range(1, ids.shape[1]):
+        nxt = step(ids[:, t - 1 : t]).to(ids.device)
+        ids[:, t] = torch.where(done, pad, nxt)
+        done |= ids[:, t] == eos
+    return ids
+
+
+@contextmanager
+def _gathered(block: nn.Module) -> Iterator[None]:
+    """``block``'s FSDP2 units unsharded (decoding calls its submodules directly, past the
+    forward hooks that would gather them); a no-op without FSDP."""
+    units = [m for m in block.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+
+
 class CaptionGeneration:
     """Greedy captioning, prediction and caption accuracy of the recipe's LightningModule
     (mixed in before ``LightningModule``; uses its blocks, tokenizer, digit classes and, under
@@ -66,19 +115,75 @@ class CaptionGeneration:
     _decoded: list[Tensor]
 
     @torch.no_grad()
-    def generate(self: Any, images: Tensor, max_length: int) -> Tensor:
-        """Greedy captions ``[B, max_length]`` from ``<bos>`` (pipeline_parallel 1 only)."""
-        ids = torch.zeros(images.shape[0], max_length, dtype=torch.long, device=images.device)
-        return self._greedy({"images": images, "input_ids": ids})
+    def generate(
+        self: Any, images: Tensor, max_length: int, use_cache: bool | None = None
+    ) -> Tensor:
+        """Greedy captions ``[B, max_length]`` (token ids) of ``images [B, 3, H, W]`` from
+        ``<bos>``, at any layout (under pipeline parallelism every pipeline rank calls it).
 
-    def _greedy(self: Any, batch: dict[str, Tensor]) -> Tensor:
-        """Greedy captions of ``batch``'s images (its ``input_ids`` give the shape), through the
-        pipeline when the strategy runs one (batch size divisible by its micro-batches)."""
+        ``use_cache``: ``None`` (default) decodes with the key/value cache when the model allows
+        it (:meth:`cache_refusal`), ``True`` requires it, ``False`` recomputes the whole prefix
+        per token (:func:`greedy_decode`). Both give the same tokens.
+
+        Raises:
+            ValueError: ``use_cache=True`` for a model the cache does not support (the reason).
+        """
+        ids = torch.zeros(images.shape[0], max_length, dtype=torch.long, device=images.device)
+        return self._greedy({"images": images, "input_ids": ids}, use_cache)
+
+    def cache_refusal(self: Any) -> str | None:
+        """Why this module cannot decode with a key/value cache (``None``: it can)."""
+        if self.training:
+            return "training mode (dropout); call eval() first"
+        if self.tp_options.sequence_parallel and penv.layout(self._trainer)["tp"] > 1:
+            return "sequence_parallel shards the text positions (one new token cannot be split)"
+        return check_cacheable(list(self.blocks or []))
+
+    def _greedy(self: Any, batch: dict[str, Tensor], use_cache: bool | None = None) -> Tensor:
+        """Greedy captions of ``batch``'s images (its ``input_ids`` give the shape)."""
         tok = self._tokenizer
         bos, eos, pad = (tok.bos_id, tok.eos_id, tok.pad_id) if tok else (1, 2, 0)
         pipelined = penv.pipeline_parallel(self._trainer) > 1
-        step = self._pipelined_next_token if pipelined else self._local_next_token
-        return greedy_decode(step, batch, bos=bos, eos=eos, pad=pad)
+        reason = self.cache_refusal() if use_cache is not False else None
+        if use_cache and reason:
+            raise ValueError(
+                f"use_cache=True: cached decoding does not support {reason}; use use_cache=None "
+                "(cache when supported) or use_cache=False."
+            )
+        if use_cache is False or reason:
+            step = self._pipelined_next_token if pipelined else self._local_next_token
+            return greedy_decode(step, batch, bos=bos, eos=eos, pad=pad)
+        cached = self._cached_step(batch["images"], pipelined)
+        return cached_greedy_decode(cached, batch["input_ids"], bos=bos, eos=eos, pad=pad)
+
+    def _cached_step(self: Any, images: Tensor, pipelined: bool) -> CachedStep:
+        """One cached decode step over this rank's blocks (stages in order under a pipeline)."""
+        blocks, cache = self.pipeline_blocks(), DecodeCache()
+        engine = self.trainer.strategy.pipeline if pipelined else None  # type: ignore[attr-defined]
+        ranges = engine.stage_ranges if engine is not None else [range(len(blocks))]
+
+        def step(new: Tensor) -> Tensor:
+            def run(s: int, state: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+                for i in ranges[s]:
+                    with _gathered(blocks[i]):
+                        state = decode_block(blocks[i], state, new, cache)
+                return state
+
+            first = (images,) if cache.steps == 0 else ()
+            out = run(0, first) if engine is None else engine.run_in_order(first, run)
+            cache.advance(new.shape[1])
+            if engine is None:
+                return next_tokens(out[0], -1, self.vocab_size)
+            owner = out is not None
+            b = new.shape[0]
+            nxt = (
+                next_tokens(out[0], -1, self.vocab_size)
+                if out
+                else torch.zeros(b, dtype=torch.long)
+            )
+            return penv.from_last_stage(self.trainer, nxt.to(new.device), owner)
+
+        return step
 
     def _local_next_token(self: Any, step: dict[str, Tensor], position: int) -> Tensor:
         inputs = FusionModel.pipeline_inputs(

@@ -47,22 +47,12 @@ from lightning_mmpar.recipes.config import (
     TensorParallelOptions,
     check_image_size,
 )
-from lightning_mmpar.recipes.evaluation import RecipeMetrics, digit_token_classes
+from lightning_mmpar.recipes.evaluation import RecipeMetrics, digit_token_classes, eval_values
 from lightning_mmpar.recipes.generation import CaptionGeneration, next_tokens
 from lightning_mmpar.recipes.losses import TERMS, RecipeLoss
 from lightning_mmpar.topology import ParallelDims
 
 __all__ = ["TERMS", "ClipLlamaModule"]
-
-EVAL_METRICS: tuple[str, ...] = (
-    "zero_shot_acc",
-    "i2t_recall@1",
-    "i2t_recall@5",
-    "t2i_recall@1",
-    "t2i_recall@5",
-    "caption_acc_tf",
-)
-"""Evaluation metrics logged as ``val/<name>`` and ``test/<name>``."""
 
 
 def _config_classes(config: Any) -> set[type]:
@@ -276,7 +266,7 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
     def _run(self, state: tuple[Tensor, ...]) -> FusionOutput:
         assert self.blocks is not None
         if self.head is None or len(self.blocks) == 0:
-            raise RuntimeError("generation and forward() need pipeline_parallel=1 (all blocks).")
+            raise RuntimeError("forward() needs pipeline_parallel=1 (all blocks on this rank).")
         for block in self.blocks:
             state = block(*state)
         return FusionOutput(*state)
@@ -362,12 +352,7 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         self._log_terms(prefix)
         if self._metrics is None or not self._prompts:
             return
-        values = torch.zeros(len(EVAL_METRICS))
-        if self.head is not None:
-            computed = self._metrics.compute()
-            values = torch.tensor([computed[n] for n in EVAL_METRICS])
-        values = penv.from_last_stage(self.trainer, values, self.head is not None)
-        for name, value in zip(EVAL_METRICS, values, strict=True):
+        for name, value in eval_values(self.trainer, self._metrics, self.head is not None).items():
             self.log(f"{prefix}/{name}", value, batch_size=1, prog_bar=name == "zero_shot_acc")
 
     # ------------------------------------------------------------------ optimizer

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import yaml
+from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningArgumentParser
 
 from lightning_mmpar.config import MULTI_STAGE_SCHEDULES, ParallelConfig
@@ -34,7 +35,7 @@ from lightning_mmpar.parallel.pipeline_schedules import in_flight_micro_batches,
 from lightning_mmpar.recipes.cli import RecipeDigitsCaptions
 from lightning_mmpar.recipes.module import ClipLlamaModule
 
-__all__ = ["build_module", "build_specs", "main"]
+__all__ = ["build_module", "build_specs", "data_args", "main"]
 
 
 def _strategy_args(config: dict[str, Any]) -> dict[str, Any]:
@@ -43,9 +44,7 @@ def _strategy_args(config: dict[str, Any]) -> dict[str, Any]:
     return args if isinstance(args, dict) else {}
 
 
-def build_module(
-    config: dict[str, Any], meta: bool = True
-) -> tuple[ClipLlamaModule, RecipeDigitsCaptions]:
+def build_module(config: dict[str, Any], meta: bool = True) -> tuple[ClipLlamaModule, Any]:
     """The YAML's ``model:`` and ``data:`` sections instantiated as the recipe CLI does
     (``data.vocab_size -> model.vocab_size``); ``meta``: the model built on the meta device
     (else unbuilt: a Trainer's ``configure_model`` builds it, as in ``fit``).
@@ -55,9 +54,11 @@ def build_module(
     """
     parser = LightningArgumentParser(exit_on_error=False)
     parser.add_lightning_class_args(ClipLlamaModule, "model", subclass_mode=False)
-    parser.add_lightning_class_args(RecipeDigitsCaptions, "data", subclass_mode=False)
+    parser.add_lightning_class_args(LightningDataModule, "data", subclass_mode=True)
+    default = f"{RecipeDigitsCaptions.__module__}.{RecipeDigitsCaptions.__name__}"
+    parser.set_defaults({"data": {"class_path": default}})
     parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
-    sections = {k: config.get(k) or {} for k in ("model", "data")}
+    sections = {"model": config.get("model") or {}, "data": data_args(config, nested=True)}
     try:
         instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes
         init = instantiate(parser.parse_object(sections))
@@ -68,6 +69,18 @@ def build_module(
         with torch.device("meta"):
             module.configure_model()
     return module, data
+
+
+def data_args(config: dict[str, Any], nested: bool = False) -> dict[str, Any]:
+    """The YAML's data arguments, whether ``data:`` holds them or ``class_path`` + ``init_args``
+    (any data module, as ``ClipLlamaCLI`` takes); ``nested``: the section with arguments given
+    beside ``class_path`` (a merged layout fragment's ``batch_size``) moved into ``init_args``."""
+    data = dict(config.get("data") or {})
+    if "class_path" not in data:
+        return data
+    beside = {k: v for k, v in data.items() if k not in ("class_path", "init_args")}
+    args = {**(data.get("init_args") or {}), **beside}
+    return {"class_path": data["class_path"], "init_args": args} if nested else args
 
 
 def build_specs(config: dict[str, Any], text_length: int | None = None) -> list[BlockSpec]:
@@ -137,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             partition=args.partition or strategy.get("partition") or "equal",
         )  # fmt: skip
         m = layout.num_micro_batches
-        batch = int((config.get("data") or {}).get("batch_size", 1))
+        batch = int(data_args(config).get("batch_size", 1))
         if args.micro_batch_size is not None and args.micro_batch_size < 1:
             raise ValueError(f"--micro-batch-size ({args.micro_batch_size}) must be >= 1.")
         mbs = args.micro_batch_size or max(1, batch // m)

@@ -35,7 +35,7 @@ from lightning_mmpar.plans.fusion import check_moe_layout, validate_tensor_paral
 from lightning_mmpar.plans.fusion_cost import fusion_model_spec
 from lightning_mmpar.plans.fusion_vision import check_vision_batch
 from lightning_mmpar.recipes.module import ClipLlamaModule
-from lightning_mmpar.recipes.partition import _strategy_args, build_module
+from lightning_mmpar.recipes.partition import _strategy_args, build_module, data_args
 from lightning_mmpar.strategy import MultimodalParallelStrategy
 
 __all__ = ["accept_layout", "fragment", "main", "spec_cache"]
@@ -183,7 +183,7 @@ def _global_batch(config: dict[str, Any], args: argparse.Namespace) -> int:
     world = int(trainer.get("devices", 1) or 1) * int(trainer.get("num_nodes", 1) or 1)
     dp = max(1, world // (int(strategy.get("tensor_parallel", 1))
                           * int(strategy.get("pipeline_parallel", 1))))  # fmt: skip
-    return int((config.get("data") or {}).get("batch_size", 1)) * dp
+    return int(data_args(config).get("batch_size", 1)) * dp
 
 
 def _load(path_text: str) -> dict[str, Any]:

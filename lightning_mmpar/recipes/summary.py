@@ -3,8 +3,11 @@
 Collects every logged scalar per step (training terms) and per validation, and at the end of
 ``fit`` (rank 0): prints a summary, writes ``summary.json`` and, when matplotlib is installed,
 ``loss.png`` and ``accuracy.png`` into the logger's directory (or ``default_root_dir``). When the
-module can generate (``generate_accuracy(dataloader)``, pipeline_parallel 1), the greedy caption
-accuracy over the validation set is measured first (a collective over all ranks).
+module can generate (``generate_accuracy(dataloader)``, any layout: KV-cached greedy decoding,
+through the pipeline stages under pipeline parallelism), the greedy caption accuracy over the
+validation set is measured first (a collective over all ranks). Retrieval is printed per pair
+(the image's own caption) and by class (a caption naming the same digit,
+``i2t_class_recall@1``: comparable with zero-shot accuracy).
 """
 
 from __future__ import annotations
@@ -140,7 +143,12 @@ class RunSummary(Callback):
             (
                 "accuracy.png",
                 self.val,
-                ("val/zero_shot_acc", "val/caption_acc_tf", "val/i2t_recall@1", "val/t2i_recall@1"),
+                (
+                    "val/zero_shot_acc",
+                    "val/caption_acc_tf",
+                    "val/i2t_recall@1",
+                    "val/i2t_class_recall@1",
+                ),
             ),
         ):
             fig, ax = plt.subplots(figsize=(6, 4))
@@ -173,7 +181,10 @@ def _format(s: dict[str, Any], path: Path, plots: list[Path]) -> str:
         f"  zero-shot accuracy (held-out digits)  {_pct(s['zero_shot_acc'])}",
         f"  caption names the digit: greedy {_pct(s['caption_acc_greedy'])}, "
         f"teacher-forced {_pct(s['caption_acc_teacher_forced'])}",
-        "  retrieval  " + "  ".join(f"{k} {_pct(v)}" for k, v in s["retrieval"].items()),
+        "  retrieval per pair (own caption)  "
+        + "  ".join(f"{k} {_pct(v)}" for k, v in s["retrieval"].items() if "class" not in k),
+        "  retrieval by class (same digit)   "
+        + "  ".join(f"{k} {_pct(v)}" for k, v in s["retrieval"].items() if "class" in k),
         *(
             f"  router ({m:6s})  top-1 share {_pct(r['top1_share'])}, entropy "
             f"{r['routing_entropy_bits']:.2f} bits, {r['experts_per_token']:.2f} experts/token, "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from lightning_mmpar.data.captions import (
 )
 from lightning_mmpar.data.digits import CLASS_NAMES, TEMPLATES, DigitsCaptions, fill
 from lightning_mmpar.data.tokenizer import WordTokenizer
+from lightning_mmpar.data.transforms import ImagePreprocess
 
 
 def test_tokenizer_encode_pad_truncate_and_roundtrip(tmp_path: Path) -> None:
@@ -248,3 +250,35 @@ def test_ignore_index_is_torch_cross_entropy_default() -> None:
     assert IGNORE_INDEX == torch.nn.CrossEntropyLoss().ignore_index == -100
     batch = WordTokenizer.build(["a cat"])(["a cat", "a"], max_length=5)
     assert batch["target_ids"][1].tolist()[-2:] == [IGNORE_INDEX, IGNORE_INDEX]
+
+
+def test_datamodule_labels_prompts_tokenizer_and_preprocess(tmp_path: Path) -> None:
+    _images(tmp_path)
+    lines = ["filepath,title,kind", "red.png,a red square,red", "blue.jpg,a blue box,1",
+             "green.png,a green one,purple"]  # fmt: skip
+    train = _csv(tmp_path, lines)
+    kw: dict[str, Any] = {"train_file": str(train), "image_size": 8, "max_length": 6}
+    kw["batch_size"] = 2
+    dm = CaptionsDataModule(
+        **kw, label_column="kind", class_names=["red", "blue"], on_error="skip",
+        prompt_template="a {name} thing",
+        preprocess=ImagePreprocess(mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5)),
+    )  # fmt: skip
+    assert dm.vocab_size == dm.tokenizer.vocab_size  # builds the tokenizer before setup
+    assert "thing" in dm.tokenizer.vocab  # the prompts' words are in the vocabulary
+    assert dm.num_skipped == {"train": 1}  # 'purple' is no class
+    prompts = dm.class_prompts()
+    assert dm.tokenizer.decode(prompts["input_ids"][1].tolist()) == "a blue thing"
+    batch = next(iter(dm.train_dataloader()))
+    assert sorted(batch["labels"].tolist()) == [0, 1]
+    torch.testing.assert_close(batch["images"][:, 0].flatten().unique().sort().values,
+                               torch.tensor([-1.0, 1.0]))  # fmt: skip
+    mine = WordTokenizer.build(["a red square"])
+    other = CaptionsDataModule(**kw, tokenizer=mine)
+    assert other.tokenizer is mine and other.class_prompts() == {}
+    with pytest.raises(ValueError, match=r"class_names \(\['red'\]\) and label_column \(None\)"):
+        CaptionsDataModule(**kw, class_names=["red"])
+    with pytest.raises(ValueError, match=r"prompt_template \('a photo'\) must contain \{name\}"):
+        CaptionsDataModule(
+            **kw, class_names=["red"], label_column="kind", prompt_template="a photo"
+        )
