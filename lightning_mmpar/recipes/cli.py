@@ -36,6 +36,7 @@ from lightning_mmpar.parallel.deepspeed import DeepSpeedPlan
 from lightning_mmpar.recipes.deepspeed import apply_deepspeed_json, strategy_from_deepspeed
 from lightning_mmpar.recipes.module import ClipLlamaModule
 from lightning_mmpar.recipes.preflight import preflight
+from lightning_mmpar.recipes.resume import AUTO, auto_ckpt_path
 
 __all__ = ["ClipLlamaCLI", "RecipeDigitsCaptions", "main", "run_cli"]
 
@@ -95,6 +96,10 @@ class ClipLlamaCLI(LightningCLI):
 
     def _preflight(self) -> None:
         ckpt_path = self._get(self.config, "ckpt_path")
+        if ckpt_path == AUTO:  # the newest complete checkpoint, else a fresh start
+            ckpt_path = self.config_init[str(self.subcommand)]["ckpt_path"] = auto_ckpt_path(
+                self.trainer
+            )
         preflight(self.trainer, self.model, self.datamodule, ckpt_path=ckpt_path)
 
     def before_fit(self) -> None:

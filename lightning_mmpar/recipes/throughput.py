@@ -1,4 +1,16 @@
-"""A progress bar that shows throughput (samples/s, tokens/s) next to the loss terms.
+"""Throughput of the recipe: Lightning's ``ThroughputMonitor`` with MFU, and a progress bar.
+
+:class:`RecipeThroughput` is Lightning's
+:class:`~lightning.pytorch.callbacks.ThroughputMonitor` (logged to the Trainer's loggers as
+``train/...``) counting one model replica (``tp * pp`` ranks) as one "device" and the dp
+replicas as the world: ``train/samples_per_sec`` and ``train/items_per_sec`` (tokens) are the
+whole run's, ``train/device/mfu`` is the model FLOPs utilisation (PaLM, Chowdhery et al. 2022,
+App. B): model FLOPs of the training steps (forward + backward, counted from the block shapes by
+:meth:`~lightning_mmpar.recipes.module.ClipLlamaModule.pipeline_block_specs`, the pipeline
+planner's cost model; recomputation not counted) / elapsed time / (``tp * pp`` x the peak FLOP/s
+of one device). The peak is ``peak_flops_per_device`` when given, else Lightning's table for the
+GPU and dtype in use (``get_available_flops``); a CPU has no table entry: there MFU is logged
+only with a configured peak, and it is then relative to that stated figure.
 
 Samples and tokens are counted over the whole data-parallel world (each dp rank sees its own
 batch; tp/pp peers share one): ``samples/s = dp * B / step time``; tokens are the text tokens
@@ -12,13 +24,17 @@ import time
 from collections import deque
 from typing import Any
 
+import torch
+from lightning.fabric.utilities.throughput import Throughput, get_available_flops
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks import ThroughputMonitor, TQDMProgressBar
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_mmpar.topology import ParallelDims
 
-__all__ = ["ThroughputProgressBar", "batch_counts"]
+__all__ = ["RecipeThroughput", "ThroughputProgressBar", "batch_counts", "flops_per_sample"]
 
 
 def batch_counts(batch: Any, image_tokens: int) -> tuple[int, int]:
@@ -75,3 +91,88 @@ class ThroughputProgressBar(TQDMProgressBar):
         metrics["samples/s"] = f"{self.samples_per_sec:.0f}"
         metrics["tokens/s"] = f"{self.tokens_per_sec:.0f}"
         return metrics
+
+
+def flops_per_sample(trainer: Trainer, module: LightningModule) -> float | None:
+    """Training FLOPs (forward + backward) of one sample through the whole model: the blocks'
+    costs of the strategy's stage plan (pp > 1, measured before stages drop parameters), else
+    ``module.pipeline_block_specs()``; ``None`` for a module without block costs."""
+    plan = getattr(trainer.strategy, "stage_plan", None)
+    if plan is not None:
+        return float(sum(b.flops for b in plan.blocks))
+    specs = getattr(module, "pipeline_block_specs", None)
+    return float(sum(b.flops for b in specs())) if callable(specs) else None
+
+
+def _compute_dtype(precision: str) -> torch.dtype:
+    """The matmul dtype of a Trainer ``precision`` flag (``bf16-mixed``, ``16-true``, ..)."""
+    if "bf16" in precision:
+        return torch.bfloat16
+    return torch.float16 if "16" in precision else torch.float32
+
+
+class RecipeThroughput(ThroughputMonitor):
+    """Lightning's ``ThroughputMonitor`` over model replicas, with MFU (module docstring).
+
+    Args:
+        peak_flops_per_device: peak FLOP/s of one device at the training dtype (e.g. ``989e12``
+            for an H100 SXM at BF16 dense); ``None``: Lightning's table (GPUs only). On a CPU
+            give the figure you measured or were told; MFU is relative to it.
+        window_size: steps in the moving average (Lightning's ``Throughput``).
+
+    Raises:
+        ValueError: ``peak_flops_per_device`` is not positive.
+    """
+
+    def __init__(self, peak_flops_per_device: float | None = None, window_size: int = 20) -> None:
+        if peak_flops_per_device is not None and not peak_flops_per_device > 0:
+            raise ValueError(
+                f"RecipeThroughput(peak_flops_per_device={peak_flops_per_device!r}) must be > 0 "
+                "FLOP/s (or None for Lightning's GPU table)."
+            )
+        super().__init__(self._count_samples, self._count_tokens, window_size=window_size)
+        self.peak_flops_per_device = peak_flops_per_device
+        self._image_tokens = 0
+        self._flops_per_sample: float | None = None
+        self._dp = 1
+
+    def _count_samples(self, batch: Any) -> int:
+        return batch_counts(batch, self._image_tokens)[0] * self._dp
+
+    def _count_tokens(self, batch: Any) -> int:
+        return batch_counts(batch, self._image_tokens)[1] * self._dp
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        dims = ParallelDims.of(trainer)
+        self._dp, replica = dims.dp, dims.world_size // dims.dp
+        peak = self.peak_flops_per_device or get_available_flops(
+            trainer.strategy.root_device, _compute_dtype(str(trainer.precision))
+        )
+        self.available_flops = int(peak * replica) if peak else None
+        if peak is None:
+            rank_zero_info(
+                "RecipeThroughput: no peak FLOP/s known for this device; MFU is not logged. Set "
+                "peak_flops_per_device (on a CPU: a figure you state)."
+            )
+        stages = [trainer.state.stage]
+        if stage == TrainerFn.FITTING and trainer.enable_validation:
+            stages.append(RunningStage.VALIDATING)
+        for running in stages:
+            assert running is not None
+            self._throughputs[running] = Throughput(
+                available_flops=self.available_flops, world_size=self._dp, **self.kwargs
+            )
+        self._image_tokens = ThroughputProgressBar._image_tokens(pl_module)
+        if stage != TrainerFn.FITTING:  # training FLOPs only: no MFU (nor warning) elsewhere
+            setattr(pl_module, "flops_per_batch", None)  # noqa: B010
+
+    @override
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._flops_per_sample is None:
+            self._flops_per_sample = flops_per_sample(trainer, pl_module) or 0.0
+        if self._flops_per_sample:  # Lightning's monitor reads this attribute every batch
+            flops = self._flops_per_sample * self._count_samples(batch)
+            setattr(pl_module, "flops_per_batch", flops)  # noqa: B010 (a float, not a Module)

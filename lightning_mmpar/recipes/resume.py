@@ -1,0 +1,37 @@
+"""``ckpt_path: auto``: resume from the newest complete checkpoint of this run, if any.
+
+The recipe CLI replaces ``auto`` by :func:`auto_ckpt_path` before anything is launched, so the
+same command starts a run and, relaunched after a pre-emption or a crash, resumes it (every
+process resolves it alike: the files do not change before the processes start). Searched: each
+ModelCheckpoint's ``dirpath`` when set and ``trainer.default_root_dir`` (recursively, so the
+logger's ``version_<n>/checkpoints`` folders of earlier launches count);
+:func:`~lightning_mmpar.parallel.checkpoint_find.newest_checkpoint` says what counts as complete
+and newest. Lightning's own ``ckpt_path: last`` looks only in the current logger version's
+folder, which a relaunch changes unless ModelCheckpoint's ``dirpath`` is fixed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_mmpar.parallel.checkpoint_find import AUTO, complete_checkpoints
+
+__all__ = ["AUTO", "auto_ckpt_path"]
+
+
+def auto_ckpt_path(trainer: Trainer) -> str | None:
+    """The newest complete checkpoint under the run's checkpoint folders (module docstring);
+    ``None`` (start from scratch, said in the log) when there is none."""
+    dirs = [c.dirpath for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
+    roots = [*(d for d in dirs if d), str(trainer.default_root_dir)]
+    found = sorted({x for r in roots for x in complete_checkpoints(Path(r))})
+    if not found:
+        rank_zero_info(f"ckpt_path=auto: no complete checkpoint under {roots}; starting afresh.")
+        return None
+    step, _, path = found[-1]
+    rank_zero_info(f"ckpt_path=auto: resuming from {path} (global step {step}).")
+    return str(path)

@@ -1,0 +1,190 @@
+"""Pre-emption, cadence and a dead rank, through the recipe CLI (gloo, CPU, tiny towers).
+
+* SIGTERM to the launching process of a tp 2 x pp 2 run (Lightning's launcher: the 3 other
+  ranks get no signal) after its first periodic checkpoint (``every_n_train_steps``): all 4
+  ranks agree, save ``last.ckpt`` at one step before ``max_steps`` and exit 0; relaunching the
+  same command (``--ckpt_path auto``) resumes there and ends with weights and optimizer state
+  bitwise equal to an uninterrupted run of the same command; that run's TensorBoard events
+  (Lightning's default logger) hold throughput, MFU and the peak memory of all 4 ranks;
+* SIGKILL of one rank of a 2-process run launched like a multi-node job (each rank its own
+  process, no launcher watching them): the other exits non-zero, within the process-group
+  timeout (``timeout: 0:00:30``) and never hangs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from lightning_mmpar.parallel.checkpoint_find import complete_checkpoints, newest_checkpoint
+from lightning_mmpar.testing import free_port
+
+pytestmark = pytest.mark.distributed
+ROOT = Path(__file__).resolve().parents[2]
+CPU_YAML = str(ROOT / "recipes" / "clip_llama_cpu.yaml")
+STEPS, EVERY = 12, 4
+WAIT = 900.0  # seconds: wall clock on a loaded 2-core machine; the CPU time is ~40 s a launch
+PG_TIMEOUT = 30.0
+PEAK = 1e9  # FLOP/s per device: a stated figure, so that MFU is logged on a CPU
+
+
+def _env(**extra: str) -> dict[str, str]:
+    drop = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", *drop))}
+    return env | {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **extra}
+
+
+def _command(tmp: Path, root: Path, devices: int = 4, **strategy: Any) -> list[str]:
+    every = EVERY if devices == 4 else 2
+    trainer = {
+        "max_steps": STEPS, "limit_val_batches": 0, "log_every_n_steps": 2,
+        "enable_progress_bar": False, "default_root_dir": str(root), "devices": devices,
+        "callbacks": [
+            {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+             "init_args": {"save_last": True, "save_top_k": 0, "every_n_train_steps": every}},
+            {"class_path": "lightning_mmpar.callbacks.preemption.Preemption"},
+            {"class_path": "lightning_mmpar.recipes.throughput.RecipeThroughput",
+             "init_args": {"peak_flops_per_device": PEAK, "window_size": 2}},
+            {"class_path": "lightning_mmpar.callbacks.memory.PeakMemory"},
+        ],
+    }  # fmt: skip
+    if strategy:
+        trainer["strategy"] = {
+            "class_path": "lightning_mmpar.strategy.MultimodalParallelStrategy",
+            "init_args": strategy,
+        }
+    overrides = tmp / f"{root.name}.yaml"
+    overrides.write_text(yaml.safe_dump({"trainer": trainer, "data": {"batch_size": 24}}))
+    return [sys.executable, "-m", "lightning_mmpar.recipes.clip_llama", "fit",
+            "--config", CPU_YAML, "--config", str(overrides), "--ckpt_path", "auto"]  # fmt: skip
+
+
+def _start(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+
+
+def _finish(proc: subprocess.Popen[bytes], log: Path) -> str:
+    try:
+        rc = proc.wait(timeout=WAIT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    text = log.read_text(errors="replace")
+    assert rc == 0, text[-4000:]
+    return text
+
+
+def _wait_for_checkpoint(root: Path, procs: list[subprocess.Popen[bytes]], log: Path) -> None:
+    deadline = time.monotonic() + WAIT
+    while not complete_checkpoints(root):
+        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+            for p in procs:
+                p.kill()
+            raise AssertionError("no checkpoint appeared:\n" + log.read_text()[-4000:])
+        time.sleep(0.05)
+
+
+def _final_state(root: Path, tmp: Path) -> tuple[dict[str, Any], int]:
+    path = newest_checkpoint(root)
+    assert path is not None, root
+    out = tmp / f"{root.name}.pt"
+    dcp_to_torch_save(path, out)
+    meta = torch.load(path / "meta.pt", weights_only=False)
+    return torch.load(out, weights_only=False), int(meta["global_step"])
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in _flat(sub, f"{prefix}{key}.").items()}
+    return {prefix: tree}
+
+
+def test_sigterm_saves_and_the_same_command_resumes_exactly(tmp_path: Path) -> None:
+    run, ref = tmp_path / "run", tmp_path / "ref"
+    env = _env(MASTER_PORT=str(free_port()))
+    log = tmp_path / "preempted.log"
+    proc = _start(_command(tmp_path, run), log, env)
+    _wait_for_checkpoint(run, [proc], log)
+    proc.send_signal(signal.SIGTERM)  # rank 0 only: the others learn it from the all-reduce
+    text = _finish(proc, log)
+    assert "Pre-emption (SIGTERM)" in text, text[-4000:]
+    saved = newest_checkpoint(run)
+    assert saved is not None and saved.name == "last.ckpt"
+    stopped = int(torch.load(saved / "meta.pt", weights_only=False)["global_step"])
+    assert EVERY < stopped < STEPS, stopped  # after the periodic save, before the end
+
+    env["MASTER_PORT"] = str(free_port())
+    resumed = tmp_path / "resumed.log"
+    text = _finish(_start(_command(tmp_path, run), resumed, env), resumed)
+    assert f"resuming from {saved} (global step {stopped})" in text, text[-4000:]
+    env["MASTER_PORT"] = str(free_port())
+    _finish(_start(_command(tmp_path, ref), tmp_path / "ref.log", env), tmp_path / "ref.log")
+
+    (got, got_step), (want, want_step) = _final_state(run, tmp_path), _final_state(ref, tmp_path)
+    assert got_step == want_step == STEPS
+    got_flat, want_flat = _flat(got), _flat(want)
+    assert got_flat.keys() == want_flat.keys()
+    tensors = [k for k, v in want_flat.items() if isinstance(v, torch.Tensor)]
+    assert len([k for k in tensors if k.startswith("state_dict.")]) > 10, tensors[:5]
+    assert any(".exp_avg" in k for k in tensors), tensors[:5]  # the optimizer state too
+    different = [k for k in tensors if not torch.equal(got_flat[k], want_flat[k])]
+    assert not different, different[:5]
+    _check_logged(ref, tmp_path / "ref.log")
+
+
+def _check_logged(root: Path, log: Path) -> None:
+    """Lightning's default logger (TensorBoard) got throughput, MFU and every rank's peak memory,
+    and nobody warned about loggers."""
+    assert (
+        "logger"
+        not in "".join(ln for ln in log.read_text().splitlines() if "Warning" in ln).lower()
+    )
+    events = EventAccumulator(str(next(root.rglob("events.out.tfevents.*")).parent))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    ranks = {f"memory/peak_gib_rank{r}" for r in range(4)}
+    rates = {f"train/device/{k}" for k in ("mfu", "samples_per_sec", "items_per_sec")}
+    assert rates | ranks <= tags, tags  # dp 1: one replica, so Lightning logs device/ names only
+    mfu = events.Scalars("train/device/mfu")[-1].value
+    flops = events.Scalars("train/device/flops_per_sec")[-1].value
+    assert 0 < mfu < 1 and mfu == pytest.approx(flops / (4 * PEAK), rel=1e-5)  # replica: 4 ranks
+    assert all(events.Scalars(tag)[-1].value > 0.05 for tag in ranks)  # GiB
+
+
+def test_sigkill_of_one_rank_ends_the_job_within_the_timeout(tmp_path: Path) -> None:
+    root = tmp_path / "killed"
+    cmd = _command(tmp_path, root, devices=2, tensor_parallel=2, pipeline_parallel=1,
+                   timeout="0:00:30")  # fmt: skip
+    port, procs = str(free_port()), []
+    log = tmp_path / "rank0.log"
+    for rank in range(2):
+        env = _env(
+            SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_PROCID=str(rank),
+            SLURM_LOCALID=str(rank), SLURM_NODEID="0", SLURM_JOB_ID="4243",
+            SLURM_JOB_NAME="mmpar", SLURM_NODELIST="127.0.0.1", MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+        )  # fmt: skip
+        procs.append(_start(cmd, log if rank == 0 else tmp_path / "rank1.log", env))
+    _wait_for_checkpoint(root, procs, log)
+    procs[1].send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    try:
+        rc = procs[0].wait(timeout=PG_TIMEOUT + 120)  # + start-up of the error path under load
+    finally:
+        for p in procs:
+            p.kill()
+    elapsed = time.monotonic() - killed_at
+    assert rc != 0, log.read_text()[-4000:]
+    assert elapsed < PG_TIMEOUT + 120, elapsed
+    print(f"rank 0 exited with code {rc} {elapsed:.1f} s after rank 1 was killed")
