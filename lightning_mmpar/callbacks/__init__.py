@@ -15,8 +15,10 @@ from lightning_mmpar.callbacks.expert_sparsity import ExpertSparsitySchedule
 from lightning_mmpar.callbacks.fp8_fallback import FP8FallbackCallback, FP8FallbackError
 from lightning_mmpar.callbacks.fp8_training import FP8Training
 from lightning_mmpar.callbacks.grad_drift import GradientDriftMonitor, GradReport
+from lightning_mmpar.callbacks.memory import PeakMemory
 from lightning_mmpar.callbacks.micro_batching import DynamicMicroBatching, brief_policy
 from lightning_mmpar.callbacks.pipeline_timeline import PipelineTimeline, formula_bubble
+from lightning_mmpar.callbacks.preemption import Preemption
 from lightning_mmpar.callbacks.replicas import Drift, ReplicaGroup
 from lightning_mmpar.callbacks.snapshot import Snapshot
 
@@ -35,7 +37,9 @@ __all__ = [
     "FallbackConfig",
     "GradReport",
     "GradientDriftMonitor",
+    "PeakMemory",
     "PipelineTimeline",
+    "Preemption",
     "ReplicaGroup",
     "Snapshot",
     "brief_policy",

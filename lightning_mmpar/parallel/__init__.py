@@ -6,6 +6,7 @@ recipe or a callback (import-linter contracts in pyproject.toml).
 """
 
 from lightning_mmpar.parallel.checkpoint import load_sharded, save_sharded, validate_checkpoint
+from lightning_mmpar.parallel.checkpoint_find import newest_checkpoint
 from lightning_mmpar.parallel.checkpoint_hooks import ShardedCheckpointHooks
 from lightning_mmpar.parallel.comm_count import CommCounter, state_bytes_of
 from lightning_mmpar.parallel.data import (
@@ -119,6 +120,7 @@ __all__ = [
     "locality_group_ranks",
     "map_deepspeed_config",
     "model_parallel_manual_seed",
+    "newest_checkpoint",
     "nonfinite_weights",
     "partition",
     "permute_experts",

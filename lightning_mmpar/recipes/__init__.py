@@ -25,7 +25,7 @@ from lightning_mmpar.recipes.generation import cached_greedy_decode, greedy_deco
 from lightning_mmpar.recipes.module import ClipLlamaModule
 from lightning_mmpar.recipes.preflight import preflight
 from lightning_mmpar.recipes.summary import RunSummary
-from lightning_mmpar.recipes.throughput import ThroughputProgressBar
+from lightning_mmpar.recipes.throughput import RecipeThroughput, ThroughputProgressBar
 
 __all__ = [
     "CaptionWriter",
@@ -39,6 +39,7 @@ __all__ = [
     "PretrainedConfig",
     "RecipeDigitsCaptions",
     "RecipeMetrics",
+    "RecipeThroughput",
     "RunSummary",
     "TensorParallelOptions",
     "ThroughputProgressBar",
