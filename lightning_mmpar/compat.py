@@ -5,15 +5,33 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
+_GROUP_TIMEOUT: list[timedelta | None] = [None]
+"""Timeout of the groups a ``DeviceMesh`` creates (:func:`set_group_timeout`); None: torch's."""
+
+
+def set_group_timeout(timeout: timedelta | None) -> None:
+    """Give every group the meshes create from now on ``timeout`` (the strategy's
+    ``timeout``, which Lightning passes to the world group only).
+
+    torch's ``DeviceMesh`` creates its tensor/pipeline/data-parallel groups with
+    ``new_group(timeout=None)``, i.e. torch's default (30 minutes on gloo, 10 on NCCL),
+    whatever the world group's timeout: a collective on a sub-group that waits for a dead or
+    hung peer would stall that long instead of the configured time.
+    """
+    _GROUP_TIMEOUT[0] = timeout
+
+
 @contextmanager
-def _ordered_groups() -> Iterator[None]:
-    """While set, the groups ``DeviceMesh`` creates keep its rank order (``sort_ranks=False``).
+def _ordered_groups(ordered: bool = True) -> Iterator[None]:
+    """While set, the groups ``DeviceMesh`` creates keep its rank order (``sort_ranks=False``)
+    and get the timeout of :func:`set_group_timeout`.
 
     torch 2.14's ``DeviceMesh`` creates each group with ``new_group(ranks)``, which sorts the
     ranks, while ``get_coordinate()`` (DTensor's shard offsets) reads the mesh tensor: on a
@@ -22,16 +40,28 @@ def _ordered_groups() -> Iterator[None]:
     group rank 1). Keeping the order makes both agree (pytorch/pytorch PR 193224 proposes the
     same as a ``preserve_rank_order`` flag). A no-op for sorted rank lists.
     """
-    from functools import partial
-
     import torch.distributed.device_mesh as device_mesh
 
-    original = device_mesh.new_group  # type: ignore[attr-defined]
-    device_mesh.new_group = partial(original, sort_ranks=False)  # type: ignore[attr-defined]
+    timeout = _GROUP_TIMEOUT[0]
+    originals = {n: getattr(device_mesh, n) for n in ("new_group", "split_group")}
+
+    def wrap(name: str) -> Any:
+        def create(*args: Any, **kwargs: Any) -> Any:
+            if timeout is not None and kwargs.get("timeout") is None:
+                kwargs["timeout"] = timeout
+            if ordered and name == "new_group":
+                kwargs["sort_ranks"] = False
+            return originals[name](*args, **kwargs)
+
+        return create
+
+    for name in originals:
+        setattr(device_mesh, name, wrap(name))
     try:
         yield
     finally:
-        device_mesh.new_group = original  # type: ignore[attr-defined]
+        for name, original in originals.items():
+            setattr(device_mesh, name, original)
 
 
 def init_mesh(
@@ -40,6 +70,7 @@ def init_mesh(
     names: tuple[str, ...],
     flattened: dict[str, tuple[str, ...]],
     ranks: Sequence[int] | None = None,
+    timeout: timedelta | None = None,
 ) -> DeviceMesh:
     """Build a named mesh and register flattened dimensions (``DeviceMesh._flatten``).
 
@@ -47,16 +78,20 @@ def init_mesh(
     position, row-major; the mesh is ``DeviceMesh(device_type, tensor(ranks).reshape(shape))``
     with order-preserving groups (:func:`_ordered_groups`). A dimension spanning the whole
     world gets a group of its own in that order (torch would reuse the default group, ordered
-    by global rank).
+    by global rank). ``timeout``: of every group the mesh creates (:func:`set_group_timeout`;
+    None keeps the current setting).
     """
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+    if timeout is not None:
+        set_group_timeout(timeout)
     if ranks is None or list(ranks) == list(range(len(ranks))):
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
-        for flat_name, dims in flattened.items():
-            mesh[dims]._flatten(flat_name)
+        with _ordered_groups(ordered=False):
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+            for flat_name, dims in flattened.items():
+                mesh[dims]._flatten(flat_name)
         return mesh
     world, backend = math.prod(shape), dist.get_backend()
     override = tuple((backend, None) if size == world else (None, None) for size in shape)

@@ -228,7 +228,7 @@ class MultimodalParallelStrategy(NumericsHooks, ShardedCheckpointHooks, ModelPar
                 self._dims.check_agreed(comm.all_gather_objects(placement))
             if placement is not None:
                 rank_zero_info(f"rank placement ({source}): {placement}")
-        mesh = self._dims.build_mesh(self.root_device.type)
+        mesh = self._dims.build_mesh(self.root_device.type, self._timeout)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = mesh
 

@@ -20,6 +20,7 @@ coordinate.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -236,8 +237,9 @@ class ParallelDims:
         if name not in valid:
             raise KeyError(f"unknown mesh dimension {name!r}; valid names: {', '.join(valid)}.")
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        """Create the root mesh, its flattened ``dp`` dimension and the ``vl`` group.
+    def build_mesh(self, device_type: str, timeout: timedelta | None = None) -> DeviceMesh:
+        """Create the root mesh, its flattened ``dp`` dimension and the ``vl`` group;
+        ``timeout``: of every group it creates (default: torch's, 30 min on gloo).
 
         Collective: every rank must call it, after the default process group exists.
         """
@@ -247,7 +249,9 @@ class ParallelDims:
                 **{alias: DERIVED_DIMS.get(d, (d,)) for alias, d in LIGHTNING_ALIASES.items()},
             }
             ranks = None if self.is_identity else self.placement
-            self._mesh = compat.init_mesh(device_type, self.shape, MESH_DIMS, flattened, ranks)
+            self._mesh = compat.init_mesh(
+                device_type, self.shape, MESH_DIMS, flattened, ranks, timeout
+            )
             self._vl_mesh = compat.own_communicator(self._mesh["tp"], "vl")
         return self._mesh
 

@@ -15,6 +15,10 @@ precision, the data's batch size and ``model.optim`` from the JSON
 (``--deepspeed_strict true``: one ``ValueError``). Before ``fit``/``validate``/``test``/
 ``predict`` launch any process, :func:`lightning_mmpar.recipes.preflight.preflight` checks the
 layout against the model and the data, in the main process, once.
+
+``precision.fp8:`` (a top-level section of the YAML, or ``--precision.fp8 '{}'``) adds
+:class:`~lightning_mmpar.callbacks.FP8Training` with its ``policy`` / ``fallback`` / ``drift``
+arguments to ``trainer.callbacks``: FP8 linear layers, the BF16 fallback and the drift monitor.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from torch import Tensor
 from torch.utils.data import DataLoader
 
+from lightning_mmpar.callbacks.fp8_training import FP8Training
 from lightning_mmpar.data.digits import DigitsCaptions
 from lightning_mmpar.parallel.deepspeed import DeepSpeedPlan
 from lightning_mmpar.recipes.deepspeed import apply_deepspeed_json, strategy_from_deepspeed
@@ -72,6 +77,14 @@ class ClipLlamaCLI(LightningCLI):
             "batch sizes, optimizer/scheduler -> Trainer, data and model.optim.",
         )
         parser.add_argument(
+            "--precision.fp8",
+            type=FP8Training | None,
+            default=None,
+            help="FP8 linear layers with the BF16 fallback and the drift monitor: the init "
+            "arguments of lightning_mmpar.callbacks.FP8Training (policy: which modules stay "
+            "BF16; fallback; drift), {} for its defaults; added to trainer.callbacks.",
+        )
+        parser.add_argument(
             "--deepspeed_strict",
             type=bool,
             default=False,
@@ -92,7 +105,11 @@ class ClipLlamaCLI(LightningCLI):
         _share_cpu_threads(trainer_config)
         if self._deepspeed_plan is not None:
             kwargs["strategy"] = strategy_from_deepspeed(self._deepspeed_plan)
-        return super().instantiate_trainer(**kwargs)
+        trainer = super().instantiate_trainer(**kwargs)
+        fp8 = self._get(self.config_init, "precision.fp8")
+        if fp8 is not None:  # the `precision.fp8:` section
+            trainer.callbacks.append(fp8)
+        return trainer
 
     def _preflight(self) -> None:
         ckpt_path = self._get(self.config, "ckpt_path")

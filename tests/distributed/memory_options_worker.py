@@ -88,16 +88,16 @@ RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
 
 def yaml_precision_sections(name: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The commented ``precision.fp8`` callback entry and ``memory`` strategy options of the
-    shipped ``recipes/<name>.yaml``, uncommented."""
+    """The commented ``precision.fp8`` section (FP8Training's arguments) and ``memory``
+    strategy options of the shipped ``recipes/<name>.yaml``, uncommented."""
     import re
 
     import yaml
 
     lines = (RECIPES / f"{name}.yaml").read_text().splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("    # precision.fp8:"))
-    block = [line[6:] for line in lines[start:] if re.match(r"    # (- |  )", line)]
-    (entry,) = yaml.safe_load("\n".join(block))
+    start = next(i for i, line in enumerate(lines) if line.startswith("# precision.fp8:"))
+    block = [line[2:] for line in lines[start:] if re.match(r"# (precision:|  )", line)]
+    entry = yaml.safe_load("\n".join(block))["precision"]["fp8"]
     (memory,) = [line.split("# memory:", 1)[1] for line in lines if "# memory:" in line]
     return entry, yaml.safe_load(memory)
 
@@ -122,8 +122,9 @@ def fit_recipe(world: int, recipe: str, tp: int, steps: int = 3) -> dict[str, An
             "accelerator": "cpu", "devices": world, "num_nodes": 1, "max_steps": steps,
             "precision": "32-true", "limit_val_batches": 0, "logger": False,
             "enable_progress_bar": False, "enable_checkpointing": False,
-            "default_root_dir": str(root), "strategy": strategy, "callbacks": [entry],
+            "default_root_dir": str(root), "strategy": strategy,
         },
+        "precision": {"fp8": entry},
         "model": {"fusion": {
             "vision": {"image_size": 16, "patch_size": 8, "width": 32, "layers": 2,
                        "heads": heads, "output_dim": 16},

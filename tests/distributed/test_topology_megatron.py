@@ -60,6 +60,7 @@ PLACED: list[tuple[tuple[int, int, int], tuple[int, ...]]] = [
 ]
 """((tp, pp, ep), placement) whose permuted ``DeviceMesh`` is built."""
 NAMES: tuple[str, ...] = ("tp", "pp", "dp", "ep", "edp")
+TIMEOUT_S = 123.0
 
 
 def _megatron_groups() -> dict[str, tuple[list[int], int]]:
@@ -121,7 +122,29 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
         ps.destroy_model_parallel()
     meshes = {layout: _mesh_checks(rank, *layout) for layout in MESH_LAYOUTS}
     placed = {perm: _mesh_checks(rank, *layout, perm) for layout, perm in PLACED}
-    return {"megatron": megatron, "meshes": meshes, "placed": placed}
+    return {"megatron": megatron, "meshes": meshes, "placed": placed, "timeouts": _timeouts()}
+
+
+def _timeouts() -> dict[str, dict[str, float]]:
+    """Seconds of every mesh group's timeout when the mesh is built with one (the strategy
+    passes its ``timeout``; torch alone would give the sub-groups its 30-minute default)."""
+    from datetime import timedelta
+
+    from lightning_mmpar import compat
+
+    out = {}
+    for key, placement in (("identity", None), ("placed", PLACED[0][1])):
+        tp, pp, ep = PLACED[0][0]
+        dims = ParallelDims(world_size=WORLD, tp=tp, pp=pp, ep=ep, placement=placement)
+        dims.build_mesh("cpu", timeout=timedelta(seconds=TIMEOUT_S))
+        groups = {name: dims.get_mesh(name).get_group() for name in NAMES} | {"vl": dims.vl_group}
+        out[key] = {
+            name: g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+            for name, g in groups.items()
+            if g is not dist.group.WORLD
+        }
+    compat.set_group_timeout(None)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -178,3 +201,11 @@ def test_placed_mesh_matches_groups(
         assert not checks["vl_is_tp"], f"rank {rank}: vl_group must be its own communicator"
         chunk = list(range(4 * coords["tp"], 4 * coords["tp"] + 4))
         assert checks["shard"] == chunk and checks["gathered"], f"rank {rank}: tp DTensor"
+
+
+@pytest.mark.distributed
+def test_mesh_groups_take_the_strategy_timeout(world: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(world):
+        for key, timeouts in result["timeouts"].items():
+            assert len(timeouts) >= 4, (rank, key, timeouts)  # sub-groups, not the world group
+            assert set(timeouts.values()) == {TIMEOUT_S}, (rank, key, timeouts)

@@ -143,3 +143,28 @@ def test_data_module_without_vocab_size_is_refused(monkeypatch: pytest.MonkeyPat
     with pytest.raises(ValueError, match=r"data \(BoringDataModule\) has no vocab_size"):
         run_cli(["fit", "--config", "recipes/clip_llama_cpu.yaml", "--trainer.devices", "1",
                  "--trainer.strategy", "auto", "--data.class_path", boring])  # fmt: skip
+
+
+def test_precision_fp8_section_trains_in_fp8(tmp_path: Path) -> None:
+    """The YAML's top-level ``precision.fp8:`` adds FP8Training with its policy (CPU: FP8
+    emulation), and the recipe trains with the converted layers."""
+    from lightning_mmpar.callbacks import FP8Training
+
+    config = {
+        **TINY,
+        "trainer": {**TINY["trainer"], "default_root_dir": str(tmp_path / "run")},
+        "data": {"image_size": 16, "batch_size": 8},
+        "precision": {"fp8": {"policy": {"keep_high_precision": ["*head*"]}}},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    cli = run_cli(["fit", "--config", str(path)])
+    fp8 = [c for c in cli.trainer.callbacks if isinstance(c, FP8Training)]
+    assert len(fp8) == 1 and cli.trainer.global_step == 2
+    assert fp8[0].policy.keep_high_precision == ("*head*",)
+    assert fp8[0].converted and not any("head" in n for n in fp8[0].converted), fp8[0].converted
+    assert math.isfinite(float(cli.trainer.callback_metrics["train/caption"]))
+    config.pop("precision")
+    path.write_text(yaml.safe_dump(config))
+    plain = run_cli(["fit", "--config", str(path), "--trainer.max_steps", "1"])
+    assert not any(isinstance(c, FP8Training) for c in plain.trainer.callbacks)

@@ -220,14 +220,12 @@ def test_fp8_training_callback(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", ["1gpu", "8gpu", "16gpu"])
 def test_gpu_yamls_document_the_options(name: str) -> None:
-    """The commented ``precision.fp8`` callback and ``memory`` strategy options of each GPU
+    """The commented ``precision.fp8`` section and ``memory`` strategy options of each GPU
     YAML, uncommented, build the callback and the strategy."""
     lines = (RECIPES / f"clip_llama_{name}.yaml").read_text().splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("    # precision.fp8:"))
-    block = [line[6:] for line in lines[start:] if re.match(r"    # (- |  )", line)]
-    (entry,) = yaml.safe_load("\n".join(block))
-    assert entry["class_path"] == "lightning_mmpar.callbacks.FP8Training"
-    args = entry["init_args"]
+    start = next(i for i, line in enumerate(lines) if line.startswith("# precision.fp8:"))
+    block = [line[2:] for line in lines[start:] if re.match(r"# (precision:|  )", line)]
+    args = yaml.safe_load("\n".join(block))["precision"]["fp8"]  # FP8Training's arguments
     policy = FP8Policy(
         **{**args["policy"], "keep_high_precision": tuple(args["policy"]["keep_high_precision"])}
     )
