@@ -108,7 +108,7 @@ class ClipLlamaCLI(LightningCLI):
         trainer = super().instantiate_trainer(**kwargs)
         fp8 = self._get(self.config_init, "precision.fp8")
         if fp8 is not None:  # the `precision.fp8:` section
-            trainer.callbacks.append(fp8)
+            trainer.callbacks.append(fp8)  # type: ignore[attr-defined]
         return trainer
 
     def _preflight(self) -> None:
