@@ -122,7 +122,7 @@ def fit_recipe(world: int, recipe: str, tp: int, steps: int = 3) -> dict[str, An
             "accelerator": "cpu", "devices": world, "num_nodes": 1, "max_steps": steps,
             "precision": "32-true", "limit_val_batches": 0, "logger": False,
             "enable_progress_bar": False, "enable_checkpointing": False,
-            "default_root_dir": str(root), "strategy": strategy,
+            "default_root_dir": str(root), "strategy": strategy, "callbacks": [],
         },
         "precision": {"fp8": entry},
         "model": {"fusion": {

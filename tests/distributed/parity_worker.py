@@ -273,7 +273,8 @@ def resume_and_reshard(rank: int, world: int, root: str) -> dict[str, Any]:
 
 
 def pipeline_batch_sizes(rank: int, world: int) -> dict[str, Any]:
-    """pp=2: validation with another batch size than training, then one that does not split."""
+    """pp=2: validation with another batch size than training, then one that the micro-batches
+    do not divide (its stages run in order: same loss)."""
     cfg = ToyConfig()
     out: dict[str, Any] = {}
     for batch_size in (4, 6):

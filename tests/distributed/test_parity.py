@@ -99,11 +99,9 @@ def test_two_rank_layouts(ref: dict[str, Any], ref_clipped: dict[str, Any]) -> N
     for r in _by_job(res, "batch_sizes"):
         # evaluation batches of another size get their own schedule ...
         assert abs(r[4][0]["val_loss"] - ref["val_loss"]) / ref["val_loss"] < LOSS_RTOL
-        # ... and a batch that does not split into micro-batches is refused clearly
-        assert r[6] == (
-            "batch size (6) must be divisible by micro_batches (4) under pipeline parallelism; "
-            "use a multiple of 4, e.g. 4 (drop_last=True avoids a short last batch)."
-        )
+        # ... and batches the micro-batches do not divide run their stages in order
+        assert isinstance(r[6], list), r[6]
+        assert abs(r[6][0]["val_loss"] - ref["val_loss"]) / ref["val_loss"] < LOSS_RTOL
         assert 0 < r["fit_then_validate"] < ref["val_loss"]  # trained, on the same Trainer
     for name, _, _ in jobs:
         check(name, _by_job(res, name), ref)
