@@ -47,13 +47,11 @@ def parameter_groups(
         lr = getattr(optim, f"lr_{tower}")
         for names, wd, suffix in ((decay, optim.weight_decay, ""), (no_decay, 0.0, ".no_decay")):
             chosen = [params[n] for n in names if towers.get(id(params[n]), "adapter") == tower]
-            # every rank gets all six groups, empty or not: a pipeline stage without vision
-            # parameters must have the same groups as the others, or a resumed LR scheduler
-            # (one state for all ranks) has more base learning rates than groups
-            groups.append({
-                "params": chosen, "weight_decay": wd, "name": tower + suffix,
-                "lr": optim.lr if lr is None else lr,
-            })  # fmt: skip
+            if chosen:
+                groups.append({
+                    "params": chosen, "weight_decay": wd, "name": tower + suffix,
+                    "lr": optim.lr if lr is None else lr,
+                })  # fmt: skip
     return groups
 
 

@@ -97,9 +97,6 @@ def test_freezing_policy_and_learning_rate_per_tower(loaded: Any) -> None:
     assert all(p.requires_grad for p in model.adapters.parameters())
     optim = OptimConfig(lr=1e-3, weight_decay=0.1, lr_language=1e-4, lr_adapter=5e-3)
     groups = {g["name"]: g for g in parameter_groups(loaded, model, optim)}
-    # all six groups on every rank (a frozen or absent tower's are empty): equal group lists
-    # on every pipeline stage, so one LR-scheduler state resumes on all of them
-    assert not groups.pop("vision")["params"] and not groups.pop("vision.no_decay")["params"]
     assert set(groups) == {"language", "language.no_decay", "adapter", "adapter.no_decay"}
     assert [groups[n]["lr"] for n in sorted(groups)] == [5e-3, 5e-3, 1e-4, 1e-4]
     assert groups["language"]["weight_decay"] == 0.1
