@@ -122,6 +122,7 @@ def _spawn_once(
             try:
                 rank, ok, value = out.get(timeout=timeout)
             except queue.Empty:
+                errors.append(f"timed out after {timeout}s")  # join briefly, then kill
                 raise RuntimeError(f"world of {world_size} timed out after {timeout}s") from None
             if ok is None:
                 errors.append(f"rank {rank}: {value}")

@@ -21,7 +21,7 @@ from lightning_mmpar.models.fusion import FusionModel, weight_decay_split
 from lightning_mmpar.recipes import parallel_env as penv
 from lightning_mmpar.recipes.config import OptimConfig
 
-__all__ = ["parameter_groups", "recipe_optimizer"]
+__all__ = ["StepLambdaLR", "parameter_groups", "recipe_optimizer"]
 
 
 def tower_of(model: FusionModel) -> dict[int, str]:
@@ -55,6 +55,34 @@ def parameter_groups(
     return groups
 
 
+class StepLambdaLR(torch.optim.lr_scheduler.LambdaLR):
+    """A :class:`~torch.optim.lr_scheduler.LambdaLR` whose checkpoint holds only the step.
+
+    Under pipeline parallelism each stage's optimizer holds a different set of parameter groups
+    (a stage without vision layers has no ``vision`` groups), while Lightning saves one
+    scheduler state (rank 0's). Torch's ``LambdaLR`` saves ``base_lrs`` and ``_last_lr`` per
+    group, so a stage with fewer groups fails on resume (``zip()`` length mismatch). This
+    scheduler saves ``{"last_epoch", "_step_count"}`` only; on load it keeps its own groups'
+    base rates (from the config) and sets every group's rate to ``base * lambda(last_epoch)``,
+    which is what an uninterrupted run has at that step - on any stage and any layout.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"last_epoch": int, "_step_count": int}``: the step, nothing per group."""
+        return {"last_epoch": self.last_epoch, "_step_count": self._step_count}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the step and recompute every group's rate at it (keys other than
+        ``last_epoch`` / ``_step_count``, as torch's own state carries, are ignored)."""
+        self.last_epoch = int(state_dict["last_epoch"])
+        self._step_count = int(state_dict.get("_step_count", self.last_epoch + 1))
+        pairs = zip(self.base_lrs, self.lr_lambdas, strict=True)
+        rates = [base * f(self.last_epoch) for base, f in pairs]
+        for group, lr in zip(self.optimizer.param_groups, rates, strict=True):
+            group["lr"] = lr
+        self._last_lr = rates
+
+
 def recipe_optimizer(module: Any) -> Any:
     """``configure_optimizers`` of the recipe: AdamW over :func:`parameter_groups`, linear
     warm-up and cosine decay per step."""
@@ -62,5 +90,5 @@ def recipe_optimizer(module: Any) -> Any:
     groups = parameter_groups(module, module.fusion_model, o)
     opt = torch.optim.AdamW(groups, lr=o.lr, foreach=False)
     total = max(1, int(module.trainer.estimated_stepping_batches))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, penv.warmup_cosine(o, total))
+    sched = StepLambdaLR(opt, penv.warmup_cosine(o, total))
     return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -70,8 +70,31 @@ def _command(tmp: Path, root: Path, devices: int = 4, **strategy: Any) -> list[s
             "--config", CPU_YAML, "--config", str(overrides), "--ckpt_path", "auto"]  # fmt: skip
 
 
+_STARTED: list[subprocess.Popen[bytes]] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_orphans() -> Any:
+    """Kill every process group a test started, pass or fail: Lightning's launcher is rank 0
+    and ranks 1-3 are its children, so killing the launcher alone would leave them waiting in
+    a collective and starve the rest of the suite of CPU and memory."""
+    yield
+    while _STARTED:
+        proc = _STARTED.pop()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
+
+
 def _start(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+        start_new_session=True,  # its own process group: the launcher and the ranks it starts
+    )  # fmt: skip
+    _STARTED.append(proc)
+    return proc
 
 
 def _finish(proc: subprocess.Popen[bytes], log: Path) -> str:
