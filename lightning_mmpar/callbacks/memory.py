@@ -21,6 +21,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_mmpar.callbacks.cadence import OptimizerStepCadence
 from lightning_mmpar.parallel import comm
 
 __all__ = ["PeakMemory", "peak_bytes"]
@@ -42,7 +43,7 @@ class PeakMemory(Callback):
     def __init__(self) -> None:
         self.last: list[float] = []
         """The last gathered peaks, GiB, by global rank."""
-        self._step = -1
+        self._cadence = OptimizerStepCadence()
 
     def gather(self, trainer: pl.Trainer) -> list[float]:
         """Every rank's peak in GiB, by global rank (a collective when a group exists)."""
@@ -60,9 +61,8 @@ class PeakMemory(Callback):
         batch_idx: int,
     ) -> None:
         step = trainer.global_step
-        if step == self._step or step % max(int(getattr(trainer, "log_every_n_steps", 50)), 1):
+        if not self._cadence.due(step, getattr(trainer, "log_every_n_steps", 50)):
             return  # once per logging step, right after the optimizer step
-        self._step = step
         self.last = self.gather(trainer)
         if trainer.is_global_zero and trainer.loggers:
             metrics = {f"memory/peak_gib_rank{r}": v for r, v in enumerate(self.last)}

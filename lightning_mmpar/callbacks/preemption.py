@@ -40,6 +40,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from typing_extensions import override
 
+from lightning_mmpar.callbacks.cadence import OptimizerStepCadence
 from lightning_mmpar.parallel import comm
 
 __all__ = ["Preemption"]
@@ -94,7 +95,7 @@ class Preemption(Callback):
         self.saved_path: Path | None = None
         self.stopped_at = -1
         self._previous: dict[signal.Signals, Any] = {}
-        self._checked_step = -1
+        self._cadence = OptimizerStepCadence()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.received = signal.Signals(signum)
@@ -102,7 +103,7 @@ class Preemption(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # After Lightning registered its own handlers (just before the loop): ours replace them.
-        self.received, self._checked_step = None, trainer.global_step
+        self.received, self._cadence.last_step = None, trainer.global_step
         for sig in self.signals:
             self._previous[sig] = signal.getsignal(sig)
             signal.signal(sig, self._handle)
@@ -150,9 +151,8 @@ class Preemption(Callback):
     ) -> None:
         # Only right after an optimizer step (global_step just changed): never mid-accumulation.
         step = trainer.global_step
-        if step == self._checked_step or step % self.check_every_n_steps:
+        if not self._cadence.due(step, self.check_every_n_steps):
             return
-        self._checked_step = step
         if not self.agreed(trainer):
             return
         path = self.checkpoint_path(trainer)

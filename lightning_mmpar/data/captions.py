@@ -258,16 +258,3 @@ class CaptionsDataModule(ClassPrompts, pl.LightningDataModule):
     def predict_dataloader(self) -> DataLoader[dict[str, torch.Tensor]]:
         """The validation file in order (``predict`` captions it)."""
         return self._loader("val", False)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Carried by Lightning checkpoints: a :class:`WordTokenizer` (other tokenizers are
-        configuration: they come back from the YAML)."""
-        tok = self.tokenizer
-        return {"tokenizer": tok.to_dict() if isinstance(tok, WordTokenizer) else None}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the tokenizer saved in a checkpoint."""
-        if state_dict.get("tokenizer") is not None:
-            self.tokenizer = WordTokenizer.from_dict(state_dict["tokenizer"], source="checkpoint")
-            for dataset in self.datasets.values():
-                dataset.tokenizer = self.tokenizer

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from lightning_mmpar.data.tokenizer import IGNORE_INDEX, TOKENIZER_FILE, WordTokenizer
+from lightning_mmpar.data.tokenizer import TOKENIZER_FILE, WordTokenizer, encode_batch
 
 __all__ = ["HFTokenizer", "load_tokenizer", "tokenizer_from_dict"]
 
@@ -78,21 +78,7 @@ class HFTokenizer:
     def __call__(self, texts: Sequence[str], max_length: int) -> dict[str, torch.Tensor]:
         """``input_ids``, ``attention_mask``, ``target_ids`` (all ``[B, T]`` long), as
         :meth:`WordTokenizer.__call__` (truncation keeps ``<eos>`` last)."""
-        if max_length < 2:
-            raise ValueError(f"max_length ({max_length}) must be >= 2 to hold <bos> and <eos>.")
-        ids = torch.full((len(texts), max_length), self.pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, text in enumerate(texts):
-            tokens = self.encode(text)
-            if len(tokens) > max_length:
-                tokens = [*tokens[: max_length - 1], self.eos_id]
-            ids[row, : len(tokens)] = torch.tensor(tokens)
-            mask[row, : len(tokens)] = 1
-        return {
-            "input_ids": ids,
-            "attention_mask": mask,
-            "target_ids": ids.masked_fill(mask == 0, IGNORE_INDEX),
-        }
+        return encode_batch(self.encode, texts, max_length, pad_id=self.pad_id, eos_id=self.eos_id)
 
     def max_length_for(self, texts: Iterable[str]) -> int:
         """Length of the longest encoded text (tokens + bos + eos)."""

@@ -13,6 +13,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from lightning_mmpar.data.tokenizer import WordTokenizer
+
 __all__ = ["CaptionTokenizer", "ClassPrompts", "parse_label"]
 
 
@@ -39,11 +41,13 @@ class CaptionTokenizer(Protocol):
 
 
 class ClassPrompts:
-    """Mixin of a data module with ``tokenizer``, ``max_length``, ``class_names`` and
-    ``prompt_template`` attributes (and ``_ensure_tokenizer()``, which builds the tokenizer if
-    it is not there yet)."""
+    """Mixin of a caption data module with ``tokenizer``, ``max_length``, ``class_names``,
+    ``prompt_template`` and ``datasets`` attributes (and ``_ensure_tokenizer()``, which builds
+    the tokenizer if it is not there yet): zero-shot class prompts, the vocabulary size, and
+    the tokenizer in Lightning checkpoints."""
 
     tokenizer: Any
+    datasets: dict[str, Any]
     max_length: int
     class_names: tuple[str, ...]
     prompt_template: str
@@ -65,6 +69,19 @@ class ClassPrompts:
             return {}
         texts = [self.prompt_template.format(name=name) for name in self.class_names]
         return dict(self._ensure_tokenizer()(texts, self.max_length))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Carried by Lightning checkpoints: a built/loaded :class:`WordTokenizer` (other
+        tokenizers are configuration: they come back from the YAML)."""
+        tok = self.tokenizer
+        return {"tokenizer": tok.to_dict() if isinstance(tok, WordTokenizer) else None}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the tokenizer saved in a checkpoint (into the datasets too)."""
+        if state_dict.get("tokenizer") is not None:
+            self.tokenizer = WordTokenizer.from_dict(state_dict["tokenizer"], source="checkpoint")
+            for dataset in self.datasets.values():
+                dataset.tokenizer = self.tokenizer
 
 
 def check_classes(owner: str, class_names: Sequence[str] | None, template: str) -> tuple[str, ...]:

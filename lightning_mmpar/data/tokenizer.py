@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,20 +104,7 @@ class WordTokenizer:
         ``target_ids`` is ``input_ids`` with padding set to the loss's ignore index; the caption
         loss shifts it by one position itself.
         """
-        if max_length < 2:
-            raise ValueError(f"max_length ({max_length}) must be >= 2 to hold <bos> and <eos>.")
-        ids = torch.full((len(texts), max_length), self.pad_id, dtype=torch.long)
-        for row, text in enumerate(texts):
-            tokens = self.encode(text)
-            if len(tokens) > max_length:  # truncate the words, keep <eos> last
-                tokens = [*tokens[: max_length - 1], self.eos_id]
-            ids[row, : len(tokens)] = torch.tensor(tokens)
-        mask = (ids != self.pad_id).long()
-        return {
-            "input_ids": ids,
-            "attention_mask": mask,
-            "target_ids": ids.masked_fill(mask == 0, IGNORE_INDEX),
-        }
+        return encode_batch(self.encode, texts, max_length, pad_id=self.pad_id, eos_id=self.eos_id)
 
     def max_length_for(self, texts: Iterable[str]) -> int:
         """Length of the longest encoded text (words + bos + eos)."""
@@ -158,6 +145,42 @@ class WordTokenizer:
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}: invalid JSON at line {err.lineno} ({err.msg}).") from err
         return cls.from_dict(state, source=str(path))
+
+
+def encode_batch(
+    encode: Callable[[str], list[int]],
+    texts: Sequence[str],
+    max_length: int,
+    *,
+    pad_id: int,
+    eos_id: int,
+) -> dict[str, torch.Tensor]:
+    """``input_ids``, ``attention_mask``, ``target_ids`` (all ``[B, max_length]`` long) of
+    ``texts`` encoded by ``encode`` (``[bos, ..., eos]`` per text), for every tokenizer.
+
+    Rows are right-padded with ``pad_id``; a text longer than ``max_length`` keeps its first
+    tokens and ``eos_id`` last. The mask marks each row's real tokens by length, so a tokenizer
+    whose pad id equals its eos id (Llama's) still counts its ``<eos>``. ``target_ids`` is
+    ``input_ids`` with padding set to the loss's ignore index (the caption loss shifts it).
+
+    Raises:
+        ValueError: ``max_length < 2`` (no room for ``<bos>`` and ``<eos>``).
+    """
+    if max_length < 2:
+        raise ValueError(f"max_length ({max_length}) must be >= 2 to hold <bos> and <eos>.")
+    ids = torch.full((len(texts), max_length), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, text in enumerate(texts):
+        tokens = encode(text)
+        if len(tokens) > max_length:  # truncate the text, keep <eos> last
+            tokens = [*tokens[: max_length - 1], eos_id]
+        ids[row, : len(tokens)] = torch.tensor(tokens)
+        mask[row, : len(tokens)] = 1
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "target_ids": ids.masked_fill(mask == 0, IGNORE_INDEX),
+    }
 
 
 def _split(text: str, lowercase: bool) -> list[str]:

@@ -207,16 +207,3 @@ class WebDatasetCaptions(ClassPrompts, pl.LightningDataModule):
         """Bad samples skipped per split by this rank's readers in the current (or last) epoch
         (read from the readers' states, which live in the DataLoader workers)."""
         return {split: loader.bad_seen for split, loader in self.loaders.items()}
-
-    def state_dict(self) -> dict[str, Any]:
-        """Carried by Lightning checkpoints: a built/loaded :class:`WordTokenizer`. (The
-        reading position travels in the train loader's own state.)"""
-        tok = self.tokenizer
-        return {"tokenizer": tok.to_dict() if isinstance(tok, WordTokenizer) else None}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the tokenizer saved in a checkpoint."""
-        if state_dict.get("tokenizer") is not None:
-            self.tokenizer = WordTokenizer.from_dict(state_dict["tokenizer"], source="checkpoint")
-            for dataset in self.datasets.values():
-                dataset.tokenizer = self.tokenizer
