@@ -235,7 +235,15 @@ PLACEMENT_LAYOUTS: tuple[Layout, ...] = (  # issue 12: a rank permutation change
     Layout("tp2 x dp2 fsdp, placement [3, 0, 2, 1]", 4,
            {"tensor_parallel": 2, "placement": [3, 0, 2, 1]}, max_steps=3),
 )  # fmt: skip
+MEMORY_LAYOUTS: tuple[Layout, ...] = (  # issue 13: memory options change no fp32 numerics
+    Layout("pp2 1f1b, activation checkpointing every 2nd block", 2,
+           {**_pp("1f1b", 2, 2, 1), "activation_checkpointing": 2}, max_steps=3),
+    Layout("tp2 x dp2 fsdp, activation checkpointing + optimizer offload", 4,
+           {"tensor_parallel": 2, "activation_checkpointing": "all", "offload_optimizer": True},
+           max_steps=3),
+)  # fmt: skip
 LAYOUTS += SCHEDULE_LAYOUTS + VISION_LAYOUTS + PARTITION_LAYOUTS + PLACEMENT_LAYOUTS
+LAYOUTS += MEMORY_LAYOUTS
 
 
 MEASURED = frozenset(x.name for x in VISION_LAYOUTS + PLACEMENT_LAYOUTS) | frozenset(("dp2 fsdp",
@@ -361,6 +369,7 @@ def run_layout(layout: Layout, rank: int, vocab_size: int, data: list[dict[str, 
     plan = strategy.stage_plan
     return {"losses": rec.losses, "grads": rec.grads, "seconds": time.perf_counter() - start,
             "boundaries": None if plan is None else list(plan.boundaries),
+            "checkpointed": sum(getattr(m, "_mmpar_block_options", 0) for m in module.modules()),
             **({"comm": meter[0].bytes, "state": meter[0].state} if meter else {})}  # fmt: skip
 
 

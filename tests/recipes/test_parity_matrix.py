@@ -7,7 +7,9 @@ every layout: each step's logged loss and the first-step gradient of every param
 (union over pipeline stages, full tensors over TP and FSDP shards) within a relative 1e-5 of
 one process. Gradient clipping (global norm 0.05, below the gradient norm) and gradient
 accumulation (2 batches per step) each run in one layout against a one-process run with the
-same option. Layouts are grouped into one spawned world per size (2, 4 and 8 processes),
+same option; activation checkpointing (every 2nd block under pp2; every block with FSDP2's
+optimizer offload under tp2 x dp2) runs against the plain one, and the test checks the blocks
+were checkpointed. Layouts are grouped into one spawned world per size (2, 4 and 8 processes),
 which then trains the shipped YAMLs of that size for 3 steps (:mod:`yaml_runs_worker`); the
 2-process world also runs the pipeline callbacks (:mod:`pipeline_callbacks_worker`).
 
@@ -119,6 +121,11 @@ def _check_world(world_size: int, refs: dict[tuple[int, float | None], Any], roo
             }, layout.name
         if layout.name in pm.MEASURED:
             _check_measured(layout, results)
+        checkpointed = [r[layout.name]["checkpointed"] for r in results]
+        if "activation_checkpointing" in layout.strategy:  # the option reached the blocks
+            assert min(checkpointed) > 0, (layout.name, checkpointed)
+        else:
+            assert max(checkpointed) == 0, (layout.name, checkpointed)
         name, ratio = rw.worst_gradient(grads, ref.grads)
         took = max(r[layout.name]["seconds"] for r in results)
         print(f"parity | {layout.name} | loss {loss_diff:.1e} | gradient {ratio:.1e} ({name}) | "
