@@ -23,6 +23,7 @@ arguments to ``trainer.callbacks``: FP8 linear layers, the BF16 fallback and the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import warnings
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from jsonargparse import Namespace
 from lightning.pytorch import LightningDataModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from torch import Tensor
@@ -37,6 +39,7 @@ from torch.utils.data import DataLoader
 
 from lightning_mmpar.callbacks.fp8_training import FP8Training
 from lightning_mmpar.data.digits import DigitsCaptions
+from lightning_mmpar.data.transforms import ImagePreprocess
 from lightning_mmpar.parallel.deepspeed import DeepSpeedPlan
 from lightning_mmpar.recipes.deepspeed import apply_deepspeed_json, strategy_from_deepspeed
 from lightning_mmpar.recipes.module import ClipLlamaModule
@@ -92,8 +95,11 @@ class ClipLlamaCLI(LightningCLI):
         )
 
     def before_instantiate_classes(self) -> None:
-        """Apply ``--deepspeed`` to the parsed config, so the classes are built with its values."""
+        """Apply ``--deepspeed`` to the parsed config, so the classes are built with its values,
+        and preprocess images as the pretrained vision tower expects
+        (:func:`link_vision_preprocess`)."""
         cfg = self.config[self.subcommand] if self.subcommand else self.config
+        link_vision_preprocess(cfg)
         path = cfg.get("deepspeed")
         if path:
             ds = _read_deepspeed_json(Path(path))
@@ -134,6 +140,33 @@ class ClipLlamaCLI(LightningCLI):
     def before_predict(self) -> None:
         """As :meth:`before_fit`."""
         self._preflight()
+
+
+def link_vision_preprocess(cfg: Any) -> str | None:
+    """``model.pretrained.vision`` -> ``data.preprocess.from_pretrained`` when unset.
+
+    A pretrained open_clip tower expects its own image normalisation and resize (its
+    ``preprocess_cfg``); a data module with a ``preprocess``
+    (:class:`~lightning_mmpar.data.transforms.ImagePreprocess`) argument whose
+    ``from_pretrained`` is not set reads it from the same tower. An explicit
+    ``data.preprocess.from_pretrained`` (or a data module without ``preprocess``, such as the
+    digits demo) is left alone; explicit ``mean`` / ``std`` / resize fields still win over the
+    tower's (:meth:`ImagePreprocess.resolve`). Returns the path linked, or None.
+    """
+    vision = cfg.get("model.pretrained.vision")
+    init_args = cfg.get("data.init_args")
+    if not vision or init_args is None or "preprocess" not in init_args:
+        return None
+    preprocess = init_args.get("preprocess")
+    if preprocess is None:
+        fields = {f.name: None for f in dataclasses.fields(ImagePreprocess)}
+        init_args["preprocess"] = preprocess = Namespace(**fields)
+    elif isinstance(preprocess, ImagePreprocess):
+        init_args["preprocess"] = preprocess = Namespace(**dataclasses.asdict(preprocess))
+    if preprocess.get("from_pretrained"):
+        return None
+    preprocess["from_pretrained"] = str(vision)
+    return str(vision)
 
 
 def data_vocab_size(data: Any) -> int:

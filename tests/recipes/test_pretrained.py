@@ -12,6 +12,7 @@ first two training steps' losses equal one process's.
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 
 from lightning_mmpar.data.digits import DigitsCaptions
 from lightning_mmpar.data.hf_tokenizer import HFTokenizer, load_tokenizer, tokenizer_from_dict
@@ -237,3 +239,45 @@ def test_checkpoint_of_pretrained_towers_exports(
     assert load_tokenizer(tmp_path / "out" / "tokenizer").encode("seven") == HFTokenizer(
         towers["language"]
     ).encode("seven")
+
+
+@pytest.mark.parametrize("explicit", [None, {"mean": [0.1, 0.2, 0.3]}])
+def test_pretrained_vision_sets_the_data_preprocessing(
+    towers: dict[str, str], tmp_path: Path, explicit: dict[str, Any] | None
+) -> None:
+    """``model.pretrained.vision`` alone: a caption data module normalises images with the
+    tower's ``preprocess_cfg`` (mean 0.5, std 0.25 here, not CLIP's); explicit fields win."""
+    from lightning.pytorch import LightningDataModule
+    from PIL import Image
+
+    from lightning_mmpar.recipes.cli import ClipLlamaCLI
+    from lightning_mmpar.recipes.module import ClipLlamaModule
+
+    rows = []
+    for i in range(4):
+        Image.new("RGB", (16, 16), (40 * i, 90, 200)).save(tmp_path / f"{i}.png")
+        rows.append(json.dumps({"filepath": f"{i}.png", "title": f"digit {i}"}) + "\n")
+    (tmp_path / "train.jsonl").write_text("".join(rows))
+    init = {"train_file": str(tmp_path / "train.jsonl"), "image_size": 16, "batch_size": 2}
+    if explicit is not None:
+        init["preprocess"] = explicit
+    config = {
+        "trainer": {"accelerator": "cpu", "devices": 1, "logger": False},
+        "model": {"pretrained": {"vision": towers["vision"]}},
+        "data": {"class_path": "lightning_mmpar.data.captions.CaptionsDataModule",
+                 "init_args": init},
+    }  # fmt: skip
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    cli = ClipLlamaCLI(
+        ClipLlamaModule, LightningDataModule, subclass_mode_data=True, run=False,
+        args=["--config", str(path)],
+    )  # fmt: skip
+    data = cli.datamodule
+    assert data.preprocess.from_pretrained == towers["vision"]
+    cfg = data.preprocess.resolve(16)
+    want_mean = (0.5,) * 3 if explicit is None else (0.1, 0.2, 0.3)
+    assert tuple(cfg.mean) == pytest.approx(want_mean) and tuple(cfg.std) == (0.25,) * 3
+    image = Image.new("RGB", (16, 16), (255, 255, 255))
+    pixels = data.transform(image)  # white: (1 - mean) / std
+    assert pixels[:, 0, 0].tolist() == pytest.approx([(1 - m) / 0.25 for m in want_mean])
