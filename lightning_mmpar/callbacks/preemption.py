@@ -19,8 +19,11 @@ The checkpoint goes to ``<dirpath>/last.ckpt``: ``dirpath`` defaults to the firs
 Replaces Lightning's own SIGTERM handling for the duration of training: Lightning 2.6 raises
 ``SIGTERMException`` (exit without a checkpoint) and broadcasts from inside its handler; on
 SIGUSR1 under SLURM with ``auto_requeue`` it saves an ``hpc_ckpt`` and runs ``scontrol
-requeue`` on rank 0 only. Here nothing is requeued: resubmit from the job script (e.g. ``sbatch
---requeue`` with ``--signal=B:USR1@120`` and a ``trap``), or leave ``signals`` without SIGUSR1.
+requeue`` on rank 0 only. Here ``requeue=True`` does the same after the checkpoint is written:
+global rank 0 runs ``scontrol requeue <job>`` (``SLURM_ARRAY_JOB_ID_SLURM_ARRAY_TASK_ID`` for an
+array task, else ``SLURM_JOB_ID``), and the requeued job relaunches the same command
+(``ckpt_path: auto`` resumes); by default nothing is requeued (resubmit from the job script,
+e.g. ``sbatch --requeue`` with ``--signal=B:USR1@120`` and a ``trap``).
 Handlers are restored when training ends. A signal that arrives during validation takes effect
 at the next training batch end. Model: PyTorch Lightning's requeue logic and torchtitan's
 ``checkpoint.interval`` + signal-driven save.
@@ -29,7 +32,10 @@ at the next training batch end. Model: PyTorch Lightning's requeue logic and tor
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import signal
+import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
@@ -62,13 +68,19 @@ class Preemption(Callback):
         check_every_n_steps: agree every this many optimizer steps, at the end of the batch that
             stepped (one all-reduce of one element each time; the save happens at the first
             agreed step after a signal, never in the middle of gradient accumulation).
+        requeue: after saving, global rank 0 requeues the SLURM job with ``scontrol requeue``
+            (module docstring); needs a SLURM job (``SLURM_JOB_ID``) and ``scontrol`` on the
+            ``PATH`` when training starts.
 
     Attributes:
         saved_path: the checkpoint written on pre-emption (``None`` if none was).
         stopped_at: the global step it was written at (``-1`` if none).
 
     Raises:
-        ValueError: an unknown signal name or ``check_every_n_steps < 1``.
+        ValueError: an unknown signal name or ``check_every_n_steps < 1``; with ``requeue``,
+            at ``on_train_start``: no ``SLURM_JOB_ID`` or no ``scontrol`` (nothing to requeue).
+        RuntimeError: ``scontrol requeue`` failed (its exit code and output; the checkpoint is
+            saved by then).
     """
 
     def __init__(
@@ -76,6 +88,7 @@ class Preemption(Callback):
         signals: Sequence[str] = ("SIGTERM", "SIGUSR1"),
         dirpath: str | None = None,
         check_every_n_steps: int = 1,
+        requeue: bool = False,
     ) -> None:
         unknown = [s for s in signals if s not in _SIGNALS]
         if unknown or not signals:
@@ -91,6 +104,9 @@ class Preemption(Callback):
         self.signals = [_SIGNALS[s] for s in signals]
         self.dirpath = dirpath
         self.check_every_n_steps = check_every_n_steps
+        self.requeue = requeue
+        self.requeued: str | None = None
+        """The SLURM job id requeued on pre-emption (rank 0; ``None`` if none was)."""
         self.received: signal.Signals | None = None
         self.saved_path: Path | None = None
         self.stopped_at = -1
@@ -104,6 +120,8 @@ class Preemption(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # After Lightning registered its own handlers (just before the loop): ours replace them.
         self.received, self._cadence.last_step = None, trainer.global_step
+        if self.requeue:
+            slurm_job_id()  # refuse now, not at pre-emption time
         for sig in self.signals:
             self._previous[sig] = signal.getsignal(sig)
             signal.signal(sig, self._handle)
@@ -168,7 +186,51 @@ class Preemption(Callback):
                 callback._last_global_step_saved = trainer.global_step  # saved: no second copy
         self.saved_path, self.stopped_at = path, trainer.global_step
         trainer.should_stop = True
-        if trainer.is_global_zero:
+        if trainer.is_global_zero and self.requeue:
+            self.requeued = requeue_slurm_job()
+            log.warning("Pre-emption: saved %s; requeued SLURM job %s.", path, self.requeued)
+        elif trainer.is_global_zero:
             log.warning(
                 "Pre-emption: saved %s; relaunch with ckpt_path=last (or auto) to resume.", path
             )
+
+
+def slurm_job_id() -> str:
+    """The id ``scontrol requeue`` takes: ``<array job>_<task>`` for an array task, else
+    ``SLURM_JOB_ID`` (Lightning's rule).
+
+    Raises:
+        ValueError: not in a SLURM job, or no ``scontrol`` on the ``PATH``.
+    """
+    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    job = f"{array}_{task}" if array and task else os.environ.get("SLURM_JOB_ID")
+    if not job:
+        raise ValueError(
+            "Preemption(requeue=True): SLURM_JOB_ID is not set, so there is no job to requeue; "
+            "run under SLURM (sbatch --requeue) or set requeue=False."
+        )
+    if shutil.which("scontrol") is None:
+        raise ValueError(
+            "Preemption(requeue=True): no scontrol on the PATH to requeue SLURM job "
+            f"{job}; put SLURM's binaries on the PATH or set requeue=False."
+        )
+    return job
+
+
+def requeue_slurm_job() -> str:
+    """Run ``scontrol requeue <job>`` (:func:`slurm_job_id`); return the job id.
+
+    Raises:
+        ValueError: as :func:`slurm_job_id`.
+        RuntimeError: ``scontrol`` exited non-zero (its code and output).
+    """
+    job = slurm_job_id()
+    result = subprocess.run(
+        ["scontrol", "requeue", job], capture_output=True, text=True, check=False
+    )
+    if result.returncode != 0:
+        raise RuntimeError(
+            f"scontrol requeue {job} failed (exit {result.returncode}): "
+            f"{(result.stdout + result.stderr).strip()[-2000:]}"
+        )
+    return job

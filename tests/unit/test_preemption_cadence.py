@@ -71,6 +71,51 @@ def test_no_signal_no_save_and_check_every(tmp_path: Path) -> None:
     assert pre.saved_path is None and pre.stopped_at == -1
 
 
+def _fake_scontrol(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int = 0) -> Path:
+    """An ``scontrol`` first on the PATH that records its arguments and exits ``code``."""
+    bin_dir, record = tmp_path / "bin", tmp_path / "scontrol.args"
+    bin_dir.mkdir()
+    script = bin_dir / "scontrol"
+    script.write_text(f'#!/bin/sh\necho "$@" >> {record}\necho refused by test\nexit {code}\n')
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return record
+
+
+def test_requeue_runs_scontrol_after_the_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    record = _fake_scontrol(tmp_path, monkeypatch)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    pre = Preemption(requeue=True)
+    _trainer(tmp_path, _SignalAt(2, signal.SIGUSR1), pre).fit(BoringModel())
+    assert pre.stopped_at == 2 and pre.saved_path is not None and pre.saved_path.is_file()
+    assert pre.requeued == "4242" and record.read_text() == "requeue 4242\n"
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")  # an array task: <array job>_<task>
+    pre = Preemption(requeue=True)
+    _trainer(tmp_path / "array", _SignalAt(1, signal.SIGTERM), pre).fit(BoringModel())
+    assert pre.requeued == "77_3" and record.read_text().splitlines()[-1] == "requeue 77_3"
+
+
+def test_requeue_refused_without_slurm_and_failures_surface(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match=r"requeue=True.*SLURM_JOB_ID is not set"):
+        _trainer(tmp_path / "a", Preemption(requeue=True)).fit(BoringModel())
+    monkeypatch.setenv("SLURM_JOB_ID", "9")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match=r"no scontrol on the PATH"):
+        _trainer(tmp_path / "b", Preemption(requeue=True)).fit(BoringModel())
+    _fake_scontrol(tmp_path, monkeypatch, code=1)
+    pre = Preemption(requeue=True)
+    with pytest.raises(RuntimeError, match=r"scontrol requeue 9 failed \(exit 1\): refused"):
+        _trainer(tmp_path / "c", _SignalAt(1, signal.SIGTERM), pre).fit(BoringModel())
+    assert pre.saved_path is not None and pre.saved_path.is_file()  # saved before requeueing
+
+
 def test_refuses_unknown_signals_and_bad_cadence() -> None:
     with pytest.raises(ValueError, match=r"signals=\['SIGKILL'\].*use some of"):
         Preemption(signals=["SIGKILL"])
