@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -107,8 +108,13 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         self.save_hyperparameters()
         self.pretrained = pretrained
         self.fusion_config = ptl.resolve_fusion_config(fusion, pretrained)
-        # the sizes the towers' files gave, so a checkpoint describes its model (export)
-        self.hparams["fusion"] = self.fusion_config
+        # the sizes the towers' files gave, so a checkpoint describes its model (export); in the
+        # form given: LightningCLI saves plain dicts, which instantiate_module (and so
+        # load_from_checkpoint) parses back - a dataclass there is not parsed
+        resolved: Any = self.fusion_config
+        if isinstance(self.hparams.get("fusion"), Mapping):
+            resolved = dataclasses.asdict(resolved)
+        self.hparams["fusion"] = resolved
         self.load_report: ptl.LoadReport | None = None  # what configure_model read (pretrained)
         self.finetune = finetune
         self.loss_config = loss
