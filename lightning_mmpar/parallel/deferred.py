@@ -38,7 +38,7 @@ def move(module: nn.Module, device: torch.device) -> None:
         return
     module._apply(lambda t: t if t.is_meta else t.to(device))
     if hasattr(module, "_device"):  # Lightning's DeviceDtypeModuleMixin, updated by .to()
-        module._device = device
+        setattr(module, "_device", device)  # noqa: B010 - a plain attribute, not a tensor
 
 
 def load_deferred(module: Any, device: torch.device) -> None:

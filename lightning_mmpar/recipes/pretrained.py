@@ -237,8 +237,8 @@ def _defers(module: Any) -> bool:
     from lightning_mmpar.strategy import MultimodalParallelStrategy
 
     s = getattr(getattr(module, "_trainer", None), "strategy", None)
-    fsdp = isinstance(s, MultimodalParallelStrategy) and s.config.data_parallel == "fsdp"
-    return fsdp and s.parallel_dims.dp > 1
+    return (isinstance(s, MultimodalParallelStrategy) and s.config.data_parallel == "fsdp"
+            and s.parallel_dims.dp > 1)  # fmt: skip
 
 
 def owned_parameters(module: Any, blocks: list[nn.Module]) -> tuple[set[int], LoadReport]:
