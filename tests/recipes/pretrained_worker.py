@@ -180,7 +180,9 @@ def gathered_errors(net: Any, full: dict[str, Tensor], names: list[str]) -> dict
 
 class AtStart(Callback):
     """Records, when fitting starts (after the pipeline cut and FSDP), every rank's shard
-    errors at load, its load report and the local bytes of the tower parameters it holds."""
+    errors (at load; for reads deferred until after FSDP, its local shards and the gathered
+    ``full_tensor()`` of each), its load report and the local bytes of the tower parameters it
+    holds."""
 
     def __init__(self) -> None:
         self.out: dict[str, Any] = {}

@@ -5,8 +5,9 @@ Tiny towers written offline (``pretrained_worker.write_towers``) are loaded thro
 model's ViT features equal open_clip's ``encode_image``, its language logits equal
 ``LlamaForCausalLM``'s. One 4-process world loads them at tp 2 x pp 2 and at dp 2 (FSDP) x tp 2:
 every shard a rank holds equals its slice of the checkpoint tensor, a rank reads only its own
-shards (bytes read = bytes of the tower parameters it holds after the pipeline cut), and the
-first two training steps' losses equal one process's.
+shards (bytes read = bytes of the tower parameters it holds after the pipeline cut; under FSDP
+its dp shard of its tp slice, half of what tp2pp2's two stages read, gathered weights equal to
+the checkpoint's), and the first two training steps' losses equal one process's.
 """
 
 from __future__ import annotations
