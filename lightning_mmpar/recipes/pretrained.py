@@ -234,11 +234,9 @@ def _as_param(param: Tensor, local: Tensor, device: torch.device | None = None) 
 
 def _defers(module: Any) -> bool:
     """Whether the reads wait for FSDP (``mm_parallel``, ``"fsdp"``, dp > 1; docstring, 3.)."""
-    from lightning_mmpar.strategy import MultimodalParallelStrategy
-
-    s = getattr(getattr(module, "_trainer", None), "strategy", None)
-    return (isinstance(s, MultimodalParallelStrategy) and s.config.data_parallel == "fsdp"
-            and s.parallel_dims.dp > 1)  # fmt: skip
+    s: Any = getattr(getattr(module, "_trainer", None), "strategy", None)  # duck-typed
+    mm = getattr(s, "strategy_name", None) == "mm_parallel" and s.config.data_parallel == "fsdp"
+    return bool(mm and s.parallel_dims.dp > 1)
 
 
 def owned_parameters(module: Any, blocks: list[nn.Module]) -> tuple[set[int], LoadReport]:
