@@ -334,6 +334,7 @@ def load_deferred(module: Any, device: torch.device) -> None:
     ``DTensor`` on ``(dp, tp)`` (FSDP's ``_StridedShard`` included) gets its local block, one
     FSDP does not manage (0-dim) its TP slice, a plain tensor all of it on ``device``. Counted
     in ``module.load_report`` (``read``, ``bytes_read``); a no-op when none are pending.
+    Raises ``ValueError`` when a checkpoint tensor does not fit (checked here under FSDP).
     """
     report: LoadReport | None = module.load_report
     if report is None or report.pending is None:
