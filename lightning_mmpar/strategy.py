@@ -9,7 +9,9 @@ Set-up order (each step a function in :mod:`lightning_mmpar.parallel` taking a m
    ``["data_parallel"]`` for ``dp``: Lightning ModelParallelStrategy's names).
 3. ``setup``: pipeline split (modules implementing
    :class:`~lightning_mmpar.parallel.pipeline.PipelineModule`), then data parallel (FSDP2 per
-   block on ``dp``, or gradient all-reduce), then optimizers.
+   block on ``dp``, or gradient all-reduce), then the module's optional
+   ``load_sharded_parameters(device)`` hook fills parameters it left on the meta device with
+   this rank's shards (:mod:`lightning_mmpar.parallel.deferred`), then optimizers.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from typing_extensions import override
 from lightning_mmpar.config import DataParallel, ParallelConfig, Schedule, check_train_batches
 from lightning_mmpar.layout import StagePlan
 from lightning_mmpar.parallel import checkpoint as ckpt
-from lightning_mmpar.parallel import comm, finite
+from lightning_mmpar.parallel import comm, deferred, finite
 from lightning_mmpar.parallel import data as dpar
 from lightning_mmpar.parallel.checkpoint_hooks import ShardedCheckpointHooks
 from lightning_mmpar.parallel.fsdp_options import MemoryOptions
@@ -237,10 +239,11 @@ class MultimodalParallelStrategy(NumericsHooks, ShardedCheckpointHooks, ModelPar
     def setup(self, trainer: Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
-        _materialize_distributed_module(self.model, self.root_device)
+        if not deferred.defers(self.model):  # a module with the hook fills its meta params
+            _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
-        if any(p.device != self.root_device for p in self.model.parameters()):
-            self.model_to_device()  # .to() replaces DTensor parameters and drops their hooks
+        if any(p.device != self.root_device and not p.is_meta for p in self.model.parameters()):
+            deferred.move(self.model, self.root_device)  # .to() would refuse meta parameters
         self._parallelize(self._module)
         # MoE aux-loss gradients follow the main loss: Lightning divides it by the accumulation,
         # the pipeline engine's gradients are divided afterwards (aux included)
@@ -293,6 +296,7 @@ class MultimodalParallelStrategy(NumericsHooks, ShardedCheckpointHooks, ModelPar
             if dims.edp > 1:
                 dpar.shard_experts(module, edp_mesh)
             dpar.apply_fsdp(module, dp_mesh, **fsdp_kw)
+        deferred.load_deferred(module, self.root_device)  # sharded meta params: their shards
         self._partial_over_tp = dpar.partial_over_tp_parameters(module) if dims.tp > 1 else []
         if dims.dp > 1 and cfg.data_parallel != "none":
             self._replicated = dpar.replicated_parameters(module)

@@ -160,6 +160,12 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         if meta:  # each rank reads its shards of the towers (after the plan, before the cut)
             self.load_report = ptl.load_towers(self, model, self.pretrained, meta[1])
 
+    def load_sharded_parameters(self, device: torch.device) -> None:
+        """The strategy's hook after sharding (:mod:`lightning_mmpar.parallel.deferred`): read
+        the pretrained tower shards deferred under FSDP (:func:`~lightning_mmpar.recipes.
+        pretrained.load_deferred`); plain parameters go to ``device``."""
+        ptl.load_deferred(self, device)
+
     def _freeze(self, model: FusionModel) -> None:
         f = self.finetune
         n = len(model.language.layers) if f.train_decoder_layers < 0 else f.train_decoder_layers

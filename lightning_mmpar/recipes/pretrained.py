@@ -22,11 +22,15 @@ build_fusion_model` (same key mapping), but without a full model per rank:
    ``torch.load``. Under pipeline parallelism, parameters of blocks another stage owns (the same
    stage plan the strategy then cuts by) get a zero-stride placeholder of the right shape (no
    memory, nothing read) that the strategy drops; :func:`check_stage_guess` refuses a run whose
-   cut differs. FSDP then shards the loaded stage (the per-stage TP slice is the peak).
+   cut differs. Under FSDP (``mm_parallel``, ``data_parallel="fsdp"``, dp > 1) owned ones stay
+   on the meta device; the strategy shards them (meta DTensors on ``(dp, tp)``), then its
+   ``load_sharded_parameters`` hook runs :func:`load_deferred`: each rank reads and allocates
+   only its FSDP shard of its TP slice (``1 / dp`` of the bytes: 51,200 of 102,400 at dp2 x tp2).
 
 Vocabulary: the embedding and ``lm_head`` have ``max(tokenizer, checkpoint)`` rows padded to the
 tensor-parallel multiple; rows past the checkpoint's start at zero (logit 0 for ids no tokenizer
-emits). Every dp replica reads the same bytes, so replicas are identical after loading.
+emits). Without FSDP every dp replica reads the same bytes; under FSDP the dp ranks' shards
+tile each tensor: either way the replicas' (gathered) weights are identical after loading.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from lightning_mmpar.models.fusion import FusionConfig, FusionModel
+from lightning_mmpar.parallel.deferred import assign
 from lightning_mmpar.recipes.config import PretrainedConfig
 from lightning_mmpar.recipes.pretrained_files import (
     IGNORED_KEYS,
@@ -53,8 +58,8 @@ from lightning_mmpar.recipes.pretrained_files import (
 )
 
 __all__ = [
-    "LoadReport", "build_meta_fusion", "check_stage_guess", "load_towers", "meta_fusion",
-    "resolve_fusion_config", "vocab_rows",
+    "LoadReport", "build_meta_fusion", "check_stage_guess", "load_deferred", "load_towers",
+    "meta_fusion", "resolve_fusion_config", "vocab_rows",
 ]  # fmt: skip
 
 LLAMA_FILE_FIELDS = (
@@ -80,6 +85,10 @@ class LoadReport:
     """Bytes copied out of the checkpoints."""
     stages: tuple[tuple[range, ...], tuple[int, ...]] | None = None
     """``(stage ranges, this rank's stages)`` assumed under pipeline parallelism."""
+    deferred: list[str] = field(default_factory=list)
+    """Parameters left on the meta device until FSDP sharded them (:func:`load_deferred`)."""
+    pending: tuple[dict[str, Any], dict[str, Any]] | None = field(default=None, repr=False)
+    """``(open files, {parameter: (key, meta parameter, [(module, name) registering it])})``."""
 
 
 def _open(pretrained: PretrainedConfig) -> dict[str, tuple[Any, TensorFile]]:
@@ -212,15 +221,22 @@ def _device(param: Tensor) -> torch.device:
     return torch.device(kind, torch.accelerator.current_device_index())
 
 
-def _as_param(param: Tensor, local: Tensor) -> nn.Parameter:
+def _as_param(param: Tensor, local: Tensor, device: torch.device | None = None) -> nn.Parameter:
     if isinstance(param, DTensor):
         value: Tensor = DTensor.from_local(
             local.to(_device(param)), param.device_mesh, param.placements, run_check=False,
             shape=param.shape, stride=param.stride(),
         )  # fmt: skip
     else:
-        value = local
+        value = local if device is None else local.to(device)
     return nn.Parameter(value, requires_grad=param.requires_grad)
+
+
+def _defers(module: Any) -> bool:
+    """Whether the reads wait for FSDP (``mm_parallel``, ``"fsdp"``, dp > 1; docstring, 3.)."""
+    s: Any = getattr(getattr(module, "_trainer", None), "strategy", None)  # duck-typed
+    mm = getattr(s, "strategy_name", None) == "mm_parallel" and s.config.data_parallel == "fsdp"
+    return bool(mm and s.parallel_dims.dp > 1)
 
 
 def owned_parameters(module: Any, blocks: list[nn.Module]) -> tuple[set[int], LoadReport]:
@@ -251,7 +267,7 @@ def load_towers(
     pretrained: PretrainedConfig,
     fresh: dict[str, Tensor],
 ) -> LoadReport:
-    """Fill ``model``'s meta tower parameters with this rank's slices (module docstring, 3.).
+    """Fill ``model``'s meta tower parameters with this rank's slices, or defer (3., FSDP).
 
     Call after the tensor-parallel plan, freezing and the block cut (``module.blocks``).
 
@@ -262,15 +278,21 @@ def load_towers(
     owned, report = owned_parameters(module, list(module.blocks))
     files = _open(pretrained)
     new: dict[int, nn.Parameter] = {}
+    defer, later = _defers(module), {}  # deferred: {id: name}, their reads in `keys`
+    keys: dict[str, tuple[str, Tensor, list[tuple[nn.Module, str]]]] = {}
     for tower, (_, tensors) in files.items():
         used: set[str] = set()
         for pname, param in getattr(model, tower).named_parameters():
             name = f"{tower}.{pname}"
             key = _vision_key(pname) if tower == "vision" else _language_key(pname, tensors)
             shape, index = _local_index(param)
+            used.add(key)
             if id(param) not in owned:
                 local = torch.zeros((), dtype=param.dtype, device=_device(param)).expand(shape)
                 report.placeholders.append(name)
+            elif key in tensors.shapes and defer:  # stays on meta until it is sharded
+                keys[name], later[id(param)] = (key, param, []), name
+                continue
             elif key in tensors.shapes:
                 local = _read(tensors, key, tuple(param.shape), index).to(param.dtype)
                 report.read[name] = (tuple(param.shape), index)
@@ -283,7 +305,6 @@ def load_towers(
                     )
                 local = value[index].clone()
                 report.fresh.append(name)
-            used.add(key)
             new[id(param)] = _as_param(param, local)
         stray = [k for k in tensors.shapes if k not in used and not k.endswith(IGNORED_KEYS)]
         if stray:
@@ -296,10 +317,42 @@ def load_towers(
         for pname, param in list(sub._parameters.items()):
             if param is not None and id(param) in new:
                 sub._parameters[pname] = new[id(param)]
-    meta = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
+            elif id(param) in later:  # where FSDP may register its sharded replacement
+                keys[later[id(param)]][2].append((sub, pname))
+    meta = [n for n, t in (*module.named_parameters(), *module.named_buffers())
+            if t.is_meta and id(t) not in later]  # fmt: skip
     if meta:
         raise RuntimeError(f"tensors left on the meta device after loading: {meta[:8]}")
+    if keys:
+        report.deferred, report.pending = list(keys), (files, keys)
     return report
+
+
+def load_deferred(module: Any, device: torch.device) -> None:
+    """Fill the tower parameters :func:`load_towers` left on the meta device with this rank's
+    shard of each once the strategy sharded them (its ``load_sharded_parameters`` hook): a meta
+    ``DTensor`` on ``(dp, tp)`` (FSDP's ``_StridedShard`` included) gets its local block, one
+    FSDP does not manage (0-dim) its TP slice, a plain tensor all of it on ``device``. Counted
+    in ``module.load_report`` (``read``, ``bytes_read``); a no-op when none are pending.
+    Raises ``ValueError`` when a checkpoint tensor does not fit (checked here under FSDP).
+    """
+    report: LoadReport | None = module.load_report
+    if report is None or report.pending is None:
+        return
+    files, keys = report.pending
+    start = sum(t.bytes_read for _, t in files.values())
+    for name, (key, meta, spots) in keys.items():
+        tensors = files[name.partition(".")[0]][1]
+        held = [sub._parameters[attr] for sub, attr in spots]  # FSDP's replacement first
+        param = next((p for p in held if p is not meta), meta)
+        index = _local_index(param)[1]
+        local = _read(tensors, key, tuple(param.shape), index).to(param.dtype)
+        value = _as_param(param, local, device)
+        vars(value).update({k: v for k, v in vars(param).items() if k not in vars(value)})
+        assign(spots, value)
+        report.read[name] = (tuple(param.shape), index)
+    report.bytes_read += sum(t.bytes_read for _, t in files.values()) - start
+    report.pending = None
 
 
 def _layer0(match: re.Match[str]) -> str:

@@ -98,7 +98,8 @@ def data(towers: dict[str, str]) -> DigitsCaptions:
 
 class CheckedModule(rw.SeededModule):
     """Records, right after loading (before the pipeline cut and FSDP), the error of every
-    shard read against ``full`` (:func:`shard_errors`), when ``full`` is set."""
+    shard read against ``full`` (:func:`shard_errors`), when ``full`` is set; reads deferred
+    until FSDP sharded the parameters are checked when fitting starts (:class:`AtStart`)."""
 
     full: dict[str, Tensor] | None = None
     shard_errors: dict[str, float] | None = None
@@ -143,24 +144,45 @@ def references(towers: dict[str, str]) -> dict[str, Tensor]:
     return out
 
 
-def shard_errors(net: Any, full: dict[str, Tensor]) -> dict[str, float]:
-    """``max |local - full[slice]|`` of every parameter the load report says was read."""
+def _key(name: str) -> str:
+    key = name.replace("attn.in_proj.weight", "attn.in_proj_weight")
+    return key.replace("attn.in_proj.bias", "attn.in_proj_bias")
+
+
+def shard_errors(net: Any, full: dict[str, Tensor], names: list[str] | None = None) -> dict:
+    """``max |local - full[slice]|`` of every parameter the load report says was read (of
+    ``names`` only, when given)."""
     assert net.load_report is not None
     model = net.fusion_model
     out = {}
     for name, (shape, index) in net.load_report.read.items():
+        if names is not None and name not in names:
+            continue
         param = model.get_parameter(name)
         local = param.to_local() if isinstance(param, DTensor) else param
-        key = name.replace("attn.in_proj.weight", "attn.in_proj_weight")
-        key = key.replace("attn.in_proj.bias", "attn.in_proj_bias")
-        want = full[key].reshape(shape)[index]
-        out[name] = float((local.detach() - want).abs().max())
+        want = full[_key(name)].reshape(shape)[index]
+        out[name] = float((local.detach() - want).abs().max()) if want.numel() else 0.0
+    return out
+
+
+def gathered_errors(net: Any, full: dict[str, Tensor], names: list[str]) -> dict[str, float]:
+    """``max |full_tensor() - checkpoint|`` of ``names`` (a collective: every rank, same
+    names): the shards every rank filled after FSDP put together."""
+    model = net.fusion_model
+    out = {}
+    for name in names:
+        param = model.get_parameter(name)
+        whole = param.full_tensor() if isinstance(param, DTensor) else param
+        want = full[_key(name)].reshape(whole.shape)
+        out[name] = float((whole.detach() - want).abs().max())
     return out
 
 
 class AtStart(Callback):
     """Records, when fitting starts (after the pipeline cut and FSDP), every rank's shard
-    errors at load, its load report and the local bytes of the tower parameters it holds."""
+    errors (at load; for reads deferred until after FSDP, its local shards and the gathered
+    ``full_tensor()`` of each), its load report and the local bytes of the tower parameters it
+    holds."""
 
     def __init__(self) -> None:
         self.out: dict[str, Any] = {}
@@ -174,8 +196,14 @@ class AtStart(Callback):
                 local = p.to_local() if isinstance(p, DTensor) else p
                 held += local.numel() * local.element_size()
         report = pl_module.load_report
+        errors = dict(pl_module.shard_errors or {})
+        if report.deferred:  # filled after FSDP: each rank's shard, and all of them together
+            errors |= shard_errors(pl_module, pl_module.full, report.deferred)
+            gathered = gathered_errors(pl_module, pl_module.full, report.deferred)
+            errors |= {f"{n} (gathered)": e for n, e in gathered.items()}
         self.out = {
-            "errors": pl_module.shard_errors,
+            "errors": errors,
+            "deferred": report.deferred,
             "read": sorted(report.read),
             "placeholders": report.placeholders,
             "fresh": report.fresh,
