@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from pathlib import Path
 
 import pytest
 import yaml
 
-from lightning_mmpar import ParallelConfig, ParallelDims
+from lightning_mmpar import MultimodalParallelStrategy, ParallelConfig, ParallelDims
 from lightning_mmpar.models import MoEConfig
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
@@ -23,7 +25,13 @@ def test_layout_of_every_yaml_is_valid(path: Path) -> None:
     config = _load(path)
     trainer = config["trainer"]
     args = trainer["strategy"]["init_args"]
-    parallel = ParallelConfig(**args)
+    fields = {f.name for f in dataclasses.fields(ParallelConfig)}
+    parallel = ParallelConfig(**{k: v for k, v in args.items() if k in fields})
+    strategy_only = set(args) - fields  # process group, timeout, memory and numerics options
+    assert strategy_only <= set(inspect.signature(MultimodalParallelStrategy).parameters), (
+        path.name,
+        strategy_only,
+    )
     world = trainer.get("devices", 1) * trainer.get("num_nodes", 1)
     dims = ParallelDims(
         world_size=world,
