@@ -59,6 +59,7 @@ from lightning_mmpar.models.convert import (
 from lightning_mmpar.models.fusion import FusionConfig, FusionModel
 from lightning_mmpar.parallel.checkpoint import resolve
 from lightning_mmpar.parallel.checkpoint_check import HPARAMS_KEY, inspect_checkpoint
+from lightning_mmpar.parallel.checkpoint_find import complete_checkpoints
 from lightning_mmpar.recipes import module as _module  # noqa: F401 - allow-lists the hparams
 from lightning_mmpar.recipes.export_verify import verify_export
 
@@ -343,6 +344,10 @@ def main(args: Sequence[str] | None = None) -> ExportResult:
     try:
         result = export_checkpoint(ns.ckpt, ns.out, tokenizer=ns.tokenizer, verify=ns.verify)
     except (FileNotFoundError, ValueError) as err:
+        below = [p for *_, p in complete_checkpoints(ns.ckpt) if p != Path(ns.ckpt)]
+        if below:  # a run directory, not a checkpoint: name the checkpoints in it
+            newest = "\n  ".join(str(p) for p in below[::-1][:5])
+            parser.error(f"{ns.ckpt} is not a checkpoint; it holds (newest first):\n  {newest}")
         parser.error(str(err))
     print(f"exported {ns.ckpt} -> {result.out}: {', '.join(result.files)}")
     for note in result.notes:

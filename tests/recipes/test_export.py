@@ -158,6 +158,10 @@ def test_cli_errors_and_a_transformers_tokenizer(
     with pytest.raises(SystemExit) as err:
         clip_llama.main(["export", "--ckpt", str(partial), "--out", str(tmp_path / "o")])
     assert err.value.code == 2 and "__3_0.distcp" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as err:  # the run directory instead of a checkpoint in it
+        clip_llama.main(["export", "--ckpt", str(checkpoints), "--out", str(tmp_path / "o")])
+    text = capsys.readouterr().err
+    assert err.value.code == 2 and "is not a checkpoint; it holds" in text and str(ckpt) in text
     # --tokenizer: a transformers tokenizer directory, copied with save_pretrained
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
