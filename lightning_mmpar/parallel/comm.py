@@ -33,7 +33,9 @@ __all__ = [
     "group_size",
     "is_distributed",
     "recv_object",
+    "recv_tensors",
     "send_object",
+    "send_tensors",
     "to_local",
 ]
 
@@ -135,6 +137,37 @@ def recv_object(src: int, group: dist.ProcessGroup | None = None) -> Any:
     box: list[Any] = [None]
     dist.recv_object_list(box, group=group, group_src=src, device=group_device(group))
     return box[0]
+
+
+def _plain(t: Tensor) -> Tensor:
+    """``t`` as a plain, finished, detached CPU tensor for pickling: an in-flight functional
+    collective's result (``AsyncCollectiveTensor``, e.g. a vocab-parallel embedding's pending
+    all-reduce) is waited for, a DTensor is gathered to its full value (collective over its
+    mesh; its pickled mesh would name the sender's ranks)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, AsyncCollectiveTensor):
+        t = t.wait()
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
+    return t.detach().cpu()
+
+
+def send_tensors(tensors: tuple[Tensor, ...], dst: int, group: dist.ProcessGroup | None) -> None:
+    """Send a tuple of tensors of any shapes to group rank ``dst`` (pickled, see
+    :func:`send_object`). Each is first made a plain finished CPU tensor: a pending
+    ``AsyncCollectiveTensor`` is waited for (pickling it would copy its buffer before the
+    collective wrote it: uninitialised or partial values on the receiver) and a DTensor is
+    gathered with ``full_tensor()`` (a collective over its mesh, whose ranks all send)."""
+    send_object(tuple(_plain(t) for t in tensors), dst, group)
+
+
+def recv_tensors(
+    src: int, group: dist.ProcessGroup | None, device: torch.device
+) -> tuple[Tensor, ...]:
+    """Receive the tuple :func:`send_tensors` sent from group rank ``src``, on ``device``."""
+    return tuple(t.to(device) for t in recv_object(src, group))
 
 
 def barrier(group: dist.ProcessGroup | None = None) -> None:

@@ -201,8 +201,7 @@ class PipelineEngine:
             elif self.stage_rank(s - 1) == self.pp_rank:
                 x = tuple(t.detach() for t in y)
             else:
-                received = comm.recv_object(self.stage_rank(s - 1), self.group)
-                x = tuple(t.to(self.device) for t in received)
+                x = comm.recv_tensors(self.stage_rank(s - 1), self.group, self.device)
             split = s > 0 and self.schedule_name in ps.ZERO_BUBBLE  # see unsplit_parameters
             with torch.enable_grad() if split else contextlib.nullcontext():
                 x = _grad_flags(x) if split else x
@@ -214,8 +213,7 @@ class PipelineEngine:
             io[s] = (_grad_flags(x) if s > 0 else x, _grad_flags(y))
             nxt = s + 1
             if nxt < self.config.num_stages and self.stage_rank(nxt) != self.pp_rank:
-                payload = tuple(t.detach().cpu() for t in y)
-                comm.send_object(payload, self.stage_rank(nxt), self.group)
+                comm.send_tensors(y, self.stage_rank(nxt), self.group)
         return io
 
     def _build_schedule(self, stages: list[Any]) -> Any:

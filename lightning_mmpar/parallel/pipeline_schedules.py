@@ -328,11 +328,13 @@ def run_in_order(
 
     Stage ``s`` gets ``first`` (``s == 0``), the previous stage's outputs in memory (same rank:
     the V layout's turn) or from its rank by point-to-point (pickled, moved to ``device``);
-    its outputs go to the next stage's rank. Any batch size and any tuple shapes work (no
-    static stage metadata): used for batches the micro-batch count does not divide and for
-    incremental decoding, whose states change shape between steps. ``ranks[s]`` is stage
-    ``s``'s rank in ``group``. Returns the last stage's outputs on its rank, else ``None``.
-    Every rank of ``group`` must call it with the same stage plan (collective over ``group``).
+    its outputs go to the next stage's rank (:func:`comm.send_tensors`: a pending functional
+    collective is waited for first, a DTensor sent as its full value). Any batch size and any
+    tuple shapes work (no static stage metadata): used for batches the micro-batch count does
+    not divide and for incremental decoding, whose states change shape between steps.
+    ``ranks[s]`` is stage ``s``'s rank in ``group``. Returns the last stage's outputs on its
+    rank, else ``None``. Every rank of ``group`` must call it with the same stage plan
+    (collective over ``group``).
     """
     rank = comm.group_rank(group)
     y: tuple[Tensor, ...] = ()
@@ -342,8 +344,8 @@ def run_in_order(
         elif ranks[s - 1] == rank:
             x = y
         else:
-            x = tuple(t.to(device) for t in comm.recv_object(ranks[s - 1], group))
+            x = comm.recv_tensors(ranks[s - 1], group, device)
         y = run(s, x)
         if s + 1 < len(ranks) and ranks[s + 1] != rank:
-            comm.send_object(tuple(t.detach().cpu() for t in y), ranks[s + 1], group)
+            comm.send_tensors(y, ranks[s + 1], group)
     return y if len(ranks) - 1 in stage_ids else None

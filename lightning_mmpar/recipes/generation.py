@@ -22,7 +22,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -140,33 +139,12 @@ class CaptionGeneration:
             return "sequence_parallel shards the text positions (one new token cannot be split)"
         return check_cacheable(list(self.blocks or []))
 
-    def decode_refusal(self: Any) -> str | None:
-        """Why greedy decoding is refused at this run's layout (``None``: it is not).
-
-        Tensor and pipeline parallelism together decode wrong, run-to-run different captions
-        (a known defect: the demo checkpoint names the digit for 91.9% of the held-out images
-        at one process, tp 2 alone and pp 2 alone, 60-79% at tp 2 x pp 2), so that layout is
-        refused instead of answering wrongly.
-        """
-        if penv.pipeline_parallel(self._trainer) > 1 and penv.layout(self._trainer)["tp"] > 1:
-            return (
-                "greedy decoding with tensor_parallel > 1 and pipeline_parallel > 1 together "
-                "gives wrong captions (a known defect, docs/quickstart.md 'Results'); decode on "
-                "a layout with tensor_parallel 1 or pipeline_parallel 1 (predict reshards the "
-                "checkpoint, e.g. --trainer.strategy.init_args.pipeline_parallel 1)"
-            )
-        return None
-
     def _greedy(self: Any, batch: dict[str, Tensor], use_cache: bool | None = None) -> Tensor:
         """Greedy captions of ``batch``'s images (its ``input_ids`` give the shape).
 
         Raises:
-            ValueError: the layout is refused (:meth:`decode_refusal`), or ``use_cache=True``
-                where a cache is not supported.
+            ValueError: ``use_cache=True`` where a cache is not supported.
         """
-        refused = self.decode_refusal()
-        if refused:
-            raise ValueError(refused)
         tok = self._tokenizer
         bos, eos, pad = (tok.bos_id, tok.eos_id, tok.pad_id) if tok else (1, 2, 0)
         pipelined = penv.pipeline_parallel(self._trainer) > 1
@@ -250,13 +228,8 @@ class CaptionGeneration:
     @torch.no_grad()
     def generate_accuracy(self: Any, dataloader: Any) -> float | None:
         """Fraction of images whose greedy caption names their digit first (dp-summed);
-        ``None`` without a tokenizer, or (with a warning) where decoding is refused
-        (:meth:`decode_refusal`)."""
+        ``None`` without a tokenizer."""
         if self._tokenizer is None:
-            return None
-        refused = self.decode_refusal()
-        if refused:
-            rank_zero_warn(f"greedy caption accuracy not measured: {refused}")
             return None
         was_training = self.training
         self.eval()

@@ -1,5 +1,6 @@
 """The numerics core in a 4-rank gloo world: DTensor tp shards, replicas, a pp split, dp/FSDP
-shards and a vocab-sharded cross-entropy, each against one dense single-process computation."""
+shards, a vocab-sharded cross-entropy and a pipeline boundary send under tp x pp, each against
+one dense single-process computation."""
 
 from __future__ import annotations
 
@@ -156,9 +157,47 @@ def vocab_checks(rank: int, world: int) -> float:
     return float(loss.detach())
 
 
+def boundary_send_checks(rank: int, world: int) -> dict[str, Any]:
+    """A pipeline boundary under tp2 x pp2 (``comm.send_tensors``, as ``run_in_order`` sends a
+    stage's outputs), two decode-like steps: stage 0 sends (a) the output of a vocab-parallel
+    embedding (the fusion plan's ``embed_tokens``), an ``AsyncCollectiveTensor`` whose
+    all-reduce is in flight (sent as is, the second step's values were wrong: wrong greedy
+    captions at tp2 x pp2), and (b) a DTensor sharded over stage 0's tp ranks (its pickled
+    mesh names ranks the receiver is not in). Stage 1 must get plain tensors with their full
+    values; returns the largest error per kind (0 on stage 0)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    from lightning_mmpar.parallel import comm
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    torch.manual_seed(0)
+    dense = nn.Embedding(40, 32)
+    steps = [torch.full((8, 1), 1), torch.tensor([[25]] * 7 + [[14]])]  # shard 0, then both
+    sharded = torch.randn(8, 6)
+    stage, pp = mesh.get_local_rank("pp"), mesh["pp"].get_group()
+    out: dict[str, Any] = {"embedding": 0.0, "dtensor": 0.0, "plain": True}
+    plan = RowwiseParallel(input_layouts=Replicate())  # the fusion plan's embed_tokens
+    embed = parallelize_module(nn.Embedding(40, 32), mesh["tp"], plan)
+    embed.weight.data.copy_(distribute_tensor(dense.weight.data, mesh["tp"], [Shard(0)]))
+    for ids in steps:
+        if stage == 1:
+            got = comm.recv_tensors(0, pp, torch.device("cpu"))
+            out["embedding"] = max(out["embedding"], float((got[0] - dense(ids)).abs().max()))
+            out["dtensor"] = max(out["dtensor"], float((got[1] - sharded).abs().max()))
+            out["plain"] &= all(type(t) is torch.Tensor for t in got)
+            continue
+        with torch.no_grad():
+            h = embed(ids)
+        assert isinstance(h, AsyncCollectiveTensor)  # the case under test
+        comm.send_tensors((h, distribute_tensor(sharded, mesh["tp"], [Shard(1)])), 1, pp)
+    return out
+
+
 def all_checks(rank: int, world: int) -> dict[str, Any]:
     out = grad_norm_checks(rank, world)
     out["vocab_loss"] = vocab_checks(rank, world)
+    out["boundary"] = boundary_send_checks(rank, world)
     return out
 
 
@@ -171,3 +210,4 @@ def test_global_norm_and_clip_match_the_dense_model() -> None:
         assert r["pp_tp_diff"] < 1e-6 and r["dp_tp_diff"] < 1e-6
         assert r["dp_tp_all_reduces"] == 1
         assert r["vocab_loss"] == results[0]["vocab_loss"]
+        assert r["boundary"] == {"embedding": 0.0, "dtensor": 0.0, "plain": True}, r["boundary"]

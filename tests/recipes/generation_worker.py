@@ -9,6 +9,7 @@ smaller than, and not divisible by, the 2 micro-batches).
   decoding through the stages), ``validate`` (the short batch runs its stages in order), and the
   cached and uncached (forward-only schedule per token) captions of the first full batch;
 * ``tp2`` (tensor 2): ``predict`` with :class:`CaptionWriter` and the cached captions;
+* ``tp2_pp2`` (4 ranks, :func:`world_tp2_pp2`): as ``pp2``;
 * ``fsdp2`` (data parallel 2, FSDP2): cached and uncached captions of each rank's own 4 images
   (the cached decode gathers each block's shards around its calls).
 
@@ -81,6 +82,17 @@ def world(rank: int, world_size: int, root: str) -> dict[str, Any]:
     out["tp2"] = run(tp2, world_size, Path(root) / "tp2", validate=False, uncached=False)
     out["fsdp2"] = fsdp(rank, world_size)
     return out
+
+
+def world_tp2_pp2(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """``tp2_pp2`` (4 ranks: tensor 2 x pipeline 2, 1F1B, 2 micro-batches): ``predict`` with
+    :class:`CaptionWriter`, ``validate`` (short last batch in stage order) and the cached and
+    uncached captions. Its stage boundary carries the vocab-parallel embedding's output, a
+    pending all-reduce (``comm.send_tensors`` must wait for it)."""
+    strategy = MultimodalParallelStrategy(
+        tensor_parallel=2, pipeline_parallel=2, micro_batches=2, schedule="1f1b"
+    )
+    return run(strategy, world_size, Path(root) / "tp2_pp2", validate=True)
 
 
 def fsdp(rank: int, world_size: int) -> dict[str, Any]:

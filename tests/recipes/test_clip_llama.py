@@ -98,9 +98,8 @@ def test_tp2_pp2_fit_then_predict_on_another_layout(tmp_path: Path) -> None:
     assert (tmp_path / "loss.png").exists() and (tmp_path / "accuracy.png").exists()
     ckpt = Path(summary["checkpoint"])
     assert ckpt.is_dir(), ckpt
-    # decoding at tp x pp is refused (a known defect), not answered wrongly
-    assert summary["caption_acc_greedy"] is None
-    assert "greedy n/a" in out  # (its warning is silenced here: PYTHONWARNINGS=ignore)
+    greedy = summary["caption_acc_greedy"]  # decoded at tp 2 x pp 2, first 72 held-out images
+    assert isinstance(greedy, float) and f"greedy {100 * greedy:.1f}%" in out, out[-2000:]
 
     predict = _overrides(
         tmp_path,
@@ -117,18 +116,14 @@ def test_tp2_pp2_fit_then_predict_on_another_layout(tmp_path: Path) -> None:
             },
         },
     )
-    out = (
-        _cli(
-            "predict", "--config", str(CPU_YAML), "--config", predict, "--ckpt_path", str(ckpt)
-        ).stdout
-        + ""
-    )
+    _cli("predict", "--config", str(CPU_YAML), "--config", predict, "--ckpt_path", str(ckpt))
     rows = [json.loads(x) for x in (tmp_path / "captions.rank0.jsonl").read_text().splitlines()]
     assert len(rows) == 72 and all({"caption", "digit", "label"} <= r.keys() for r in rows)
-    refused = _overrides(tmp_path, "refused", {"limit_predict_batches": 1, "logger": False})
-    args = ("predict", "--config", str(CPU_YAML), "--config", refused, "--ckpt_path", str(ckpt))
-    with pytest.raises(AssertionError, match="tensor_parallel > 1 and pipeline_parallel > 1"):
-        _cli(*args)  # the YAML's own layout, tp 2 x pp 2
+    # the same 72 images decoded at tp 2 from the checkpoint name the same digits as the run
+    # summary's decoding at tp 2 x pp 2 (it was 60-79% against 92% there: a pipeline boundary
+    # sent a pending all-reduce's buffer); at most one near-tie may flip
+    at_tp2 = sum(r["digit"] == r["label"] for r in rows) / len(rows)
+    assert abs(at_tp2 - greedy) <= 1 / 72 + 1e-9, (at_tp2, greedy)
 
 
 def test_moe_recipe_ep2_tp2_fsdp_reaches_the_lowered_bar(tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ Oracles: transformers' ``LlamaForCausalLM.generate(use_cache=True)`` on the lang
 (tokens and per-step scores), the fusion model's full forward (logits of every prefix), the
 uncached greedy loop, and one process for the 2-process layouts (``generation_worker``: pp 2 and
 tp 2 ``predict`` JSONL, pp 2 ``validate`` with a last batch of 5 under 2 micro-batches, FSDP2
-at dp 2 cached and uncached captions).
+at dp 2 cached and uncached captions; the same at tp 2 x pp 2 in a 4-rank world).
 """
 
 from __future__ import annotations
@@ -167,6 +167,21 @@ def test_predict_and_short_batch_eval_at_pp2_and_tp2_equal_one_process(tmp_path:
         pp2 = got[rank]["pp2"]["metrics"]
         for key, value in metrics.items():
             assert pp2[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (rank, key)
+
+
+def test_predict_decode_and_short_batch_eval_at_tp2_pp2_equal_one_process(tmp_path: Path) -> None:
+    """Tensor and pipeline parallel together (4 ranks): captions (JSONL of every rank, cached
+    and uncached) and validation metrics equal one process."""
+    got = spawn(gw.world_tp2_pp2, 4, str(tmp_path), timeout=600)
+    want = _reference(tmp_path / "one")
+    rows = [json.loads(x) for x in (tmp_path / "one/captions.rank0.jsonl").read_text().splitlines()]
+    for rank in range(4):
+        path = tmp_path / "tp2_pp2" / f"captions.rank{rank}.jsonl"
+        assert [json.loads(x) for x in path.read_text().splitlines()] == rows, rank
+        assert torch.equal(got[rank]["cached"], want["cached"]), rank
+        assert torch.equal(got[rank]["uncached"], want["cached"]), rank
+        for key, value in want["metrics"].items():
+            assert got[rank]["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 
 
 def test_run_summary_prints_class_recall_apart_from_per_pair(
