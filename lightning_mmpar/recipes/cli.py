@@ -19,14 +19,25 @@ layout against the model and the data, in the main process, once.
 ``precision.fp8:`` (a top-level section of the YAML, or ``--precision.fp8 '{}'``) adds
 :class:`~lightning_mmpar.callbacks.FP8Training` with its ``policy`` / ``fallback`` / ``drift``
 arguments to ``trainer.callbacks``: FP8 linear layers, the BF16 fallback and the drift monitor.
+
+Bad input ends as a command-line error (``<prog>: error: ...`` on stderr, exit status 2), not a
+traceback: an option or YAML key the parser does not know (with the closest known names:
+"did you mean --trainer.max_steps?"), and a ``ValueError`` / ``FileNotFoundError`` raised while
+the classes are built or by the preflight checks (layout vs model and data, the checkpoint).
+``LIGHTNING_MMPAR_TRACEBACK=1`` re-raises those with their traceback.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
+import re
+import sys
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -58,11 +69,64 @@ class RecipeDigitsCaptions(DigitsCaptions):
         return self.val_dataloader()
 
 
+SETUP_ERROR_NOTE = "lightning_mmpar: raised while setting up the run (no process launched)"
+"""Note added to a ``ValueError`` / ``FileNotFoundError`` of class building or preflight;
+:func:`main` prints such errors as command-line errors."""
+
+
+@contextmanager
+def _setup_errors() -> Iterator[None]:
+    try:
+        yield
+    except (ValueError, FileNotFoundError) as err:
+        err.add_note(SETUP_ERROR_NOTE)
+        raise
+
+
+def _option_names(parser: Any) -> list[str]:
+    """Every dotted option name ``parser`` knows (``--trainer.max_steps``, ...)."""
+    names = []
+    for action in getattr(parser, "_actions", []):
+        names += [o for o in action.option_strings if o.startswith("--")]
+    return names
+
+
+def suggest_options(message: str, known: list[str]) -> str:
+    """``message`` plus "did you mean ...?" for each unknown ``--option`` or ``'key'`` it
+    names that is close to a ``known`` option (``difflib``; at most 3 per unknown name)."""
+    unknown = re.findall(r"--[\w.\-]+", message) + [
+        f"--{key}" for key in re.findall(r"option '([\w.\-]+)'", message)
+    ]
+    hints = []
+    for name in dict.fromkeys(unknown):
+        if name in known:
+            continue
+        close = difflib.get_close_matches(name, known, n=3, cutoff=0.75)
+        if close:
+            hints.append(f"{name}: did you mean {' or '.join(close)}?")
+    return message if not hints else message + "\n" + "\n".join(hints)
+
+
+class RecipeArgumentParser(LightningArgumentParser):
+    """LightningArgumentParser whose errors name the closest known options
+    (:func:`suggest_options`)."""
+
+    def error(self, message: str, ex: Exception | None = None) -> Any:
+        parser = getattr(ex, "subcommand_parser", None) or self
+        return super().error(suggest_options(message, _option_names(parser)), ex)
+
+
 class ClipLlamaCLI(LightningCLI):
     """LightningCLI with ``data.vocab_size -> model.vocab_size``, ``--deepspeed`` and checks of
     the layout against model and data before any process is launched."""
 
     _deepspeed_plan: DeepSpeedPlan | None = None
+
+    def instantiate_classes(self) -> None:
+        """LightningCLI's; a ``ValueError`` / ``FileNotFoundError`` (bad layout, missing file)
+        is marked as a set-up error (:func:`main` prints it as a command-line error)."""
+        with _setup_errors():
+            super().instantiate_classes()
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # Any LightningDataModule (--data.class_path); the digits demo when none is named, so a
@@ -123,7 +187,8 @@ class ClipLlamaCLI(LightningCLI):
             ckpt_path = self.config_init[str(self.subcommand)]["ckpt_path"] = auto_ckpt_path(
                 self.trainer
             )
-        preflight(self.trainer, self.model, self.datamodule, ckpt_path=ckpt_path)
+        with _setup_errors():
+            preflight(self.trainer, self.model, self.datamodule, ckpt_path=ckpt_path)
 
     def before_fit(self) -> None:
         """Layout vs model and data, before ``fit`` launches any process."""
@@ -230,9 +295,26 @@ def run_cli(args: list[str] | None = None) -> ClipLlamaCLI:
         subclass_mode_data=True,
         args=args,
         save_config_kwargs={"overwrite": True},
+        parser_class=RecipeArgumentParser,
     )
 
 
 def main(args: list[str] | None = None) -> None:
-    """The recipe's LightningCLI (``fit``, ``validate``, ``test``, ``predict``)."""
-    run_cli(args)
+    """The recipe's LightningCLI (``fit``, ``validate``, ``test``, ``predict``).
+
+    A set-up error (:data:`SETUP_ERROR_NOTE`: bad layout, missing checkpoint, ...) is printed as
+    ``clip_llama <subcommand>: error: <message>`` and exits with status 2, unless
+    ``LIGHTNING_MMPAR_TRACEBACK=1``. Errors once training runs keep their traceback.
+    """
+    try:
+        run_cli(args)
+    except (ValueError, FileNotFoundError) as err:
+        if SETUP_ERROR_NOTE not in getattr(err, "__notes__", ()):
+            raise
+        if os.environ.get("LIGHTNING_MMPAR_TRACEBACK", "") not in ("", "0"):
+            raise
+        argv = sys.argv[1:] if args is None else args
+        sub = next((a for a in argv if not a.startswith("-")), "")
+        print(f"clip_llama {sub}: error: {err}".replace("  ", " "), file=sys.stderr)
+        print("(LIGHTNING_MMPAR_TRACEBACK=1 shows the traceback)", file=sys.stderr)
+        raise SystemExit(2) from None

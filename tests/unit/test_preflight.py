@@ -155,3 +155,31 @@ def test_checkpoint_is_checked_before_launch(launched: list[str], tmp_path: Path
              "--model.tensor_parallel.activation_checkpointing", "true",
              "--model.loss.caption_weight", "2.0"])  # fmt: skip
     assert launched == ["fit"]  # layout and loss weights may change on resume
+
+
+def test_cli_prints_setup_errors_and_unknown_options_without_traceback(
+    launched: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``main``: a preflight error is one ``clip_llama fit: error: ...`` line and exit status 2
+    (``LIGHTNING_MMPAR_TRACEBACK=1`` re-raises it); an unknown option or YAML key names the
+    closest known ones."""
+    from lightning_mmpar.recipes.cli import main, suggest_options
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--config", YAML, "--data.batch_size", "7"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and launched == []
+    assert "clip_llama fit: error: data.batch_size (7) must be divisible" in err
+    assert "Traceback" not in err
+    monkeypatch.setenv("LIGHTNING_MMPAR_TRACEBACK", "1")
+    with pytest.raises(ValueError, match=r"data.batch_size \(7\)"):
+        main(["fit", "--config", YAML, "--data.batch_size", "7"])
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--config", YAML, "--trainer.max_stepz", "5"])
+    assert exit_.value.code == 2
+    assert "--trainer.max_stepz: did you mean --trainer.max_steps" in capsys.readouterr().err
+    known = ["--trainer.max_steps", "--data.batch_size"]
+    got = suggest_options("Subcommand 'fit' does not accept option 'data.batch_sise'", known)
+    assert got.endswith("--data.batch_sise: did you mean --data.batch_size?")
+    assert suggest_options("unrecognized arguments: --zzz 1", known).count("\n") == 0
+    assert launched == []
