@@ -3,6 +3,9 @@ format with its own library and compare it with the fusion model it came from.""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -15,6 +18,29 @@ __all__ = ["verify_export"]
 
 BATCH, TEXT_LENGTH = 2, 16
 """Shape of the random token ids the LLaMA check runs."""
+
+
+_OPEN_CLIP_NO_WEIGHTS = ("Local config loaded, but no CLIP weights", "No pretrained weights loaded")
+"""open_clip's warnings for a model built without weights (the check loads them right after)."""
+
+
+class _DropMessages(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(_OPEN_CLIP_NO_WEIGHTS)
+
+
+@contextmanager
+def _no_weights_warnings() -> Iterator[None]:
+    """Silence open_clip's "no weights" warnings (root logger) while the empty CLIP is built."""
+    root, quiet = logging.getLogger(), _DropMessages()
+    handlers = [root, *root.handlers]
+    for h in handlers:
+        h.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for h in handlers:
+            h.removeFilter(quiet)
 
 
 def _max_diff(a: Tensor, b: Tensor) -> float:
@@ -49,7 +75,8 @@ def verify_export(
         ids = torch.randint(0, vocab_size, (BATCH, TEXT_LENGTH), generator=g)
         ours = model.language(ids)[..., :vocab_size]
         diffs["llama_logits"] = _max_diff(llama(input_ids=ids).logits, ours)
-    clip = open_clip.create_model(f"local-dir:{out / 'open_clip'}", load_weights=False)
+    with _no_weights_warnings():  # the exported weights are loaded next (strict)
+        clip = open_clip.create_model(f"local-dir:{out / 'open_clip'}", load_weights=False)
     visual = clip.visual.to(model.vision.proj.dtype).eval()
     visual.load_state_dict(load_file(str(out / "open_clip_visual.safetensors")), strict=True)
     size = model.config.vision.image_size
