@@ -284,3 +284,34 @@ def test_pretrained_vision_sets_the_data_preprocessing(
     image = Image.new("RGB", (16, 16), (255, 255, 255))
     pixels = data.transform(image)  # white: (1 - mean) / std
     assert pixels[:, 0, 0].tolist() == pytest.approx([(1 - m) / 0.25 for m in want_mean])
+
+
+def test_link_vision_preprocess_on_parsed_configs() -> None:
+    """The link on parsed configs: ``preprocess`` unset, a Namespace, or an ``ImagePreprocess``
+    instance (a data module's own default) gets ``from_pretrained``; an explicit path, a data
+    module without ``preprocess`` or no pretrained vision tower are left alone."""
+    from jsonargparse import Namespace
+
+    from lightning_mmpar.data.transforms import ImagePreprocess
+    from lightning_mmpar.recipes.cli import link_vision_preprocess
+
+    def cfg(preprocess: Any, vision: str | None = "/towers/clip") -> Namespace:
+        init = (
+            Namespace(batch_size=2) if preprocess == "absent" else Namespace(preprocess=preprocess)
+        )
+        return Namespace(model=Namespace(pretrained=Namespace(vision=vision)),
+                         data=Namespace(init_args=init))  # fmt: skip
+
+    for given in (None, Namespace(from_pretrained=None, mean=[0.1, 0.2, 0.3]),
+                  ImagePreprocess(mean=(0.1, 0.2, 0.3))):  # fmt: skip
+        c = cfg(given)
+        assert link_vision_preprocess(c) == "/towers/clip"
+        pre = c.data.init_args.preprocess
+        assert isinstance(pre, Namespace) and pre.from_pretrained == "/towers/clip"
+        if given is not None:
+            assert list(pre.mean) == [0.1, 0.2, 0.3]  # explicit fields kept
+    explicit = cfg(Namespace(from_pretrained="/other"))
+    assert link_vision_preprocess(explicit) is None
+    assert explicit.data.init_args.preprocess.from_pretrained == "/other"
+    assert link_vision_preprocess(cfg("absent")) is None
+    assert link_vision_preprocess(cfg(None, vision=None)) is None
