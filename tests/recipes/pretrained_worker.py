@@ -4,8 +4,8 @@
 (``open_clip_config.json`` + ``open_clip_model.safetensors``, the layout open_clip's
 ``local-dir:`` schema reads) and a transformers Llama directory (``save_pretrained``, safetensors)
 holding a word-level ``PreTrainedTokenizerFast`` trained on the digits captions. The recipe's
-module loads them (``model.pretrained``) in :func:`world` at tp 2 x pp 2, then dp 2 (FSDP) x tp 2,
-each run recording what every rank read and the first training steps' losses.
+module loads them (``model.pretrained``) in :func:`world` at tp 2 x pp 2, dp 2 (FSDP) x tp 2 and
+pp 2 x dp 2 (FSDP), each run recording what every rank read and the first training steps' losses.
 """
 
 from __future__ import annotations
@@ -229,13 +229,17 @@ def run(towers: dict[str, str], strategy: Any, rank: int, dp: int) -> dict[str, 
 
 
 def world(rank: int, world_size: int, towers: dict[str, str]) -> dict[str, Any]:
-    """tp 2 x pp 2 (1F1B, 2 micro-batches), then dp 2 (FSDP) x tp 2."""
+    """tp 2 x pp 2 (1F1B, 2 micro-batches), dp 2 (FSDP) x tp 2, then pp 2 x dp 2 (FSDP;
+    Megatron order: dp rank ``rank % 2``, stage ``rank // 2``)."""
     out: dict[str, Any] = {"rank": rank}
     tp2pp2 = MultimodalParallelStrategy(tensor_parallel=2, pipeline_parallel=2, micro_batches=2)
     out["tp2pp2"] = run(towers, tp2pp2, 0, 1)
     dist.barrier()
     fsdp = MultimodalParallelStrategy(tensor_parallel=2, data_parallel="fsdp")
     out["dp2tp2"] = run(towers, fsdp, rank // 2, 2)
+    dist.barrier()
+    pp_fsdp = MultimodalParallelStrategy(pipeline_parallel=2, micro_batches=2, data_parallel="fsdp")
+    out["pp2dp2"] = run(towers, pp_fsdp, rank % 2, 2)
     return out
 
 

@@ -176,7 +176,7 @@ def test_four_processes_read_their_shards_and_train_like_one(towers: dict[str, s
     want = rw.fit(pw.module(towers, digits.vocab_size), rw.batches(digits, pw.STEPS)).losses
     full = pw.references(towers)
     full_bytes = sum(v.numel() * v.element_size() for v in full.values())
-    for layout in ("tp2pp2", "dp2tp2"):
+    for layout in ("tp2pp2", "dp2tp2", "pp2dp2"):
         read: set[str] = set()
         for r in results:
             out = r[layout]
@@ -197,6 +197,19 @@ def test_four_processes_read_their_shards_and_train_like_one(towers: dict[str, s
         slice_bytes = tp2pp2[tp]["bytes_read"] + tp2pp2[tp + 2]["bytes_read"]
         assert out["bytes_read"] <= slice_bytes / 2 + 1024  # uneven shards: dp rank 0 more
         assert 0 < out["bytes_read"] <= out["held"] <= out["bytes_read"] + fresh_bytes(out)
+    # pp 2 x dp 2 (FSDP): a rank reads only its dp shard of its own stage's tensors, after the
+    # cut and the sharding (stage = rank // 2; the two dp ranks of a stage read it once together)
+    for stage in range(2):
+        pair = [results[2 * stage + d]["pp2dp2"] for d in range(2)]
+        assert all(o["stages"] is not None and o["deferred"] for o in pair), stage
+        assert all(set(o["deferred"]) == set(o["read"]) - set(o["fresh"]) for o in pair)
+        stage_reads = [set(o["read"]) for o in pair]
+        assert stage_reads[0] == stage_reads[1], stage
+        whole_stage = sum(o["bytes_read"] for o in pair)
+        assert all(o["bytes_read"] <= whole_stage / 2 + 1024 for o in pair), stage
+    assert not set(results[0]["pp2dp2"]["read"]) & set(results[2]["pp2dp2"]["read"])
+    # together the 4 ranks read every checkpoint byte exactly once (no full copy anywhere)
+    assert sum(r["pp2dp2"]["bytes_read"] for r in results) == full_bytes
 
 
 def pw_names(full: dict[str, Any]) -> set[str]:
