@@ -22,8 +22,9 @@ arguments to ``trainer.callbacks``: FP8 linear layers, the BF16 fallback and the
 
 Bad input ends as a command-line error (``<prog>: error: ...`` on stderr, exit status 2), not a
 traceback: an option or YAML key the parser does not know (with the closest known names:
-"did you mean --trainer.max_steps?"), and a ``ValueError`` / ``FileNotFoundError`` raised while
-the classes are built or by the preflight checks (layout vs model and data, the checkpoint).
+"did you mean --trainer.max_steps?"), and a ``ValueError`` / ``FileNotFoundError`` /
+``MisconfigurationException`` raised while the classes are built or by the preflight checks
+(layout vs model and data, the checkpoint).
 ``LIGHTNING_MMPAR_TRACEBACK=1`` re-raises those with their traceback.
 """
 
@@ -45,6 +46,7 @@ import torch
 from jsonargparse import Namespace
 from lightning.pytorch import LightningDataModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from torch.utils.data import DataLoader
 
@@ -74,11 +76,16 @@ SETUP_ERROR_NOTE = "lightning_mmpar: raised while setting up the run (no process
 :func:`main` prints such errors as command-line errors."""
 
 
+SETUP_ERRORS = (ValueError, FileNotFoundError, MisconfigurationException)
+"""Errors of bad input while the run is set up (Lightning's ``MisconfigurationException``: a
+Trainer argument that contradicts another)."""
+
+
 @contextmanager
 def _setup_errors() -> Iterator[None]:
     try:
         yield
-    except (ValueError, FileNotFoundError) as err:
+    except SETUP_ERRORS as err:
         err.add_note(SETUP_ERROR_NOTE)
         raise
 
@@ -308,7 +315,7 @@ def main(args: list[str] | None = None) -> None:
     """
     try:
         run_cli(args)
-    except (ValueError, FileNotFoundError) as err:
+    except SETUP_ERRORS as err:
         if SETUP_ERROR_NOTE not in getattr(err, "__notes__", ()):
             raise
         if os.environ.get("LIGHTNING_MMPAR_TRACEBACK", "") not in ("", "0"):
