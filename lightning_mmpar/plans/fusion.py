@@ -121,15 +121,19 @@ class TensorParallelOptions:
             )
 
 
-def _nearest(value: int, tp: int) -> str:
+def _fix(name: str, value: int, tp: int) -> str:
+    """The two ways out: the field's nearest multiples of ``tp``, or a smaller ``tp``."""
     low, high = value // tp * tp, (value // tp + 1) * tp
-    return f"{low} or {high}" if low > 0 else f"{high}"
+    tps = " or ".join(str(d) for d in range(1, tp) if value % d == 0 and tp % d == 0)
+    near = f"{low} or {high}" if low > 0 else f"{high}"
+    return f"nearest valid {name.rsplit('.', 1)[-1]}: {near}; or tensor_parallel {tps}"
 
 
 def validate_tensor_parallel(
     config: FusionConfig, tp: int, *, vision_parallel: VisionParallel = "tp"
 ) -> None:
-    """Raise a ``ValueError`` naming module, field, value and the nearest valid sizes."""
+    """Raise a ``ValueError`` naming module, field, value and the fix: the field's nearest
+    multiples of ``tp``, or the smaller tensor-parallel sizes that divide it."""
     v, a, lang = config.vision, config.adapter, config.language
     checks = vision_checks(v, vision_parallel)
     attn = "language.layers.*.self_attn"
@@ -145,7 +149,7 @@ def validate_tensor_parallel(
         if value % tp != 0:
             raise ValueError(
                 f"{module}: {name} ({value}) must be divisible by the tensor-parallel size ({tp}); "
-                f"nearest valid sizes: {_nearest(value, tp)}."
+                f"{_fix(name, value, tp)}."
             )
 
 
