@@ -21,7 +21,9 @@ class CaptionWriter(BasePredictionWriter):
     """Collect ``predict_step`` rows (dicts with ``caption``, ``digit``, ``label``).
 
     Each rank writes ``captions.rank<R>.jsonl`` in ``output_dir`` (tensor- and pipeline-parallel
-    peers write identical rows: the last stage's tokens are broadcast to its pipeline peers);
+    peers write identical rows: the last stage's tokens are broadcast to its pipeline peers),
+    replacing an earlier run's; global rank 0 removes the files of ranks this world does not have
+    (left by a run with more processes);
     the fraction of captions that name the right digit is summed over the data-parallel group
     only and printed. Works at every layout (``predict`` decodes with a key/value cache, through
     the pipeline stages in order under pipeline parallelism).
@@ -54,6 +56,11 @@ class CaptionWriter(BasePredictionWriter):
         out = Path(self.output_dir or trainer.default_root_dir)
         out.mkdir(parents=True, exist_ok=True)
         path = out / f"captions.rank{trainer.global_rank}.jsonl"
+        if trainer.global_rank == 0:  # an earlier, larger world's files would read as this run's
+            for old in out.glob("captions.rank*.jsonl"):
+                rank = old.name.removeprefix("captions.rank").removesuffix(".jsonl")
+                if rank.isdigit() and int(rank) >= trainer.world_size:
+                    old.unlink(missing_ok=True)
         path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
         hits = torch.tensor(
             [sum(r.get("digit") == r.get("label") for r in self.rows), len(self.rows)],

@@ -32,8 +32,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
+import inspect
 import json
 import os
+import pickle
 import re
 import sys
 import warnings
@@ -44,6 +47,7 @@ from typing import Any
 
 import torch
 from jsonargparse import Namespace
+from jsonargparse._common import debug_mode_active
 from lightning.pytorch import LightningDataModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -98,29 +102,60 @@ def _option_names(parser: Any) -> list[str]:
     return names
 
 
+def _init_names(class_path: str) -> list[str]:
+    """Argument names of ``class_path``'s ``__init__`` (through ``**kwargs`` to its bases)."""
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return []
+    names: list[str] = []
+    for klass in getattr(cls, "__mro__", ()):
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        params = inspect.signature(init).parameters.values()
+        names += [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if not any(p.kind == p.VAR_KEYWORD for p in params):
+            break
+    return [n for n in dict.fromkeys(names) if n != "self"]
+
+
 def suggest_options(message: str, known: list[str]) -> str:
-    """``message`` plus "did you mean ...?" for each unknown ``--option`` or ``'key'`` it
-    names that is close to a ``known`` option (``difflib``; at most 3 per unknown name)."""
+    """``message`` plus "did you mean ...?" for each unknown ``--option``, ``'key'`` or class
+    argument (``Option 'x' is not accepted`` for a ``class_path``'s init) it names that is close
+    to a ``known`` option or to an argument of that class (``difflib``; at most 3 each)."""
     unknown = re.findall(r"--[\w.\-]+", message) + [
         f"--{key}" for key in re.findall(r"option '([\w.\-]+)'", message)
     ]
     hints = []
     for name in dict.fromkeys(unknown):
-        if name in known:
-            continue
-        close = difflib.get_close_matches(name, known, n=3, cutoff=0.75)
+        close = [] if name in known else difflib.get_close_matches(name, known, n=3, cutoff=0.75)
         if close:
             hints.append(f"{name}: did you mean {' or '.join(close)}?")
+    for path, arg in re.findall(r"class_path '([\w.]+)'.*?Option '([\w]+)' is not", message, re.S):
+        close = difflib.get_close_matches(arg, _init_names(path), n=3, cutoff=0.6)
+        if close:
+            hints.append(f"{arg} ({path.rsplit('.', 1)[-1]}): did you mean {' or '.join(close)}?")
     return message if not hints else message + "\n" + "\n".join(hints)
 
 
 class RecipeArgumentParser(LightningArgumentParser):
-    """LightningArgumentParser whose errors name the closest known options
-    (:func:`suggest_options`)."""
+    """LightningArgumentParser whose errors are short: the message, the closest known options
+    (:func:`suggest_options`) and where the full list is (not the whole usage)."""
 
     def error(self, message: str, ex: Exception | None = None) -> Any:
         parser = getattr(ex, "subcommand_parser", None) or self
-        return super().error(suggest_options(message, _option_names(parser)), ex)
+        message = suggest_options(message, _option_names(parser))
+        if not self.exit_on_error or debug_mode_active():
+            return super().error(message, ex)  # raises (jsonargparse tries alternatives)
+        words = parser.prog.replace(" [options]", "").split()
+        sub = words[-1] if len(words) > 1 else ""
+        sys.stderr.write(
+            f"error: {message}\ntip: python -m lightning_mmpar.recipes.clip_llama {sub} --help "
+            "lists every option\n".replace("  ", " ")
+        )
+        self.exit(2)
 
 
 class ClipLlamaCLI(LightningCLI):
@@ -128,6 +163,23 @@ class ClipLlamaCLI(LightningCLI):
     the layout against model and data before any process is launched."""
 
     _deepspeed_plan: DeepSpeedPlan | None = None
+
+    def _parse_ckpt_path(self) -> None:
+        """LightningCLI's (a single-file checkpoint's hyper-parameters into the config); a file
+        ``torch.load`` cannot read is a set-up error naming the path, not an unpickling
+        traceback."""
+        try:
+            super()._parse_ckpt_path()
+        except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
+            sub = self.config.get("subcommand")
+            path = self.config[sub].get("ckpt_path") if sub else None
+            error = ValueError(
+                f"ckpt_path {str(path)!r} is not a checkpoint torch.load can read "
+                f"({type(err).__name__}); pass a checkpoint directory written by mm_parallel "
+                "(e.g. .../checkpoints/last.ckpt), a Lightning .ckpt file, or auto."
+            )
+            error.add_note(SETUP_ERROR_NOTE)
+            raise error from err
 
     def instantiate_classes(self) -> None:
         """LightningCLI's; a ``ValueError`` / ``FileNotFoundError`` (bad layout, missing file)

@@ -174,12 +174,28 @@ def test_cli_prints_setup_errors_and_unknown_options_without_traceback(
     monkeypatch.setenv("LIGHTNING_MMPAR_TRACEBACK", "1")
     with pytest.raises(ValueError, match=r"data.batch_size \(7\)"):
         main(["fit", "--config", YAML, "--data.batch_size", "7"])
+    monkeypatch.delenv("LIGHTNING_MMPAR_TRACEBACK")
     with pytest.raises(SystemExit) as exit_:
         main(["fit", "--config", YAML, "--trainer.max_stepz", "5"])
     assert exit_.value.code == 2
-    assert "--trainer.max_stepz: did you mean --trainer.max_steps" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--trainer.max_stepz: did you mean --trainer.max_steps" in err
+    assert "usage:" not in err and "fit --help lists every option" in err  # short, not a dump
+    with pytest.raises(SystemExit):  # an argument of the data module's class
+        main(["fit", "--config", YAML, "--data.batch_sise", "24"])
+    assert "batch_sise (RecipeDigitsCaptions): did you mean batch_size?" in capsys.readouterr().err
+    readme = str(Path(YAML).parents[1] / "README.md")  # a file that is no checkpoint
+    with pytest.raises(SystemExit) as exit_:
+        main(["validate", "--config", YAML, "--ckpt_path", readme])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "is not a checkpoint torch.load can read" in err, err
     known = ["--trainer.max_steps", "--data.batch_size"]
     got = suggest_options("Subcommand 'fit' does not accept option 'data.batch_sise'", known)
     assert got.endswith("--data.batch_sise: did you mean --data.batch_size?")
     assert suggest_options("unrecognized arguments: --zzz 1", known).count("\n") == 0
+    nested = ("Problem with given class_path 'lightning_mmpar.strategy.MultimodalParallelStrategy':"
+              "\n    Option 'tensor_paralel' is not accepted")  # fmt: skip
+    assert "tensor_paralel (MultimodalParallelStrategy): did you mean tensor_parallel" in (
+        suggest_options(nested, known)
+    )
     assert launched == []
