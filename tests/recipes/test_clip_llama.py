@@ -126,18 +126,26 @@ def test_tp2_pp2_fit_then_predict_on_another_layout(tmp_path: Path) -> None:
     assert abs(at_tp2 - greedy) <= 1 / 72 + 1e-9, (at_tp2, greedy)
 
 
-def test_moe_recipe_ep2_tp2_fsdp_reaches_the_lowered_bar(tmp_path: Path) -> None:
-    """The MoE recipe (``clip_llama_moe_cpu.yaml``: 4 experts top-2 in every decoder FFN,
-    expert 2 x tensor 2, dp 2 with FSDP2) learns: the lowered bar after ``BAR_STEPS`` (the full
-    400 steps reach 0.93, docs/experts.md), and the run summary reports both routers and the
-    expert-load heatmap (the dense model at tp 2 x dp 2 is held to one process by the parity
-    matrix)."""
+MOE_BAR_STEPS = 200
+"""The MoE learning bar's run (one process: 0.79 zero-shot at 200 steps, 0.58 at 150)."""
+
+
+def test_moe_recipe_reaches_the_lowered_bar(tmp_path: Path) -> None:
+    """The MoE recipe's model (``clip_llama_moe_cpu.yaml``: 4 experts top-2 in every decoder FFN)
+    learns: the lowered bar after ``MOE_BAR_STEPS`` on one process (the full 400 steps at its
+    shipped layout, expert 2 x tensor 2 x dp 2 FSDP2, reach 0.93, docs/experts.md), and the run
+    summary reports both routers and the expert-load heatmap. The shipped layout itself is held
+    to one process by the parity matrix (``ep2 x tp2 fsdp``, 5 steps) and trains the YAML for 3
+    steps in its 4-rank world (router statistics included); the 150-step run at that layout
+    (4 min 37 s of the suite's time on 2 cores) gave way to this one (about 30 s)."""
     short = _overrides(
         tmp_path,
         "short",
         {
-            "max_steps": BAR_STEPS,
-            "val_check_interval": BAR_STEPS,
+            "devices": 1,
+            "strategy": "auto",
+            "max_steps": MOE_BAR_STEPS,
+            "val_check_interval": MOE_BAR_STEPS,
             "default_root_dir": str(tmp_path),
             "logger": False,
             "enable_checkpointing": False,
@@ -153,14 +161,7 @@ def test_moe_recipe_ep2_tp2_fsdp_reaches_the_lowered_bar(tmp_path: Path) -> None
     )
     proc = _cli("fit", "--config", str(MOE_YAML), "--config", short, timeout=600)
     summary = json.loads((tmp_path / "summary.json").read_text())
-    layout = summary["layout"]
-    assert (layout["tp"], layout["pp"], layout["dp"], layout["ep"], layout["strategy"]) == (
-        2,
-        1,
-        2,
-        2,
-        "mm_parallel/fsdp",
-    )
+    assert summary["steps"] == MOE_BAR_STEPS and summary["layout"]["ep"] == 1, summary["layout"]
     assert summary["zero_shot_acc"] >= BAR, summary
     router = summary["router"]
     assert sorted(router) == ["text", "vision"], router
