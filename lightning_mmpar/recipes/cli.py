@@ -76,8 +76,8 @@ class RecipeDigitsCaptions(DigitsCaptions):
 
 
 SETUP_ERROR_NOTE = "lightning_mmpar: raised while setting up the run (no process launched)"
-"""Note added to a ``ValueError`` / ``FileNotFoundError`` of class building or preflight;
-:func:`main` prints such errors as command-line errors."""
+"""Note added to a :data:`SETUP_ERRORS` error of class building or preflight; :func:`main`
+prints such errors as command-line errors."""
 
 
 SETUP_ERRORS = (ValueError, FileNotFoundError, MisconfigurationException)
@@ -182,8 +182,9 @@ class ClipLlamaCLI(LightningCLI):
             raise error from err
 
     def instantiate_classes(self) -> None:
-        """LightningCLI's; a ``ValueError`` / ``FileNotFoundError`` (bad layout, missing file)
-        is marked as a set-up error (:func:`main` prints it as a command-line error)."""
+        """LightningCLI's; a :data:`SETUP_ERRORS` error (bad layout, missing file, contradicting
+        Trainer arguments) is marked as a set-up error (:func:`main` prints it as a command-line
+        error)."""
         with _setup_errors():
             super().instantiate_classes()
 
