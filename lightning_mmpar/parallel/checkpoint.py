@@ -112,7 +112,11 @@ def resolve(path: Path) -> Path:
         )
         return previous
     if not path.exists():
-        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+        raise FileNotFoundError(
+            f"checkpoint {str(path)!r} does not exist; check the path (a run writes them under "
+            "<default_root_dir>/lightning_logs/version_N/checkpoints/; the recipe CLI's "
+            "--ckpt_path auto takes the newest complete one there)."
+        )
     return path
 
 
