@@ -124,7 +124,8 @@ def _init_names(class_path: str) -> list[str]:
 def suggest_options(message: str, known: list[str]) -> str:
     """``message`` plus "did you mean ...?" for each unknown ``--option``, ``'key'`` or class
     argument (``Option 'x' is not accepted`` for a ``class_path``'s init) it names that is close
-    to a ``known`` option or to an argument of that class (``difflib``; at most 3 each)."""
+    to a ``known`` option or to an argument of that class, and for a value outside a
+    ``Literal`` (case ignored) the closest allowed ones (``difflib``; at most 3 each)."""
     unknown = re.findall(r"--[\w.\-]+", message) + [
         f"--{key}" for key in re.findall(r"option '([\w.\-]+)'", message)
     ]
@@ -137,6 +138,12 @@ def suggest_options(message: str, known: list[str]) -> str:
         close = difflib.get_close_matches(arg, _init_names(path), n=3, cutoff=0.6)
         if close:
             hints.append(f"{arg} ({path.rsplit('.', 1)[-1]}): did you mean {' or '.join(close)}?")
+    for choices, value in re.findall(r"Literal\[([^\]]*)\]\. Got value: (\S+)", message):
+        options = re.findall(r"'([^']*)'", choices)
+        folded = {o.lower(): o for o in options}
+        close = difflib.get_close_matches(value.lower(), list(folded), n=3, cutoff=0.6)
+        if close:
+            hints.append(f"{value}: did you mean {' or '.join(folded[c] for c in close)}?")
     return message if not hints else message + "\n" + "\n".join(hints)
 
 

@@ -198,4 +198,6 @@ def test_cli_prints_setup_errors_and_unknown_options_without_traceback(
     assert "tensor_paralel (MultimodalParallelStrategy): did you mean tensor_parallel" in (
         suggest_options(nested, known)
     )
+    literal = "Expected a typing.Literal['gpipe', '1f1b', 'dualpipev']. Got value: 1f1B"
+    assert suggest_options(literal, known).endswith("1f1B: did you mean 1f1b?")
     assert launched == []
