@@ -152,16 +152,13 @@ class RecipeArgumentParser(LightningArgumentParser):
     (:func:`suggest_options`) and where the full list is (not the whole usage)."""
 
     def error(self, message: str, ex: Exception | None = None) -> Any:
+        if not self.exit_on_error or debug_mode_active():  # jsonargparse tries alternatives:
+            return super().error(message, ex)  # it raises, catches and may go on parsing
         parser = getattr(ex, "subcommand_parser", None) or self
         message = suggest_options(message, _option_names(parser))
-        if not self.exit_on_error or debug_mode_active():
-            return super().error(message, ex)  # raises (jsonargparse tries alternatives)
         words = parser.prog.replace(" [options]", "").split()
-        sub = words[-1] if len(words) > 1 else ""
-        sys.stderr.write(
-            f"error: {message}\ntip: python -m lightning_mmpar.recipes.clip_llama {sub} --help "
-            "lists every option\n".replace("  ", " ")
-        )
+        command = " ".join(["python -m lightning_mmpar.recipes.clip_llama", *words[1:]])
+        sys.stderr.write(f"error: {message}\ntip: {command} --help lists every option\n")
         self.exit(2)
 
 
@@ -175,18 +172,17 @@ class ClipLlamaCLI(LightningCLI):
         """LightningCLI's (a single-file checkpoint's hyper-parameters into the config); a file
         ``torch.load`` cannot read is a set-up error naming the path, not an unpickling
         traceback."""
-        try:
-            super()._parse_ckpt_path()
-        except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
-            sub = self.config.get("subcommand")
-            path = self.config[sub].get("ckpt_path") if sub else None
-            error = ValueError(
-                f"ckpt_path {str(path)!r} is not a checkpoint torch.load can read "
-                f"({type(err).__name__}); pass a checkpoint directory written by mm_parallel "
-                "(e.g. .../checkpoints/last.ckpt), a Lightning .ckpt file, or auto."
-            )
-            error.add_note(SETUP_ERROR_NOTE)
-            raise error from err
+        with _setup_errors():
+            try:
+                super()._parse_ckpt_path()
+            except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
+                sub = self.config.get("subcommand")
+                path = self.config[sub].get("ckpt_path") if sub else None
+                raise ValueError(
+                    f"ckpt_path {str(path)!r} is not a checkpoint torch.load can read "
+                    f"({type(err).__name__}); pass a checkpoint directory written by mm_parallel "
+                    "(e.g. .../checkpoints/last.ckpt), a Lightning .ckpt file, or auto."
+                ) from err
 
     def instantiate_classes(self) -> None:
         """LightningCLI's; a :data:`SETUP_ERRORS` error (bad layout, missing file, contradicting
@@ -382,6 +378,6 @@ def main(args: list[str] | None = None) -> None:
             raise
         argv = sys.argv[1:] if args is None else args
         sub = next((a for a in argv if not a.startswith("-")), "")
-        print(f"clip_llama {sub}: error: {err}".replace("  ", " "), file=sys.stderr)
+        print(f"{' '.join(['clip_llama', sub]).strip()}: error: {err}", file=sys.stderr)
         print("(LIGHTNING_MMPAR_TRACEBACK=1 shows the traceback)", file=sys.stderr)
         raise SystemExit(2) from None
