@@ -75,10 +75,15 @@ def layout_spec(args: dict[str, Any], world: int, global_batch: int) -> Any:
     d = degrees(args, world)
     m = args.get("micro_batches", 1) if d["pp"] > 1 else 1
     return LayoutSpec(
-        tp=d["tp"], pp=d["pp"], dp=d["dp"], ep=d["ep"], micro_batches=m,
-        micro_batch_size=global_batch // d["dp"] // m, schedule=args.get("schedule", "1f1b"),
+        tp=d["tp"],
+        pp=d["pp"],
+        dp=d["dp"],
+        ep=d["ep"],
+        micro_batches=m,
+        micro_batch_size=global_batch // d["dp"] // m,
+        schedule=args.get("schedule", "1f1b"),
         data_parallel=args.get("data_parallel", "fsdp"),
-    )  # fmt: skip
+    )
 
 
 def storage_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -138,14 +143,16 @@ def fit(config: dict[str, Any], strategy: Any, devices: int, steps: int) -> tupl
     seed_everything(0, verbose=False)
     module, data = build_module(config, meta=False)
     meter = Meter()
-    trainer = quiet_trainer(devices=devices, strategy=strategy, max_steps=steps,
-                            limit_val_batches=0, callbacks=[meter])  # fmt: skip
+    trainer = quiet_trainer(
+        devices=devices, strategy=strategy, max_steps=steps, limit_val_batches=0, callbacks=[meter]
+    )
     trainer.fit(module, datamodule=data)
     return module, meter
 
 
-def worker(rank: int, world: int, layouts: dict[str, dict[str, Any]], global_batch: int,
-           steps: int) -> dict[str, Any]:  # fmt: skip
+def worker(
+    rank: int, world: int, layouts: dict[str, dict[str, Any]], global_batch: int, steps: int
+) -> dict[str, Any]:
     from lightning_mmpar import MultimodalParallelStrategy
 
     torch.set_num_threads(1)
@@ -154,8 +161,12 @@ def worker(rank: int, world: int, layouts: dict[str, dict[str, Any]], global_bat
         start = time.perf_counter()
         config = recipe(name, global_batch, degrees(args, world)["dp"])
         _, meter = fit(config, MultimodalParallelStrategy(**args), world, steps)
-        out[name] = {"comm": meter.bytes, "state": meter.state, "storage": meter.storage,
-                     "seconds": time.perf_counter() - start}  # fmt: skip
+        out[name] = {
+            "comm": meter.bytes,
+            "state": meter.state,
+            "storage": meter.storage,
+            "seconds": time.perf_counter() - start,
+        }
     return out
 
 
@@ -206,8 +217,14 @@ def predicted(name: str, args: dict[str, Any], world: int, global_batch: int) ->
     return out, replicated(model, spec)
 
 
-def compare(name: str, args: dict[str, Any], world: int, global_batch: int,
-            ranks: list[dict[str, Any]], full: dict[str, int]) -> dict[str, Any]:  # fmt: skip
+def compare(
+    name: str,
+    args: dict[str, Any],
+    world: int,
+    global_batch: int,
+    ranks: list[dict[str, Any]],
+    full: dict[str, int],
+) -> dict[str, Any]:
     """Memory ratios and comm equality of one layout, per rank."""
     d = degrees(args, world)
     shard = d["dp"] if args.get("data_parallel", "fsdp") == "fsdp" else 1
@@ -219,27 +236,42 @@ def compare(name: str, args: dict[str, Any], world: int, global_batch: int,
         exact = {k: lo for k, (lo, hi) in bounds.items() if lo == hi}
         counted = {k: v for k, v in got["comm"].items() if k in exact or k not in bounds}
         ranged = {k: [got["comm"].get(k, 0), *bounds[k]] for k in bounds.keys() - exact.keys()}
-        rows.append({
-            "rank": rank, "state_bytes": list(got["state"]), "measured_bytes": measured,
-            "ideal_bytes": ideal, "ratio_to_ideal": measured / ideal,
-            "analytical_bytes": [state.parameters, state.gradients, state.optimizer],
-            "state_equal": tuple(got["state"]) == (state.parameters, state.gradients,
-                                                   state.optimizer),
-            "storage_bytes": got["storage"], "comm": got["comm"], "comm_expected": exact,
-            "comm_equal": counted == exact and all(lo <= v <= hi for v, lo, hi in ranged.values()),
-            "comm_ranged": ranged,
-        })  # fmt: skip
+        rows.append(
+            {
+                "rank": rank,
+                "state_bytes": list(got["state"]),
+                "measured_bytes": measured,
+                "ideal_bytes": ideal,
+                "ratio_to_ideal": measured / ideal,
+                "analytical_bytes": [state.parameters, state.gradients, state.optimizer],
+                "state_equal": tuple(got["state"])
+                == (state.parameters, state.gradients, state.optimizer),
+                "storage_bytes": got["storage"],
+                "comm": got["comm"],
+                "comm_expected": exact,
+                "comm_equal": counted == exact
+                and all(lo <= v <= hi for v, lo, hi in ranged.values()),
+                "comm_ranged": ranged,
+            }
+        )
     ratios = [r["ratio_to_ideal"] for r in rows]
     share = excess["tp_replicated_state_bytes"] / full["total"]
     excess["tp_replicated_share"] = share  # pp 1: a rank holds (1 - f) / tp + f of its share
     excess["ratio_explained"] = 1 + share * (d["tp"] - 1) if d["pp"] == 1 else None
-    return {"degrees": d, "shard": shard, "full": full, "ideal_bytes": ideal, "ranks": rows,
-            "replicated": excess,
-            "ratio_max": max(ratios), "ratio_mean": sum(ratios) / len(ratios),
-            "within_5pct": max(abs(r - 1) for r in ratios) <= 0.05,
-            "state_equal": all(r["state_equal"] for r in rows),
-            "comm_equal": all(r["comm_equal"] for r in rows),
-            "seconds": max(r["seconds"] for r in ranks)}  # fmt: skip
+    return {
+        "degrees": d,
+        "shard": shard,
+        "full": full,
+        "ideal_bytes": ideal,
+        "ranks": rows,
+        "replicated": excess,
+        "ratio_max": max(ratios),
+        "ratio_mean": sum(ratios) / len(ratios),
+        "within_5pct": max(abs(r - 1) for r in ratios) <= 0.05,
+        "state_equal": all(r["state_equal"] for r in rows),
+        "comm_equal": all(r["comm_equal"] for r in rows),
+        "seconds": max(r["seconds"] for r in ranks),
+    }
 
 
 def plot(results: dict[str, Any], out_dir: Path | None) -> Path:
@@ -282,24 +314,37 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     started = time.perf_counter()
     per_rank = spawn(worker, world, layouts, batch, args.steps, timeout=900)
     torch.set_num_threads(1)
-    fulls = {moe: one_process("moe" if moe else "dense", batch, 2) for moe in {
-        "moe" in n for n in layouts}}  # fmt: skip
-    results = {n: compare(n, a, world, batch, [r[n] for r in per_rank], fulls["moe" in n])
-               for n, a in layouts.items()}  # fmt: skip
-    print(f"{'layout':15} {'rank':>4} {'held MB':>8} {'ideal MB':>8} {'ratio':>6} "
-          f"{'=analytic':>9} {'storage MB':>10} {'comm MB':>8} {'=model':>6}")  # fmt: skip
+    fulls = {
+        moe: one_process("moe" if moe else "dense", batch, 2)
+        for moe in {"moe" in n for n in layouts}
+    }
+    results = {
+        n: compare(n, a, world, batch, [r[n] for r in per_rank], fulls["moe" in n])
+        for n, a in layouts.items()
+    }
+    print(
+        f"{'layout':15} {'rank':>4} {'held MB':>8} {'ideal MB':>8} {'ratio':>6} "
+        f"{'=analytic':>9} {'storage MB':>10} {'comm MB':>8} {'=model':>6}"
+    )
     for n, r in results.items():
         for row in r["ranks"]:
-            print(f"{n:15} {row['rank']:4} {row['measured_bytes'] / 1e6:8.3f} "
-                  f"{row['ideal_bytes'] / 1e6:8.3f} {row['ratio_to_ideal']:6.3f} "
-                  f"{row['state_equal']!s:>9} {row['storage_bytes'] / 1e6:10.3f} "
-                  f"{sum(row['comm'].values()) / 1e6:8.3f} {row['comm_equal']!s:>6}")  # fmt: skip
+            print(
+                f"{n:15} {row['rank']:4} {row['measured_bytes'] / 1e6:8.3f} "
+                f"{row['ideal_bytes'] / 1e6:8.3f} {row['ratio_to_ideal']:6.3f} "
+                f"{row['state_equal']!s:>9} {row['storage_bytes'] / 1e6:10.3f} "
+                f"{sum(row['comm'].values()) / 1e6:8.3f} {row['comm_equal']!s:>6}"
+            )
     payload = {
-        "config": {"world": world, "global_batch": batch, "steps": args.steps,
-                   "layouts": layouts, "smoke": args.smoke},
+        "config": {
+            "world": world,
+            "global_batch": batch,
+            "steps": args.steps,
+            "layouts": layouts,
+            "smoke": args.smoke,
+        },
         "memory_comm": results,
         "wall_s": round(time.perf_counter() - started, 1),
-    }  # fmt: skip
+    }
     write_result("memory_comm", payload, args.out_dir)
     if not args.smoke:
         plot(results, args.out_dir)

@@ -61,14 +61,18 @@ from lightning_mmpar.models.fusion import FusionModel, FusionOutput
 from lightning_mmpar.recipes.module import ClipLlamaModule
 
 PAIRS: dict[int, tuple[tuple[str, dict[str, Any], str, float], ...]] = {
-    2: (("ddp", {"data_parallel": "ddp"}, "ddp", 1.03),
+    2: (
+        ("ddp", {"data_parallel": "ddp"}, "ddp", 1.03),
         ("ddp guard off", {"data_parallel": "ddp", "on_nonfinite": "off"}, "ddp", 1.03),
         ("fsdp", {}, "model_parallel", 1.03),
-        ("tp2", {"tensor_parallel": 2}, "model_parallel", 1.00)),
-    4: (("ddp", {"data_parallel": "ddp"}, "ddp", 1.03),
+        ("tp2", {"tensor_parallel": 2}, "model_parallel", 1.00),
+    ),
+    4: (
+        ("ddp", {"data_parallel": "ddp"}, "ddp", 1.03),
         ("fsdp", {}, "model_parallel", 1.03),
-        ("tp2 dp2", {"tensor_parallel": 2}, "model_parallel", 1.00)),
-}  # fmt: skip
+        ("tp2 dp2", {"tensor_parallel": 2}, "model_parallel", 1.00),
+    ),
+}
 """Per world size: (name, ``MultimodalParallelStrategy`` arguments, Lightning side, target).
 ``ddp guard off``: ours without the non-finite guard (``on_nonfinite="off"``; Lightning has no
 such check), to show what the guard's default costs."""
@@ -116,9 +120,13 @@ class LightningUserModule(ClipLlamaModule):
         )
         o = self.tp_options
         if tp_mesh.size() > 1:
-            apply_tensor_parallel(model, tp_mesh, vision_parallel=o.vision_parallel,
-                                  sequence_parallel=o.sequence_parallel,
-                                  vl_combine=o.vl_combine)  # fmt: skip
+            apply_tensor_parallel(
+                model,
+                tp_mesh,
+                vision_parallel=o.vision_parallel,
+                sequence_parallel=o.sequence_parallel,
+                vl_combine=o.vl_combine,
+            )
         self._freeze(model)
         self._fusion = (model,)
         self.blocks = Blocks(model.pipeline_blocks())
@@ -162,8 +170,15 @@ class Probe(pl.Callback):
         self.losses.append(float(loss.detach().float()))
 
 
-def fit_side(side: str, world: int, ours: dict[str, Any], theirs: str, global_batch: int,
-             steps: int, losses: list[list[float]]) -> list[float]:  # fmt: skip
+def fit_side(
+    side: str,
+    world: int,
+    ours: dict[str, Any],
+    theirs: str,
+    global_batch: int,
+    steps: int,
+    losses: list[list[float]],
+) -> list[float]:
     """One ``Trainer.fit`` of ``steps`` steps; returns this rank's per-step seconds and appends
     its per-step losses to ``losses``."""
     from lightning.pytorch.strategies import ModelParallelStrategy
@@ -186,8 +201,13 @@ def fit_side(side: str, world: int, ours: dict[str, Any], theirs: str, global_ba
         strategy = ModelParallelStrategy(data_parallel_size=world // tp, tensor_parallel_size=tp)
         module = LightningUserModule(**dict(module.hparams))
     timer, probe = StepTimer(), Probe()
-    trainer = quiet_trainer(devices=world, strategy=strategy, max_steps=steps,
-                            limit_val_batches=0, callbacks=[timer, probe])  # fmt: skip
+    trainer = quiet_trainer(
+        devices=world,
+        strategy=strategy,
+        max_steps=steps,
+        limit_val_batches=0,
+        callbacks=[timer, probe],
+    )
     trainer.fit(module, datamodule=data)
     losses.append(probe.losses)
     return timer.times
@@ -205,8 +225,9 @@ def worker(rank: int, world: int, repeats: int, steps: int, global_batch: int) -
         for side in ("ours", "theirs"):
             key = f"{name}/{side}"
             losses[key] = []
-            sides[key] = partial(fit_side, side, world, ours, theirs, global_batch, steps,
-                                 losses[key])  # fmt: skip
+            sides[key] = partial(
+                fit_side, side, world, ours, theirs, global_batch, steps, losses[key]
+            )
     return {"times": interleaved(sides, repeats), "losses": losses}
 
 
@@ -221,8 +242,10 @@ def summarise(per_rank: list[dict[str, Any]], world: int, warmup: int) -> dict[s
         steps: dict[str, list[list[float]]] = {}
         for side in ("ours", "theirs"):
             runs = [r["times"][f"{name}/{side}"] for r in per_rank]  # rank -> repeat -> step
-            steps[side] = [[max(ts) for ts in zip(*reps, strict=True)][warmup:]
-                           for reps in zip(*runs, strict=True)]  # fmt: skip
+            steps[side] = [
+                [max(ts) for ts in zip(*reps, strict=True)][warmup:]
+                for reps in zip(*runs, strict=True)
+            ]
         stats = ratio_stats(steps["ours"], steps["theirs"])
         # every rank's losses of the first repeat (later repeats redo the same steps)
         first = {s: [r["losses"][f"{name}/{s}"][0] for r in per_rank] for s in ("ours", "theirs")}
@@ -232,13 +255,15 @@ def summarise(per_rank: list[dict[str, Any]], world: int, warmup: int) -> dict[s
         out[name] = {
             **stats,
             "theirs": "DDPStrategy" if theirs == "ddp" else "ModelParallelStrategy",
-            "ours_args": ours, "target": target, "met": stats["ratio"] <= target,
+            "ours_args": ours,
+            "target": target,
+            "met": stats["ratio"] <= target,
             "first_loss": {s: [v[0] for v in first[s]] for s in first},
             "last_loss": {s: [v[-1] for v in first[s]] for s in first},
             "first_loss_max_abs_diff": max(abs(a[0] - b[0]) for a, b in pairs),
             "last_loss_max_abs_diff": max(abs(a[-1] - b[-1]) for a, b in pairs),
             "same_work": first_ok and last_ok,
-        }  # fmt: skip
+        }
     return out
 
 
@@ -265,8 +290,14 @@ def plot(results: dict[str, dict[str, Any]], out_dir: Path | None) -> Path:
     colors = ["tab:green" if r["met"] else "tab:red" for r in rows]
     ax.bar(x, ratio, yerr=err, capsize=4, color=colors, alpha=0.8)
     for i, r in enumerate(rows):
-        ax.hlines(r["target"], i - 0.45, i + 0.45, colors="k", linestyles="--",
-                  label="target" if i == 0 else "_nolegend_")  # fmt: skip
+        ax.hlines(
+            r["target"],
+            i - 0.45,
+            i + 0.45,
+            colors="k",
+            linestyles="--",
+            label="target" if i == 0 else "_nolegend_",
+        )
     ax.axhline(1.0, color="grey", lw=0.5)
     ax.set_xticks(list(x), labels, fontsize=8)
     ax.set_ylabel("step time, mm_parallel / Lightning")
@@ -295,32 +326,47 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for size in (int(w) for w in args.worlds.split(",")):
         if size not in PAIRS:
             raise SystemExit(f"--worlds: {size} processes; choose from {sorted(PAIRS)}")
-        per_rank = spawn(worker, size, args.repeats, args.steps, args.global_batch,
-                         timeout=900)  # fmt: skip
+        per_rank = spawn(worker, size, args.repeats, args.steps, args.global_batch, timeout=900)
         results[str(size)] = summarise(per_rank, size, args.warmup)
-    print(f"{'procs':>5} {'pair':8} {'ours ms':>8} {'theirs ms':>9} {'ratio':>6} {'spread':>6} "
-          f"{'target':>6} {'met':>4} {'loss0 ours':>11} {'loss0 theirs':>12} same")  # fmt: skip
+    print(
+        f"{'procs':>5} {'pair':8} {'ours ms':>8} {'theirs ms':>9} {'ratio':>6} {'spread':>6} "
+        f"{'target':>6} {'met':>4} {'loss0 ours':>11} {'loss0 theirs':>12} same"
+    )
     for world, pairs in results.items():
         for name, r in pairs.items():
-            print(f"{world:>5} {name:8} {r['ours_s'] * 1e3:8.1f} {r['theirs_s'] * 1e3:9.1f} "
-                  f"{r['ratio']:6.3f} {r['spread']:6.3f} {r['target']:6.2f} {r['met']!s:>4} "
-                  f"{r['first_loss']['ours'][0]:11.6f} {r['first_loss']['theirs'][0]:12.6f} "
-                  f"{r['same_work']}")  # fmt: skip
+            print(
+                f"{world:>5} {name:8} {r['ours_s'] * 1e3:8.1f} {r['theirs_s'] * 1e3:9.1f} "
+                f"{r['ratio']:6.3f} {r['spread']:6.3f} {r['target']:6.2f} {r['met']!s:>4} "
+                f"{r['first_loss']['ours'][0]:11.6f} {r['first_loss']['theirs'][0]:12.6f} "
+                f"{r['same_work']}"
+            )
     payload = {
-        "config": {"yaml": str(CPU_YAML.name), "global_batch": args.global_batch,
-                   "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
-                   "threads_per_process": 1, "backend": "gloo"},
+        "config": {
+            "yaml": str(CPU_YAML.name),
+            "global_batch": args.global_batch,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "repeats": args.repeats,
+            "threads_per_process": 1,
+            "backend": "gloo",
+        },
         "wall_s": round(time.perf_counter() - started, 1),
         "results": results,
-    }  # fmt: skip
+    }
     write_result("overhead", payload, args.out_dir)
     if not args.smoke:
         plot(results, args.out_dir)
-    differ = [f"{w} proc {n}" for w, pairs in results.items() for n, r in pairs.items()
-              if not r["same_work"]]  # fmt: skip
+    differ = [
+        f"{w} proc {n}"
+        for w, pairs in results.items()
+        for n, r in pairs.items()
+        if not r["same_work"]
+    ]
     if differ:
-        raise SystemExit(f"the sides computed different losses ({', '.join(differ)}): the "
-                         "comparison is void; see first_loss / last_loss in the JSON")  # fmt: skip
+        raise SystemExit(
+            f"the sides computed different losses ({', '.join(differ)}): the "
+            "comparison is void; see first_loss / last_loss in the JSON"
+        )
     return payload
 
 

@@ -62,21 +62,42 @@ MULTI = (
     "dualpipev",
 )
 WORLDS: dict[str, tuple[int, list[Spec]]] = {
-    "pp2": (2, [
-        _pp(2, "1f1b", "equal"), _pp(2, "1f1b", "balanced"), _pp(2, "gpipe", "balanced"),
-        *(_pp(2, s, "balanced", 2) for s in MULTI), _pp(2, "interleaved_1f1b", "ratio:2:1:1", 2),
-    ]),
-    "pp4": (4, [
-        _pp(4, "1f1b", "equal"), _pp(4, "1f1b", "ratio:2:1:1"), _pp(4, "1f1b", "balanced"),
-        *(_pp(4, s, "balanced", 2) for s in ("interleaved_1f1b", "zbv_zero_bubble", "dualpipev")),
-    ]),
+    "pp2": (
+        2,
+        [
+            _pp(2, "1f1b", "equal"),
+            _pp(2, "1f1b", "balanced"),
+            _pp(2, "gpipe", "balanced"),
+            *(_pp(2, s, "balanced", 2) for s in MULTI),
+            _pp(2, "interleaved_1f1b", "ratio:2:1:1", 2),
+        ],
+    ),
+    "pp4": (
+        4,
+        [
+            _pp(4, "1f1b", "equal"),
+            _pp(4, "1f1b", "ratio:2:1:1"),
+            _pp(4, "1f1b", "balanced"),
+            *(
+                _pp(4, s, "balanced", 2)
+                for s in ("interleaved_1f1b", "zbv_zero_bubble", "dualpipev")
+            ),
+        ],
+    ),
     "tp2": (2, [(f"vision {v}", {"tensor_parallel": 2}, v) for v in ("tp", "replicate", "dp")]),
-}  # fmt: skip
+}
 MICRO_BATCHES = {"pp2": 4, "pp4": 8, "tp2": None}
 
 
-def run_one(rank: int, size: int, world: str, spec: tuple[str, dict[str, Any], str], steps: int,
-            measure_step: int, root: str) -> dict[str, Any]:  # fmt: skip
+def run_one(
+    rank: int,
+    size: int,
+    world: str,
+    spec: tuple[str, dict[str, Any], str],
+    steps: int,
+    measure_step: int,
+    root: str,
+) -> dict[str, Any]:
     from lightning_mmpar import MultimodalParallelStrategy
     from lightning_mmpar.callbacks import PipelineTimeline
     from lightning_mmpar.recipes.partition import build_module
@@ -97,8 +118,13 @@ def run_one(rank: int, size: int, world: str, spec: tuple[str, dict[str, Any], s
         timeline = PipelineTimeline(steps=[measure_step], path=path)
         callbacks.append(timeline)
     strategy_obj = MultimodalParallelStrategy(**args)
-    trainer = quiet_trainer(devices=size, strategy=strategy_obj,
-                            max_steps=steps, limit_val_batches=0, callbacks=callbacks)  # fmt: skip
+    trainer = quiet_trainer(
+        devices=size,
+        strategy=strategy_obj,
+        max_steps=steps,
+        limit_val_batches=0,
+        callbacks=callbacks,
+    )
     trainer.fit(module, datamodule=data)
     out: dict[str, Any] = {"times": timer.times}
     plan = getattr(strategy_obj, "stage_plan", None)
@@ -111,8 +137,9 @@ def run_one(rank: int, size: int, world: str, spec: tuple[str, dict[str, Any], s
     return out
 
 
-def worker(rank: int, world_size: int, world: str, rounds: int, steps: int,
-           limit: int | None = None) -> dict[str, Any]:  # fmt: skip
+def worker(
+    rank: int, world_size: int, world: str, rounds: int, steps: int, limit: int | None = None
+) -> dict[str, Any]:
     torch.set_num_threads(1)
     specs = WORLDS[world][1][:limit]
     results: dict[str, list[dict[str, Any]]] = {s[0]: [] for s in specs}
@@ -197,9 +224,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results[world] = summarise(per_rank, warmup=2)
         for name, row in results[world].items():
             extra = "".join(
-                f"  {k} {row[k]:.3f}" for k in ("imbalance", "bubble_measured", "bubble_formula")
+                f"  {k} {row[k]:.3f}"
+                for k in ("imbalance", "bubble_measured", "bubble_formula")
                 if k in row
-            )  # fmt: skip
+            )
             print(f"{world:4} {name:38} {row['step_s'] * 1000:8.1f} ms{extra}", flush=True)
     report = {
         "config": {

@@ -69,10 +69,15 @@ def layout_spec(args: dict[str, Any], global_batch: int, precision: str = "32-tr
     pp, dp = args.get("pipeline_parallel", 1), _dp(args)
     m = args.get("micro_batches", 1) if pp > 1 else 1
     return LayoutSpec(
-        tp=args.get("tensor_parallel", 1), pp=pp, dp=dp, micro_batches=m,
-        micro_batch_size=global_batch // dp // m, schedule="1f1b",
-        data_parallel=args.get("data_parallel", "fsdp"), precision=precision,
-    )  # fmt: skip
+        tp=args.get("tensor_parallel", 1),
+        pp=pp,
+        dp=dp,
+        micro_batches=m,
+        micro_batch_size=global_batch // dp // m,
+        schedule="1f1b",
+        data_parallel=args.get("data_parallel", "fsdp"),
+        precision=precision,
+    )
 
 
 def matmul_flops(rows: int, width: int, seconds: float = 0.5) -> float:
@@ -134,8 +139,9 @@ class CallMeter(Callback):
             self.calls = {k: v for k, v in self.counter.calls.items() if k != "self"}
 
 
-def run_one(size: int, args: dict[str, Any], global_batch: int, steps: int,
-            count: bool = False) -> tuple[list[float], dict[str, int]]:  # fmt: skip
+def run_one(
+    size: int, args: dict[str, Any], global_batch: int, steps: int, count: bool = False
+) -> tuple[list[float], dict[str, int]]:
     from lightning.pytorch import seed_everything
 
     from lightning_mmpar import MultimodalParallelStrategy
@@ -147,15 +153,20 @@ def run_one(size: int, args: dict[str, Any], global_batch: int, steps: int,
     seed_everything(0, verbose=False)
     module, data = build_module(config, meta=False)
     timer, meter = StepTimer(), CallMeter()
-    trainer = quiet_trainer(devices=size, strategy=MultimodalParallelStrategy(**args),
-                            max_steps=steps, limit_val_batches=0,
-                            callbacks=[timer, meter] if count else [timer])  # fmt: skip
+    trainer = quiet_trainer(
+        devices=size,
+        strategy=MultimodalParallelStrategy(**args),
+        max_steps=steps,
+        limit_val_batches=0,
+        callbacks=[timer, meter] if count else [timer],
+    )
     trainer.fit(module, datamodule=data)
     return timer.times, meter.calls
 
 
-def worker(rank: int, size: int, names: list[str], global_batch: int, steps: int,
-           rounds: int) -> dict[str, Any]:  # fmt: skip
+def worker(
+    rank: int, size: int, names: list[str], global_batch: int, steps: int, rounds: int
+) -> dict[str, Any]:
     torch.set_num_threads(1)
     from lightning_mmpar.layout.devices import DeviceGraph
 
@@ -166,13 +177,21 @@ def worker(rank: int, size: int, names: list[str], global_batch: int, steps: int
             times[name].append(run_one(size, LAYOUTS[name], global_batch, steps)[0])
     alpha, beta = gloo_alpha_beta(size)  # latency: a call's cost under load if larger
     alpha = max(alpha, loaded_call_seconds() / (2 * (size - 1)))
-    graph = DeviceGraph.from_yaml({"nodes": 1, "gpus_per_node": size,
-                                   "intra": {"bandwidth": beta, "latency": alpha}})  # fmt: skip
+    graph = DeviceGraph.from_yaml(
+        {"nodes": 1, "gpus_per_node": size, "intra": {"bandwidth": beta, "latency": alpha}}
+    )
     host = host_call_seconds(graph)
     flops = matmul_flops(global_batch * 16, 64) if rank == 0 else 0.0
     overhead = block_overhead() if rank == 0 else 0.0
-    return {"times": times, "calls": calls, "alpha": alpha, "beta": beta, "flops": flops,
-            "overhead": overhead, "host_call_s": host}  # fmt: skip
+    return {
+        "times": times,
+        "calls": calls,
+        "alpha": alpha,
+        "beta": beta,
+        "flops": flops,
+        "overhead": overhead,
+        "host_call_s": host,
+    }
 
 
 def spearman(x: list[float], y: list[float]) -> float:
@@ -188,8 +207,15 @@ def spearman(x: list[float], y: list[float]) -> float:
     return statistics.correlation(rx, ry)
 
 
-def predict_cpu(names: list[str], global_batch: int, flops: float, overhead: float,
-                alpha: float, beta: float, call_s: float) -> dict[str, dict[str, Any]]:  # fmt: skip
+def predict_cpu(
+    names: list[str],
+    global_batch: int,
+    flops: float,
+    overhead: float,
+    alpha: float,
+    beta: float,
+    call_s: float,
+) -> dict[str, dict[str, Any]]:
     """The cost model's step time of each layout on this machine's measured figures: one
     thread's fp32 rate and block overhead, ``shared = processes / cores`` when the processes
     outnumber the cores, ``call_s`` host seconds per collective call, the gloo link."""
@@ -200,10 +226,18 @@ def predict_cpu(names: list[str], global_batch: int, flops: float, overhead: flo
     from lightning_mmpar.recipes.partition import build_module
 
     shared = max(1.0, WORLD / (os.cpu_count() or 1))
-    device = DeviceSpec("cpu", {"fp32": flops / 1e12}, 16.0, efficiency=1.0, overhead=overhead,
-                        call_overhead=call_s, shared=shared)  # fmt: skip
-    graph = DeviceGraph.from_yaml({"nodes": 1, "gpus_per_node": WORLD,
-                                   "intra": {"bandwidth": beta, "latency": alpha}})  # fmt: skip
+    device = DeviceSpec(
+        "cpu",
+        {"fp32": flops / 1e12},
+        16.0,
+        efficiency=1.0,
+        overhead=overhead,
+        call_overhead=call_s,
+        shared=shared,
+    )
+    graph = DeviceGraph.from_yaml(
+        {"nodes": 1, "gpus_per_node": WORLD, "intra": {"bandwidth": beta, "latency": alpha}}
+    )
     config = yaml.safe_load(YAML.read_text())
     module, data = build_module(config)
     out = {}
@@ -211,9 +245,13 @@ def predict_cpu(names: list[str], global_batch: int, flops: float, overhead: flo
         layout = layout_spec(LAYOUTS[name], global_batch)
         model = fusion_model_spec(module, layout, int(data.max_length))
         p = predict(model, layout, device, graph)
-        out[name] = {"step_s": p.step_seconds, "compute_s": p.compute_seconds,
-                     "bubble": p.bubble, "comm_s": p.comm_seconds,
-                     "calls": [comm_calls(model, layout, r) for r in range(layout.pp)]}  # fmt: skip
+        out[name] = {
+            "step_s": p.step_seconds,
+            "compute_s": p.compute_seconds,
+            "bubble": p.bubble,
+            "comm_s": p.comm_seconds,
+            "calls": [comm_calls(model, layout, r) for r in range(layout.pp)],
+        }
     return out
 
 
@@ -225,8 +263,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     if unknown:
         raise SystemExit(f"unknown layouts {unknown}; choose from {list(LAYOUTS)}")
     started = time.perf_counter()
-    per_rank = spawn(worker, WORLD, names, args.global_batch, args.steps, args.rounds,
-                     timeout=3600)  # fmt: skip
+    per_rank = spawn(worker, WORLD, names, args.global_batch, args.steps, args.rounds, timeout=3600)
     measured = {}
     for name in names:
         steps = []
@@ -254,38 +291,67 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             print(f"{n}: calls counted {counted[0]} predicted {expected[0]} (rank 0)")
     rho = spearman([measured[n] for n in names], [predicted[n]["step_s"] for n in names])
     for n in names:
-        print(f"{n:10} measured {measured[n] * 1e3:8.1f} ms  predicted "
-              f"{predicted[n]['step_s'] * 1e3:8.1f} ms")  # fmt: skip
+        print(
+            f"{n:10} measured {measured[n] * 1e3:8.1f} ms  predicted "
+            f"{predicted[n]['step_s'] * 1e3:8.1f} ms"
+        )
     print(f"Spearman rank correlation: {rho:.3f}")
     return {
-        "config": {"yaml": str(YAML.relative_to(ROOT)), "processes": WORLD,
-                   "global_batch": args.global_batch, "steps": args.steps,
-                   "warmup": args.warmup, "rounds": args.rounds},
+        "config": {
+            "yaml": str(YAML.relative_to(ROOT)),
+            "processes": WORLD,
+            "global_batch": args.global_batch,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "rounds": args.rounds,
+        },
         "cpu_fp32_flops_one_thread": flops,
         "cpu_overhead_s_per_block_micro_batch": overhead,
         "gloo": {"latency_s": alpha, "bandwidth_bytes_s": beta},
-        "host_call_s": host, "call_overhead_s": call_s, "calls": calls,
+        "host_call_s": host,
+        "call_overhead_s": call_s,
+        "calls": calls,
         "measured_step_s": measured,
         "predicted": predicted,
         "spearman": rho,
         "wall_s": round(time.perf_counter() - started, 1),
-    }  # fmt: skip
+    }
 
 
-VIT_L14_336 = {"image_size": 336, "patch_size": 14, "width": 1024, "layers": 24, "heads": 16,
-               "output_dim": 768}  # fmt: skip
+VIT_L14_336 = {
+    "image_size": 336,
+    "patch_size": 14,
+    "width": 1024,
+    "layers": 24,
+    "heads": 16,
+    "output_dim": 768,
+}
 SCALE_MODELS: dict[str, dict[str, Any]] = {
     # Qwen2-VL-7B-sized: ViT-L/14 at 336 px (576 patches) + Llama-2-7B dims
-    "7B": {"vision": VIT_L14_336,
-           "language": {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
-                        "num_attention_heads": 32, "num_key_value_heads": 32},
-           "adapter": {"num_blocks": 4, "heads": 32, "width": 4096, "ffn_width": 16384}},
+    "7B": {
+        "vision": VIT_L14_336,
+        "language": {
+            "hidden_size": 4096,
+            "intermediate_size": 11008,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 32,
+        },
+        "adapter": {"num_blocks": 4, "heads": 32, "width": 4096, "ffn_width": 16384},
+    },
     # 70B-class: the same ViT + Llama-2-70B dims (GQA: 8 key-value heads)
-    "70B": {"vision": VIT_L14_336,
-            "language": {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
-                         "num_attention_heads": 64, "num_key_value_heads": 8},
-            "adapter": {"num_blocks": 4, "heads": 64, "width": 8192, "ffn_width": 32768}},
-}  # fmt: skip
+    "70B": {
+        "vision": VIT_L14_336,
+        "language": {
+            "hidden_size": 8192,
+            "intermediate_size": 28672,
+            "num_hidden_layers": 80,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 8,
+        },
+        "adapter": {"num_blocks": 4, "heads": 64, "width": 8192, "ffn_width": 32768},
+    },
+}
 """docs/planner.md's models: ViT frozen (TECHNIQUES 1.5), adapters + decoder + embeddings
 trained, vocabulary 32000, text length 2048."""
 SCALE_WORLDS = (8, 16, 64, 256, 1024)
@@ -303,14 +369,16 @@ def scale_module(name: str) -> Any:
 
     dims = SCALE_MODELS[name]
     fusion = FusionConfig(
-        vision=VisionConfig(**dims["vision"]), language=LanguageConfig(**dims["language"]),
-        adapter=AdapterConfig(**dims["adapter"]), contrastive_dim=768,
-    )  # fmt: skip
+        vision=VisionConfig(**dims["vision"]),
+        language=LanguageConfig(**dims["language"]),
+        adapter=AdapterConfig(**dims["adapter"]),
+        contrastive_dim=768,
+    )
     module = ClipLlamaModule(
-        fusion=fusion, vocab_size=32000,
-        finetune=FinetuneConfig(train_vision=False, train_decoder_layers=-1,
-                                train_embeddings=True),
-    )  # fmt: skip
+        fusion=fusion,
+        vocab_size=32000,
+        finetune=FinetuneConfig(train_vision=False, train_decoder_layers=-1, train_embeddings=True),
+    )
     with torch.device("meta"):
         module.configure_model()
     return module
@@ -329,9 +397,18 @@ def scale_plan(model: Any, world: int, device: Any, accept: Any, base: Any) -> l
     parallelism with tp, FSDP."""
     from lightning_mmpar.layout.planner import plan
 
-    ranked, _ = plan(model, world, device, scale_graph(world), accept=accept,
-                     global_batch=max(64, 2 * world), virtual=(1, 2), sequence_parallel=(True,),
-                     data_parallel=("fsdp",), base=base)  # fmt: skip
+    ranked, _ = plan(
+        model,
+        world,
+        device,
+        scale_graph(world),
+        accept=accept,
+        global_batch=max(64, 2 * world),
+        virtual=(1, 2),
+        sequence_parallel=(True,),
+        data_parallel=("fsdp",),
+        base=base,
+    )
     return ranked
 
 
@@ -350,18 +427,28 @@ def scale_tables(devices: tuple[str, ...] = ("h100", "h200"), top: int = 3) -> s
         model = spec_cache(module, TEXT_LENGTH)
         accept = accept_layout(module, TEXT_LENGTH)
         for dev in devices:
-            lines += [f"\n### {name} fusion on {dev.upper()} (bf16)\n",
-                      "| GPUs | global batch | layout | mem/rank GiB | comm GB/step | bubble "
-                      "| step s | MFU |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+            lines += [
+                f"\n### {name} fusion on {dev.upper()} (bf16)\n",
+                "| GPUs | global batch | layout | mem/rank GiB | comm GB/step | bubble "
+                "| step s | MFU |",
+                "|---|---|---|---|---|---|---|---|",
+            ]
             for world in SCALE_WORLDS:
                 batch, graph = max(64, 2 * world), scale_graph(world)
                 ranked = scale_plan(model, world, DEVICES[dev], accept, base)
                 picks = ranked[:top]
                 if world == 16 and name == "7B":  # the brief's launch, wherever it ranks
-                    brief = LayoutSpec(tp=4, pp=2, dp=2, virtual=2, micro_batches=4,
-                                       micro_batch_size=batch // 2 // 4,
-                                       schedule="interleaved_1f1b", sequence_parallel=True,
-                                       precision="bf16-mixed")  # fmt: skip
+                    brief = LayoutSpec(
+                        tp=4,
+                        pp=2,
+                        dp=2,
+                        virtual=2,
+                        micro_batches=4,
+                        micro_batch_size=batch // 2 // 4,
+                        schedule="interleaved_1f1b",
+                        sequence_parallel=True,
+                        precision="bf16-mixed",
+                    )
                     picks.append(predict(model(brief), brief, DEVICES[dev], graph))
                 for p in picks or []:
                     lines.append(

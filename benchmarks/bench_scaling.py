@@ -42,8 +42,12 @@ from bench_stability import StepTimer
 from report import CPU_YAML, ROOT, save_figure, write_result
 
 MOE_YAML = ROOT / "recipes" / "clip_llama_moe_cpu.yaml"
-FACTORS = {"image tokens": (32, 48, 64), "text length": (1, 2, 4), "layers": (2, 4, 8),
-           "experts": (4, 8, 16)}  # fmt: skip
+FACTORS = {
+    "image tokens": (32, 48, 64),
+    "text length": (1, 2, 4),
+    "layers": (2, 4, 8),
+    "experts": (4, 8, 16),
+}
 """Per axis, the settings: image size (px), text length multiple, layers per tower, experts."""
 
 
@@ -77,9 +81,12 @@ def works(module: Any, data: Any) -> dict[str, float]:
     """The work variable of every axis: image tokens, text tokens, layers per tower, experts."""
     config = module.fusion_config
     moe = config.language.moe
-    return {"image tokens": float((config.vision.image_size // config.vision.patch_size) ** 2),
-            "text length": float(data.max_length), "layers": float(config.vision.layers),
-            "experts": float(moe.num_experts if moe is not None else 0)}  # fmt: skip
+    return {
+        "image tokens": float((config.vision.image_size // config.vision.patch_size) ** 2),
+        "text length": float(data.max_length),
+        "layers": float(config.vision.layers),
+        "experts": float(moe.num_experts if moe is not None else 0),
+    }
 
 
 class SavedBytes(Callback):
@@ -121,19 +128,25 @@ def run(axis: str, value: int, batch: int, steps: int, warmup: int) -> dict[str,
     seed_everything(0, verbose=False)
     module, data = build_module(config_of(axis, value, batch), meta=False)
     timer, saved = StepTimer(), SavedBytes()
-    trainer = quiet_trainer(devices=1, max_steps=steps, limit_val_batches=0,
-                            callbacks=[timer, saved])  # fmt: skip
+    trainer = quiet_trainer(
+        devices=1, max_steps=steps, limit_val_batches=0, callbacks=[timer, saved]
+    )
     trainer.fit(module, datamodule=data)
     specs = module.pipeline_block_specs(int(data.max_length))
     params = sum(p.numel() * p.element_size() for p in module.parameters())
     return {
-        "value": value, "work": works(module, data)[axis], "works": works(module, data),
-        "step_s": statistics.median(timer.times[warmup:]), "times": timer.times,
-        "param_bytes": params, "saved_bytes": saved.bytes, "memory_bytes": params + saved.bytes,
+        "value": value,
+        "work": works(module, data)[axis],
+        "works": works(module, data),
+        "step_s": statistics.median(timer.times[warmup:]),
+        "times": timer.times,
+        "param_bytes": params,
+        "saved_bytes": saved.bytes,
+        "memory_bytes": params + saved.bytes,
         "flops_per_sample": sum(s.flops for s in specs),
         "flops_by_block": {s.name: s.flops for s in specs},
         "memory_estimate": params + batch * sum(s.activation_bytes for s in specs),
-    }  # fmt: skip
+    }
 
 
 def slope(xs: list[float], ys: list[float]) -> float:
@@ -146,17 +159,19 @@ def slope(xs: list[float], ys: list[float]) -> float:
 
 def summarise(points: list[dict[str, Any]]) -> dict[str, Any]:
     w = [p["work"] for p in points]
-    return {"points": points,
-            "time_exponent": slope(w, [p["step_s"] for p in points]),
-            "time_expected": slope(w, [p["flops_per_sample"] for p in points]),
-            "memory_exponent": slope(w, [p["memory_bytes"] for p in points]),
-            "memory_expected": slope(w, [p["memory_estimate"] for p in points]),
-            "param_exponent": slope(w, [p["param_bytes"] for p in points]),
-            "flops_exponent_by_block": {  # e.g. a decoder block's: its attention quadratic
-                n: slope(w, [p["flops_by_block"][n] for p in points])
-                for n in points[0]["flops_by_block"]
-                if all(n in p["flops_by_block"] for p in points)
-            }}  # fmt: skip
+    return {
+        "points": points,
+        "time_exponent": slope(w, [p["step_s"] for p in points]),
+        "time_expected": slope(w, [p["flops_per_sample"] for p in points]),
+        "memory_exponent": slope(w, [p["memory_bytes"] for p in points]),
+        "memory_expected": slope(w, [p["memory_estimate"] for p in points]),
+        "param_exponent": slope(w, [p["param_bytes"] for p in points]),
+        "flops_exponent_by_block": {  # e.g. a decoder block's: its attention quadratic
+            n: slope(w, [p["flops_by_block"][n] for p in points])
+            for n in points[0]["flops_by_block"]
+            if all(n in p["flops_by_block"] for p in points)
+        },
+    }
 
 
 def plot(results: dict[str, Any], out_dir: Path | None) -> Path:
@@ -167,8 +182,10 @@ def plot(results: dict[str, Any], out_dir: Path | None) -> Path:
     import matplotlib.ticker
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, key, exp, label in ((axes[0], "step_s", "time", "step time"),
-                                (axes[1], "memory_bytes", "memory", "params + saved")):  # fmt: skip
+    for ax, key, exp, label in (
+        (axes[0], "step_s", "time", "step time"),
+        (axes[1], "memory_bytes", "memory", "params + saved"),
+    ):
         for i, (axis, r) in enumerate(results.items()):
             pts, color = r["points"], f"C{i}"
             x = [p["work"] / pts[0]["work"] for p in pts]
@@ -230,16 +247,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for axis, r in results.items():
         for pt in r["points"]:
             rate = pt["flops_per_sample"] * args.batch / pt["step_s"] / 1e9
-            print(f"{axis:13} {pt['value']:7} {pt['work']:6.0f} {pt['step_s'] * 1e3:8.1f} "
-                  f"{pt['memory_bytes'] / 1e6:7.2f} {rate:8.2f}")  # fmt: skip
+            print(
+                f"{axis:13} {pt['value']:7} {pt['work']:6.0f} {pt['step_s'] * 1e3:8.1f} "
+                f"{pt['memory_bytes'] / 1e6:7.2f} {rate:8.2f}"
+            )
         print(
             f"{axis:13} time exponent {r['time_exponent']:.2f} (FLOPs: {r['time_expected']:.2f})"
             f", memory {r['memory_exponent']:.2f} (estimate: {r['memory_expected']:.2f})"
             f", parameters {r['param_exponent']:.2f}"
         )
-    payload = {"config": {"batch": args.batch, "steps": args.steps, "warmup": args.warmup,
-                          "threads": 1, "smoke": args.smoke, "factors": FACTORS},
-               "scaling": results, "wall_s": round(time.perf_counter() - started, 1)}  # fmt: skip
+    payload = {
+        "config": {
+            "batch": args.batch,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "threads": 1,
+            "smoke": args.smoke,
+            "factors": FACTORS,
+        },
+        "scaling": results,
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
     write_result("scaling", payload, args.out_dir)
     if not args.smoke:
         plot(results, args.out_dir)

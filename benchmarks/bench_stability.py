@@ -75,10 +75,16 @@ def run(variant: str, width: int, depth: int, steps: int, root: str) -> list[flo
     timer = StepTimer()
     cbs: list[pl.Callback] = [timer, *_variant_callbacks(variant, root)]
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=steps, logger=False, callbacks=cbs,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        callbacks=cbs,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         default_root_dir=root,
-    )  # fmt: skip
+    )
     trainer.fit(MLP(width, depth), DataLoader(TensorDataset(x, y), batch_size=32))
     return timer.times[3:]  # drop warm-up steps
 
@@ -121,10 +127,14 @@ def _fusion_rank(rank: int, world: int, repeats: int, steps: int, root: str) -> 
         for variant in VARIANTS:
             timer = StepTimer()
             trainer = quiet_trainer(
-                strategy="ddp", devices=world, max_steps=steps, use_distributed_sampler=False,
-                limit_val_batches=0, callbacks=[timer, *_variant_callbacks(variant, root)],
+                strategy="ddp",
+                devices=world,
+                max_steps=steps,
+                use_distributed_sampler=False,
+                limit_val_batches=0,
+                callbacks=[timer, *_variant_callbacks(variant, root)],
                 default_root_dir=root,
-            )  # fmt: skip
+            )
             trainer.fit(tiny_module(data.vocab_size), DataLoader(loader, batch_size=None))  # type: ignore[arg-type]
             out[variant].append(timer.times[3:])  # drop warm-up steps
     return out
@@ -135,8 +145,10 @@ def fusion_ddp_overhead(repeats: int, steps: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as root:
         ranks = spawn(_fusion_rank, 2, repeats, steps, root, timeout=1800)
     # a ddp step is as slow as its slower rank
-    per_step = {v: [[max(ts) for ts in zip(*(r[v][i] for r in ranks), strict=True)]
-                    for i in range(repeats)] for v in VARIANTS}  # fmt: skip
+    per_step = {
+        v: [[max(ts) for ts in zip(*(r[v][i] for r in ranks), strict=True)] for i in range(repeats)]
+        for v in VARIANTS
+    }
     med = {v: statistics.median([t for rep in per_step[v] for t in rep]) for v in VARIANTS}
     rep_med = {v: [statistics.median(rep) for rep in per_step[v]] for v in VARIANTS}
     res: dict[str, Any] = {

@@ -49,9 +49,14 @@ def build() -> FusionModel:
     torch.manual_seed(0)
     w = SIZES["width"]
     visual = VisionTransformer(
-        image_size=SIZES["image"], patch_size=SIZES["patch"], width=w, layers=4, heads=8,
-        mlp_ratio=4.0, output_dim=w,
-    )  # fmt: skip
+        image_size=SIZES["image"],
+        patch_size=SIZES["patch"],
+        width=w,
+        layers=4,
+        heads=8,
+        mlp_ratio=4.0,
+        output_dim=w,
+    )
     llama = LlamaForCausalLM(
         LlamaConfig(
             vocab_size=SIZES["vocab"],

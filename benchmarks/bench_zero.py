@@ -144,13 +144,23 @@ def _strategy(side: str, batch: int) -> Any:
 
     if side.startswith("mm_"):
         return MultimodalParallelStrategy(data_parallel=side[3:])
-    zero: dict[str, Any] = {"stage": int(side[-1]), "reduce_bucket_size": BUCKET,
-                            "allgather_bucket_size": BUCKET}  # fmt: skip
+    zero: dict[str, Any] = {
+        "stage": int(side[-1]),
+        "reduce_bucket_size": BUCKET,
+        "allgather_bucket_size": BUCKET,
+    }
     if side == "ds_zero3":
-        zero = {"stage": 3, "reduce_bucket_size": BUCKET, "stage3_prefetch_bucket_size": BUCKET,
-                "stage3_param_persistence_threshold": 0}  # fmt: skip
-    config = {"train_micro_batch_size_per_gpu": batch, "zero_optimization": zero,
-              "zero_allow_untested_optimizer": True}  # fmt: skip
+        zero = {
+            "stage": 3,
+            "reduce_bucket_size": BUCKET,
+            "stage3_prefetch_bucket_size": BUCKET,
+            "stage3_param_persistence_threshold": 0,
+        }
+    config = {
+        "train_micro_batch_size_per_gpu": batch,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+    }
 
     class Zero(CPUCapableDeepSpeedStrategy):  # type: ignore[misc]
         def model_sharded_context(self) -> Any:  # build whole: initialize partitions it
@@ -178,14 +188,20 @@ def run_side(side: str, steps: int, batch: int) -> tuple[list[float], float, dic
     seed_everything(0, verbose=False)
     module, data = build_module(config, meta=False)
     rec = Recorder(steps)
-    trainer = quiet_trainer(devices=WORLD, strategy=_strategy(side, batch), max_steps=steps,
-                            limit_val_batches=0, callbacks=[rec])  # fmt: skip
+    trainer = quiet_trainer(
+        devices=WORLD,
+        strategy=_strategy(side, batch),
+        max_steps=steps,
+        limit_val_batches=0,
+        callbacks=[rec],
+    )
     trainer.fit(module, datamodule=data)
     return rec.times, rec.loss0, rec.bytes
 
 
-def worker(rank: int, world: int, steps: int, repeats: int, batch: int,
-           sides: tuple[str, ...] = SIDES) -> dict[str, Any]:  # fmt: skip
+def worker(
+    rank: int, world: int, steps: int, repeats: int, batch: int, sides: tuple[str, ...] = SIDES
+) -> dict[str, Any]:
     torch.set_num_threads(1)
     extra: dict[str, Any] = {s: {} for s in sides}
 
@@ -250,16 +266,21 @@ def summarize(ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     repeats = len(ranks[0]["times"][SIDES[0]])
     per: dict[str, list[list[float]]] = {}
     for s in SIDES:
-        per[s] = [[max(ts) for ts in zip(*(r["times"][s][i] for r in ranks), strict=True)][warmup:]
-                  for i in range(repeats)]  # fmt: skip
+        per[s] = [
+            [max(ts) for ts in zip(*(r["times"][s][i] for r in ranks), strict=True)][warmup:]
+            for i in range(repeats)
+        ]
     ratios = {f"{a}/{b}": ratio_stats(per[a], per[b]) for a, b in PAIRS}
     loss0 = {s: [r["extra"][s]["loss0"] for r in ranks] for s in SIDES}
     ref = loss0["mm_fsdp"]
     worst = max(abs(loss0[s][i] - ref[i]) / abs(ref[i]) for s in SIDES for i in range(WORLD))
-    return {"step_s": {s: statistics.median(t for rep in per[s] for t in rep) for s in SIDES},
-            "ratios": ratios, "loss0": loss0,
-            "loss_check": {"max_rel_diff": worst, "rtol": LOSS_RTOL, "ok": worst <= LOSS_RTOL},
-            "bytes": {s: [r["extra"][s]["bytes"] for r in ranks] for s in SIDES}}  # fmt: skip
+    return {
+        "step_s": {s: statistics.median(t for rep in per[s] for t in rep) for s in SIDES},
+        "ratios": ratios,
+        "loss0": loss0,
+        "loss_check": {"max_rel_diff": worst, "rtol": LOSS_RTOL, "ok": worst <= LOSS_RTOL},
+        "bytes": {s: [r["extra"][s]["bytes"] for r in ranks] for s in SIDES},
+    }
 
 
 def _total(b: dict[str, Any]) -> int:
@@ -267,13 +288,18 @@ def _total(b: dict[str, Any]) -> int:
 
 
 def table(res: dict[str, Any]) -> str:
-    lines = [f"{'side':10} {'step ms':>8} {'loss0 r0':>10} {'params':>9} {'grads':>9} "
-             f"{'optim':>9} {'master':>9} {'other':>9} {'total B':>9}"]  # fmt: skip
+    lines = [
+        f"{'side':10} {'step ms':>8} {'loss0 r0':>10} {'params':>9} {'grads':>9} "
+        f"{'optim':>9} {'master':>9} {'other':>9} {'total B':>9}"
+    ]
     for s in SIDES:
         b = res["bytes"][s][0]
         cells = [b.get(k, 0) for k in ("parameters", "gradients", "optimizer", "master", "other")]
-        lines.append(f"{s:10} {res['step_s'][s] * 1e3:8.1f} {res['loss0'][s][0]:10.5f} "
-                     + " ".join(f"{c:9d}" for c in cells) + f" {_total(b):9d}")  # fmt: skip
+        lines.append(
+            f"{s:10} {res['step_s'][s] * 1e3:8.1f} {res['loss0'][s][0]:10.5f} "
+            + " ".join(f"{c:9d}" for c in cells)
+            + f" {_total(b):9d}"
+        )
     for pair, st in res["ratios"].items():
         lines.append(f"{pair:18} ratio {st['ratio']:.3f} (spread {st['spread']:.3f})")
     for s, rows in res["analytical"].items():
@@ -290,8 +316,11 @@ def plot(res: dict[str, Any], out_dir: Path | None) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     names = list(res["ratios"])
-    a.bar(names, [res["ratios"][n]["ratio"] for n in names],
-          yerr=[res["ratios"][n]["spread"] / 2 for n in names])  # fmt: skip
+    a.bar(
+        names,
+        [res["ratios"][n]["ratio"] for n in names],
+        yerr=[res["ratios"][n]["spread"] / 2 for n in names],
+    )
     a.axhline(1.0, color="k", lw=0.8)
     a.set_ylabel("step-time ratio (median of repeats)")
     a.tick_params(axis="x", labelsize=8)
@@ -322,9 +351,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ranks = spawn(worker, WORLD, args.steps, args.repeats, args.batch, timeout=900)
     res = summarize(ranks, args.warmup)
     res["analytical"] = analytical(args.batch)
-    res["config"] = {"yaml": CPU_YAML.name, "processes": WORLD, "batch_per_rank": args.batch,
-                     "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
-                     "ds_bucket_elements": BUCKET, "precision": "32-true"}  # fmt: skip
+    res["config"] = {
+        "yaml": CPU_YAML.name,
+        "processes": WORLD,
+        "batch_per_rank": args.batch,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "ds_bucket_elements": BUCKET,
+        "precision": "32-true",
+    }
     res["torchtitan"] = torchtitan_probe()
     res["wall_s"] = round(time.perf_counter() - started, 1)
     print(table(res))

@@ -55,8 +55,9 @@ def _timed(model: nn.Module, x: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
-def host_call_seconds(graph: Any, blocks: int = 6, width: int = 32,
-                      repeats: int = 15) -> dict[str, float]:  # fmt: skip
+def host_call_seconds(
+    graph: Any, blocks: int = 6, width: int = 32, repeats: int = 15
+) -> dict[str, float]:
     """``{"fsdp": s, "tp": s}``: host seconds per collective call beyond the wire, >= 0
     (module doc). ``graph``: the cost model's ``DeviceGraph`` of this world (its link gives the
     wire time subtracted)."""
@@ -75,8 +76,10 @@ def host_call_seconds(graph: Any, blocks: int = 6, width: int = 32,
     world = dist.get_world_size()
     x = torch.randn(2, width)
     out = {}
-    for name, dims in (("fsdp", ParallelDims(world_size=world)),
-                       ("tp", ParallelDims(world_size=world, tp=2))):  # fmt: skip
+    for name, dims in (
+        ("fsdp", ParallelDims(world_size=world)),
+        ("tp", ParallelDims(world_size=world, tp=2)),
+    ):
         dims.build_mesh("cpu")
         plain = _stack(blocks, width)
         model = copy.deepcopy(plain)
@@ -101,8 +104,9 @@ def host_call_seconds(graph: Any, blocks: int = 6, width: int = 32,
         ranks = list(range(dims.size(name if name == "tp" else "dp")))
         wire = sum(
             n * collective_seconds(graph, k.partition(".")[2], ranks, counter.bytes[k] / n)
-            for k, n in counter.calls.items() if k != "self"
-        )  # fmt: skip
+            for k, n in counter.calls.items()
+            if k != "self"
+        )
         extra = statistics.median(ours) - statistics.median(base) - wire
         out[name] = max(0.0, extra / max(1, calls))
     return out
@@ -133,8 +137,9 @@ def _worker(rank: int, size: int) -> dict[str, float]:
     from lightning_mmpar.layout.devices import DeviceGraph
 
     alpha, beta = gloo_alpha_beta(size)
-    graph = DeviceGraph.from_yaml({"nodes": 1, "gpus_per_node": size,
-                                   "intra": {"bandwidth": beta, "latency": alpha}})  # fmt: skip
+    graph = DeviceGraph.from_yaml(
+        {"nodes": 1, "gpus_per_node": size, "intra": {"bandwidth": beta, "latency": alpha}}
+    )
     return host_call_seconds(graph)
 
 

@@ -52,22 +52,52 @@ from report import write_result
 
 SIZES: dict[str, dict[str, Any]] = {
     "realistic": {
-        "vision": {"image_size": 224, "patch_size": 16, "width": 768, "layers": 12, "heads": 12,
-                   "output_dim": 512},
-        "language": {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 16,
-                     "num_attention_heads": 16, "num_key_value_heads": 4},
+        "vision": {
+            "image_size": 224,
+            "patch_size": 16,
+            "width": 768,
+            "layers": 12,
+            "heads": 12,
+            "output_dim": 512,
+        },
+        "language": {
+            "hidden_size": 2048,
+            "intermediate_size": 5632,
+            "num_hidden_layers": 16,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 4,
+        },
         "adapter": {"heads": 16, "width": 2048, "ffn_width": 5632, "dropout": 0.0},
-        "contrastive_dim": 512, "vocab_size": 32000, "batch": 16, "text_length": 512,
-        "train_vision": False},
+        "contrastive_dim": 512,
+        "vocab_size": 32000,
+        "batch": 16,
+        "text_length": 512,
+        "train_vision": False,
+    },
     "tiny": {
-        "vision": {"image_size": 16, "patch_size": 8, "width": 32, "layers": 1, "heads": 2,
-                   "output_dim": 16},
-        "language": {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
-                     "num_attention_heads": 4, "num_key_value_heads": 2},
+        "vision": {
+            "image_size": 16,
+            "patch_size": 8,
+            "width": 32,
+            "layers": 1,
+            "heads": 2,
+            "output_dim": 16,
+        },
+        "language": {
+            "hidden_size": 32,
+            "intermediate_size": 48,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        },
         "adapter": {"heads": 2, "width": 32, "ffn_width": 48, "dropout": 0.0},
-        "contrastive_dim": 16, "vocab_size": 64, "batch": 4, "text_length": 16,
-        "train_vision": True},
-}  # fmt: skip
+        "contrastive_dim": 16,
+        "vocab_size": 64,
+        "batch": 4,
+        "text_length": 16,
+        "train_vision": True,
+    },
+}
 """Model and batch sizes (``realistic``: about 1.0 B parameters, 0.9 B trained)."""
 OUTLIER = 1e4  # factor on one FP8 layer's input at the forced-fallback step
 
@@ -94,13 +124,20 @@ def build_module(sizes: dict[str, Any], fp8: bool) -> Any:
                 convert_to_fp8(self.blocks, FP8Policy(keep_high_precision=("*lm_head",)))
 
     fusion = FusionConfig(
-        vision=VisionConfig(**sizes["vision"]), language=LanguageConfig(**sizes["language"]),
-        adapter=AdapterConfig(**sizes["adapter"]), contrastive_dim=sizes["contrastive_dim"],
-    )  # fmt: skip
-    finetune = FinetuneConfig(train_vision=sizes["train_vision"], train_decoder_layers=-1,
-                              train_embeddings=True)  # fmt: skip
-    module = CheckModule(fusion=fusion, vocab_size=sizes["vocab_size"], finetune=finetune,
-                         optim=OptimConfig(lr=1e-4, warmup_steps=1, min_lr_ratio=1.0))  # fmt: skip
+        vision=VisionConfig(**sizes["vision"]),
+        language=LanguageConfig(**sizes["language"]),
+        adapter=AdapterConfig(**sizes["adapter"]),
+        contrastive_dim=sizes["contrastive_dim"],
+    )
+    finetune = FinetuneConfig(
+        train_vision=sizes["train_vision"], train_decoder_layers=-1, train_embeddings=True
+    )
+    module = CheckModule(
+        fusion=fusion,
+        vocab_size=sizes["vocab_size"],
+        finetune=finetune,
+        optim=OptimConfig(lr=1e-4, warmup_steps=1, min_lr_ratio=1.0),
+    )
     module.text_length = sizes["text_length"]
     return module
 
@@ -111,9 +148,14 @@ def batches(sizes: dict[str, Any], n: int) -> list[dict[str, torch.Tensor]]:
     b, t, px = sizes["batch"], sizes["text_length"], sizes["vision"]["image_size"]
     ids = [torch.randint(3, sizes["vocab_size"], (b, t), generator=g) for _ in range(n)]
     return [
-        {"images": torch.randn(b, 3, px, px, generator=g), "input_ids": i,
-         "attention_mask": torch.ones_like(i), "target_ids": i.clone()} for i in ids
-    ]  # fmt: skip
+        {
+            "images": torch.randn(b, 3, px, px, generator=g),
+            "input_ids": i,
+            "attention_mask": torch.ones_like(i),
+            "target_ids": i.clone(),
+        }
+        for i in ids
+    ]
 
 
 class Timer(Callback):
@@ -197,11 +239,16 @@ def run(kind: str, args: argparse.Namespace, sizes: dict[str, Any], root: str) -
         gc.collect()
         torch.cuda.reset_peak_memory_stats(device)
     trainer = quiet_trainer(
-        accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
-        strategy=MultimodalParallelStrategy(), precision="bf16-mixed", max_steps=steps,
-        limit_val_batches=0, use_distributed_sampler=False, callbacks=callbacks,
+        accelerator="gpu" if device.type == "cuda" else "cpu",
+        devices=1,
+        strategy=MultimodalParallelStrategy(),
+        precision="bf16-mixed",
+        max_steps=steps,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+        callbacks=callbacks,
         default_root_dir=f"{root}/{kind}",
-    )  # fmt: skip
+    )
     start = time.perf_counter()
     trainer.fit(module, torch.utils.data.DataLoader(batches(sizes, steps), batch_size=None))  # type: ignore[arg-type]
     wall, step_s = time.perf_counter() - start, statistics.median(timer.times[args.warmup :])
@@ -212,15 +259,21 @@ def run(kind: str, args: argparse.Namespace, sizes: dict[str, Any], root: str) -
     bf16_peak, _ = peak_of(device, "bf16-mixed")
     mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     out: dict[str, Any] = {
-        "step_s": step_s, "step_s_all": timer.times, "wall_s": wall,
-        "tokens_per_s": tokens / step_s, "samples_per_s": sizes["batch"] / step_s,
+        "step_s": step_s,
+        "step_s_all": timer.times,
+        "wall_s": wall,
+        "tokens_per_s": tokens / step_s,
+        "samples_per_s": sizes["batch"] / step_s,
         "text_tokens_per_s": sizes["batch"] * sizes["text_length"] / step_s,
-        "model_tflop_per_step": flops / 1e12, "achieved_tflops": flops / step_s / 1e12,
-        "mfu": None if peak is None else flops / step_s / peak, "peak": matched,
+        "model_tflop_per_step": flops / 1e12,
+        "achieved_tflops": flops / step_s / 1e12,
+        "mfu": None if peak is None else flops / step_s / peak,
+        "peak": matched,
         "mfu_vs_bf16_peak": None if bf16_peak is None else flops / step_s / bf16_peak,
-        "peak_memory_gib": mem, "losses": timer.losses,
+        "peak_memory_gib": mem,
+        "losses": timer.losses,
         "losses_finite": all(math.isfinite(x) for x in timer.losses),
-    }  # fmt: skip
+    }
     if kind != "bf16":
         info, mods = detect_backend("auto"), fp8_modules(module).values()
         out["fp8_backend"] = f"{info.name} ({info.reason})"
@@ -228,12 +281,16 @@ def run(kind: str, args: argparse.Namespace, sizes: dict[str, Any], root: str) -
     if fallback is not None:  # ok: the forced module fell back at the outlier, not before
         fallen = sorted(fallback.fallen)
         out["fallback"] = {
-            "forced_module": force.target, "outlier_at_step": force.fired_at,
-            "counters": dict(fallback.counters), "fallen_back": fallen,
+            "forced_module": force.target,
+            "outlier_at_step": force.fired_at,
+            "counters": dict(fallback.counters),
+            "fallen_back": fallen,
             "fell_back_before_outlier": force.fallen_before,
-            "ok": force.fired_at >= 0 and force.target in fallen
-            and force.target not in force.fallen_before and fallback.counters["redone_steps"] >= 1,
-        }  # fmt: skip
+            "ok": force.fired_at >= 0
+            and force.target in fallen
+            and force.target not in force.fallen_before
+            and fallback.counters["redone_steps"] >= 1,
+        }
     if checks.result:
         out["collectives"] = checks.result
     return out
@@ -241,26 +298,32 @@ def run(kind: str, args: argparse.Namespace, sizes: dict[str, Any], root: str) -
 
 def print_table(result: dict[str, Any]) -> None:
     """The runs' figures and the collective checks' summary, as a text table."""
-    print(f"gpu_check on {result['device']} ({result['sizes']} sizes, {result['warmup']} warm-up "
-          f"+ {result['steps']} timed steps)")  # fmt: skip
+    print(
+        f"gpu_check on {result['device']} ({result['sizes']} sizes, {result['warmup']} warm-up "
+        f"+ {result['steps']} timed steps)"
+    )
     print(f"{'run':<13}{'step s':>9}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU':>7}{'peak GiB':>10}")
     for kind, r in result["runs"].items():
         mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
         mem = "-" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.1f}"
-        print(f"{kind:<13}{r['step_s']:>9.4f}{r['tokens_per_s']:>11.0f}"
-              f"{r['achieved_tflops']:>9.2f}{mfu:>7}{mem:>10}")  # fmt: skip
+        print(
+            f"{kind:<13}{r['step_s']:>9.4f}{r['tokens_per_s']:>11.0f}"
+            f"{r['achieved_tflops']:>9.2f}{mfu:>7}{mem:>10}"
+        )
     bf, fb = result["runs"]["bf16"], result["runs"]["fp8_fallback"]
     cpu, f, col = bf["peak_memory_gib"] is None, fb["fallback"], bf["collectives"]
-    print(f"MFU peak: {bf['peak']}; peak memory: "
-          f"{'null (CPU: no allocator statistics)' if cpu else 'max_memory_allocated'}\n"
-          f"fp8: {result['runs']['fp8']['fp8_backend']}; speed-up vs bf16 "
-          f"{result['fp8_speedup']:.2f}x (rounds bf16 fp8, fp8 bf16: "
-          f"{', '.join(f'{x:.2f}' for x in result['fp8_speedup_rounds'])})\n"
-          f"fp8 fallback forced at step {f['outlier_at_step']} on {f['forced_module']}: "
-          f"{'OK' if f['ok'] else 'FAILED'} (fell back: {f['fallen_back']}; before the "
-          f"outlier: {f['fell_back_before_outlier'] or 'none'}; {f['counters']})\n"
-          f"collectives ({col['backend']}, groups {col['groups']}): {len(col['helpers'])} helper "
-          f"checks, {len(col['raw'])} raw; failed: {col['failed'] or 'none'}")  # fmt: skip
+    print(
+        f"MFU peak: {bf['peak']}; peak memory: "
+        f"{'null (CPU: no allocator statistics)' if cpu else 'max_memory_allocated'}\n"
+        f"fp8: {result['runs']['fp8']['fp8_backend']}; speed-up vs bf16 "
+        f"{result['fp8_speedup']:.2f}x (rounds bf16 fp8, fp8 bf16: "
+        f"{', '.join(f'{x:.2f}' for x in result['fp8_speedup_rounds'])})\n"
+        f"fp8 fallback forced at step {f['outlier_at_step']} on {f['forced_module']}: "
+        f"{'OK' if f['ok'] else 'FAILED'} (fell back: {f['fallen_back']}; before the "
+        f"outlier: {f['fell_back_before_outlier'] or 'none'}; {f['counters']})\n"
+        f"collectives ({col['backend']}, groups {col['groups']}): {len(col['helpers'])} helper "
+        f"checks, {len(col['raw'])} raw; failed: {col['failed'] or 'none'}"
+    )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -278,23 +341,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.warmup < 2:
         p.error("--warmup must be >= 2: the forced FP8 outlier needs an amax history")
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("gpu_check: no CUDA device here; nothing measured (exit 0). The same code path "
-              "runs on CPU: python benchmarks/gpu_check.py --device cpu --tiny")  # fmt: skip
+        print(
+            "gpu_check: no CUDA device here; nothing measured (exit 0). The same code path "
+            "runs on CPU: python benchmarks/gpu_check.py --device cpu --tiny"
+        )
         return {"skipped": "no CUDA device"}
     if args.device == "cpu":
         torch.set_num_threads(1)
     sizes = SIZES["tiny" if args.tiny else "realistic"]
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-        "sizes": "tiny" if args.tiny else "realistic", "model": sizes,
-        "steps": args.steps, "warmup": args.warmup, "runs": {},
-    }  # fmt: skip
+        "sizes": "tiny" if args.tiny else "realistic",
+        "model": sizes,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "runs": {},
+    }
     with tempfile.TemporaryDirectory() as root:  # A B, then B A: the fp8 speed-up interleaved
         for kind in ("bf16", "fp8", "fp8_fallback", "fp8_2", "bf16_2"):
             result["runs"][kind] = run(kind.removesuffix("_2"), args, sizes, root)
     runs = result["runs"]
-    result["fp8_speedup_rounds"] = [runs[f"bf16{r}"]["step_s"] / runs[f"fp8{r}"]["step_s"]
-                                    for r in ("", "_2")]  # fmt: skip
+    result["fp8_speedup_rounds"] = [
+        runs[f"bf16{r}"]["step_s"] / runs[f"fp8{r}"]["step_s"] for r in ("", "_2")
+    ]
     result["fp8_speedup"] = statistics.median(result["fp8_speedup_rounds"])
     result["ok"] = bool(
         all(r["losses_finite"] for r in runs.values())

@@ -86,8 +86,11 @@ def collective_checks(strategy: Any, device: torch.device) -> dict[str, Any]:
         groups |= {d: strategy.parallel_dims.get_mesh(d).get_group() for d in ("dp", "tp", "pp")}
     backend = str(dist.get_backend()) if comm.is_distributed() else None
     t = torch.arange(8, dtype=torch.float32, device=device)
-    helpers = {f"{gname}.{name}": _check(fn) for gname, g in groups.items()
-               for name, fn in _helper_cases(g, t, backend).items()}  # fmt: skip
+    helpers = {
+        f"{gname}.{name}": _check(fn)
+        for gname, g in groups.items()
+        for name, fn in _helper_cases(g, t, backend).items()
+    }
     raw: dict[str, Any] = {}
     if comm.is_distributed():  # the backend's own kernels, on the group's device
         x = torch.arange(8, dtype=torch.float32, device=comm.group_device())
@@ -95,14 +98,22 @@ def collective_checks(strategy: Any, device: torch.device) -> dict[str, Any]:
         def same(op: Callable[[torch.Tensor], Any]) -> Callable[[], bool]:
             return lambda: (op(y := torch.zeros_like(x)), torch.equal(y, x))[1]
 
-        raw = {k: _check(same(op)) for k, op in {
-            "all_reduce": lambda y: dist.all_reduce(y.copy_(x)),
-            "broadcast": lambda y: dist.broadcast(y.copy_(x), 0),
-            "all_gather_into_tensor": lambda y: dist.all_gather_into_tensor(y, x),
-            "reduce_scatter_tensor": lambda y: dist.reduce_scatter_tensor(y, x),
-            "all_to_all_single": lambda y: dist.all_to_all_single(y, x),
-            "barrier": lambda y: (dist.barrier(), y.copy_(x)),
-        }.items()}  # fmt: skip
+        raw = {
+            k: _check(same(op))
+            for k, op in {
+                "all_reduce": lambda y: dist.all_reduce(y.copy_(x)),
+                "broadcast": lambda y: dist.broadcast(y.copy_(x), 0),
+                "all_gather_into_tensor": lambda y: dist.all_gather_into_tensor(y, x),
+                "reduce_scatter_tensor": lambda y: dist.reduce_scatter_tensor(y, x),
+                "all_to_all_single": lambda y: dist.all_to_all_single(y, x),
+                "barrier": lambda y: (dist.barrier(), y.copy_(x)),
+            }.items()
+        }
     failed = {k: v["detail"] for k, v in {**helpers, **raw}.items() if not v["ok"]}
-    return {"backend": backend, "groups": list(groups), "helpers": helpers, "raw": raw,
-            "failed": failed}  # fmt: skip
+    return {
+        "backend": backend,
+        "groups": list(groups),
+        "helpers": helpers,
+        "raw": raw,
+        "failed": failed,
+    }

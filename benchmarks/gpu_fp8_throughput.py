@@ -58,8 +58,11 @@ def main() -> int:
     p.add_argument("--out-dir", type=Path, default=None, help="default docs/results")
     a = p.parse_args()
     if not torch.cuda.is_available():
-        print("gpu_fp8_throughput: no CUDA device available; this benchmark needs an FP8-capable "
-              "GPU (compute capability >= 8.9). Nothing measured.", file=sys.stderr)  # fmt: skip
+        print(
+            "gpu_fp8_throughput: no CUDA device available; this benchmark needs an FP8-capable "
+            "GPU (compute capability >= 8.9). Nothing measured.",
+            file=sys.stderr,
+        )
         return 2
     info = detect_backend("auto")
     torch.manual_seed(0)
@@ -67,13 +70,18 @@ def main() -> int:
     convert_to_fp8(model, FP8Policy(backend=info.name))
     x = torch.randn(a.tokens, a.hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     flops = 2 * a.tokens * a.hidden * a.ffn * 2 * a.layers  # forward matmul FLOPs
-    res: dict[str, object] = {"device": torch.cuda.get_device_name(), "backend": info.name,
-                              "backend_reason": info.reason, "config": vars(a)}  # fmt: skip
+    res: dict[str, object] = {
+        "device": torch.cuda.get_device_name(),
+        "backend": info.name,
+        "backend_reason": info.reason,
+        "config": vars(a),
+    }
     timed: dict[str, list[tuple[float, float]]] = {"bf16": [], "fp8": []}
     for prec in ("bf16", "fp8", "fp8", "bf16"):  # interleaved: A B B A
         set_precision(model, prec)  # type: ignore[arg-type]
-        timed[prec].append((time_ms(model, x, a.iters, backward=False),
-                            time_ms(model, x, a.iters, backward=True)))  # fmt: skip
+        timed[prec].append(
+            (time_ms(model, x, a.iters, backward=False), time_ms(model, x, a.iters, backward=True))
+        )
     for prec, rounds in timed.items():
         fwd, step = (sum(r[k] for r in rounds) / len(rounds) for k in (0, 1))
         res[prec] = {

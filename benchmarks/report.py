@@ -29,9 +29,13 @@ def machine() -> dict[str, Any]:
     """The machine a result was measured on: cores, platform, torch and Lightning versions."""
     import lightning
 
-    return {"cpus": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "lightning": lightning.__version__}  # fmt: skip
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+    }
 
 
 def write_result(name: str, payload: dict[str, Any], out_dir: Path | None = None) -> Path:
@@ -40,8 +44,11 @@ def write_result(name: str, payload: dict[str, Any], out_dir: Path | None = None
     out = Path(out_dir) if out_dir is not None else RESULTS
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
-    record = {"command": "python " + " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-              "machine": machine(), **payload}  # fmt: skip
+    record = {
+        "command": "python " + " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "machine": machine(),
+        **payload,
+    }
     path.write_text(json.dumps(record, indent=1, default=float) + "\n")
     return path
 
@@ -81,9 +88,13 @@ def ratio_stats(
     ]
     flat_a = [t for r in ours for t in r]
     flat_b = [t for r in theirs for t in r]
-    return {"ratio": statistics.median(ratios), "spread": max(ratios) - min(ratios),
-            "ratios": ratios, "ours_s": statistics.median(flat_a),
-            "theirs_s": statistics.median(flat_b)}  # fmt: skip
+    return {
+        "ratio": statistics.median(ratios),
+        "spread": max(ratios) - min(ratios),
+        "ratios": ratios,
+        "ours_s": statistics.median(flat_a),
+        "theirs_s": statistics.median(flat_b),
+    }
 
 
 if __name__ == "__main__":

@@ -26,12 +26,16 @@ def _ms(s: float) -> str:
 
 
 def _pipeline(r: dict[str, Any]) -> list[str]:
-    out = ["| world | configuration | step ms | bubble measured | bubble formula | imbalance |",
-           "|---|---|---|---|---|---|"]  # fmt: skip
+    out = [
+        "| world | configuration | step ms | bubble measured | bubble formula | imbalance |",
+        "|---|---|---|---|---|---|",
+    ]
     for world, rows in r["results"].items():
         for name, row in rows.items():
-            cells = [f"{row[k]:.2f}" if k in row else "" for k in
-                     ("bubble_measured", "bubble_formula", "imbalance")]  # fmt: skip
+            cells = [
+                f"{row[k]:.2f}" if k in row else ""
+                for k in ("bubble_measured", "bubble_formula", "imbalance")
+            ]
             out.append(f"| {world} | {name} | {_ms(row['step_s'])} | " + " | ".join(cells) + " |")
     return out
 
@@ -43,10 +47,14 @@ def _planner(r: dict[str, Any]) -> list[str]:
     ]
     for name, measured in r["measured_step_s"].items():
         equal = r.get("calls", {}).get(name, {}).get("equal")
-        out.append(f"| {name} | {_ms(measured)} | {_ms(r['predicted'][name]['step_s'])} | "
-                   f"{'yes' if equal else 'no' if equal is not None else ''} |")  # fmt: skip
-    out.append(f"\nSpearman rank correlation, predicted vs measured: **{r['spearman']:.3f}**; "
-               f"host work per DTensor / FSDP2 call: {r.get('host_call_s')}.")  # fmt: skip
+        out.append(
+            f"| {name} | {_ms(measured)} | {_ms(r['predicted'][name]['step_s'])} | "
+            f"{'yes' if equal else 'no' if equal is not None else ''} |"
+        )
+    out.append(
+        f"\nSpearman rank correlation, predicted vs measured: **{r['spearman']:.3f}**; "
+        f"host work per DTensor / FSDP2 call: {r.get('host_call_s')}."
+    )
     return out
 
 
@@ -58,73 +66,98 @@ def _tensor_parallel(r: dict[str, Any]) -> list[str]:
 
 
 def _stability(r: dict[str, Any]) -> list[str]:
-    out = ["| section | model | median step ms (off / monitor / monitor+fallback) |",
-           "|---|---|---|"]  # fmt: skip
+    out = [
+        "| section | model | median step ms (off / monitor / monitor+fallback) |",
+        "|---|---|---|",
+    ]
     for key in ("callback_overhead_small", "callback_overhead_large", "fusion_ddp_overhead"):
         if key in r:
             med = r[key]["median_step_s"]
-            out.append(f"| {key} | {r[key]['model']} | "
-                       + " / ".join(_ms(med[v]) for v in ("off", "monitor", "monitor+fallback"))
-                       + " |")  # fmt: skip
+            out.append(
+                f"| {key} | {r[key]['model']} | "
+                + " / ".join(_ms(med[v]) for v in ("off", "monitor", "monitor+fallback"))
+                + " |"
+            )
     if "precision_cpu" in r:
         p = r["precision_cpu"]
-        out.append(f"\nCPU precision ({p['model']}): bf16 / fp32 {p['ratio_bf16_vs_fp32']:.2f}, "
-                   f"fp8 emulation / fp32 {p['ratio_fp8_emulation_vs_fp32']:.2f}.")  # fmt: skip
+        out.append(
+            f"\nCPU precision ({p['model']}): bf16 / fp32 {p['ratio_bf16_vs_fp32']:.2f}, "
+            f"fp8 emulation / fp32 {p['ratio_fp8_emulation_vs_fp32']:.2f}."
+        )
     return out
 
 
 def _ratio_rows(ratios: dict[str, dict[str, Any]], label: str) -> list[str]:
     out = [f"| {label} | ours ms | theirs ms | ratio | spread |", "|---|---|---|---|---|"]
     for name, r in ratios.items():
-        out.append(f"| {name} | {_ms(r['ours_s'])} | {_ms(r['theirs_s'])} | {r['ratio']:.3f} | "
-                   f"{r['spread']:.3f} |")  # fmt: skip
+        out.append(
+            f"| {name} | {_ms(r['ours_s'])} | {_ms(r['theirs_s'])} | {r['ratio']:.3f} | "
+            f"{r['spread']:.3f} |"
+        )
     return out
 
 
 def _overhead(r: dict[str, Any]) -> list[str]:
-    out = ["| procs | pair | vs | ours ms | theirs ms | ratio | spread | target | same losses |",
-           "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    out = [
+        "| procs | pair | vs | ours ms | theirs ms | ratio | spread | target | same losses |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for world, pairs in r["results"].items():
         for name, p in pairs.items():
-            out.append(f"| {world} | {name} | {p['theirs']} | {_ms(p['ours_s'])} | "
-                       f"{_ms(p['theirs_s'])} | {p['ratio']:.3f} | {p['spread']:.3f} | "
-                       f"<= {p['target']} | {'yes' if p['same_work'] else 'NO'} |")  # fmt: skip
+            out.append(
+                f"| {world} | {name} | {p['theirs']} | {_ms(p['ours_s'])} | "
+                f"{_ms(p['theirs_s'])} | {p['ratio']:.3f} | {p['spread']:.3f} | "
+                f"<= {p['target']} | {'yes' if p['same_work'] else 'NO'} |"
+            )
     return out
 
 
 def _zero(r: dict[str, Any]) -> list[str]:
     out = _ratio_rows(r["ratios"], "pair (ours / DeepSpeed)")
-    out += ["", "| side | parameters | gradients | optimizer | fp32 master | other | total B |",
-            "|---|---|---|---|---|---|---|"]  # fmt: skip
+    out += [
+        "",
+        "| side | parameters | gradients | optimizer | fp32 master | other | total B |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for side, b in r["bytes"].items():
         b = b[0] if isinstance(b, list) else b  # rank 0
         roles = ("parameters", "gradients", "optimizer", "master", "other")
         total = sum(int(b.get(k, 0)) for k in roles)
         cells = " | ".join(str(b.get(k, 0)) for k in roles)
         out.append(f"| {side} | {cells} | {total} |")
-    out.append(f"\nFirst-step loss, every side vs mm_fsdp: {r['loss_check']}. torchtitan: "
-               f"{r['torchtitan'].get('finding', r['torchtitan'])}")  # fmt: skip
+    out.append(
+        f"\nFirst-step loss, every side vs mm_fsdp: {r['loss_check']}. torchtitan: "
+        f"{r['torchtitan'].get('finding', r['torchtitan'])}"
+    )
     return out
 
 
 def _memory_comm(r: dict[str, Any]) -> list[str]:
-    out = ["| layout | state / ideal (max, mean) | within 5% | state = model | comm = model |",
-           "|---|---|---|---|---|"]  # fmt: skip
+    out = [
+        "| layout | state / ideal (max, mean) | within 5% | state = model | comm = model |",
+        "|---|---|---|---|---|",
+    ]
     for name, x in r["memory_comm"].items():
         ranged = {k: v for rank in x["ranks"] for k, v in rank.get("comm_ranged", {}).items()}
         note = f" (outside bounds: {ranged})" if ranged and not x["comm_equal"] else ""
-        out.append(f"| {name} | {x['ratio_max']:.3f}, {x['ratio_mean']:.3f} | "
-                   f"{'yes' if x['within_5pct'] else 'no'} | {'yes' if x['state_equal'] else 'NO'}"
-                   f" | {'yes' if x['comm_equal'] else 'NO'}{note} |")  # fmt: skip
+        out.append(
+            f"| {name} | {x['ratio_max']:.3f}, {x['ratio_mean']:.3f} | "
+            f"{'yes' if x['within_5pct'] else 'no'} | {'yes' if x['state_equal'] else 'NO'}"
+            f" | {'yes' if x['comm_equal'] else 'NO'}{note} |"
+        )
     return out
 
 
 def _scaling(r: dict[str, Any]) -> list[str]:
-    out = ["| doubled | step-time exponent (expected from FLOPs) | memory exponent (expected) |",
-           "|---|---|---|"]  # fmt: skip
+    out = [
+        "| doubled | step-time exponent (expected from FLOPs) | memory exponent (expected) |",
+        "|---|---|---|",
+    ]
     for axis, x in r["scaling"].items():
-        out.append(f"| {axis} | {x['time_exponent']:.2f} ({x['time_expected']:.2f}) | "
-                   f"{x['memory_exponent']:.2f} ({x['memory_expected']:.2f}) |")  # fmt: skip
+        out.append(
+            f"| {axis} | {x['time_exponent']:.2f} ({x['time_expected']:.2f}) | "
+            f"{x['memory_exponent']:.2f} ({x['memory_expected']:.2f}) |"
+        )
     return out
 
 
@@ -165,15 +198,18 @@ def render(results: Path = RESULTS) -> str:
     """docs/results.md's text from the JSON files in ``results``."""
     from run_all import BENCHMARKS
 
-    lines = ["# Benchmark results", "",
-             "Generated by `python benchmarks/results_md.py` from `docs/results/*.json`; every "
-             "benchmark runs with `python benchmarks/run_all.py` (`--smoke` for one short "
-             "iteration each). Where a section compares us with a peer, ratios are ours / theirs "
-             "(below 1: faster), both sides interleaved in one invocation, with the spread of "
-             "the per-repeat ratios; these machines are noisy (2 shared cores, a model of a "
-             "few hundred thousand parameters): a spread as large as the gap means the "
-             "comparison is inconclusive, and CPU ratios say little about GPUs at scale.",
-             ""]  # fmt: skip
+    lines = [
+        "# Benchmark results",
+        "",
+        "Generated by `python benchmarks/results_md.py` from `docs/results/*.json`; every "
+        "benchmark runs with `python benchmarks/run_all.py` (`--smoke` for one short "
+        "iteration each). Where a section compares us with a peer, ratios are ours / theirs "
+        "(below 1: faster), both sides interleaved in one invocation, with the spread of "
+        "the per-repeat ratios; these machines are noisy (2 shared cores, a model of a "
+        "few hundred thousand parameters): a spread as large as the gap means the "
+        "comparison is inconclusive, and CPU ratios say little about GPUs at scale.",
+        "",
+    ]
     for name, (script, what) in BENCHMARKS.items():
         path = results / f"{name}.json"
         lines += [f"## {name}: {what}", ""]
@@ -182,9 +218,12 @@ def render(results: Path = RESULTS) -> str:
             continue
         r = json.loads(path.read_text())
         m = r.get("machine", {})
-        lines += [f"`{r.get('command', 'python benchmarks/' + script)}` on {m.get('cpus', '?')} "
-                  f"CPUs, torch {m.get('torch', '?')}, Lightning {m.get('lightning', '?')} "
-                  f"({m.get('platform', '')}).", ""]  # fmt: skip
+        lines += [
+            f"`{r.get('command', 'python benchmarks/' + script)}` on {m.get('cpus', '?')} "
+            f"CPUs, torch {m.get('torch', '?')}, Lightning {m.get('lightning', '?')} "
+            f"({m.get('platform', '')}).",
+            "",
+        ]
         lines += [*SUMMARIES.get(name, _generic)(r), ""]
         png = results / f"{name}.png"
         if png.exists():
@@ -195,12 +234,15 @@ def render(results: Path = RESULTS) -> str:
         r = json.loads(gpu.read_text())
         lines += [f"`{r.get('command')}` on {r.get('device', '?')}.", "", *_generic(r), ""]
     else:
-        lines += ["Not run on a GPU yet (none was lent to the sessions so far): "
-                  "`bash benchmarks/gpu_check.sh` on a CUDA machine writes "
-                  "`docs/results/gpu_check.json` (ViT-B/16 + a 1B-class LLaMA: tokens/s, MFU "
-                  "against the device's peak, peak memory, every collective helper on NCCL). "
-                  "Its code path runs on CPU at tiny sizes in the tests "
-                  "(`python benchmarks/gpu_check.py --smoke`).", ""]  # fmt: skip
+        lines += [
+            "Not run on a GPU yet (none was lent to the sessions so far): "
+            "`bash benchmarks/gpu_check.sh` on a CUDA machine writes "
+            "`docs/results/gpu_check.json` (ViT-B/16 + a 1B-class LLaMA: tokens/s, MFU "
+            "against the device's peak, peak memory, every collective helper on NCCL). "
+            "Its code path runs on CPU at tiny sizes in the tests "
+            "(`python benchmarks/gpu_check.py --smoke`).",
+            "",
+        ]
     return "\n".join(lines)
 
 

@@ -32,7 +32,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "planner": ("bench_planner.py", "planner: predicted vs measured step-time ranking"),
     "tensor_parallel": ("bench_tensor_parallel.py", "tp2 combine and vision placement options"),
     "stability": ("bench_stability.py", "stability callbacks' overhead; fp8 emulation speed"),
-}  # fmt: skip
+}
 """Benchmark name -> (script, what it measures: the issue's item numbers)."""
 
 
@@ -62,8 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:16} {row['rc']:>3} {row['wall_s']:>8}")
     total = sum(r["wall_s"] for r in rows.values())
     print(f"{'total':16} {'':>3} {total:>8.1f}")
-    write_result("run_all", {"smoke": args.smoke, "benchmarks": rows, "total_s": total},
-                 args.out_dir)  # fmt: skip
+    write_result(
+        "run_all", {"smoke": args.smoke, "benchmarks": rows, "total_s": total}, args.out_dir
+    )
     return 1 if any(r["rc"] for r in rows.values()) else 0
 
 

@@ -53,7 +53,7 @@ def mermaid() -> str:
     """The picture: one row per layer (top imports bottom), an arrow per imported part."""
     lines = ["flowchart TD"]
     for i, parts in enumerate(layers()):
-        lines.append(f"  subgraph L{i}[\" \"]")
+        lines.append(f'  subgraph L{i}[" "]')
         lines += [f"    {p}[{label(p)}]" for p in parts]
         lines.append("  end")
     lines += [f"  {a} --> {b}" for a, b in edges()]

@@ -14,15 +14,25 @@ from typing import Any, Literal
 from lightning_mmpar.layout import parse_partition
 
 Schedule = Literal[
-    "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
-    "zbv_zero_bubble", "dualpipev",
-]  # fmt: skip
+    "gpipe",
+    "1f1b",
+    "interleaved_1f1b",
+    "looped_bfs",
+    "interleaved_zero_bubble",
+    "zbv_zero_bubble",
+    "dualpipev",
+]
 DataParallel = Literal["fsdp", "ddp", "none"]
 
 SCHEDULES: tuple[str, ...] = (
-    "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
-    "zbv_zero_bubble", "dualpipev",
-)  # fmt: skip
+    "gpipe",
+    "1f1b",
+    "interleaved_1f1b",
+    "looped_bfs",
+    "interleaved_zero_bubble",
+    "zbv_zero_bubble",
+    "dualpipev",
+)
 """Pipeline schedules by name (torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B,
 ScheduleInterleaved1F1B, ScheduleLoopedBFS, ScheduleInterleavedZeroBubble,
 ScheduleZBVZeroBubble, ScheduleDualPipeV)."""
@@ -239,8 +249,9 @@ class ParallelConfig:
         """
         value = self.placement
         key = tuple(value) if isinstance(value, list) else value
-        return _resolve(key, world_size, self.tensor_parallel, self.pipeline_parallel,
-                        self.expert_parallel)  # fmt: skip
+        return _resolve(
+            key, world_size, self.tensor_parallel, self.pipeline_parallel, self.expert_parallel
+        )
 
     @staticmethod
     def check_clipping(plugin: str, global_norm: bool, clip: float | None, mode: str | None) -> str:

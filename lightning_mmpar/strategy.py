@@ -118,13 +118,19 @@ class MultimodalParallelStrategy(NumericsHooks, ShardedCheckpointHooks, ModelPar
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self.config = config or ParallelConfig(
-            tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
-            expert_parallel=expert_parallel, virtual_pipeline=virtual_pipeline,
-            micro_batches=micro_batches, schedule=schedule, data_parallel=data_parallel,
-            partition=partition, placement=placement,
-        )  # fmt: skip
-        self.memory = MemoryOptions(mixed_precision, offload_optimizer,
-                                    activation_checkpointing, compile_blocks)  # fmt: skip
+            tensor_parallel=tensor_parallel,
+            pipeline_parallel=pipeline_parallel,
+            expert_parallel=expert_parallel,
+            virtual_pipeline=virtual_pipeline,
+            micro_batches=micro_batches,
+            schedule=schedule,
+            data_parallel=data_parallel,
+            partition=partition,
+            placement=placement,
+        )
+        self.memory = MemoryOptions(
+            mixed_precision, offload_optimizer, activation_checkpointing, compile_blocks
+        )
         self.memory.check(self.config.data_parallel, self.config.expert_parallel)
         self._dims: ParallelDims | None = None
         self.pipeline: PipelineEngine | None = None
@@ -174,8 +180,13 @@ class MultimodalParallelStrategy(NumericsHooks, ShardedCheckpointHooks, ModelPar
     def _make_dims(self) -> ParallelDims:
         c, world = self.config, self.num_nodes * self.num_processes
         placement = c.resolve_placement(world)[0]  # cached: a file or nvidia-smi is read once
-        dims = ParallelDims(world_size=world, tp=c.tensor_parallel, pp=c.pipeline_parallel,
-                            ep=c.expert_parallel, placement=placement)  # fmt: skip
+        dims = ParallelDims(
+            world_size=world,
+            tp=c.tensor_parallel,
+            pp=c.pipeline_parallel,
+            ep=c.expert_parallel,
+            placement=placement,
+        )
         c.check_world(dims.world_size)
         return dims
 

@@ -68,9 +68,14 @@ class AnomalyLog:
         where = f" {anomaly.param} {anomaly.shape}" if anomaly.param else ""
         log.warning(
             "[rank %d] step %d: %s%s (group %s) %s -> %s",
-            anomaly.rank, anomaly.step, anomaly.kind, where, anomaly.group,
-            json.dumps(_clean(anomaly.values)), anomaly.action,
-        )  # fmt: skip
+            anomaly.rank,
+            anomaly.step,
+            anomaly.kind,
+            where,
+            anomaly.group,
+            json.dumps(_clean(anomaly.values)),
+            anomaly.action,
+        )
         if self.path is not None:
             line = json.dumps({"time": time.time(), **_clean(asdict(anomaly))}) + "\n"
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)

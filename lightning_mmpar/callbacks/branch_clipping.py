@@ -130,8 +130,9 @@ def _row_sq(t: Tensor, name: str, what: str) -> tuple[Tensor, int]:
         x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
         sq = x.square().sum(dim=dims) if t.ndim >= 2 else x.square().sum().reshape(1)
         assert isinstance(sq, DTensor)
-        sq = sq.redistribute(sq.device_mesh, [Replicate() if p.is_partial() else p
-                                              for p in sq.placements])  # fmt: skip
+        sq = sq.redistribute(
+            sq.device_mesh, [Replicate() if p.is_partial() else p for p in sq.placements]
+        )
         bad = [p for p in sq.placements if not (p.is_replicate() or getattr(p, "dim", 1) == 0)]
         if bad or (t.ndim >= 2 and comm.to_local(sq).shape[0] != comm.to_local(t).shape[0]):
             raise ValueError("unit norms do not line up with the local rows")
@@ -254,9 +255,13 @@ class BranchGradientClipping(Callback):
 
     @override
     def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
         batch_idx: int,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if self.last_vision_norm is None or not log_due(trainer):
             return
         counts = self._counts if self._counts is not None else torch.zeros(2, dtype=torch.float64)

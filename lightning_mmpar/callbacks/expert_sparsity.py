@@ -174,9 +174,13 @@ class ExpertSparsitySchedule(Callback):
 
     @override
     def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
         batch_idx: int,
-    ) -> None:  # fmt: skip
+    ) -> None:
         for name, layer in self.layers.items():
             for stats in layer.last_stats.values():
                 self._pending[name] += stats.kept_per_expert.detach().double().cpu()

@@ -83,8 +83,13 @@ class FP8FallbackCallback(Callback):
         self.monitor = monitor
         self._drive = False
         self.snapshot = Snapshot(device=self.config.snapshot_device)
-        self.counters = {"redone_steps": 0, "rolled_back_steps": 0, "fallbacks": 0,
-                         "attempts": 0, "returns_to_fp8": 0}  # fmt: skip
+        self.counters = {
+            "redone_steps": 0,
+            "rolled_back_steps": 0,
+            "fallbacks": 0,
+            "attempts": 0,
+            "returns_to_fp8": 0,
+        }
         self.fallen: set[str] = set()
         self._window: list[tuple[Any, int]] = []
         self._clean_steps = 0
@@ -159,9 +164,13 @@ class FP8FallbackCallback(Callback):
 
     @override
     def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
         batch_idx: int,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if self._drive:
             self.mon.on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if trainer.global_step == self._last_step:
@@ -174,8 +183,15 @@ class FP8FallbackCallback(Callback):
             mine = sorted({_module_of(d.name) for d in drift})
             names = {m for rk in comm.all_gather_objects(mine) for m in rk}
             mods = sorted(n for n in names if n in fp8_modules(pl_module))
-            reasons = [{"kind": "replica_drift", "param": d.name, "shape": d.shape,
-                        "drifting_ranks": d.drifting_ranks} for d in drift]  # fmt: skip
+            reasons = [
+                {
+                    "kind": "replica_drift",
+                    "param": d.name,
+                    "shape": d.shape,
+                    "drifting_ranks": d.drifting_ranks,
+                }
+                for d in drift
+            ]
             decision = Decision(anomalous=True, modules=mods, reasons=reasons)
             self._recover(
                 trainer, pl_module, trainer.optimizers[0], decision, None, after_step=True
@@ -196,13 +212,18 @@ class FP8FallbackCallback(Callback):
         total = comm.all_reduce(torch.tensor([float(len(events))], dtype=torch.float64))
         if not report.anomalous and float(total[0]) == 0:
             return Decision(anomalous=False)
-        events += [{"rank": me, "kind": "nonfinite_grad", "param": p, "module": _module_of(p)}
-                   for p in report.nonfinite_params]  # fmt: skip
-        events += [{"rank": me, "kind": "exploding_grad", "module": m}
-                   for m in report.exploding_modules]  # fmt: skip
+        events += [
+            {"rank": me, "kind": "nonfinite_grad", "param": p, "module": _module_of(p)}
+            for p in report.nonfinite_params
+        ]
+        events += [
+            {"rank": me, "kind": "exploding_grad", "module": m} for m in report.exploding_modules
+        ]
         reasons = [e for ev in comm.all_gather_objects(events) for e in ev]
-        reasons += [{"kind": "nonfinite_local_grad", "module": _module_of(o["param"]), **o}
-                    for o in report.origin]  # fmt: skip
+        reasons += [
+            {"kind": "nonfinite_local_grad", "module": _module_of(o["param"]), **o}
+            for o in report.origin
+        ]
         live = {n for n, m in fp8.items() if m.precision == "fp8"}
         mods = sorted({e["module"] for e in reasons} & live)
         return Decision(anomalous=True, modules=mods, reasons=reasons)
@@ -220,16 +241,29 @@ class FP8FallbackCallback(Callback):
         out = []
         for (name, site, c), (ov, nf) in zip(live, flags.tolist(), strict=True):
             if ov or nf:
-                out.append({"rank": comm.group_rank(), "module": name, "site": site,
-                            "kind": "fp8_nonfinite" if nf else "fp8_overflow",
-                            "amax": float(c.amax), "shape": c.shape})  # fmt: skip
+                out.append(
+                    {
+                        "rank": comm.group_rank(),
+                        "module": name,
+                        "site": site,
+                        "kind": "fp8_nonfinite" if nf else "fp8_overflow",
+                        "amax": float(c.amax),
+                        "shape": c.shape,
+                    }
+                )
         return out
 
     # ------------------------------------------------------------------ recovery
     def _recover(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any,
-        decision: Decision, report: GradReport | None, *, after_step: bool,
-    ) -> None:  # fmt: skip
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        optimizer: Any,
+        decision: Decision,
+        report: GradReport | None,
+        *,
+        after_step: bool,
+    ) -> None:
         """Switch precision, restore, redo - until clean or ``max_retries`` is exhausted."""
         attempt = 0
         while decision.anomalous:
@@ -307,9 +341,16 @@ class FP8FallbackCallback(Callback):
             self._in_redo = False
 
     def _record(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, decision: Decision,
-        report: GradReport, switched: list[str], attempt: int, restored: int, lost: int,
-    ) -> None:  # fmt: skip
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        decision: Decision,
+        report: GradReport,
+        switched: list[str],
+        attempt: int,
+        restored: int,
+        lost: int,
+    ) -> None:
         mods, me = fp8_modules(pl_module), comm.group_rank()
         action = (
             f"switched {switched or 'no module'} to {self.config.fallback_precision}, restored "
@@ -320,15 +361,25 @@ class FP8FallbackCallback(Callback):
         )
         for name in switched or [None]:  # type: ignore[list-item]
             w = mods[name].weight if name in mods else None
-            self.mon.anomalies.record(Anomaly(
-                kind="fp8_fallback", step=trainer.global_step, rank=me, group="world",
-                param=name, shape=None if w is None else list(comm.to_local(w).shape),
-                action=action,
-                values={"attempt": attempt, "reasons": decision.reasons[:16],
+            self.mon.anomalies.record(
+                Anomaly(
+                    kind="fp8_fallback",
+                    step=trainer.global_step,
+                    rank=me,
+                    group="world",
+                    param=name,
+                    shape=None if w is None else list(comm.to_local(w).shape),
+                    action=action,
+                    values={
+                        "attempt": attempt,
+                        "reasons": decision.reasons[:16],
                         "grad_norm_after_redo": report.grad_norm,
                         "global_shape": None if w is None else list(w.shape),
-                        "restored_step": restored, "rolled_back_steps": lost},
-            ))  # fmt: skip
+                        "restored_step": restored,
+                        "rolled_back_steps": lost,
+                    },
+                )
+            )
 
     def _on_clean_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checked: bool
@@ -341,17 +392,26 @@ class FP8FallbackCallback(Callback):
             back = set_precision(pl_module, "fp8", sorted(self.fallen))
             self.fallen -= set(back)
             self.counters["returns_to_fp8"] += len(back)
-            self.mon.anomalies.record(Anomaly(
-                kind="fp8_return", step=trainer.global_step, rank=comm.group_rank(), group="world",
-                param=", ".join(back), action=f"switched back to fp8 after {n} clean steps",
-            ))  # fmt: skip
+            self.mon.anomalies.record(
+                Anomaly(
+                    kind="fp8_return",
+                    step=trainer.global_step,
+                    rank=comm.group_rank(),
+                    group="world",
+                    param=", ".join(back),
+                    action=f"switched back to fp8 after {n} clean steps",
+                )
+            )
 
     @override
     def state_dict(self) -> dict[str, Any]:
         """This rank's counters and modules in fallback precision (saved per rank by
         ``mm_parallel``: each pipeline stage / tensor shard has its own)."""
-        state = {"counters": dict(self.counters), "fallen": sorted(self.fallen),
-                 "clean_steps": self._clean_steps}  # fmt: skip
+        state = {
+            "counters": dict(self.counters),
+            "fallen": sorted(self.fallen),
+            "clean_steps": self._clean_steps,
+        }
         if self._drive and self.monitor is not None:  # not in trainer.callbacks: saved here
             state["monitor"] = self.monitor.state_dict()
         return state

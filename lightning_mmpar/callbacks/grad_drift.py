@@ -138,10 +138,10 @@ class GradientDriftMonitor(Callback):
         if self.capture is None and not fsdp:
             self.capture = LocalGradCapture([(n, p) for n, p in named if p.requires_grad])
         groups = [
-            f"{g.name}: {len(g.params)}" + (f" ({g.skipped} sharded, not compared)" if g.skipped
-                                            else "")
+            f"{g.name}: {len(g.params)}"
+            + (f" ({g.skipped} sharded, not compared)" if g.skipped else "")
             for g in self.groups
-        ]  # fmt: skip
+        ]
         rank_zero_info(
             f"GradientDriftMonitor: replica groups [{', '.join(groups)}], local-gradient capture "
             f"{'on' if self.capture else 'off (FSDP)'}, anomalies -> {self.anomalies.path}"
@@ -167,9 +167,13 @@ class GradientDriftMonitor(Callback):
 
     @override
     def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
         batch_idx: int,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if trainer.global_step % self.config.check_every_n_steps == 0:
             self.check_replicas(trainer, pl_module)
         if self.config.log_metrics:
@@ -203,11 +207,15 @@ class GradientDriftMonitor(Callback):
         nonfinite = [n for (n, _), v in zip(named, norms, strict=True) if not math.isfinite(v)]
         local_sq, count = self.capture.take() if self.capture else ([], 0)
         me = comm.group_rank()
-        local_bad = [
-            {"rank": me, "param": n, "shape": s, "norm": math.sqrt(v) if v >= 0 else v}
-            for n, s, v in zip(self.capture.names, self.capture.shapes, local_sq, strict=True)
-            if not math.isfinite(v)
-        ] if self.capture else []  # fmt: skip
+        local_bad = (
+            [
+                {"rank": me, "param": n, "shape": s, "norm": math.sqrt(v) if v >= 0 else v}
+                for n, s, v in zip(self.capture.names, self.capture.shapes, local_sq, strict=True)
+                if not math.isfinite(v)
+            ]
+            if self.capture
+            else []
+        )
         small = 0.0
         if self.capture is not None:
             cw = norm_weights(trainer, self.capture.params)
@@ -221,9 +229,17 @@ class GradientDriftMonitor(Callback):
         # in one all-reduce
         sq = sum(w * v * v for w, v in zip(ws, norms, strict=True))
         vec = torch.tensor(
-            [0.0 if bad_s else small, float(bad_s), len(nonfinite), len(local_bad),
-             len(exploding), sq, *(mod_sq.values() if fold else ())], dtype=torch.float64,
-        )  # fmt: skip
+            [
+                0.0 if bad_s else small,
+                float(bad_s),
+                len(nonfinite),
+                len(local_bad),
+                len(exploding),
+                sq,
+                *(mod_sq.values() if fold else ()),
+            ],
+            dtype=torch.float64,
+        )
         tot = comm.all_reduce(vec).tolist()
         if fold:
             modules = {m: safe_sqrt(v) for m, v in zip(mod_sq, tot[6:], strict=True)}
@@ -233,10 +249,13 @@ class GradientDriftMonitor(Callback):
         origin = [o for rk in comm.all_gather_objects(local_bad) for o in rk] if tot[3] > 0 else []
         finite = math.isfinite(total)
         report = GradReport(
-            step=step, anomalous=tot[2] + tot[3] + tot[4] > 0,
+            step=step,
+            anomalous=tot[2] + tot[3] + tot[4] > 0,
             grad_norm=total if finite else math.nan,
-            nonfinite_params=nonfinite, origin=origin, exploding_modules=exploding,
-        )  # fmt: skip
+            nonfinite_params=nonfinite,
+            origin=origin,
+            exploding_modules=exploding,
+        )
         if tot[1] == 0 and finite:
             self._noise_scale(report, tot[0], total * total, trainer)
         self._record_grad_anomalies(report, named, norms, modules, local_bad)
@@ -287,29 +306,60 @@ class GradientDriftMonitor(Callback):
             report.noise_scale = self._ema_trace / self._ema_g2
 
     def _record_grad_anomalies(
-        self, report: GradReport, named: Sequence[tuple[str, Tensor]], norms: list[float],
-        modules: dict[str, float], local_bad: list[dict[str, Any]],
-    ) -> None:  # fmt: skip
+        self,
+        report: GradReport,
+        named: Sequence[tuple[str, Tensor]],
+        norms: list[float],
+        modules: dict[str, float],
+        local_bad: list[dict[str, Any]],
+    ) -> None:
         me, step, cap = comm.group_rank(), report.step, self.config.max_records_per_step
         shapes = {n: list(comm.to_local(p).shape) for n, p in named}
         norm_of = dict(zip([n for n, _ in named], norms, strict=True))
-        recs = [
-            Anomaly(kind="nonfinite_local_grad", step=step, rank=me, group="local",
-                    param=o["param"], shape=o["shape"], values={"local_norm": o["norm"]},
-                    action=self.action)
-            for o in local_bad
-        ] + [
-            Anomaly(kind="nonfinite_grad", step=step, rank=me, group="world", param=n,
-                    shape=shapes[n], values={"norm": norm_of[n], "origin": report.origin},
-                    action=self.action)
-            for n in report.nonfinite_params
-        ] + [
-            Anomaly(kind="exploding_grad", step=step, rank=me, group="local", param=m,
-                    values={"norm": modules[m], "ema": self._module_ema.get(m),
-                            "explode_factor": self.config.explode_factor},
-                    action=self.action)
-            for m in report.exploding_modules
-        ]  # fmt: skip
+        recs = (
+            [
+                Anomaly(
+                    kind="nonfinite_local_grad",
+                    step=step,
+                    rank=me,
+                    group="local",
+                    param=o["param"],
+                    shape=o["shape"],
+                    values={"local_norm": o["norm"]},
+                    action=self.action,
+                )
+                for o in local_bad
+            ]
+            + [
+                Anomaly(
+                    kind="nonfinite_grad",
+                    step=step,
+                    rank=me,
+                    group="world",
+                    param=n,
+                    shape=shapes[n],
+                    values={"norm": norm_of[n], "origin": report.origin},
+                    action=self.action,
+                )
+                for n in report.nonfinite_params
+            ]
+            + [
+                Anomaly(
+                    kind="exploding_grad",
+                    step=step,
+                    rank=me,
+                    group="local",
+                    param=m,
+                    values={
+                        "norm": modules[m],
+                        "ema": self._module_ema.get(m),
+                        "explode_factor": self.config.explode_factor,
+                    },
+                    action=self.action,
+                )
+                for m in report.exploding_modules
+            ]
+        )
         for a in recs[:cap]:
             self.anomalies.record(a)
 
@@ -352,22 +402,35 @@ class GradientDriftMonitor(Callback):
         self._checked_step = trainer.global_step
         found: list[replicas.Drift] = []
         for rg in self.groups:
-            drift = replicas.check_group(rg, self.config.rtol, self.config.atol,
-                                         self.config.max_full_compare)  # fmt: skip
+            drift = replicas.check_group(
+                rg, self.config.rtol, self.config.atol, self.config.max_full_compare
+            )
             action = self.action
             if drift and self.config.on_drift == "resync":
                 replicas.resync(rg, drift, getattr(trainer, "optimizers", []))
                 action = f"resynced from reference rank ({self.action})"
             me = comm.group_rank()
             for d in drift[: self.config.max_records_per_step]:
-                self.anomalies.record(Anomaly(
-                    kind="replica_drift", step=trainer.global_step, rank=me, group=rg.name,
-                    param=d.name, shape=d.shape, action=action,
-                    values={"drifting_ranks": d.drifting_ranks, "this_rank_drifts":
-                            me in d.drifting_ranks, "reference_rank": d.reference_rank,
-                            "fingerprints": d.fingerprints, "max_abs_diff": d.max_abs_diff,
-                            "worst_index": d.worst_index, "ambiguous": d.ambiguous},
-                ))  # fmt: skip
+                self.anomalies.record(
+                    Anomaly(
+                        kind="replica_drift",
+                        step=trainer.global_step,
+                        rank=me,
+                        group=rg.name,
+                        param=d.name,
+                        shape=d.shape,
+                        action=action,
+                        values={
+                            "drifting_ranks": d.drifting_ranks,
+                            "this_rank_drifts": me in d.drifting_ranks,
+                            "reference_rank": d.reference_rank,
+                            "fingerprints": d.fingerprints,
+                            "max_abs_diff": d.max_abs_diff,
+                            "worst_index": d.worst_index,
+                            "ambiguous": d.ambiguous,
+                        },
+                    )
+                )
             found += drift
         self.last_drift = found
         # a group's drift is known to its members only: one flag for every rank, so that

@@ -135,9 +135,10 @@ class LatencyMeter:
         self._total = 0.0
         self._calls = 0
         self._handles = [
-            h for m in modules for h in (m.register_forward_pre_hook(self._pre),
-                                         m.register_forward_hook(self._post))
-        ]  # fmt: skip
+            h
+            for m in modules
+            for h in (m.register_forward_pre_hook(self._pre), m.register_forward_hook(self._post))
+        ]
 
     def _now(self) -> float:
         if self.synchronize is not None:
@@ -331,9 +332,13 @@ class DynamicMicroBatching(Callback):
 
     @override
     def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
         batch_idx: int,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if self._engine is None or self._meter is None:
             return
         pl_module.log(
@@ -374,9 +379,13 @@ class DynamicMicroBatching(Callback):
                 f"cross-attention {lat_ms:.2f} ms)."
             )
         record = {
-            "step": step, "memory_fraction": fraction, "latency_ms": lat_ms,
-            "policy_size": target, "chosen_size": chosen, "applied": applied,
-        }  # fmt: skip
+            "step": step,
+            "memory_fraction": fraction,
+            "latency_ms": lat_ms,
+            "policy_size": target,
+            "chosen_size": chosen,
+            "applied": applied,
+        }
         self.decisions.append(record)
         return record
 

@@ -191,9 +191,16 @@ def draw_timeline(result: dict[str, Any], path: str | Path) -> Path | None:
             x, w = (start - t0) * scale, (end - start) * scale
             earlier = (stage, action, mb, start, end) not in training  # forward-only pass
             ax.barh(
-                r, w, left=x, height=0.8, color=colour, edgecolor="black", linewidth=0.4,
-                alpha=0.4 if earlier else 1.0, hatch="//" if earlier else None,
-            )  # fmt: skip
+                r,
+                w,
+                left=x,
+                height=0.8,
+                color=colour,
+                edgecolor="black",
+                linewidth=0.4,
+                alpha=0.4 if earlier else 1.0,
+                hatch="//" if earlier else None,
+            )
             text = f"{label}{mb}/s{stage}" if several else f"{label}{mb}"
             if w >= 0.012 * width:  # no label on slivers (a no-grad pass's empty backward)
                 ax.text(x + w / 2, r, text, ha="center", va="center", fontsize=7, clip_on=True)
@@ -343,9 +350,13 @@ class PipelineTimeline(Callback):
 
     @override
     def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
         batch_idx: int,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if not self._recording:
             return
         self._recording = False

@@ -53,8 +53,13 @@ __all__ = ["Preemption"]
 
 log = logging.getLogger(__name__)
 
-_SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGUSR1": signal.SIGUSR1, "SIGUSR2": signal.SIGUSR2,
-            "SIGINT": signal.SIGINT, "SIGHUP": signal.SIGHUP}  # fmt: skip
+_SIGNALS = {
+    "SIGTERM": signal.SIGTERM,
+    "SIGUSR1": signal.SIGUSR1,
+    "SIGUSR2": signal.SIGUSR2,
+    "SIGINT": signal.SIGINT,
+    "SIGHUP": signal.SIGHUP,
+}
 
 
 class Preemption(Callback):
@@ -178,8 +183,10 @@ class Preemption(Callback):
         if trainer.is_global_zero:
             log.warning(
                 "Pre-emption (%s): saving %s at global step %d and stopping.",
-                who, path, trainer.global_step,
-            )  # fmt: skip
+                who,
+                path,
+                trainer.global_step,
+            )
         trainer.save_checkpoint(path, weights_only=False)  # the full state, to resume
         for callback in trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint):

@@ -144,10 +144,14 @@ def build_groups(
         if dims.size(name) > 1 and params:
             group = dims.get_group(name) or dist.group.WORLD
             kept = same(group, params)  # type: ignore[arg-type]
-            out.append(ReplicaGroup(
-                name="world" if group is dist.group.WORLD else name, group=group,  # type: ignore[arg-type]
-                params=kept, skipped=len(params) - len(kept),
-            ))  # fmt: skip
+            out.append(
+                ReplicaGroup(
+                    name="world" if group is dist.group.WORLD else name,
+                    group=group,  # type: ignore[arg-type]
+                    params=kept,
+                    skipped=len(params) - len(kept),
+                )
+            )
     return out
 
 
@@ -202,15 +206,18 @@ def check_group(rg: ReplicaGroup, rtol: float, atol: float, max_full: int) -> li
         gathered = comm.all_gather(full, rg.group)
         r0 = int(ref[i])
         diffs = [(g.double() - gathered[r0].double()).abs() for g in gathered]
-        out.append(Drift(
-            name=name, shape=list(comm.to_local(p).shape),
-            drifting_ranks=[ranks[g] for g in range(len(ranks)) if drifting[g, i]],
-            reference_rank=ranks[r0],
-            fingerprints={ranks[g]: table[g, i].tolist() for g in range(len(ranks))},
-            max_abs_diff={ranks[g]: float(d.max()) for g, d in enumerate(diffs)},
-            worst_index={ranks[g]: int(d.argmax()) for g, d in enumerate(diffs)},
-            ambiguous=bool(tie[i]),
-        ))  # fmt: skip
+        out.append(
+            Drift(
+                name=name,
+                shape=list(comm.to_local(p).shape),
+                drifting_ranks=[ranks[g] for g in range(len(ranks)) if drifting[g, i]],
+                reference_rank=ranks[r0],
+                fingerprints={ranks[g]: table[g, i].tolist() for g in range(len(ranks))},
+                max_abs_diff={ranks[g]: float(d.max()) for g, d in enumerate(diffs)},
+                worst_index={ranks[g]: int(d.argmax()) for g, d in enumerate(diffs)},
+                ambiguous=bool(tie[i]),
+            )
+        )
     return out
 
 

@@ -29,8 +29,17 @@ from lightning_mmpar.data.sampler import ResumableRandomSampler
 from lightning_mmpar.data.tokenizer import WordTokenizer
 
 CLASS_NAMES: tuple[str, ...] = (
-    "zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine",
-)  # fmt: skip
+    "zero",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+)
 """Spoken name of each digit class."""
 TEMPLATES: tuple[str, ...] = (
     "a photo of the digit {name}",
@@ -120,9 +129,12 @@ class DigitsCaptions(pl.LightningDataModule):
         if tokenizer and tokenizer_dir:
             raise ValueError("set data.tokenizer (transformers) or data.tokenizer_dir, not both.")
         self.tokenizer: Tokenizer = (
-            HFTokenizer(tokenizer) if tokenizer else load_tokenizer(tokenizer_dir)
-            if tokenizer_dir else WordTokenizer.build(every)
-        )  # fmt: skip
+            HFTokenizer(tokenizer)
+            if tokenizer
+            else load_tokenizer(tokenizer_dir)
+            if tokenizer_dir
+            else WordTokenizer.build(every)
+        )
         self.max_length = max_length or self.tokenizer.max_length_for(every)
         self.train: DigitsDataset | None = None
         self.val: DigitsDataset | None = None

@@ -96,8 +96,7 @@ SIGTERM_BYTES = 8
 def world_dim(layout: LayoutSpec) -> str:
     """The key of a collective over every rank: the first of ``tp, pp, dp, edp, ep`` whose
     size is the world, else ``world``."""
-    sizes = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "edp": layout.edp,
-             "ep": layout.ep}  # fmt: skip
+    sizes = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "edp": layout.edp, "ep": layout.ep}
     return next((d for d, n in sizes.items() if n == layout.world), "world")
 
 
@@ -208,8 +207,9 @@ def dispatched_calls(model: ModelSpec, layout: LayoutSpec, pp_rank: int = 0) -> 
     return _count(model, layout, pp_rank, "expected")[2]
 
 
-def _count(model: ModelSpec, layout: LayoutSpec, pp_rank: int,
-           bound: str) -> tuple[dict[str, int], Counter[str], int]:  # fmt: skip
+def _count(
+    model: ModelSpec, layout: LayoutSpec, pp_rank: int, bound: str
+) -> tuple[dict[str, int], Counter[str], int]:
     """Bytes (``bound``: ``expected``, ``low`` or ``high``) and calls per key, and the calls
     issued through DTensor / FSDP2."""
     _check(model, layout)
@@ -233,16 +233,23 @@ def _count(model: ModelSpec, layout: LayoutSpec, pp_rank: int,
     if layout.dp > 1 and layout.data_parallel != "none":
         dense = [p for p in params if p.trainable and not p.expert]
         if layout.data_parallel == "ddp":  # one coalesced all-reduce per dtype
-            add("dp.all_reduce", acc * sum(_grad_bytes(p, layout) for p in dense),
-                acc * len({p.element_size for p in dense}))  # fmt: skip
+            add(
+                "dp.all_reduce",
+                acc * sum(_grad_bytes(p, layout) for p in dense),
+                acc * len({p.element_size for p in dense}),
+            )
         else:
             units: dict[int, list[ParamSpec]] = {}
             for p in params:
                 if p.shape and not p.expert:
                     units.setdefault(p.block, []).append(p)
             for unit in units.values():
-                add("dp.all_gather", acc * gathers * sum(_padded_bytes(p, layout) for p in unit),
-                    acc * gathers, True)  # fmt: skip
+                add(
+                    "dp.all_gather",
+                    acc * gathers * sum(_padded_bytes(p, layout) for p in unit),
+                    acc * gathers,
+                    True,
+                )
                 add(
                     "dp.reduce_scatter",
                     acc * sum(_padded_bytes(p, layout) for p in unit if p.trainable),
@@ -250,20 +257,29 @@ def _count(model: ModelSpec, layout: LayoutSpec, pp_rank: int,
                     True,
                 )
             scalars = [p for p in dense if not p.shape]
-            add("dp.all_reduce", acc * sum(_grad_bytes(p, layout) for p in scalars),
-                acc * len({p.element_size for p in scalars}))  # fmt: skip
+            add(
+                "dp.all_reduce",
+                acc * sum(_grad_bytes(p, layout) for p in scalars),
+                acc * len({p.element_size for p in scalars}),
+            )
     # expert weights over their edp replicas (FSDP2 units of their own, or an all-reduce)
     experts = [p for p in params if p.expert and p.shape]
     if layout.edp > 1 and layout.data_parallel != "none" and experts:
         if layout.data_parallel == "ddp":
             trained = [p for p in experts if p.trainable]
-            add("edp.all_reduce", acc * sum(_grad_bytes(p, layout) for p in trained),
-                acc * len({p.element_size for p in trained}))  # fmt: skip
+            add(
+                "edp.all_reduce",
+                acc * sum(_grad_bytes(p, layout) for p in trained),
+                acc * len({p.element_size for p in trained}),
+            )
         else:
             layers = len({p.block for p in experts})
-            add("edp.all_gather",
+            add(
+                "edp.all_gather",
                 acc * gathers * sum(_padded_bytes(p, layout) for p in experts),
-                acc * gathers * layers, True)  # fmt: skip
+                acc * gathers * layers,
+                True,
+            )
             add(
                 "edp.reduce_scatter",
                 acc * sum(_padded_bytes(p, layout) for p in experts if p.trainable),
@@ -281,8 +297,12 @@ def _count(model: ModelSpec, layout: LayoutSpec, pp_rank: int,
             acc * len({p.element_size for p in summed}),
         )
         sharded = [p for p in partial if fsdp_group(p, layout) > 1]
-        add("tp.all_reduce", acc * sum(_grad_bytes(p, layout) for p in sharded),
-            acc * len(sharded), True)  # fmt: skip
+        add(
+            "tp.all_reduce",
+            acc * sum(_grad_bytes(p, layout) for p in sharded),
+            acc * len(sharded),
+            True,
+        )
     # tensor (and expert) parallel activations
     for block in held:
         for c in model.collectives[block] if model.collectives else ():
@@ -291,8 +311,12 @@ def _count(model: ModelSpec, layout: LayoutSpec, pp_rank: int,
             if c.upper_per_sample is not None and bound != "expected":
                 per_sample = c.upper_per_sample if bound == "high" else 0
             m = layout.micro_batches
-            add(f"{c.dim}.{c.kind}", acc * times * (b * per_sample + m * c.bytes_per_call),
-                acc * times * m, c.dim == "tp")  # fmt: skip
+            add(
+                f"{c.dim}.{c.kind}",
+                acc * times * (b * per_sample + m * c.bytes_per_call),
+                acc * times * m,
+                c.dim == "tp",
+            )
     # pipeline boundaries: one send / recv per tensor, micro-batch and pass
     last = len(model.blocks) - 1
     if layout.pp > 1:
@@ -319,10 +343,16 @@ def _count(model: ModelSpec, layout: LayoutSpec, pp_rank: int,
             rows = b * layout.dp * loss.feature_bytes
             add("dp.all_reduce", acc * TOKEN_BYTES, acc)
             # per gather: the row counts, then the image and the text features
-            add("dp.all_gather", acc * loss.gathers * (8 * layout.dp + 2 * rows),
-                acc * loss.gathers * 3)  # fmt: skip
-            add("dp.all_reduce", acc * loss.gathers_with_grad * 2 * rows,
-                acc * loss.gathers_with_grad * 2)  # fmt: skip
+            add(
+                "dp.all_gather",
+                acc * loss.gathers * (8 * layout.dp + 2 * rows),
+                acc * loss.gathers * 3,
+            )
+            add(
+                "dp.all_reduce",
+                acc * loss.gathers_with_grad * 2 * rows,
+                acc * loss.gathers_with_grad * 2,
+            )
         add("dp.all_reduce", acc * (LOG_PAIR_BYTES + TERM_BYTES), acc * 2)
     # over the world: Lightning's SIGTERM flag per batch; the guard and clipping per step
     if layout.world > 1:

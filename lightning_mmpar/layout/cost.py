@@ -28,9 +28,19 @@ from lightning_mmpar.layout.partition import plan_stages
 from lightning_mmpar.layout.placement import group_positions
 from lightning_mmpar.layout.stages import BlockSpec
 
-__all__ = ["DEVICES", "DeviceSpec", "Prediction", "RankMemory", "activation_bytes",
-           "bubble_fraction", "compute_seconds", "default_graph", "in_flight",
-           "predict", "stage_ranks"]  # fmt: skip
+__all__ = [
+    "DEVICES",
+    "DeviceSpec",
+    "Prediction",
+    "RankMemory",
+    "activation_bytes",
+    "bubble_fraction",
+    "compute_seconds",
+    "default_graph",
+    "in_flight",
+    "predict",
+    "stage_ranks",
+]
 
 GIB = 2**30
 
@@ -68,31 +78,55 @@ class DeviceSpec:
         return self.tflops[key] * 1e12
 
 
-_PEAK_KEY = {"32-true": "fp32", "tf32": "tf32", "bf16-mixed": "bf16", "bf16-true": "bf16",
-             "fp8": "fp8"}  # fmt: skip
+_PEAK_KEY = {
+    "32-true": "fp32",
+    "tf32": "tf32",
+    "bf16-mixed": "bf16",
+    "bf16-true": "bf16",
+    "fp8": "fp8",
+}
 ACTIVATION_ELEMENT_BYTES = {"32-true": 4, "tf32": 4, "bf16-mixed": 2, "bf16-true": 2, "fp8": 2}
 """Bytes per kept activation element (fp8: torchao keeps bf16 activations, casts per matmul)."""
 _NVIDIA = "NVIDIA datasheet, dense (half the 'with sparsity' figure)"
 DEVICES: dict[str, DeviceSpec] = {
-    "a100": DeviceSpec("A100-SXM4-80GB", {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0}, 80.0,
-                       source=f"{_NVIDIA}: A100 Tensor Core GPU datasheet (2021)"),
-    "h100": DeviceSpec("H100-SXM5-80GB", {"fp32": 67.0, "tf32": 494.5, "bf16": 989.5,
-                                          "fp8": 1979.0}, 79.6,
-                       source=f"{_NVIDIA}: H100 Tensor Core GPU datasheet (2023)"),
-    "h200": DeviceSpec("H200-SXM-141GB", {"fp32": 67.0, "tf32": 494.5, "bf16": 989.5,
-                                          "fp8": 1979.0}, 140.4,
-                       source=f"{_NVIDIA}: H200 Tensor Core GPU datasheet (2024)"),
-    "b200": DeviceSpec("B200-SXM-180GB", {"fp32": 75.0, "tf32": 1100.0, "bf16": 2250.0,
-                                          "fp8": 4500.0}, 179.1,
-                       source=f"{_NVIDIA}: HGX B200 datasheet (2024), per GPU = 1/8"),
+    "a100": DeviceSpec(
+        "A100-SXM4-80GB",
+        {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0},
+        80.0,
+        source=f"{_NVIDIA}: A100 Tensor Core GPU datasheet (2021)",
+    ),
+    "h100": DeviceSpec(
+        "H100-SXM5-80GB",
+        {"fp32": 67.0, "tf32": 494.5, "bf16": 989.5, "fp8": 1979.0},
+        79.6,
+        source=f"{_NVIDIA}: H100 Tensor Core GPU datasheet (2023)",
+    ),
+    "h200": DeviceSpec(
+        "H200-SXM-141GB",
+        {"fp32": 67.0, "tf32": 494.5, "bf16": 989.5, "fp8": 1979.0},
+        140.4,
+        source=f"{_NVIDIA}: H200 Tensor Core GPU datasheet (2024)",
+    ),
+    "b200": DeviceSpec(
+        "B200-SXM-180GB",
+        {"fp32": 75.0, "tf32": 1100.0, "bf16": 2250.0, "fp8": 4500.0},
+        179.1,
+        source=f"{_NVIDIA}: HGX B200 datasheet (2024), per GPU = 1/8",
+    ),
     # Measured (`python benchmarks/bench_planner.py --measure-cpu`, one thread, fp32 matmuls of
     # the CPU recipe's shapes; overhead: block_overhead(); call_overhead: host work per DTensor /
     # FSDP2 call, benchmarks/call_overhead.py), 2-core VM under load; the benchmark
     # measures its own figures in the run it predicts (docs/results/planner.json).
-    "cpu": DeviceSpec("CPU core (fp32, one thread)", {"fp32": 0.052}, 16.0, efficiency=1.0,
-                      overhead=2.9e-3, source="measured, benchmarks/bench_planner.py",
-                      call_overhead=5e-3),  # benchmarks/call_overhead.py, 4 processes
-}  # fmt: skip
+    "cpu": DeviceSpec(
+        "CPU core (fp32, one thread)",
+        {"fp32": 0.052},
+        16.0,
+        efficiency=1.0,
+        overhead=2.9e-3,
+        source="measured, benchmarks/bench_planner.py",
+        call_overhead=5e-3,
+    ),  # benchmarks/call_overhead.py, 4 processes
+}
 """Devices by ``--device`` name (memory ``nvidia-smi`` totals; the H200 one as on an H200 SXM)."""
 
 _NOT_RECOMPUTED = ("vision.stem", "vision.pool", "bridge", "head")  # plans.checkpoint_units
@@ -113,8 +147,9 @@ def in_flight(schedule: str, pp: int, virtual: int, micro_batches: int) -> list[
     if schedule == "gpipe":
         return [m] * len(ranks)
     if schedule in ("interleaved_1f1b", "interleaved_zero_bubble") and pp > 1:
-        return [min(m, math.ceil((2 * (pp - 1 - r) + (virtual - 1) * pp + 1) / virtual))
-                for r in ranks]  # fmt: skip
+        return [
+            min(m, math.ceil((2 * (pp - 1 - r) + (virtual - 1) * pp + 1) / virtual)) for r in ranks
+        ]
     return [min(m, pp - r) for r in ranks]
 
 
@@ -150,14 +185,27 @@ def bubble_fraction(schedule: str, pp: int, virtual: int, micro_batches: int) ->
     work = v * m * (f + b + w) if schedule in ("zbv_zero_bubble", "dualpipev") else m * (f + b + w)
     loop, zb = (p - 1) * (f + b + w), (p - 1) * (f + b - w)
     # V schedules: per chunk (half a rank's layers), 2 m (F + B + W) of work per step
-    idle = {"gpipe": loop, "1f1b": loop, "interleaved_1f1b": loop / v, "looped_bfs": loop / v,
-            "interleaved_zero_bubble": zb / v, "zbv_zero_bubble": (p - 1) * (f + b - 2 * w),
-            "dualpipev": (p - 1) * (f + b - 2 * w)}  # fmt: skip
+    idle = {
+        "gpipe": loop,
+        "1f1b": loop,
+        "interleaved_1f1b": loop / v,
+        "looped_bfs": loop / v,
+        "interleaved_zero_bubble": zb / v,
+        "zbv_zero_bubble": (p - 1) * (f + b - 2 * w),
+        "dualpipev": (p - 1) * (f + b - 2 * w),
+    }
     return idle[schedule] / (idle[schedule] + work)
 
 
-_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
-              "zbv_zero_bubble", "dualpipev")  # fmt: skip
+_SCHEDULES = (
+    "gpipe",
+    "1f1b",
+    "interleaved_1f1b",
+    "looped_bfs",
+    "interleaved_zero_bubble",
+    "zbv_zero_bubble",
+    "dualpipev",
+)
 
 
 def _tp_share(block: BlockSpec, layout: Any, kept: bool) -> float:
@@ -179,8 +227,11 @@ def _stages_of(model: Any, layout: Any) -> tuple[list[range], list[int], list[in
     """Block ranges, pipeline rank and in-flight micro-batches of every stage."""
     plan = plan_stages(model.blocks, layout.pp, layout.virtual, layout.partition)  # memoised
     ranks = stage_ranks(layout.schedule, layout.pp, layout.virtual)
-    return plan.ranges, ranks, in_flight(layout.schedule, layout.pp, layout.virtual,
-                                         layout.micro_batches)  # fmt: skip
+    return (
+        plan.ranges,
+        ranks,
+        in_flight(layout.schedule, layout.pp, layout.virtual, layout.micro_batches),
+    )
 
 
 def activation_bytes(model: Any, layout: Any, pp_rank: int = 0) -> int:
@@ -301,8 +352,12 @@ class Prediction:
 _DIMS = ("tp", "ep", "edp", "dp", "pp")
 _BATCHED = ("pp.send", "pp.recv")
 """Point-to-point keys: a micro-batch's tensors at a stage boundary go as one batched op."""
-_P2P = {"send": "send_recv", "recv": "send_recv", "broadcast": "all_gather",
-        "all_to_all_v": "all_to_all"}  # fmt: skip
+_P2P = {
+    "send": "send_recv",
+    "recv": "send_recv",
+    "broadcast": "all_gather",
+    "all_to_all_v": "all_to_all",
+}
 
 
 def predict(
@@ -359,14 +414,28 @@ def predict(
     fits = memory.total <= limit * GIB
     reason = "" if fits else f"needs {memory.describe()} > {limit:g} GiB"
     return Prediction(
-        layout=layout, memory=memory, comm_bytes=worst_bytes, comm_seconds=worst_secs,
-        compute_seconds=max(compute), bubble=bubble, step_seconds=step, placement=placement,
-        mfu=model_flops / (step * world * peak) if step > 0 else 0.0, fits=fits, reason=reason,
-    )  # fmt: skip
+        layout=layout,
+        memory=memory,
+        comm_bytes=worst_bytes,
+        comm_seconds=worst_secs,
+        compute_seconds=max(compute),
+        bubble=bubble,
+        step_seconds=step,
+        placement=placement,
+        mfu=model_flops / (step * world * peak) if step > 0 else 0.0,
+        fits=fits,
+        reason=reason,
+    )
 
 
-def _comm_seconds(graph: Any, layout: Any, order: Sequence[int], pp_rank: int,
-                  nbytes: dict[str, int], calls: dict[str, int]) -> dict[str, float]:  # fmt: skip
+def _comm_seconds(
+    graph: Any,
+    layout: Any,
+    order: Sequence[int],
+    pp_rank: int,
+    nbytes: dict[str, int],
+    calls: dict[str, int],
+) -> dict[str, float]:
     """Seconds per dimension of pipeline rank ``pp_rank``'s collectives, each key timed on the
     slowest of the rank's groups of its dimension as ``calls[key]`` equal messages
     (:func:`lightning_mmpar.layout.comm.comm_calls`), each paying the latency; a stage's sends

@@ -30,8 +30,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-__all__ = ["COLLECTIVES", "LINK_CLASSES", "DeviceGraph", "LinkClass", "collective_seconds",
-           "load_topology"]  # fmt: skip
+__all__ = [
+    "COLLECTIVES",
+    "LINK_CLASSES",
+    "DeviceGraph",
+    "LinkClass",
+    "collective_seconds",
+    "load_topology",
+]
 
 
 @dataclass(frozen=True)
@@ -164,16 +170,20 @@ class DeviceGraph:
             if cells[0] not in names or cells[0] in rows or len(tokens) < len(names):
                 raise ValueError(f"{here}: expected {len(names)} links of one of {names}.")
             if None in tokens:
-                raise ValueError(f"{here}: unknown link {cells[1 + tokens.index(None)]!r}; "
-                                 f"expected X, NV#, PIX, PXB, PHB, NODE or SYS.")  # fmt: skip
+                raise ValueError(
+                    f"{here}: unknown link {cells[1 + tokens.index(None)]!r}; "
+                    f"expected X, NV#, PIX, PXB, PHB, NODE or SYS."
+                )
             rows[cells[0]] = [str(t) for t in tokens]
         if missing := [n for n in names if n not in rows]:
             raise ValueError(f"nvidia-smi topo -m: no row for {', '.join(missing)}.")
         for x in names:
             for y in names:
                 if rows[x][col[y]] != rows[y][col[x]] or (x == y) != (rows[x][col[y]] == "SELF"):
-                    raise ValueError(f"{where[x]}: {x}-{y} is {rows[x][col[y]]} but {y}-{x} "
-                                     f"is {rows[y][col[x]]} (X only on the diagonal).")  # fmt: skip
+                    raise ValueError(
+                        f"{where[x]}: {x}-{y} is {rows[x][col[y]]} but {y}-{x} "
+                        f"is {rows[y][col[x]]} (X only on the diagonal)."
+                    )
         gpus = [n for n in names if re.fullmatch(r"GPU\d+", n)]
         legend = dict(re.findall(r"^\s*(NIC\d+)\s*:\s*(\S+)\s*$", text, re.M))
         hops = {"PIX": 1, "PXB": 2, "PHB": 3, "NODE": 4}  # the legend's order; NV#: 0, SYS: 5
@@ -198,8 +208,10 @@ class DeviceGraph:
         if not isinstance(nodes, int) or nodes < 1:
             raise ValueError(f"nodes ({nodes!r}) must be a positive integer.")
         if self.nodes != 1:
-            raise ValueError(f"the graph has {self.num_devices} devices in {self.nodes} nodes; "
-                             "only a one-node graph repeats; describe one node.")  # fmt: skip
+            raise ValueError(
+                f"the graph has {self.num_devices} devices in {self.nodes} nodes; "
+                "only a one-node graph repeats; describe one node."
+            )
         net, n = inter or self.classes.get("NET", LINK_CLASSES["NET"]), self.num_devices
         links = [
             [self.links[i % n][j % n] if i // n == j // n else net.name for j in range(n * nodes)]
@@ -219,8 +231,10 @@ class DeviceGraph:
         """
         n = devices_per_node
         if n < 1 or devices < 1 or devices % n:
-            raise ValueError(f"devices ({devices}) must be a positive multiple of "
-                             f"devices_per_node ({n}); use whole nodes.")  # fmt: skip
+            raise ValueError(
+                f"devices ({devices}) must be a positive multiple of "
+                f"devices_per_node ({n}); use whole nodes."
+            )
         cells = [["X" if i == j else intra for j in range(n)] for i in range(n)]
         return _one_node(cells, dict(LINK_CLASSES)).replicate(devices // n)
 
@@ -244,14 +258,20 @@ class DeviceGraph:
             raise ValueError(f"topology YAML: unknown key {unknown[0]!r}; valid keys: {valid}.")
         for key in ("nodes", "gpus_per_node"):
             if type(data.get(key)) is not int or data[key] < 1:
-                raise ValueError(f"topology YAML: {key!r} ({data.get(key)!r}) must be a positive "
-                                 f"integer; add `{key}: N`.")  # fmt: skip
+                raise ValueError(
+                    f"topology YAML: {key!r} ({data.get(key)!r}) must be a positive "
+                    f"integer; add `{key}: N`."
+                )
         if data["nodes"] > 1 and "inter" not in data:
-            raise ValueError("topology YAML: 'inter' ({bandwidth, latency} between nodes) is "
-                             "missing; it is required when nodes > 1.")  # fmt: skip
+            raise ValueError(
+                "topology YAML: 'inter' ({bandwidth, latency} between nodes) is "
+                "missing; it is required when nodes > 1."
+            )
         if ("intra" in data) == ("links" in data):
-            raise ValueError("topology YAML: give exactly one of 'intra' (one class for every "
-                             "pair in a node) or 'links' (the node's matrix).")  # fmt: skip
+            raise ValueError(
+                "topology YAML: give exactly one of 'intra' (one class for every "
+                "pair in a node) or 'links' (the node's matrix)."
+            )
         extra = data.get("classes") or {}
         classes = LINK_CLASSES | {k: _link(v, f"classes.{k}", k) for k, v in extra.items()}
         n, intra = data["gpus_per_node"], data.get("intra")
@@ -274,8 +294,9 @@ class DeviceGraph:
         output does not parse (a warning says why) or the visible devices are not indices.
         nvidia-smi numbers GPUs by PCI bus id, as CUDA does on one-model machines."""
         try:
-            run = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True,
-                                 timeout=60, check=True)  # fmt: skip
+            run = subprocess.run(
+                ["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=60, check=True
+            )
             graph = cls.from_nvidia_smi(run.stdout)
         except (OSError, subprocess.SubprocessError):  # absent, failed or hung
             return None
@@ -290,8 +311,12 @@ class DeviceGraph:
         return graph.select([int(v) for v in visible]).replicate(nodes)
 
 
-def _one_node(cells: Sequence[Sequence[Any]], classes: dict[str, LinkClass],
-              nics: dict[str, int] | None = None, key: str = "intra") -> DeviceGraph:  # fmt: skip
+def _one_node(
+    cells: Sequence[Sequence[Any]],
+    classes: dict[str, LinkClass],
+    nics: dict[str, int] | None = None,
+    key: str = "intra",
+) -> DeviceGraph:
     """A one-node graph from a matrix of nvidia-smi cells (``X`` = ``SELF``); ``classes`` gets
     any ``NV#`` it lacks; the graph keeps the classes it uses."""
     names = [[_class_of(str(c), classes) for c in row] for row in cells]
@@ -305,8 +330,10 @@ def _one_node(cells: Sequence[Sequence[Any]], classes: dict[str, LinkClass],
 
 def _link(value: Any, key: str, name: str) -> LinkClass:
     if not isinstance(value, Mapping) or {"bandwidth", "latency"} - set(value):
-        raise ValueError(f"topology YAML: {key!r} must be a mapping with 'bandwidth' (bytes/s) "
-                         f"and 'latency' (seconds), got {value!r}.")  # fmt: skip
+        raise ValueError(
+            f"topology YAML: {key!r} must be a mapping with 'bandwidth' (bytes/s) "
+            f"and 'latency' (seconds), got {value!r}."
+        )
     try:
         return LinkClass(name, float(value["bandwidth"]), float(value["latency"]))
     except (TypeError, ValueError) as err:
@@ -325,8 +352,10 @@ def _mapping(source: str | Path | Mapping[str, Any]) -> Mapping[str, Any]:
         why, what = " ".join(str(err).split()), repr(str(source)) if is_file else "text"
         raise ValueError(f"topology YAML: {what} is not valid YAML: {why}") from None
     if not isinstance(data, Mapping):
-        raise ValueError(f"topology YAML: {str(source)[:80]!r} is neither a file nor a mapping "
-                         f"with keys nodes, gpus_per_node, ...")  # fmt: skip
+        raise ValueError(
+            f"topology YAML: {str(source)[:80]!r} is neither a file nor a mapping "
+            f"with keys nodes, gpus_per_node, ..."
+        )
     return data
 
 
@@ -378,8 +407,9 @@ def collective_seconds(
         raise ValueError(f"kind ({kind!r}) must be one of {', '.join(COLLECTIVES)}.")
     n = len(devices)
     if len(set(devices)) != n or any(not 0 <= d < graph.num_devices for d in devices):
-        raise ValueError(f"devices ({list(devices)}) must be distinct indices in "
-                         f"[0, {graph.num_devices}).")  # fmt: skip
+        raise ValueError(
+            f"devices ({list(devices)}) must be distinct indices in [0, {graph.num_devices})."
+        )
     if not nbytes >= 0:
         raise ValueError(f"nbytes ({nbytes!r}) must be >= 0 bytes.")
     if n < 2:

@@ -29,8 +29,15 @@ __all__ = [
     "stage_ranks",
 ]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
-             "zbv_zero_bubble", "dualpipev")  # fmt: skip
+SCHEDULES = (
+    "gpipe",
+    "1f1b",
+    "interleaved_1f1b",
+    "looped_bfs",
+    "interleaved_zero_bubble",
+    "zbv_zero_bubble",
+    "dualpipev",
+)
 """The pipeline schedules (``lightning_mmpar.config.SCHEDULES``; layout/ imports no config)."""
 V_SCHEDULES = ("zbv_zero_bubble", "dualpipev")
 
@@ -85,20 +92,33 @@ class LayoutSpec:
     """Gradient clipping by the global norm (one float64 all-reduce per optimizer step)."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "ep", "virtual", "micro_batches", "micro_batch_size",
-                     "accumulate"):  # fmt: skip
+        for name in (
+            "tp",
+            "pp",
+            "dp",
+            "ep",
+            "virtual",
+            "micro_batches",
+            "micro_batch_size",
+            "accumulate",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"LayoutSpec.{name} ({value!r}) must be an int >= 1; use 1 to "
-                                 "disable it.")  # fmt: skip
+                raise ValueError(
+                    f"LayoutSpec.{name} ({value!r}) must be an int >= 1; use 1 to disable it."
+                )
         if self.dp % self.ep:
             raise ValueError(
                 f"LayoutSpec.ep ({self.ep}) must divide dp ({self.dp}): expert parallelism is "
                 f"carved out of the data-parallel ranks; choose ep from "
                 f"{[d for d in range(1, self.dp + 1) if self.dp % d == 0]}."
             )
-        choices = {"schedule": SCHEDULES, "vision_parallel": VISION_PARALLEL,
-                   "data_parallel": DATA_PARALLEL, "precision": PRECISIONS}  # fmt: skip
+        choices = {
+            "schedule": SCHEDULES,
+            "vision_parallel": VISION_PARALLEL,
+            "data_parallel": DATA_PARALLEL,
+            "precision": PRECISIONS,
+        }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(
@@ -146,10 +166,12 @@ class LayoutSpec:
         defaults left out."""
         out: dict[str, Any] = {}
         for key, value, default in (
-            ("tensor_parallel", self.tp, 1), ("pipeline_parallel", self.pp, 1),
-            ("expert_parallel", self.ep, 1), ("virtual_pipeline", self.virtual, 1),
+            ("tensor_parallel", self.tp, 1),
+            ("pipeline_parallel", self.pp, 1),
+            ("expert_parallel", self.ep, 1),
+            ("virtual_pipeline", self.virtual, 1),
             ("data_parallel", self.data_parallel, "fsdp"),
-        ):  # fmt: skip
+        ):
             if value != default:
                 out[key] = value
         if self.pp > 1:

@@ -194,19 +194,37 @@ def plan_stages(
             f"model's pipeline blocks ({n}); use at most {n} stages or a deeper model."
         )
     ranks, flight = tuple(stage_ranks or ()), tuple(in_flight or ())
-    shape = StagePlan(str(part), pipeline_parallel, virtual_pipeline, [], blocks,
-                      micro_batch_size, ranks, flight)  # fmt: skip
+    shape = StagePlan(
+        str(part), pipeline_parallel, virtual_pipeline, [], blocks, micro_batch_size, ranks, flight
+    )
     for name, given in (("stage_ranks", stage_ranks), ("in_flight", in_flight)):
         if given is not None and len(given) != stages:
             raise ValueError(f"{name} has {len(given)} entries for {stages} stages; give one each.")
-    ranges = list(_cached_ranges(part, blocks, stages, pipeline_parallel, micro_batch_size,
-                                 tuple(_in_flight(shape, stages))))  # fmt: skip
+    ranges = list(
+        _cached_ranges(
+            part,
+            blocks,
+            stages,
+            pipeline_parallel,
+            micro_batch_size,
+            tuple(_in_flight(shape, stages)),
+        )
+    )
     plan = replace(shape, ranges=ranges)
     if memory_limit_bytes is not None and max(plan.stage_bytes) > memory_limit_bytes * (1 + 1e-9):
-        best = plan if part.mode == "memory" else plan_stages(
-            blocks, pipeline_parallel, virtual_pipeline, "memory",
-            micro_batch_size=micro_batch_size, stage_ranks=stage_ranks, in_flight=in_flight,
-        )  # fmt: skip
+        best = (
+            plan
+            if part.mode == "memory"
+            else plan_stages(
+                blocks,
+                pipeline_parallel,
+                virtual_pipeline,
+                "memory",
+                micro_batch_size=micro_batch_size,
+                stage_ranks=stage_ranks,
+                in_flight=in_flight,
+            )
+        )
         raise ValueError(
             f"memory_limit ({gib(memory_limit_bytes)} per stage) is exceeded by partition "
             f"{part} ({gib(max(plan.stage_bytes))}); the best achievable at pp "

@@ -41,11 +41,20 @@ __all__ = [
 MESH_AXES: tuple[str, ...] = ("pp", "edp", "ep", "tp")
 """Mesh axes, slowest first (``lightning_mmpar.topology.MESH_DIMS``)."""
 _FLATTENED = {"dp": ("edp", "ep"), "vl": ("tp",)}  # vl: the tp ranks' own communicator
-_AS = {"send": "send_recv", "broadcast": "all_gather",  # a pipelined ring broadcast ~ a gather
-       "all_to_all_v": "all_to_all"}  # fmt: skip
+_AS = {
+    "send": "send_recv",
+    "broadcast": "all_gather",  # a pipelined ring broadcast ~ a gather
+    "all_to_all_v": "all_to_all",
+}
 _SKIP = ("recv", "barrier")  # a receive is the same message as a send, counted there
-_KIND = {"tp": "all_reduce", "vl": "all_reduce", "dp": "all_reduce", "edp": "all_reduce",
-         "ep": "all_to_all", "pp": "send_recv"}  # fmt: skip
+_KIND = {
+    "tp": "all_reduce",
+    "vl": "all_reduce",
+    "dp": "all_reduce",
+    "edp": "all_reduce",
+    "ep": "all_to_all",
+    "pp": "send_recv",
+}
 DEFAULT_TRAFFIC: dict[str, float] = {"tp": 8e9, "ep": 1e9, "pp": 1.25e8, "dp": 1.5e7}
 """Bytes per step per rank by dimension when none are given: relative weights
 ``tp >> ep > pp > dp`` (TP all-reduces every layer's activations; EP all-to-alls tokens;

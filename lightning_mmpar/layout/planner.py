@@ -68,8 +68,12 @@ def candidate_layouts(
     Raises:
         ValueError: ``world``, ``num_blocks``, ``global_batch`` or ``max_tp`` < 1.
     """
-    for name, value in (("world", world), ("num_blocks", num_blocks),
-                        ("global_batch", global_batch), ("max_tp", max_tp)):  # fmt: skip
+    for name, value in (
+        ("world", world),
+        ("num_blocks", num_blocks),
+        ("global_batch", global_batch),
+        ("max_tp", max_tp),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} ({value!r}) must be an int >= 1.")
     base = base if base is not None else LayoutSpec()
@@ -90,11 +94,23 @@ def candidate_layouts(
                 for sp in sequence_parallel if tp > 1 else (False,):
                     for mode in data_parallel if dp > 1 else ("fsdp",):
                         for ckpt in checkpointing:
-                            out.append(replace(base, tp=tp, pp=pp, dp=dp, ep=ep, virtual=v,
-                                                micro_batches=m, micro_batch_size=per_dp // m,
-                                                accumulate=1, schedule=schedule,
-                                                sequence_parallel=sp, data_parallel=mode,
-                                                activation_checkpointing=ckpt))  # fmt: skip
+                            out.append(
+                                replace(
+                                    base,
+                                    tp=tp,
+                                    pp=pp,
+                                    dp=dp,
+                                    ep=ep,
+                                    virtual=v,
+                                    micro_batches=m,
+                                    micro_batch_size=per_dp // m,
+                                    accumulate=1,
+                                    schedule=schedule,
+                                    sequence_parallel=sp,
+                                    data_parallel=mode,
+                                    activation_checkpointing=ckpt,
+                                )
+                            )
     return out
 
 
@@ -147,8 +163,9 @@ def plan(
         try:
             pred = predict(spec_of(layout), layout, device, graph, None, memory_gib=memory_gib)
             if placement is not None:  # placed, unless Megatron's order is predicted faster
-                placed = predict(spec_of(layout), layout, device, graph, placement(layout),
-                                 memory_gib=memory_gib)  # fmt: skip
+                placed = predict(
+                    spec_of(layout), layout, device, graph, placement(layout), memory_gib=memory_gib
+                )
                 pred = placed if placed.step_seconds <= pred.step_seconds else pred
         except ValueError as err:
             rejected.append(Rejected(layout, str(err)))

@@ -67,8 +67,16 @@ def measure_blocks(
     for name, block in zip(names, blocks, strict=True):
         cost = block.cost(image_tokens, text_length)
         total, trainable = parameter_bytes(block)
-        specs.append(BlockSpec(name, block.kind, float(cost.flops), float(cost.activation_bytes),
-                               float(total), float(trainable)))  # fmt: skip
+        specs.append(
+            BlockSpec(
+                name,
+                block.kind,
+                float(cost.flops),
+                float(cost.activation_bytes),
+                float(total),
+                float(trainable),
+            )
+        )
     return specs
 
 
@@ -173,8 +181,18 @@ class StagePlan:
             last = f" .. {self.blocks[r.stop - 1].name}" if len(r) > 1 else ""
             names = f"{r.start}-{r.stop - 1} ({self.blocks[r.start].name}{last})"
             share = f"{100 * flops[s] / total:.1f}"
-            rows.append((str(s), str(rank), names, "+".join(kinds[s]),
-                         share, gib(params[s]), gib(acts[s]), gib(mem[s])))  # fmt: skip
+            rows.append(
+                (
+                    str(s),
+                    str(rank),
+                    names,
+                    "+".join(kinds[s]),
+                    share,
+                    gib(params[s]),
+                    gib(acts[s]),
+                    gib(mem[s]),
+                )
+            )
         widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
         lines = ["  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)) for row in rows]
         return "\n".join([*(line.rstrip() for line in lines), self.describe()])

@@ -141,8 +141,14 @@ def rank_layout(dims: ParallelDims, virtual_pipeline: int, rank: int) -> dict[st
     """What decides whether a rank's saved callback/loop state is its own on load; ``rank`` is
     the mesh position (``ParallelDims.position(global_rank)``), so a rank's own state follows its
     coordinates across placements."""
-    return {"world_size": dims.world_size, "tp": dims.tp, "pp": dims.pp, "ep": dims.ep,
-            "virtual_pipeline": virtual_pipeline, "rank": rank}  # fmt: skip
+    return {
+        "world_size": dims.world_size,
+        "tp": dims.tp,
+        "pp": dims.pp,
+        "ep": dims.ep,
+        "virtual_pipeline": virtual_pipeline,
+        "rank": rank,
+    }
 
 
 def rank_file(path: Path, rank: int) -> Path:
@@ -188,9 +194,11 @@ def _check_layout(layout: Any) -> None:
 
 def _dims(layout: dict[str, Any]) -> ParallelDims:
     return ParallelDims(
-        world_size=int(layout["world_size"]), tp=int(layout["tp"]), pp=int(layout["pp"]),
+        world_size=int(layout["world_size"]),
+        tp=int(layout["tp"]),
+        pp=int(layout["pp"]),
         ep=int(layout["ep"]),
-    )  # fmt: skip
+    )
 
 
 def restore_rank_state(path: Path, metadata: dict[str, Any], layout: dict[str, Any]) -> list[str]:

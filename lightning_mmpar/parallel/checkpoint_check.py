@@ -252,9 +252,11 @@ def _flatten(value: Any, prefix: str = "", private: bool = True) -> dict[str, An
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (
-            isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
             and bool(torch.equal(a, b))
-        )  # fmt: skip
+        )
     try:
         return bool(a == b)
     except Exception:  # an object whose == raises or is ambiguous: compare the text

@@ -73,9 +73,13 @@ class ShardedCheckpointHooks(Strategy):
         meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         own = {k: checkpoint[k] for k in ckpt.PER_RANK_KEYS if k in checkpoint}
         ckpt.save_sharded(
-            partial, self.model, self.optimizers, meta, self.is_global_zero,
+            partial,
+            self.model,
+            self.optimizers,
+            meta,
+            self.is_global_zero,
             rank_state={"layout": self._rank_layout(), **own},
-        )  # fmt: skip
+        )
         self.barrier()
         if self.is_global_zero:
             ckpt.commit(path)

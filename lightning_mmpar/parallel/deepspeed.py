@@ -41,9 +41,13 @@ from typing_extensions import override
 
 Engine = Literal["deepspeed", "mm_parallel"]
 MM_PARALLEL_KEYS: tuple[str, ...] = (
-    "tensor_parallel", "pipeline_parallel", "expert_parallel", "virtual_pipeline",
-    "micro_batches", "schedule",
-)  # fmt: skip
+    "tensor_parallel",
+    "pipeline_parallel",
+    "expert_parallel",
+    "virtual_pipeline",
+    "micro_batches",
+    "schedule",
+)
 """Layout arguments carried over from an ``mm_parallel`` strategy given next to the JSON."""
 ZERO3_NOTE = (
     "DeepSpeed ZeRO-3 is mapped to FSDP2 (torch fully_shard over the data-parallel mesh): it "
@@ -86,8 +90,11 @@ MAPPED_KEYS: frozenset[str] = frozenset(
 )
 # Keys Lightning's DeepSpeedStrategy refuses in its config (it takes them from the Trainer):
 LIGHTNING_REFUSES: tuple[str, ...] = ("gradient_accumulation_steps",)
-NESTED_MAPPED = {"fp16": ("enabled",), "bf16": ("enabled",),
-                 "tensor_parallel": ("tp_size", "autotp_size")}  # fmt: skip
+NESTED_MAPPED = {
+    "fp16": ("enabled",),
+    "bf16": ("enabled",),
+    "tensor_parallel": ("tp_size", "autotp_size"),
+}
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 

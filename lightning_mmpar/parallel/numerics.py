@@ -268,8 +268,11 @@ def vocab_parallel_cross_entropy(
     start = min(mesh.get_local_rank(dim) * chunk, logits.shape[-1])
     local = comm.to_local(logits)
     out = _VocabParallelCrossEntropy.apply(
-        local.reshape(-1, local.shape[-1]), target.reshape(-1), start, ignore_index,
+        local.reshape(-1, local.shape[-1]),
+        target.reshape(-1),
+        start,
+        ignore_index,
         mesh.get_group(dim),
-    )  # fmt: skip
+    )
     assert isinstance(out, Tensor)
     return out

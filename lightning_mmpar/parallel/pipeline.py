@@ -43,9 +43,13 @@ from lightning_mmpar.parallel.pipeline_schedules import (
 from lightning_mmpar.parallel.pipeline_steps import PipelineChunk, PipelineSteps
 
 __all__ = [
-    "PipelineChunk", "PipelineEngine", "PipelineModule", "PipelineSteps", "check_ownership",
+    "PipelineChunk",
+    "PipelineEngine",
+    "PipelineModule",
+    "PipelineSteps",
+    "check_ownership",
     "partition",
-]  # fmt: skip
+]
 
 
 @runtime_checkable
@@ -179,10 +183,17 @@ class PipelineEngine:
 
         full = index in self._unsplit  # zero-bubble: whole backward in the I step
         stage = PipelineStage(
-            chunk, index, self.config.num_stages, self.device, group=self.group,
-            input_args=x, output_args=y, input_grads=grads(x), output_grads=grads(y),
+            chunk,
+            index,
+            self.config.num_stages,
+            self.device,
+            group=self.group,
+            input_args=x,
+            output_args=y,
+            input_grads=grads(x),
+            output_grads=grads(y),
             dw_builder=(lambda: lambda: None) if full else None,
-        )  # fmt: skip
+        )
         stage.stage_index_to_group_rank = dict(enumerate(self._stage_ranks))
         ps.instrument_stage(stage, self.observers)
         ps.allow_forward_only_turn(stage)

@@ -81,9 +81,14 @@ def module_stage_plan(
     ranks = stage_ranks(schedule, stages, pipeline_parallel)
     m = micro_batches or pipeline_parallel
     return plan_stages(
-        specs, pipeline_parallel, virtual_pipeline, part, micro_batch_size=micro_batch_size,
-        stage_ranks=ranks, in_flight=in_flight_micro_batches(schedule, ranks, pipeline_parallel, m),
-    )  # fmt: skip
+        specs,
+        pipeline_parallel,
+        virtual_pipeline,
+        part,
+        micro_batch_size=micro_batch_size,
+        stage_ranks=ranks,
+        in_flight=in_flight_micro_batches(schedule, ranks, pipeline_parallel, m),
+    )
 
 
 def stage_plan_for(module: Any, config: ParallelConfig) -> StagePlan:
@@ -92,6 +97,12 @@ def stage_plan_for(module: Any, config: ParallelConfig) -> StagePlan:
     data = getattr(getattr(module, "_trainer", None), "datamodule", None)
     batch = getattr(data, "batch_size", None)
     mbs = max(1, batch // config.num_micro_batches) if isinstance(batch, int) else 1
-    return module_stage_plan(module, config.pipeline_parallel, config.virtual_pipeline,
-                             config.partition, micro_batch_size=mbs, schedule=config.schedule,
-                             micro_batches=config.num_micro_batches)  # fmt: skip
+    return module_stage_plan(
+        module,
+        config.pipeline_parallel,
+        config.virtual_pipeline,
+        config.partition,
+        micro_batch_size=mbs,
+        schedule=config.schedule,
+        micro_batches=config.num_micro_batches,
+    )

@@ -80,16 +80,22 @@ from lightning_mmpar.plans.fusion import (
 
 __all__ = ["fusion_model_spec"]
 
-_VISION_DP = ("vision.conv1.", "vision.ln_pre.", "vision.transformer.resblocks.",
-              "vision.class_embedding", "vision.positional_embedding")  # fmt: skip
+_VISION_DP = (
+    "vision.conv1.",
+    "vision.ln_pre.",
+    "vision.transformer.resblocks.",
+    "vision.class_embedding",
+    "vision.positional_embedding",
+)
 """Parameters ``vision_parallel="dp"`` marks ``PARTIAL_OVER_TP`` (the stem and the ViT blocks:
 ``lightning_mmpar.plans.fusion_vision.apply_vision_data_parallel``)."""
 
 
 def _meta_model(module: Any, layout: LayoutSpec) -> FusionModel:
     with torch.device("meta"):
-        model = FusionModel(module._resolved_config(layout.tp),
-                            momentum=module.loss_config.mml.momentum)  # fmt: skip
+        model = FusionModel(
+            module._resolved_config(layout.tp), momentum=module.loss_config.mml.momentum
+        )
     module._freeze(model)
     return model
 
@@ -144,8 +150,9 @@ def _boundaries(model: FusionModel, text_length: int, prompts: Any) -> list[tupl
         for block in model.pipeline_blocks():
             block.training = True
             state = block(*state)
-            out.append(tuple(Boundary(t.numel() * t.element_size(), t.is_floating_point())
-                             for t in state))  # fmt: skip
+            out.append(
+                tuple(Boundary(t.numel() * t.element_size(), t.is_floating_point()) for t in state)
+            )
     return out
 
 
@@ -159,8 +166,16 @@ def _local_rows(
     halves every floating-point output first."""
     tp = layout.tp
     if layout.precision == "bf16-true":  # every floating-point activation in bf16
-        found = [tuple(Boundary(x.bytes_per_sample // 2 if x.requires_grad else x.bytes_per_sample,
-                                x.requires_grad) for x in block) for block in found]  # fmt: skip
+        found = [
+            tuple(
+                Boundary(
+                    x.bytes_per_sample // 2 if x.requires_grad else x.bytes_per_sample,
+                    x.requires_grad,
+                )
+                for x in block
+            )
+            for block in found
+        ]
     if tp == 1:
         return found
     vit = [i for i, n in enumerate(names) if n.startswith("vision.layer")]
@@ -170,8 +185,10 @@ def _local_rows(
         if layout.vision_parallel == "dp" and names[i].startswith("vision.") and i < max(vit):
             block = tuple(Boundary(x.bytes_per_sample // tp, x.requires_grad) for x in block)
         elif layout.sequence_parallel and names[i].startswith(text):
-            block = tuple(Boundary(x.bytes_per_sample // tp, x.requires_grad) if j in (2, 3)
-                          else x for j, x in enumerate(block))  # fmt: skip
+            block = tuple(
+                Boundary(x.bytes_per_sample // tp, x.requires_grad) if j in (2, 3) else x
+                for j, x in enumerate(block)
+            )
         out.append(block)
     return out
 
@@ -208,8 +225,15 @@ def _ep_collectives(
         row = d * e
         found = [Collective("ep", "all_to_all", 0, "forward", bytes_per_call=8 * moe.num_experts)]
         for phase in ("forward", "backward"):
-            found.append(Collective("ep", "all_to_all_v", 2 * n * row, phase,
-                                    upper_per_sample=(1 + layout.ep) * n * row))  # fmt: skip
+            found.append(
+                Collective(
+                    "ep",
+                    "all_to_all_v",
+                    2 * n * row,
+                    phase,
+                    upper_per_sample=(1 + layout.ep) * n * row,
+                )
+            )
         out[i] = tuple(found)
     return out
 
@@ -251,8 +275,11 @@ def _tp_collectives(
             ffn = 0 if model.adapters[int(name[7:])].moe else 1
             found = c(rs, text, 2) + c(ag, text, 2) if sp else c(ar, text, 1 + ffn)
             if back:
-                found += (c(ag, text, 2, back) + c(rs, text, 2, back) + c(ar, img, 1, back)
-                          if sp else c(ar, text, 1 + ffn, back) + c(ar, img, 2, back))  # fmt: skip
+                found += (
+                    c(ag, text, 2, back) + c(rs, text, 2, back) + c(ar, img, 1, back)
+                    if sp
+                    else c(ar, text, 1 + ffn, back) + c(ar, img, 2, back)
+                )
         elif name.startswith("decoder"):
             streams, j = 2, joint[layer]
             ffn = 0 if model.language.layers[layer].moe else 1
@@ -263,8 +290,11 @@ def _tp_collectives(
                 else c(ar, text, (1 + ffn) * streams)
             )
             if back:
-                found += (c(ag, text, 2 * streams, back) + c(rs, text, 2 * streams, back)
-                          if sp else c(ar, text, (3 + 2 * ffn) * streams, back))  # fmt: skip
+                found += (
+                    c(ag, text, 2 * streams, back) + c(rs, text, 2 * streams, back)
+                    if sp
+                    else c(ar, text, (3 + 2 * ffn) * streams, back)
+                )
                 found += c(ar, img, (1 if sp else 2) * j, back)
         elif name == "head":
             rows = (t - 1) * 4
@@ -297,8 +327,7 @@ def fusion_model_spec(
     if layout.tp > 1:  # the strategy's own checks: sizes that must divide by tp
         vision: Any = layout.vision_parallel
         validate_tensor_parallel(model.config, layout.tp, vision_parallel=vision)
-    check_moe_layout(model.config, layout.tp, layout.ep,
-                     sequence_parallel=layout.sequence_parallel)  # fmt: skip
+    check_moe_layout(model.config, layout.tp, layout.ep, sequence_parallel=layout.sequence_parallel)
     blocks = model.pipeline_blocks()
     vl, de = len(model.vision.transformer.resblocks), len(model.language.layers)
     names = ["vision.stem", *(f"vision.layer{i}" for i in range(vl)), "vision.pool", "bridge"]
@@ -307,9 +336,11 @@ def fusion_model_spec(
     v = model.config.vision
     specs = measure_blocks(blocks, (v.image_size // v.patch_size) ** 2, text_length, names)
     opts = module.tp_options
-    options = TensorParallelOptions(sequence_parallel=layout.sequence_parallel,
-                                    vision_parallel=layout.vision_parallel,  # type: ignore[arg-type]
-                                    vl_combine=opts.vl_combine)  # fmt: skip
+    options = TensorParallelOptions(
+        sequence_parallel=layout.sequence_parallel,
+        vision_parallel=layout.vision_parallel,  # type: ignore[arg-type]
+        vl_combine=opts.vl_combine,
+    )
     tp_dims = _tp_dims(model, options) if layout.tp > 1 else {}
     experts = tuple(f"{p}.experts" for p in fusion_plan(model, options).expert_parallel)
     model_names = {id(p): n for n, p in model.named_parameters()}  # the plan's paths
@@ -327,14 +358,25 @@ def fusion_model_spec(
             full = model_names.get(id(p), "")
             expert = layout.ep > 1 and any(full.startswith(x + ".") for x in experts)
             dim = tp_dims.get(id(p))
-            params.append(Param(f"blocks.{b}.{name}", tuple(p.shape), b, None if dim in (None, -2)
-                                else max(dim, 0), p.requires_grad, expert, size or p.element_size(),
-                                full_grad=dim == -1, partial_grad=dim == -2,
-                                sum_over_tp=vision_dp and full.startswith(_VISION_DP)))  # fmt: skip
+            params.append(
+                Param(
+                    f"blocks.{b}.{name}",
+                    tuple(p.shape),
+                    b,
+                    None if dim in (None, -2) else max(dim, 0),
+                    p.requires_grad,
+                    expert,
+                    size or p.element_size(),
+                    full_grad=dim == -1,
+                    partial_grad=dim == -2,
+                    sum_over_tp=vision_dp and full.startswith(_VISION_DP),
+                )
+            )
         upstream = upstream or any(p.requires_grad for p in block.parameters())
         trainable_before.append(upstream)
-    loss = LossSpec(feature_bytes=model.config.contrastive_dim * 4,
-                    caption_positions=text_length - 1)  # fmt: skip
+    loss = LossSpec(
+        feature_bytes=model.config.contrastive_dim * 4, caption_positions=text_length - 1
+    )
     return ModelSpec(
         blocks=tuple(specs),
         params=tuple(params),

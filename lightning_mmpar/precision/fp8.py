@@ -83,10 +83,17 @@ class Float8Linear(nn.Linear):
     """
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool = True, *,
-        policy: FP8Policy | None = None, backend: str = "emulate", precision: Precision = "fp8",
-        device: Any = None, dtype: torch.dtype | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        policy: FP8Policy | None = None,
+        backend: str = "emulate",
+        precision: Precision = "fp8",
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.policy = policy or FP8Policy()
         self.backend = backend
@@ -106,8 +113,15 @@ class Float8Linear(nn.Linear):
         """Wrap ``linear``'s own Parameters (no copy) and keep its forward hooks (a
         tensor-parallel plan's DTensor input/output hooks: the same hook dictionaries, so
         handles taken on ``linear`` still remove them)."""
-        new = cls(linear.in_features, linear.out_features, linear.bias is not None,
-                  policy=policy, backend=backend, precision=precision, device="meta")  # fmt: skip
+        new = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            policy=policy,
+            backend=backend,
+            precision=precision,
+            device="meta",
+        )
         new.weight = linear.weight
         new.bias = linear.bias
         for hooks in _HOOK_DICTS:
@@ -212,8 +226,12 @@ def convert_to_fp8(module: nn.Module, policy: FP8Policy | None = None) -> list[s
     """
     policy = policy or FP8Policy()
     info = detect_backend(policy.backend)
-    log.info("FP8 backend: %s (%s; torchao available: %s)", info.name, info.reason,
-             info.torchao_available)  # fmt: skip
+    log.info(
+        "FP8 backend: %s (%s; torchao available: %s)",
+        info.name,
+        info.reason,
+        info.torchao_available,
+    )
     if info.name == "torchao":
         return _convert_torchao(module, policy)
     fp8: list[str] = []

@@ -13,9 +13,13 @@ from lightning_mmpar.losses.mml import MMLConfig
 from lightning_mmpar.plans.fusion import TensorParallelOptions
 
 __all__ = [
-    "FinetuneConfig", "LossConfig", "OptimConfig", "PretrainedConfig", "TensorParallelOptions",
+    "FinetuneConfig",
+    "LossConfig",
+    "OptimConfig",
+    "PretrainedConfig",
+    "TensorParallelOptions",
     "check_image_size",
-]  # fmt: skip
+]
 
 
 @dataclass(kw_only=True)

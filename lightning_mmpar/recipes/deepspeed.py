@@ -63,8 +63,11 @@ def optim_from_deepspeed(config: dict[str, Any]) -> tuple[dict[str, Any], list[s
         optim |= {names[k]: params.pop(k) for k in list(params) if k in names}
         if params.pop("warmup_type", "linear") != "linear":
             notes.append("'scheduler.params.warmup_type': the recipe warms up linearly")
-        notes += [f"'scheduler.params.{k}' has no counterpart (the recipe's schedule spans "
-                  "the run's steps)" for k in params]  # fmt: skip
+        notes += [
+            f"'scheduler.params.{k}' has no counterpart (the recipe's schedule spans "
+            "the run's steps)"
+            for k in params
+        ]
     elif sched is not None:
         name = sched.get("type") if isinstance(sched, dict) else sched
         notes.append(f"scheduler {name!r}: the recipe's schedule is WarmupCosineLR only")
@@ -162,8 +165,11 @@ def apply_deepspeed_json(
     for note in notes:
         end = "" if note.endswith("?") else "."
         rank_zero_warn(f"[lightning_mmpar] DeepSpeed JSON: {note}{end}")
-    names = {"accumulate_grad_batches": "gradient_accumulation_steps",
-             "gradient_clip_val": "gradient_clipping", "precision": "fp16/bf16"}  # fmt: skip
+    names = {
+        "accumulate_grad_batches": "gradient_accumulation_steps",
+        "gradient_clip_val": "gradient_clipping",
+        "precision": "fp16/bf16",
+    }
     for key, value in plan.trainer_kwargs.items():
         _set(cfg, f"trainer.{key}", value, names[key])
     if plan.batch_size is not None:

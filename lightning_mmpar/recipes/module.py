@@ -70,8 +70,14 @@ def _config_classes(config: Any) -> set[type]:
 
 # The hyper-parameters (these dataclasses) are in every checkpoint: Lightning's single-file
 # checkpoints load with torch.load(weights_only=True), which needs them allow-listed.
-_CONFIGS = (FusionConfig(), FinetuneConfig(), LossConfig(), OptimConfig(), TensorParallelOptions(),
-            PretrainedConfig())  # fmt: skip
+_CONFIGS = (
+    FusionConfig(),
+    FinetuneConfig(),
+    LossConfig(),
+    OptimConfig(),
+    TensorParallelOptions(),
+    PretrainedConfig(),
+)
 torch.serialization.add_safe_globals(list(set().union(*map(_config_classes, _CONFIGS))))
 
 
@@ -240,9 +246,12 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         ids = batch["input_ids"]
         prompts = {k: v.to(ids.device) for k, v in self._prompts.items()}
         inputs = FusionModel.pipeline_inputs(
-            batch["images"], ids, batch["attention_mask"],
-            prompts.get("input_ids"), prompts.get("attention_mask"),
-        )  # fmt: skip
+            batch["images"],
+            ids,
+            batch["attention_mask"],
+            prompts.get("input_ids"),
+            prompts.get("attention_mask"),
+        )
         if self._loss is not None:
             self._loss.start_batch(batch["target_ids"])
         b = ids.shape[0]

@@ -48,10 +48,14 @@ def parameter_groups(
         for names, wd, suffix in ((decay, optim.weight_decay, ""), (no_decay, 0.0, ".no_decay")):
             chosen = [params[n] for n in names if towers.get(id(params[n]), "adapter") == tower]
             if chosen:
-                groups.append({
-                    "params": chosen, "weight_decay": wd, "name": tower + suffix,
-                    "lr": optim.lr if lr is None else lr,
-                })  # fmt: skip
+                groups.append(
+                    {
+                        "params": chosen,
+                        "weight_decay": wd,
+                        "name": tower + suffix,
+                        "lr": optim.lr if lr is None else lr,
+                    }
+                )
     return groups
 
 

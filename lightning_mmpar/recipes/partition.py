@@ -143,12 +143,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         # the strategy's own checks: schedule constraints, micro-batch minimums, partition form
         schedule: Any = args.schedule or _schedule(strategy.get("schedule", "1f1b"), v)
         layout = ParallelConfig(
-            pipeline_parallel=pp, virtual_pipeline=v, schedule=schedule,
+            pipeline_parallel=pp,
+            virtual_pipeline=v,
+            schedule=schedule,
             # another --pp than the YAML's: the schedule's default count, not the YAML's
             micro_batches=args.micro_batches
             or (strategy.get("micro_batches") if args.pp is None else None),
             partition=args.partition or strategy.get("partition") or "equal",
-        )  # fmt: skip
+        )
         m = layout.num_micro_batches
         batch = int(data_args(config).get("batch_size", 1))
         if args.micro_batch_size is not None and args.micro_batch_size < 1:
@@ -156,16 +158,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         mbs = args.micro_batch_size or max(1, batch // m)
         chosen = parse_partition(layout.partition, pp * v)
         ranks = stage_ranks(layout.schedule, pp * v, pp)
-        place = {"stage_ranks": ranks,
-                 "in_flight": in_flight_micro_batches(layout.schedule, ranks, pp, m)}  # fmt: skip
+        place = {
+            "stage_ranks": ranks,
+            "in_flight": in_flight_micro_batches(layout.schedule, ranks, pp, m),
+        }
         limit = args.memory_limit_gib
         if limit is not None and limit <= 0:
             raise ValueError(f"--memory-limit-gib ({limit}) must be > 0 (GiB per stage).")
         blocks = build_specs(config, args.text_length)
         plan = plan_stages(
-            blocks, pp, v, chosen, micro_batch_size=mbs,
-            memory_limit_bytes=None if limit is None else limit * 2**30, **place,
-        )  # fmt: skip
+            blocks,
+            pp,
+            v,
+            chosen,
+            micro_batch_size=mbs,
+            memory_limit_bytes=None if limit is None else limit * 2**30,
+            **place,
+        )
         plans = compare_modes(blocks, pp, v, chosen, micro_batch_size=mbs, **place)
     except ValueError as err:
         parser.error(str(err))

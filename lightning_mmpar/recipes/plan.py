@@ -65,8 +65,9 @@ def accept_layout(module: ClipLlamaModule, text_length: int, tp_sizes: Sequence[
                     return _tp_reason(str(err), layout.tp, valid[vision])
                 if layout.vision_parallel == "dp":
                     check_vision_batch(layout.micro_batch_size, layout.tp, "each micro-batch")
-            check_moe_layout(fusion, layout.tp, layout.ep,
-                             sequence_parallel=layout.sequence_parallel)  # fmt: skip
+            check_moe_layout(
+                fusion, layout.tp, layout.ep, sequence_parallel=layout.sequence_parallel
+            )
             if layout.sequence_parallel and text_length % layout.tp:
                 raise ValueError(
                     f"sequence parallelism splits the text sequence over the {layout.tp} tp "
@@ -99,8 +100,9 @@ def _tp_reason(message: str, tp: int, valid: Sequence[int]) -> str:
     if found is None:
         return f"{message.split('; nearest')[0]}; tp sizes this model allows: {sizes}."
     where, name, value = found.groups()
-    return (f"tp {tp} does not divide {name} ({value}, {where}); tp sizes this model "
-            f"allows: {sizes}.")  # fmt: skip
+    return (
+        f"tp {tp} does not divide {name} ({value}, {where}); tp sizes this model allows: {sizes}."
+    )
 
 
 def spec_cache(module: ClipLlamaModule, text_length: int) -> Any:
@@ -126,24 +128,31 @@ def fragment(layout: LayoutSpec, placement: Sequence[int] | None = None) -> dict
     order when it is not Megatron's (and the strategy takes one), else null."""
     part = layout.partition
     args: dict[str, Any] = {
-        "tensor_parallel": layout.tp, "pipeline_parallel": layout.pp,
-        "virtual_pipeline": layout.virtual, "expert_parallel": layout.ep,
+        "tensor_parallel": layout.tp,
+        "pipeline_parallel": layout.pp,
+        "virtual_pipeline": layout.virtual,
+        "expert_parallel": layout.ep,
         "micro_batches": layout.micro_batches if layout.pp > 1 else None,
-        "schedule": layout.schedule, "data_parallel": layout.data_parallel,
+        "schedule": layout.schedule,
+        "data_parallel": layout.data_parallel,
         "partition": list(part) if isinstance(part, tuple) else part,
-    }  # fmt: skip
+    }
     if "placement" in inspect.signature(MultimodalParallelStrategy.__init__).parameters:
         moved = placement is not None and tuple(placement) != tuple(range(len(placement)))
         args["placement"] = list(placement) if moved and placement is not None else None
-    tp_options = {"sequence_parallel": layout.sequence_parallel,
-                  "vision_parallel": layout.vision_parallel,
-                  "activation_checkpointing": layout.activation_checkpointing}  # fmt: skip
+    tp_options = {
+        "sequence_parallel": layout.sequence_parallel,
+        "vision_parallel": layout.vision_parallel,
+        "activation_checkpointing": layout.activation_checkpointing,
+    }
     return {
-        "trainer": {"strategy": {"class_path": _STRATEGY, "init_args": args},
-                    "accumulate_grad_batches": layout.accumulate},
+        "trainer": {
+            "strategy": {"class_path": _STRATEGY, "init_args": args},
+            "accumulate_grad_batches": layout.accumulate,
+        },
         "model": {"tensor_parallel": tp_options},
         "data": {"batch_size": layout.micro_batches * layout.micro_batch_size},
-    }  # fmt: skip
+    }
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -167,9 +176,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="h100", help=f"one of {', '.join(DEVICES)}")
     p.add_argument("--precision", help="default: the YAML's trainer.precision or 32-true")
     p.add_argument(
-        "--global-batch", type=int,
+        "--global-batch",
+        type=int,
         help="samples per optimizer step (default: data.batch_size x the YAML's dp)",
-    )  # fmt: skip
+    )
     p.add_argument("--max-tp", type=int, default=8, help="largest tensor-parallel size")
     p.add_argument("--top", type=int, default=10, help="layouts shown")
     p.add_argument("--write-yaml", help="write the best layout's YAML fragment here")
@@ -181,8 +191,11 @@ def _global_batch(config: dict[str, Any], args: argparse.Namespace) -> int:
         return int(args.global_batch)
     trainer, strategy = config.get("trainer") or {}, _strategy_args(config)
     world = int(trainer.get("devices", 1) or 1) * int(trainer.get("num_nodes", 1) or 1)
-    dp = max(1, world // (int(strategy.get("tensor_parallel", 1))
-                          * int(strategy.get("pipeline_parallel", 1))))  # fmt: skip
+    dp = max(
+        1,
+        world
+        // (int(strategy.get("tensor_parallel", 1)) * int(strategy.get("pipeline_parallel", 1))),
+    )
     return int(data_args(config).get("batch_size", 1)) * dp
 
 
@@ -204,15 +217,33 @@ def _load(path_text: str) -> dict[str, Any]:
 
 
 def _table(ranked: Sequence[Prediction]) -> str:
-    rows = [("#", "layout (tp pp v dp ep mb sp dp-mode ckpt)", "mem/rank GiB", "comm GB/step",
-             "bubble", "step s", "MFU")]  # fmt: skip
+    rows = [
+        (
+            "#",
+            "layout (tp pp v dp ep mb sp dp-mode ckpt)",
+            "mem/rank GiB",
+            "comm GB/step",
+            "bubble",
+            "step s",
+            "MFU",
+        )
+    ]
     for i, p in enumerate(ranked, 1):
-        rows.append((str(i), describe(p.layout), f"{p.memory.total / GIB:.2f}",
-                     f"{p.comm_total_bytes / 1e9:.3f}", f"{p.bubble:.3f}",
-                     f"{p.step_seconds:.4g}", f"{100 * p.mfu:.1f}%"))  # fmt: skip
+        rows.append(
+            (
+                str(i),
+                describe(p.layout),
+                f"{p.memory.total / GIB:.2f}",
+                f"{p.comm_total_bytes / 1e9:.3f}",
+                f"{p.bubble:.3f}",
+                f"{p.step_seconds:.4g}",
+                f"{100 * p.mfu:.1f}%",
+            )
+        )
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    return "\n".join("  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)).rstrip()
-                     for r in rows)  # fmt: skip
+    return "\n".join(
+        "  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)).rstrip() for r in rows
+    )
 
 
 def _rejected(rejected: Sequence[Rejected], shown: int) -> list[str]:
@@ -235,8 +266,12 @@ def _plural(n: int, word: str) -> str:
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
-    for flag, value in (("--gpus", args.gpus), ("--max-tp", args.max_tp), ("--top", args.top),
-                        ("--global-batch", args.global_batch)):  # fmt: skip
+    for flag, value in (
+        ("--gpus", args.gpus),
+        ("--max-tp", args.max_tp),
+        ("--top", args.top),
+        ("--global-batch", args.global_batch),
+    ):
         if value is not None and value < 1:
             raise ValueError(f"{flag} ({value}) must be >= 1.")
     if args.memory_gib is not None and not 0 < args.memory_gib < float("inf"):  # nan too
@@ -259,26 +294,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         module, data = build_module(config)
         text_length = int(data.max_length)
         strategy = _strategy_args(config)
-        base = LayoutSpec(precision=precision, partition=strategy.get("partition", "equal"),
-                          vision_parallel=module.tp_options.vision_parallel)  # fmt: skip
+        base = LayoutSpec(
+            precision=precision,
+            partition=strategy.get("partition", "equal"),
+            vision_parallel=module.tp_options.vision_parallel,
+        )
         model = spec_cache(module, text_length)
-        graph, place, topo = None, None, f"{_graph_text(default_graph(args.gpus))} (assumed; " \
-            "pass --topo)"  # fmt: skip
+        graph, place, topo = (
+            None,
+            None,
+            f"{_graph_text(default_graph(args.gpus))} (assumed; pass --topo)",
+        )
         if args.topo:
             graph, place, topo = _topology(args.topo, args.gpus)
         moe = module.fusion_config.language.moe or module.fusion_config.adapter.moe
         tp_sizes = [d for d in divisors(args.gpus) if d <= args.max_tp]
         ranked, rejected = plan(
-            model, args.gpus, device, graph, args.memory_gib,
-            accept=accept_layout(module, text_length, tp_sizes), placement=place,
-            global_batch=_global_batch(config, args), max_tp=args.max_tp,
-            experts=moe.num_experts if moe is not None else 0, base=base,
-        )  # fmt: skip
+            model,
+            args.gpus,
+            device,
+            graph,
+            args.memory_gib,
+            accept=accept_layout(module, text_length, tp_sizes),
+            placement=place,
+            global_batch=_global_batch(config, args),
+            max_tp=args.max_tp,
+            experts=moe.num_experts if moe is not None else 0,
+            base=base,
+        )
     except (ValueError, OSError) as err:
         parser.error(str(err))
     limit = device.memory_gib if args.memory_gib is None else args.memory_gib
-    print(f"{args.config}: {len(model(base).blocks)} blocks, {args.gpus} x {args.device} "
-          f"({precision}, {limit:g} GiB), {len(ranked)} layouts fit, best first:")  # fmt: skip
+    print(
+        f"{args.config}: {len(model(base).blocks)} blocks, {args.gpus} x {args.device} "
+        f"({precision}, {limit:g} GiB), {len(ranked)} layouts fit, best first:"
+    )
     print(f"topology: {topo}")
     print(_table(ranked[: args.top]) if ranked else "no layout fits")
     print("\n".join(_rejected(rejected, 8)))
@@ -292,12 +342,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         lay = best.layout
         megatron = predict(model(lay), lay, device, graph, None, memory_gib=args.memory_gib)
         if best.placement is None:  # the placed order was predicted slower for this layout
-            print(f"placement: Megatron's order kept (comm {_seconds(megatron)}; placed "
-                  "predicted slower)")  # fmt: skip
+            print(
+                f"placement: Megatron's order kept (comm {_seconds(megatron)}; placed "
+                "predicted slower)"
+            )
         else:
             order = tuple(best.placement.devices)
-            print(f"placement {list(order)}: comm {_seconds(best)} vs Megatron order "
-                  f"{_seconds(megatron)}")  # fmt: skip
+            print(
+                f"placement {list(order)}: comm {_seconds(best)} vs Megatron order "
+                f"{_seconds(megatron)}"
+            )
     out = fragment(best.layout, order)
     build_module(_merge(config, {"model": out["model"], "data": out["data"]}))  # it parses
     text = yaml.safe_dump(out, sort_keys=False)
@@ -313,12 +367,20 @@ def _seconds(p: Prediction) -> str:
 
 def _graph_text(graph: Any) -> str:
     """``2 nodes x 8 GPUs, NVSWITCH / NET``: the link classes fastest first."""
-    links = sorted({graph.links[i][j] for i in range(graph.num_devices)
-                    for j in range(graph.num_devices) if i != j},
-                   key=lambda c: -graph.classes[c].bandwidth)  # fmt: skip
+    links = sorted(
+        {
+            graph.links[i][j]
+            for i in range(graph.num_devices)
+            for j in range(graph.num_devices)
+            if i != j
+        },
+        key=lambda c: -graph.classes[c].bandwidth,
+    )
     per = graph.num_devices // graph.nodes
-    return (f"{_plural(graph.nodes, 'node')} x {_plural(per, 'GPU')}, "
-            f"{' / '.join(links) or 'one device'}")  # fmt: skip
+    return (
+        f"{_plural(graph.nodes, 'node')} x {_plural(per, 'GPU')}, "
+        f"{' / '.join(links) or 'one device'}"
+    )
 
 
 def _topology(path: str, gpus: int) -> tuple[Any, Any, str]:
@@ -332,9 +394,11 @@ def _topology(path: str, gpus: int) -> tuple[Any, Any, str]:
     n, nodes, note = graph.num_devices, graph.nodes, ""
     if n < gpus and gpus % n == 0 and nodes == 1:
         graph = graph.replicate(gpus // n)
-        note = (f"\nnote: --topo {path} describes one node of {n} devices; the planner repeats "
-                f"it over {gpus // n} nodes (joined by NET). The strategy's placement=<file> "
-                f"needs the whole job's {gpus} devices: use the printed list.")  # fmt: skip
+        note = (
+            f"\nnote: --topo {path} describes one node of {n} devices; the planner repeats "
+            f"it over {gpus // n} nodes (joined by NET). The strategy's placement=<file> "
+            f"needs the whole job's {gpus} devices: use the printed list."
+        )
     if graph.num_devices != gpus:
         raise ValueError(
             f"--topo {path!r} describes {_plural(n, 'device')} in {_plural(nodes, 'node')}, "

@@ -58,14 +58,29 @@ from lightning_mmpar.recipes.pretrained_files import (
 )
 
 __all__ = [
-    "LoadReport", "build_meta_fusion", "check_stage_guess", "load_deferred", "load_towers",
-    "meta_fusion", "resolve_fusion_config", "vocab_rows",
-]  # fmt: skip
+    "LoadReport",
+    "build_meta_fusion",
+    "check_stage_guess",
+    "load_deferred",
+    "load_towers",
+    "meta_fusion",
+    "resolve_fusion_config",
+    "vocab_rows",
+]
 
 LLAMA_FILE_FIELDS = (
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "attention_bias", "mlp_bias",
-)  # fmt: skip
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "rope_theta",
+    "attention_bias",
+    "mlp_bias",
+)
 """LanguageConfig fields a Llama checkpoint's config.json sets (the YAML's are replaced)."""
 TOWERS = ("vision", "language")
 _LAYER = re.compile(r"^(layers|transformer\.resblocks)\.\d+\.")
@@ -224,9 +239,13 @@ def _device(param: Tensor) -> torch.device:
 def _as_param(param: Tensor, local: Tensor, device: torch.device | None = None) -> nn.Parameter:
     if isinstance(param, DTensor):
         value: Tensor = DTensor.from_local(
-            local.to(_device(param)), param.device_mesh, param.placements, run_check=False,
-            shape=param.shape, stride=param.stride(),
-        )  # fmt: skip
+            local.to(_device(param)),
+            param.device_mesh,
+            param.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        )
     else:
         value = local if device is None else local.to(device)
     return nn.Parameter(value, requires_grad=param.requires_grad)
@@ -319,8 +338,11 @@ def load_towers(
                 sub._parameters[pname] = new[id(param)]
             elif id(param) in later:  # where FSDP may register its sharded replacement
                 keys[later[id(param)]][2].append((sub, pname))
-    meta = [n for n, t in (*module.named_parameters(), *module.named_buffers())
-            if t.is_meta and id(t) not in later]  # fmt: skip
+    meta = [
+        n
+        for n, t in (*module.named_parameters(), *module.named_buffers())
+        if t.is_meta and id(t) not in later
+    ]
     if meta:
         raise RuntimeError(f"tensors left on the meta device after loading: {meta[:8]}")
     if keys:

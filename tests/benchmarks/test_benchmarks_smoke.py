@@ -53,14 +53,19 @@ def _memory_comm(r: dict[str, Any]) -> None:
 def _scaling(r: dict[str, Any]) -> None:
     axes = r["scaling"]
     assert axes and set(axes) <= {"image tokens", "text length", "layers", "experts"}
-    assert all(len(x["points"]) >= 2 and x["time_expected"] == x["time_expected"]
-               for x in axes.values())  # fmt: skip
+    assert all(
+        len(x["points"]) >= 2 and x["time_expected"] == x["time_expected"] for x in axes.values()
+    )
 
 
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
-    "overhead": _overhead, "planner": _planner, "pipeline": _pipeline, "zero": _zero,
-    "memory_comm": _memory_comm, "scaling": _scaling,
-}  # fmt: skip
+    "overhead": _overhead,
+    "planner": _planner,
+    "pipeline": _pipeline,
+    "zero": _zero,
+    "memory_comm": _memory_comm,
+    "scaling": _scaling,
+}
 
 
 @pytest.mark.parametrize("name", list(BENCHMARKS))
@@ -68,8 +73,12 @@ def test_benchmark_smoke(name: str, tmp_path: Path) -> None:
     script = ROOT / "benchmarks" / BENCHMARKS[name][0]
     done = subprocess.run(
         [sys.executable, str(script), "--smoke", "--out-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=600, cwd=ROOT, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        check=False,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((tmp_path / f"{name}.json").read_text())
     assert result["machine"]["cpus"] and result["command"]
@@ -91,9 +100,19 @@ def test_gpu_check_code_path_on_cpu(tmp_path: Path) -> None:
     emulation): bf16, fp8 and a forced FP8 fallback train finite losses, the fallback fires,
     and every parallel.comm helper (and the raw collectives) passes its check."""
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--smoke", "--out-dir",
-         str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "gpu_check.py"),
+            "--smoke",
+            "--out-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        check=False,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     r = json.loads((tmp_path / "gpu_check.json").read_text())
     assert r["ok"] and r["runs"]["fp8_fallback"]["fallback"]["ok"]
@@ -109,6 +128,7 @@ def test_gpu_check_code_path_on_cpu(tmp_path: Path) -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the script runs the real check")
 def test_gpu_check_sh_exits_0_without_cuda() -> None:
     script = str(ROOT / "benchmarks" / "gpu_check.sh")
-    done = subprocess.run(["bash", script], capture_output=True, text=True, timeout=120,
-                          cwd=ROOT, check=False)  # fmt: skip
+    done = subprocess.run(
+        ["bash", script], capture_output=True, text=True, timeout=120, cwd=ROOT, check=False
+    )
     assert done.returncode == 0 and "no CUDA device" in done.stdout, done.stdout + done.stderr

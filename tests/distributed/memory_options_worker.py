@@ -119,22 +119,43 @@ def fit_recipe(world: int, recipe: str, tp: int, steps: int = 3) -> dict[str, An
     heads = 4
     override = {
         "trainer": {
-            "accelerator": "cpu", "devices": world, "num_nodes": 1, "max_steps": steps,
-            "precision": "32-true", "limit_val_batches": 0, "logger": False,
-            "enable_progress_bar": False, "enable_checkpointing": False,
-            "default_root_dir": str(root), "strategy": strategy, "callbacks": [],
+            "accelerator": "cpu",
+            "devices": world,
+            "num_nodes": 1,
+            "max_steps": steps,
+            "precision": "32-true",
+            "limit_val_batches": 0,
+            "logger": False,
+            "enable_progress_bar": False,
+            "enable_checkpointing": False,
+            "default_root_dir": str(root),
+            "strategy": strategy,
+            "callbacks": [],
         },
         "precision": {"fp8": entry},
-        "model": {"fusion": {
-            "vision": {"image_size": 16, "patch_size": 8, "width": 32, "layers": 2,
-                       "heads": heads, "output_dim": 16},
-            "language": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-                         "num_attention_heads": heads, "num_key_value_heads": heads},
-            "adapter": {"heads": heads, "width": 32, "ffn_width": 64},
-            "contrastive_dim": 16,
-        }},
+        "model": {
+            "fusion": {
+                "vision": {
+                    "image_size": 16,
+                    "patch_size": 8,
+                    "width": 32,
+                    "layers": 2,
+                    "heads": heads,
+                    "output_dim": 16,
+                },
+                "language": {
+                    "hidden_size": 32,
+                    "intermediate_size": 64,
+                    "num_hidden_layers": 2,
+                    "num_attention_heads": heads,
+                    "num_key_value_heads": heads,
+                },
+                "adapter": {"heads": heads, "width": 32, "ffn_width": 64},
+                "contrastive_dim": 16,
+            }
+        },
         "data": {"image_size": 16, "batch_size": 8},
-    }  # fmt: skip
+    }
     extra = root / "override.yaml"
     extra.write_text(yaml.safe_dump(override))
     cli = run_cli(["fit", "--config", str(RECIPES / f"{name}.yaml"), "--config", str(extra)])

@@ -77,8 +77,10 @@ class UserNet(pl.LightningModule):
         )
 
         tp, dp = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
-        plan = {"fc1": ColwiseParallel(output_layouts=Replicate(), use_local_output=False),
-                "fc2": RowwiseParallel(input_layouts=Replicate())}  # fmt: skip
+        plan = {
+            "fc1": ColwiseParallel(output_layouts=Replicate(), use_local_output=False),
+            "fc2": RowwiseParallel(input_layouts=Replicate()),
+        }
         parallelize_module(self, tp, plan)  # type: ignore[arg-type]
         distribute_module(self.norm, tp)  # parameters Replicate over tp
         for m in (self.fc1, self.norm, self.fc2, self):
@@ -172,9 +174,16 @@ def _strategy(trainer_kind: str) -> tuple[Any, int, str]:
 
 def _record(r: Any) -> dict[str, Any]:
     v = r.values
-    return {"kind": r.kind, "step": r.step, "rank": r.rank, "param": r.param, "group": r.group,
-            "drifting": v.get("drifting_ranks"), "ref": v.get("reference_rank"),
-            "ambiguous": v.get("ambiguous")}  # fmt: skip
+    return {
+        "kind": r.kind,
+        "step": r.step,
+        "rank": r.rank,
+        "param": r.param,
+        "group": r.group,
+        "drifting": v.get("drifting_ranks"),
+        "ref": v.get("reference_rank"),
+        "ambiguous": v.get("ambiguous"),
+    }
 
 
 def matrix_case(root: str, trainer_kind: str, fallback: bool) -> dict[str, Any]:
@@ -187,9 +196,14 @@ def matrix_case(root: str, trainer_kind: str, fallback: bool) -> dict[str, Any]:
     probe, logger = NormProbe(), MemLogger()
     cbs: list[pl.Callback] = [mon, *([FP8FallbackCallback()] if fallback else []), probe]
     trainer = quiet_trainer(
-        strategy=strategy, devices=devices, max_steps=6 if fallback else 5, callbacks=cbs,
-        logger=logger, log_every_n_steps=1, default_root_dir=root,
-    )  # fmt: skip
+        strategy=strategy,
+        devices=devices,
+        max_steps=6 if fallback else 5,
+        callbacks=cbs,
+        logger=logger,
+        log_every_n_steps=1,
+        default_root_dir=root,
+    )
     trainer.fit(model, loader())
     fb = next((c for c in cbs if isinstance(c, FP8FallbackCallback)), None)
     return {

@@ -36,9 +36,12 @@ class TinyNet(pl.LightningModule):
     """
 
     def __init__(
-        self, fp8: bool = False, fault: tuple[str, int, int] | None = None,
-        persistent: bool = False, lr: float = 0.05,
-    ) -> None:  # fmt: skip
+        self,
+        fp8: bool = False,
+        fault: tuple[str, int, int] | None = None,
+        persistent: bool = False,
+        lr: float = 0.05,
+    ) -> None:
         super().__init__()
         self.fc1 = nn.Linear(16, 32)
         self.norm = nn.LayerNorm(32)
@@ -99,15 +102,26 @@ def loader(n: int = 64, batch: int = 8, seed: int = 0) -> DataLoader:
 
 
 def fit(
-    model: pl.LightningModule, callbacks: list[pl.Callback], root: Path, steps: int,
-    strategy: Any = "auto", devices: int = 1,
-) -> pl.Trainer:  # fmt: skip
+    model: pl.LightningModule,
+    callbacks: list[pl.Callback],
+    root: Path,
+    steps: int,
+    strategy: Any = "auto",
+    devices: int = 1,
+) -> pl.Trainer:
     """A small CPU Trainer run."""
     trainer = pl.Trainer(
-        strategy=strategy, accelerator="cpu", devices=devices, max_steps=steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=str(root), callbacks=callbacks,
-    )  # fmt: skip
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(root),
+        callbacks=callbacks,
+    )
     trainer.fit(model, loader())
     return trainer
 
@@ -152,11 +166,17 @@ def stock_case(root: str) -> dict[str, Any]:
     model = TinyNet(fp8=False)
     mon, fb = GradientDriftMonitor(), FP8FallbackCallback()
     trainer = pl.Trainer(
-        strategy="ddp" if dist.is_initialized() else "auto", accelerator="cpu",
-        devices=2 if dist.is_initialized() else 1, max_steps=10, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[mon, fb],
-        logger=CSVLogger(root, name="stock"), log_every_n_steps=1,
-    )  # fmt: skip
+        strategy="ddp" if dist.is_initialized() else "auto",
+        accelerator="cpu",
+        devices=2 if dist.is_initialized() else 1,
+        max_steps=10,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[mon, fb],
+        logger=CSVLogger(root, name="stock"),
+        log_every_n_steps=1,
+    )
     trainer.fit(model, loader())
     return {
         "metrics": sorted(trainer.logged_metrics),
@@ -313,9 +333,16 @@ class NormProbe(pl.Callback):
 
 
 def mm_fit(
-    root: str, world: int, tp: int, pp: int, data_parallel: str, steps: int,
-    fp8: bool = False, fault: tuple[str, int, int, str] | None = None, fallback: bool = True,
-) -> dict[str, Any]:  # fmt: skip
+    root: str,
+    world: int,
+    tp: int,
+    pp: int,
+    data_parallel: str,
+    steps: int,
+    fp8: bool = False,
+    fault: tuple[str, int, int, str] | None = None,
+    fallback: bool = True,
+) -> dict[str, Any]:
     """One mm_parallel Trainer run of :class:`FaultyToy` with the stability callbacks."""
     from lightning_mmpar import MultimodalParallelStrategy
 
@@ -325,16 +352,25 @@ def mm_fit(
     probe = NormProbe(mon)
     fb = FP8FallbackCallback(monitor=mon) if fallback else None
     strategy = MultimodalParallelStrategy(
-        tensor_parallel=tp, pipeline_parallel=pp, data_parallel=data_parallel,  # type: ignore[arg-type]
+        tensor_parallel=tp,
+        pipeline_parallel=pp,
+        data_parallel=data_parallel,  # type: ignore[arg-type]
         micro_batches=2 * pp if pp > 1 else None,
-    )  # fmt: skip
+    )
     dp = world // (tp * pp)
     trainer = pl.Trainer(
-        strategy=strategy, accelerator="cpu", devices=world, max_steps=steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=root, callbacks=[Arm(), mon, probe, *([fb] if fb else [])],
+        strategy=strategy,
+        accelerator="cpu",
+        devices=world,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+        callbacks=[Arm(), mon, probe, *([fb] if fb else [])],
         num_sanity_val_steps=0,
-    )  # fmt: skip
+    )
     cfg = model.cfg
     data = make_tokens(5 * 8, cfg)
     trainer.fit(model, DataLoader(data, batch_size=8 // dp))  # type: ignore[arg-type]

@@ -59,8 +59,17 @@ def test_lightning_subprocess_launcher() -> None:
 
 
 def test_torchrun() -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(free_port()), SCRIPT, "pp2"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        SCRIPT,
+        "pp2",
+    ]
     _check(_result([_run(cmd, _clean_env())]), "TorchElasticEnvironment")
 
 
@@ -69,11 +78,17 @@ def test_slurm_environment() -> None:
     procs = []
     for rank in range(2):
         env = _clean_env() | {
-            "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_PROCID": str(rank),
-            "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0", "SLURM_JOB_ID": "4242",
-            "SLURM_JOB_NAME": "mmpar", "SLURM_NODELIST": "127.0.0.1",
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-        }  # fmt: skip
+            "SLURM_NTASKS": "2",
+            "SLURM_NTASKS_PER_NODE": "2",
+            "SLURM_PROCID": str(rank),
+            "SLURM_LOCALID": str(rank),
+            "SLURM_NODEID": "0",
+            "SLURM_JOB_ID": "4242",
+            "SLURM_JOB_NAME": "mmpar",
+            "SLURM_NODELIST": "127.0.0.1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+        }
         procs.append(
             subprocess.Popen(
                 [sys.executable, SCRIPT, "tp2"],

@@ -94,8 +94,9 @@ def _rel_to_max(run: dict[str, Tensor], ref: dict[str, Tensor]) -> float:
     """Largest difference relative to each tensor's largest entry, over the tensors of ``run``
     (a pipeline rank holds its own stage's)."""
     assert run and set(run) <= set(ref), sorted(set(run) - set(ref))
-    return max(((run[k] - ref[k]).abs().max() / ref[k].abs().max().clamp_min(1e-12)).item()
-               for k in run)  # fmt: skip
+    return max(
+        ((run[k] - ref[k]).abs().max() / ref[k].abs().max().clamp_min(1e-12)).item() for k in run
+    )
 
 
 def _l2_rel(run: dict[str, Tensor], ref: dict[str, Tensor]) -> float:
@@ -159,16 +160,20 @@ def test_mixed_precision_parity(one: dict[str, Any], two: dict[str, Any]) -> Non
         _l2_rel(dp2["weights"], mp["weights"]),
         _l2_rel(mp["weights"], base["weights"]),
     )
-    print(f"dp2 bf16 vs 1 process bf16: loss {rel:.2e}, first-step gradients {grads:.2e} "
-          f"(BF16 vs FP32: {grads_bf16:.2e}), weights {weights:.2e} (BF16 vs FP32: "
-          f"{weights_bf16:.2e}), relative L2 over all tensors")  # fmt: skip
+    print(
+        f"dp2 bf16 vs 1 process bf16: loss {rel:.2e}, first-step gradients {grads:.2e} "
+        f"(BF16 vs FP32: {grads_bf16:.2e}), weights {weights:.2e} (BF16 vs FP32: "
+        f"{weights_bf16:.2e}), relative L2 over all tensors"
+    )
     assert grads <= grads_bf16, (grads, grads_bf16)
     assert weights <= weights_bf16, (weights, weights_bf16)
     pp2 = two["pp2_mp"]  # BF16 activations sent between stages; rank 0 holds stage 0
     rel, grads = _loss_rel(pp2, mp), _l2_rel(pp2["grads"], mp["grads"])
     weights = _l2_rel(pp2["weights"], mp["weights"])
-    print(f"pp2 bf16 vs 1 process bf16: loss {rel:.2e}, stage-0 first-step gradients "
-          f"{grads:.2e}, weights {weights:.2e}")  # fmt: skip
+    print(
+        f"pp2 bf16 vs 1 process bf16: loss {rel:.2e}, stage-0 first-step gradients "
+        f"{grads:.2e}, weights {weights:.2e}"
+    )
     assert pp2["mp"] == ["torch.bfloat16"] and rel <= BF16_ULP, rel
     assert grads <= grads_bf16 and weights <= weights_bf16, (grads, weights)
 
@@ -182,8 +187,10 @@ def test_fp8_training_parity(one: dict[str, Any], two: dict[str, Any]) -> None:
     rel = _loss_rel(dp2, fp8)
     grads = _l2_rel(dp2["grads"], fp8["grads"])
     grads_fp8 = _l2_rel(fp8["grads"], base["grads"])
-    print(f"dp2 fp8 vs 1 process fp8: loss {rel:.2e}, first-step gradients {grads:.2e} "
-          f"(FP8 vs FP32: {grads_fp8:.2e}), relative L2")  # fmt: skip
+    print(
+        f"dp2 fp8 vs 1 process fp8: loss {rel:.2e}, first-step gradients {grads:.2e} "
+        f"(FP8 vs FP32: {grads_fp8:.2e}), relative L2"
+    )
     assert rel <= FP8_LOSS_RTOL, f"dp2 fp8: loss differs by {rel:.2e} (relative)"
     assert grads < GRAD_RTOL, f"dp2 fp8: first-step gradients differ by {grads:.2e}"
 

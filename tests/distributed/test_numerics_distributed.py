@@ -61,13 +61,19 @@ def pp_tp_params(mesh: Any, grads: list[torch.Tensor]) -> tuple[list[nn.Paramete
     if stage == 0:
         plain = nn.Parameter(torch.zeros(SHAPES[1]))
         plain.grad = grads[1].clone()
-        return [_param(tp, grads[0], [Shard(0)], grads[0]), plain,
-                _param(tp, grads[2], [Shard(0)], grads[2])], [0, 1, 2]  # fmt: skip
+        return [
+            _param(tp, grads[0], [Shard(0)], grads[0]),
+            plain,
+            _param(tp, grads[2], [Shard(0)], grads[2]),
+        ], [0, 1, 2]
     partial = nn.Parameter(distribute_tensor(torch.zeros(SHAPES[5]), tp, [Replicate()]))
     share = (tp.get_local_rank() + 1) / 3  # the tp pieces sum to the gradient: 1/3 + 2/3
     partial.grad = DTensor.from_local(grads[5] * share, tp, [Partial()], run_check=False)
-    return [_param(tp, grads[3], [Shard(1)], grads[3]),
-            _param(tp, grads[4], [Replicate()], grads[4]), partial], [3, 4, 5]  # fmt: skip
+    return [
+        _param(tp, grads[3], [Shard(1)], grads[3]),
+        _param(tp, grads[4], [Replicate()], grads[4]),
+        partial,
+    ], [3, 4, 5]
 
 
 def dp_tp_params(mesh: Any, grads: list[torch.Tensor]) -> list[nn.Parameter]:

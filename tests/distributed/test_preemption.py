@@ -48,17 +48,25 @@ def _env(**extra: str) -> dict[str, str]:
 def _command(tmp: Path, root: Path, devices: int = 4, **strategy: Any) -> list[str]:
     every = EVERY if devices == 4 else 2
     trainer = {
-        "max_steps": STEPS, "limit_val_batches": 0, "log_every_n_steps": 2,
-        "enable_progress_bar": False, "default_root_dir": str(root), "devices": devices,
+        "max_steps": STEPS,
+        "limit_val_batches": 0,
+        "log_every_n_steps": 2,
+        "enable_progress_bar": False,
+        "default_root_dir": str(root),
+        "devices": devices,
         "callbacks": [
-            {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-             "init_args": {"save_last": True, "save_top_k": 0, "every_n_train_steps": every}},
+            {
+                "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                "init_args": {"save_last": True, "save_top_k": 0, "every_n_train_steps": every},
+            },
             {"class_path": "lightning_mmpar.callbacks.preemption.Preemption"},
-            {"class_path": "lightning_mmpar.recipes.throughput.RecipeThroughput",
-             "init_args": {"peak_flops_per_device": PEAK, "window_size": 2}},
+            {
+                "class_path": "lightning_mmpar.recipes.throughput.RecipeThroughput",
+                "init_args": {"peak_flops_per_device": PEAK, "window_size": 2},
+            },
             {"class_path": "lightning_mmpar.callbacks.memory.PeakMemory"},
         ],
-    }  # fmt: skip
+    }
     if strategy:
         trainer["strategy"] = {
             "class_path": "lightning_mmpar.strategy.MultimodalParallelStrategy",
@@ -66,8 +74,18 @@ def _command(tmp: Path, root: Path, devices: int = 4, **strategy: Any) -> list[s
         }
     overrides = tmp / f"{root.name}.yaml"
     overrides.write_text(yaml.safe_dump({"trainer": trainer, "data": {"batch_size": 24}}))
-    return [sys.executable, "-m", "lightning_mmpar.recipes.clip_llama", "fit",
-            "--config", CPU_YAML, "--config", str(overrides), "--ckpt_path", "auto"]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "lightning_mmpar.recipes.clip_llama",
+        "fit",
+        "--config",
+        CPU_YAML,
+        "--config",
+        str(overrides),
+        "--ckpt_path",
+        "auto",
+    ]
 
 
 _STARTED: list[subprocess.Popen[bytes]] = []
@@ -90,9 +108,13 @@ def _no_orphans() -> Any:
 
 def _start(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
         start_new_session=True,  # its own process group: the launcher and the ranks it starts
-    )  # fmt: skip
+    )
     _STARTED.append(proc)
     return proc
 
@@ -187,17 +209,24 @@ def _check_logged(root: Path, log: Path) -> None:
 
 def test_sigkill_of_one_rank_ends_the_job_within_the_timeout(tmp_path: Path) -> None:
     root = tmp_path / "killed"
-    cmd = _command(tmp_path, root, devices=2, tensor_parallel=2, pipeline_parallel=1,
-                   timeout="0:00:30")  # fmt: skip
+    cmd = _command(
+        tmp_path, root, devices=2, tensor_parallel=2, pipeline_parallel=1, timeout="0:00:30"
+    )
     port, procs = str(free_port()), []
     log = tmp_path / "rank0.log"
     for rank in range(2):
         env = _env(
-            SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_PROCID=str(rank),
-            SLURM_LOCALID=str(rank), SLURM_NODEID="0", SLURM_JOB_ID="4243",
-            SLURM_JOB_NAME="mmpar", SLURM_NODELIST="127.0.0.1", MASTER_ADDR="127.0.0.1",
+            SLURM_NTASKS="2",
+            SLURM_NTASKS_PER_NODE="2",
+            SLURM_PROCID=str(rank),
+            SLURM_LOCALID=str(rank),
+            SLURM_NODEID="0",
+            SLURM_JOB_ID="4243",
+            SLURM_JOB_NAME="mmpar",
+            SLURM_NODELIST="127.0.0.1",
+            MASTER_ADDR="127.0.0.1",
             MASTER_PORT=port,
-        )  # fmt: skip
+        )
         procs.append(_start(cmd, log if rank == 0 else tmp_path / "rank1.log", env))
     _wait_for_checkpoint(root, procs, log)
     procs[1].send_signal(signal.SIGKILL)

@@ -46,16 +46,20 @@ REPLICAS = ((0, 2), (1, 3))  # dp groups
 
 def tiny_fusion() -> FusionModel:
     torch.manual_seed(0)
-    # fmt: off
+
     cfg = FusionConfig(
         vision=VisionConfig(image_size=16, patch_size=4, width=32, heads=4, mlp_ratio=2.0),
         language=LanguageConfig(
-            vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-            num_attention_heads=8, num_key_value_heads=4,
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=1,
+            num_attention_heads=8,
+            num_key_value_heads=4,
         ),
         adapter=AdapterConfig(num_blocks=2, heads=4, width=16, ffn_width=24, dropout=0.5),
     )
-    # fmt: on
+
     return FusionModel(cfg)
 
 

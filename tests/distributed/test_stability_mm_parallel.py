@@ -37,8 +37,11 @@ def test_tp_replicated_norm_drift_on_tp_and_dp_groups(world: Results) -> None:
     norm = [r for r in drift if r["param"] == "layers.0.norm1.weight"]
     # rank 3's tp group is {2, 3}, its dp group {1, 3}; rank 0 shares neither
     assert sorted((r["group"], r["rank"]) for r in norm) == [
-        ("dp", 1), ("dp", 3), ("tp", 2), ("tp", 3)
-    ]  # fmt: skip
+        ("dp", 1),
+        ("dp", 3),
+        ("tp", 2),
+        ("tp", 3),
+    ]
     for r in norm:
         assert r["step"] == 4 and r["shape"] == [32]
         assert r["values"]["drifting_ranks"] == [3] and r["values"]["worst_index"]["3"] == 3

@@ -48,10 +48,14 @@ VARIANTS: list[dict[str, Any]] = [
         vision_parallel="tp", sequence_parallel=True, vl_combine="all_reduce", joint=True, ac=True
     ),
     dict(  # images split over tp, ViT outputs gathered (tp2 only: the hooks do not depend on tp)
-        vision_parallel="dp", sequence_parallel=True, vl_combine="all_gather", joint=True, ac=True,
+        vision_parallel="dp",
+        sequence_parallel=True,
+        vl_combine="all_gather",
+        joint=True,
+        ac=True,
         world=2,
     ),
-]  # fmt: skip
+]
 B = 4  # images per batch: vision_parallel="dp" splits them over tp (2 or 4)
 
 

@@ -46,10 +46,26 @@ from lightning_mmpar.topology import MESH_DIMS, ParallelDims
 
 WORLD = 8
 LAYOUTS: list[tuple[int, int, int]] = [
-    (1, 1, 1), (2, 1, 1), (4, 1, 1), (8, 1, 1), (1, 2, 1), (1, 4, 1), (1, 8, 1), (2, 2, 1),
-    (2, 4, 1), (4, 2, 1), (2, 1, 2), (1, 1, 2), (1, 1, 4), (1, 1, 8), (2, 2, 2), (1, 2, 2),
-    (1, 2, 4), (4, 1, 2), (2, 1, 4),
-]  # fmt: skip
+    (1, 1, 1),
+    (2, 1, 1),
+    (4, 1, 1),
+    (8, 1, 1),
+    (1, 2, 1),
+    (1, 4, 1),
+    (1, 8, 1),
+    (2, 2, 1),
+    (2, 4, 1),
+    (4, 2, 1),
+    (2, 1, 2),
+    (1, 1, 2),
+    (1, 1, 4),
+    (1, 1, 8),
+    (2, 2, 2),
+    (1, 2, 2),
+    (1, 2, 4),
+    (4, 1, 2),
+    (2, 1, 4),
+]
 """(tp, pp, ep) layouts proven against megatron-core."""
 MESH_LAYOUTS: list[tuple[int, int, int]] = [(2, 2, 2), (1, 2, 4), (4, 1, 2)]
 """(tp, pp, ep) layouts whose real ``DeviceMesh`` is built."""

@@ -26,15 +26,29 @@ LAYOUTS: dict[str, dict[str, Any]] = {
 """Run name -> overrides of the YAML strategy's ``init_args``."""
 MODEL: dict[str, Any] = {
     "fusion": {
-        "vision": {"image_size": 16, "patch_size": 8, "width": 32, "layers": 1, "heads": 2,
-                   "mlp_ratio": 2.0, "output_dim": 16, "pool_type": "tok"},
-        "language": {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
-                     "num_attention_heads": 4, "num_key_value_heads": 2,
-                     "joint_attention": True, "text_temperature": 0.7},
+        "vision": {
+            "image_size": 16,
+            "patch_size": 8,
+            "width": 32,
+            "layers": 1,
+            "heads": 2,
+            "mlp_ratio": 2.0,
+            "output_dim": 16,
+            "pool_type": "tok",
+        },
+        "language": {
+            "hidden_size": 32,
+            "intermediate_size": 48,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "joint_attention": True,
+            "text_temperature": 0.7,
+        },
         "adapter": {"num_blocks": 1, "heads": 2, "width": 32, "ffn_width": 48, "dropout": 0.0},
         "contrastive_dim": 16,
     }
-}  # fmt: skip
+}
 
 
 def checkpoint_dir(root: Path, name: str) -> Path:

@@ -101,9 +101,11 @@ def fsdp(rank: int, world_size: int) -> dict[str, Any]:
     module = rw.tiny_module(digits.vocab_size)
     strategy = MultimodalParallelStrategy(data_parallel="fsdp")
     trainer = quiet_trainer(
-        strategy=strategy, devices=world_size, limit_predict_batches=1,
+        strategy=strategy,
+        devices=world_size,
+        limit_predict_batches=1,
         use_distributed_sampler=False,
-    )  # fmt: skip
+    )
     trainer.predict(module, datamodule=digits, return_predictions=False)  # sets up FSDP2
     images = next(iter(digits.val_dataloader()))["images"][4 * rank : 4 * rank + 4]
     module.eval()

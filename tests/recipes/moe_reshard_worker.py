@@ -48,9 +48,12 @@ def world(rank: int, world_size: int, root: str, digits: Any) -> dict[str, Any]:
     for name, args in CHAIN:
         module = pm.build(digits.vocab_size, "moe")
         trainer = quiet_trainer(
-            strategy=MultimodalParallelStrategy(**args), devices=world_size, max_steps=1,
-            use_distributed_sampler=False, limit_val_batches=0,
-        )  # fmt: skip
+            strategy=MultimodalParallelStrategy(**args),
+            devices=world_size,
+            max_steps=1,
+            use_distributed_sampler=False,
+            limit_val_batches=0,
+        )
         # first layout: one training step; the others: a zero-step fit that only restores
         trainer.fit(module, DataLoader(local, batch_size=None), ckpt_path=previous)
         states[name] = full_state(module, trainer.optimizers[0])

@@ -38,16 +38,26 @@ CLIP = 0.05  # a global norm below the first steps' gradient norm (~0.5): clippi
 MOE = {
     # per-token math (dropless, no aux terms): every layout equals the full-batch one process
     "moe": MoEConfig(
-        num_experts=4, top_k=2, ffn_width=32, router_dim=8, capacity_factor=None,
-        aux_loss_weight=0.0, z_loss_weight=0.0,
+        num_experts=4,
+        top_k=2,
+        ffn_width=32,
+        router_dim=8,
+        capacity_factor=None,
+        aux_loss_weight=0.0,
+        z_loss_weight=0.0,
     ),
     # aux losses alone (every other loss weight 0), with capacity dropping: the gradient is the
     # mean over (dp rank, micro-batch) chunks of each chunk's aux gradient
     "aux": MoEConfig(
-        num_experts=4, top_k=2, ffn_width=32, router_dim=8, capacity_factor=1.0,
-        aux_loss_weight=1.0, z_loss_weight=0.1,
+        num_experts=4,
+        top_k=2,
+        ffn_width=32,
+        router_dim=8,
+        capacity_factor=1.0,
+        aux_loss_weight=1.0,
+        z_loss_weight=0.1,
     ),
-}  # fmt: skip
+}
 
 
 @dataclass(frozen=True)
@@ -196,8 +206,13 @@ LAYOUTS += MOE_LAYOUTS
 
 
 def _pp(schedule: str, pp: int, micro: int, v: int = 2, **more: int) -> dict[str, Any]:
-    return {"pipeline_parallel": pp, "virtual_pipeline": v, "micro_batches": micro,
-            "schedule": schedule, **more}  # fmt: skip
+    return {
+        "pipeline_parallel": pp,
+        "virtual_pipeline": v,
+        "micro_batches": micro,
+        "schedule": schedule,
+        **more,
+    }
 
 
 SCHEDULE_LAYOUTS: tuple[Layout, ...] = (  # issue 11: torch's other schedules, 3 steps each
@@ -221,37 +236,75 @@ VISION_LAYOUTS: tuple[Layout, ...] = (  # issue 11: the vision tower's layouts u
 )
 PARTITION_LAYOUTS: tuple[Layout, ...] = (  # issue 11: stages cut by cost, ratio, boundaries
     Layout("pp2 balanced", 2, {**_pp("1f1b", 2, 2, 1), "partition": "balanced"}, max_steps=3),
-    Layout("pp2 x v2 boundaries [1, 2, 5]", 2,
-           {**_pp("interleaved_1f1b", 2, 2), "partition": [1, 2, 5]}, max_steps=3),
-    Layout("pp4 ratio:2:1:1", 4, {**_pp("1f1b", 4, 4, 1), "partition": "ratio:2:1:1"},
-           max_steps=3),
-)  # fmt: skip
-PLANS = {"pp2 balanced": [6], "pp2 x v2 boundaries [1, 2, 5]": [1, 2, 5],
-         "pp4 ratio:2:1:1": [2, 3, 5]}  # fmt: skip
+    Layout(
+        "pp2 x v2 boundaries [1, 2, 5]",
+        2,
+        {**_pp("interleaved_1f1b", 2, 2), "partition": [1, 2, 5]},
+        max_steps=3,
+    ),
+    Layout("pp4 ratio:2:1:1", 4, {**_pp("1f1b", 4, 4, 1), "partition": "ratio:2:1:1"}, max_steps=3),
+)
+PLANS = {
+    "pp2 balanced": [6],
+    "pp2 x v2 boundaries [1, 2, 5]": [1, 2, 5],
+    "pp4 ratio:2:1:1": [2, 3, 5],
+}
 """The stage boundaries each partition layout must run with (not the equal split)."""
 PLACEMENT_LAYOUTS: tuple[Layout, ...] = (  # issue 12: a rank permutation changes no numerics
-    Layout("tp2 x pp2, placement [3, 1, 0, 2]", 4,
-           {**_pp("1f1b", 2, 2, 1, tensor_parallel=2), "placement": [3, 1, 0, 2]}, max_steps=3),
-    Layout("tp2 x dp2 fsdp, placement [3, 0, 2, 1]", 4,
-           {"tensor_parallel": 2, "placement": [3, 0, 2, 1]}, max_steps=3),
-)  # fmt: skip
+    Layout(
+        "tp2 x pp2, placement [3, 1, 0, 2]",
+        4,
+        {**_pp("1f1b", 2, 2, 1, tensor_parallel=2), "placement": [3, 1, 0, 2]},
+        max_steps=3,
+    ),
+    Layout(
+        "tp2 x dp2 fsdp, placement [3, 0, 2, 1]",
+        4,
+        {"tensor_parallel": 2, "placement": [3, 0, 2, 1]},
+        max_steps=3,
+    ),
+)
 MEMORY_LAYOUTS: tuple[Layout, ...] = (  # issue 13: memory options change no fp32 numerics
-    Layout("pp2 1f1b, activation checkpointing every 2nd block", 2,
-           {**_pp("1f1b", 2, 2, 1), "activation_checkpointing": 2}, max_steps=3),
-    Layout("tp2 x dp2 fsdp, activation checkpointing + optimizer offload", 4,
-           {"tensor_parallel": 2, "activation_checkpointing": "all", "offload_optimizer": True},
-           max_steps=3),
-)  # fmt: skip
+    Layout(
+        "pp2 1f1b, activation checkpointing every 2nd block",
+        2,
+        {**_pp("1f1b", 2, 2, 1), "activation_checkpointing": 2},
+        max_steps=3,
+    ),
+    Layout(
+        "tp2 x dp2 fsdp, activation checkpointing + optimizer offload",
+        4,
+        {"tensor_parallel": 2, "activation_checkpointing": "all", "offload_optimizer": True},
+        max_steps=3,
+    ),
+)
 LAYOUTS += SCHEDULE_LAYOUTS + VISION_LAYOUTS + PARTITION_LAYOUTS + PLACEMENT_LAYOUTS
 LAYOUTS += MEMORY_LAYOUTS
 
 
-MEASURED = frozenset(x.name for x in VISION_LAYOUTS + PLACEMENT_LAYOUTS) | frozenset(("dp2 fsdp",
-    "ep2 x dp4 fsdp, experts sharded over edp 2, clip 0.05 (moe)", "tp2 x dp2 fsdp, clip 0.05",
-    "tp2 x pp2 x dp2 (sp, v2 interleaved, fsdp)", "ep2 x tp2 fsdp, clip 0.05 (moe)", "pp2 1f1b",
-    "tp2 + sequence parallel", "pp2 x dp2, accumulate 2", "tp2 x pp2, clip 0.05", "ep4 ddp (moe)",
-    "pp2 x v2 interleaved", "pp2 x v2 zero bubble", "pp2 x v2 looped bfs", "pp2 zbv zero bubble",
-    "ep2 dp2 fsdp (moe)", "pp4 ratio:2:1:1", "pp2 dualpipev", "dp2 ddp", "tp2"))  # fmt: skip
+MEASURED = frozenset(x.name for x in VISION_LAYOUTS + PLACEMENT_LAYOUTS) | frozenset(
+    (
+        "dp2 fsdp",
+        "ep2 x dp4 fsdp, experts sharded over edp 2, clip 0.05 (moe)",
+        "tp2 x dp2 fsdp, clip 0.05",
+        "tp2 x pp2 x dp2 (sp, v2 interleaved, fsdp)",
+        "ep2 x tp2 fsdp, clip 0.05 (moe)",
+        "pp2 1f1b",
+        "tp2 + sequence parallel",
+        "pp2 x dp2, accumulate 2",
+        "tp2 x pp2, clip 0.05",
+        "ep4 ddp (moe)",
+        "pp2 x v2 interleaved",
+        "pp2 x v2 zero bubble",
+        "pp2 x v2 looped bfs",
+        "pp2 zbv zero bubble",
+        "ep2 dp2 fsdp (moe)",
+        "pp4 ratio:2:1:1",
+        "pp2 dualpipev",
+        "dp2 ddp",
+        "tp2",
+    )
+)
 """Layouts whose communication per optimizer step and state bytes are measured (issue 12)."""
 
 
@@ -364,13 +417,24 @@ def run_layout(layout: Layout, rank: int, vocab_size: int, data: list[dict[str, 
     module.text_length = int(data[0]["input_ids"].shape[1])  # block costs (partition) need it
     strategy = MultimodalParallelStrategy(**layout.strategy)
     meter = [Meter(layout.accumulate)] if layout.name in MEASURED else []
-    rec = rw.fit(module, local, strategy=strategy, devices=layout.world,
-                 accumulate=layout.accumulate, clip=layout.clip, callbacks=meter)  # fmt: skip
+    rec = rw.fit(
+        module,
+        local,
+        strategy=strategy,
+        devices=layout.world,
+        accumulate=layout.accumulate,
+        clip=layout.clip,
+        callbacks=meter,
+    )
     plan = strategy.stage_plan
-    return {"losses": rec.losses, "grads": rec.grads, "seconds": time.perf_counter() - start,
-            "boundaries": None if plan is None else list(plan.boundaries),
-            "checkpointed": sum(getattr(m, "_mmpar_block_options", 0) for m in module.modules()),
-            **({"comm": meter[0].bytes, "state": meter[0].state} if meter else {})}  # fmt: skip
+    return {
+        "losses": rec.losses,
+        "grads": rec.grads,
+        "seconds": time.perf_counter() - start,
+        "boundaries": None if plan is None else list(plan.boundaries),
+        "checkpointed": sum(getattr(m, "_mmpar_block_options", 0) for m in module.modules()),
+        **({"comm": meter[0].bytes, "state": meter[0].state} if meter else {}),
+    }
 
 
 def only() -> list[str]:

@@ -54,9 +54,12 @@ def world(rank: int, world_size: int, root: str) -> dict[str, Any]:
     start = time.perf_counter()
     timeline = PipelineTimeline(steps=[1, 2, 3], path=Path(root) / "static.png")
     rec = rw.fit(
-        rw.tiny_module(digits.vocab_size), data, strategy=_strategy(), devices=world_size,
+        rw.tiny_module(digits.vocab_size),
+        data,
+        strategy=_strategy(),
+        devices=world_size,
         callbacks=[timeline],
-    )  # fmt: skip
+    )
     out["static"] = {"losses": rec.losses, "timeline": timeline.results}
     out["static_s"] = time.perf_counter() - start
     start = time.perf_counter()
@@ -66,9 +69,12 @@ def world(rank: int, world_size: int, root: str) -> dict[str, Any]:
     timeline = PipelineTimeline(steps=[2, 3], path=Path(root) / "dynamic.png")
     sizes = Sizes()
     rec = rw.fit(
-        rw.tiny_module(digits.vocab_size), data, strategy=_strategy(), devices=world_size,
+        rw.tiny_module(digits.vocab_size),
+        data,
+        strategy=_strategy(),
+        devices=world_size,
         callbacks=[micro, timeline, sizes],
-    )  # fmt: skip
+    )
     out["dynamic"] = {
         "losses": rec.losses,
         "timeline": timeline.results,

@@ -37,10 +37,16 @@ from lightning_mmpar.recipes.config import (
 VOCAB = 64  # the Llama checkpoint's rows (the word tokenizer has fewer ids)
 OPEN_CLIP_CFG: dict[str, Any] = {
     "embed_dim": 16,
-    "vision_cfg": {"image_size": 16, "patch_size": 8, "width": 32, "layers": 2, "head_width": 16,
-                   "mlp_ratio": 2.0},
+    "vision_cfg": {
+        "image_size": 16,
+        "patch_size": 8,
+        "width": 32,
+        "layers": 2,
+        "head_width": 16,
+        "mlp_ratio": 2.0,
+    },
     "text_cfg": {"context_length": 8, "vocab_size": 32, "width": 16, "heads": 2, "layers": 1},
-}  # fmt: skip
+}
 STEPS = 2
 
 
@@ -67,11 +73,20 @@ def write_towers(root: Path) -> dict[str, str]:
 
     llama = LlamaForCausalLM(
         LlamaConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=500.0,
-            tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rms_norm_eps=1e-5,
+            rope_theta=500.0,
+            tie_word_embeddings=False,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
         )
-    )  # fmt: skip
+    )
     with torch.no_grad():
         for p in llama.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -82,9 +97,12 @@ def write_towers(root: Path) -> dict[str, str]:
     texts = [fill(t, c) for t in TEMPLATES for c in range(10)]
     words.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=special))
     PreTrainedTokenizerFast(
-        tokenizer_object=words, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+        tokenizer_object=words,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
         unk_token="<unk>",
-    ).save_pretrained(str(language))  # fmt: skip
+    ).save_pretrained(str(language))
     return {"vision": str(vision), "language": str(language)}
 
 

@@ -287,10 +287,13 @@ def nonfinite(rank: int, world_size: int, data: DigitsCaptions, root: str) -> di
     last = Path(root) / "last.ckpt"
     trainer = quiet_trainer(
         strategy=MultimodalParallelStrategy(pipeline_parallel=2, micro_batches=2),
-        devices=world_size, max_epochs=1, use_distributed_sampler=False, limit_val_batches=0,
+        devices=world_size,
+        max_epochs=1,
+        use_distributed_sampler=False,
+        limit_val_batches=0,
         enable_checkpointing=True,
         callbacks=[ModelCheckpoint(root, save_last=True, save_top_k=0, every_n_train_steps=1)],
-    )  # fmt: skip
+    )
     try:
         trainer.fit(module, DataLoader(nan_pixel(data, 2, 1, rank == 0), batch_size=None))  # type: ignore[arg-type]
     except RuntimeError as err:
@@ -316,9 +319,12 @@ def nonfinite(rank: int, world_size: int, data: DigitsCaptions, root: str) -> di
         strategy=MultimodalParallelStrategy(
             pipeline_parallel=2, micro_batches=2, on_nonfinite="skip"
         ),
-        devices=world_size, max_epochs=1, use_distributed_sampler=False, limit_val_batches=0,
+        devices=world_size,
+        max_epochs=1,
+        use_distributed_sampler=False,
+        limit_val_batches=0,
         callbacks=[weights, rec],
-    )  # fmt: skip
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(module, DataLoader(nan_pixel(data, 3, 1, rank == 0), batch_size=None))  # type: ignore[arg-type]

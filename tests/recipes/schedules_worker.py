@@ -66,8 +66,9 @@ def engine_checks(group: Any) -> dict[str, dict[str, Any]]:
         want.backward()
         want = want.detach()
         n = max(1, min_micro_batches(name, 2, v))
-        config = ParallelConfig(pipeline_parallel=2, virtual_pipeline=v, schedule=name,
-                                micro_batches=n)  # fmt: skip
+        config = ParallelConfig(
+            pipeline_parallel=2, virtual_pipeline=v, schedule=name, micro_batches=n
+        )
         ranges = [range(0, 2), *(range(s + 1, s + 2) for s in range(1, 2 * v - 1))]
         ranges.append(range(2 * v, 2 * v + 2))
         engine = PipelineEngine(toy, config, group, torch.device("cpu"), stage_ranges=ranges)
@@ -84,7 +85,9 @@ def engine_checks(group: Any) -> dict[str, dict[str, Any]]:
                 got = p.grad if p.grad is not None else torch.zeros_like(b)
                 errs["grad"] = max(errs["grad"], float((got - b).norm() / b.norm()))
         errs["eval"] = abs(float(engine.eval_step((x, ids, y)) - want)) / float(want)
-        seen = {key: sorted({e[i] for e in events}) for i, key in enumerate(("stages", "actions",
-                                                                            "micro"))}  # fmt: skip
+        seen = {
+            key: sorted({e[i] for e in events})
+            for i, key in enumerate(("stages", "actions", "micro"))
+        }
         out[name] = {**errs, **seen, "owned": engine.stage_ids, "last_rank": engine.last_rank}
     return out

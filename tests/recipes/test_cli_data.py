@@ -20,24 +20,43 @@ COLOURS = [(200, 30, 30), (30, 200, 30), (30, 30, 200)]
 TINY = {
     "seed_everything": 0,
     "trainer": {
-        "accelerator": "cpu", "devices": 1, "max_steps": 2, "val_check_interval": 2,
-        "limit_val_batches": 1, "check_val_every_n_epoch": None, "num_sanity_val_steps": 0,
-        "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_steps": 2,
+        "val_check_interval": 2,
+        "limit_val_batches": 1,
+        "check_val_every_n_epoch": None,
+        "num_sanity_val_steps": 0,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
         "enable_model_summary": False,
         "strategy": {"class_path": "lightning_mmpar.strategy.MultimodalParallelStrategy"},
     },
     "model": {
         "fusion": {
-            "vision": {"image_size": 16, "patch_size": 8, "width": 32, "layers": 1, "heads": 2,
-                       "mlp_ratio": 2.0, "output_dim": 32, "pool_type": "tok"},
-            "language": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-                         "num_attention_heads": 2, "num_key_value_heads": 1},
-            "adapter": {"num_blocks": 1, "heads": 2, "width": 32, "ffn_width": 64,
-                        "dropout": 0.0},
+            "vision": {
+                "image_size": 16,
+                "patch_size": 8,
+                "width": 32,
+                "layers": 1,
+                "heads": 2,
+                "mlp_ratio": 2.0,
+                "output_dim": 32,
+                "pool_type": "tok",
+            },
+            "language": {
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+            },
+            "adapter": {"num_blocks": 1, "heads": 2, "width": 32, "ffn_width": 64, "dropout": 0.0},
             "contrastive_dim": 32,
         },
     },
-}  # fmt: skip
+}
 
 
 def _image(label: int, i: int) -> Image.Image:
@@ -71,12 +90,17 @@ def test_fit_with_caption_files(tmp_path: Path) -> None:
     data = {
         "class_path": "lightning_mmpar.data.captions.CaptionsDataModule",
         "init_args": {
-            "train_file": str(tmp_path / "train.jsonl"), "val_file": str(tmp_path / "val.jsonl"),
-            "image_size": 16, "batch_size": 4, "max_length": 8, "label_column": "label",
-            "class_names": NAMES, "prompt_template": "a {name} square",
+            "train_file": str(tmp_path / "train.jsonl"),
+            "val_file": str(tmp_path / "val.jsonl"),
+            "image_size": 16,
+            "batch_size": 4,
+            "max_length": 8,
+            "label_column": "label",
+            "class_names": NAMES,
+            "prompt_template": "a {name} square",
             "preprocess": {"mean": [0.5, 0.5, 0.5], "std": [0.5, 0.5, 0.5]},
         },
-    }  # fmt: skip
+    }
     cli = _run(tmp_path, data)
     assert cli.datamodule.preprocess.mean == (0.5, 0.5, 0.5)
     assert cli.datamodule.class_prompts()["input_ids"].shape == (3, 8)
@@ -96,11 +120,15 @@ def test_fit_with_webdataset_shards(tmp_path: Path) -> None:
         "init_args": {
             "train_shards": str(tmp_path / "{000000..000001}.tar"),
             "val_shards": str(tmp_path / "000001.tar"),
-            "image_size": 16, "batch_size": 4, "max_length": 8, "on_error": "skip",
+            "image_size": 16,
+            "batch_size": 4,
+            "max_length": 8,
+            "on_error": "skip",
             "shuffle": False,
-            "class_names": NAMES, "prompt_template": "a {name} square",
+            "class_names": NAMES,
+            "prompt_template": "a {name} square",
         },
-    }  # fmt: skip
+    }
     cli = _run(tmp_path, data)
     assert cli.datamodule.num_skipped["train"] == 1  # the empty caption of sample 3
 
@@ -109,8 +137,19 @@ def test_bare_data_section_is_the_digits_demo(monkeypatch: pytest.MonkeyPatch) -
     from lightning.pytorch import Trainer
 
     monkeypatch.setattr(Trainer, "fit", lambda *a, **k: None)
-    cli = run_cli(["fit", "--config", "recipes/clip_llama_cpu.yaml", "--trainer.devices", "1",
-                   "--trainer.strategy", "auto", "--data.batch_size", "36"])  # fmt: skip
+    cli = run_cli(
+        [
+            "fit",
+            "--config",
+            "recipes/clip_llama_cpu.yaml",
+            "--trainer.devices",
+            "1",
+            "--trainer.strategy",
+            "auto",
+            "--data.batch_size",
+            "36",
+        ]
+    )
     assert type(cli.datamodule).__name__ == "RecipeDigitsCaptions"
     assert cli.datamodule.batch_size == 36 and cli.model.vocab_size == cli.datamodule.vocab_size
 
@@ -141,8 +180,19 @@ def test_data_module_without_vocab_size_is_refused(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(Trainer, "fit", lambda *a, **k: None)
     boring = "lightning.pytorch.demos.boring_classes.BoringDataModule"
     with pytest.raises(ValueError, match=r"data \(BoringDataModule\) has no vocab_size"):
-        run_cli(["fit", "--config", "recipes/clip_llama_cpu.yaml", "--trainer.devices", "1",
-                 "--trainer.strategy", "auto", "--data.class_path", boring])  # fmt: skip
+        run_cli(
+            [
+                "fit",
+                "--config",
+                "recipes/clip_llama_cpu.yaml",
+                "--trainer.devices",
+                "1",
+                "--trainer.strategy",
+                "auto",
+                "--data.class_path",
+                boring,
+            ]
+        )
 
 
 def test_precision_fp8_section_trains_in_fp8(tmp_path: Path) -> None:

@@ -51,9 +51,13 @@ def test_language_cache_equals_transformers_generate() -> None:
 
     torch.manual_seed(0)
     cfg = LanguageConfig(
-        vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2,
-    )  # fmt: skip
+        vocab_size=40,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     hf = LlamaForCausalLM(llama_config(cfg)).eval()
     with torch.no_grad():  # larger weights: well-separated argmaxes
         for p in hf.parameters():
@@ -64,9 +68,15 @@ def test_language_cache_equals_transformers_generate() -> None:
     prompt = torch.randint(3, 40, (3, 4))
     new = 8
     want = hf.generate(
-        prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False, use_cache=True,
-        pad_token_id=0, output_logits=True, return_dict_in_generate=True,
-    )  # fmt: skip
+        prompt,
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=False,
+        use_cache=True,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     cache, step, tokens, logits = DecodeCache(), prompt, [prompt], []
     with torch.no_grad():
         for _ in range(new):
@@ -132,9 +142,11 @@ def test_class_recall_hand_computed() -> None:
     metric.update(image[2:], text[2:], torch.tensor([1, 2]))
     got = {k: float(v) for k, v in metric.compute().items()}
     assert got == {
-        "i2t_class_recall@1": 0.75, "i2t_class_recall@2": 1.0,
-        "t2i_class_recall@1": 1.0, "t2i_class_recall@2": 1.0,
-    }  # fmt: skip
+        "i2t_class_recall@1": 0.75,
+        "i2t_class_recall@2": 1.0,
+        "t2i_class_recall@1": 1.0,
+        "t2i_class_recall@2": 1.0,
+    }
     with pytest.raises(ValueError, match="labels"):
         metric.update(image, text, torch.tensor([0, 1]))
 
@@ -191,12 +203,20 @@ def test_run_summary_prints_class_recall_apart_from_per_pair(
 
     caplog.set_level(logging.INFO)
     trainer: Any = SimpleNamespace(
-        datamodule=None, checkpoint_callback=None, logger=None, default_root_dir=str(tmp_path),
-        global_step=3, world_size=1, is_global_zero=True, strategy=SimpleNamespace(),
+        datamodule=None,
+        checkpoint_callback=None,
+        logger=None,
+        default_root_dir=str(tmp_path),
+        global_step=3,
+        world_size=1,
+        is_global_zero=True,
+        strategy=SimpleNamespace(),
         sanity_checking=False,
-        callback_metrics={"val/i2t_recall@1": torch.tensor(0.181),
-                          "val/i2t_class_recall@1": torch.tensor(0.925)},
-    )  # fmt: skip
+        callback_metrics={
+            "val/i2t_recall@1": torch.tensor(0.181),
+            "val/i2t_class_recall@1": torch.tensor(0.925),
+        },
+    )
     summary = RunSummary(plots=False)
     summary.on_fit_start(trainer, None)  # type: ignore[arg-type]
     summary.on_validation_end(trainer, None)  # type: ignore[arg-type]

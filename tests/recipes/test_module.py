@@ -149,8 +149,11 @@ def test_logged_terms_are_those_of_the_same_step() -> None:
     rec = rw.fit(module, rw.batches(data, 3))
     c = module.loss_config
     for loss, terms in zip(rec.losses, rec.terms, strict=True):
-        total = (c.contrastive_weight * terms["contrastive"] + c.caption_weight * terms["caption"]
-                 + c.mml.weight * terms["mml"])  # fmt: skip
+        total = (
+            c.contrastive_weight * terms["contrastive"]
+            + c.caption_weight * terms["caption"]
+            + c.mml.weight * terms["mml"]
+        )
         # rel 1e-4: the steps' losses differ by > 1e-2, so a one-step lag cannot pass
         assert total == pytest.approx(loss, rel=1e-4), (rec.losses, rec.terms)
 
@@ -161,9 +164,13 @@ def test_aux_free_moe_bias_moves_after_each_optimizer_step() -> None:
     from lightning_mmpar.models import MoEConfig, MoEFeedForward
 
     moe = MoEConfig(
-        num_experts=4, top_k=2, ffn_width=32, router_dim=8, load_balancing="aux_free",
+        num_experts=4,
+        top_k=2,
+        ffn_width=32,
+        router_dim=8,
+        load_balancing="aux_free",
         bias_update_rate=0.01,
-    )  # fmt: skip
+    )
     digits = rw.digits()
     module = rw.tiny_module(digits.vocab_size, moe=moe)
     rw.fit(module, rw.batches(digits, 2), accumulate=2)  # one optimizer step over 2 batches

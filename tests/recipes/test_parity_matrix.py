@@ -128,8 +128,10 @@ def _check_world(world_size: int, refs: dict[tuple[int, float | None], Any], roo
             assert max(checkpointed) == 0, (layout.name, checkpointed)
         name, ratio = rw.worst_gradient(grads, ref.grads)
         took = max(r[layout.name]["seconds"] for r in results)
-        print(f"parity | {layout.name} | loss {loss_diff:.1e} | gradient {ratio:.1e} ({name}) | "
-              f"{took:.1f} s")  # fmt: skip
+        print(
+            f"parity | {layout.name} | loss {loss_diff:.1e} | gradient {ratio:.1e} ({name}) | "
+            f"{took:.1f} s"
+        )
         if loss_diff > RTOL or ratio > RTOL:
             failures.append((layout.name, loss_diff, name, ratio))
     assert not failures, failures
@@ -141,13 +143,21 @@ def layout_spec(layout: pm.Layout) -> LayoutSpec:
     s, dims = layout.strategy, layout.dims
     micro = (s.get("micro_batches") or dims.pp) if dims.pp > 1 else 1
     return LayoutSpec(
-        tp=dims.tp, pp=dims.pp, dp=dims.dp, ep=dims.ep, virtual=s.get("virtual_pipeline", 1),
-        micro_batches=micro, micro_batch_size=rw.BATCH // dims.dp // micro,
-        accumulate=layout.accumulate, schedule=s.get("schedule", "1f1b"),
+        tp=dims.tp,
+        pp=dims.pp,
+        dp=dims.dp,
+        ep=dims.ep,
+        virtual=s.get("virtual_pipeline", 1),
+        micro_batches=micro,
+        micro_batch_size=rw.BATCH // dims.dp // micro,
+        accumulate=layout.accumulate,
+        schedule=s.get("schedule", "1f1b"),
         partition=tuple(p) if isinstance(p := s.get("partition", "equal"), list) else p,
-        vision_parallel=layout.vision_parallel, sequence_parallel=layout.sequence_parallel,
-        data_parallel=s.get("data_parallel", "fsdp"), clip=layout.clip is not None,
-    )  # fmt: skip
+        vision_parallel=layout.vision_parallel,
+        sequence_parallel=layout.sequence_parallel,
+        data_parallel=s.get("data_parallel", "fsdp"),
+        clip=layout.clip is not None,
+    )
 
 
 @functools.cache
@@ -162,8 +172,7 @@ def _check_measured(layout: pm.Layout, results: list[dict[str, Any]]) -> None:
     placed layout (a rank permutation) is predicted at each rank's mesh coordinates, unplaced:
     the placement moves bytes between ranks, never changes them."""
     spec = layout_spec(layout)
-    module = pm.build(_vocab_size(), layout.moe, layout.sequence_parallel,
-                      layout.vision_parallel)  # fmt: skip
+    module = pm.build(_vocab_size(), layout.moe, layout.sequence_parallel, layout.vision_parallel)
     model = fusion_model_spec(module, spec, rw.TEXT_LENGTH)
     for rank, result in enumerate(results):
         coords = layout.dims.rank_coords(rank)
@@ -172,14 +181,19 @@ def _check_measured(layout: pm.Layout, results: list[dict[str, Any]]) -> None:
         exact = {k: low for k, (low, high) in bounds.items() if low == high}
         counted = {k: v for k, v in got["comm"].items() if k in exact or k not in bounds}
         state = state_bytes(model, spec, coords)
-        print(f"comm | {layout.name} | rank {rank} | counted {got['comm']} | state {got['state']}"
-              f" | expected {comm_bytes(model, spec, coords['pp'])}")  # fmt: skip
+        print(
+            f"comm | {layout.name} | rank {rank} | counted {got['comm']} | state {got['state']}"
+            f" | expected {comm_bytes(model, spec, coords['pp'])}"
+        )
         assert counted == exact, (layout.name, rank, got["comm"], bounds)
         for key in bounds.keys() - exact.keys():  # data-dependent: within bounds
             assert bounds[key][0] <= got["comm"].get(key, 0) <= bounds[key][1], (layout.name, key)
         assert got["state"] == (state.parameters, state.gradients, state.optimizer), (
-            layout.name, rank, got["state"], state,
-        )  # fmt: skip
+            layout.name,
+            rank,
+            got["state"],
+            state,
+        )
 
 
 def _check_engine(ranks: list[dict[str, dict[str, Any]]]) -> None:
@@ -188,8 +202,11 @@ def _check_engine(ranks: list[dict[str, dict[str, Any]]]) -> None:
     every stage reports its actions (split backward for the zero-bubble schedules)."""
     for name in ranks[0]:
         got = [r[name] for r in ranks]
-        print(f"engine | {name} | " + " | ".join(f"{k} {got[0][k]:.1e}" for k in ("loss", "eval"))
-              + f" | gradient {max(g['grad'] for g in got):.1e} | {got[0]['actions']}")  # fmt: skip
+        print(
+            f"engine | {name} | "
+            + " | ".join(f"{k} {got[0][k]:.1e}" for k in ("loss", "eval"))
+            + f" | gradient {max(g['grad'] for g in got):.1e} | {got[0]['actions']}"
+        )
         for g in got:
             assert max(g["loss"], g["grad"], g["eval"]) <= RTOL, (name, g)
             assert g["stages"] == g["owned"] and g["micro"] == [0, 1, 2, 3], (name, g)

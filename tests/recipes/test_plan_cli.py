@@ -24,8 +24,20 @@ def test_plan_cpu_recipe_table_rejections_placement_and_yaml(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out_yaml = tmp_path / "best.yaml"
-    argv = ["--config", CPU, "--gpus", "4", "--device", "cpu", "--topo", PCIE, "--top", "5",
-            "--write-yaml", str(out_yaml)]  # fmt: skip
+    argv = [
+        "--config",
+        CPU,
+        "--gpus",
+        "4",
+        "--device",
+        "cpu",
+        "--topo",
+        PCIE,
+        "--top",
+        "5",
+        "--write-yaml",
+        str(out_yaml),
+    ]
     assert cli.main(argv) == 0
     text = capsys.readouterr().out
     lines = text.splitlines()
@@ -37,8 +49,11 @@ def test_plan_cpu_recipe_table_rejections_placement_and_yaml(
     assert len(rows) == 5 and steps == sorted(steps)
     assert all(r[0] == str(i) for i, r in enumerate(rows, 1))
     # the strategy's own check, said about tp: the CPU model's 2 key-value heads refuse tp 4
-    assert any("tp 4 does not divide LanguageConfig.num_key_value_heads (2, " in ln
-               and ln.endswith("tp sizes this model allows: 1, 2.") for ln in lines)  # fmt: skip
+    assert any(
+        "tp 4 does not divide LanguageConfig.num_key_value_heads (2, " in ln
+        and ln.endswith("tp sizes this model allows: 1, 2.")
+        for ln in lines
+    )
     assert any(ln.startswith("placement [") and "vs Megatron order" in ln for ln in lines)
     # the fragment: what the recipe's parser and the strategy accept
     fragment = yaml.safe_load(out_yaml.read_text())
@@ -64,8 +79,23 @@ def test_plan_cpu_recipe_table_rejections_placement_and_yaml(
 def test_plan_rejects_layouts_over_the_memory_limit_with_the_reason(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert cli.main(["--config", CPU, "--gpus", "2", "--device", "cpu", "--memory-gib", "0.0001",
-                     "--write-yaml", str(tmp_path / "x.yaml")]) == 1  # fmt: skip
+    assert (
+        cli.main(
+            [
+                "--config",
+                CPU,
+                "--gpus",
+                "2",
+                "--device",
+                "cpu",
+                "--memory-gib",
+                "0.0001",
+                "--write-yaml",
+                str(tmp_path / "x.yaml"),
+            ]
+        )
+        == 1
+    )
     text = capsys.readouterr().out
     assert "0 layouts fit" in text and "\nno layout fits\n" in text and "#  layout" not in text
     assert "topology: 1 node x 2 GPUs, NVSWITCH (assumed; pass --topo)" in text
@@ -84,25 +114,34 @@ def test_plan_rejects_layouts_over_the_memory_limit_with_the_reason(
         (["--config", CPU, "--gpus", "4", "--device", "tpu"], "--device 'tpu' is unknown"),
         (["--config", "nope.yaml", "--gpus", "4"], "no such file"),
         (["--config", CPU, "--gpus", "4", "--memory-gib", "-1"], "--memory-gib (-1.0) must be"),
-        (["--config", CPU, "--gpus", "4", "--device", "a100", "--precision", "fp8"],
-         "precision 'fp8' has no peak figure on A100"),
+        (
+            ["--config", CPU, "--gpus", "4", "--device", "a100", "--precision", "fp8"],
+            "precision 'fp8' has no peak figure on A100",
+        ),
         (["--config", CPU, "--gpus", "3", "--topo", PCIE], "describes 4 devices in 1 node, --g"),
-        (["--config", CPU, "--gpus", "32", "--topo", str(TOPO / "two_nodes_h100.yaml")],
-         "describes 16 devices in 2 nodes, --gpus is 32; give a one-node description"),
+        (
+            ["--config", CPU, "--gpus", "32", "--topo", str(TOPO / "two_nodes_h100.yaml")],
+            "describes 16 devices in 2 nodes, --gpus is 32; give a one-node description",
+        ),
         (["--config", CPU, "--gpus", "4", "--max-tp", "0"], "--max-tp (0) must be >= 1"),
         (["--config", CPU, "--gpus", "4", "--top", "0"], "--top (0) must be >= 1"),
         (["--config", CPU, "--gpus", "4", "--global-batch", "-3"], "--global-batch (-3) must be"),
         (["--config", "BAD_CONFIG", "--gpus", "4"], "BAD_CONFIG' is not valid YAML: while parsing"),
         (["--config", "BAD_TRAINER", "--gpus", "4"], "BAD_TRAINER': trainer (3) must be a mapping"),
-        (["--config", CPU, "--gpus", "4", "--topo", "BAD_TOPO"],
-         "BAD_TOPO': topology YAML: text is not valid YAML: while parsing a flow sequence"),
+        (
+            ["--config", CPU, "--gpus", "4", "--topo", "BAD_TOPO"],
+            "BAD_TOPO': topology YAML: text is not valid YAML: while parsing a flow sequence",
+        ),
     ],
-)  # fmt: skip
+)
 def test_invalid_arguments_exit_2_with_the_reason(
     argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    files = {"BAD_CONFIG": "model: [1, 2\n", "BAD_TOPO": "gpus: [1,2\n",  # unclosed sequences
-             "BAD_TRAINER": "trainer: 3\nmodel: {}\n"}  # fmt: skip
+    files = {
+        "BAD_CONFIG": "model: [1, 2\n",
+        "BAD_TOPO": "gpus: [1,2\n",  # unclosed sequences
+        "BAD_TRAINER": "trainer: 3\nmodel: {}\n",
+    }
     for name, text in files.items():
         (tmp_path / name).write_text(text)
     argv = [str(tmp_path / a) if a in files else a for a in argv]
@@ -114,8 +153,12 @@ def test_invalid_arguments_exit_2_with_the_reason(
 
 def test_moe_recipe_ranks_expert_parallel_layouts(capsys: pytest.CaptureFixture[str]) -> None:
     """The MoE dispatch (``ep.all_to_all_v``) is timed as an all-to-all: ep 2 layouts rank."""
-    assert cli.main(["--config", MOE, "--gpus", "4", "--device", "cpu", "--max-tp", "1",
-                     "--top", "100"]) == 0  # fmt: skip
+    assert (
+        cli.main(
+            ["--config", MOE, "--gpus", "4", "--device", "cpu", "--max-tp", "1", "--top", "100"]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "all_to_all_v" not in text and "must be one of" not in text
     rows = [ln.split() for ln in text.splitlines() if ln[:1].isdigit() and " ep " in ln]
@@ -137,10 +180,12 @@ def test_fragment_merged_over_a_recipe_overrides_every_layout_field(recipe: Path
     options = config["model"].get("tensor_parallel") or {}
     layout = LayoutSpec(
         tp=_alternative(old.get("tensor_parallel", 1), [8, 1]),
-        pp=_alternative(old.get("pipeline_parallel", 1), [4, 1]), dp=4,
+        pp=_alternative(old.get("pipeline_parallel", 1), [4, 1]),
+        dp=4,
         ep=_alternative(old.get("expert_parallel", 1), [4, 1]),
         virtual=_alternative(old.get("virtual_pipeline", 1), [2, 1]),
-        micro_batches=_alternative(old.get("micro_batches"), [16, 8]), micro_batch_size=3,
+        micro_batches=_alternative(old.get("micro_batches"), [16, 8]),
+        micro_batch_size=3,
         accumulate=_alternative(config["trainer"].get("accumulate_grad_batches", 1), [3, 2]),
         schedule=_alternative(old.get("schedule", "1f1b"), ["looped_bfs", "interleaved_1f1b"]),
         partition=_alternative(old.get("partition", "equal"), ["memory", "equal"]),
@@ -148,22 +193,31 @@ def test_fragment_merged_over_a_recipe_overrides_every_layout_field(recipe: Path
         sequence_parallel=not options.get("sequence_parallel", False),
         vision_parallel=_alternative(options.get("vision_parallel", "tp"), ["dp", "tp"]),
         activation_checkpointing=not options.get("activation_checkpointing", False),
-    )  # fmt: skip
+    )
     assert layout.micro_batches * layout.micro_batch_size != config["data"]["batch_size"]
     order = list(range(layout.world))[::-1]
     merged = cli._merge(config, cli.fragment(layout, order))
     args = merged["trainer"]["strategy"]["init_args"]
-    expected = {"tensor_parallel": layout.tp, "pipeline_parallel": layout.pp,
-                "virtual_pipeline": layout.virtual, "expert_parallel": layout.ep,
-                "micro_batches": layout.micro_batches, "schedule": layout.schedule,
-                "data_parallel": layout.data_parallel, "partition": layout.partition,
-                "placement": order}  # fmt: skip
+    expected = {
+        "tensor_parallel": layout.tp,
+        "pipeline_parallel": layout.pp,
+        "virtual_pipeline": layout.virtual,
+        "expert_parallel": layout.ep,
+        "micro_batches": layout.micro_batches,
+        "schedule": layout.schedule,
+        "data_parallel": layout.data_parallel,
+        "partition": layout.partition,
+        "placement": order,
+    }
     assert {k: args.get(k) for k in expected} == expected
     assert set(args) - set(expected) <= set(old) - set(expected)  # nothing else added
     strategy = MultimodalParallelStrategy(**{k: args[k] for k in expected})
     got = strategy.config
     assert (got.tensor_parallel, got.pipeline_parallel, got.expert_parallel) == (
-        layout.tp, layout.pp, layout.ep)  # fmt: skip
+        layout.tp,
+        layout.pp,
+        layout.ep,
+    )
     assert (got.num_micro_batches, got.schedule) == (layout.micro_batches, layout.schedule)
     tp_options = merged["model"]["tensor_parallel"]
     assert tp_options["sequence_parallel"] == layout.sequence_parallel

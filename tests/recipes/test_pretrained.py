@@ -72,15 +72,19 @@ def test_towers_equal_open_clip_and_transformers(towers: dict[str, str], loaded:
     assert loaded.fusion_config.vision.layers == 2 and loaded.fusion_config.vision.width == 32
     lang = loaded.fusion_config.language
     assert (lang.hidden_size, lang.num_hidden_layers, lang.rms_norm_eps, lang.rope_theta) == (
-        32, 2, 1e-5, 500.0,
-    )  # fmt: skip
+        32,
+        2,
+        1e-5,
+        500.0,
+    )
     assert lang.joint_attention  # an option the checkpoint does not hold stays the YAML's
     report = loaded.load_report
     assert max(loaded.shard_errors.values()) == 0.0 and not report.placeholders
     assert sorted(report.fresh) == sorted(
-        f"language.layers.{i}.{n}" for i in (0, 1)
+        f"language.layers.{i}.{n}"
+        for i in (0, 1)
         for n in ("image_norm.weight", "self_attn.temperature.temperature")
-    )  # fmt: skip
+    )
     towers_bytes = sum(
         p.numel() * p.element_size()
         for t in (model.vision, model.language)
@@ -95,8 +99,11 @@ def test_freezing_policy_and_learning_rate_per_tower(loaded: Any) -> None:
     assert not any(p.requires_grad for p in model.vision.parameters())  # frozen ViT
     lang = model.language
     assert all(p.requires_grad for layer in lang.layers[:2] for p in layer.parameters())
-    assert not any(p.requires_grad for m in (lang.embed_tokens, lang.norm, lang.lm_head)
-                   for p in m.parameters())  # fmt: skip
+    assert not any(
+        p.requires_grad
+        for m in (lang.embed_tokens, lang.norm, lang.lm_head)
+        for p in m.parameters()
+    )
     assert all(p.requires_grad for p in model.adapters.parameters())
     optim = OptimConfig(lr=1e-3, weight_decay=0.1, lr_language=1e-4, lr_adapter=5e-3)
     groups = {g["name"]: g for g in parameter_groups(loaded, model, optim)}
@@ -224,8 +231,11 @@ def pw_names(full: dict[str, Any]) -> set[str]:
 
 def fresh_bytes(out: dict[str, Any]) -> int:
     """Bytes of the fresh joint-attention extras a rank holds (tp 2: not sharded, fp32)."""
-    return sum(4 * (32 if n.endswith("image_norm.weight") else 2) for n in out["fresh"]
-               if n not in out["placeholders"])  # fmt: skip
+    return sum(
+        4 * (32 if n.endswith("image_norm.weight") else 2)
+        for n in out["fresh"]
+        if n not in out["placeholders"]
+    )
 
 
 def test_checkpoint_of_pretrained_towers_exports(
@@ -280,15 +290,20 @@ def test_pretrained_vision_sets_the_data_preprocessing(
     config = {
         "trainer": {"accelerator": "cpu", "devices": 1, "logger": False},
         "model": {"pretrained": {"vision": towers["vision"]}},
-        "data": {"class_path": "lightning_mmpar.data.captions.CaptionsDataModule",
-                 "init_args": init},
-    }  # fmt: skip
+        "data": {
+            "class_path": "lightning_mmpar.data.captions.CaptionsDataModule",
+            "init_args": init,
+        },
+    }
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     cli = ClipLlamaCLI(
-        ClipLlamaModule, LightningDataModule, subclass_mode_data=True, run=False,
+        ClipLlamaModule,
+        LightningDataModule,
+        subclass_mode_data=True,
+        run=False,
         args=["--config", str(path)],
-    )  # fmt: skip
+    )
     data = cli.datamodule
     assert data.preprocess.from_pretrained == towers["vision"]
     cfg = data.preprocess.resolve(16)
@@ -312,11 +327,15 @@ def test_link_vision_preprocess_on_parsed_configs() -> None:
         init = (
             Namespace(batch_size=2) if preprocess == "absent" else Namespace(preprocess=preprocess)
         )
-        return Namespace(model=Namespace(pretrained=Namespace(vision=vision)),
-                         data=Namespace(init_args=init))  # fmt: skip
+        return Namespace(
+            model=Namespace(pretrained=Namespace(vision=vision)), data=Namespace(init_args=init)
+        )
 
-    for given in (None, Namespace(from_pretrained=None, mean=[0.1, 0.2, 0.3]),
-                  ImagePreprocess(mean=(0.1, 0.2, 0.3))):  # fmt: skip
+    for given in (
+        None,
+        Namespace(from_pretrained=None, mean=[0.1, 0.2, 0.3]),
+        ImagePreprocess(mean=(0.1, 0.2, 0.3)),
+    ):
         c = cfg(given)
         assert link_vision_preprocess(c) == "/towers/clip"
         pre = c.data.init_args.preprocess

@@ -31,16 +31,26 @@ def _tiny_model(heads: int, decoder_layers: int, moe: bool = False) -> dict[str,
     tiny_moe = {"moe": {"num_experts": 8, "top_k": 2, "ffn_width": 32, "router_dim": 8}}
     return {
         "fusion": {
-            "vision": {"image_size": 16, "patch_size": 8, "width": 32, "layers": 2,
-                       "heads": heads, "output_dim": 16},
-            "language": {"hidden_size": 32, "intermediate_size": 64,
-                         "num_hidden_layers": decoder_layers,
-                         "num_attention_heads": heads, "num_key_value_heads": heads,
-                         **(tiny_moe if moe else {})},
+            "vision": {
+                "image_size": 16,
+                "patch_size": 8,
+                "width": 32,
+                "layers": 2,
+                "heads": heads,
+                "output_dim": 16,
+            },
+            "language": {
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": decoder_layers,
+                "num_attention_heads": heads,
+                "num_key_value_heads": heads,
+                **(tiny_moe if moe else {}),
+            },
             "adapter": {"heads": heads, "width": 32, "ffn_width": 64},
             "contrastive_dim": 16,
         }
-    }  # fmt: skip
+    }
 
 
 RUNS: dict[str, dict[str, Any]] = {

@@ -119,9 +119,13 @@ def test_branch_names_and_arguments() -> None:
     with pytest.raises(ValueError, match="both"):
         branch_parameters(Branches(), ("vision.",), ("vision.w",))
     bad_args: list[dict[str, Any]] = [
-        {"max_norm": 0.0}, {"clipping": -1}, {"eps": True},
-        {"vision_prefixes": "vision."}, {"text_prefixes": ("",)}, {"prefix": ""},
-    ]  # fmt: skip
+        {"max_norm": 0.0},
+        {"clipping": -1},
+        {"eps": True},
+        {"vision_prefixes": "vision."},
+        {"text_prefixes": ("",)},
+        {"prefix": ""},
+    ]
     for bad in bad_args:
         with pytest.raises(ValueError, match=next(iter(bad))):
             BranchGradientClipping(**bad)  # type: ignore[arg-type]
@@ -158,10 +162,16 @@ def test_dtensor_layouts_on_one_rank_mesh() -> None:
 def test_fit_logs_metrics() -> None:
     module, cb = Branches(), BranchGradientClipping()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=2, log_every_n_steps=1, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        log_every_n_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=[cb],
-    )  # fmt: skip
+    )
     trainer.fit(module, DataLoader(TensorDataset(torch.randn(4, 4)), batch_size=2))
     metrics: dict[str, Any] = trainer.logged_metrics
     assert float(metrics["clip/vision_grad_norm"]) > 1.0  # the loss is scaled by 100

@@ -14,8 +14,10 @@ def test_rank0_replaces_its_file_and_removes_ranks_this_world_lacks(tmp_path: Pa
         (tmp_path / f"captions.rank{rank}.jsonl").write_text('{"old": true}\n')
     (tmp_path / "captions.rankX.jsonl").write_text("not ours\n")
     writer = CaptionWriter(str(tmp_path))
-    rows = [{"caption": "a handwritten 3", "digit": 3, "label": 3},
-            {"caption": "a handwritten", "digit": None, "label": 5}]  # fmt: skip
+    rows = [
+        {"caption": "a handwritten 3", "digit": 3, "label": 3},
+        {"caption": "a handwritten", "digit": None, "label": 5},
+    ]
     writer.write_on_batch_end(None, None, rows, None, None, 0, 0)  # type: ignore[arg-type]
     trainer = SimpleNamespace(global_rank=0, world_size=2, default_root_dir=str(tmp_path))
     writer.on_predict_epoch_end(trainer, None)  # type: ignore[arg-type]

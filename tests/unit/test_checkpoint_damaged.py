@@ -160,12 +160,17 @@ def _fusion(layers: int, hidden: int = 32) -> FusionConfig:
             image_size=16, patch_size=8, width=32, layers=1, heads=2, output_dim=16
         ),
         language=LanguageConfig(
-            vocab_size=64, hidden_size=hidden, intermediate_size=48, num_hidden_layers=layers,
-            num_attention_heads=4, num_key_value_heads=2, joint_attention=True,
+            vocab_size=64,
+            hidden_size=hidden,
+            intermediate_size=48,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            joint_attention=True,
         ),
         adapter=AdapterConfig(heads=2, width=32, ffn_width=48, dropout=0.0),
         contrastive_dim=16,
-    )  # fmt: skip
+    )
 
 
 def _recipe(layers: int, hidden: int = 32, lr: float = 1e-3) -> ClipLlamaModule:

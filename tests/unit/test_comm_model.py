@@ -53,17 +53,32 @@ def test_layout_spec_errors_name_field_value_and_fix(fields: dict, words: list[s
 
 
 def test_layout_spec_sizes_and_strategy_args() -> None:
-    lay = LayoutSpec(tp=2, pp=2, dp=4, ep=2, virtual=2, micro_batches=4, micro_batch_size=2,
-                     accumulate=3, schedule="interleaved_1f1b", partition=(1, 2, 5))  # fmt: skip
+    lay = LayoutSpec(
+        tp=2,
+        pp=2,
+        dp=4,
+        ep=2,
+        virtual=2,
+        micro_batches=4,
+        micro_batch_size=2,
+        accumulate=3,
+        schedule="interleaved_1f1b",
+        partition=(1, 2, 5),
+    )
     assert (lay.world, lay.edp, lay.local_batch, lay.global_batch) == (16, 2, 8, 96)
     assert lay.strategy_args() == {
-        "tensor_parallel": 2, "pipeline_parallel": 2, "expert_parallel": 2,
-        "virtual_pipeline": 2, "micro_batches": 4, "schedule": "interleaved_1f1b",
+        "tensor_parallel": 2,
+        "pipeline_parallel": 2,
+        "expert_parallel": 2,
+        "virtual_pipeline": 2,
+        "micro_batches": 4,
+        "schedule": "interleaved_1f1b",
         "partition": [1, 2, 5],
-    }  # fmt: skip
+    }
     assert LayoutSpec(dp=2, data_parallel="ddp").strategy_args() == {"data_parallel": "ddp"}
-    assert [world_dim(LayoutSpec(**k)) for k in ({"tp": 2}, {"dp": 4, "ep": 4}, {"tp": 2, "dp": 2})
-            ] == ["tp", "dp", "world"]  # fmt: skip
+    assert [
+        world_dim(LayoutSpec(**k)) for k in ({"tp": 2}, {"dp": 4, "ep": 4}, {"tp": 2, "dp": 2})
+    ] == ["tp", "dp", "world"]
 
 
 def test_ddp_all_reduces_every_trainable_gradient_per_batch() -> None:
@@ -76,8 +91,9 @@ def test_ddp_all_reduces_every_trainable_gradient_per_batch() -> None:
     got = comm_bytes(spec(w, frozen, b), lay)
     # per batch: grads (30 + 1) * 4, logged pair 8, term sums 48; per step: the guard 2 * 24
     assert got == {"dp.all_reduce": 3 * (124 + 8 + 48), "dp.all_gather": 48, "dp.broadcast": 24}
-    assert state_bytes(spec(w, frozen, b), lay, {}) == state_bytes(spec(w, frozen, b), LayoutSpec(
-        dp=1), {})  # fmt: skip
+    assert state_bytes(spec(w, frozen, b), lay, {}) == state_bytes(
+        spec(w, frozen, b), LayoutSpec(dp=1), {}
+    )
     st = state_bytes(spec(w, frozen, b), lay, {})
     assert (st.parameters, st.gradients, st.optimizer) == (152, 124, 2 * 124 + 2 * 4)
 
@@ -143,11 +159,15 @@ def tiny_vision_dp() -> Any:
 
 
 MEASURED = {  # rank 0 of tests/recipes/test_parity_matrix.py's counts (batch 8, T = 12)
-    "dp2 ddp": (LayoutSpec(dp=2, data_parallel="ddp", micro_batch_size=4),
-                {"dp.all_gather": 3168, "dp.all_reduce": 190748, "dp.broadcast": 8}),
-    "tp2": (LayoutSpec(tp=2, micro_batch_size=8),
-            {"tp.all_gather": 48, "tp.all_reduce": 463904, "tp.broadcast": 8}),
-}  # fmt: skip
+    "dp2 ddp": (
+        LayoutSpec(dp=2, data_parallel="ddp", micro_batch_size=4),
+        {"dp.all_gather": 3168, "dp.all_reduce": 190748, "dp.broadcast": 8},
+    ),
+    "tp2": (
+        LayoutSpec(tp=2, micro_batch_size=8),
+        {"tp.all_gather": 48, "tp.all_reduce": 463904, "tp.broadcast": 8},
+    ),
+}
 
 
 @pytest.mark.parametrize("name", sorted(MEASURED))
@@ -176,8 +196,15 @@ def test_moe_counts_exact_token_dispatch_bounded() -> None:
     exchange 4 int64 expert counts each (exact) and dispatch k = 2 copies of each token
     (routing-dependent: expectation and [0, high]); expert weights split over ep. Every other
     key as without experts (the parity run counts them: tests/recipes)."""
-    moe = MoEConfig(num_experts=4, top_k=2, ffn_width=32, router_dim=8, capacity_factor=None,
-                    aux_loss_weight=0.0, z_loss_weight=0.0)  # fmt: skip
+    moe = MoEConfig(
+        num_experts=4,
+        top_k=2,
+        ffn_width=32,
+        router_dim=8,
+        capacity_factor=None,
+        aux_loss_weight=0.0,
+        z_loss_weight=0.0,
+    )
     lay = LayoutSpec(dp=2, ep=2, micro_batch_size=4)
     module = rw.tiny_module(VOCAB, moe=moe)
     model = fusion_model_spec(module, lay, rw.TEXT_LENGTH)
@@ -193,7 +220,10 @@ def test_moe_counts_exact_token_dispatch_bounded() -> None:
     st = state_bytes(model, lay, {"dp": 0, "edp": 0, "ep": 0})
     assert (st.parameters, st.gradients, st.optimizer) == (146772, 145236, 290764)  # measured
     assert {p.name.rsplit(".", 1)[-1] for p in model.params if p.expert} == {
-        "w_gate", "w_up", "w_down"}  # fmt: skip
+        "w_gate",
+        "w_up",
+        "w_down",
+    }
 
 
 def test_pure_functions_are_fast(tiny: Any) -> None:
@@ -256,8 +286,11 @@ def test_fusion_spec_vision_dp_sequence_parallel_and_bf16(tiny: Any, tiny_vision
     bf16-true: 2-byte parameters and activations."""
     lay = LayoutSpec(tp=2, micro_batch_size=8, vision_parallel="dp")
     model = fusion_model_spec(tiny_vision_dp, lay, rw.TEXT_LENGTH)
-    assert comm_bytes(model, lay) == {"tp.all_gather": 5168, "tp.all_reduce": 519840,
-                                      "tp.broadcast": 8}  # fmt: skip
+    assert comm_bytes(model, lay) == {
+        "tp.all_gather": 5168,
+        "tp.all_reduce": 519840,
+        "tp.broadcast": 8,
+    }
     summed = {p.name.split(".", 2)[2].split(".")[0] for p in model.params if p.sum_over_tp}
     assert summed == {"conv1", "ln_pre", "class_embedding", "positional_embedding", "block"}
     assert model.boundaries[0][0].bytes_per_sample == 5 * 32 * 4 // 2  # stem -> layer0

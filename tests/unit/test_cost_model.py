@@ -27,24 +27,46 @@ from lightning_mmpar.parallel import pipeline_schedules as ps
 sys.path.insert(0, str(Path(__file__).parents[1] / "recipes"))
 import recipe_faults_worker as rw
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
-             "zbv_zero_bubble", "dualpipev")  # fmt: skip
+SCHEDULES = (
+    "gpipe",
+    "1f1b",
+    "interleaved_1f1b",
+    "looped_bfs",
+    "interleaved_zero_bubble",
+    "zbv_zero_bubble",
+    "dualpipev",
+)
 
 
 def layout(**kw: Any) -> SimpleNamespace:
     """A stand-in LayoutSpec (the fields the cost model reads)."""
-    base = dict(tp=1, pp=1, dp=1, ep=1, virtual=1, micro_batches=1, micro_batch_size=1,
-                accumulate=1, schedule="1f1b", partition="equal", vision_parallel="tp",
-                sequence_parallel=False, data_parallel="fsdp", activation_checkpointing=False,
-                precision="32-true")  # fmt: skip
+    base = dict(
+        tp=1,
+        pp=1,
+        dp=1,
+        ep=1,
+        virtual=1,
+        micro_batches=1,
+        micro_batch_size=1,
+        accumulate=1,
+        schedule="1f1b",
+        partition="equal",
+        vision_parallel="tp",
+        sequence_parallel=False,
+        data_parallel="fsdp",
+        activation_checkpointing=False,
+        precision="32-true",
+    )
     return SimpleNamespace(**{**base, **kw})
 
 
 def blocks(n: int = 4, kind: str = "language") -> SimpleNamespace:
-    specs = tuple(BlockSpec(f"b{i}", kind, 1e9 * (i + 1), 1000.0 * (i + 1), 10.0, 10.0)
-                  for i in range(n))  # fmt: skip
-    out = tuple((SimpleNamespace(bytes_per_sample=60), SimpleNamespace(bytes_per_sample=40))
-                for _ in specs)  # fmt: skip
+    specs = tuple(
+        BlockSpec(f"b{i}", kind, 1e9 * (i + 1), 1000.0 * (i + 1), 10.0, 10.0) for i in range(n)
+    )
+    out = tuple(
+        (SimpleNamespace(bytes_per_sample=60), SimpleNamespace(bytes_per_sample=40)) for _ in specs
+    )
     return SimpleNamespace(blocks=specs, boundaries=out)
 
 
@@ -107,8 +129,9 @@ def test_activation_bytes_per_rank_tp_sp_checkpointing_precision() -> None:
 def test_compute_seconds_per_pipeline_rank() -> None:
     model, device = blocks(4), DEVICES["h100"]
     rate = device.tflops["bf16"] * 1e12 * device.efficiency
-    got = compute_seconds(model, layout(pp=2, micro_batches=2, micro_batch_size=4,
-                                        precision="bf16-mixed"), device)  # fmt: skip
+    got = compute_seconds(
+        model, layout(pp=2, micro_batches=2, micro_batch_size=4, precision="bf16-mixed"), device
+    )
     # x 4/3: with a pipeline every block runs the gradient cache's forward-only pass too
     assert got == pytest.approx([8 * 3e9 * 4 / 3 / rate, 8 * 7e9 * 4 / 3 / rate])
     tp = compute_seconds(model, layout(tp=4, precision="bf16-mixed"), device)
@@ -177,10 +200,16 @@ def test_comm_calls_count_each_op_of_each_mechanism() -> None:
     from lightning_mmpar.layout.comm import comm_bytes, comm_calls
     from lightning_mmpar.layout.model import Boundary, LayoutSpec, ModelSpec, ParamSpec
 
-    ps_ = (ParamSpec("w", (6, 4), 0, None, True), ParamSpec("v", (4,), 0, None, True),
-           ParamSpec("u", (4, 4), 1, None, True))  # fmt: skip
-    model = ModelSpec(blocks=blocks(2).blocks, params=ps_,
-                      boundaries=((Boundary(100, True), Boundary(8, False)), ()))  # fmt: skip
+    ps_ = (
+        ParamSpec("w", (6, 4), 0, None, True),
+        ParamSpec("v", (4,), 0, None, True),
+        ParamSpec("u", (4, 4), 1, None, True),
+    )
+    model = ModelSpec(
+        blocks=blocks(2).blocks,
+        params=ps_,
+        boundaries=((Boundary(100, True), Boundary(8, False)), ()),
+    )
     ddp = LayoutSpec(dp=2, data_parallel="ddp", accumulate=3)
     assert comm_calls(model, ddp) == {
         "dp.all_gather": 1,
@@ -188,8 +217,12 @@ def test_comm_calls_count_each_op_of_each_mechanism() -> None:
         "dp.broadcast": 3,
     }  # grads + pair + terms; guard; SIGTERM
     fsdp = LayoutSpec(dp=2)
-    assert comm_calls(model, fsdp) == {"dp.all_gather": 2 * 2 + 1, "dp.all_reduce": 2,
-                                       "dp.broadcast": 1, "dp.reduce_scatter": 2}  # fmt: skip
+    assert comm_calls(model, fsdp) == {
+        "dp.all_gather": 2 * 2 + 1,
+        "dp.all_reduce": 2,
+        "dp.broadcast": 1,
+        "dp.reduce_scatter": 2,
+    }
     piped = LayoutSpec(pp=2, dp=2, micro_batches=3, micro_batch_size=1)
     zero, one = comm_calls(model, piped, 0), comm_calls(model, piped, 1)
     assert zero["dp.all_gather"] == 2 * 3 + 1 and zero["dp.reduce_scatter"] == 1

@@ -254,16 +254,23 @@ def test_ignore_index_is_torch_cross_entropy_default() -> None:
 
 def test_datamodule_labels_prompts_tokenizer_and_preprocess(tmp_path: Path) -> None:
     _images(tmp_path)
-    lines = ["filepath,title,kind", "red.png,a red square,red", "blue.jpg,a blue box,1",
-             "green.png,a green one,purple"]  # fmt: skip
+    lines = [
+        "filepath,title,kind",
+        "red.png,a red square,red",
+        "blue.jpg,a blue box,1",
+        "green.png,a green one,purple",
+    ]
     train = _csv(tmp_path, lines)
     kw: dict[str, Any] = {"train_file": str(train), "image_size": 8, "max_length": 6}
     kw["batch_size"] = 2
     dm = CaptionsDataModule(
-        **kw, label_column="kind", class_names=["red", "blue"], on_error="skip",
+        **kw,
+        label_column="kind",
+        class_names=["red", "blue"],
+        on_error="skip",
         prompt_template="a {name} thing",
         preprocess=ImagePreprocess(mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5)),
-    )  # fmt: skip
+    )
     assert dm.vocab_size == dm.tokenizer.vocab_size  # builds the tokenizer before setup
     assert "thing" in dm.tokenizer.vocab  # the prompts' words are in the vocabulary
     assert dm.num_skipped == {"train": 1}  # 'purple' is no class
@@ -271,8 +278,9 @@ def test_datamodule_labels_prompts_tokenizer_and_preprocess(tmp_path: Path) -> N
     assert dm.tokenizer.decode(prompts["input_ids"][1].tolist()) == "a blue thing"
     batch = next(iter(dm.train_dataloader()))
     assert sorted(batch["labels"].tolist()) == [0, 1]
-    torch.testing.assert_close(batch["images"][:, 0].flatten().unique().sort().values,
-                               torch.tensor([-1.0, 1.0]))  # fmt: skip
+    torch.testing.assert_close(
+        batch["images"][:, 0].flatten().unique().sort().values, torch.tensor([-1.0, 1.0])
+    )
     mine = WordTokenizer.build(["a red square"])
     other = CaptionsDataModule(**kw, tokenizer=mine)
     assert other.tokenizer is mine and other.class_prompts() == {}

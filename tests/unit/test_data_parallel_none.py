@@ -67,6 +67,11 @@ def test_trainer_refuses_none_with_replicas(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=_exact(msg)):
         Trainer(
             strategy=MultimodalParallelStrategy(tensor_parallel=2, data_parallel="none"),
-            accelerator="cpu", devices=4, default_root_dir=tmp_path, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        )  # fmt: skip
+            accelerator="cpu",
+            devices=4,
+            default_root_dir=tmp_path,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )

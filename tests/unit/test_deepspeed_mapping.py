@@ -96,14 +96,19 @@ def test_unknown_combinations_are_refused(
 # ---------------------------------------------------------------- issue 15 item 8: no key dropped
 def test_training_keys_map_to_trainer_and_batch() -> None:
     config = {
-        "train_batch_size": 64, "train_micro_batch_size_per_gpu": 8,
-        "gradient_accumulation_steps": 4, "gradient_clipping": 1.0, "bf16": {"enabled": True},
+        "train_batch_size": 64,
+        "train_micro_batch_size_per_gpu": 8,
+        "gradient_accumulation_steps": 4,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
         "zero_optimization": {"stage": 3},
-    }  # fmt: skip
+    }
     plan = map_deepspeed_config(config, layout={"tensor_parallel": 2}, world_size=4)  # dp 2
     assert plan.trainer_kwargs == {
-        "accumulate_grad_batches": 4, "gradient_clip_val": 1.0, "precision": "bf16-mixed"
-    }  # fmt: skip
+        "accumulate_grad_batches": 4,
+        "gradient_clip_val": 1.0,
+        "precision": "bf16-mixed",
+    }
     assert plan.batch_size == 8 and plan.unmapped == []
     assert map_deepspeed_config({"fp16": {"enabled": True}}).trainer_kwargs == {
         "precision": "16-mixed"
@@ -113,18 +118,23 @@ def test_training_keys_map_to_trainer_and_batch() -> None:
 
 
 def test_train_batch_size_rule_is_deepspeeds() -> None:
-    assert resolve_batch({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, 2) == (
-        4, 4
-    )  # fmt: skip
+    assert resolve_batch({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, 2) == (4, 4)
     assert resolve_batch({"train_batch_size": 32, "gradient_accumulation_steps": 2}, 2) == (8, 2)
     assert resolve_batch({"train_batch_size": 32}, 2, accumulation=4) == (4, None)
     assert resolve_batch({"train_batch_size": 32}, None) == (None, None)
-    with pytest.raises(ValueError, match=r"train_batch_size \(30\) != .*\(4\) \* .*\(2\) \* .*"
-                       r"\(2\) = 16"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"train_batch_size \(30\) != .*\(4\) \* .*\(2\) \* .*"
+        r"\(2\) = 16",
+    ):
         resolve_batch(
-            {"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4,
-             "gradient_accumulation_steps": 2}, 2
-        )  # fmt: skip
+            {
+                "train_batch_size": 30,
+                "train_micro_batch_size_per_gpu": 4,
+                "gradient_accumulation_steps": 2,
+            },
+            2,
+        )
     with pytest.raises(ValueError, match=r"train_batch_size \(30\) must be a multiple"):
         resolve_batch({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, 2)
     with pytest.raises(ValueError, match=r"fp16.enabled and bf16.enabled are both true"):
@@ -139,9 +149,13 @@ def test_misspelled_keys_are_named_with_the_closest_and_keep_the_layouts_engine(
         plan = map_deepspeed_config(config, layout={"data_parallel": "fsdp"})
         assert plan.zero_stage is None and plan.strategy_kwargs["data_parallel"] == "fsdp"
         assert f"unknown DeepSpeed key {wrong!r}; did you mean {right!r}?" in plan.unmapped
-    plan = map_deepspeed_config({"steps_per_print": 10, "zero_optimization": {"stage": 3,
-                                 "overlap_comm": True}, "fp16": {"enabled": False,
-                                 "loss_scale": 0}})  # fmt: skip
+    plan = map_deepspeed_config(
+        {
+            "steps_per_print": 10,
+            "zero_optimization": {"stage": 3, "overlap_comm": True},
+            "fp16": {"enabled": False, "loss_scale": 0},
+        }
+    )
     assert plan.unmapped == [
         "'steps_per_print' has no counterpart under mm_parallel and is ignored",
         "'zero_optimization.overlap_comm' is DeepSpeed's own; mm_parallel (FSDP2/DDP) ignores it",
@@ -150,24 +164,36 @@ def test_misspelled_keys_are_named_with_the_closest_and_keep_the_layouts_engine(
 
 
 def test_zero_2_drops_what_lightning_refuses_and_maps_it_to_the_trainer() -> None:
-    config = {"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 2,
-              "train_batch_size": 16, "steps_per_print": 5}  # fmt: skip
+    config = {
+        "zero_optimization": {"stage": 2},
+        "gradient_accumulation_steps": 2,
+        "train_batch_size": 16,
+        "steps_per_print": 5,
+    }
     plan = map_deepspeed_config(config, world_size=2)
     assert plan.engine == "deepspeed" and plan.unmapped == []
     assert plan.trainer_kwargs == {"accumulate_grad_batches": 2} and plan.batch_size == 4
     assert plan.strategy_kwargs["config"] == {
-        "zero_optimization": {"stage": 2}, "train_batch_size": 16, "steps_per_print": 5,
+        "zero_optimization": {"stage": 2},
+        "train_batch_size": 16,
+        "steps_per_print": 5,
         "train_micro_batch_size_per_gpu": 4,
-    }  # fmt: skip
+    }
 
 
 def test_optimizer_and_scheduler_map_to_model_optim() -> None:
-    optim, notes = optim_from_deepspeed({
-        "optimizer": {"type": "AdamW", "params": {"lr": 2e-4, "weight_decay": 0.1,
-                                                  "betas": [0.9, 0.95], "eps": 1e-8}},
-        "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 5,
-                      "cos_min_ratio": 0.05, "total_num_steps": 100}},
-    })  # fmt: skip
+    optim, notes = optim_from_deepspeed(
+        {
+            "optimizer": {
+                "type": "AdamW",
+                "params": {"lr": 2e-4, "weight_decay": 0.1, "betas": [0.9, 0.95], "eps": 1e-8},
+            },
+            "scheduler": {
+                "type": "WarmupCosineLR",
+                "params": {"warmup_num_steps": 5, "cos_min_ratio": 0.05, "total_num_steps": 100},
+            },
+        }
+    )
     assert optim == {"lr": 2e-4, "weight_decay": 0.1, "warmup_steps": 5, "min_lr_ratio": 0.05}
     assert notes[0].startswith("'optimizer.params.betas' ([0.9, 0.95])")
     assert notes[1].startswith("'scheduler.params.total_num_steps'") and len(notes) == 2
@@ -186,11 +212,18 @@ def test_cli_applies_the_json_and_strict_refuses(
 
     monkeypatch.setattr(Trainer, "fit", lambda *a, **k: None)
     ds = tmp_path / "ds.json"
-    ds.write_text(json.dumps({
-        "train_micro_batch_size_per_gpu": 36, "gradient_accumulation_steps": 2,
-        "gradient_clipping": 0.5, "bf16": {"enabled": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": 0.002}}, "zero_optimisation": {},
-    }))  # fmt: skip
+    ds.write_text(
+        json.dumps(
+            {
+                "train_micro_batch_size_per_gpu": 36,
+                "gradient_accumulation_steps": 2,
+                "gradient_clipping": 0.5,
+                "bf16": {"enabled": True},
+                "optimizer": {"type": "AdamW", "params": {"lr": 0.002}},
+                "zero_optimisation": {},
+            }
+        )
+    )
     args = [
         "fit",
         "--config",

@@ -31,9 +31,20 @@ def test_dgx_h100_nvswitch_node() -> None:
     assert all(g.links[i][i] == "SELF" for i in range(8))
     assert g.link(0, 7).bandwidth == 450e9  # 18 links x 25 GB/s, one direction
     # compute NICs sit on one GPU's PCIe switch (PIX); storage NICs: the first GPU of their socket
-    assert g.nics == {"mlx5_0": 0, "mlx5_1": 0, "mlx5_2": 0, "mlx5_3": 1, "mlx5_4": 2,
-                      "mlx5_5": 3, "mlx5_6": 4, "mlx5_7": 4, "mlx5_8": 4, "mlx5_9": 5,
-                      "mlx5_10": 6, "mlx5_11": 7}  # fmt: skip
+    assert g.nics == {
+        "mlx5_0": 0,
+        "mlx5_1": 0,
+        "mlx5_2": 0,
+        "mlx5_3": 1,
+        "mlx5_4": 2,
+        "mlx5_5": 3,
+        "mlx5_6": 4,
+        "mlx5_7": 4,
+        "mlx5_8": 4,
+        "mlx5_9": 5,
+        "mlx5_10": 6,
+        "mlx5_11": 7,
+    }
 
 
 def test_pcie_box_two_numa_nodes() -> None:
@@ -78,8 +89,9 @@ def test_yaml_two_nodes() -> None:
     assert m.link(0, 2).bandwidth == 10e9 and m.link(0, 4).bandwidth == 12.5e9
     same = DeviceGraph.from_yaml((TOPO / "two_nodes_h100.yaml").read_text())
     assert same == g == DeviceGraph.from_yaml(TOPO / "two_nodes_h100.yaml")
-    custom = DeviceGraph.from_yaml({"nodes": 1, "gpus_per_node": 2,
-                                    "intra": {"bandwidth": "2e9", "latency": 1e-6}})  # fmt: skip
+    custom = DeviceGraph.from_yaml(
+        {"nodes": 1, "gpus_per_node": 2, "intra": {"bandwidth": "2e9", "latency": 1e-6}}
+    )
     assert custom.link(0, 1) == LinkClass("INTRA", 2e9, 1e-6)
     net = {"bandwidth": 12.5e9, "latency": 14e-6}
     described = {"nodes": 2, "gpus_per_node": 8, "intra": "NVSWITCH", "inter": net}
@@ -98,14 +110,25 @@ def test_yaml_two_nodes() -> None:
         ({"nodes": 1, "gpus_per_node": 2, "intra": "FAST"}, "intra ('FAST') must be a link"),
         ({"nodes": 1, "gpus_per_node": 2, "intra": "NV4", "speed": 1}, "unknown key 'speed'"),
         ({"nodes": 1, "gpus_per_node": 2, "links": [["X", "PIX"]]}, "'links' must be 2 rows"),
-        ({"nodes": 1, "gpus_per_node": 2, "links": [["X", "PIX"], ["PXB", "X"]]},
-         "links[0][1] = 'PIX', links[1][0] = 'PXB'"),
-        ({"nodes": 2, "gpus_per_node": 1, "intra": "X", "inter": {"bandwidth": 1}},
-         "'inter' must be a mapping with 'bandwidth'"),
-        ({"nodes": 1, "gpus_per_node": 1, "intra": "X", "classes": {"PIX": {"bandwidth": -1,
-          "latency": 0}}}, "'classes.PIX': link class 'PIX': bandwidth (-1.0)"),
+        (
+            {"nodes": 1, "gpus_per_node": 2, "links": [["X", "PIX"], ["PXB", "X"]]},
+            "links[0][1] = 'PIX', links[1][0] = 'PXB'",
+        ),
+        (
+            {"nodes": 2, "gpus_per_node": 1, "intra": "X", "inter": {"bandwidth": 1}},
+            "'inter' must be a mapping with 'bandwidth'",
+        ),
+        (
+            {
+                "nodes": 1,
+                "gpus_per_node": 1,
+                "intra": "X",
+                "classes": {"PIX": {"bandwidth": -1, "latency": 0}},
+            },
+            "'classes.PIX': link class 'PIX': bandwidth (-1.0)",
+        ),
     ],
-)  # fmt: skip
+)
 def test_yaml_errors_name_the_key(data: dict, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         DeviceGraph.from_yaml(data)
@@ -143,9 +166,11 @@ def test_malformed_nvidia_smi_names_the_line() -> None:
 def test_older_driver_format_and_terminal_escapes() -> None:
     """Before the NIC legend (drivers < 470): NICs named in the header, no GPU NUMA ID column,
     ``SOC`` for SYS (< 396); a terminal copy carries ANSI underline codes on the header."""
-    text = ("\x1b[4m\tGPU0\tGPU1\tmlx5_0\tCPU Affinity\x1b[0m\n"
-            "GPU0\t X \tNV2\tSOC\t0-9\nGPU1\tNV2\t X \tPHB\t10-19\nmlx5_0\tSOC\tPHB\t X \n\n"
-            "Legend:\n\n  X   = Self\n")  # fmt: skip
+    text = (
+        "\x1b[4m\tGPU0\tGPU1\tmlx5_0\tCPU Affinity\x1b[0m\n"
+        "GPU0\t X \tNV2\tSOC\t0-9\nGPU1\tNV2\t X \tPHB\t10-19\nmlx5_0\tSOC\tPHB\t X \n\n"
+        "Legend:\n\n  X   = Self\n"
+    )
     g = DeviceGraph.from_nvidia_smi(text)
     assert g.links == (("SELF", "NV2"), ("NV2", "SELF")) and g.link(0, 1).bandwidth == 50e9
     assert g.nics == {"mlx5_0": 1}
@@ -179,8 +204,11 @@ def test_from_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     failed = subprocess.CalledProcessError(9, ["nvidia-smi"])
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(failed))
     assert DeviceGraph.from_machine() is None
-    monkeypatch.setattr(subprocess, "run", lambda cmd, **k: subprocess.CompletedProcess(
-        cmd, 0, stdout="No devices were found\n"))  # fmt: skip
+    monkeypatch.setattr(
+        subprocess,
+        "run",
+        lambda cmd, **k: subprocess.CompletedProcess(cmd, 0, stdout="No devices were found\n"),
+    )
     with pytest.warns(UserWarning, match="no header row"):
         assert DeviceGraph.from_machine() is None
 
@@ -222,11 +250,16 @@ def test_collective_seconds_by_hand() -> None:
 
 @pytest.mark.parametrize(
     ("kind", "devices", "nbytes", "message"),
-    [("broadcast", [0, 1], 1.0, "kind"), ("all_reduce", [0, 0], 1.0, "distinct"),
-     ("all_reduce", [0, 4], 1.0, r"in \[0, 4\)"), ("send_recv", [0, 1], -1.0, "nbytes")],
-)  # fmt: skip
-def test_collective_seconds_errors(kind: str, devices: list[int], nbytes: float,
-                                   message: str) -> None:  # fmt: skip
+    [
+        ("broadcast", [0, 1], 1.0, "kind"),
+        ("all_reduce", [0, 0], 1.0, "distinct"),
+        ("all_reduce", [0, 4], 1.0, r"in \[0, 4\)"),
+        ("send_recv", [0, 1], -1.0, "nbytes"),
+    ],
+)
+def test_collective_seconds_errors(
+    kind: str, devices: list[int], nbytes: float, message: str
+) -> None:
     with pytest.raises(ValueError, match=message):
         collective_seconds(graph("pcie_4gpu_2numa.txt"), kind, devices, nbytes)
 

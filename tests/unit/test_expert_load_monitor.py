@@ -32,12 +32,23 @@ class TinyMoE(pl.LightningModule):
 
     def __init__(self) -> None:
         super().__init__()
-        self.moe_a = MoEFeedForward(D, MoEConfig(num_experts=E, top_k=2, ffn_width=8,
-                                                 router_dim=8, capacity_factor=1.0,
-                                                 init_std=0.5))  # fmt: skip
-        self.moe_b = MoEFeedForward(D, MoEConfig(num_experts=E, top_k=1, ffn_width=8,
-                                                 router_dim=8, capacity_factor=None,
-                                                 load_balancing="aux_free"))  # fmt: skip
+        self.moe_a = MoEFeedForward(
+            D,
+            MoEConfig(
+                num_experts=E, top_k=2, ffn_width=8, router_dim=8, capacity_factor=1.0, init_std=0.5
+            ),
+        )
+        self.moe_b = MoEFeedForward(
+            D,
+            MoEConfig(
+                num_experts=E,
+                top_k=1,
+                ffn_width=8,
+                router_dim=8,
+                capacity_factor=None,
+                load_balancing="aux_free",
+            ),
+        )
         self.moe_b.expert_bias[:, 0] = 100.0  # every route of both modalities to expert 0
         self.head = nn.Linear(D, 1)
 
@@ -98,10 +109,16 @@ def fitted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     model, rec, mon = TinyMoE(), Recorder(), ExpertLoadMonitor()
     data = DataLoader(TensorDataset(torch.randn(6, S, D)), batch_size=2)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=3, log_every_n_steps=2,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[rec, mon], logger=CSVLogger(root, name="moe"),
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        log_every_n_steps=2,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[rec, mon],
+        logger=CSVLogger(root, name="moe"),
+    )
     trainer.fit(model, data)
     with open(Path(trainer.log_dir) / "metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("moe/moe_a/text/max_load")]
@@ -119,8 +136,7 @@ def test_logged_values_equal_hand_computed_interval_stats(fitted: dict[str, Any]
     assert len(rows) == len(intervals)
     checked = 0
     for row, iv in zip(rows, intervals, strict=True):
-        for key in [("moe_a", "text"), ("moe_a", "vision"), ("moe_b", "text"),
-                    ("moe_b", "vision")]:  # fmt: skip
+        for key in [("moe_a", "text"), ("moe_a", "vision"), ("moe_b", "text"), ("moe_b", "vision")]:
             for metric, want in expected(iv, key).items():
                 got = float(row[f"moe/{key[0]}/{key[1]}/{metric}"])
                 assert got == pytest.approx(want, rel=1e-5, abs=1e-7), (key, metric)

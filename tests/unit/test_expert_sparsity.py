@@ -59,8 +59,12 @@ def test_active_count_and_mask_choice() -> None:
 
 def test_masked_expert_receives_no_token() -> None:
     torch.manual_seed(0)
-    layer = MoEFeedForward(D, MoEConfig(num_experts=4, top_k=2, ffn_width=8, router_dim=8,
-                                        capacity_factor=None, init_std=0.5))  # fmt: skip
+    layer = MoEFeedForward(
+        D,
+        MoEConfig(
+            num_experts=4, top_k=2, ffn_width=8, router_dim=8, capacity_factor=None, init_std=0.5
+        ),
+    )
     x = torch.randn(3, 8, D)
     layer(x)
     before = layer.last_stats["text"].kept_per_expert
@@ -76,8 +80,17 @@ def test_masked_expert_receives_no_token() -> None:
 class TinyMoE(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        self.moe = MoEFeedForward(D, MoEConfig(num_experts=E, top_k=2, ffn_width=8, router_dim=8,
-                                               capacity_factor=None, init_std=0.5))  # fmt: skip
+        self.moe = MoEFeedForward(
+            D,
+            MoEConfig(
+                num_experts=E,
+                top_k=2,
+                ffn_width=8,
+                router_dim=8,
+                capacity_factor=None,
+                init_std=0.5,
+            ),
+        )
         self.head = nn.Linear(D, 1)
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -107,10 +120,16 @@ def fitted() -> dict[str, Any]:
     sched = ExpertSparsitySchedule(total_steps=STEPS)
     data = DataLoader(TensorDataset(torch.randn(2 * STEPS, S, D)), batch_size=2)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=STEPS, log_every_n_steps=1, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        max_steps=STEPS,
+        log_every_n_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=[rec, sched],
-    )  # fmt: skip
+    )
     trainer.fit(model, data)
     return {"model": model, "rec": rec, "sched": sched, "trainer": trainer}
 

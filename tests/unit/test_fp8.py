@@ -31,8 +31,9 @@ def _reference_scaled_mm() -> bool:
     torch.manual_seed(3)
     a, b = (torch.randn(8, 16) * 9).to(E4M3), (torch.randn(16, 8) * 3).to(E4M3)
     sa, sb = torch.tensor(0.37), torch.tensor(1.9)
-    ref = torch._scaled_mm(a, b.t().contiguous().t(), scale_a=sa, scale_b=sb,
-                           out_dtype=torch.float32)  # fmt: skip
+    ref = torch._scaled_mm(
+        a, b.t().contiguous().t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32
+    )
     return torch.equal(ref, (a.float() * sa) @ (b.float() * sb))
 
 
@@ -78,8 +79,9 @@ def test_fp8_matmul_formats_against_scaled_mm() -> None:
     qb = (torch.randn(48, 17) * 3).to(E4M3)
     ia, ib = torch.tensor(0.37), torch.tensor(1.9)
     for x, y in ((qa, qb), (qg, qb.t())):
-        ref = torch._scaled_mm(x, y.t().contiguous().t(), scale_a=ia, scale_b=ib,
-                               out_dtype=torch.float32)  # fmt: skip
+        ref = torch._scaled_mm(
+            x, y.t().contiguous().t(), scale_a=ia, scale_b=ib, out_dtype=torch.float32
+        )
         assert_same(fp8_matmul(x, ia, y, ib, torch.float32, "emulate"), ref)
 
 
@@ -106,15 +108,23 @@ def test_delayed_scaling_saturation_and_overflow_counted() -> None:
 
 
 def test_policy_patterns_pin_modules_and_switch_at_run_time() -> None:
-    model = nn.ModuleDict({"vision": nn.Linear(8, 8), "layers": nn.Sequential(
-        nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8))})  # fmt: skip
+    model = nn.ModuleDict(
+        {
+            "vision": nn.Linear(8, 8),
+            "layers": nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)),
+        }
+    )
     policy = FP8Policy(backend="emulate", keep_high_precision=("vision", "layers.0", "layers.2"))
     weight = model["layers"][1].weight
     opt = torch.optim.SGD(model.parameters(), lr=0.1)  # built before conversion
     assert convert_to_fp8(model, policy) == ["layers.1"]
     mods = fp8_modules(model)
     assert {n: m.precision for n, m in mods.items()} == {
-        "vision": "bf16", "layers.0": "bf16", "layers.1": "fp8", "layers.2": "bf16"}  # fmt: skip
+        "vision": "bf16",
+        "layers.0": "bf16",
+        "layers.1": "fp8",
+        "layers.2": "bf16",
+    }
     assert mods["layers.1"].weight is weight  # parameters shared, optimizer still valid
     x = torch.randn(4, 8)
     model["layers"](x).sum().backward()
@@ -141,9 +151,13 @@ def test_backend_detection_on_cpu() -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "msg"),
-    [({"history_len": 0}, "history_len"), ({"overflow_ratio": 0.5}, "overflow_ratio"),
-     ({"backend": "te"}, "backend"), ({"high_precision": "fp16"}, "high_precision")],
-)  # fmt: skip
+    [
+        ({"history_len": 0}, "history_len"),
+        ({"overflow_ratio": 0.5}, "overflow_ratio"),
+        ({"backend": "te"}, "backend"),
+        ({"high_precision": "fp16"}, "high_precision"),
+    ],
+)
 def test_policy_validation(kwargs: dict[str, object], msg: str) -> None:
     with pytest.raises(ValueError, match=msg):
         FP8Policy(**kwargs)  # type: ignore[arg-type]

@@ -70,8 +70,10 @@ def test_fsdp_policies() -> None:
     custom = MemoryOptions(mixed_precision={"param_dtype": "float16", "output_dtype": "float32"})
     mp = custom.fsdp_kwargs(torch.device("cpu"))["mp_policy"]
     assert (mp.param_dtype, mp.reduce_dtype, mp.output_dtype) == (
-        torch.float16, None, torch.float32,
-    )  # fmt: skip
+        torch.float16,
+        None,
+        torch.float32,
+    )
     assert MemoryOptions().fsdp_kwargs(torch.device("cpu")) == {}
     assert not MemoryOptions(activation_checkpointing="all").needs_fsdp
 
@@ -196,10 +198,16 @@ def test_fp8_training_callback(tmp_path: Path) -> None:
     fp8 = FP8Training(policy, FallbackConfig(max_retries=2), DriftConfig(check_every_n_steps=2))
     model = TinyLM()
     trainer = Trainer(
-        accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[fp8],
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[fp8],
         default_root_dir=tmp_path,
-    )  # fmt: skip
+    )
     trainer.fit(model, DataLoader(torch.randn(12, 8), batch_size=4))
     assert trainer.global_step == 3
     assert fp8.converted == ["net.0", "net.2"]

@@ -49,9 +49,15 @@ def test_dims_non_positive(name: str, value: int) -> None:
 
 # ---------------------------------------------------------------- ParallelConfig
 @pytest.mark.parametrize(
-    "name", ["tensor_parallel", "pipeline_parallel", "expert_parallel", "virtual_pipeline",
-             "micro_batches"],
-)  # fmt: skip
+    "name",
+    [
+        "tensor_parallel",
+        "pipeline_parallel",
+        "expert_parallel",
+        "virtual_pipeline",
+        "micro_batches",
+    ],
+)
 @pytest.mark.parametrize("value", [0, -1, True, 2.0])
 def test_config_non_positive(name: str, value: Any) -> None:
     msg = f"{name} ({value!r}) must be a positive integer; use 1 to disable it."
@@ -96,9 +102,11 @@ def test_fewer_micro_batches_than_pipeline_ranks(schedule: str, virtual: int) ->
     )
     with pytest.raises(ValueError, match=_exact(msg)):
         ParallelConfig(
-            pipeline_parallel=4, virtual_pipeline=virtual, micro_batches=2,
+            pipeline_parallel=4,
+            virtual_pipeline=virtual,
+            micro_batches=2,
             schedule=schedule,  # type: ignore[arg-type]
-        )  # fmt: skip
+        )
 
 
 def test_gpipe_accepts_fewer_micro_batches() -> None:
@@ -150,10 +158,15 @@ def test_partition_gives_remainder_to_early_stages() -> None:
 # ---------------------------------------------------------------- Trainer construction
 def _trainer(strategy: Any, devices: int, root: Path) -> Trainer:
     return Trainer(
-        strategy=strategy, accelerator="cpu", devices=devices, default_root_dir=root,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        default_root_dir=root,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
         enable_model_summary=False,
-    )  # fmt: skip
+    )
 
 
 def test_trainer_rejects_world_not_divisible_by_tp(tmp_path: Path) -> None:
@@ -210,8 +223,15 @@ def test_groups_match_megatron_docstring_example() -> None:
     """``initialize_model_parallel``'s docstring: 16 GPUs, tp=2, pp=4."""
     dims = ParallelDims(world_size=16, tp=2, pp=4)
     assert dims.groups("dp") == [
-        [0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]
-    ]  # fmt: skip
+        [0, 2],
+        [1, 3],
+        [4, 6],
+        [5, 7],
+        [8, 10],
+        [9, 11],
+        [12, 14],
+        [13, 15],
+    ]
     assert dims.groups("tp") == [[2 * i, 2 * i + 1] for i in range(8)]
     assert dims.groups("pp") == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
 
@@ -251,9 +271,11 @@ def test_bad_partition_refused_at_construction(partition: Any, match: str) -> No
     """``partition=`` is checked with the layout (stage count pp * v) before any process starts."""
     with pytest.raises(ValueError, match=match):
         MultimodalParallelStrategy(
-            pipeline_parallel=2, virtual_pipeline=2, schedule="interleaved_1f1b",
+            pipeline_parallel=2,
+            virtual_pipeline=2,
+            schedule="interleaved_1f1b",
             partition=partition,
-        )  # fmt: skip
+        )
 
 
 def test_partition_without_pipeline_is_an_ineffective_option() -> None:

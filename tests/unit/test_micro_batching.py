@@ -131,9 +131,12 @@ class Pipelined(nn.Module):
 
 
 def run(
-    cb: DynamicMicroBatching, engine: FakeEngine, steps: int, accumulate: int = 1,
+    cb: DynamicMicroBatching,
+    engine: FakeEngine,
+    steps: int,
+    accumulate: int = 1,
     trainer: Any = None,
-) -> list[int]:  # fmt: skip
+) -> list[int]:
     """Drive the callback ``steps`` batches of 8 rows (``accumulate`` batches per optimizer
     step); the micro-batch size of every batch. With ``trainer`` given the fit does not end."""
     module = Pipelined()

@@ -177,10 +177,17 @@ def hand_joint_attention(attn: LlamaAttention, x: torch.Tensor, img: torch.Tenso
 @pytest.mark.parametrize("temps", [(1.0, 0.7), (0.5, 1.3)])
 def test_modality_temperature_matches_hand_reference(temps: tuple[float, float]) -> None:
     config = LanguageConfig(
-        vocab_size=16, hidden_size=32, intermediate_size=8, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, joint_attention=True,
-        image_temperature=temps[0], text_temperature=temps[1], learnable_temperature=True,
-    )  # fmt: skip
+        vocab_size=16,
+        hidden_size=32,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        joint_attention=True,
+        image_temperature=temps[0],
+        text_temperature=temps[1],
+        learnable_temperature=True,
+    )
     torch.manual_seed(0)
     attn = LlamaAttention(config)
     x, img = torch.randn(2, 3, 32), torch.randn(2, 2, 32)  # 3 text tokens, 2 image tokens
@@ -301,8 +308,14 @@ def test_block_kinds_and_costs_are_sane() -> None:
     model = tiny_fusion()
     blocks = model.pipeline_blocks()
     assert [b.kind for b in blocks] == [
-        "vision", "vision", "vision", "aligner", "aligner", "language", "head",
-    ]  # fmt: skip
+        "vision",
+        "vision",
+        "vision",
+        "aligner",
+        "aligner",
+        "language",
+        "head",
+    ]
     costs = [b.cost(4, 3) for b in blocks]
     assert all(c.flops > 0 and c.activation_bytes > 0 for c in costs)
     longer = [b.cost(4, 6) for b in blocks]

@@ -153,8 +153,12 @@ def dense_reference(layer: MoEFeedForward, x, modality, pad) -> tuple[torch.Tens
     cfg, y = layer.config, torch.zeros_like(x)
     aux = x.new_zeros(())
     for m in range(len(cfg.modalities)):
-        pos = [(b, s) for b in range(x.shape[0]) for s in range(x.shape[1])
-               if not pad[b, s] and modality[b, s] == m]  # fmt: skip
+        pos = [
+            (b, s)
+            for b in range(x.shape[0])
+            for s in range(x.shape[1])
+            if not pad[b, s] and modality[b, s] == m
+        ]
         if not pos:
             continue
         toks = torch.stack([x[b, s] for b, s in pos])

@@ -24,8 +24,14 @@ from lightning_mmpar.recipes import partition as cli
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def spec(kind: str, flops: float, act: float = 0.0, params: float = 0.0, train: float = 0.0,
-         name: str = "b") -> BlockSpec:  # fmt: skip
+def spec(
+    kind: str,
+    flops: float,
+    act: float = 0.0,
+    params: float = 0.0,
+    train: float = 0.0,
+    name: str = "b",
+) -> BlockSpec:
     return BlockSpec(name, kind, flops, act, params, train)
 
 
@@ -60,9 +66,16 @@ def test_minimax_modes_equal_brute_force(mode: str) -> None:
         n, pp, v = rng.randint(2, 8), rng.choice([1, 2, 3]), rng.choice([1, 2])
         if n < pp * v:
             continue
-        blocks = [spec("language", rng.choice([1.0, 2.0, 3.0, rng.random() * 5]),
-                       act=rng.random(), params=rng.random(), train=rng.random() * 0.5)
-                  for _ in range(n)]  # fmt: skip
+        blocks = [
+            spec(
+                "language",
+                rng.choice([1.0, 2.0, 3.0, rng.random() * 5]),
+                act=rng.random(),
+                params=rng.random(),
+                train=rng.random() * 0.5,
+            )
+            for _ in range(n)
+        ]
         plan = plan_stages(blocks, pp, v, mode, micro_batch_size=2)
         cost = (lambda p: p.stage_flops) if mode == "balanced" else (lambda p: p.stage_bytes)
         candidates = [
@@ -147,8 +160,9 @@ def test_parse_partition() -> None:
         (10, 0, 1, "equal", r"pipeline_parallel \(0\) must be an int >= 1"),
     ],
 )
-def test_errors_name_value_and_fix(blocks: int, pp: int, v: int, partition: object,
-                                   match: str) -> None:  # fmt: skip
+def test_errors_name_value_and_fix(
+    blocks: int, pp: int, v: int, partition: object, match: str
+) -> None:
     specs = fusion_like()[:blocks]
     with pytest.raises(ValueError, match=match):
         plan_stages(specs, pp, v, partition)  # type: ignore[arg-type]
@@ -186,8 +200,18 @@ def test_cli_on_shipped_yamls(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["--config", cpu, "--pp", "4", "--virtual", "2"]) == 0
     out = capsys.readouterr().out
     assert "9 blocks, pp 4 x v 2 = 8 stages, interleaved_1f1b, 4 micro-batches of 18" in out
-    for name in ("vision.stem", "vision.layer1", "vision.pool", "bridge", "adapter0", "decoder1",
-                 "head", "balanced", "memory", "ratio:4:1:3"):  # fmt: skip
+    for name in (
+        "vision.stem",
+        "vision.layer1",
+        "vision.pool",
+        "bridge",
+        "adapter0",
+        "decoder1",
+        "head",
+        "balanced",
+        "memory",
+        "ratio:4:1:3",
+    ):
         assert name in out
     big = ROOT / "recipes" / "clip_llama_16gpu.yaml"
     if big.is_file():
@@ -211,9 +235,16 @@ def test_block_specs_of_the_cpu_recipe() -> None:
     config = yaml.safe_load((ROOT / "recipes" / "clip_llama_cpu.yaml").read_text())
     specs = cli.build_specs(config)
     assert [s.name for s in specs] == [
-        "vision.stem", "vision.layer0", "vision.layer1", "vision.pool", "bridge", "adapter0",
-        "decoder0", "decoder1", "head",
-    ]  # fmt: skip
+        "vision.stem",
+        "vision.layer0",
+        "vision.layer1",
+        "vision.pool",
+        "bridge",
+        "adapter0",
+        "decoder0",
+        "decoder1",
+        "head",
+    ]
     assert [s.kind for s in specs[3:6]] == ["vision", "aligner", "aligner"]
     # everything trains in the CPU recipe except the EMA (momentum) heads of the head block
     assert all(s.trainable_bytes == s.parameter_bytes for s in specs[:-1])

@@ -47,9 +47,14 @@ def test_formula_values() -> None:
     assert formula_bubble("interleaved_zero_bubble", 2, 4, 2) == pytest.approx(1 / 25)
     assert formula_bubble("zbv_zero_bubble", 2, 4, 2) == formula_bubble("dualpipev", 2, 4, 2) == 0
     assert set(FORMULA_SOURCES) == {
-        "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
-        "zbv_zero_bubble", "dualpipev",
-    }  # fmt: skip
+        "gpipe",
+        "1f1b",
+        "interleaved_1f1b",
+        "looped_bfs",
+        "interleaved_zero_bubble",
+        "zbv_zero_bubble",
+        "dualpipev",
+    }
     with pytest.raises(ValueError, match=r"schedule \('pipedream'\) is unknown; use one of gpipe"):
         formula_bubble("pipedream", 2, 4)
     with pytest.raises(ValueError, match=r"micro_batches \(0\) must be a positive integer"):
@@ -103,9 +108,13 @@ class FakeModule:
 
 def fake_trainer(engine: Any, root: Path) -> Any:
     return SimpleNamespace(
-        strategy=SimpleNamespace(pipeline=engine), global_step=0, is_global_zero=True,
-        world_size=1, log_dir=str(root), default_root_dir=str(root),
-    )  # fmt: skip
+        strategy=SimpleNamespace(pipeline=engine),
+        global_step=0,
+        is_global_zero=True,
+        world_size=1,
+        log_dir=str(root),
+        default_root_dir=str(root),
+    )
 
 
 def test_callback_records_chosen_steps_logs_and_draws(tmp_path: Path) -> None:
@@ -128,8 +137,10 @@ def test_callback_records_chosen_steps_logs_and_draws(tmp_path: Path) -> None:
     result = cb.results[0]
     assert result["measured"] == pytest.approx(0.0) and result["micro_batches"] == 2
     assert result["formula"] == pytest.approx(1 / 3)
-    assert module.logged == {"pipeline_bubble_measured": result["measured"],
-                             "pipeline_bubble_formula": result["formula"]}  # fmt: skip
+    assert module.logged == {
+        "pipeline_bubble_measured": result["measured"],
+        "pipeline_bubble_formula": result["formula"],
+    }
     png = tmp_path / "pipeline_timeline.png"
     assert png.stat().st_size > 1000
     assert json.loads(png.with_suffix(".json").read_text())[0]["intervals"][0][0][1] == "forward"
@@ -141,9 +152,16 @@ def test_draw_timeline_interleaved(tmp_path: Path) -> None:
     per_rank = gpipe(2, 2)
     per_rank[0] += [(2, "backward_input", 0, 7.0, 8.0), (2, "backward_weight", 0, 8.0, 9.0)]
     result = {
-        "schedule": "interleaved_1f1b", "pp": 2, "virtual": 2, "num_stages": 4,
-        "micro_batches": 2, "step": 3, "measured": 0.3, "formula": 0.2, "intervals": per_rank,
-    }  # fmt: skip
+        "schedule": "interleaved_1f1b",
+        "pp": 2,
+        "virtual": 2,
+        "num_stages": 4,
+        "micro_batches": 2,
+        "step": 3,
+        "measured": 0.3,
+        "formula": 0.2,
+        "intervals": per_rank,
+    }
     out = draw_timeline(result, tmp_path / "deep" / "t.png")
     assert out is not None and out.stat().st_size > 1000
 

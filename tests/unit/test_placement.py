@@ -54,9 +54,10 @@ def nodes_spanned(graph: DeviceGraph, placement: Placement, dim: str, **layout: 
     return {len({graph.node_of[d] for d in g}) for g in groups}
 
 
-@pytest.mark.parametrize(("world", "tp", "pp", "ep"),
-                         [(8, 2, 2, 1), (8, 1, 2, 2), (16, 2, 2, 2), (12, 3, 2, 1), (8, 2, 1, 4),
-                          (1, 1, 1, 1)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("world", "tp", "pp", "ep"),
+    [(8, 2, 2, 1), (8, 1, 2, 2), (16, 2, 2, 2), (12, 3, 2, 1), (8, 2, 1, 4), (1, 1, 1, 1)],
+)
 def test_group_positions_equal_parallel_dims(world: int, tp: int, pp: int, ep: int) -> None:
     assert MESH_AXES == MESH_DIMS
     dims = ParallelDims(world_size=world, tp=tp, pp=pp, ep=ep)
@@ -72,17 +73,26 @@ def test_group_positions_equal_parallel_dims(world: int, tp: int, pp: int, ep: i
 
 
 def test_tp_on_nvlink_pairs() -> None:
-    for layout in (dict(pp=1, dp=4, ep=1, tp=2), dict(pp=2, dp=2, ep=1, tp=2),
-                   dict(pp=2, dp=2, ep=2, tp=2), dict(pp=4, dp=1, ep=1, tp=2)):  # fmt: skip
+    for layout in (
+        dict(pp=1, dp=4, ep=1, tp=2),
+        dict(pp=2, dp=2, ep=1, tp=2),
+        dict(pp=2, dp=2, ep=2, tp=2),
+        dict(pp=4, dp=1, ep=1, tp=2),
+    ):
         chosen = place(PAIRS, **layout)
-        assert all(g in ({0, 1}, {2, 3}, {4, 5}, {6, 7}) for g in
-                   groups_of(PAIRS, chosen, "tp", **layout)), (layout, chosen)  # fmt: skip
+        assert all(
+            g in ({0, 1}, {2, 3}, {4, 5}, {6, 7}) for g in groups_of(PAIRS, chosen, "tp", **layout)
+        ), (layout, chosen)
     # pairs numbered apart (0-4, 1-5, ...): Megatron's order puts TP on PCIe, place does not
     apart = PAIRS.select([0, 2, 4, 6, 1, 3, 5, 7])
     layout = dict(pp=2, dp=2, ep=1, tp=2)
     chosen = place(apart, **layout)
     assert sorted(map(sorted, groups_of(apart, chosen, "tp", **layout))) == [
-        [0, 4], [1, 5], [2, 6], [3, 7]]  # fmt: skip
+        [0, 4],
+        [1, 5],
+        [2, 6],
+        [3, 7],
+    ]
     # the pipeline boundary stays inside a socket (PXB), data parallelism crosses (SYS)
     for dim, link in (("pp", "PXB"), ("dp", "SYS")):
         for a, b in map(sorted, groups_of(apart, chosen, dim, **layout)):
@@ -108,8 +118,11 @@ def test_two_nodes() -> None:
     assert nodes_spanned(TWO, chosen, "tp", **layout) == {1}
     # nodes interleaved (rank r on node r % 2): Megatron's TP groups would cross the network
     mixed = TWO.select([k // 2 + 8 * (k % 2) for k in range(16)])
-    for layout in (dict(pp=2, dp=1, ep=1, tp=8), dict(pp=1, dp=8, ep=4, tp=2),
-                   dict(pp=2, dp=2, ep=1, tp=4)):  # fmt: skip
+    for layout in (
+        dict(pp=2, dp=1, ep=1, tp=8),
+        dict(pp=1, dp=8, ep=4, tp=2),
+        dict(pp=2, dp=2, ep=1, tp=4),
+    ):
         chosen = place(mixed, **layout)
         for dim in ("tp", "ep"):
             assert nodes_spanned(mixed, chosen, dim, **layout) == {1}, (dim, layout)
@@ -127,8 +140,13 @@ def test_two_nodes() -> None:
 
 
 def test_never_worse_than_megatron() -> None:
-    for name in ("dgx_h100.txt", "pcie_4gpu_2numa.txt", "nvlink_pairs_8gpu.txt",
-                 "two_nodes_h100.yaml", "two_nodes_pcie_matrix.yaml"):  # fmt: skip
+    for name in (
+        "dgx_h100.txt",
+        "pcie_4gpu_2numa.txt",
+        "nvlink_pairs_8gpu.txt",
+        "two_nodes_h100.yaml",
+        "two_nodes_pcie_matrix.yaml",
+    ):
         graph = load_topology(TOPO / name)
         for layout in layouts(graph.num_devices)[:: 1 if graph.num_devices <= 8 else 3]:
             chosen = place(graph, **layout)
@@ -141,8 +159,12 @@ def test_never_worse_than_megatron() -> None:
 def brute_force(graph: DeviceGraph, layout: dict[str, int], first: int | None = None) -> float:
     """The least total over every rank permutation (``first``: device 0 fixed at position 0,
     exact on a vertex-transitive graph: relabelling by an automorphism keeps every cost)."""
-    shape = {"pp": layout["pp"], "edp": layout["dp"] // layout["ep"], "ep": layout["ep"],
-             "tp": layout["tp"]}  # fmt: skip
+    shape = {
+        "pp": layout["pp"],
+        "edp": layout["dp"] // layout["ep"],
+        "ep": layout["ep"],
+        "tp": layout["tp"],
+    }
     cost = _Cost(graph, shape, {"tp": 8e9, "ep": 1e9, "pp": 1.25e8, "dp": 1.5e7})
     n = graph.num_devices
     rest = itertools.permutations(range(1, n)) if first == 0 else None
@@ -195,15 +217,18 @@ def test_traffic_keys_and_errors() -> None:
             megatron_placement(world)  # type: ignore[arg-type]
     routed = {"ep.all_to_all_v": 1e8, "tp": 1e8}  # MoE dispatch: an all-to-all of its bytes
     assert placement_seconds(PAIRS, ident, pp=2, dp=2, ep=2, tp=2, traffic=routed) == (
-        placement_seconds(PAIRS, ident, pp=2, dp=2, ep=2, tp=2,
-                          traffic={"ep.all_to_all": 1e8, "tp": 1e8}))  # fmt: skip
+        placement_seconds(
+            PAIRS, ident, pp=2, dp=2, ep=2, tp=2, traffic={"ep.all_to_all": 1e8, "tp": 1e8}
+        )
+    )
 
 
 def test_machine_placement(monkeypatch: pytest.MonkeyPatch) -> None:
     text = (TOPO / "nvlink_pairs_8gpu.txt").read_text()
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(
-        cmd, 0, stdout=text))  # fmt: skip
+    monkeypatch.setattr(
+        subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 0, stdout=text)
+    )
     layout = dict(pp=2, dp=2, ep=1, tp=2)
     assert machine_placement(**layout, world=8) == place(PAIRS, **layout).devices
     two = machine_placement(pp=2, dp=4, ep=1, tp=2, world=16)  # two such nodes
@@ -213,7 +238,8 @@ def test_machine_placement(monkeypatch: pytest.MonkeyPatch) -> None:
     apart = machine_placement(**layout, world=8)
     assert apart is not None and apart != tuple(range(8))
     assert total(PAIRS.select([0, 2, 4, 6, 1, 3, 5, 7]), Placement(apart), **layout) == (
-        pytest.approx(total(PAIRS, place(PAIRS, **layout), **layout)))  # fmt: skip
+        pytest.approx(total(PAIRS, place(PAIRS, **layout), **layout))
+    )
 
     def missing(cmd: list[str], **kwargs: object) -> None:
         raise FileNotFoundError(cmd[0])

@@ -28,14 +28,20 @@ H100 = DEVICES["h100"]
 def model(blocks: int = 8, width: int = 4096) -> ModelSpec:
     """``blocks`` transformer-sized blocks: one ``[width, 4 width]`` trainable weight each."""
     n = width * 4 * width
-    specs = tuple(BlockSpec(f"decoder{i}", "language", 6.0 * n * 2048, 34 * 2048 * width * 4,
-                            4.0 * n, 4.0 * n) for i in range(blocks))  # fmt: skip
+    specs = tuple(
+        BlockSpec(
+            f"decoder{i}", "language", 6.0 * n * 2048, 34 * 2048 * width * 4, 4.0 * n, 4.0 * n
+        )
+        for i in range(blocks)
+    )
     params = tuple(ParamSpec(f"layer{i}.w", (4 * width, width), i, 0, True) for i in range(blocks))
     hidden = (Boundary(2048 * width * 4, True),)  # [T, D] fp32 between blocks
-    reduce = tuple(Collective("tp", "all_reduce", 2048 * width * 4, phase)
-                   for phase in ("forward", "backward"))  # fmt: skip
-    return ModelSpec(blocks=specs, params=params, boundaries=(hidden,) * blocks,
-                     collectives=(reduce,) * blocks)  # fmt: skip
+    reduce = tuple(
+        Collective("tp", "all_reduce", 2048 * width * 4, phase) for phase in ("forward", "backward")
+    )
+    return ModelSpec(
+        blocks=specs, params=params, boundaries=(hidden,) * blocks, collectives=(reduce,) * blocks
+    )
 
 
 def test_candidate_layouts_cover_the_space_and_respect_the_constraints() -> None:
@@ -93,8 +99,15 @@ def test_placement_and_slow_links_change_only_communication() -> None:
 
 def test_plan_ranks_by_step_time_and_rejects_with_reasons() -> None:
     spec = model(blocks=8, width=8192)  # 1 GiB of fp32 weights per block, 4 GiB with AdamW
-    ranked, rejected = plan(spec, 8, H100, memory_gib=40, global_batch=8, checkpointing=(False,),
-                            accept=lambda x: "no tp 8 here" if x.tp == 8 else None)  # fmt: skip
+    ranked, rejected = plan(
+        spec,
+        8,
+        H100,
+        memory_gib=40,
+        global_batch=8,
+        checkpointing=(False,),
+        accept=lambda x: "no tp 8 here" if x.tp == 8 else None,
+    )
     steps = [p.step_seconds for p in ranked]
     assert ranked and steps == sorted(steps)
     assert all(p.memory.total <= 40 * GIB for p in ranked)
@@ -102,8 +115,10 @@ def test_plan_ranks_by_step_time_and_rejects_with_reasons() -> None:
     # dp 8 under DDP: every rank holds all 8 blocks: 8 + 8 + 16 GiB of state + activations
     (ddp,) = [r for r in rejected if r.layout.dp == 8 and r.layout.data_parallel == "ddp"]
     assert ddp.prediction is not None and ddp.prediction.memory.total > 40 * GIB
-    assert ddp.reason.startswith("needs 49.0 GiB (pipeline rank 0: parameters 8.0 + gradients "
-                                 "8.0 + optimizer 16.0 + activations 17.0) > 40 GiB")  # fmt: skip
+    assert ddp.reason.startswith(
+        "needs 49.0 GiB (pipeline rank 0: parameters 8.0 + gradients "
+        "8.0 + optimizer 16.0 + activations 17.0) > 40 GiB"
+    )
     # FSDP shards the same state 8 ways: it fits
     assert any(p.layout.dp == 8 and p.layout.data_parallel == "fsdp" for p in ranked)
 
@@ -114,8 +129,10 @@ def test_moe_dispatch_is_timed_as_an_all_to_all_and_bad_sizes_raise() -> None:
     spec = model(blocks=4, width=1024)
 
     def with_ep(first: str) -> ModelSpec:
-        ep = (Collective("ep", first, 1 << 20, "forward"),
-              Collective("ep", "all_to_all", 1 << 20, "backward"))  # fmt: skip
+        ep = (
+            Collective("ep", first, 1 << 20, "forward"),
+            Collective("ep", "all_to_all", 1 << 20, "backward"),
+        )
         return replace(spec, collectives=tuple(c + ep for c in spec.collectives))
 
     layout = LayoutSpec(dp=4, ep=2)

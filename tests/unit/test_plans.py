@@ -77,9 +77,13 @@ def test_fusion_units_checkpoint_and_fsdp() -> None:
     model = fusion_model()
     units = checkpoint_units(model)
     assert units == (
-        "vision.transformer.resblocks.0", "vision.transformer.resblocks.1",
-        "adapters.0", "adapters.1", "language.layers.0", "language.layers.1",
-    )  # fmt: skip
+        "vision.transformer.resblocks.0",
+        "vision.transformer.resblocks.1",
+        "adapters.0",
+        "adapters.1",
+        "language.layers.0",
+        "language.layers.1",
+    )
     plan = fusion_plan(model, TensorParallelOptions(activation_checkpointing=True))
     assert plan.activation_checkpointing == units
     blocks, fsdp = model.pipeline_blocks(), plan.fsdp_units()

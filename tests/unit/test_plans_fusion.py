@@ -33,9 +33,13 @@ from lightning_mmpar.topology import ParallelDims
 def config(**changes: Any) -> FusionConfig:
     vision = VisionConfig(image_size=16, patch_size=4, width=32, heads=4, mlp_ratio=2.0)
     language = LanguageConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-        num_attention_heads=8, num_key_value_heads=4,
-    )  # fmt: skip
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    )
     adapter = AdapterConfig(heads=4, width=16, ffn_width=24)
     parts = {"vision": vision, "language": language, "adapter": adapter}
     for tower in parts:
@@ -47,27 +51,61 @@ def config(**changes: Any) -> FusionConfig:
 @pytest.mark.parametrize(
     ("change", "tp", "message"),
     [
-        ({"vision__heads": 2}, 4, r"vision.transformer.resblocks.\*.attn: VisionConfig.heads \(2\) "
-         r"must be divisible by the tensor-parallel size \(4\); nearest valid heads: 4; "
-         r"or tensor_parallel 1 or 2\."),
-        ({"vision__mlp_ratio": 1.1875}, 4, r"vision.transformer.resblocks.\*.mlp: "
-         r"VisionConfig.mlp_width \(38\) .*\(4\); nearest valid \w+: 36 or 40;"),
-        ({"vision__heads": 16, "vision__mlp_ratio": 1.75}, 16,
-         r"VisionConfig.mlp_width \(56\) .* nearest valid \w+: 48 or 64;"),
-        ({"adapter__heads": 2, "adapter__width": 16}, 4, r"adapters.\*.attn: AdapterConfig.heads "
-         r"\(2\) .* nearest valid \w+: 4;"),
-        ({"adapter__ffn_width": 26}, 4, r"adapters.\*.mlp: AdapterConfig.ffn_width \(26\) .* "
-         r"nearest valid \w+: 24 or 28;"),
-        ({"language__num_attention_heads": 6, "language__num_key_value_heads": 2}, 4,
-         r"language.layers.\*.self_attn: LanguageConfig.num_attention_heads \(6\) .* 4 or 8;"),
-        ({"language__num_key_value_heads": 2}, 4, r"language.layers.\*.self_attn: "
-         r"LanguageConfig.num_key_value_heads \(2\) .* nearest valid \w+: 4;"),
-        ({"language__intermediate_size": 50}, 4, r"language.layers.\*.mlp: "
-         r"LanguageConfig.intermediate_size \(50\) .* 48 or 52;"),
-        ({"language__vocab_size": 65}, 2, r"language.embed_tokens/lm_head: "
-         r"LanguageConfig.vocab_size \(65\) .* \(2\); nearest valid \w+: 64 or 66;"),
+        (
+            {"vision__heads": 2},
+            4,
+            r"vision.transformer.resblocks.\*.attn: VisionConfig.heads \(2\) "
+            r"must be divisible by the tensor-parallel size \(4\); nearest valid heads: 4; "
+            r"or tensor_parallel 1 or 2\.",
+        ),
+        (
+            {"vision__mlp_ratio": 1.1875},
+            4,
+            r"vision.transformer.resblocks.\*.mlp: "
+            r"VisionConfig.mlp_width \(38\) .*\(4\); nearest valid \w+: 36 or 40;",
+        ),
+        (
+            {"vision__heads": 16, "vision__mlp_ratio": 1.75},
+            16,
+            r"VisionConfig.mlp_width \(56\) .* nearest valid \w+: 48 or 64;",
+        ),
+        (
+            {"adapter__heads": 2, "adapter__width": 16},
+            4,
+            r"adapters.\*.attn: AdapterConfig.heads "
+            r"\(2\) .* nearest valid \w+: 4;",
+        ),
+        (
+            {"adapter__ffn_width": 26},
+            4,
+            r"adapters.\*.mlp: AdapterConfig.ffn_width \(26\) .* "
+            r"nearest valid \w+: 24 or 28;",
+        ),
+        (
+            {"language__num_attention_heads": 6, "language__num_key_value_heads": 2},
+            4,
+            r"language.layers.\*.self_attn: LanguageConfig.num_attention_heads \(6\) .* 4 or 8;",
+        ),
+        (
+            {"language__num_key_value_heads": 2},
+            4,
+            r"language.layers.\*.self_attn: "
+            r"LanguageConfig.num_key_value_heads \(2\) .* nearest valid \w+: 4;",
+        ),
+        (
+            {"language__intermediate_size": 50},
+            4,
+            r"language.layers.\*.mlp: "
+            r"LanguageConfig.intermediate_size \(50\) .* 48 or 52;",
+        ),
+        (
+            {"language__vocab_size": 65},
+            2,
+            r"language.embed_tokens/lm_head: "
+            r"LanguageConfig.vocab_size \(65\) .* \(2\); nearest valid \w+: 64 or 66;",
+        ),
     ],
-)  # fmt: skip
+)
 def test_indivisible_sizes_name_module_field_value_and_fix(
     change: dict[str, Any], tp: int, message: str
 ) -> None:

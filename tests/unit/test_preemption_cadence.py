@@ -38,11 +38,21 @@ class _SignalAt(Callback):
 
 def _trainer(root: Path, *callbacks: Callback, max_steps: int = 8) -> Trainer:
     return Trainer(
-        default_root_dir=root, max_steps=max_steps, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, limit_val_batches=0, accelerator="cpu", devices=1,
-        callbacks=[ModelCheckpoint(dirpath=root / "ckpts", save_last=True, save_top_k=0,
-                                   every_n_train_steps=100), *callbacks],
-    )  # fmt: skip
+        default_root_dir=root,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        accelerator="cpu",
+        devices=1,
+        callbacks=[
+            ModelCheckpoint(
+                dirpath=root / "ckpts", save_last=True, save_top_k=0, every_n_train_steps=100
+            ),
+            *callbacks,
+        ],
+    )
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])

@@ -50,8 +50,14 @@ MISTAKES = [
         r"num_key_value_heads \(1\) must be divisible by the tensor-parallel size \(2\)",
     ),
     (  # stages vs blocks: pipeline.partition, raised in the strategy's setup before
-        [f"{STRATEGY}virtual_pipeline", "8", f"{STRATEGY}schedule", "interleaved_1f1b",
-         f"{STRATEGY}micro_batches", "4"],
+        [
+            f"{STRATEGY}virtual_pipeline",
+            "8",
+            f"{STRATEGY}schedule",
+            "interleaved_1f1b",
+            f"{STRATEGY}micro_batches",
+            "4",
+        ],
         r"pipeline stages \(16 = pipeline_parallel \* virtual_pipeline\) exceed the model's "
         r"pipeline blocks \(9\)",
     ),
@@ -68,30 +74,36 @@ MISTAKES = [
         r"vision_parallel='dp' splits the images of each micro-batch \(data.batch_size 70 / "
         r"micro_batches 2\) .*its size \(35\) must be divisible by tensor_parallel \(2\)",
     ),
-]  # fmt: skip
+]
 
 
 MOE_YAML = str(Path(YAML).with_name("clip_llama_moe_cpu.yaml"))
 MISTAKES = [(YAML, args, message) for args, message in MISTAKES] + [
     (YAML, *m) if "expert_parallel" in m[0][0] else (MOE_YAML, *m)
     for m in [
-    (  # expert parallelism without MoE layers: raised in the strategy's setup before
-        [f"{STRATEGY}expert_parallel", "2", f"{STRATEGY}pipeline_parallel", "1",
-         f"{STRATEGY}micro_batches", "null"],
-        r"expert_parallel \(2\) needs mixture-of-experts layers, but model.fusion.language.moe "
-        r"is null",
-    ),
-    (  # sequence parallel with MoE layers: raised in configure_model before
-        ["--model.tensor_parallel.sequence_parallel", "true"],
-        r"sequence_parallel \(True\) is not supported with mixture-of-experts layers",
-    ),
-    (  # experts vs ep: raised by apply_expert_parallel in configure_model before
-        ["--model.fusion.language.moe.num_experts", "3"],
-        r"model.fusion.language.moe.num_experts \(3\) must be divisible by expert_parallel "
-        r"\(2\)",
-    ),
+        (  # expert parallelism without MoE layers: raised in the strategy's setup before
+            [
+                f"{STRATEGY}expert_parallel",
+                "2",
+                f"{STRATEGY}pipeline_parallel",
+                "1",
+                f"{STRATEGY}micro_batches",
+                "null",
+            ],
+            r"expert_parallel \(2\) needs mixture-of-experts layers, but model.fusion.language.moe "
+            r"is null",
+        ),
+        (  # sequence parallel with MoE layers: raised in configure_model before
+            ["--model.tensor_parallel.sequence_parallel", "true"],
+            r"sequence_parallel \(True\) is not supported with mixture-of-experts layers",
+        ),
+        (  # experts vs ep: raised by apply_expert_parallel in configure_model before
+            ["--model.fusion.language.moe.num_experts", "3"],
+            r"model.fusion.language.moe.num_experts \(3\) must be divisible by expert_parallel "
+            r"\(2\)",
+        ),
     ]
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("config", "args", "message"), MISTAKES, ids=lambda v: str(v)[-40:])
@@ -139,21 +151,52 @@ def test_checkpoint_is_checked_before_launch(launched: list[str], tmp_path: Path
         run_cli(["fit", "--config", YAML, "--ckpt_path", str(single)])
     assert launched == []
 
-    other = run_cli(["fit", "--config", YAML, "--model.fusion.language.num_hidden_layers", "1",
-                     "--model.optim.lr", "0.1"])  # fmt: skip
+    other = run_cli(
+        [
+            "fit",
+            "--config",
+            YAML,
+            "--model.fusion.language.num_hidden_layers",
+            "1",
+            "--model.optim.lr",
+            "0.1",
+        ]
+    )
     launched.clear()
     ckpt = tmp_path / "last.ckpt"
     save_sharded(ckpt, nn.Linear(2, 2), [], {"hyper_parameters": dict(other.model.hparams)}, True)
     with pytest.raises(ValueError, match=r"num_hidden_layers: checkpoint 1, this run 2"):
         run_cli(["fit", "--config", YAML, "--ckpt_path", str(ckpt)])
     with pytest.raises(ValueError, match=r"optim.lr: checkpoint 0.1, this run 0.003"):
-        run_cli(["fit", "--config", YAML, "--ckpt_path", str(ckpt),
-                 "--model.fusion.language.num_hidden_layers", "1"])  # fmt: skip
+        run_cli(
+            [
+                "fit",
+                "--config",
+                YAML,
+                "--ckpt_path",
+                str(ckpt),
+                "--model.fusion.language.num_hidden_layers",
+                "1",
+            ]
+        )
     assert launched == []
-    run_cli(["fit", "--config", YAML, "--ckpt_path", str(ckpt),
-             "--model.fusion.language.num_hidden_layers", "1", "--model.optim.lr", "0.1",
-             "--model.tensor_parallel.activation_checkpointing", "true",
-             "--model.loss.caption_weight", "2.0"])  # fmt: skip
+    run_cli(
+        [
+            "fit",
+            "--config",
+            YAML,
+            "--ckpt_path",
+            str(ckpt),
+            "--model.fusion.language.num_hidden_layers",
+            "1",
+            "--model.optim.lr",
+            "0.1",
+            "--model.tensor_parallel.activation_checkpointing",
+            "true",
+            "--model.loss.caption_weight",
+            "2.0",
+        ]
+    )
     assert launched == ["fit"]  # layout and loss weights may change on resume
 
 
@@ -193,8 +236,10 @@ def test_cli_prints_setup_errors_and_unknown_options_without_traceback(
     got = suggest_options("Subcommand 'fit' does not accept option 'data.batch_sise'", known)
     assert got.endswith("--data.batch_sise: did you mean --data.batch_size?")
     assert suggest_options("unrecognized arguments: --zzz 1", known).count("\n") == 0
-    nested = ("Problem with given class_path 'lightning_mmpar.strategy.MultimodalParallelStrategy':"
-              "\n    Option 'tensor_paralel' is not accepted")  # fmt: skip
+    nested = (
+        "Problem with given class_path 'lightning_mmpar.strategy.MultimodalParallelStrategy':"
+        "\n    Option 'tensor_paralel' is not accepted"
+    )
     assert "tensor_paralel (MultimodalParallelStrategy): did you mean tensor_parallel" in (
         suggest_options(nested, known)
     )

@@ -54,10 +54,15 @@ def test_caption_batches_limits_the_measurement(
 def test_skipped_steps_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Steps skipped by ``on_nonfinite="skip"`` are in the summary and its printed line."""
     trainer: Any = SimpleNamespace(
-        datamodule=None, checkpoint_callback=None, logger=None,
-        default_root_dir=str(tmp_path), global_step=3, world_size=1, is_global_zero=True,
+        datamodule=None,
+        checkpoint_callback=None,
+        logger=None,
+        default_root_dir=str(tmp_path),
+        global_step=3,
+        world_size=1,
+        is_global_zero=True,
         strategy=SimpleNamespace(nonfinite=SimpleNamespace(skipped=2)),
-    )  # fmt: skip
+    )
     summary = RunSummary(plots=False)
     summary.on_fit_start(trainer, _Module())  # type: ignore[arg-type]
     summary.on_fit_end(trainer, _Module())  # type: ignore[arg-type]

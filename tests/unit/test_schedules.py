@@ -40,9 +40,11 @@ def _exact(message: str) -> str:
 def _config(schedule: str, pp: int = 2, **kwargs: Any) -> ParallelConfig:
     v = 2 if schedule in MULTI_STAGE_SCHEDULES else 1
     return ParallelConfig(
-        pipeline_parallel=pp, virtual_pipeline=kwargs.pop("virtual_pipeline", v),
-        schedule=schedule, **kwargs,  # type: ignore[arg-type]
-    )  # fmt: skip
+        pipeline_parallel=pp,
+        virtual_pipeline=kwargs.pop("virtual_pipeline", v),
+        schedule=schedule,
+        **kwargs,  # type: ignore[arg-type]
+    )
 
 
 def test_every_schedule_is_a_torch_class() -> None:
@@ -122,9 +124,9 @@ def test_rounds_schedules_need_a_multiple_of_rounds(schedule: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "schedule", ["gpipe", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
-                 "zbv_zero_bubble"],
-)  # fmt: skip
+    "schedule",
+    ["gpipe", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble"],
+)
 def test_schedules_without_a_minimum_take_one_micro_batch(schedule: str) -> None:
     assert _config(schedule, 4, micro_batches=1).num_micro_batches == 1
 
@@ -243,7 +245,9 @@ def test_observers_time_every_action_only_when_present() -> None:
     assert calls == [("f", 0), ("f", 1), ("b", True), ("b", False), ("w", 2)]
     actions = [(s, a, m) for s, a, m, _, _ in seen]
     assert actions == [
-        (3, "forward", 1), (3, "backward", 1), (3, "backward_input", 2),
+        (3, "forward", 1),
+        (3, "backward", 1),
+        (3, "backward_input", 2),
         (3, "backward_weight", 2),
-    ]  # fmt: skip
+    ]
     assert all(start <= end for *_, start, end in seen)

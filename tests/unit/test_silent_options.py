@@ -54,9 +54,12 @@ def one_process_world() -> Iterator[None]:
 
 def _fit(module: Linear, root: Path, **kwargs: Any) -> Trainer:
     trainer = quiet_trainer(
-        strategy=MultimodalParallelStrategy(), devices=1, max_steps=2, default_root_dir=root,
+        strategy=MultimodalParallelStrategy(),
+        devices=1,
+        max_steps=2,
+        default_root_dir=root,
         **kwargs,
-    )  # fmt: skip
+    )
     trainer.fit(module)
     return trainer
 

@@ -134,13 +134,15 @@ def test_snapshot_restores_weights_and_optimizer_without_aliasing() -> None:
 
 @pytest.mark.parametrize(
     ("cls", "kwargs", "msg"),
-    [(DriftConfig, {"explode_factor": 1.0}, "explode_factor"),
-     (DriftConfig, {"on_drift": "fix"}, "on_drift"),
-     (DriftConfig, {"check_every_n_steps": 0}, "check_every_n_steps"),
-     (FallbackConfig, {"max_retries": 0}, "max_retries"),
-     (FallbackConfig, {"clip_grad_norm": -1.0}, "clip_grad_norm"),
-     (FallbackConfig, {"fallback_precision": "fp16"}, "fallback_precision")],
-)  # fmt: skip
+    [
+        (DriftConfig, {"explode_factor": 1.0}, "explode_factor"),
+        (DriftConfig, {"on_drift": "fix"}, "on_drift"),
+        (DriftConfig, {"check_every_n_steps": 0}, "check_every_n_steps"),
+        (FallbackConfig, {"max_retries": 0}, "max_retries"),
+        (FallbackConfig, {"clip_grad_norm": -1.0}, "clip_grad_norm"),
+        (FallbackConfig, {"fallback_precision": "fp16"}, "fallback_precision"),
+    ],
+)
 def test_config_validation(cls: type, kwargs: dict[str, object], msg: str) -> None:
     with pytest.raises(ValueError, match=msg):
         cls(**kwargs)
@@ -185,9 +187,11 @@ def test_redo_recomputes_only_the_current_accumulation_window(
     fb = FP8FallbackCallback(FallbackConfig(clip_grad_norm=None), monitor=mon)
     probe = _WindowProbe(fb, step=3)
     trainer = quiet_trainer(
-        max_steps=5, accumulate_grad_batches=accumulate, callbacks=[mon, fb, probe],
+        max_steps=5,
+        accumulate_grad_batches=accumulate,
+        callbacks=[mon, fb, probe],
         default_root_dir=str(tmp_path),
-    )  # fmt: skip
+    )
     trainer.fit(model, loader())
     assert fb.counters["redone_steps"] == 1
     assert len(probe.batches[3]) == accumulate and probe.longest == accumulate

@@ -77,10 +77,16 @@ def test_mfu_tokens_and_peak_memory_logged(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(throughput_monitor, "time", _Clock())
     logger = _Memory()
     trainer = Trainer(
-        accelerator="cpu", devices=1, max_steps=6, logger=logger, log_every_n_steps=1,
-        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        max_steps=6,
+        logger=logger,
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
         callbacks=[RecipeThroughput(peak_flops_per_device=PEAK, window_size=2), PeakMemory()],
-    )  # fmt: skip
+    )
     model = _Model()
     trainer.fit(model)
     assert model.flops_per_batch == sum(FLOPS) * B
@@ -105,9 +111,12 @@ def test_a_replica_is_one_device_for_throughput_and_mfu() -> None:
         parallel_dims=ParallelDims(world_size=8, tp=2, pp=2), root_device=torch.device("cpu")
     )
     trainer: Any = SimpleNamespace(
-        strategy=strategy, world_size=8, precision_plugin=Precision(), enable_validation=False,
+        strategy=strategy,
+        world_size=8,
+        precision_plugin=Precision(),
+        enable_validation=False,
         state=SimpleNamespace(stage=RunningStage.TRAINING),
-    )  # fmt: skip
+    )
     monitor, model = RecipeThroughput(peak_flops_per_device=PEAK), _Model()
     monitor.setup(trainer, model, "fit")
     assert monitor.available_flops == 4 * PEAK

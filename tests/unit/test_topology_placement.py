@@ -80,9 +80,10 @@ def test_position_of_an_unknown_rank() -> None:
 
 
 @pytest.mark.parametrize(
-    "bad", [[1, 2], [0, 0], [0, False], "no/such/topology.txt", 7, {"0": 1}],
+    "bad",
+    [[1, 2], [0, 0], [0, False], "no/such/topology.txt", 7, {"0": 1}],
     ids=["not-from-0", "repeated", "bool", "missing-file", "int", "dict"],
-)  # fmt: skip
+)
 def test_config_refuses_a_bad_placement_at_construction(bad: object) -> None:
     with pytest.raises(ValueError, match=r"^placement \("):
         ParallelConfig(placement=bad)  # type: ignore[arg-type]
