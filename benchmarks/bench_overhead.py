@@ -118,7 +118,7 @@ class LightningUserModule(ClipLlamaModule):
         model = FusionModel(
             self._resolved_config(tp_mesh.size()), momentum=self.loss_config.mml.momentum
         )
-        o = self.tp_options
+        o = self.plan_options
         if tp_mesh.size() > 1:
             apply_tensor_parallel(
                 model,

@@ -364,8 +364,8 @@ def scale_module(name: str) -> Any:
     from lightning_mmpar.models.fusion import FusionConfig
     from lightning_mmpar.models.language import LanguageConfig
     from lightning_mmpar.models.vision import VisionConfig
-    from lightning_mmpar.recipes.config import FinetuneConfig
     from lightning_mmpar.recipes.module import ClipLlamaModule
+    from lightning_mmpar.recipes.options import FinetuneConfig
 
     dims = SCALE_MODELS[name]
     fusion = FusionConfig(

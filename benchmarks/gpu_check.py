@@ -110,8 +110,8 @@ def build_module(sizes: dict[str, Any], fp8: bool) -> Any:
     from lightning_mmpar.models.language import LanguageConfig
     from lightning_mmpar.models.vision import VisionConfig
     from lightning_mmpar.precision import FP8Policy, convert_to_fp8
-    from lightning_mmpar.recipes.config import FinetuneConfig, OptimConfig
     from lightning_mmpar.recipes.module import ClipLlamaModule
+    from lightning_mmpar.recipes.options import FinetuneConfig, OptimConfig
 
     class CheckModule(ClipLlamaModule):
         def configure_model(self) -> None:

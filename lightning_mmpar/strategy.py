@@ -4,12 +4,15 @@ Set-up order (each step a function in :mod:`lightning_mmpar.parallel` taking a m
 
 1. ``setup_environment``: processes and the default group exist; build the ``pp, edp, ep, tp``
    mesh (``dp`` flattened) and hand it to the LightningModule as ``self.device_mesh``.
-2. Lightning calls ``configure_model()``: the module applies tensor-parallel plans on
-   ``self.device_mesh["tp"]`` (also reachable as ``["tensor_parallel"]``, with
-   ``["data_parallel"]`` for ``dp``: Lightning ModelParallelStrategy's names).
-3. ``setup``: pipeline split (modules implementing
-   :class:`~lightning_mmpar.parallel.pipeline.PipelineModule`), then data parallel (FSDP2 per
-   block on ``dp``, or gradient all-reduce), then the module's optional
+2. Lightning calls ``configure_model()``: the module builds its model (a module applying
+   tensor-parallel styles itself uses ``self.device_mesh["tp"]``, also reachable as
+   ``["tensor_parallel"]``, with ``["data_parallel"]`` for ``dp``: Lightning
+   ModelParallelStrategy's names).
+3. ``setup``: one :func:`~lightning_mmpar.parallel.parallelize.parallelize` call with the
+   module's plan (its optional ``parallel_plan(dims)``) and the strategy's options: tensor
+   parallel -> expert parallel -> activation checkpointing / compile -> pipeline split (modules
+   implementing :class:`~lightning_mmpar.parallel.pipeline.PipelineModule`) -> data parallel
+   (FSDP2 per block on ``dp``, or gradient all-reduce), then the module's optional
    ``load_sharded_parameters(device)`` hook fills parameters it left on the meta device with
    this rank's shards (:mod:`lightning_mmpar.parallel.deferred`), then optimizers.
 """
@@ -45,8 +48,8 @@ from lightning_mmpar.parallel import data as dpar
 from lightning_mmpar.parallel.checkpoint_hooks import ShardedCheckpointHooks
 from lightning_mmpar.parallel.fsdp_options import MemoryOptions
 from lightning_mmpar.parallel.numerics_hooks import NumericsHooks
-from lightning_mmpar.parallel.pipeline import PipelineChunk, PipelineEngine, PipelineModule
-from lightning_mmpar.parallel.stage_plan import stage_plan_for
+from lightning_mmpar.parallel.parallelize import ParallelizeOptions, module_plan, parallelize
+from lightning_mmpar.parallel.pipeline import PipelineChunk, PipelineEngine
 from lightning_mmpar.parallel.stash import GradientStash
 from lightning_mmpar.precision.plugins import GlobalNormClipping, with_global_clipping
 from lightning_mmpar.topology import ParallelDims
@@ -84,8 +87,9 @@ class MultimodalParallelStrategy(NumericsHooks, ShardedCheckpointHooks, ModelPar
         mixed_precision: FSDP2 mixed precision: ``"bf16"`` (BF16 parameters and compute, FP32
             gradient reduction) or a ``MixedPrecisionPolicy`` dict; needs ``data_parallel="fsdp"``.
         offload_optimizer: FSDP2 ``CPUOffloadPolicy``: parameters, gradients and optimizer state
-            in CPU memory. activation_checkpointing: ``"all"``, every ``k``-th block (``int``)
-            or block kinds; compile_blocks: ``torch.compile`` each block (``True`` or a backend).
+            in CPU memory. activation_checkpointing: ``"all"``, ``"layers"`` (the model's
+            repeated layers, as its plan names them), every ``k``-th block (``int``) or block
+            kinds; compile_blocks: ``torch.compile`` each block (``True`` or a backend).
             All four: :class:`~lightning_mmpar.parallel.fsdp_options.MemoryOptions`.
 
     Data parallelism is ``world_size / (tensor_parallel * pipeline_parallel)``. A LightningModule
@@ -95,6 +99,9 @@ class MultimodalParallelStrategy(NumericsHooks, ShardedCheckpointHooks, ModelPar
     """
 
     strategy_name = "mm_parallel"
+    applies_parallel_plans = True
+    """``setup`` applies the module's parallel plan (:func:`~lightning_mmpar.parallel.
+    parallelize.applies_plans`), so its ``configure_model`` only builds the model."""
 
     def __init__(
         self,
@@ -269,51 +276,18 @@ class MultimodalParallelStrategy(NumericsHooks, ShardedCheckpointHooks, ModelPar
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def _parallelize(self, module: LightningModule) -> None:
+        """The one :func:`~lightning_mmpar.parallel.parallelize.parallelize` call, with the
+        module's own plan (``parallel_plan(dims)``, when it defines one)."""
         if self.pipeline is not None or self._chunk is not None:
             return  # already set up by an earlier fit/validate call on this strategy
-        dims, cfg = self.parallel_dims, self.config
-        if cfg.pipeline_parallel > 1 and not isinstance(module, PipelineModule):
-            raise TypeError(
-                f"pipeline_parallel={cfg.pipeline_parallel} needs {type(module).__name__} to "
-                "implement pipeline_blocks(), pipeline_inputs() and pipeline_loss() "
-                "(lightning_mmpar.parallel.pipeline.PipelineModule); or set pipeline_parallel=1."
-            )
-        fsdp = cfg.data_parallel == "fsdp" and (dims.dp > 1 or self.memory.needs_fsdp)
-        shard, fsdp_kw = (
-            fsdp and not dpar.has_fsdp(module),
-            self.memory.fsdp_kwargs(self.root_device),
-        )
-        self.memory.apply_to_blocks(module)  # checkpointing, compile: before any sharding
-        dp_mesh, edp_mesh = dims.get_mesh("dp"), dims.get_mesh("edp")
-        dpar.check_expert_layers(module, dims.ep)
-        dpar.scale_expert_gradients(module, dims.ep)
-
-        def wrap(chunk: PipelineChunk) -> nn.Module:
-            if shard and dims.edp > 1:
-                dpar.shard_experts(chunk, edp_mesh)
-            return dpar.shard_blocks(chunk.blocks, chunk, dp_mesh, **fsdp_kw) if shard else chunk
-
-        if cfg.pipeline_parallel > 1:
-            pp_group = dims.get_mesh("pp").get_group()
-            self.stage_plan = plan = stage_plan_for(module, cfg)
-            rank_zero_info(plan.table())
-            self.pipeline = PipelineEngine(
-                module, cfg, pp_group, self.root_device, wrap, stage_ranges=plan.ranges
-            )
-        elif isinstance(module, PipelineModule):
-            self._chunk = PipelineChunk(list(module.pipeline_blocks()))
-            wrap(self._chunk)
-        elif shard:
-            if dims.edp > 1:
-                dpar.shard_experts(module, edp_mesh)
-            dpar.apply_fsdp(module, dp_mesh, **fsdp_kw)
-        deferred.load_deferred(module, self.root_device)  # sharded meta params: their shards
-        self._partial_over_tp = dpar.partial_over_tp_parameters(module) if dims.tp > 1 else []
-        if dims.dp > 1 and cfg.data_parallel != "none":
-            self._replicated = dpar.replicated_parameters(module)
-            dpar.broadcast_parameters(self._replicated, dp_mesh.get_group())
-            self._experts = dpar.expert_parameters(module)
-            dpar.broadcast_parameters(self._experts, edp_mesh.get_group())
+        dims = self.parallel_dims
+        options = ParallelizeOptions(self.config, self.memory, self.root_device)
+        done = parallelize(module, dims, module_plan(module, dims), options)
+        self.pipeline, self._chunk, self.stage_plan = done.pipeline, done.chunk, done.stage_plan
+        if done.stage_plan is not None:
+            rank_zero_info(done.stage_plan.table())
+        self._partial_over_tp, self._replicated = done.partial_over_tp, done.replicated
+        self._experts = done.experts
 
     # ---------------------------------------------------------------- steps
     @property

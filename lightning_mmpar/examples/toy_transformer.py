@@ -2,8 +2,9 @@
 
 It implements :class:`~lightning_mmpar.parallel.pipeline.PipelineModule` (ordered blocks,
 inputs, loss), takes its Lightning steps from
-:class:`~lightning_mmpar.parallel.pipeline.PipelineSteps`, and applies its own parallel plan
-(:mod:`lightning_mmpar.plans.toy`) in ``configure_model`` on the run's tp mesh: attention q/k/v
+:class:`~lightning_mmpar.parallel.pipeline.PipelineSteps`, and describes its parallel plan
+(:mod:`lightning_mmpar.plans.toy`) in ``parallel_plan(dims)``, which the strategy applies in
+its ``setup`` (:func:`~lightning_mmpar.parallel.parallelize.parallelize`): attention q/k/v
 column-parallel by heads, the output projection row-parallel; the MLP column- then row-parallel
 ("Y = GeLU(XA) B; A split by columns, B by rows": one all-reduce).
 """
@@ -17,8 +18,9 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
+from lightning_mmpar.parallel.parallelize import ParallelPlan, applies_plans, apply_model_parallel
 from lightning_mmpar.parallel.pipeline import PipelineSteps
-from lightning_mmpar.plans.toy import parallelize_toy
+from lightning_mmpar.plans.toy import toy_plan
 from lightning_mmpar.topology import ParallelDims
 
 
@@ -94,15 +96,20 @@ class ToyTransformer(PipelineSteps, LightningModule):
         self.embed = Embed(self.cfg)
         self.layers = nn.ModuleList(Block(self.cfg) for _ in range(self.cfg.layers))
         self.head = Head(self.cfg)
-        self._tensor_parallel_applied = False
+
+    def parallel_plan(self, dims: ParallelDims) -> ParallelPlan:
+        """The toy's plan (:func:`~lightning_mmpar.plans.toy.toy_plan`), which ``mm_parallel``
+        applies in its ``setup``; raises ``ValueError`` when the heads do not divide by tp."""
+        return toy_plan(self, dims=dims)
 
     def configure_model(self) -> None:
-        if self._tensor_parallel_applied or self._trainer is None:
-            return  # idempotent: Lightning calls this hook on every fit/validate/test
+        """Under a strategy that applies no plans (Lightning's ``ModelParallelStrategy``):
+        the plan's tensor parallelism here, on the run's tp mesh."""
+        if self._trainer is None or applies_plans(self._trainer):
+            return  # mm_parallel applies parallel_plan(dims) in its setup
         dims = ParallelDims.of(self._trainer)
         if dims.tp > 1:
-            parallelize_toy(self, dims)
-            self._tensor_parallel_applied = True
+            apply_model_parallel(self, dims, self.parallel_plan(dims))  # once per module
 
     # PipelineModule protocol
     def pipeline_blocks(self) -> list[nn.Module]:

@@ -129,7 +129,9 @@ DEVICES: dict[str, DeviceSpec] = {
 }
 """Devices by ``--device`` name (memory ``nvidia-smi`` totals; the H200 one as on an H200 SXM)."""
 
-_NOT_RECOMPUTED = ("vision.stem", "vision.pool", "bridge", "head")  # plans.checkpoint_units
+_NOT_RECOMPUTED = ("vision.stem", "vision.pool", "bridge", "head")
+"""Blocks that ``activation_checkpointing="layers"`` leaves alone: the fusion plan's ``layers``
+(``plans.fusion.checkpoint_units``) are the other blocks' modules (tests/unit/test_parallelize)."""
 REPLICATED_SHARE = 10 / 34
 """Share of a transformer layer's kept activations that tensor parallelism without sequence
 parallelism leaves whole on every rank (norm and dropout inputs, the column-parallel inputs):

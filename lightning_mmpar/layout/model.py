@@ -87,6 +87,9 @@ class LayoutSpec:
     sequence_parallel: bool = False
     data_parallel: str = "fsdp"
     activation_checkpointing: bool = False
+    """The strategy's ``activation_checkpointing="layers"``: the model's layers (the plan's
+    ``layers``; for the fusion model every block but the stem, pooler, bridge and head) are
+    recomputed in backward."""
     precision: str = "32-true"
     clip: bool = False
     """Gradient clipping by the global norm (one float64 all-reduce per optimizer step)."""

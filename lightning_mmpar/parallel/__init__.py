@@ -1,4 +1,6 @@
-"""Mechanisms for any model and any plan: tensor-parallel styles, the pipeline engine and its
+"""Mechanisms for any model and any plan: the one parallelize path (:mod:`.parallelize`: a plan
+applied TP -> EP -> checkpointing -> pipeline split -> FSDP2), tensor-parallel styles, the
+pipeline engine and its
 schedules (:mod:`.pipeline_schedules`), FSDP2 / DDP, DCP checkpoints, the DeepSpeed engine,
 device-aware collectives (:mod:`.comm`), the numerics core (:mod:`.numerics`) and the
 model-parallel RNG (:mod:`.random`). Nothing here imports a model, a plan, the strategy, a
@@ -41,6 +43,12 @@ from lightning_mmpar.parallel.numerics import (
     clip_grad_norm_,
     global_grad_norm,
     vocab_parallel_cross_entropy,
+)
+from lightning_mmpar.parallel.parallelize import (
+    ParallelizeOptions,
+    ParallelPlan,
+    apply_model_parallel,
+    parallelize,
 )
 from lightning_mmpar.parallel.pipeline import (
     PipelineChunk,
@@ -90,6 +98,8 @@ __all__ = [
     "HeadShardedReplicate",
     "NonFiniteGuard",
     "ParallelDropout",
+    "ParallelPlan",
+    "ParallelizeOptions",
     "PipelineChunk",
     "PipelineEngine",
     "PipelineModule",
@@ -102,6 +112,7 @@ __all__ = [
     "StyleGroup",
     "apply_expert_parallel",
     "apply_fsdp",
+    "apply_model_parallel",
     "apply_styles",
     "broadcast_parameters",
     "build_schedule",
@@ -122,6 +133,7 @@ __all__ = [
     "model_parallel_manual_seed",
     "newest_checkpoint",
     "nonfinite_weights",
+    "parallelize",
     "partition",
     "permute_experts",
     "placement_order",

@@ -1,7 +1,10 @@
-"""Per-model parallel plans: what TP/SP, activation checkpointing, pipeline blocks and FSDP
-units each model family gets, as data, and the one function that applies a plan."""
+"""Per-model parallel plans: what TP/SP, expert parallelism, checkpointed layers, pipeline blocks
+and FSDP units each model family gets, as data (:class:`ParallelPlan`); the strategy applies a
+LightningModule's plan (its ``parallel_plan(dims)``) with
+:func:`lightning_mmpar.parallel.parallelize.parallelize`."""
 
 from lightning_mmpar.plans.fusion import (
+    FusionPlanOptions,
     TensorParallelOptions,
     apply_tensor_parallel,
     fusion_plan,
@@ -25,6 +28,7 @@ from lightning_mmpar.plans.toy import parallelize_toy, toy_plan
 
 __all__ = [
     "VISION_PARALLEL",
+    "FusionPlanOptions",
     "ParallelPlan",
     "TensorParallelOptions",
     "apply_plan",

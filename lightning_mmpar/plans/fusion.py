@@ -30,20 +30,27 @@ Dropout (the adapters' ``dropout``, the model's only one) becomes a
 process: region ``replicated`` when its input (the attention / FFN branch output) is replicated
 over TP (no sequence parallel: equal masks on TP peers), ``tensor-parallel`` when it is a sequence
 shard (independent masks per TP rank); dp replicas and pipeline stages always draw independent
-masks. Not under activation checkpointing yet (the recomputation must replay the tracker:
-:func:`lightning_mmpar.parallel.random.checkpoint_rng_contexts`): there dropout stays torch's.
+masks. Activation checkpointing's recomputation replays the tracker
+(:func:`lightning_mmpar.parallel.random.checkpoint_rng_contexts`), so the masks match.
 
 Every sharded parameter's global value is the unsharded model's, so ``get_model_state_dict`` of
 a sharded model is the unsharded state dict, sharded, and DCP checkpoints reshard across TP sizes.
 
-Activation-checkpoint units: every ViT block, adapter block and decoder layer. Pipeline blocks and
-FSDP units: ``model.pipeline_blocks()``. Order: TP -> activation checkpointing -> (strategy)
-pipeline split -> FSDP per block (:mod:`lightning_mmpar.plans.plan`).
+The plan's ``layers`` (what the strategy's ``activation_checkpointing="layers"`` recomputes, and
+what the planner's cost model counts as recomputed: ``layout.cost``): every ViT block, adapter
+block and decoder layer, not the stem, pooler, bridge and head. Pipeline blocks and FSDP units:
+``model.pipeline_blocks()``. The sharding options are :class:`FusionPlanOptions` (the recipe's
+``model.plan:`` section; the degree is the strategy's ``tensor_parallel``). Order
+(:func:`lightning_mmpar.parallel.parallelize.parallelize`): TP -> EP -> the plan's steps (the
+vision tower's data-parallel hooks) -> activation checkpointing -> pipeline split -> FSDP per
+block.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 import torch.distributed as dist
@@ -60,6 +67,8 @@ from torch.distributed.tensor.parallel import (
 
 from lightning_mmpar.models.fusion import FusionConfig, FusionModel
 from lightning_mmpar.models.language import LanguageModel
+from lightning_mmpar.parallel.activation import LAYERS
+from lightning_mmpar.parallel.parallelize import apply_model_parallel, checkpoint_and_compile
 from lightning_mmpar.parallel.random import REPLICATED, TENSOR_PARALLEL
 from lightning_mmpar.parallel.tensor import HeadShardedReplicate, SequenceLengthCheck, StyleGroup
 from lightning_mmpar.plans.fusion_vision import (
@@ -71,13 +80,15 @@ from lightning_mmpar.plans.fusion_vision import (
     vision_dropout_regions,
     vision_plan,
 )
-from lightning_mmpar.plans.plan import ParallelPlan, apply_plan, plan_meshes, tp_meshes
+from lightning_mmpar.plans.plan import ParallelPlan, apply_plan, tp_meshes
 from lightning_mmpar.topology import ParallelDims
 
 __all__ = [
+    "FusionPlanOptions",
     "TensorParallelOptions",
     "adapter_plan",
     "apply_tensor_parallel",
+    "check_fusion_layout",
     "check_moe_layout",
     "checkpoint_units",
     "dropout_regions",
@@ -93,8 +104,8 @@ VLCombine = Literal["all_reduce", "all_gather"]
 
 
 @dataclass(kw_only=True)
-class TensorParallelOptions:
-    """How :func:`parallelize_fusion` shards the model (the degree comes from the layout).
+class FusionPlanOptions:
+    """How the fusion plan shards the model (the degree is the layout's ``tensor_parallel``).
 
     Raises ``ValueError`` at construction for an unknown ``vision_parallel`` or ``vl_combine``.
     """
@@ -106,12 +117,14 @@ class TensorParallelOptions:
     sequence_parallel: bool = False
     """Shard the text residual stream along the sequence (text length must divide by tp)."""
     vl_combine: VLCombine = "all_reduce"
-    """Combine of the cross-attention heads (TECHNIQUES 1.3), on the vision-language group."""
+    """Combine of the cross-attention heads (row-parallel ``o_proj`` with an all-reduce, or the
+    heads all-gathered; :func:`adapter_plan`), on the vision-language group."""
     vocab_multiple: int = 8
     """The LM vocabulary is padded to a multiple of this (and of tp) so it shards evenly."""
     activation_checkpointing: bool = False
-    """Recompute every ViT block, adapter and decoder layer in backward instead of storing their
-    activations (same loss and gradients, less memory, about one more forward)."""
+    """Deprecated alias of the strategy's ``activation_checkpointing="layers"``: recompute every
+    ViT block, adapter and decoder layer in backward (used when the strategy's option is
+    unset)."""
 
     def __post_init__(self) -> None:
         check_vision_parallel(self.vision_parallel)
@@ -119,6 +132,29 @@ class TensorParallelOptions:
             raise ValueError(
                 f"vl_combine ({self.vl_combine!r}) must be 'all_reduce' or 'all_gather'."
             )
+        if self.activation_checkpointing:
+            warnings.warn(
+                "model.plan.activation_checkpointing (formerly model.tensor_parallel."
+                "activation_checkpointing) is deprecated: set the strategy's option, "
+                "trainer.strategy.init_args.activation_checkpointing: layers (the same ViT "
+                "blocks, adapters and decoder layers).",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+
+
+@dataclass(kw_only=True)
+class TensorParallelOptions(FusionPlanOptions):
+    """Deprecated name of :class:`FusionPlanOptions` (``tensor_parallel`` is the degree)."""
+
+    def __post_init__(self) -> None:
+        warnings.warn(
+            "TensorParallelOptions is deprecated: use FusionPlanOptions (lightning_mmpar.plans); "
+            "'tensor_parallel' now means the degree only.",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        super().__post_init__()
 
 
 def _fix(name: str, value: int, tp: int) -> str:
@@ -243,7 +279,8 @@ def language_plan(language: LanguageModel, *, sequence_parallel: bool) -> dict[s
 
 
 def checkpoint_units(model: FusionModel) -> tuple[str, ...]:
-    """Activation-checkpoint units: every ViT block, adapter block and decoder layer."""
+    """The model's repeated layers (the plan's ``layers``, activation-checkpoint units): every
+    ViT block, adapter block and decoder layer."""
     vision = [
         f"vision.transformer.resblocks.{i}" for i in range(len(model.vision.transformer.resblocks))
     ]
@@ -265,10 +302,17 @@ def dropout_regions(
 
 def fusion_plan(
     model: FusionModel,
-    options: TensorParallelOptions = TensorParallelOptions(),  # noqa: B008
+    options: FusionPlanOptions = FusionPlanOptions(),  # noqa: B008
+    dims: ParallelDims | None = None,
 ) -> ParallelPlan:
-    """The fusion model's plan as data (no process group needed to build or inspect it).
-    ``vision_parallel="dp"`` adds hooks, not styles: :func:`parallelize_fusion` installs them."""
+    """The fusion model's plan as data (no process group needed to build or inspect it); paths
+    from ``model`` (the plan's ``root``). Its steps after TP and EP set the MoE layers' routed
+    sequence multiple to tp and install ``vision_parallel="dp"``'s hooks
+    (:func:`~lightning_mmpar.plans.fusion_vision.parallelize_vision`). With ``dims``: checked
+    against them first (:func:`validate_tensor_parallel` when ``dims.tp > 1``,
+    :func:`check_moe_layout`), raising their ``ValueError``."""
+    if dims is not None:
+        check_fusion_layout(model.config, dims, options)
     seq = options.sequence_parallel
     groups: list[StyleGroup] = []
     if options.vision_parallel == "tp":
@@ -293,16 +337,42 @@ def fusion_plan(
             StyleGroup("language.embed_tokens", "tp", SequenceLengthCheck("input_ids")),
             StyleGroup("text_head", "tp", text_in),
         ]
-    ac = options.activation_checkpointing
     return ParallelPlan(
         tensor_parallel=tuple(groups),
-        activation_checkpointing=checkpoint_units(model) if ac else (),
         dropout_regions=dropout_regions(
             model, sequence_parallel=seq, vision_parallel=options.vision_parallel
         ),
-        pipeline_blocks=model.pipeline_blocks,
         expert_parallel=moe_layers(model),
+        after_model_parallel=(
+            partial(_moe_sequence_multiple, model),
+            partial(_vision_hooks, model, options.vision_parallel),
+        ),
+        layers=checkpoint_units(model),
+        checkpointing=LAYERS if options.activation_checkpointing else None,
+        pipeline_blocks=model.pipeline_blocks,
+        root=model,
     )
+
+
+def check_fusion_layout(
+    config: FusionConfig, dims: ParallelDims, options: FusionPlanOptions
+) -> None:
+    """The fusion model's sizes against ``dims``: :func:`validate_tensor_parallel` (tp > 1) and
+    :func:`check_moe_layout`; raises their ``ValueError``."""
+    if dims.tp > 1:
+        validate_tensor_parallel(config, dims.tp, vision_parallel=options.vision_parallel)
+    check_moe_layout(config, dims.tp, dims.ep, sequence_parallel=options.sequence_parallel)
+
+
+def _moe_sequence_multiple(model: FusionModel, dims: ParallelDims) -> None:
+    """MoE FFNs pad routed sequences to multiples of lcm(tp, experts) (:mod:`~lightning_mmpar.
+    models.moe`): each tp rank then routes an equal share."""
+    for path in moe_layers(model):
+        setattr(model.get_submodule(path), "sequence_multiple", dims.tp)  # noqa: B010
+
+
+def _vision_hooks(model: FusionModel, vision_parallel: VisionParallel, dims: ParallelDims) -> None:
+    parallelize_vision(model.vision, dims, vision_parallel)
 
 
 def check_moe_layout(config: FusionConfig, tp: int, ep: int, *, sequence_parallel: bool) -> None:
@@ -327,7 +397,7 @@ def check_moe_layout(config: FusionConfig, tp: int, ep: int, *, sequence_paralle
             )
     if sequence_parallel and tp > 1:
         raise ValueError(
-            "tensor_parallel.sequence_parallel (True) is not supported with mixture-of-experts "
+            "plan.sequence_parallel (True) is not supported with mixture-of-experts "
             "layers: they route whole sequences on every tp rank; set it to false."
         )
 
@@ -342,28 +412,26 @@ def moe_layers(model: FusionModel) -> tuple[str, ...]:
 def parallelize_fusion(
     model: FusionModel,
     dims: ParallelDims,
-    options: TensorParallelOptions = TensorParallelOptions(),  # noqa: B008
+    options: FusionPlanOptions = FusionPlanOptions(),  # noqa: B008
 ) -> FusionModel:
-    """Apply the fusion plan for ``dims`` to ``model`` in place; returns it.
+    """Apply the fusion plan's model-parallel part for ``dims`` to ``model`` in place (for code
+    that parallelizes the model itself, e.g. a ``configure_model`` under another strategy; under
+    ``mm_parallel`` a module returns :func:`fusion_plan` from ``parallel_plan(dims)`` and the
+    strategy applies it); returns it.
 
     Parallel dropout (:func:`dropout_regions`) when ``dims`` spans more than one process, tensor
     parallelism on ``dims.get_mesh("tp")`` when ``dims.tp > 1`` (cross-attention on
-    ``dims.vl_group`` when the dims built their own mesh, else on the tp group), then activation
-    checkpointing when ``options.activation_checkpointing``; only the dropout when ``tp == 1``
-    (nothing on one process). Call it on the built model, before the pipeline split and FSDP (which
-    the strategy applies, one unit per pipeline block). Raises ``ValueError`` when a size does not
-    divide by ``dims.tp``; ``vision_parallel="dp"`` raises it for dims not built by
-    ``mm_parallel``, and at forward time for a micro-batch not divisible by ``dims.tp``.
+    ``dims.vl_group`` when the dims built their own mesh, else on the tp group), expert
+    parallelism when ``dims.ep > 1``, the vision tower's hooks, then activation checkpointing
+    of the plan's layers when the deprecated ``options.activation_checkpointing`` asks; nothing
+    but the checks on one process. Call it on the built model, before any pipeline split and
+    FSDP. Raises ``ValueError`` when a size does not divide by ``dims.tp``;
+    ``vision_parallel="dp"`` raises it for dims not built by ``mm_parallel``, and at forward
+    time for a micro-batch not divisible by ``dims.tp``.
     """
-    if dims.tp > 1:
-        validate_tensor_parallel(model.config, dims.tp, vision_parallel=options.vision_parallel)
-    check_moe_layout(model.config, dims.tp, dims.ep, sequence_parallel=options.sequence_parallel)
-    for path in moe_layers(
-        model
-    ):  # TECHNIQUES 1.4: routed sequences padded to lcm(tp, E) multiples
-        setattr(model.get_submodule(path), "sequence_multiple", dims.tp)  # noqa: B010
-    apply_plan(model, fusion_plan(model, options), plan_meshes(dims), dims)
-    parallelize_vision(model.vision, dims, options.vision_parallel)  # after checkpointing
+    plan = fusion_plan(model, options, dims)
+    apply_model_parallel(model, dims, plan)
+    checkpoint_and_compile(model, plan)
     return model
 
 
@@ -388,12 +456,12 @@ def apply_tensor_parallel(
     own communicator; default: the tp group itself). Raises ``ValueError`` for unknown options, a
     mesh that is not 1-D, a ``vl_group`` of other ranks, or sizes that do not divide by tp.
     """
-    options = TensorParallelOptions(
+    options = FusionPlanOptions(
         vision_parallel=vision_parallel, sequence_parallel=sequence_parallel, vl_combine=vl_combine
     )
     meshes = tp_meshes(tp_mesh, vl_group)
     validate_tensor_parallel(model.config, tp_mesh.size(), vision_parallel=vision_parallel)
-    apply_plan(model, fusion_plan(model, options), meshes)
+    apply_plan(model, fusion_plan(model, options), meshes)  # no dims: no steps
     if vision_parallel == "dp":
         apply_vision_data_parallel(model.vision, tp_mesh.get_group())
     return model

@@ -72,7 +72,7 @@ from lightning_mmpar.layout.stages import measure_blocks
 from lightning_mmpar.models.fusion import FusionModel
 from lightning_mmpar.parallel.tensor import FusedQKVColwiseParallel, HeadShardedReplicate
 from lightning_mmpar.plans.fusion import (
-    TensorParallelOptions,
+    FusionPlanOptions,
     check_moe_layout,
     fusion_plan,
     validate_tensor_parallel,
@@ -100,7 +100,7 @@ def _meta_model(module: Any, layout: LayoutSpec) -> FusionModel:
     return model
 
 
-def _tp_dims(model: FusionModel, options: TensorParallelOptions) -> dict[int, int]:
+def _tp_dims(model: FusionModel, options: FusionPlanOptions) -> dict[int, int]:
     """``id(parameter) -> sharded dim`` for every parameter the plan shards over tp / vl
     (``-1``: a vocab-parallel embedding, dim 0, whose gradient comes back whole; ``-2``: a
     :class:`HeadShardedReplicate` or ``SequenceParallel`` parameter, replicated, its gradient
@@ -335,8 +335,8 @@ def fusion_model_spec(
     names += [*(f"decoder{i}" for i in range(de)), "head"]
     v = model.config.vision
     specs = measure_blocks(blocks, (v.image_size // v.patch_size) ** 2, text_length, names)
-    opts = module.tp_options
-    options = TensorParallelOptions(
+    opts = module.plan_options
+    options = FusionPlanOptions(
         sequence_parallel=layout.sequence_parallel,
         vision_parallel=layout.vision_parallel,  # type: ignore[arg-type]
         vl_combine=opts.vl_combine,

@@ -6,14 +6,6 @@
 
 from lightning_mmpar.recipes.captions import CaptionWriter
 from lightning_mmpar.recipes.cli import ClipLlamaCLI, RecipeDigitsCaptions, main, run_cli
-from lightning_mmpar.recipes.config import (
-    FinetuneConfig,
-    LossConfig,
-    OptimConfig,
-    PretrainedConfig,
-    TensorParallelOptions,
-    check_image_size,
-)
 from lightning_mmpar.recipes.deepspeed import (
     apply_deepspeed_json,
     optim_from_deepspeed,
@@ -23,6 +15,15 @@ from lightning_mmpar.recipes.evaluation import ClassRecall, RecipeMetrics
 from lightning_mmpar.recipes.export import ExportResult, export_checkpoint
 from lightning_mmpar.recipes.generation import cached_greedy_decode, greedy_decode
 from lightning_mmpar.recipes.module import ClipLlamaModule
+from lightning_mmpar.recipes.options import (
+    FinetuneConfig,
+    FusionPlanOptions,
+    LossConfig,
+    OptimConfig,
+    PretrainedConfig,
+    TensorParallelOptions,
+    check_image_size,
+)
 from lightning_mmpar.recipes.preflight import preflight
 from lightning_mmpar.recipes.summary import RunSummary
 from lightning_mmpar.recipes.throughput import RecipeThroughput, ThroughputProgressBar
@@ -34,6 +35,7 @@ __all__ = [
     "ClipLlamaModule",
     "ExportResult",
     "FinetuneConfig",
+    "FusionPlanOptions",
     "LossConfig",
     "OptimConfig",
     "PretrainedConfig",

@@ -135,7 +135,7 @@ class CaptionGeneration:
         """Why this module cannot decode with a key/value cache (``None``: it can)."""
         if self.training:
             return "training mode (dropout); call eval() first"
-        if self.tp_options.sequence_parallel and penv.layout(self._trainer)["tp"] > 1:
+        if self.plan_options.sequence_parallel and penv.layout(self._trainer)["tp"] > 1:
             return "sequence_parallel shards the text positions (one new token cannot be split)"
         return check_cacheable(list(self.blocks or []))
 

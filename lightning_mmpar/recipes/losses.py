@@ -36,7 +36,7 @@ from lightning_mmpar.losses.mml import MMLLoss
 from lightning_mmpar.models.blocks import FusionOutput
 from lightning_mmpar.parallel import comm
 from lightning_mmpar.recipes import parallel_env as penv
-from lightning_mmpar.recipes.config import LossConfig
+from lightning_mmpar.recipes.options import LossConfig
 
 __all__ = ["TERMS", "RecipeLoss", "caption_tokens"]
 

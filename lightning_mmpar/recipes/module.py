@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,22 +38,30 @@ from lightning_mmpar.models.fusion import (
     FusionOutput,
     freeze_for_finetuning,
 )
+from lightning_mmpar.parallel import deferred
 from lightning_mmpar.parallel.data import average_density_estimates, update_expert_biases
-from lightning_mmpar.plans.fusion import parallelize_fusion
+from lightning_mmpar.parallel.parallelize import (
+    ParallelPlan,
+    applies_plans,
+    apply_model_parallel,
+    checkpoint_and_compile,
+)
+from lightning_mmpar.plans.fusion import fusion_plan
 from lightning_mmpar.recipes import parallel_env as penv
 from lightning_mmpar.recipes import pretrained as ptl
-from lightning_mmpar.recipes.config import (
+from lightning_mmpar.recipes.evaluation import RecipeMetrics, digit_token_classes, eval_values
+from lightning_mmpar.recipes.generation import CaptionGeneration, next_tokens
+from lightning_mmpar.recipes.losses import TERMS, RecipeLoss
+from lightning_mmpar.recipes.optim import recipe_optimizer
+from lightning_mmpar.recipes.options import (
     FinetuneConfig,
+    FusionPlanOptions,
     LossConfig,
     OptimConfig,
     PretrainedConfig,
     TensorParallelOptions,
     check_image_size,
 )
-from lightning_mmpar.recipes.evaluation import RecipeMetrics, digit_token_classes, eval_values
-from lightning_mmpar.recipes.generation import CaptionGeneration, next_tokens
-from lightning_mmpar.recipes.losses import TERMS, RecipeLoss
-from lightning_mmpar.recipes.optim import recipe_optimizer
 from lightning_mmpar.topology import ParallelDims
 
 __all__ = ["TERMS", "ClipLlamaModule"]
@@ -75,10 +84,11 @@ _CONFIGS = (
     FinetuneConfig(),
     LossConfig(),
     OptimConfig(),
-    TensorParallelOptions(),
+    FusionPlanOptions(),
     PretrainedConfig(),
 )
 torch.serialization.add_safe_globals(list(set().union(*map(_config_classes, _CONFIGS))))
+torch.serialization.add_safe_globals([TensorParallelOptions])  # checkpoints before the rename
 
 
 class ClipLlamaModule(CaptionGeneration, LightningModule):
@@ -87,14 +97,21 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
     Args:
         fusion: tower sizes, adapter, contrastive width and initial temperature
             (``logit_scale_init = 1 / temperature``). ``language.vocab_size`` is replaced by
-            ``vocab_size`` padded to ``tensor_parallel.vocab_multiple``.
+            ``vocab_size`` padded to ``plan.vocab_multiple``.
         finetune: which parts train (default: the TECHNIQUES 1.5 policy).
         loss: weights of the terms and the EMA momentum.
         optim: AdamW and its schedule.
-        tensor_parallel: options of the fusion plan (the degree comes from the strategy).
+        plan: options of the fusion model's parallel plan (``model.plan:``; the degree is the
+            strategy's ``tensor_parallel``).
         vocab_size: tokenizer vocabulary (linked from ``data.vocab_size`` by the CLI).
         pretrained: local tower checkpoints (:mod:`~lightning_mmpar.recipes.pretrained`); their
             sizes replace ``fusion``'s.
+        tensor_parallel: deprecated name of ``plan`` (``model.tensor_parallel:``); a
+            ``DeprecationWarning``, and ``ValueError`` when both are given and differ.
+
+    Under ``mm_parallel`` :meth:`configure_model` builds the model and the strategy applies
+    :meth:`parallel_plan` (:func:`~lightning_mmpar.parallel.parallelize.parallelize`); under
+    another strategy :meth:`configure_model` applies the plan's model-parallel part itself.
     """
 
     def __init__(
@@ -104,14 +121,16 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         finetune: FinetuneConfig = FinetuneConfig(),  # noqa: B008
         loss: LossConfig = LossConfig(),  # noqa: B008
         optim: OptimConfig = OptimConfig(),  # noqa: B008
-        tensor_parallel: TensorParallelOptions = TensorParallelOptions(),  # noqa: B008
+        plan: FusionPlanOptions = FusionPlanOptions(),  # noqa: B008
         vocab_size: int = 64,
         pretrained: PretrainedConfig = PretrainedConfig(),  # noqa: B008
+        tensor_parallel: FusionPlanOptions | None = None,
     ) -> None:
         super().__init__()
         # hparams (the dataclass configs) go into every checkpoint's meta.pt, where
         # validate_checkpoint / load_sharded name the fields a resumed run changed
         self.save_hyperparameters()
+        self.plan_options = _plan_options(plan, tensor_parallel, self.hparams)
         self.pretrained = pretrained
         self.fusion_config = ptl.resolve_fusion_config(fusion, pretrained)
         # the sizes the towers' files gave, so a checkpoint describes its model (export); in the
@@ -121,14 +140,14 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         if isinstance(self.hparams.get("fusion"), Mapping):
             resolved = dataclasses.asdict(resolved)
         self.hparams["fusion"] = resolved
-        self.load_report: ptl.LoadReport | None = None  # what configure_model read (pretrained)
+        self.load_report: ptl.LoadReport | None = None  # what load_towers read (pretrained)
         self.finetune = finetune
         self.loss_config = loss
         self.optim = optim
-        self.tp_options = tensor_parallel
         self.vocab_size = vocab_size
         self.blocks: nn.ModuleList | None = None
         self._fusion: tuple[FusionModel, ...] = ()  # a tuple: the blocks hold the parameters
+        self._fresh: dict[str, Tensor] | None = None  # pretrained: fresh values, until read
         self._metrics: RecipeMetrics | None = None
         self._loss: RecipeLoss | None = None
         self._prompts: dict[str, Tensor] = {}
@@ -141,17 +160,32 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
 
     # ------------------------------------------------------------------ model
     def _resolved_config(self, tp: int) -> FusionConfig:
-        multiple = math.lcm(self.tp_options.vocab_multiple, tp)
+        multiple = math.lcm(self.plan_options.vocab_multiple, tp)
         vocab = -(-self.vocab_size // multiple) * multiple
         cfg = self.fusion_config
         language = type(cfg.language)(**{**vars(cfg.language), "vocab_size": vocab})
         return type(cfg)(**{**vars(cfg), "language": language})
 
+    @property
+    def tp_options(self) -> FusionPlanOptions:
+        """Deprecated name of :attr:`plan_options` (the options of the fusion model's plan)."""
+        warnings.warn(
+            "ClipLlamaModule.plan_options is deprecated: use plan_options.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.plan_options
+
     def configure_model(self) -> None:
-        """Build the fusion model, apply its parallel plan, freeze per policy, cut the blocks.
+        """Build the fusion model (pretrained towers on the meta device) and cut its blocks;
+        under a strategy that applies no plans (DDP, DeepSpeed, Lightning's
+        ``ModelParallelStrategy``, none), apply :meth:`parallel_plan`'s model-parallel part here
+        (``mm_parallel`` applies the whole plan in its ``setup``).
 
         The blocks (``self.blocks``, state-dict keys ``blocks.N.*``) are registered, the model
-        is not: a data-parallel wrapper shards the blocks' parameters in place.
+        is not: a data-parallel wrapper shards the blocks' parameters in place. Raises
+        ``ValueError`` when a size does not fit the layout (:func:`~lightning_mmpar.plans.
+        fusion.check_fusion_layout`).
         """
         if self.blocks is not None:
             return
@@ -159,12 +193,39 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         cfg = self._resolved_config(dims.tp)
         meta = ptl.meta_fusion(self, cfg, dims.tp) if self.pretrained.used else None  # towers
         model = meta[0] if meta else FusionModel(cfg, momentum=self.loss_config.mml.momentum)
-        parallelize_fusion(model, dims, self.tp_options)
-        self._freeze(model)
         self._fusion = (model,)
+        self._fresh = meta[1] if meta else None
         self.blocks = nn.ModuleList(model.pipeline_blocks())
-        if meta:  # each rank reads its shards of the towers (after the plan, before the cut)
-            self.load_report = ptl.load_towers(self, model, self.pretrained, meta[1])
+        plan = self.parallel_plan(dims)  # the sizes against the layout, checked now
+        if not applies_plans(self._trainer):
+            apply_model_parallel(model, dims, plan)
+            checkpoint_and_compile(self, plan)  # the deprecated model-side choice, if any
+
+    def parallel_plan(self, dims: ParallelDims) -> ParallelPlan:
+        """The fusion model's plan (:func:`~lightning_mmpar.plans.fusion.fusion_plan`, checked
+        against ``dims``) on the model :meth:`configure_model` built, with two more steps after
+        TP and EP: freezing per :attr:`finetune` (after TP: sequence parallelism's norms are
+        new parameters) and reading the pretrained towers (:meth:`load_towers`). Raises
+        ``ValueError`` as ``fusion_plan``."""
+        plan = fusion_plan(self.fusion_model, self.plan_options, dims)
+        steps = (*plan.after_model_parallel, self._freeze_step, self.load_towers)
+        return dataclasses.replace(plan, after_model_parallel=steps)
+
+    def load_towers(self, dims: ParallelDims) -> None:
+        """Fill the pretrained towers' meta parameters with this rank's tensor-parallel slices,
+        or defer them until FSDP sharded them (:func:`~lightning_mmpar.recipes.pretrained.
+        load_towers`): a step of :meth:`parallel_plan`, after the plan's sharding and freezing,
+        before the pipeline cut. Sets :attr:`load_report`; nothing without pretrained towers."""
+        if self._fresh is None:
+            return
+        self.load_report = ptl.load_towers(self, self.fusion_model, self.pretrained, self._fresh)
+        self._fresh = None
+        device = self.device
+        if any(p.device != device and not p.is_meta for p in self.parameters()):
+            deferred.move(self, device)  # fresh reads are on the CPU: to where the module is
+
+    def _freeze_step(self, dims: ParallelDims) -> None:
+        self._freeze(self.fusion_model)
 
     def load_sharded_parameters(self, device: torch.device) -> None:
         """The strategy's hook after sharding (:mod:`lightning_mmpar.parallel.deferred`): read
@@ -397,6 +458,34 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         (:mod:`~lightning_mmpar.recipes.optim`), linear warm-up and cosine decay per step."""
         ptl.check_stage_guess(self, self.load_report)
         return recipe_optimizer(self)
+
+
+def _plan_options(
+    plan: FusionPlanOptions, tensor_parallel: FusionPlanOptions | None, hparams: Any
+) -> FusionPlanOptions:
+    """The plan options from ``plan`` or its deprecated name ``tensor_parallel`` (warned), with
+    ``hparams`` (what checkpoints keep) holding them under ``plan`` only.
+
+    Raises:
+        ValueError: both given, and different.
+    """
+    saved = hparams.pop("tensor_parallel", None)
+    if tensor_parallel is None:
+        return plan
+    warnings.warn(
+        "ClipLlamaModule(tensor_parallel=...) / model.tensor_parallel is deprecated: it is "
+        "model.plan (FusionPlanOptions); tensor_parallel is the strategy's degree only.",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    given = dataclasses.asdict(tensor_parallel)
+    if dataclasses.asdict(plan) not in (dataclasses.asdict(FusionPlanOptions()), given):
+        raise ValueError(
+            f"model.tensor_parallel ({tensor_parallel}) is the deprecated name of model.plan "
+            f"({plan}); give one of them."
+        )
+    hparams["plan"] = saved
+    return tensor_parallel
 
 
 def _skipped(trainer: Any, step: int) -> bool:

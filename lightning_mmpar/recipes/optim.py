@@ -19,7 +19,7 @@ from torch import nn
 
 from lightning_mmpar.models.fusion import FusionModel, weight_decay_split
 from lightning_mmpar.recipes import parallel_env as penv
-from lightning_mmpar.recipes.config import OptimConfig
+from lightning_mmpar.recipes.options import OptimConfig
 
 __all__ = ["StepLambdaLR", "parameter_groups", "recipe_optimizer"]
 

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from lightning_mmpar.config import stage_layout
 from lightning_mmpar.parallel import comm
-from lightning_mmpar.recipes.config import OptimConfig
+from lightning_mmpar.recipes.options import OptimConfig
 from lightning_mmpar.topology import ParallelDims
 
 __all__ = [

@@ -297,7 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         base = LayoutSpec(
             precision=precision,
             partition=strategy.get("partition", "equal"),
-            vision_parallel=module.tp_options.vision_parallel,
+            vision_parallel=module.plan_options.vision_parallel,
         )
         model = spec_cache(module, text_length)
         graph, place, topo = (

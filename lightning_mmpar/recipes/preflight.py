@@ -11,6 +11,8 @@ mistake is one ``ValueError``, printed once, within seconds. Lightning's ``Light
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,29 +20,34 @@ from lightning.pytorch import LightningModule, Trainer
 
 from lightning_mmpar.config import ParallelConfig
 from lightning_mmpar.models.fusion import FusionModel
-from lightning_mmpar.parallel.checkpoint import validate_checkpoint
+from lightning_mmpar.parallel.checkpoint import resolve, validate_checkpoint
+from lightning_mmpar.parallel.checkpoint_check import HPARAMS_KEY, inspect_checkpoint
 from lightning_mmpar.parallel.pipeline import partition
 from lightning_mmpar.plans.fusion import check_moe_layout, validate_tensor_parallel
 from lightning_mmpar.plans.fusion_vision import check_vision_batch
-from lightning_mmpar.recipes.config import check_image_size
 from lightning_mmpar.recipes.module import ClipLlamaModule
+from lightning_mmpar.recipes.options import check_image_size
 from lightning_mmpar.strategy import MultimodalParallelStrategy
 
 __all__ = ["RESUME_MAY_CHANGE", "preflight"]
 
 RESUME_MAY_CHANGE = (
     "loss",
-    "tensor_parallel.activation_checkpointing",
-    "tensor_parallel.sequence_parallel",
-    "tensor_parallel.vision_parallel",
-    "tensor_parallel.vl_combine",
+    "plan.activation_checkpointing",
+    "plan.sequence_parallel",
+    "plan.vision_parallel",
+    "plan.vl_combine",
 )
 """Hyper-parameters a resumed run may change: loss weights (read from this run's config) and
-how the model is laid out over ranks (recomputation, sequence parallelism, the vision tower's
-layout, the vision-language combine); they change no checkpointed tensor and take effect.
-Everything else differing refuses the checkpoint before the processes start: tower sizes,
-vocabulary (``vocab_multiple``), frozen parts, and ``optim`` (the optimizer's learning rates and
-the schedule are restored from the checkpoint, so a new value would be silently ignored)."""
+how the model is laid out over ranks (the deprecated recomputation switch, sequence
+parallelism, the vision tower's layout, the vision-language combine); they change no
+checkpointed tensor and take effect. Everything else differing refuses the checkpoint before the
+processes start: tower sizes, vocabulary (``vocab_multiple``), frozen parts, and ``optim`` (the
+optimizer's learning rates and the schedule are restored from the checkpoint, so a new value
+would be silently ignored). A checkpoint written before ``model.tensor_parallel`` became
+``model.plan`` is compared under its own name (:func:`_as_saved`)."""
+_RENAMED = {"plan": "tensor_parallel"}
+"""Recipe hyper-parameters by their current name -> the name older checkpoints keep them under."""
 _LIGHTNING_CKPT_NAMES = ("last", "best", "hpc", "registry")
 
 
@@ -50,9 +57,9 @@ def _check_model(model: ClipLlamaModule, tp: int, config: ParallelConfig | None)
     blocks counted on a meta-device model)."""
     fusion = model._resolved_config(tp)
     if tp > 1:
-        validate_tensor_parallel(fusion, tp, vision_parallel=model.tp_options.vision_parallel)
+        validate_tensor_parallel(fusion, tp, vision_parallel=model.plan_options.vision_parallel)
     ep = config.expert_parallel if config is not None else 1
-    check_moe_layout(fusion, tp, ep, sequence_parallel=model.tp_options.sequence_parallel)
+    check_moe_layout(fusion, tp, ep, sequence_parallel=model.plan_options.sequence_parallel)
     if config is not None and config.pipeline_parallel > 1:
         with torch.device("meta"):
             blocks = len(FusionModel(fusion).pipeline_blocks())
@@ -94,7 +101,7 @@ def preflight(
     (:meth:`ParallelConfig.check_batch_size`; under ``vision_parallel='dp'`` each micro-batch
     vs tp, :func:`~lightning_mmpar.plans.fusion_vision.check_vision_batch`) and
     ``data.image_size`` vs the ViT's
-    (:func:`~lightning_mmpar.recipes.config.check_image_size`); under ``mm_parallel`` a
+    (:func:`~lightning_mmpar.recipes.options.check_image_size`); under ``mm_parallel`` a
     ``ckpt_path`` is validated (:func:`~lightning_mmpar.parallel.checkpoint.validate_checkpoint`:
     complete, undamaged files, the same hyper-parameters apart from :data:`RESUME_MAY_CHANGE`).
     Other strategies and modules get the checks that apply.
@@ -116,8 +123,30 @@ def preflight(
     batch_size = getattr(datamodule, "batch_size", None)
     if config is not None and isinstance(batch_size, int):
         config.check_batch_size(batch_size)
-        if isinstance(model, ClipLlamaModule) and model.tp_options.vision_parallel == "dp":
+        if isinstance(model, ClipLlamaModule) and model.plan_options.vision_parallel == "dp":
             _check_vision_batch(batch_size, config)
     if ckpt_path is not None and config is not None and ckpt_path not in _LIGHTNING_CKPT_NAMES:
         hparams = model.hparams if model is not None else None
-        validate_checkpoint(ckpt_path, hparams, ignore=RESUME_MAY_CHANGE)
+        hparams, ignore = _as_saved(ckpt_path, hparams)
+        validate_checkpoint(ckpt_path, hparams, ignore=ignore)
+
+
+def _as_saved(path: str, hparams: Any) -> tuple[Any, tuple[str, ...]]:
+    """``hparams`` and :data:`RESUME_MAY_CHANGE` under the names the checkpoint at ``path``
+    keeps (:data:`_RENAMED`: a checkpoint from before a rename). Raises what
+    :func:`~lightning_mmpar.parallel.checkpoint.validate_checkpoint` raises for a missing or
+    unreadable checkpoint."""
+    saved = inspect_checkpoint(resolve(Path(path))).meta.get(HPARAMS_KEY)
+    if not isinstance(saved, Mapping) or not isinstance(hparams, Mapping):
+        return hparams, RESUME_MAY_CHANGE
+    old = {new: name for new, name in _RENAMED.items() if name in saved and new not in saved}
+    if not old:
+        return hparams, RESUME_MAY_CHANGE
+    renamed = {old.get(k, k): v for k, v in hparams.items()}
+    return renamed, tuple(_old_name(n, old) for n in RESUME_MAY_CHANGE)
+
+
+def _old_name(name: str, old: Mapping[str, str]) -> str:
+    """``name`` with its first part renamed by ``old`` (``plan.x`` -> ``tensor_parallel.x``)."""
+    head, dot, rest = name.partition(".")
+    return old.get(head, head) + dot + rest

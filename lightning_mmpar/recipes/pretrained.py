@@ -48,7 +48,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from lightning_mmpar.models.fusion import FusionConfig, FusionModel
 from lightning_mmpar.parallel.deferred import assign
-from lightning_mmpar.recipes.config import PretrainedConfig
+from lightning_mmpar.recipes.options import PretrainedConfig
 from lightning_mmpar.recipes.pretrained_files import (
     IGNORED_KEYS,
     Index,
@@ -403,8 +403,8 @@ def check_stage_guess(module: Any, report: LoadReport | None) -> None:
 def vocab_rows(module: Any, tp: int) -> int:
     """Rows of the recipe ``module``'s embedding and LM head at tensor-parallel size ``tp``:
     the tokenizer's vocabulary (``module.vocab_size``), at least the pretrained checkpoint's,
-    padded to ``lcm(tensor_parallel.vocab_multiple, tp)``."""
-    multiple = math.lcm(module.tp_options.vocab_multiple, tp)
+    padded to ``lcm(plan.vocab_multiple, tp)``."""
+    multiple = math.lcm(module.plan_options.vocab_multiple, tp)
     rows = module.vocab_size
     if module.pretrained.language:
         rows = max(rows, module.fusion_config.language.vocab_size)

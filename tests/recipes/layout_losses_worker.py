@@ -60,7 +60,7 @@ def module(vocab_size: int, *, negatives: str = "global_batch") -> LoggingModule
         finetune=base.finetune,
         loss=base.loss_config,
         optim=base.optim,
-        tensor_parallel=base.tp_options,
+        plan=base.plan_options,
         vocab_size=vocab_size,
     )
 

@@ -27,7 +27,7 @@ from lightning_mmpar.losses.mml import MMLConfig
 from lightning_mmpar.models.adapter import AdapterConfig
 from lightning_mmpar.models.fusion import FusionConfig
 from lightning_mmpar.models.language import LanguageConfig
-from lightning_mmpar.recipes.config import (
+from lightning_mmpar.recipes.options import (
     FinetuneConfig,
     LossConfig,
     OptimConfig,

@@ -29,13 +29,13 @@ from lightning_mmpar.models.language import LanguageConfig
 from lightning_mmpar.models.moe_routing import MoEConfig
 from lightning_mmpar.models.vision import VisionConfig
 from lightning_mmpar.parallel.tensor import full_gradients
-from lightning_mmpar.recipes.config import (
+from lightning_mmpar.recipes.module import ClipLlamaModule
+from lightning_mmpar.recipes.options import (
     FinetuneConfig,
+    FusionPlanOptions,
     LossConfig,
     OptimConfig,
-    TensorParallelOptions,
 )
-from lightning_mmpar.recipes.module import ClipLlamaModule
 from lightning_mmpar.testing import quiet_trainer
 
 BATCH = 8
@@ -89,7 +89,7 @@ def tiny_module(
             mml=MMLConfig(weight=mml_weight, momentum=momentum),
         ),
         optim=OptimConfig(lr=lr, weight_decay=0.01, warmup_steps=1, min_lr_ratio=1.0),
-        tensor_parallel=TensorParallelOptions(
+        plan=FusionPlanOptions(
             sequence_parallel=sequence_parallel,
             vision_parallel=vision_parallel,  # type: ignore[arg-type]
         ),

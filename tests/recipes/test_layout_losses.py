@@ -115,7 +115,7 @@ def test_losses_equal_one_process_in_every_layout() -> None:
 
 
 def test_negatives_option_is_validated() -> None:
-    from lightning_mmpar.recipes.config import LossConfig
+    from lightning_mmpar.recipes.options import LossConfig
 
     assert LossConfig().negatives == "global_batch"
     with pytest.raises(ValueError, match="negatives \\('micro'\\) must be 'global_batch'"):

@@ -22,8 +22,8 @@ from lightning_mmpar.losses.contrastive import ContrastiveLoss
 from lightning_mmpar.losses.mml import MMLLoss
 from lightning_mmpar.models.fusion import FusionOutput
 from lightning_mmpar.parallel.pipeline import PipelineChunk
-from lightning_mmpar.recipes.config import FinetuneConfig, LossConfig
 from lightning_mmpar.recipes.module import ClipLlamaModule
+from lightning_mmpar.recipes.options import FinetuneConfig, LossConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 import recipe_faults_worker as rw

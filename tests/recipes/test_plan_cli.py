@@ -64,7 +64,7 @@ def test_plan_cpu_recipe_table_rejections_placement_and_yaml(
     module, data = build_module(cli._merge(config, {k: fragment[k] for k in ("model", "data")}))
     assert data.batch_size == fragment["data"]["batch_size"]
     assert (
-        module.tp_options.sequence_parallel
+        module.plan_options.sequence_parallel
         == fragment["model"]["tensor_parallel"]["sequence_parallel"]
     )
     tp, pp = args.get("tensor_parallel", 1), args.get("pipeline_parallel", 1)

@@ -27,8 +27,8 @@ from lightning_mmpar.data.digits import DigitsCaptions
 from lightning_mmpar.data.hf_tokenizer import HFTokenizer, load_tokenizer, tokenizer_from_dict
 from lightning_mmpar.models.language import LanguageConfig
 from lightning_mmpar.models.moe_routing import MoEConfig
-from lightning_mmpar.recipes.config import OptimConfig, PretrainedConfig
 from lightning_mmpar.recipes.optim import parameter_groups
+from lightning_mmpar.recipes.options import OptimConfig, PretrainedConfig
 from lightning_mmpar.recipes.pretrained import resolve_fusion_config
 from lightning_mmpar.testing import spawn
 

@@ -174,7 +174,7 @@ def _fusion(layers: int, hidden: int = 32) -> FusionConfig:
 
 
 def _recipe(layers: int, hidden: int = 32, lr: float = 1e-3) -> ClipLlamaModule:
-    from lightning_mmpar.recipes.config import OptimConfig
+    from lightning_mmpar.recipes.options import OptimConfig
 
     module = ClipLlamaModule(fusion=_fusion(layers, hidden), optim=OptimConfig(lr=lr))
     module.configure_model()

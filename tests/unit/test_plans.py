@@ -1,5 +1,6 @@
-"""Parallel plans as data (fusion and toy), their application order, and activation
-checkpointing (same loss and gradients, activations really recomputed), in one process."""
+"""Parallel plans as data (fusion and toy), their application order, the one parallelize path,
+and activation checkpointing of a plan's layers (same loss and gradients, activations really
+recomputed; the deprecated model-side option maps onto it), in one process."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from lightning_mmpar.models.fusion import FusionModel
 from lightning_mmpar.models.vision import FusedQKV
 from lightning_mmpar.parallel.tensor import StyleGroup, apply_styles
 from lightning_mmpar.plans import (
+    FusionPlanOptions,
     ParallelPlan,
     TensorParallelOptions,
     apply_plan,
@@ -53,7 +55,7 @@ def test_fusion_plan_names_every_linear_of_each_sharded_tower(
     vision_parallel: str, sequence_parallel: bool
 ) -> None:
     model = fusion_model()
-    options = TensorParallelOptions(
+    options = FusionPlanOptions(
         vision_parallel=vision_parallel,  # type: ignore[arg-type]
         sequence_parallel=sequence_parallel,
     )
@@ -70,7 +72,8 @@ def test_fusion_plan_names_every_linear_of_each_sharded_tower(
     vl = styled(plan, "vl")
     assert vl and all(n.startswith("adapters.") and ".attn" in n for n in vl)
     assert ("text_head" in names) == sequence_parallel
-    assert plan.activation_checkpointing == ()
+    assert plan.checkpointing is None and plan.activation_checkpointing == ()
+    assert plan.layers == checkpoint_units(model) and plan.root is model
 
 
 def test_fusion_units_checkpoint_and_fsdp() -> None:
@@ -84,8 +87,10 @@ def test_fusion_units_checkpoint_and_fsdp() -> None:
         "language.layers.0",
         "language.layers.1",
     )
-    plan = fusion_plan(model, TensorParallelOptions(activation_checkpointing=True))
-    assert plan.activation_checkpointing == units
+    with pytest.warns(DeprecationWarning, match="trainer.strategy.init_args.activation_ch"):
+        options = FusionPlanOptions(activation_checkpointing=True)
+    plan = fusion_plan(model, options)  # the deprecated option: the strategy's "layers"
+    assert plan.layers == units and plan.checkpointing == "layers"
     blocks, fsdp = model.pipeline_blocks(), plan.fsdp_units()
     assert [type(b) for b in fsdp] == [type(b) for b in blocks]
     params = [{id(p) for p in b.parameters()} for b in blocks]
@@ -95,8 +100,21 @@ def test_fusion_units_checkpoint_and_fsdp() -> None:
 
 def test_options_are_validated_at_construction() -> None:
     with pytest.raises(ValueError, match=r"vision_parallel \('sharded'\) must be 'tp' or"):
-        TensorParallelOptions(vision_parallel="sharded")  # type: ignore[arg-type]
+        FusionPlanOptions(vision_parallel="sharded")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"vl_combine \('sum'\) must be 'all_reduce' or"):
+        FusionPlanOptions(vl_combine="sum")  # type: ignore[arg-type]
+
+
+def test_tensor_parallel_options_is_a_deprecated_name() -> None:
+    with pytest.warns(DeprecationWarning, match="use FusionPlanOptions"):
+        old = TensorParallelOptions(sequence_parallel=True, vl_combine="all_gather")
+    assert isinstance(old, FusionPlanOptions)
+    new = FusionPlanOptions(sequence_parallel=True, vl_combine="all_gather")
+    model = fusion_model()
+    plans = fusion_plan(model, old), fusion_plan(model, new)
+    assert styled(plans[0]) == styled(plans[1]) and styled(plans[0], "vl") == styled(plans[1], "vl")
+    assert plans[0].dropout_regions == plans[1].dropout_regions
+    with pytest.raises(ValueError, match=r"vl_combine \('sum'\) must be"):
         TensorParallelOptions(vl_combine="sum")  # type: ignore[arg-type]
 
 
@@ -140,7 +158,8 @@ class Counter:
 def test_fusion_activation_checkpointing_same_loss_and_gradients() -> None:
     ref = fusion_model(dropout=0.2)  # dropout: the recomputation must replay the same masks
     model = copy.deepcopy(ref)
-    options = TensorParallelOptions(activation_checkpointing=True)
+    with pytest.warns(DeprecationWarning):
+        options = FusionPlanOptions(activation_checkpointing=True)
     parallelize_fusion(model, ParallelDims(world_size=1), options)
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
     units = checkpoint_units(model)
@@ -168,8 +187,10 @@ def test_toy_plan_names_every_linear_of_its_blocks() -> None:
     assert styled(plan) == {n for n in linears if n.startswith("layers.")}
     assert styled(plan) and "head.out" in linears
     assert [type(b) for b in plan.fsdp_units()] == [type(b) for b in model.pipeline_blocks()]
-    with_ac = toy_plan(model, activation_checkpointing=True)
-    assert with_ac.activation_checkpointing == ("layers.0", "layers.1")
+    assert toy_plan(model).layers == ("layers.0", "layers.1")
+    with pytest.warns(DeprecationWarning, match="activation_checkpointing='layers'"):
+        with_ac = toy_plan(model, activation_checkpointing=True)
+    assert with_ac.layers == ("layers.0", "layers.1") and with_ac.checkpointing == "layers"
 
 
 def test_toy_activation_checkpointing_same_loss_and_gradients() -> None:
@@ -177,7 +198,8 @@ def test_toy_activation_checkpointing_same_loss_and_gradients() -> None:
     torch.manual_seed(0)
     ref = ToyTransformer(cfg)
     model = copy.deepcopy(ref)
-    parallelize_toy(model, ParallelDims(world_size=1), activation_checkpointing=True)
+    with pytest.warns(DeprecationWarning):
+        parallelize_toy(model, ParallelDims(world_size=1), activation_checkpointing=True)
     counter = Counter(model.layers[0].up)
     batch = make_tokens(4, cfg)
     losses = [m.pipeline_loss(m(batch[:, :-1]), batch[:, 1:]) for m in (ref, model)]

@@ -21,7 +21,7 @@ from lightning.pytorch import Trainer
 
 from lightning_mmpar.config import ParallelConfig
 from lightning_mmpar.recipes.cli import run_cli
-from lightning_mmpar.recipes.config import check_image_size
+from lightning_mmpar.recipes.options import check_image_size
 
 YAML = str(Path(__file__).resolve().parents[2] / "recipes" / "clip_llama_cpu.yaml")
 STRATEGY = "--trainer.strategy.init_args."
@@ -70,7 +70,7 @@ MISTAKES = [
         r"data.image_size \(16\) must equal model.fusion.vision.image_size \(32\)",
     ),
     (  # vision_parallel="dp": micro-batch vs tp, raised at the first forward before
-        ["--model.tensor_parallel.vision_parallel", "dp", "--data.batch_size", "70"],
+        ["--model.plan.vision_parallel", "dp", "--data.batch_size", "70"],
         r"vision_parallel='dp' splits the images of each micro-batch \(data.batch_size 70 / "
         r"micro_batches 2\) .*its size \(35\) must be divisible by tensor_parallel \(2\)",
     ),
@@ -94,7 +94,7 @@ MISTAKES = [(YAML, args, message) for args, message in MISTAKES] + [
             r"is null",
         ),
         (  # sequence parallel with MoE layers: raised in configure_model before
-            ["--model.tensor_parallel.sequence_parallel", "true"],
+            ["--model.plan.sequence_parallel", "true"],
             r"sequence_parallel \(True\) is not supported with mixture-of-experts layers",
         ),
         (  # experts vs ep: raised by apply_expert_parallel in configure_model before
@@ -191,13 +191,38 @@ def test_checkpoint_is_checked_before_launch(launched: list[str], tmp_path: Path
             "1",
             "--model.optim.lr",
             "0.1",
-            "--model.tensor_parallel.activation_checkpointing",
+            "--model.plan.activation_checkpointing",
             "true",
             "--model.loss.caption_weight",
             "2.0",
         ]
     )
     assert launched == ["fit"]  # layout and loss weights may change on resume
+
+
+def test_checkpoint_before_the_plan_rename_resumes(launched: list[str], tmp_path: Path) -> None:
+    """A checkpoint whose hyper-parameters keep the plan options under their old name
+    (``tensor_parallel``) is compared under that name: the layout options may still change, the
+    vocabulary padding may not; and the deprecated ``model.tensor_parallel`` still configures."""
+    from torch import nn
+
+    from lightning_mmpar.parallel.checkpoint import save_sharded
+
+    with pytest.warns(DeprecationWarning, match="model.tensor_parallel is deprecated"):
+        old = run_cli(["fit", "--config", YAML, "--model.tensor_parallel.vl_combine", "all_gather"])
+    assert old.model.plan_options.vl_combine == "all_gather"
+    assert "tensor_parallel" not in old.model.hparams and "plan" in old.model.hparams
+    launched.clear()
+    hparams = dict(old.model.hparams)
+    hparams["tensor_parallel"] = hparams.pop("plan")
+    ckpt = tmp_path / "last.ckpt"
+    save_sharded(ckpt, nn.Linear(2, 2), [], {"hyper_parameters": hparams}, True)
+    run_cli(["fit", "--config", YAML, "--ckpt_path", str(ckpt)])  # vl_combine may change
+    assert launched == ["fit"]
+    with pytest.raises(ValueError, match=r"tensor_parallel.vocab_multiple: checkpoint 8, this "):
+        run_cli(
+            ["fit", "--config", YAML, "--ckpt_path", str(ckpt), "--model.plan.vocab_multiple", "16"]
+        )
 
 
 def test_cli_prints_setup_errors_and_unknown_options_without_traceback(

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from lightning_mmpar.recipes import parallel_env as penv
-from lightning_mmpar.recipes.config import OptimConfig
 from lightning_mmpar.recipes.optim import StepLambdaLR
+from lightning_mmpar.recipes.options import OptimConfig
 
 
 def _optimizer(rates: list[float]) -> torch.optim.Optimizer:

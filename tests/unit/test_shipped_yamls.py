@@ -40,12 +40,13 @@ def test_layout_of_every_yaml_is_valid(path: Path) -> None:
         ep=parallel.expert_parallel,
     )
     assert dims.dp >= 1
+    assert "tensor_parallel" not in config["model"], path.name  # the degree: the strategy's
     language = config["model"]["fusion"]["language"]
     if "moe" in language:  # the MoE recipes: experts split over ep, no sequence parallel
         moe = MoEConfig(**language["moe"])
         assert dims.ep > 1 and moe.num_experts % dims.ep == 0, (path.name, dims)
         assert language.get("joint_attention") is True  # the vision router gets image tokens
-        assert not config["model"].get("tensor_parallel", {}).get("sequence_parallel", False)
+        assert not config["model"].get("plan", {}).get("sequence_parallel", False)
         names = [c["class_path"].rsplit(".", 1)[-1] for c in trainer["callbacks"]]
         assert "ExpertLoadMonitor" in names and "RunSummary" in names, names
     else:

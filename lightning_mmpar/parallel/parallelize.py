@@ -1,0 +1,377 @@
+"""The one parallelize path: a model's :class:`ParallelPlan` (data) and :func:`parallelize`.
+
+A LightningModule describes how its model is parallelized with an optional method
+``parallel_plan(dims) -> ParallelPlan | None`` (:data:`PLAN_HOOK`; the package's plans are built
+in :mod:`lightning_mmpar.plans`); the ``mm_parallel`` strategy calls :func:`parallelize` once,
+in ``setup``, with that plan and its own options, in torchtitan's order (``parallelize_llama``;
+its MoE models add expert parallelism after TP; pipelining as in ``pipeline_llm``, before FSDP):
+
+1. tensor (and sequence) parallelism: the plan's DTensor styles, after its model-parallel
+   dropout regions (:func:`install_parallel_dropout`);
+2. expert parallelism: the plan's mixture-of-experts layers over the ``ep`` mesh, then the
+   plan's own steps (:attr:`ParallelPlan.after_model_parallel`: hooks that are not DTensor
+   styles, reading this rank's slices of meta parameters);
+3. activation checkpointing and ``torch.compile`` per block (:mod:`.activation`: the strategy's
+   ``activation_checkpointing``, else the plan's deprecated model-side choice);
+4. the pipeline split into stages (:class:`~lightning_mmpar.parallel.pipeline.PipelineEngine`);
+5. FSDP2 once per block of this rank's stages plus the root (:mod:`.data`), or replication
+   (parameters broadcast over dp, gradients all-reduced after backward).
+
+TP comes first because FSDP shards the DTensors TP made (2-D ``(dp, tp)`` parameters),
+checkpointing before FSDP so a recomputed forward runs inside its unit's all-gathered
+parameters, and the split before FSDP so each rank shards only its own stages' blocks.
+
+A module that applies tensor parallelism itself in ``configure_model`` (Lightning
+``ModelParallelStrategy`` style) provides no plan, or one without styles: steps 3-5 still apply.
+Under another strategy (DDP, DeepSpeed, Lightning's ``ModelParallelStrategy``), which calls no
+``parallelize``, a module applies steps 1-2 of its own plan in ``configure_model``
+(:func:`apply_model_parallel`, when :func:`applies_plans` is false), as the recipe does.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_mmpar.config import ParallelConfig
+from lightning_mmpar.layout import StagePlan
+from lightning_mmpar.parallel import activation, deferred
+from lightning_mmpar.parallel import data as dpar
+from lightning_mmpar.parallel.comm import group_device
+from lightning_mmpar.parallel.experts import apply_expert_parallel
+from lightning_mmpar.parallel.fsdp_options import MemoryOptions
+from lightning_mmpar.parallel.pipeline import PipelineChunk, PipelineEngine, PipelineModule
+from lightning_mmpar.parallel.random import ParallelDropout, seed_regions
+from lightning_mmpar.parallel.stage_plan import stage_plan_for
+from lightning_mmpar.parallel.tensor import StyleGroup, apply_styles
+from lightning_mmpar.topology import ParallelDims
+
+__all__ = [
+    "PLAN_HOOK",
+    "ParallelPlan",
+    "ParallelizeOptions",
+    "Parallelized",
+    "applies_plans",
+    "apply_model_parallel",
+    "checkpoint_and_compile",
+    "install_parallel_dropout",
+    "module_plan",
+    "parallelize",
+    "plan_meshes",
+    "tp_meshes",
+]
+
+PLAN_HOOK = "parallel_plan"
+"""Name of the optional LightningModule method ``(dims: ParallelDims) -> ParallelPlan | None``."""
+
+_APPLIED = "_mmpar_model_parallel"  # set on a root once steps 1-2 ran (idempotent)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelPlan:
+    """How one model is parallelized, as data; built by a model family's plan (``plans.*``).
+
+    Paths are relative to :attr:`root` (``None``: the module :func:`parallelize` is given).
+    """
+
+    tensor_parallel: tuple[StyleGroup, ...] = ()
+    """TP/SP styles, applied in order (on the ``tp`` mesh, or ``vl`` for the vision-language
+    group: :func:`plan_meshes`)."""
+    dropout_regions: tuple[tuple[str, str], ...] = ()
+    """``(path of an nn.Dropout, RNG region)`` pairs (empty: dropout left as it is)."""
+    expert_parallel: tuple[str, ...] = ()
+    """Paths of the MoE layers sharded over the ``ep`` mesh when it has more than one rank
+    (:func:`~lightning_mmpar.parallel.experts.apply_expert_parallel`; experts replicated over
+    ``tp``)."""
+    after_model_parallel: tuple[Callable[[ParallelDims], None], ...] = ()
+    """Steps run with the run's dims once TP and EP are applied, before activation
+    checkpointing, the pipeline split and FSDP: forward hooks that are not DTensor styles (the
+    fusion ViT's data-parallel split and gather), reading this rank's tensor-parallel slices
+    into meta parameters (the recipe's pretrained towers)."""
+    layers: tuple[str, ...] = ()
+    """Paths of the model's repeated layers: what ``activation_checkpointing="layers"``
+    recomputes (empty: every block)."""
+    checkpointing: activation.Checkpointing = None
+    """The module's own activation-checkpointing choice, used when the strategy's
+    ``activation_checkpointing`` is ``None``; set only by the deprecated model-side option
+    (``model.plan.activation_checkpointing: true`` -> ``"layers"``)."""
+    pipeline_blocks: Callable[[], Sequence[nn.Module]] | None = None
+    """The model's ordered pipeline blocks (also its FSDP units); ``None``: not pipelined."""
+    root: nn.Module | None = None
+    """The module the paths are relative to (``None``: the module being parallelized)."""
+    activation_checkpointing: tuple[str, ...] = ()
+    """Deprecated: paths checkpointed whatever the options; name them in :attr:`layers` and
+    choose ``activation_checkpointing="layers"`` (the strategy's option) instead."""
+
+    def __post_init__(self) -> None:
+        activation.check_checkpointing(self.checkpointing)
+        if self.activation_checkpointing:
+            warnings.warn(
+                "ParallelPlan(activation_checkpointing=paths) is deprecated: give the paths as "
+                "ParallelPlan(layers=...) and choose the strategy's activation_checkpointing="
+                "'layers'.",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """One ``fully_shard`` unit per pipeline block (the strategy applies them after the
+        pipeline split); empty for a model without blocks."""
+        return list(self.pipeline_blocks()) if self.pipeline_blocks is not None else []
+
+
+@dataclass(frozen=True)
+class ParallelizeOptions:
+    """What :func:`parallelize` takes from the strategy besides the plan."""
+
+    config: ParallelConfig
+    """Degrees, pipeline schedule and partition, data-parallel engine."""
+    memory: MemoryOptions = field(default_factory=MemoryOptions)
+    """Precision and memory options (FSDP2 policies, checkpointing, compilation)."""
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    """This rank's device (pipeline buffers, deferred parameters)."""
+
+
+@dataclass
+class Parallelized:
+    """What :func:`parallelize` built, for the strategy's steps and backward."""
+
+    pipeline: PipelineEngine | None = None
+    """The pipeline engine (``pipeline_parallel > 1``)."""
+    chunk: PipelineChunk | None = None
+    """All blocks as one chunk (a ``PipelineModule`` at ``pipeline_parallel == 1``)."""
+    stage_plan: StagePlan | None = None
+    """The partition in use (``pipeline_parallel > 1``)."""
+    replicated: list[nn.Parameter] = field(default_factory=list)
+    """Parameters no FSDP unit manages: all-reduced over dp after backward."""
+    experts: list[nn.Parameter] = field(default_factory=list)
+    """Expert parameters outside FSDP: averaged over their edp replicas after backward."""
+    partial_over_tp: list[nn.Parameter] = field(default_factory=list)
+    """Parameters holding this tp rank's share of the gradient: summed over tp after backward."""
+
+
+def module_plan(module: Any, dims: ParallelDims) -> ParallelPlan | None:
+    """``module.parallel_plan(dims)`` (:data:`PLAN_HOOK`) when the module defines it, else
+    ``None``. Raises what the module's method raises (``ValueError`` for sizes that do not
+    divide by the layout's degrees, say)."""
+    hook = getattr(module, PLAN_HOOK, None)
+    return hook(dims) if callable(hook) else None
+
+
+def applies_plans(trainer: Any) -> bool:
+    """Whether ``trainer``'s strategy calls :func:`parallelize` with the module's plan in its
+    ``setup`` (``mm_parallel``); read by duck typing. ``False`` without a trainer: a module then
+    applies its plan's model-parallel part itself (:func:`apply_model_parallel`)."""
+    strategy = getattr(trainer, "strategy", None)
+    return bool(getattr(strategy, "applies_parallel_plans", False))
+
+
+def install_parallel_dropout(
+    root: nn.Module, regions: Sequence[tuple[str, str]], dims: ParallelDims
+) -> nn.Module:
+    """Replace each listed ``nn.Dropout`` of ``root`` by a
+    :class:`~lightning_mmpar.parallel.random.ParallelDropout` (same ``p``, mode) drawing in the
+    given region with ``dims``' coordinates, and seeds the regions afresh from
+    ``torch.initial_seed()`` unless they were seeded explicitly (collective over the tp group
+    when it installs any); returns ``root``.
+
+    Raises ``ValueError`` when a path is not an ``nn.Dropout`` or a region is unknown.
+    """
+    for path, region in regions:
+        old = root.get_submodule(path)
+        if not isinstance(old, nn.Dropout):
+            raise ValueError(
+                f"dropout_regions: {path} is a {type(old).__name__}, not an nn.Dropout; list "
+                "only dropout modules."
+            )
+        parent, _, name = path.rpartition(".")
+        new = ParallelDropout.from_dropout(old, region=region, dims=dims)
+        root.get_submodule(parent).register_module(name, new)
+    if regions:
+        seed_regions(dims)
+    return root
+
+
+def tp_meshes(
+    tp_mesh: DeviceMesh, vl_group: dist.ProcessGroup | None = None
+) -> dict[str, DeviceMesh]:
+    """``{"tp": tp_mesh, "vl": ...}``: the vision-language mesh on ``vl_group`` (same ranks as
+    ``tp_mesh``, its own communicator), or ``tp_mesh`` itself when ``vl_group`` is ``None``.
+
+    Raises ``ValueError`` for a mesh that is not 1-D or a ``vl_group`` of other ranks.
+    """
+    if tp_mesh.ndim != 1:
+        raise ValueError(f"tp_mesh must be 1-D (got {tp_mesh.ndim} dims); pass mesh['tp'].")
+    vl_mesh = tp_mesh
+    if vl_group is not None:
+        if dist.get_process_group_ranks(vl_group) != tp_mesh.mesh.tolist():
+            raise ValueError("vl_group must hold the same ranks, in the same order, as tp_mesh.")
+        vl_mesh = DeviceMesh.from_group(vl_group, tp_mesh.device_type, mesh_dim_names=("vl",))
+    return {"tp": tp_mesh, "vl": vl_mesh}
+
+
+def plan_meshes(dims: ParallelDims) -> dict[str, DeviceMesh]:
+    """The meshes a plan runs on for ``dims``: empty when ``dims.tp == 1`` (nothing to shard).
+
+    Dims that built their own mesh (``mm_parallel``) give ``mesh["tp"]`` and their dedicated
+    ``vl`` mesh (same root mesh, so FSDP2 on the dp mesh composes with both); dims describing
+    another strategy's layout (Lightning's ``ModelParallelStrategy``) give a new 1-D mesh on
+    its tp group, which also serves as the ``vl`` mesh (enough for TP;
+    FSDP2 over that strategy's own dp mesh would want its ``tensor_parallel`` sub-mesh, which
+    :meth:`ParallelDims.of` does not keep).
+    """
+    if dims.tp == 1:
+        return {}
+    if dims.is_built:
+        return {"tp": dims.get_mesh("tp"), "vl": dims.vl_mesh}
+    group = dims.get_group("tp")
+    assert group is not None, "a dimension of size > 1 has a process group"
+    return tp_meshes(DeviceMesh.from_group(group, group_device(group).type))
+
+
+def apply_model_parallel(
+    root: nn.Module,
+    dims: ParallelDims,
+    plan: ParallelPlan,
+    meshes: Mapping[str, DeviceMesh] | None = None,
+) -> nn.Module:
+    """Steps 1-2 of :func:`parallelize` on ``root`` in place: parallel dropout (when ``dims``
+    spans more than one process), TP styles on ``meshes`` (default :func:`plan_meshes`; none
+    when ``dims.tp == 1``), expert parallelism on ``dims.get_mesh("ep")`` (when ``dims.ep >
+    1``), then :attr:`ParallelPlan.after_model_parallel`. Once per root (a second call returns
+    it unchanged). Returns ``root``. Raises what the styles and steps raise."""
+    if getattr(root, _APPLIED, False):
+        return root
+    if dims.world_size > 1:
+        install_parallel_dropout(root, plan.dropout_regions, dims)
+    meshes = plan_meshes(dims) if meshes is None else meshes
+    if meshes:
+        apply_styles(root, plan.tensor_parallel, meshes)
+    if dims.ep > 1:
+        for path in plan.expert_parallel:
+            apply_expert_parallel(root.get_submodule(path), dims.get_mesh("ep"))
+    for step in plan.after_model_parallel:
+        step(dims)
+    setattr(root, _APPLIED, True)
+    return root
+
+
+def checkpoint_and_compile(
+    module: nn.Module, plan: ParallelPlan | None, memory: MemoryOptions | None = None
+) -> None:
+    """Step 3 of :func:`parallelize`: ``torch.compile`` every block of ``module``
+    (``memory.compile_blocks``) and checkpoint the blocks ``memory.activation_checkpointing``
+    selects, else those of the plan's own :attr:`~ParallelPlan.checkpointing`; ``"layers"``:
+    the plan's :attr:`~ParallelPlan.layers` (every block when it names none). In place, once.
+
+    Raises ``ValueError`` when the kinds named match no block, or for ``"layers"`` that are not
+    blocks themselves together with ``compile_blocks`` (the checkpoint would run inside a
+    compiled block: torch refuses its model-parallel RNG replay there).
+    """
+    memory = memory or MemoryOptions()
+    blocks = activation.model_blocks(module)
+    backend = activation.check_backend(memory.compile_blocks)
+    spec = memory.activation_checkpointing
+    if spec is None and plan is not None:
+        spec = plan.checkpointing
+    root = module if plan is None or plan.root is None else plan.root
+    if plan is not None and plan.activation_checkpointing:  # deprecated: always applied
+        units = [root.get_submodule(p) for p in plan.activation_checkpointing]
+        activation.wrap_blocks(units, set(range(len(units))), None)
+    if spec != activation.LAYERS or plan is None or not plan.layers:
+        activation.apply_block_options(blocks, spec, backend)
+        return
+    layers = [root.get_submodule(p) for p in plan.layers]
+    index = {id(b): i for i, b in enumerate(blocks)}
+    if all(id(m) in index for m in layers):  # the layers are blocks (the toy's)
+        activation.wrap_blocks(blocks, {index[id(m)] for m in layers}, backend)
+        return
+    if backend is not None:
+        raise ValueError(
+            "activation_checkpointing='layers' recomputes the model's layers inside its blocks, "
+            f"and compile_blocks={memory.compile_blocks!r} compiles those blocks: torch refuses "
+            "the checkpoint's RNG replay inside a compiled region. With compile_blocks use 'all'"
+            ", an integer k or block kinds (whole blocks), or leave compile_blocks off."
+        )
+    activation.apply_block_options(blocks, None, None)
+    activation.wrap_blocks(layers, set(range(len(layers))), None)
+
+
+def parallelize(
+    module: nn.Module,
+    dims: ParallelDims,
+    plan: ParallelPlan | None,
+    options: ParallelizeOptions,
+) -> Parallelized:
+    """Parallelize ``module`` (a LightningModule) in place: TP -> EP -> activation
+    checkpointing / compile -> pipeline split -> FSDP2 or replicate (module docstring), then the
+    module's ``load_sharded_parameters`` hook (:mod:`.deferred`). ``plan`` ``None``: a module
+    without one (steps 1-2 skipped).
+
+    Raises:
+        TypeError: ``pipeline_parallel > 1`` for a module that is not a ``PipelineModule``.
+        ValueError: from the plan's styles and steps, the block options, the expert layers
+            against ``dims.ep`` or the pipeline partition.
+    """
+    cfg = options.config
+    if cfg.pipeline_parallel > 1 and not isinstance(module, PipelineModule):
+        raise TypeError(
+            f"pipeline_parallel={cfg.pipeline_parallel} needs {type(module).__name__} to "
+            "implement pipeline_blocks(), pipeline_inputs() and pipeline_loss() "
+            "(lightning_mmpar.parallel.pipeline.PipelineModule); or set pipeline_parallel=1."
+        )
+    if plan is not None:
+        apply_model_parallel(plan.root or module, dims, plan)
+    checkpoint_and_compile(module, plan, options.memory)
+    dpar.check_expert_layers(module, dims.ep)
+    dpar.scale_expert_gradients(module, dims.ep)
+    done = _split_and_shard(module, dims, options)
+    deferred.load_deferred(module, options.device)  # sharded meta params: their shards
+    done.partial_over_tp = dpar.partial_over_tp_parameters(module) if dims.tp > 1 else []
+    if dims.dp > 1 and cfg.data_parallel != "none":
+        done.replicated = dpar.replicated_parameters(module)
+        dpar.broadcast_parameters(done.replicated, dims.get_mesh("dp").get_group())
+        done.experts = dpar.expert_parameters(module)
+        dpar.broadcast_parameters(done.experts, dims.get_mesh("edp").get_group())
+    return done
+
+
+def _split_and_shard(
+    module: nn.Module, dims: ParallelDims, options: ParallelizeOptions
+) -> Parallelized:
+    """Steps 4-5: the pipeline split (``pp > 1``; a ``PipelineModule`` at pp 1 runs as one
+    chunk) and FSDP2 per block of this rank's stages (experts on the edp mesh), or FSDP2 on a
+    module without blocks."""
+    cfg, memory = options.config, options.memory
+    fsdp = cfg.data_parallel == "fsdp" and (dims.dp > 1 or memory.needs_fsdp)
+    shard = fsdp and not dpar.has_fsdp(module)
+    fsdp_kw = memory.fsdp_kwargs(options.device)
+    dp_mesh, edp_mesh = dims.get_mesh("dp"), dims.get_mesh("edp")
+
+    def wrap(chunk: PipelineChunk) -> nn.Module:
+        if shard and dims.edp > 1:
+            dpar.shard_experts(chunk, edp_mesh)
+        return dpar.shard_blocks(chunk.blocks, chunk, dp_mesh, **fsdp_kw) if shard else chunk
+
+    done = Parallelized()
+    if cfg.pipeline_parallel > 1:
+        pp_group = dims.get_mesh("pp").get_group()
+        done.stage_plan = stage_plan_for(module, cfg)
+        done.pipeline = PipelineEngine(
+            module, cfg, pp_group, options.device, wrap, stage_ranges=done.stage_plan.ranges
+        )
+    elif isinstance(module, PipelineModule):
+        done.chunk = PipelineChunk(list(module.pipeline_blocks()))
+        wrap(done.chunk)
+    elif shard:
+        if dims.edp > 1:
+            dpar.shard_experts(module, edp_mesh)
+        dpar.apply_fsdp(module, dp_mesh, **fsdp_kw)
+    return done
