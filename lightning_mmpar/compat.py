@@ -121,19 +121,6 @@ def own_communicator(mesh: DeviceMesh, name: str) -> DeviceMesh:
         return mesh._unflatten(0, (mesh.size(),), (name,), override)  # type: ignore[arg-type]
 
 
-def checkpoint_module(module: Any, context_fn: Any = None) -> None:
-    """Activation checkpointing of one module in place (torch's private composable
-    ``checkpoint``: forward hooks, so the module tree and parameter names stay as they are).
-    ``context_fn`` (torch's checkpoint argument) returns the forward's and the recomputation's
-    context managers: e.g. the RNG tracker's replay, so dropout masks match."""
-    from torch.distributed._composable import checkpoint
-
-    if context_fn is None:
-        checkpoint(module)
-    else:
-        checkpoint(module, context_fn=context_fn)
-
-
 def deepspeed_broadcast_zero_dim() -> None:
     """Let DeepSpeed's engine broadcast 0-dim parameters (CLIP's logit scale, say).
 

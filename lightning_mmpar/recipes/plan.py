@@ -31,6 +31,7 @@ from lightning_mmpar.config import ParallelConfig
 from lightning_mmpar.layout.cost import DEVICES, GIB, Prediction, default_graph, predict
 from lightning_mmpar.layout.model import LayoutSpec
 from lightning_mmpar.layout.planner import Rejected, describe, divisors, plan
+from lightning_mmpar.parallel.activation import LAYERS
 from lightning_mmpar.plans.fusion import check_moe_layout, validate_tensor_parallel
 from lightning_mmpar.plans.fusion_cost import fusion_model_spec
 from lightning_mmpar.plans.fusion_vision import check_vision_batch
@@ -122,10 +123,11 @@ def spec_cache(module: ClipLlamaModule, text_length: int) -> Any:
 def fragment(layout: LayoutSpec, placement: Sequence[int] | None = None) -> dict[str, Any]:
     """The YAML the recipe accepts for ``layout``: ``trainer.strategy`` (class and every layout
     init arg, defaults included, so that merged over a recipe YAML none of the recipe's own
-    values survive; ``micro_batches: null`` without a pipeline), ``trainer.
-    accumulate_grad_batches``, ``model.tensor_parallel`` (sequence parallelism, vision layout,
-    checkpointing) and ``data.batch_size`` (per data-parallel rank); ``placement``: the device
-    order when it is not Megatron's (and the strategy takes one), else null."""
+    values survive; ``micro_batches: null`` without a pipeline; ``activation_checkpointing:
+    layers`` or null), ``trainer.accumulate_grad_batches``, ``model.plan`` (sequence
+    parallelism, vision layout) and ``data.batch_size`` (per data-parallel rank);
+    ``placement``: the device order when it is not Megatron's (and the strategy takes one),
+    else null."""
     part = layout.partition
     args: dict[str, Any] = {
         "tensor_parallel": layout.tp,
@@ -140,17 +142,17 @@ def fragment(layout: LayoutSpec, placement: Sequence[int] | None = None) -> dict
     if "placement" in inspect.signature(MultimodalParallelStrategy.__init__).parameters:
         moved = placement is not None and tuple(placement) != tuple(range(len(placement)))
         args["placement"] = list(placement) if moved and placement is not None else None
-    tp_options = {
+    args["activation_checkpointing"] = LAYERS if layout.activation_checkpointing else None
+    plan_options = {
         "sequence_parallel": layout.sequence_parallel,
         "vision_parallel": layout.vision_parallel,
-        "activation_checkpointing": layout.activation_checkpointing,
     }
     return {
         "trainer": {
             "strategy": {"class_path": _STRATEGY, "init_args": args},
             "accumulate_grad_batches": layout.accumulate,
         },
-        "model": {"tensor_parallel": tp_options},
+        "model": {"plan": plan_options},
         "data": {"batch_size": layout.micro_batches * layout.micro_batch_size},
     }
 

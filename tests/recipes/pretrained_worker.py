@@ -115,18 +115,17 @@ def data(towers: dict[str, str]) -> DigitsCaptions:
 
 
 class CheckedModule(rw.SeededModule):
-    """Records, right after loading (before the pipeline cut and FSDP), the error of every
-    shard read against ``full`` (:func:`shard_errors`), when ``full`` is set; reads deferred
-    until FSDP sharded the parameters are checked when fitting starts (:class:`AtStart`)."""
+    """Records, right after loading (the plan's step after TP, before the pipeline cut and
+    FSDP), the error of every shard read against ``full`` (:func:`shard_errors`), when ``full``
+    is set; reads deferred until FSDP sharded the parameters are checked when fitting starts
+    (:class:`AtStart`)."""
 
     full: dict[str, Tensor] | None = None
     shard_errors: dict[str, float] | None = None
 
-    def configure_model(self) -> None:
-        if self.blocks is not None:
-            return
-        super().configure_model()
-        if self.full is not None:
+    def load_towers(self, dims: Any) -> None:
+        super().load_towers(dims)
+        if self.full is not None and self.load_report is not None:
             self.shard_errors = shard_errors(self, self.full)
 
 

@@ -22,8 +22,10 @@ from lightning_mmpar.losses.contrastive import ContrastiveLoss
 from lightning_mmpar.losses.mml import MMLLoss
 from lightning_mmpar.models.fusion import FusionOutput
 from lightning_mmpar.parallel.pipeline import PipelineChunk
+from lightning_mmpar.plans.fusion import checkpoint_units
 from lightning_mmpar.recipes.module import ClipLlamaModule
 from lightning_mmpar.recipes.options import FinetuneConfig, LossConfig
+from lightning_mmpar.topology import ParallelDims
 
 sys.path.insert(0, str(Path(__file__).parent))
 import recipe_faults_worker as rw
@@ -181,3 +183,41 @@ def test_aux_free_moe_bias_moves_after_each_optimizer_step() -> None:
         assert bool(((moved - 0.01).abs() < 1e-7).any()), layer.expert_bias
         assert bool((((moved - 0.01).abs() < 1e-7) | (moved == 0)).all()), layer.expert_bias
         assert not layer.pending_load.any()
+
+
+def test_plan_options_and_their_deprecated_name(data: DigitsCaptions) -> None:
+    """``plan`` (``model.plan:``) holds the fusion plan's options; ``tensor_parallel`` is its
+    deprecated name (warned, kept under ``plan`` in the hyper-parameters, refused next to a
+    different ``plan``); the module's plan checkpoints nothing unless asked, and the deprecated
+    ``activation_checkpointing`` asks for the strategy's ``"layers"``."""
+    from lightning_mmpar.plans import FusionPlanOptions, TensorParallelOptions
+
+    fusion = rw.tiny_fusion()
+    module = ClipLlamaModule(fusion=fusion, plan=FusionPlanOptions(vl_combine="all_gather"))
+    assert module.plan_options.vl_combine == "all_gather"
+    assert "tensor_parallel" not in module.hparams and "plan" in module.hparams
+    with pytest.warns(DeprecationWarning, match="model.tensor_parallel is deprecated"):
+        old = ClipLlamaModule(fusion=fusion, tensor_parallel=FusionPlanOptions(vocab_multiple=16))
+    assert old.plan_options.vocab_multiple == 16 and "tensor_parallel" not in old.hparams
+    assert old.hparams["plan"] == FusionPlanOptions(vocab_multiple=16)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="give one of them"):
+        ClipLlamaModule(
+            fusion=fusion,
+            plan=FusionPlanOptions(vocab_multiple=16),
+            tensor_parallel=TensorParallelOptions(vocab_multiple=32),
+        )
+    with pytest.warns(DeprecationWarning, match="use plan_options"):
+        assert old.tp_options is old.plan_options
+    old._trainer = SimpleNamespace(datamodule=data)  # type: ignore[assignment]
+    old.configure_model()
+    plan = old.parallel_plan(ParallelDims(world_size=1))
+    assert plan.root is old.fusion_model and plan.checkpointing is None
+    assert plan.layers == checkpoint_units(old.fusion_model)
+    with pytest.warns(DeprecationWarning):
+        options = FusionPlanOptions(activation_checkpointing=True)
+    asked = ClipLlamaModule(fusion=fusion, plan=options)
+    asked._trainer = SimpleNamespace(datamodule=data)  # type: ignore[assignment]
+    asked.configure_model()  # no mm_parallel: the module applies its plan, checkpointing too
+    units = [asked.fusion_model.get_submodule(p) for p in checkpoint_units(asked.fusion_model)]
+    assert all(getattr(u, "_mmpar_block_options", False) for u in units)
+    assert asked.parallel_plan(ParallelDims(world_size=1)).checkpointing == "layers"

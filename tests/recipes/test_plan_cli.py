@@ -63,15 +63,13 @@ def test_plan_cpu_recipe_table_rejections_placement_and_yaml(
     config = yaml.safe_load(Path(CPU).read_text())
     module, data = build_module(cli._merge(config, {k: fragment[k] for k in ("model", "data")}))
     assert data.batch_size == fragment["data"]["batch_size"]
-    assert (
-        module.plan_options.sequence_parallel
-        == fragment["model"]["tensor_parallel"]["sequence_parallel"]
-    )
+    assert module.plan_options.sequence_parallel == fragment["model"]["plan"]["sequence_parallel"]
     tp, pp = args.get("tensor_parallel", 1), args.get("pipeline_parallel", 1)
     assert 4 % (tp * pp) == 0
-    ParallelConfig(**{k: v for k, v in args.items() if k != "placement"}).check_batch_size(
-        data.batch_size
-    )
+    layout_args = {
+        k: v for k, v in args.items() if k not in ("placement", "activation_checkpointing")
+    }
+    ParallelConfig(**layout_args).check_batch_size(data.batch_size)
     # the global batch is the YAML's (72 per dp rank x dp 1): every layout keeps it
     assert data.batch_size * (4 // (tp * pp)) == 72
 
@@ -177,7 +175,7 @@ def test_fragment_merged_over_a_recipe_overrides_every_layout_field(recipe: Path
     the fragment must set every layout field, or the recipe's own values survive."""
     config = yaml.safe_load(recipe.read_text())
     old = config["trainer"]["strategy"].get("init_args") or {}
-    options = config["model"].get("tensor_parallel") or {}
+    options = config["model"].get("plan") or {}
     layout = LayoutSpec(
         tp=_alternative(old.get("tensor_parallel", 1), [8, 1]),
         pp=_alternative(old.get("pipeline_parallel", 1), [4, 1]),
@@ -192,7 +190,7 @@ def test_fragment_merged_over_a_recipe_overrides_every_layout_field(recipe: Path
         data_parallel=_alternative(old.get("data_parallel", "fsdp"), ["ddp", "fsdp"]),
         sequence_parallel=not options.get("sequence_parallel", False),
         vision_parallel=_alternative(options.get("vision_parallel", "tp"), ["dp", "tp"]),
-        activation_checkpointing=not options.get("activation_checkpointing", False),
+        activation_checkpointing=old.get("activation_checkpointing") is None,
     )
     assert layout.micro_batches * layout.micro_batch_size != config["data"]["batch_size"]
     order = list(range(layout.world))[::-1]
@@ -208,6 +206,7 @@ def test_fragment_merged_over_a_recipe_overrides_every_layout_field(recipe: Path
         "data_parallel": layout.data_parallel,
         "partition": layout.partition,
         "placement": order,
+        "activation_checkpointing": "layers" if layout.activation_checkpointing else None,
     }
     assert {k: args.get(k) for k in expected} == expected
     assert set(args) - set(expected) <= set(old) - set(expected)  # nothing else added
@@ -219,14 +218,15 @@ def test_fragment_merged_over_a_recipe_overrides_every_layout_field(recipe: Path
         layout.ep,
     )
     assert (got.num_micro_batches, got.schedule) == (layout.micro_batches, layout.schedule)
-    tp_options = merged["model"]["tensor_parallel"]
-    assert tp_options["sequence_parallel"] == layout.sequence_parallel
-    assert tp_options["vision_parallel"] == layout.vision_parallel
-    assert tp_options["activation_checkpointing"] == layout.activation_checkpointing
+    plan_options = merged["model"]["plan"]
+    assert plan_options["sequence_parallel"] == layout.sequence_parallel
+    assert plan_options["vision_parallel"] == layout.vision_parallel
+    assert "tensor_parallel" not in merged["model"]  # the degree is the strategy's
     assert merged["data"]["batch_size"] == layout.micro_batches * layout.micro_batch_size
     assert merged["trainer"]["accumulate_grad_batches"] == layout.accumulate
     # without a pipeline micro_batches is null (ParallelConfig refuses it at pp 1), and
     # Megatron's order writes placement null: neither recipe value survives either
     flat = cli.fragment(LayoutSpec(dp=4), None)["trainer"]["strategy"]["init_args"]
     assert flat["micro_batches"] is None and flat["placement"] is None
+    assert flat["activation_checkpointing"] is None
     assert flat["pipeline_parallel"] == 1 and flat["tensor_parallel"] == 1
