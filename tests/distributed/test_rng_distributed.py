@@ -30,7 +30,7 @@ from lightning_mmpar.parallel.random import (
     model_parallel_manual_seed,
 )
 from lightning_mmpar.plans.fusion import (
-    TensorParallelOptions,
+    FusionPlanOptions,
     apply_tensor_parallel,
     parallelize_fusion,
 )
@@ -119,7 +119,7 @@ def worker(rank: int, world: int) -> dict[str, Any]:
     batch = (torch.randn(2, 3, 16, 16), torch.randint(0, 64, (2, 8)), torch.ones(2, 8).long())
     for sp in (False, True):
         torch.manual_seed(SEED)
-        options = TensorParallelOptions(sequence_parallel=sp)
+        options = FusionPlanOptions(sequence_parallel=sp)
         model = parallelize_fusion(copy.deepcopy(ref), dims, options)
         assert all(isinstance(a.dropout, ParallelDropout) for a in model.adapters)
         result[f"fusion_sp{int(sp)}"] = adapter_masks(model, batch)

@@ -16,7 +16,7 @@ from lightning_mmpar.models.vision import VisionConfig
 from lightning_mmpar.parallel.data import partial_over_tp_parameters
 from lightning_mmpar.parallel.tensor import gather_rows, local_rows
 from lightning_mmpar.plans.fusion import (
-    TensorParallelOptions,
+    FusionPlanOptions,
     apply_tensor_parallel,
     dropout_regions,
     fusion_plan,
@@ -157,7 +157,7 @@ def test_vision_dp_plan_without_process_group() -> None:
     assert partial_over_tp_parameters(model) == []
     assert not model.vision.conv1._forward_pre_hooks
     for layout in ("replicate", "dp"):
-        plan = fusion_plan(model, TensorParallelOptions(vision_parallel=layout))  # type: ignore[arg-type]
+        plan = fusion_plan(model, FusionPlanOptions(vision_parallel=layout))  # type: ignore[arg-type]
         assert all(not g.path.startswith("vision") for g in plan.tensor_parallel)
     model.vision.transformer.resblocks[0].register_module("drop", nn.Dropout(0.1))
     path = "vision.transformer.resblocks.0.drop"

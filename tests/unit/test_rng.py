@@ -29,7 +29,7 @@ from lightning_mmpar.parallel.random import (
     region_seeds,
     seed_regions,
 )
-from lightning_mmpar.plans import TensorParallelOptions, fusion_plan, parallelize_fusion
+from lightning_mmpar.plans import FusionPlanOptions, fusion_plan, parallelize_fusion
 from lightning_mmpar.plans.plan import install_parallel_dropout
 from lightning_mmpar.topology import ParallelDims
 
@@ -205,9 +205,9 @@ def test_fusion_plan_regions_and_one_process_model_unchanged() -> None:
     model = FusionModel(config(adapter__num_blocks=2))
     regions = fusion_plan(model).dropout_regions
     assert regions == (("adapters.0.dropout", "replicated"), ("adapters.1.dropout", "replicated"))
-    seq = fusion_plan(model, TensorParallelOptions(sequence_parallel=True)).dropout_regions
+    seq = fusion_plan(model, FusionPlanOptions(sequence_parallel=True)).dropout_regions
     assert {r for _, r in seq} == {"tensor-parallel"}
-    ac = TensorParallelOptions(activation_checkpointing=True)
+    ac = FusionPlanOptions(activation_checkpointing=True)
     assert fusion_plan(model, ac).dropout_regions == regions  # AC replays the tracker
     parallelize_fusion(model, ONE)
     assert all(type(a.dropout) is nn.Dropout for a in model.adapters)
