@@ -328,7 +328,7 @@ def parallelize(
             "(lightning_mmpar.parallel.pipeline.PipelineModule); or set pipeline_parallel=1."
         )
     if plan is not None:
-        apply_model_parallel(plan.root or module, dims, plan)
+        apply_model_parallel(module if plan.root is None else plan.root, dims, plan)
     checkpoint_and_compile(module, plan, options.memory)
     dpar.check_expert_layers(module, dims.ep)
     dpar.scale_expert_gradients(module, dims.ep)

@@ -170,7 +170,7 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
     def tp_options(self) -> FusionPlanOptions:
         """Deprecated name of :attr:`plan_options` (the options of the fusion model's plan)."""
         warnings.warn(
-            "ClipLlamaModule.plan_options is deprecated: use plan_options.",
+            "ClipLlamaModule.tp_options is deprecated: use plan_options.",
             DeprecationWarning,
             stacklevel=2,
         )

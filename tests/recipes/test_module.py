@@ -206,7 +206,7 @@ def test_plan_options_and_their_deprecated_name(data: DigitsCaptions) -> None:
             plan=FusionPlanOptions(vocab_multiple=16),
             tensor_parallel=TensorParallelOptions(vocab_multiple=32),
         )
-    with pytest.warns(DeprecationWarning, match="use plan_options"):
+    with pytest.warns(DeprecationWarning, match="tp_options is deprecated: use plan_options"):
         assert old.tp_options is old.plan_options
     old._trainer = SimpleNamespace(datamodule=data)  # type: ignore[assignment]
     old.configure_model()
