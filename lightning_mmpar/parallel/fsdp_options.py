@@ -12,7 +12,8 @@ per-block activation checkpointing and ``torch.compile``.
   hence the optimizer state live in CPU memory (the optimizer step runs on the CPU), copied to
   the device for each all-gather; ZeRO-Offload's role (Ren et al. 2021). Pinned memory on CUDA.
   On a CPU accelerator it changes no memory and runs the same code path.
-* ``activation_checkpointing`` and ``compile_blocks``: :mod:`lightning_mmpar.parallel.activation`.
+* ``activation_checkpointing`` and ``compile_blocks``: :mod:`lightning_mmpar.parallel.activation`,
+  applied by :func:`lightning_mmpar.parallel.parallelize.checkpoint_and_compile`.
 
 Combinations that cannot work are refused with ``ValueError`` (:meth:`MemoryOptions.check`,
 :meth:`MemoryOptions.check_precision`).
@@ -24,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
 from lightning_mmpar.parallel import activation
@@ -121,14 +121,6 @@ class MemoryOptions:
         if self.offload_optimizer:
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
         return kwargs
-
-    def apply_to_blocks(self, module: nn.Module) -> list[int]:
-        """Checkpointing and compilation of ``module``'s blocks
-        (:func:`~lightning_mmpar.parallel.activation.apply_block_options`); returns the indices
-        of the checkpointed blocks. Raises ``ValueError`` when the kinds named match no block."""
-        blocks = activation.model_blocks(module)
-        backend = activation.check_backend(self.compile_blocks)
-        return activation.apply_block_options(blocks, self.activation_checkpointing, backend)
 
 
 __all__ = ["DTYPES", "MemoryOptions", "mixed_precision_policy"]
