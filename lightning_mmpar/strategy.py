@@ -46,8 +46,8 @@ from lightning_mmpar.parallel.checkpoint_hooks import ShardedCheckpointHooks
 from lightning_mmpar.parallel.fsdp_options import MemoryOptions
 from lightning_mmpar.parallel.numerics_hooks import NumericsHooks
 from lightning_mmpar.parallel.pipeline import PipelineChunk, PipelineEngine, PipelineModule
-from lightning_mmpar.parallel.stage_plan import stage_plan_for
-from lightning_mmpar.parallel.stash import GradientStash
+from lightning_mmpar.parallel.pipeline.stages import stage_plan_for
+from lightning_mmpar.parallel.pipeline.stash import GradientStash
 from lightning_mmpar.precision.plugins import GlobalNormClipping, with_global_clipping
 from lightning_mmpar.topology import ParallelDims
 

@@ -45,7 +45,7 @@ V_SCHEDULES = ("zbv_zero_bubble", "dualpipev")
 def stage_ranks(schedule: str, pp: int, virtual: int) -> list[int]:
     """Pipeline rank of each of the ``pp * virtual`` stages: the loop layout ``s % pp``, or for
     the V schedules (``zbv_zero_bubble``, ``dualpipev``) ``s`` then ``2 pp - 1 - s`` (as
-    ``lightning_mmpar.parallel.pipeline_schedules.stage_ranks``)."""
+    ``lightning_mmpar.parallel.pipeline.schedules.stage_ranks``)."""
     stages = pp * virtual
     if schedule in V_SCHEDULES and stages == 2 * pp:
         return [s if s < pp else 2 * pp - 1 - s for s in range(stages)]

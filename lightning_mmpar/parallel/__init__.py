@@ -1,5 +1,5 @@
 """Mechanisms for any model and any plan: tensor-parallel styles, the pipeline engine and its
-schedules (:mod:`.pipeline_schedules`), FSDP2 / DDP, DCP checkpoints, the DeepSpeed engine,
+schedules (:mod:`.pipeline`), FSDP2 / DDP, DCP checkpoints, the DeepSpeed engine,
 device-aware collectives (:mod:`.comm`), the numerics core (:mod:`.numerics`) and the
 model-parallel RNG (:mod:`.random`). Nothing here imports a model, a plan, the strategy, a
 recipe or a callback (import-linter contracts in pyproject.toml).
@@ -49,7 +49,7 @@ from lightning_mmpar.parallel.pipeline import (
     PipelineSteps,
     partition,
 )
-from lightning_mmpar.parallel.pipeline_schedules import (
+from lightning_mmpar.parallel.pipeline.schedules import (
     SCHEDULE_CLASSES,
     ZERO_BUBBLE,
     StageObserver,

@@ -31,7 +31,7 @@ from lightning_mmpar.layout import (
     plan_stages,
     side_by_side,
 )
-from lightning_mmpar.parallel.pipeline_schedules import in_flight_micro_batches, stage_ranks
+from lightning_mmpar.parallel.pipeline.schedules import in_flight_micro_batches, stage_ranks
 from lightning_mmpar.recipes.cli import RecipeDigitsCaptions
 from lightning_mmpar.recipes.module import ClipLlamaModule
 

@@ -267,8 +267,8 @@ def owned_parameters(module: Any, blocks: list[nn.Module]) -> tuple[set[int], Lo
     if config is None or getattr(config, "pipeline_parallel", 1) == 1:
         return {id(p) for b in blocks for p in b.parameters()}, report
     from lightning_mmpar.parallel import comm
-    from lightning_mmpar.parallel import pipeline_schedules as ps
-    from lightning_mmpar.parallel.stage_plan import stage_plan_for
+    from lightning_mmpar.parallel.pipeline import schedules as ps
+    from lightning_mmpar.parallel.pipeline.stages import stage_plan_for
     from lightning_mmpar.topology import ParallelDims
 
     plan = stage_plan_for(module, config)

@@ -22,7 +22,7 @@ from lightning_mmpar.layout.cost import (
 )
 from lightning_mmpar.layout.stages import BlockSpec
 from lightning_mmpar.models.fusion import FusionModel
-from lightning_mmpar.parallel import pipeline_schedules as ps
+from lightning_mmpar.parallel.pipeline import schedules as ps
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "recipes"))
 import recipe_faults_worker as rw

@@ -289,7 +289,7 @@ def test_balanced_partition_needs_block_costs() -> None:
     blocks' kinds; ``balanced`` is refused, naming the method to implement."""
     from torch import nn
 
-    from lightning_mmpar.parallel.stage_plan import module_stage_plan
+    from lightning_mmpar.parallel.pipeline.stages import module_stage_plan
 
     class Blocks(nn.Module):
         def __init__(self) -> None:

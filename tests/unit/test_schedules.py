@@ -25,7 +25,7 @@ from lightning_mmpar.config import (
     min_micro_batches,
 )
 from lightning_mmpar.parallel.pipeline import PipelineEngine
-from lightning_mmpar.parallel.pipeline_schedules import (
+from lightning_mmpar.parallel.pipeline.schedules import (
     SCHEDULE_CLASSES,
     check_stage_ranges,
     instrument_stage,

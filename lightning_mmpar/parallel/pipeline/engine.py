@@ -7,7 +7,7 @@ last block's output. The strategy cuts the list into ``pp * v`` stages (equal sp
 Megatron's virtual pipeline; V layout for ZBV / DualPipeV: rank ``r`` holds stages ``r`` and
 ``2 * pp - 1 - r``), unregisters the parameters of every other block (so state dicts and
 optimizers hold only owned parameters, under their original names), and drives one of torch's
-schedules by name (:mod:`~lightning_mmpar.parallel.pipeline_schedules`).
+schedules by name (:mod:`~lightning_mmpar.parallel.pipeline.schedules`).
 
 Block contract: ``block(*tensors) -> Tensor | tuple[Tensor, ...]``; a tuple is unpacked into the
 next block's arguments, so a stage boundary may carry several tensors (text hidden states and
@@ -34,13 +34,13 @@ from torch.distributed.pipelining import PipelineStage
 from lightning_mmpar.config import ParallelConfig
 from lightning_mmpar.parallel import comm
 from lightning_mmpar.parallel import gradient_cache as gc
-from lightning_mmpar.parallel import pipeline_schedules as ps
-from lightning_mmpar.parallel.pipeline_schedules import (
+from lightning_mmpar.parallel.pipeline import schedules as ps
+from lightning_mmpar.parallel.pipeline.schedules import (
     _drop_parameters,
     check_ownership,
     partition,
 )
-from lightning_mmpar.parallel.pipeline_steps import PipelineChunk, PipelineSteps
+from lightning_mmpar.parallel.pipeline.steps import PipelineChunk, PipelineSteps
 
 __all__ = [
     "PipelineChunk",
@@ -85,13 +85,13 @@ class PipelineEngine:
 
     ``stage_ranges`` gives each stage's blocks (``pp * v`` contiguous non-empty ranges covering
     every block); ``None`` is :func:`partition`'s equal split. ``observers`` receive the timing
-    of every stage action (:data:`~lightning_mmpar.parallel.pipeline_schedules.StageObserver`);
+    of every stage action (:data:`~lightning_mmpar.parallel.pipeline.schedules.StageObserver`);
     :meth:`set_micro_batches` changes the micro-batch count between steps.
 
     Raises:
         TypeError: ``module`` is not a :class:`PipelineModule`.
         ValueError: a trainable parameter of ``module`` is in no block (:func:`check_ownership`),
-            or bad ``stage_ranges`` (:func:`~.pipeline_schedules.check_stage_ranges`).
+            or bad ``stage_ranges`` (:func:`~.schedules.check_stage_ranges`).
     """
 
     def __init__(
@@ -301,9 +301,9 @@ class PipelineEngine:
     def run_in_order(
         self, first: tuple[Tensor, ...], run: ps.StageRun | None = None
     ) -> tuple[Tensor, ...] | None:
-        """This rank's stages in order on one whole batch (:func:`~.pipeline_schedules.
-        run_in_order`); ``run(stage, inputs)`` defaults to the stage's chunk. Returns the last
-        stage's outputs (a tuple) on its rank, else ``None``. Collective over the pp group."""
+        """This rank's stages in order on one whole batch (:func:`~.schedules.run_in_order`);
+        ``run(stage, inputs)`` defaults to the stage's chunk. Returns the last stage's outputs
+        (a tuple) on its rank, else ``None``. Collective over the pp group."""
         chunks = dict(zip(self.stage_ids, self.chunks, strict=True))
 
         def forward(s: int, x: tuple[Tensor, ...]) -> tuple[Tensor, ...]:

@@ -19,7 +19,7 @@ from lightning_mmpar.layout import (
     parse_partition,
     plan_stages,
 )
-from lightning_mmpar.parallel.pipeline_schedules import in_flight_micro_batches, stage_ranks
+from lightning_mmpar.parallel.pipeline.schedules import in_flight_micro_batches, stage_ranks
 
 __all__ = ["module_stage_plan", "stage_plan_for"]
 
