@@ -37,6 +37,7 @@ from lightning_mmpar.parallel.experts import (
 )
 from lightning_mmpar.parallel.finite import NonFiniteGuard, nonfinite_weights
 from lightning_mmpar.parallel.gradient_cache import BatchLossModule, RNGReplay
+from lightning_mmpar.parallel.moved import install as _install_moved_modules
 from lightning_mmpar.parallel.numerics import (
     clip_grad_norm_,
     global_grad_norm,
@@ -76,6 +77,8 @@ from lightning_mmpar.parallel.tensor import (
     full_gradients,
     full_state_dict,
 )
+
+_install_moved_modules()  # old paths of moved modules (parallel.moved.MOVED) warn and still work
 
 __all__ = [
     "MM_PARALLEL_KEYS",

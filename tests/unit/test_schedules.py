@@ -251,3 +251,25 @@ def test_observers_time_every_action_only_when_present() -> None:
         (3, "backward_weight", 2),
     ]
     assert all(start <= end for *_, start, end in seen)
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        (
+            "lightning_mmpar.parallel.pipeline_schedules",
+            "lightning_mmpar.parallel.pipeline.schedules",
+        ),
+        ("lightning_mmpar.parallel.pipeline_steps", "lightning_mmpar.parallel.pipeline.steps"),
+    ],
+)
+def test_old_pipeline_module_paths_warn(old: str, new: str) -> None:
+    """The modules moved into ``parallel/pipeline/`` keep their old paths one release."""
+    import importlib
+    import sys
+
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=re.escape(f"{old} moved to {new}")):
+        module = importlib.import_module(old)
+    target = importlib.import_module(new)
+    assert all(getattr(module, name) is getattr(target, name) for name in module.__all__)
