@@ -12,65 +12,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lightning_mmpar.layout import parse_partition
+from lightning_mmpar.layout.schedules import (  # the schedule facts' home; names kept here
+    MULTI_STAGE_SCHEDULES,
+    ROUND_SCHEDULES,
+    SCHEDULES,
+    SPLIT_BACKWARD_SCHEDULES,
+    V_SCHEDULES,
+    Schedule,
+    min_micro_batches,
+)
+from lightning_mmpar.layout.schedules import stage_layout as stage_layout
 
-Schedule = Literal[
-    "gpipe",
-    "1f1b",
-    "interleaved_1f1b",
-    "looped_bfs",
-    "interleaved_zero_bubble",
-    "zbv_zero_bubble",
-    "dualpipev",
-]
 DataParallel = Literal["fsdp", "ddp", "none"]
-
-SCHEDULES: tuple[str, ...] = (
-    "gpipe",
-    "1f1b",
-    "interleaved_1f1b",
-    "looped_bfs",
-    "interleaved_zero_bubble",
-    "zbv_zero_bubble",
-    "dualpipev",
-)
-"""Pipeline schedules by name (torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B,
-ScheduleInterleaved1F1B, ScheduleLoopedBFS, ScheduleInterleavedZeroBubble,
-ScheduleZBVZeroBubble, ScheduleDualPipeV)."""
-MULTI_STAGE_SCHEDULES: frozenset[str] = frozenset(SCHEDULES[2:])
-"""Schedules that run ``virtual_pipeline >= 2`` stages per pipeline rank."""
-V_SCHEDULES: frozenset[str] = frozenset(("zbv_zero_bubble", "dualpipev"))
-"""Schedules on the "V" stage layout: exactly two stages per rank, rank ``r`` holding stages
-``r`` and ``2 * pp - 1 - r`` (the last stage on pipeline rank 0)."""
 DATA_PARALLEL_ENGINES: tuple[str, ...] = ("fsdp", "ddp", "none")
-
-SPLIT_BACKWARD_SCHEDULES: frozenset[str] = frozenset(
-    ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
-)
-"""Zero-bubble schedules: backward split into input-gradient and weight-gradient actions."""
-ROUND_SCHEDULES: frozenset[str] = frozenset(("interleaved_1f1b", "interleaved_zero_bubble"))
-"""Schedules that run micro-batches in rounds of ``micro_batches // pp``: the micro-batch count
-must be a multiple of the rounds (torch's check)."""
-
-
-def min_micro_batches(schedule: str, pp: int, virtual: int = 1) -> int:
-    """The fewest micro-batches ``schedule`` runs with at ``pp`` pipeline ranks and ``virtual``
-    stages per rank: ``pp`` for 1F1B and ``pp * virtual`` (the stage count) for DualPipeV
-    (torch's checks); 1 otherwise (tried on gloo with torch 2.14: the interleaved, looped-BFS
-    and zero-bubble schedules give exact gradients with fewer micro-batches than ranks; the
-    interleaved ones then need ``micro_batches`` a multiple of ``micro_batches // pp``)."""
-    if pp == 1:
-        return 1
-    if schedule == "1f1b":
-        return pp
-    if schedule == "dualpipev":
-        return pp * virtual
-    return 1
-
-
-def stage_layout(schedule: str) -> Literal["loop", "v"]:
-    """``"v"`` for :data:`V_SCHEDULES` (rank ``r`` holds stages ``r`` and ``2 * pp - 1 - r``),
-    ``"loop"`` otherwise (stage ``s`` on rank ``s % pp``, Megatron's virtual pipeline)."""
-    return "v" if schedule in V_SCHEDULES else "loop"
 
 
 def _positive(name: str, value: int) -> None:

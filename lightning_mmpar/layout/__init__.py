@@ -1,5 +1,6 @@
 """Choosing a layout, model-agnostic (pure Python): block costs, stage partitions, the device
-graph, rank placement, the cost model and the planner.
+graph, rank placement, the pipeline schedules' facts (:mod:`.schedules`: names, stage -> rank
+maps, in-flight micro-batches, the bubble), the cost model and the planner.
 
 :func:`plan_stages` cuts a model's costed pipeline blocks (:class:`BlockSpec`) into
 ``pipeline_parallel * virtual_pipeline`` stages by mode (``equal``, ``ratio``, ``balanced``,
@@ -25,10 +26,8 @@ from lightning_mmpar.layout.cost import (
     Prediction,
     RankMemory,
     activation_bytes,
-    bubble_fraction,
     compute_seconds,
     default_graph,
-    in_flight,
     predict,
 )
 from lightning_mmpar.layout.devices import (
@@ -53,7 +52,6 @@ from lightning_mmpar.layout.model import (
     LossSpec,
     ModelSpec,
     ParamSpec,
-    stage_ranks,
 )
 from lightning_mmpar.layout.partition import (
     Partition,
@@ -80,6 +78,13 @@ from lightning_mmpar.layout.planner import (
     describe,
     divisors,
     plan,
+)
+from lightning_mmpar.layout.schedules import (
+    bubble_fraction,
+    in_flight,
+    rank_in_flight,
+    stage_ranks,
+    step_units,
 )
 from lightning_mmpar.layout.stages import (
     BlockSpec,
@@ -142,11 +147,13 @@ __all__ = [
     "plan",
     "plan_stages",
     "predict",
+    "rank_in_flight",
     "shard_dim",
     "side_by_side",
     "stage_blocks",
     "stage_ranks",
     "state_bytes",
+    "step_units",
     "tower_of",
     "world_dim",
 ]

@@ -66,8 +66,9 @@ from lightning_mmpar.layout.memory import (
     stage_blocks,
     tp_local_shape,
 )
-from lightning_mmpar.layout.model import LayoutSpec, ModelSpec, ParamSpec, stage_ranks
+from lightning_mmpar.layout.model import LayoutSpec, ModelSpec, ParamSpec
 from lightning_mmpar.layout.partition import plan_stages
+from lightning_mmpar.layout.schedules import stage_ranks
 
 __all__ = [
     "comm_bounds",

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_mmpar.layout.model import LayoutSpec, ModelSpec, ParamSpec, stage_ranks
+from lightning_mmpar.layout.model import LayoutSpec, ModelSpec, ParamSpec
 from lightning_mmpar.layout.partition import plan_stages
+from lightning_mmpar.layout.schedules import stage_ranks
 
 __all__ = ["StateBytes", "local_shape", "shard_dim", "stage_blocks", "state_bytes"]
 

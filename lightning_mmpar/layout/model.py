@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_mmpar.layout.partition import parse_partition
+from lightning_mmpar.layout.schedules import MULTI_STAGE_SCHEDULES, SCHEDULES
 from lightning_mmpar.layout.stages import BlockSpec
 
 __all__ = [
@@ -26,31 +27,7 @@ __all__ = [
     "LossSpec",
     "ModelSpec",
     "ParamSpec",
-    "stage_ranks",
 ]
-
-SCHEDULES = (
-    "gpipe",
-    "1f1b",
-    "interleaved_1f1b",
-    "looped_bfs",
-    "interleaved_zero_bubble",
-    "zbv_zero_bubble",
-    "dualpipev",
-)
-"""The pipeline schedules (``lightning_mmpar.config.SCHEDULES``; layout/ imports no config)."""
-V_SCHEDULES = ("zbv_zero_bubble", "dualpipev")
-
-
-def stage_ranks(schedule: str, pp: int, virtual: int) -> list[int]:
-    """Pipeline rank of each of the ``pp * virtual`` stages: the loop layout ``s % pp``, or for
-    the V schedules (``zbv_zero_bubble``, ``dualpipev``) ``s`` then ``2 pp - 1 - s`` (as
-    ``lightning_mmpar.parallel.pipeline.schedules.stage_ranks``)."""
-    stages = pp * virtual
-    if schedule in V_SCHEDULES and stages == 2 * pp:
-        return [s if s < pp else 2 * pp - 1 - s for s in range(stages)]
-    return [s % pp for s in range(stages)]
-
 
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "fp8")
 VISION_PARALLEL = ("tp", "replicate", "dp")
@@ -125,7 +102,7 @@ class LayoutSpec:
                     f"LayoutSpec.{name} ({getattr(self, name)!r}) is unknown; use one of "
                     f"{', '.join(allowed)}."
                 )
-        if self.virtual > 1 and self.schedule in ("gpipe", "1f1b"):
+        if self.virtual > 1 and self.schedule not in MULTI_STAGE_SCHEDULES:
             raise ValueError(
                 f"LayoutSpec.virtual ({self.virtual}) needs a multi-stage schedule; "
                 f"schedule {self.schedule!r} runs one stage per rank: use virtual=1 or "

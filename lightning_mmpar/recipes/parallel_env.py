@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_mmpar.config import stage_layout
+from lightning_mmpar.layout.schedules import stage_layout
 from lightning_mmpar.parallel import comm
 from lightning_mmpar.recipes.config import OptimConfig
 from lightning_mmpar.topology import ParallelDims

@@ -23,15 +23,17 @@ import yaml
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningArgumentParser
 
-from lightning_mmpar.config import MULTI_STAGE_SCHEDULES, ParallelConfig
+from lightning_mmpar.config import ParallelConfig
 from lightning_mmpar.layout import (
     BlockSpec,
     compare_modes,
+    in_flight,
     parse_partition,
     plan_stages,
     side_by_side,
+    stage_ranks,
 )
-from lightning_mmpar.parallel.pipeline.schedules import in_flight_micro_batches, stage_ranks
+from lightning_mmpar.layout.schedules import MULTI_STAGE_SCHEDULES
 from lightning_mmpar.recipes.cli import RecipeDigitsCaptions
 from lightning_mmpar.recipes.module import ClipLlamaModule
 
@@ -157,10 +159,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--micro-batch-size ({args.micro_batch_size}) must be >= 1.")
         mbs = args.micro_batch_size or max(1, batch // m)
         chosen = parse_partition(layout.partition, pp * v)
-        ranks = stage_ranks(layout.schedule, pp * v, pp)
         place = {
-            "stage_ranks": ranks,
-            "in_flight": in_flight_micro_batches(layout.schedule, ranks, pp, m),
+            "stage_ranks": stage_ranks(layout.schedule, pp, v),
+            "in_flight": in_flight(layout.schedule, pp, v, m),
         }
         limit = args.memory_limit_gib
         if limit is not None and limit <= 0:

@@ -267,14 +267,12 @@ def owned_parameters(module: Any, blocks: list[nn.Module]) -> tuple[set[int], Lo
     if config is None or getattr(config, "pipeline_parallel", 1) == 1:
         return {id(p) for b in blocks for p in b.parameters()}, report
     from lightning_mmpar.parallel import comm
-    from lightning_mmpar.parallel.pipeline import schedules as ps
     from lightning_mmpar.parallel.pipeline.stages import stage_plan_for
     from lightning_mmpar.topology import ParallelDims
 
     plan = stage_plan_for(module, config)
     group = ParallelDims.of(module._trainer).get_mesh("pp").get_group()
-    ranks = ps.stage_ranks(config.schedule, config.num_stages, comm.group_size(group))
-    mine = tuple(s for s, r in enumerate(ranks) if r == comm.group_rank(group))
+    mine = tuple(s for s, r in enumerate(plan.ranks) if r == comm.group_rank(group))
     report.stages = (tuple(plan.ranges), mine)
     owned = [blocks[i] for s in mine for i in plan.ranges[s]]
     return {id(p) for b in owned for p in b.parameters()}, report

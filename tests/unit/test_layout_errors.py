@@ -311,6 +311,7 @@ def test_balanced_partition_needs_block_costs() -> None:
         module_stage_plan(module, 2, 1, "balanced")
     # the plan places stages as the schedule runs them: V layout, last stage on rank 0
     v = module_stage_plan(module, 2, 2, "equal", schedule="zbv_zero_bubble", micro_batches=4)
-    assert v.ranks == [0, 1, 1, 0] and v.in_flight_micro_batches == [2, 1, 1, 2]
+    # ZB-V at pp 2, m 4: rank 0 holds 3 of stage 0 and 1 of stage 3, rank 1 2 and 2
+    assert v.ranks == [0, 1, 1, 0] and v.in_flight_micro_batches == [3, 2, 2, 1]
     gpipe = module_stage_plan(module, 2, 1, "equal", schedule="gpipe", micro_batches=4)
     assert gpipe.in_flight_micro_batches == [4, 4]  # every forward before any backward

@@ -17,11 +17,13 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from lightning_mmpar.config import (
+from lightning_mmpar import config
+from lightning_mmpar.config import ParallelConfig
+from lightning_mmpar.layout import schedules as facts
+from lightning_mmpar.layout.schedules import (
     MULTI_STAGE_SCHEDULES,
     SCHEDULES,
     V_SCHEDULES,
-    ParallelConfig,
     min_micro_batches,
 )
 from lightning_mmpar.parallel.pipeline import PipelineEngine
@@ -45,6 +47,22 @@ def _config(schedule: str, pp: int = 2, **kwargs: Any) -> ParallelConfig:
         schedule=schedule,
         **kwargs,  # type: ignore[arg-type]
     )
+
+
+def test_config_keeps_the_schedule_names_of_the_facts_module() -> None:
+    """``lightning_mmpar.config`` re-exports the facts' names (one home: layout/schedules.py)."""
+    for name in (
+        "SCHEDULES",
+        "MULTI_STAGE_SCHEDULES",
+        "V_SCHEDULES",
+        "SPLIT_BACKWARD_SCHEDULES",
+        "ROUND_SCHEDULES",
+        "Schedule",
+        "min_micro_batches",
+        "stage_layout",
+    ):
+        assert getattr(config, name) is getattr(facts, name), name
+    assert list(SCHEDULE_CLASSES) == list(SCHEDULES)
 
 
 def test_every_schedule_is_a_torch_class() -> None:
@@ -273,3 +291,13 @@ def test_old_pipeline_module_paths_warn(old: str, new: str) -> None:
         module = importlib.import_module(old)
     target = importlib.import_module(new)
     assert all(getattr(module, name) is getattr(target, name) for name in module.__all__)
+
+
+def test_in_flight_micro_batches_is_deprecated_for_the_facts() -> None:
+    from lightning_mmpar.layout.schedules import in_flight
+    from lightning_mmpar.parallel.pipeline.schedules import in_flight_micro_batches
+
+    ranks = stage_ranks("interleaved_1f1b", 8, 4)
+    with pytest.warns(DeprecationWarning, match="lightning_mmpar.layout.schedules.in_flight"):
+        got = in_flight_micro_batches("interleaved_1f1b", ranks, 4, 8)
+    assert got == in_flight("interleaved_1f1b", 4, 2, 8)

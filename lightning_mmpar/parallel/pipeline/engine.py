@@ -265,7 +265,7 @@ class PipelineEngine:
 
         Raises:
             ValueError: ``n`` not a positive integer or below the schedule's minimum
-                (:func:`~lightning_mmpar.config.min_micro_batches`), naming the fix.
+                (:func:`~lightning_mmpar.layout.schedules.min_micro_batches`), naming the fix.
         """
         self.config = dataclasses.replace(self.config, micro_batches=n)
 

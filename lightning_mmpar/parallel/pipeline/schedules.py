@@ -2,7 +2,9 @@
 ranks (loop / V layouts), schedules by name, and per-action timing hooks.
 
 Every schedule of ``torch.distributed.pipelining`` (all present in torch 2.14) is selectable by
-the name in :data:`lightning_mmpar.config.SCHEDULES`:
+the name in :data:`lightning_mmpar.layout.schedules.SCHEDULES`, the pure-Python home of the
+schedules' facts (stage -> rank maps, in-flight micro-batches, the bubble); this module holds
+the torch side:
 
 ============================ ================== ======= =======================================
 name                         torch class        layout  source
@@ -16,9 +18,10 @@ name                         torch class        layout  source
 ``dualpipev``                ScheduleDualPipeV  V       DeepSeek-V3 DualPipe, V variant (2024)
 ============================ ================== ======= =======================================
 
-Stage layouts: ``loop`` puts stage ``s`` on pipeline rank ``s % pp`` (Megatron's virtual
-pipeline); ``V`` gives rank ``r`` stages ``r`` and ``2 * pp - 1 - r``, so the last stage lives on
-rank 0 next to the first (torch's ``generate_stage_to_rank_mapping(style="v")``).
+Stage layouts (:func:`lightning_mmpar.layout.schedules.stage_ranks`): ``loop`` puts stage ``s``
+on pipeline rank ``s % pp`` (Megatron's virtual pipeline); ``V`` gives rank ``r`` stages ``r``
+and ``2 * pp - 1 - r``, so the last stage lives on rank 0 next to the first (torch's
+``generate_stage_to_rank_mapping(style="v")``).
 
 Work-arounds for torch 2.14, each measured on gloo: a V-layout forward-only pass asserts at the
 V turn (:func:`allow_forward_only_turn`); the zero-bubble split drops the gradient of parameters
@@ -29,6 +32,7 @@ it bypasses FSDP2's reduce-scatter (refused by ``ParallelConfig.check_world``).
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,8 +41,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import pipelining as tpp
 
-from lightning_mmpar.config import MULTI_STAGE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, stage_layout
-from lightning_mmpar.layout import equal_ranges
+from lightning_mmpar.layout import equal_ranges, schedules
+from lightning_mmpar.layout.schedules import (
+    MULTI_STAGE_SCHEDULES,
+    SCHEDULES,
+    SPLIT_BACKWARD_SCHEDULES,
+)
 from lightning_mmpar.parallel import comm
 
 __all__ = [
@@ -63,16 +71,23 @@ StageObserver = Callable[[int, str, int, float, float], None]
 ``action`` is ``"forward"``, ``"backward"`` (full), ``"backward_input"`` or
 ``"backward_weight"`` (zero-bubble split); ``start`` / ``end`` from ``time.perf_counter()``."""
 
-SCHEDULE_CLASSES: dict[str, str] = {
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved_1f1b": "ScheduleInterleaved1F1B",
-    "looped_bfs": "ScheduleLoopedBFS",
-    "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
-    "zbv_zero_bubble": "ScheduleZBVZeroBubble",
-    "dualpipev": "ScheduleDualPipeV",
-}
-"""Schedule name -> class name in ``torch.distributed.pipelining``."""
+SCHEDULE_CLASSES: dict[str, str] = dict(
+    zip(
+        SCHEDULES,
+        (
+            "ScheduleGPipe",
+            "Schedule1F1B",
+            "ScheduleInterleaved1F1B",
+            "ScheduleLoopedBFS",
+            "ScheduleInterleavedZeroBubble",
+            "ScheduleZBVZeroBubble",
+            "ScheduleDualPipeV",
+        ),
+        strict=True,
+    )
+)
+"""Schedule name (:data:`lightning_mmpar.layout.schedules.SCHEDULES`) -> class name in
+``torch.distributed.pipelining``."""
 
 
 def partition(num_blocks: int, num_stages: int) -> list[range]:
@@ -127,32 +142,33 @@ def check_ownership(module: nn.Module, blocks: Sequence[nn.Module]) -> None:
 
 
 def stage_ranks(schedule: str, num_stages: int, pp: int) -> list[int]:
-    """Pipeline rank of every stage: ``[rank(stage 0), ..., rank(stage num_stages - 1)]``.
-
-    Loop layout: ``s % pp``. V layout (``zbv_zero_bubble``, ``dualpipev``; ``num_stages`` must
-    be ``2 * pp``): ``s`` for ``s < pp``, else ``2 * pp - 1 - s``.
+    """Pipeline rank of every stage: ``[rank(stage 0), ..., rank(stage num_stages - 1)]``, that
+    is :func:`lightning_mmpar.layout.schedules.stage_ranks` of ``num_stages // pp`` stages per
+    rank (loop layout ``s % pp``; V layout, ``zbv_zero_bubble`` and ``dualpipev``: ``s`` for
+    ``s < pp``, else ``2 * pp - 1 - s``).
 
     Raises:
-        ValueError: a V schedule with ``num_stages != 2 * pp``.
+        ValueError: ``num_stages`` not a multiple of ``pp``, or a V schedule with
+            ``num_stages != 2 * pp``.
     """
-    if stage_layout(schedule) == "loop":
-        return [s % pp for s in range(num_stages)]
-    if num_stages != 2 * pp:
+    if num_stages % pp:
         raise ValueError(
-            f"schedule={schedule!r} needs 2 stages per pipeline rank (got {num_stages} stages "
-            f"on {pp} ranks); set virtual_pipeline=2."
+            f"num_stages ({num_stages}) must be a multiple of the pipeline ranks ({pp}): "
+            "pipeline_parallel * virtual_pipeline stages."
         )
-    return [s if s < pp else 2 * pp - 1 - s for s in range(num_stages)]
+    return schedules.stage_ranks(schedule, pp, num_stages // pp)
 
 
 def in_flight_micro_batches(schedule: str, ranks: Sequence[int], pp: int, m: int) -> list[int]:
-    """Micro-batches whose activations each stage holds at its peak (memory planning): all
-    ``m`` under ``gpipe`` (every forward before any backward), ``min(m, pp - rank)`` under the
-    1F1B family, the zero-bubble and V schedules included (an approximation for the
-    interleaved and V ones, whose warm-up depends on the stage's position)."""
-    if schedule == "gpipe":
-        return [m] * len(ranks)
-    return [min(m, pp - r) for r in ranks]
+    """Deprecated: :func:`lightning_mmpar.layout.schedules.in_flight` (``schedule, pp,
+    len(ranks) // pp, m``), whose counts equal what torch's schedules hold."""
+    warnings.warn(
+        "in_flight_micro_batches is deprecated; use "
+        "lightning_mmpar.layout.schedules.in_flight(schedule, pp, virtual, micro_batches).",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return schedules.in_flight(schedule, pp, len(ranks) // pp, m)
 
 
 def check_stage_ranges(ranges: Sequence[range], num_stages: int, num_blocks: int) -> list[range]:

@@ -14,12 +14,14 @@ from typing import Any
 from lightning_mmpar.config import ParallelConfig
 from lightning_mmpar.layout import (
     BlockSpec,
+    Partition,
     StagePlan,
+    in_flight,
     parameter_bytes,
     parse_partition,
     plan_stages,
+    stage_ranks,
 )
-from lightning_mmpar.parallel.pipeline.schedules import in_flight_micro_batches, stage_ranks
 
 __all__ = ["module_stage_plan", "stage_plan_for"]
 
@@ -33,27 +35,9 @@ def _unit_specs(blocks: Sequence[Any]) -> list[BlockSpec]:
     return specs
 
 
-def module_stage_plan(
-    module: Any,
-    pipeline_parallel: int,
-    virtual_pipeline: int,
-    partition: str | Sequence[int],
-    *,
-    micro_batch_size: int = 1,
-    schedule: str = "1f1b",
-    micro_batches: int | None = None,
-) -> StagePlan:
-    """Cut ``module.pipeline_blocks()`` into ``pipeline_parallel * virtual_pipeline`` stages by
-    ``partition`` (``equal``, ``balanced``, ``memory``, ``ratio:V:A:D`` or boundaries).
-
-    Call before the pipeline drops other stages' parameters (the specs count them all).
-
-    Raises:
-        ValueError: ``balanced`` / ``memory`` for a module without ``pipeline_block_specs()``,
-            specs not one per block, or any error of :func:`~lightning_mmpar.layout.plan_stages`.
-    """
-    stages = pipeline_parallel * virtual_pipeline
-    part = parse_partition(partition, stages)
+def _block_specs(module: Any, part: Partition) -> list[BlockSpec]:
+    """One :class:`BlockSpec` per pipeline block: the module's own (``pipeline_block_specs()``)
+    or :func:`_unit_specs`; the costed modes (``balanced``, ``memory``) need the module's."""
     blocks = list(module.pipeline_blocks())
     specs_of = getattr(module, "pipeline_block_specs", None)
     costed = part.mode in ("balanced", "memory")
@@ -78,7 +62,30 @@ def module_stage_plan(
             f"{type(module).__name__}.pipeline_block_specs() gave {len(specs)} specs for "
             f"{len(blocks)} pipeline blocks; return one per block, in order."
         )
-    ranks = stage_ranks(schedule, stages, pipeline_parallel)
+    return specs
+
+
+def module_stage_plan(
+    module: Any,
+    pipeline_parallel: int,
+    virtual_pipeline: int,
+    partition: str | Sequence[int],
+    *,
+    micro_batch_size: int = 1,
+    schedule: str = "1f1b",
+    micro_batches: int | None = None,
+) -> StagePlan:
+    """Cut ``module.pipeline_blocks()`` into ``pipeline_parallel * virtual_pipeline`` stages by
+    ``partition`` (``equal``, ``balanced``, ``memory``, ``ratio:V:A:D`` or boundaries).
+
+    Call before the pipeline drops other stages' parameters (the specs count them all).
+
+    Raises:
+        ValueError: ``balanced`` / ``memory`` for a module without ``pipeline_block_specs()``,
+            specs not one per block, or any error of :func:`~lightning_mmpar.layout.plan_stages`.
+    """
+    part = parse_partition(partition, pipeline_parallel * virtual_pipeline)
+    specs = _block_specs(module, part)
     m = micro_batches or pipeline_parallel
     return plan_stages(
         specs,
@@ -86,8 +93,8 @@ def module_stage_plan(
         virtual_pipeline,
         part,
         micro_batch_size=micro_batch_size,
-        stage_ranks=ranks,
-        in_flight=in_flight_micro_batches(schedule, ranks, pipeline_parallel, m),
+        stage_ranks=stage_ranks(schedule, pipeline_parallel, virtual_pipeline),
+        in_flight=in_flight(schedule, pipeline_parallel, virtual_pipeline, m),
     )
 
 
