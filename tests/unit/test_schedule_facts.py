@@ -199,10 +199,11 @@ def test_the_disagreement_of_issue_27_is_settled() -> None:
 def test_planner_and_timeline_use_the_facts() -> None:
     """One function each: the cost model's bubble and in-flight counts, the timeline's formula."""
     assert cost.bubble_fraction is bubble_fraction and cost.in_flight is in_flight
+    assert pipeline_timeline.FORMULA_SOURCES is schedules.SCHEDULE_SOURCES
+    assert set(schedules.SCHEDULE_SOURCES) == set(SCHEDULES)
     for schedule, pp, v, m in layouts():
         formula = pipeline_timeline.formula_bubble(schedule, pp, m, v)
         assert formula == bubble_fraction(schedule, pp, v, m), (schedule, pp, v, m)
-        assert set(pipeline_timeline.FORMULA_SOURCES) == set(SCHEDULES)
 
 
 def test_no_pipeline_no_bubble_and_bad_input_refused() -> None:
