@@ -7,7 +7,6 @@ recipe or a callback (import-linter contracts in pyproject.toml).
 
 from lightning_mmpar.parallel.checkpoint import load_sharded, save_sharded, validate_checkpoint
 from lightning_mmpar.parallel.checkpoint_find import newest_checkpoint
-from lightning_mmpar.parallel.checkpoint_hooks import ShardedCheckpointHooks
 from lightning_mmpar.parallel.comm_count import CommCounter, state_bytes_of
 from lightning_mmpar.parallel.data import (
     apply_fsdp,
@@ -97,7 +96,6 @@ __all__ = [
     "RNGReplay",
     "RNGStatesTracker",
     "SequenceLengthCheck",
-    "ShardedCheckpointHooks",
     "StageObserver",
     "StyleGroup",
     "apply_expert_parallel",

@@ -42,13 +42,13 @@ from lightning_mmpar.layout import StagePlan
 from lightning_mmpar.parallel import checkpoint as ckpt
 from lightning_mmpar.parallel import comm, deferred, finite
 from lightning_mmpar.parallel import data as dpar
-from lightning_mmpar.parallel.checkpoint_hooks import ShardedCheckpointHooks
 from lightning_mmpar.parallel.fsdp_options import MemoryOptions
-from lightning_mmpar.parallel.numerics_hooks import NumericsHooks
 from lightning_mmpar.parallel.pipeline import PipelineChunk, PipelineEngine, PipelineModule
 from lightning_mmpar.parallel.stage_plan import stage_plan_for
-from lightning_mmpar.parallel.stash import GradientStash
 from lightning_mmpar.precision.plugins import GlobalNormClipping, with_global_clipping
+from lightning_mmpar.strategy.checkpoint_hooks import ShardedCheckpointHooks
+from lightning_mmpar.strategy.gradient_stash import GradientStash
+from lightning_mmpar.strategy.numerics_hooks import NumericsHooks
 from lightning_mmpar.topology import ParallelDims
 
 
