@@ -1,5 +1,6 @@
 """Mechanisms for any model and any plan: tensor-parallel styles, the pipeline engine and its
-schedules (:mod:`.pipeline_schedules`), FSDP2 / DDP, DCP checkpoints, the DeepSpeed engine,
+schedules (:mod:`.pipeline_schedules`), FSDP2 / DDP (:mod:`.data`), expert weights under data
+parallelism (:mod:`.expert_data`), DCP checkpoints, the DeepSpeed engine,
 device-aware collectives (:mod:`.comm`), the numerics core (:mod:`.numerics`) and the
 model-parallel RNG (:mod:`.random`). Nothing here imports a model, a plan, the strategy, a
 recipe or a callback (import-linter contracts in pyproject.toml).
@@ -137,3 +138,20 @@ __all__ = [
     "validate_checkpoint",
     "vocab_parallel_cross_entropy",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """Deprecated alias: ``ShardedCheckpointHooks`` moved to :mod:`lightning_mmpar.strategy`
+    (resolved by name on first use: ``parallel/`` does not import the strategy)."""
+    if name != "ShardedCheckpointHooks":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+    import warnings
+
+    warnings.warn(
+        "lightning_mmpar.parallel.ShardedCheckpointHooks moved to "
+        "lightning_mmpar.strategy.ShardedCheckpointHooks; import it from there.",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return importlib.import_module("lightning_mmpar.strategy.checkpoint_hooks").__dict__[name]
