@@ -40,12 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import Shard
 
-from lightning_mmpar.parallel import comm
-from lightning_mmpar.parallel.expert_data import (
-    expert_parameters,
-    is_expert_parameter,
-    shard_experts,
-)
+from lightning_mmpar.parallel import comm, expert_data
 from lightning_mmpar.topology import ParallelDims
 
 __all__ = [
@@ -118,7 +113,7 @@ def _fully_shard(module: nn.Module, dp_mesh: DeviceMesh, **fsdp_kwargs: Any) -> 
     :class:`~lightning_mmpar.parallel.fsdp_options.MemoryOptions`) passed on."""
     dp = dp_mesh.size()
     params = list(module.parameters())
-    ignored = {p for p in params if p.ndim == 0 or is_expert_parameter(p)}
+    ignored = {p for p in params if p.ndim == 0 or expert_data.is_expert_parameter(p)}
     if ignored and len(ignored) == len(params):
         return  # nothing to shard: the scalars stay replicated
     # fully_shard registers new DTensor parameters: carry the partial-over-tp mark over
@@ -172,7 +167,7 @@ def replicated_parameters(module: nn.Module) -> list[nn.Parameter]:
     return [
         p
         for p in module.parameters()
-        if p.requires_grad and id(p) not in managed and not is_expert_parameter(p)
+        if p.requires_grad and id(p) not in managed and not expert_data.is_expert_parameter(p)
     ]
 
 
@@ -232,7 +227,7 @@ def shard_data_parallel(
     without ``blocks``, the plain module tree (:func:`apply_fsdp`), over ``dp``. ``fsdp_kwargs``:
     ``mp_policy`` / ``offload_policy``. Collective over ``dp`` (and ``edp``); returns ``module``."""
     if dims.edp > 1:
-        shard_experts(module, dims.get_mesh("edp"))
+        expert_data.shard_experts(module, dims.get_mesh("edp"))
     if blocks is None:
         apply_fsdp(module, dims.get_mesh("dp"), **fsdp_kwargs)
         return module
@@ -261,7 +256,7 @@ class GradientSync:
         partial = partial_over_tp_parameters(module) if dims.tp > 1 else []
         if dims.dp == 1 or data_parallel == "none":
             return cls(partial_over_tp=partial)
-        return cls(partial, replicated_parameters(module), expert_parameters(module))
+        return cls(partial, replicated_parameters(module), expert_data.expert_parameters(module))
 
     def broadcast(self, dims: ParallelDims) -> None:
         """Group rank 0's values into every replica, ``dp`` and ``edp`` (what DDP does at
