@@ -5,8 +5,9 @@ Importing the package registers the ``"mm_parallel"`` strategy with Lightning.
 
 from lightning_mmpar.config import ParallelConfig
 from lightning_mmpar.topology import ParallelDims
+from lightning_mmpar.trainer_topology import TrainerTopology
 
-__all__ = ["ParallelConfig", "ParallelDims"]
+__all__ = ["ParallelConfig", "ParallelDims", "TrainerTopology"]
 __version__ = "0.1.0"
 
 from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry

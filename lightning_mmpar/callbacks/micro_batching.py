@@ -45,8 +45,9 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_mmpar.callbacks.pipeline_timeline import no_pipeline, pipeline_engine
+from lightning_mmpar.callbacks.pipeline_timeline import no_pipeline
 from lightning_mmpar.parallel import comm
+from lightning_mmpar.trainer_topology import TrainerTopology
 
 Policy = Callable[[float, float], int]
 """``(peak_mem / limit, latency_ms) -> micro-batch size``."""
@@ -273,7 +274,7 @@ class DynamicMicroBatching(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        engine = pipeline_engine(trainer, "set_micro_batches")
+        engine = TrainerTopology.of(trainer).engine_with("set_micro_batches")
         if engine is None:
             if not self._warned:
                 effect = "the micro-batch size stays as it is"

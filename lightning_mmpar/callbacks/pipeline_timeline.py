@@ -54,7 +54,7 @@ from typing_extensions import override
 
 from lightning_mmpar.layout.schedules import SCHEDULE_SOURCES, bubble_fraction
 from lightning_mmpar.parallel import comm
-from lightning_mmpar.topology import ParallelDims
+from lightning_mmpar.trainer_topology import TrainerTopology
 
 Interval = tuple[int, str, int, float, float]
 """``(stage, action, micro_batch, start, end)``; seconds relative to the step start."""
@@ -206,13 +206,6 @@ def draw_timeline(result: dict[str, Any], path: str | Path) -> Path | None:
     return out
 
 
-def pipeline_engine(trainer: pl.Trainer, needs: str) -> Any:
-    """The strategy's pipeline engine (``trainer.strategy.pipeline``, duck-typed: callbacks do
-    not import the strategy) when it has the attribute ``needs``; ``None`` otherwise."""
-    engine = getattr(trainer.strategy, "pipeline", None)
-    return engine if engine is not None and hasattr(engine, needs) else None
-
-
 def no_pipeline(who: str, trainer: pl.Trainer, effect: str) -> str:
     """The warning of a pipeline callback in a run without a pipeline schedule."""
     return (
@@ -278,14 +271,15 @@ class PipelineTimeline(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        engine = pipeline_engine(trainer, "observers")
+        topology = TrainerTopology.of(trainer)
+        engine = topology.engine_with("observers")
         if engine is None:
             if not self._warned:
                 rank_zero_warn(no_pipeline("PipelineTimeline", trainer, "nothing is recorded"))
                 self._warned = True
             return
         self._engine = engine
-        self._group = ParallelDims.of(trainer).get_group("pp")
+        self._group = topology.dims.get_group("pp")
         engine.observers.append(self._observe)
 
     @override

@@ -16,7 +16,7 @@ What runs, per batch (``accumulate`` batches per optimizer step; a dp rank's bat
   of ``dp``: FSDP2's padding) in every forward and again in backward, a reduce-scatter of the
   trainable ones' gradients, and one all-reduce of the 0-dim parameters' gradients;
 * **expert weights** (``edp = dp / ep > 1``): ``fsdp``: each MoE layer's experts are an FSDP2
-  unit over ``edp`` (``lightning_mmpar.parallel.data.shard_experts``: all-gathers and a
+  unit over ``edp`` (``lightning_mmpar.parallel.expert_data.shard_experts``: all-gathers and a
   reduce-scatter of the ``ep``-local weights, as a dense unit); ``ddp``: one ``edp`` all-reduce
   of their gradients per batch;
 * **partial gradients over tp**: parameters of a tower run data-parallel inside tp

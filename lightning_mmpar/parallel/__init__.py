@@ -1,5 +1,6 @@
 """Mechanisms for any model and any plan: tensor-parallel styles, the pipeline engine and its
-schedules (:mod:`.pipeline`), FSDP2 / DDP, DCP checkpoints, the DeepSpeed engine,
+schedules (:mod:`.pipeline`), FSDP2 / DDP (:mod:`.data`), expert weights under data
+parallelism (:mod:`.expert_data`), DCP checkpoints, the DeepSpeed engine,
 device-aware collectives (:mod:`.comm`), the numerics core (:mod:`.numerics`) and the
 model-parallel RNG (:mod:`.random`). Nothing here imports a model, a plan, the strategy, a
 recipe or a callback (import-linter contracts in pyproject.toml).
@@ -7,7 +8,6 @@ recipe or a callback (import-linter contracts in pyproject.toml).
 
 from lightning_mmpar.parallel.checkpoint import load_sharded, save_sharded, validate_checkpoint
 from lightning_mmpar.parallel.checkpoint_find import newest_checkpoint
-from lightning_mmpar.parallel.checkpoint_hooks import ShardedCheckpointHooks
 from lightning_mmpar.parallel.comm_count import CommCounter, state_bytes_of
 from lightning_mmpar.parallel.data import (
     apply_fsdp,
@@ -100,7 +100,6 @@ __all__ = [
     "RNGReplay",
     "RNGStatesTracker",
     "SequenceLengthCheck",
-    "ShardedCheckpointHooks",
     "StageObserver",
     "StyleGroup",
     "apply_expert_parallel",
@@ -142,3 +141,20 @@ __all__ = [
     "validate_checkpoint",
     "vocab_parallel_cross_entropy",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """Deprecated alias: ``ShardedCheckpointHooks`` moved to :mod:`lightning_mmpar.strategy`
+    (resolved by name on first use: ``parallel/`` does not import the strategy)."""
+    if name != "ShardedCheckpointHooks":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+    import warnings
+
+    warnings.warn(
+        "lightning_mmpar.parallel.ShardedCheckpointHooks moved to "
+        "lightning_mmpar.strategy.ShardedCheckpointHooks; import it from there.",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return importlib.import_module("lightning_mmpar.strategy.checkpoint_hooks").__dict__[name]

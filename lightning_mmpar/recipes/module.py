@@ -37,9 +37,8 @@ from lightning_mmpar.models.fusion import (
     FusionOutput,
     freeze_for_finetuning,
 )
-from lightning_mmpar.parallel.data import average_density_estimates, update_expert_biases
+from lightning_mmpar.parallel.moe_state import average_density_estimates, update_expert_biases
 from lightning_mmpar.plans.fusion import parallelize_fusion
-from lightning_mmpar.recipes import parallel_env as penv
 from lightning_mmpar.recipes import pretrained as ptl
 from lightning_mmpar.recipes.config import (
     FinetuneConfig,
@@ -54,6 +53,7 @@ from lightning_mmpar.recipes.generation import CaptionGeneration, next_tokens
 from lightning_mmpar.recipes.losses import TERMS, RecipeLoss
 from lightning_mmpar.recipes.optim import recipe_optimizer
 from lightning_mmpar.topology import ParallelDims
+from lightning_mmpar.trainer_topology import TrainerTopology
 
 __all__ = ["TERMS", "ClipLlamaModule"]
 
@@ -194,13 +194,13 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
     def head(self) -> Head | None:
         """The last block when this rank owns it (always, without pipeline parallelism)."""
         last = self.blocks[-1] if self.blocks is not None else None
-        if not isinstance(last, Head) or not penv.owns_last_stage(self._trainer):
+        if not isinstance(last, Head) or not TrainerTopology.of(self._trainer).owns_last_stage:
             return None
         return last
 
     def setup(self, stage: str) -> None:
         """Losses and metrics on the dp group; prompts, tokenizer and digit tokens from data."""
-        group = penv.dp_group(self._trainer)
+        group = TrainerTopology.of(self._trainer).dp_group
         self._loss = RecipeLoss(self.loss_config, group)
         self._metrics = RecipeMetrics(group)
         data = getattr(self._trainer, "datamodule", None)

@@ -56,6 +56,7 @@ from lightning_mmpar.recipes.pretrained_files import (
     open_clip_vision,
     transformers_llama,
 )
+from lightning_mmpar.trainer_topology import TrainerTopology
 
 __all__ = [
     "LoadReport",
@@ -388,7 +389,7 @@ def check_stage_guess(module: Any, report: LoadReport | None) -> None:
     """
     if report is None or report.stages is None:
         return
-    engine = getattr(getattr(module.trainer, "strategy", None), "pipeline", None)
+    engine = TrainerTopology.of(module.trainer).engine
     got = (tuple(engine.stage_ranges), tuple(engine.stage_ids)) if engine else None
     if got != report.stages:
         raise RuntimeError(

@@ -33,6 +33,7 @@ PUBLIC_PACKAGES = (
     "lightning_mmpar.plans",
     "lightning_mmpar.precision",
     "lightning_mmpar.recipes",
+    "lightning_mmpar.strategy",
 )
 
 COLLECTIVES = {

@@ -397,7 +397,7 @@ def test_aux_free_bias_steps_after_each_optimizer_step_in_the_recipe() -> None:
     """``update_expert_biases`` (the recipe calls it after every optimizer step with the
     data-parallel group): the summed pending load moves each layer's bias by
     ``rate * sign(mean - load)`` and is cleared; layers balanced by the aux loss are left alone."""
-    from lightning_mmpar.parallel.data import update_expert_biases
+    from lightning_mmpar.parallel.moe_state import update_expert_biases
 
     free = MoEConfig(num_experts=4, top_k=1, ffn_width=8, router_dim=4, load_balancing="aux_free")
     layers = torch.nn.ModuleList(

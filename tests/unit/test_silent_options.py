@@ -113,7 +113,7 @@ def _build(strategy: MultimodalParallelStrategy, devices: int) -> list[str]:
 def test_expert_parallel_without_experts_is_refused_at_setup() -> None:
     from torch import nn
 
-    from lightning_mmpar.parallel.data import check_expert_layers
+    from lightning_mmpar.parallel.expert_data import check_expert_layers
 
     assert _build(MultimodalParallelStrategy(expert_parallel=2), 4) == []  # no warning: set-up
     with pytest.raises(ValueError, match=r"expert_parallel \(2\) needs a model with expert-par"):

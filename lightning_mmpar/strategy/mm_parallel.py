@@ -1,17 +1,22 @@
-"""``MultimodalParallelStrategy``: Lightning glue over topology, pipeline, data, checkpoints.
+"""``MultimodalParallelStrategy``: Lightning's hooks over topology, pipeline, data, checkpoints.
 
-Set-up order (each step a function in :mod:`lightning_mmpar.parallel` taking a module, a mesh):
+Set-up order, torchtitan's (each step a function taking a module, the layout and options):
 
 1. ``setup_environment``: processes and the default group exist; build the ``pp, edp, ep, tp``
    mesh (``dp`` flattened) and hand it to the LightningModule as ``self.device_mesh``.
-2. Lightning calls ``configure_model()``: the module applies tensor-parallel plans on
+2. Lightning calls ``configure_model()``: the module applies its plan (tensor parallel) on
    ``self.device_mesh["tp"]`` (also reachable as ``["tensor_parallel"]``, with
    ``["data_parallel"]`` for ``dp``: Lightning ModelParallelStrategy's names).
-3. ``setup``: pipeline split (modules implementing
-   :class:`~lightning_mmpar.parallel.pipeline.PipelineModule`), then data parallel (FSDP2 per
-   block on ``dp``, or gradient all-reduce), then the module's optional
+3. ``setup``: activation checkpointing / compile per block, the pipeline split (modules
+   implementing :class:`~lightning_mmpar.parallel.pipeline.PipelineModule`), data parallelism
+   on each stage's chunk (FSDP2 per block on ``dp``, or gradient all-reduce)
+   (:mod:`lightning_mmpar.strategy.model_setup`), then the module's optional
    ``load_sharded_parameters(device)`` hook fills parameters it left on the meta device with
    this rank's shards (:mod:`lightning_mmpar.parallel.deferred`), then optimizers.
+
+The steps of a pipelined module, the numerics hooks and the checkpoint hooks are mixins:
+:mod:`~lightning_mmpar.strategy.pipelined_steps`, :mod:`~lightning_mmpar.strategy.numerics_hooks`,
+:mod:`~lightning_mmpar.strategy.checkpoint_hooks`.
 """
 
 from __future__ import annotations
@@ -31,8 +36,8 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.data import extract_batch_size, sized_len
-from torch import Tensor, nn
+from lightning.pytorch.utilities.data import sized_len
+from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -41,18 +46,22 @@ from lightning_mmpar.config import DataParallel, ParallelConfig, Schedule, check
 from lightning_mmpar.layout import StagePlan
 from lightning_mmpar.parallel import checkpoint as ckpt
 from lightning_mmpar.parallel import comm, deferred, finite
-from lightning_mmpar.parallel import data as dpar
-from lightning_mmpar.parallel.checkpoint_hooks import ShardedCheckpointHooks
+from lightning_mmpar.parallel.data import GradientSync
 from lightning_mmpar.parallel.fsdp_options import MemoryOptions
-from lightning_mmpar.parallel.numerics_hooks import NumericsHooks
-from lightning_mmpar.parallel.pipeline import PipelineChunk, PipelineEngine, PipelineModule
-from lightning_mmpar.parallel.pipeline.stages import stage_plan_for
-from lightning_mmpar.parallel.pipeline.stash import GradientStash
+from lightning_mmpar.parallel.moe_state import set_aux_loss_scale
+from lightning_mmpar.parallel.pipeline import PipelineChunk, PipelineEngine
 from lightning_mmpar.precision.plugins import GlobalNormClipping, with_global_clipping
+from lightning_mmpar.strategy import model_setup
+from lightning_mmpar.strategy.checkpoint_hooks import ShardedCheckpointHooks
+from lightning_mmpar.strategy.gradient_stash import GradientStash
+from lightning_mmpar.strategy.numerics_hooks import NumericsHooks
+from lightning_mmpar.strategy.pipelined_steps import PipelinedSteps
 from lightning_mmpar.topology import ParallelDims
 
 
-class MultimodalParallelStrategy(NumericsHooks, ShardedCheckpointHooks, ModelParallelStrategy):
+class MultimodalParallelStrategy(
+    NumericsHooks, ShardedCheckpointHooks, PipelinedSteps, ModelParallelStrategy
+):
     """Tensor x pipeline x expert x data parallelism in one Lightning strategy.
 
     Args:
@@ -68,7 +77,8 @@ class MultimodalParallelStrategy(NumericsHooks, ShardedCheckpointHooks, ModelPar
             single data-parallel replica; refused otherwise).
         partition: how blocks become stages: ``equal``, ``balanced``, ``memory``,
             ``ratio:V:A:D`` or boundaries (:class:`ParallelConfig`); the plan is logged.
-        placement: which global rank runs each mesh position (TECHNIQUES 2.4): ``None`` /
+        placement: which global rank runs each mesh position (topology-aware placement,
+            :mod:`lightning_mmpar.layout.placement`): ``None`` /
             ``"auto"`` (topology-aware from ``nvidia-smi topo -m`` on a CUDA machine, else
             Megatron's order), ``"megatron"``, a list of ranks or a topology file; numerics do
             not change. Applied as ``parallel_dims.placement``, logged on rank 0.
@@ -136,9 +146,7 @@ class MultimodalParallelStrategy(NumericsHooks, ShardedCheckpointHooks, ModelPar
         self.pipeline: PipelineEngine | None = None
         self.stage_plan: StagePlan | None = None  # the partition in use (pp > 1, after setup)
         self._chunk: PipelineChunk | None = None
-        self._replicated: list[nn.Parameter] = []
-        self._experts: list[nn.Parameter] = []
-        self._partial_over_tp: list[nn.Parameter] = []  # towers run data-parallel inside tp
+        self._grad_sync = GradientSync()  # gradients no FSDP unit reduces, after backward
         self._stash = GradientStash()  # the pipeline schedule's gradients until backward()
         mode = finite.check_mode(on_nonfinite)
         self.nonfinite = None if mode == "off" else finite.NonFiniteGuard(mode)
@@ -259,7 +267,7 @@ class MultimodalParallelStrategy(NumericsHooks, ShardedCheckpointHooks, ModelPar
         # MoE aux-loss gradients follow the main loss: Lightning divides it by the accumulation,
         # the pipeline engine's gradients are divided afterwards (aux included)
         accumulate = 1 if self.pipeline is not None else trainer.accumulate_grad_batches
-        dpar.set_aux_loss_scale(self._module, 1.0 / accumulate)
+        set_aux_loss_scale(self._module, 1.0 / accumulate)
         self._check_clipping(trainer)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -269,115 +277,17 @@ class MultimodalParallelStrategy(NumericsHooks, ShardedCheckpointHooks, ModelPar
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def _parallelize(self, module: LightningModule) -> None:
-        if self.pipeline is not None or self._chunk is not None:
+        """The model set-up after the plan (:mod:`~lightning_mmpar.strategy.model_setup`)."""
+        if self._pipelined():
             return  # already set up by an earlier fit/validate call on this strategy
-        dims, cfg = self.parallel_dims, self.config
-        if cfg.pipeline_parallel > 1 and not isinstance(module, PipelineModule):
-            raise TypeError(
-                f"pipeline_parallel={cfg.pipeline_parallel} needs {type(module).__name__} to "
-                "implement pipeline_blocks(), pipeline_inputs() and pipeline_loss() "
-                "(lightning_mmpar.parallel.pipeline.PipelineModule); or set pipeline_parallel=1."
-            )
-        fsdp = cfg.data_parallel == "fsdp" and (dims.dp > 1 or self.memory.needs_fsdp)
-        shard, fsdp_kw = (
-            fsdp and not dpar.has_fsdp(module),
-            self.memory.fsdp_kwargs(self.root_device),
-        )
-        self.memory.apply_to_blocks(module)  # checkpointing, compile: before any sharding
-        dp_mesh, edp_mesh = dims.get_mesh("dp"), dims.get_mesh("edp")
-        dpar.check_expert_layers(module, dims.ep)
-        dpar.scale_expert_gradients(module, dims.ep)
+        dims, config, device = self.parallel_dims, self.config, self.root_device
+        split = model_setup.parallelize_module(module, dims, config, self.memory, device)
+        self.pipeline, self._chunk, self.stage_plan = split.engine, split.chunk, split.stage_plan
+        deferred.load_deferred(module, device)  # sharded meta params: their shards
+        self._grad_sync = GradientSync.of(module, dims, config.data_parallel)
+        self._grad_sync.broadcast(dims)  # replicas start equal, as under DDP
 
-        def wrap(chunk: PipelineChunk) -> nn.Module:
-            if shard and dims.edp > 1:
-                dpar.shard_experts(chunk, edp_mesh)
-            return dpar.shard_blocks(chunk.blocks, chunk, dp_mesh, **fsdp_kw) if shard else chunk
-
-        if cfg.pipeline_parallel > 1:
-            pp_group = dims.get_mesh("pp").get_group()
-            self.stage_plan = plan = stage_plan_for(module, cfg)
-            rank_zero_info(plan.table())
-            self.pipeline = PipelineEngine(
-                module, cfg, pp_group, self.root_device, wrap, stage_ranges=plan.ranges
-            )
-        elif isinstance(module, PipelineModule):
-            self._chunk = PipelineChunk(list(module.pipeline_blocks()))
-            wrap(self._chunk)
-        elif shard:
-            if dims.edp > 1:
-                dpar.shard_experts(module, edp_mesh)
-            dpar.apply_fsdp(module, dp_mesh, **fsdp_kw)
-        deferred.load_deferred(module, self.root_device)  # sharded meta params: their shards
-        self._partial_over_tp = dpar.partial_over_tp_parameters(module) if dims.tp > 1 else []
-        if dims.dp > 1 and cfg.data_parallel != "none":
-            self._replicated = dpar.replicated_parameters(module)
-            dpar.broadcast_parameters(self._replicated, dp_mesh.get_group())
-            self._experts = dpar.expert_parameters(module)
-            dpar.broadcast_parameters(self._experts, edp_mesh.get_group())
-
-    # ---------------------------------------------------------------- steps
-    @property
-    def _module(self) -> Any:
-        """The LightningModule (typed ``Any``: it also implements ``PipelineModule``)."""
-        assert self.lightning_module is not None
-        return self.lightning_module
-
-    def _pipelined(self) -> bool:
-        return self.pipeline is not None or self._chunk is not None
-
-    def _loss(self, batch: Any, train: bool) -> Tensor:
-        module = self._module
-        if self.pipeline is not None:
-            return self.pipeline.train_step(batch) if train else self.pipeline.eval_step(batch)
-        assert self._chunk is not None
-        inputs, target = module.pipeline_inputs(batch)
-        return module.pipeline_loss(self._chunk(*inputs), target)
-
-    def _log(self, name: str, loss: Tensor, batch: Any) -> None:
-        """Log the per-sample mean over the data-parallel group, weighted by samples.
-
-        Each dp rank contributes ``(loss * B_r, B_r)``; the logged value is their ratio and its
-        ``batch_size`` the global batch, so Lightning's epoch mean of validation/test losses is
-        the mean over samples, as on one process (not a mean of batch means).
-        """
-        samples = float(extract_batch_size(batch))
-        pair = torch.stack([loss.detach().float() * samples, loss.new_tensor(samples).float()])
-        pair = comm.all_reduce(pair, "sum", self.parallel_dims.get_group("dp"))
-        value = pair[0] / pair[1]
-        self._module.log(name, value, prog_bar=True, batch_size=int(pair[1].item()))
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.nonfinite is not None and args:
-            idx = args[1] if len(args) > 1 else self._module.trainer.fit_loop.batch_idx
-            self.nonfinite.observe_batch(args[0], idx)
-        if not self._pipelined():
-            return super().training_step(*args, **kwargs)
-        if self.pipeline is None:
-            loss = self._loss(args[0], train=True)
-        else:  # Lightning zeroes gradients before backward(): keep the schedule's aside
-            params = list(self._module.parameters())
-            loss = self._stash.capture(params, lambda: self._loss(args[0], train=True))
-        self._log("train_loss", loss, args[0])
-        return loss
-
-    def _eval_loss(self, name: str, batch: Any) -> Tensor:
-        loss = self._loss(batch, train=False)
-        self._log(name, loss, batch)
-        return loss
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if not self._pipelined():
-            return super().validation_step(*args, **kwargs)
-        return self._eval_loss("val_loss", args[0])
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if not self._pipelined():
-            return super().test_step(*args, **kwargs)
-        return self._eval_loss("test_loss", args[0])
-
+    # ---------------------------------------------------------------- gradients
     @override
     def backward(
         self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
@@ -392,12 +302,7 @@ class MultimodalParallelStrategy(NumericsHooks, ShardedCheckpointHooks, ModelPar
             self._stash.restore(list(module.parameters()), scale)
         else:
             self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
-        if self._partial_over_tp:  # each tp rank's share of the batch: sum over tp
-            dpar.sync_gradients(self._partial_over_tp, self.parallel_dims.get_group("tp"), "sum")
-        if self._replicated:
-            dpar.sync_gradients(self._replicated, self.parallel_dims.get_mesh("dp").get_group())
-        if self._experts:  # expert weights: mean over their edp replicas (ep ranks differ)
-            dpar.sync_gradients(self._experts, self.parallel_dims.get_mesh("edp").get_group())
+        self._grad_sync.sync(self.parallel_dims)  # what no FSDP unit reduced: tp, dp, edp
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
