@@ -5,8 +5,12 @@ model-parallel RNG (:mod:`.random`). Nothing here imports a model, a plan, the s
 recipe or a callback (import-linter contracts in pyproject.toml).
 """
 
-from lightning_mmpar.parallel.checkpoint import load_sharded, save_sharded, validate_checkpoint
-from lightning_mmpar.parallel.checkpoint_find import newest_checkpoint
+from lightning_mmpar.parallel.checkpoint import (
+    load_sharded,
+    newest_checkpoint,
+    save_sharded,
+    validate_checkpoint,
+)
 from lightning_mmpar.parallel.checkpoint_hooks import ShardedCheckpointHooks
 from lightning_mmpar.parallel.comm_count import CommCounter, state_bytes_of
 from lightning_mmpar.parallel.data import (

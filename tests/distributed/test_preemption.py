@@ -27,7 +27,7 @@ import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from lightning_mmpar.parallel.checkpoint_find import complete_checkpoints, newest_checkpoint
+from lightning_mmpar.parallel.checkpoint import complete_checkpoints, newest_checkpoint
 from lightning_mmpar.testing import free_port
 
 pytestmark = pytest.mark.distributed

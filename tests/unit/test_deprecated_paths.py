@@ -1,0 +1,36 @@
+"""Moved modules keep their former import path for one release, with a ``DeprecationWarning``
+naming the new one (CHANGELOG.md, "Deprecated")."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+MOVED = {
+    "lightning_mmpar.parallel.checkpoint_find": "lightning_mmpar.parallel.checkpoint.find",
+    "lightning_mmpar.parallel.checkpoint_check": "lightning_mmpar.parallel.checkpoint.check",
+}
+
+
+@pytest.mark.parametrize(("old", "new"), sorted(MOVED.items()))
+def test_former_path_warns_and_exports_the_same_names(old: str, new: str) -> None:
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=new.replace(".", r"\.")):
+        alias = importlib.import_module(old)
+    target = importlib.import_module(new)
+    assert alias.__all__
+    for name in alias.__all__:
+        assert getattr(alias, name) is getattr(target, name), name
+
+
+def test_the_package_never_imports_a_deprecated_path() -> None:
+    """Importing every public package loads none of the aliases (no warning for users)."""
+    code = (
+        "import sys, lightning_mmpar.parallel, lightning_mmpar.recipes, lightning_mmpar.callbacks\n"
+        f"print([m for m in {sorted(MOVED)!r} if m in sys.modules])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
