@@ -19,9 +19,10 @@ from lightning_mmpar.recipes.deepspeed import (
     optim_from_deepspeed,
     strategy_from_deepspeed,
 )
-from lightning_mmpar.recipes.evaluation import ClassRecall, RecipeMetrics
+from lightning_mmpar.recipes.evaluation import RecipeMetrics
 from lightning_mmpar.recipes.export import ExportResult, export_checkpoint
 from lightning_mmpar.recipes.generation import cached_greedy_decode, greedy_decode
+from lightning_mmpar.recipes.metrics import ClassRecall
 from lightning_mmpar.recipes.module import ClipLlamaModule
 from lightning_mmpar.recipes.preflight import preflight
 from lightning_mmpar.recipes.summary import RunSummary

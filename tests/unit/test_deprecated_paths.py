@@ -12,6 +12,7 @@ import pytest
 MOVED = {
     "lightning_mmpar.parallel.checkpoint_find": "lightning_mmpar.parallel.checkpoint.find",
     "lightning_mmpar.parallel.checkpoint_check": "lightning_mmpar.parallel.checkpoint.check",
+    "lightning_mmpar.metrics": "lightning_mmpar.recipes.metrics",
 }
 
 
