@@ -9,7 +9,6 @@ communicate through :mod:`lightning_mmpar.parallel.comm`.
 
 from lightning_mmpar.callbacks.anomalies import Anomaly, AnomalyLog
 from lightning_mmpar.callbacks.branch_clipping import BranchGradientClipping
-from lightning_mmpar.callbacks.config import DriftConfig, FallbackConfig
 from lightning_mmpar.callbacks.expert_load import ExpertLoadMonitor
 from lightning_mmpar.callbacks.expert_sparsity import ExpertSparsitySchedule
 from lightning_mmpar.callbacks.fp8_fallback import FP8FallbackCallback, FP8FallbackError
@@ -21,6 +20,7 @@ from lightning_mmpar.callbacks.pipeline_timeline import PipelineTimeline, formul
 from lightning_mmpar.callbacks.preemption import Preemption
 from lightning_mmpar.callbacks.replicas import Drift, ReplicaGroup
 from lightning_mmpar.callbacks.snapshot import Snapshot
+from lightning_mmpar.callbacks.stability_config import DriftConfig, FallbackConfig
 
 __all__ = [
     "Anomaly",

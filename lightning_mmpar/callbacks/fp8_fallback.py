@@ -37,10 +37,10 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_mmpar.callbacks.anomalies import Anomaly
-from lightning_mmpar.callbacks.config import FallbackConfig
 from lightning_mmpar.callbacks.grad_drift import GradientDriftMonitor, GradReport
 from lightning_mmpar.callbacks.grad_stats import log_due
 from lightning_mmpar.callbacks.snapshot import Snapshot
+from lightning_mmpar.callbacks.stability_config import FallbackConfig
 from lightning_mmpar.parallel import comm
 from lightning_mmpar.parallel.numerics import scale_grads_
 from lightning_mmpar.precision.fp8 import Float8Linear, fp8_modules, set_precision

@@ -31,9 +31,9 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_mmpar.callbacks.config import DriftConfig, FallbackConfig
 from lightning_mmpar.callbacks.fp8_fallback import FP8FallbackCallback
 from lightning_mmpar.callbacks.grad_drift import GradientDriftMonitor
+from lightning_mmpar.callbacks.stability_config import DriftConfig, FallbackConfig
 from lightning_mmpar.precision.formats import FP8Policy
 from lightning_mmpar.precision.fp8 import convert_to_fp8
 
