@@ -23,13 +23,13 @@ from lightning_mmpar.parallel.data import (
     shard_placement,
     sync_gradients,
 )
-from lightning_mmpar.parallel.deepspeed import (
+from lightning_mmpar.parallel.deepspeed_mapping import (
     MM_PARALLEL_KEYS,
-    CPUCapableDeepSpeedStrategy,
     DeepSpeedPlan,
     map_deepspeed_config,
     resolve_batch,
 )
+from lightning_mmpar.parallel.deepspeed_strategy import CPUCapableDeepSpeedStrategy
 from lightning_mmpar.parallel.experts import (
     AllToAllDispatcher,
     apply_expert_parallel,

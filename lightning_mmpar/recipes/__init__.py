@@ -14,7 +14,7 @@ from lightning_mmpar.recipes.config import (
     TensorParallelOptions,
     check_image_size,
 )
-from lightning_mmpar.recipes.deepspeed import (
+from lightning_mmpar.recipes.deepspeed_cli import (
     apply_deepspeed_json,
     optim_from_deepspeed,
     strategy_from_deepspeed,

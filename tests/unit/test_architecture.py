@@ -71,7 +71,6 @@ LONG_FUNCTIONS: dict[str, tuple[int, str]] = {
     "plans/fusion_cost.py:fusion_model_spec": (74, "one ModelSpec field per block kind"),
     "callbacks/pipeline_timeline.py:draw_timeline": (68, "one matplotlib figure, drawn top down"),
     "layout/partition.py:plan_stages": (64, "to split: dispatch on the partition mode"),
-    "parallel/deepspeed.py:map_deepspeed_config": (64, "to split: one key group per section"),
     "plans/fusion_cost.py:_tp_collectives": (64, "one collective per tensor-parallel style"),
     "recipes/partition.py:main": (63, "the partition preview CLI: parse, plan, print"),
     "parallel/experts.py:apply_expert_parallel": (61, "to split"),
