@@ -4,7 +4,7 @@
 (this package does not import ``clip_llama`` itself, so ``-m`` runs it cleanly).
 """
 
-from lightning_mmpar.recipes.captions import CaptionWriter
+from lightning_mmpar.recipes.caption_writer import CaptionWriter
 from lightning_mmpar.recipes.cli import ClipLlamaCLI, RecipeDigitsCaptions, main, run_cli
 from lightning_mmpar.recipes.config import (
     FinetuneConfig,

@@ -64,7 +64,7 @@ def _command(tmp: Path, root: Path, devices: int = 4, **strategy: Any) -> list[s
                 "class_path": "lightning_mmpar.recipes.throughput.RecipeThroughput",
                 "init_args": {"peak_flops_per_device": PEAK, "window_size": 2},
             },
-            {"class_path": "lightning_mmpar.callbacks.memory.PeakMemory"},
+            {"class_path": "lightning_mmpar.callbacks.peak_memory.PeakMemory"},
         ],
     }
     if strategy:

@@ -18,6 +18,9 @@ MOVED: dict[str, tuple[str, ...]] = {
         "lightning_mmpar.parallel.deepspeed_strategy",
     ),
     "lightning_mmpar.recipes.deepspeed": ("lightning_mmpar.recipes.deepspeed_cli",),
+    "lightning_mmpar.callbacks.memory": ("lightning_mmpar.callbacks.peak_memory",),
+    "lightning_mmpar.models.cost": ("lightning_mmpar.models.block_cost",),
+    "lightning_mmpar.recipes.captions": ("lightning_mmpar.recipes.caption_writer",),
 }
 """Former module path -> the module(s) its names live in now (the warning names the first)."""
 
@@ -38,6 +41,7 @@ def test_the_package_never_imports_a_deprecated_path() -> None:
     """Importing every public package loads none of the aliases (no warning for users)."""
     code = (
         "import sys, lightning_mmpar.parallel, lightning_mmpar.recipes, lightning_mmpar.callbacks\n"
+        "import lightning_mmpar.recipes.clip_llama, lightning_mmpar.models\n"
         f"print([m for m in {sorted(MOVED)!r} if m in sys.modules])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
