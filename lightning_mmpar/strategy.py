@@ -68,7 +68,7 @@ class MultimodalParallelStrategy(NumericsHooks, ShardedCheckpointHooks, ModelPar
             single data-parallel replica; refused otherwise).
         partition: how blocks become stages: ``equal``, ``balanced``, ``memory``,
             ``ratio:V:A:D`` or boundaries (:class:`ParallelConfig`); the plan is logged.
-        placement: which global rank runs each mesh position (TECHNIQUES 2.4): ``None`` /
+        placement: which global rank runs each mesh position (topology-aware): ``None`` /
             ``"auto"`` (topology-aware from ``nvidia-smi topo -m`` on a CUDA machine, else
             Megatron's order), ``"megatron"``, a list of ranks or a topology file; numerics do
             not change. Applied as ``parallel_dims.placement``, logged on rank 0.

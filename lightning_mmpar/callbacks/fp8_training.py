@@ -1,5 +1,5 @@
 """FP8Training: FP8 for a whole run from one configuration section (a recipe YAML's
-``precision.fp8``), with the BF16 fallback and the gradient-drift monitor (TECHNIQUES 1.6, 1.7).
+``precision.fp8``), with the BF16 fallback and the gradient-drift monitor.
 
 One callback in ``trainer.callbacks``::
 

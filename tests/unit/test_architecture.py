@@ -222,6 +222,19 @@ def test_callbacks_import_as_documented() -> None:
     assert FP8FallbackCallback.__module__.startswith("lightning_mmpar.callbacks")
 
 
+def test_sources_are_papers_and_peers() -> None:
+    """Docstrings, docs and recipe YAMLs cite papers and peers, never a design document that
+    users of the package cannot read."""
+    roots = (PACKAGE, DOCS, ROOT / "recipes", ROOT / "benchmarks")
+    files = [p for r in roots for p in r.rglob("*") if p.suffix in {".py", ".md", ".yaml"}]
+    cited = [
+        str(p.relative_to(ROOT))
+        for p in [*files, ROOT / "README.md", ROOT / "CHANGELOG.md"]
+        if "TECHNIQUES" in p.read_text()
+    ]
+    assert not cited, f"cite the paper or peer instead of TECHNIQUES in: {cited}"
+
+
 def test_architecture_picture_is_current() -> None:
     spec = importlib.util.spec_from_file_location(
         "make_architecture", DOCS / "make_architecture.py"
