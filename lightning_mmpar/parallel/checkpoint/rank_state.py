@@ -12,6 +12,9 @@ fit loop's state). Each rank writes them with its layout to ``ranks/rank_<r:05d>
 * another data-parallel size, or a checkpoint without per-rank files: rank 0's state for both,
   with a warning (the epoch continues after as many batches per replica as were done, but the
   sharding differs, so the rest of that epoch is not the uninterrupted run's).
+
+A mid-epoch resume also needs the sampler's epoch set before the loader fast-forwards
+(:func:`set_sampler_epoch`).
 """
 
 from __future__ import annotations
