@@ -352,7 +352,7 @@ SCALE_MODELS: dict[str, dict[str, Any]] = {
         "adapter": {"num_blocks": 4, "heads": 64, "width": 8192, "ffn_width": 32768},
     },
 }
-"""docs/planner.md's models: ViT frozen (TECHNIQUES 1.5), adapters + decoder + embeddings
+"""docs/planner.md's models: ViT frozen (the recipe's default), adapters + decoder + embeddings
 trained, vocabulary 32000, text length 2048."""
 SCALE_WORLDS = (8, 16, 64, 256, 1024)
 TEXT_LENGTH = 2048

@@ -140,7 +140,7 @@ def ds_state_bytes(module: torch.nn.Module, zero_opt: Any) -> dict[str, Any]:
 
 def _strategy(side: str, batch: int) -> Any:
     from lightning_mmpar import MultimodalParallelStrategy
-    from lightning_mmpar.parallel.deepspeed import CPUCapableDeepSpeedStrategy
+    from lightning_mmpar.parallel.deepspeed_strategy import CPUCapableDeepSpeedStrategy
 
     if side.startswith("mm_"):
         return MultimodalParallelStrategy(data_parallel=side[3:])

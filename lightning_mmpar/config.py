@@ -65,7 +65,7 @@ class ParallelConfig:
     FLOPs), ``memory`` (least maximum stage bytes), ``ratio:V:A:D`` (vision : aligner : decoder
     stage counts) or explicit boundaries (first block of stages 1 .. S-1)."""
     placement: str | list[int] | None = None
-    """Global rank of each mesh position (TECHNIQUES 2.4; :meth:`resolve_placement`): ``None`` /
+    """Global rank of each mesh position (topology-aware, :meth:`resolve_placement`): ``None`` /
     ``"auto"``, ``"megatron"`` (identity), a list (``list[i]`` = rank at Megatron position
     ``i``) or a topology file (nvidia-smi text or YAML)."""
 

@@ -8,7 +8,7 @@ which is megatron-core's ``order="tp-cp-ep-dp-pp"`` (context parallel = 1). The 
 group of dense parameters is the flattened ``(edp, ep)`` pair, so expert parallelism is carved
 out of the data-parallel ranks exactly as in Megatron.
 
-A *placement* (TECHNIQUES 2.4) permutes that order: ``placement[i]`` is the global rank that runs
+A *placement* permutes that order: ``placement[i]`` is the global rank that runs
 mesh position ``i`` (``i`` the Megatron rank above), so a topology-aware order
 (:func:`lightning_mmpar.layout.placement.place`) puts tensor-parallel peers on the fastest links
 without changing any coordinate's meaning. The mesh is then built from the permuted rank tensor
@@ -280,7 +280,7 @@ class ParallelDims:
         """Dedicated vision-language mesh: same ranks as ``tp``, its own communicator, derived
         from the root mesh (so FSDP2 composes with TP styles applied on it).
 
-        Cross-attention combines (TECHNIQUES 1.3) run here so they do not queue behind the
+        Cross-attention combines (``vl_combine``) run here so they do not queue behind the
         text path's collectives on the tp communicator.
         """
         self.mesh  # noqa: B018 - raises the standard message before set-up

@@ -1,4 +1,4 @@
-"""BranchGradientClipping: per-branch gradient clipping of a vision-language model (TECHNIQUES 3.4).
+"""BranchGradientClipping: per-branch gradient clipping of a vision-language model.
 
 In ``on_before_optimizer_step`` (after Lightning unscales AMP gradients, before the optimizer
 step and before ``Trainer(gradient_clip_val=...)`` clipping):

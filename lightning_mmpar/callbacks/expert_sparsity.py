@@ -1,4 +1,4 @@
-"""ExpertSparsitySchedule: the expert pruning mask with a cosine sparsity ramp (TECHNIQUES 3.4).
+"""ExpertSparsitySchedule: the expert pruning mask with a cosine sparsity ramp.
 
 The sparsity after ``t`` optimizer steps of ``T`` is the cosine ramp (the shape of the cosine
 learning-rate schedule, Loshchilov & Hutter 2017, SGDR)::
@@ -25,7 +25,7 @@ The masks are saved with the model (``expert_mask`` is a persistent buffer); the
 state (loads since fit start, last step and sparsity) through :meth:`state_dict`. Logged on the
 Trainer's logging steps: ``<prefix>/sparsity`` and ``<prefix>/<layer>/active_experts``.
 
-Sources: the expert pruning mask and ramp of TECHNIQUES 3.4; pruning the least-used experts as
+Sources: the ramp and its defaults are this package's schedule; pruning the least-used experts as
 in "Task-Specific Expert Pruning for Sparse Mixture-of-Experts" (Chen et al. 2022, which also
 prunes progressively during fine-tuning). Limitation: under a pipeline schedule ``last_stats``
 holds the last micro-batch of each step only (as for

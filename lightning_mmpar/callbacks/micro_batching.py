@@ -1,8 +1,9 @@
 """DynamicMicroBatching: re-choose the pipeline micro-batch size from memory and latency.
 
-TECHNIQUES 2.3 (the brief, after Flamingo-style training reports): every ``every_n_steps``
-optimizer steps the micro-batch size is chosen again from the peak memory headroom and the
-measured cross-attention latency with the default policy (:func:`brief_policy`)::
+Every ``every_n_steps`` optimizer steps the micro-batch size is chosen again from the peak
+memory headroom and the measured cross-attention latency. The default policy
+(:func:`brief_policy`) is this package's own, a heuristic (no paper): smaller micro-batches when
+memory is short or the cross-attention slow::
 
     mbs = max(2, int(8 * max(0.3, 1 - peak_mem / limit) * max(0.4, 1 - min(lat_ms, 80) / 80)))
 
@@ -56,8 +57,8 @@ MemorySource = Callable[[], tuple[float, float]]
 
 
 def brief_policy(memory_fraction: float, latency_ms: float) -> int:
-    """TECHNIQUES 2.3's micro-batch size: ``max(2, int(8 * max(0.3, 1 - memory_fraction) *
-    max(0.4, 1 - min(latency_ms, 80) / 80)))``; between 2 and 8."""
+    """This package's default micro-batch size (a heuristic): ``max(2, int(8 * max(0.3, 1 -
+    memory_fraction) * max(0.4, 1 - min(latency_ms, 80) / 80)))``; between 2 and 8."""
     memory = max(0.3, 1.0 - memory_fraction)
     latency = max(0.4, 1.0 - min(latency_ms, 80.0) / 80.0)
     return max(2, int(8 * memory * latency))
@@ -210,7 +211,7 @@ def _check_int(name: str, value: Any, minimum: int, fix: str) -> None:
 
 
 class DynamicMicroBatching(Callback):
-    """Re-choose the pipeline micro-batch size every ``every_n_steps`` steps (TECHNIQUES 2.3).
+    """Re-choose the pipeline micro-batch size every ``every_n_steps`` steps.
 
     Args:
         every_n_steps: optimizer steps between decisions.

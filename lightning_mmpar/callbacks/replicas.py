@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_mmpar.callbacks.anomalies import Anomaly
 from lightning_mmpar.parallel import comm
 from lightning_mmpar.trainer_topology import TrainerTopology
 
@@ -234,3 +235,27 @@ def resync(rg: ReplicaGroup, drift: list[Drift], optimizers: Sequence[Any] = ())
             state = opt.state.get(p, {})
             for key in sorted(k for k, v in state.items() if isinstance(v, Tensor)):
                 comm.broadcast(comm.to_local(state[key]), src=src, group=rg.group)
+
+
+def drift_anomaly(d: Drift, step: int, rg: ReplicaGroup, action: str) -> Anomaly:
+    """The ``replica_drift`` record of drifting parameter ``d`` of group ``rg`` at ``step``, as
+    this rank writes it (``this_rank_drifts``: whether this rank is one of the drifting ones)."""
+    me = comm.group_rank()
+    return Anomaly(
+        kind="replica_drift",
+        step=step,
+        rank=me,
+        group=rg.name,
+        param=d.name,
+        shape=d.shape,
+        action=action,
+        values={
+            "drifting_ranks": d.drifting_ranks,
+            "this_rank_drifts": me in d.drifting_ranks,
+            "reference_rank": d.reference_rank,
+            "fingerprints": d.fingerprints,
+            "max_abs_diff": d.max_abs_diff,
+            "worst_index": d.worst_index,
+            "ambiguous": d.ambiguous,
+        },
+    )

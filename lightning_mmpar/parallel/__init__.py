@@ -6,8 +6,12 @@ model-parallel RNG (:mod:`.random`). Nothing here imports a model, a plan, the s
 recipe or a callback (import-linter contracts in pyproject.toml).
 """
 
-from lightning_mmpar.parallel.checkpoint import load_sharded, save_sharded, validate_checkpoint
-from lightning_mmpar.parallel.checkpoint_find import newest_checkpoint
+from lightning_mmpar.parallel.checkpoint import (
+    load_sharded,
+    newest_checkpoint,
+    save_sharded,
+    validate_checkpoint,
+)
 from lightning_mmpar.parallel.comm_count import CommCounter, state_bytes_of
 from lightning_mmpar.parallel.data import (
     apply_fsdp,
@@ -19,13 +23,13 @@ from lightning_mmpar.parallel.data import (
     shard_placement,
     sync_gradients,
 )
-from lightning_mmpar.parallel.deepspeed import (
+from lightning_mmpar.parallel.deepspeed_mapping import (
     MM_PARALLEL_KEYS,
-    CPUCapableDeepSpeedStrategy,
     DeepSpeedPlan,
     map_deepspeed_config,
     resolve_batch,
 )
+from lightning_mmpar.parallel.deepspeed_strategy import CPUCapableDeepSpeedStrategy
 from lightning_mmpar.parallel.experts import (
     AllToAllDispatcher,
     apply_expert_parallel,

@@ -106,7 +106,8 @@ class TensorParallelOptions:
     sequence_parallel: bool = False
     """Shard the text residual stream along the sequence (text length must divide by tp)."""
     vl_combine: VLCombine = "all_reduce"
-    """Combine of the cross-attention heads (TECHNIQUES 1.3), on the vision-language group."""
+    """Combine of the cross-attention heads on the vision-language group: ``all_reduce`` of
+    partial sums (Megatron-LM's row-parallel output, Shoeybi et al. 2019) or ``all_gather``."""
     vocab_multiple: int = 8
     """The LM vocabulary is padded to a multiple of this (and of tp) so it shards evenly."""
     activation_checkpointing: bool = False
@@ -358,9 +359,8 @@ def parallelize_fusion(
     if dims.tp > 1:
         validate_tensor_parallel(model.config, dims.tp, vision_parallel=options.vision_parallel)
     check_moe_layout(model.config, dims.tp, dims.ep, sequence_parallel=options.sequence_parallel)
-    for path in moe_layers(
-        model
-    ):  # TECHNIQUES 1.4: routed sequences padded to lcm(tp, E) multiples
+    # routed sequences padded to lcm(tp, E) multiples (moe_routing.aligned_sequence_length)
+    for path in moe_layers(model):
         setattr(model.get_submodule(path), "sequence_multiple", dims.tp)  # noqa: B010
     apply_plan(model, fusion_plan(model, options), plan_meshes(dims), dims)
     parallelize_vision(model.vision, dims, options.vision_parallel)  # after checkpointing
@@ -383,10 +383,11 @@ def apply_tensor_parallel(
     ``vision_parallel``: ``tp`` shards the ViT by heads / FFN columns, ``replicate`` keeps a full
     copy on every tp rank, ``dp`` a full copy encoding ``1 / tp`` of the images per rank (sum the
     gradients of :data:`~lightning_mmpar.parallel.data.PARTIAL_OVER_TP` parameters over tp after
-    backward: the strategy does). ``vl_combine``: ``all_reduce`` or ``all_gather`` combine of the
-    cross-attention heads (TECHNIQUES 1.3), run on ``vl_group`` (same ranks as ``tp_mesh``, its
-    own communicator; default: the tp group itself). Raises ``ValueError`` for unknown options, a
-    mesh that is not 1-D, a ``vl_group`` of other ranks, or sizes that do not divide by tp.
+    backward: the strategy does). ``vl_combine``: ``all_reduce`` (Megatron-LM's row-parallel
+    output) or ``all_gather`` combine of the cross-attention heads, run on ``vl_group`` (same ranks
+    as ``tp_mesh``, its own communicator; default: the tp group itself). Raises ``ValueError`` for
+    unknown options, a mesh that is not 1-D, a ``vl_group`` of other ranks, or sizes that do not
+    divide by tp.
     """
     options = TensorParallelOptions(
         vision_parallel=vision_parallel, sequence_parallel=sequence_parallel, vl_combine=vl_combine

@@ -1,6 +1,7 @@
 """The CLIP-LLaMA recipe's LightningModule: the fusion model's blocks and three loss terms.
 
-Loss (TECHNIQUES 1.5, 4)::
+Loss (CLIP's InfoNCE, Radford et al. 2021; a caption cross-entropy; ALBEF's momentum
+distillation, Li et al. 2021)::
 
     L = w_c * InfoNCE(u, v; dp group) + w_cap * CE_vocab-parallel(caption) + MML(u, v; EMA heads)
 
@@ -88,7 +89,8 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         fusion: tower sizes, adapter, contrastive width and initial temperature
             (``logit_scale_init = 1 / temperature``). ``language.vocab_size`` is replaced by
             ``vocab_size`` padded to ``tensor_parallel.vocab_multiple``.
-        finetune: which parts train (default: the TECHNIQUES 1.5 policy).
+        finetune: which parts train (default: this package's fine-tuning policy, a frozen ViT
+            as in LLaVA, Liu et al. 2023; :class:`~lightning_mmpar.recipes.config.FinetuneConfig`).
         loss: weights of the terms and the EMA momentum.
         optim: AdamW and its schedule.
         tensor_parallel: options of the fusion plan (the degree comes from the strategy).

@@ -6,7 +6,7 @@ to, a rank whose tokens are all padding, shared experts, grouped matmul and the 
 compares outputs, aux loss, expert counts and the gradients of the input, the router and every
 expert weight with the single-process reference (its definition: the worker's docstring), then
 checks the invalid set-ups, a DCP round trip ep 2 -> ep 1 and DeepSpeed's ``MoE`` at ep_size 2
-as an oracle. Expert locality (TECHNIQUES 3.3) in the same world: a custom placement against the
+as an oracle. Expert locality in the same world: a custom placement against the
 single-process layer, group-limited routing against the layer with the same ``locality_mask``,
 and the dispatch byte counters against a hand count. The other tests need no process group.
 """

@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, pa
 from lightning_mmpar.losses.caption import caption_loss, plain_caption_loss
 from lightning_mmpar.losses.contrastive import ContrastiveLoss
 from lightning_mmpar.losses.mml import MMLConfig, MMLLoss
-from lightning_mmpar.metrics import RetrievalRecall, ZeroShotAccuracy
+from lightning_mmpar.recipes.metrics import RetrievalRecall, ZeroShotAccuracy
 from lightning_mmpar.testing import spawn
 
 pytestmark = pytest.mark.distributed

@@ -27,7 +27,7 @@ import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from lightning_mmpar.parallel.checkpoint_find import complete_checkpoints, newest_checkpoint
+from lightning_mmpar.parallel.checkpoint import complete_checkpoints, newest_checkpoint
 from lightning_mmpar.testing import free_port
 
 pytestmark = pytest.mark.distributed
@@ -64,7 +64,7 @@ def _command(tmp: Path, root: Path, devices: int = 4, **strategy: Any) -> list[s
                 "class_path": "lightning_mmpar.recipes.throughput.RecipeThroughput",
                 "init_args": {"peak_flops_per_device": PEAK, "window_size": 2},
             },
-            {"class_path": "lightning_mmpar.callbacks.memory.PeakMemory"},
+            {"class_path": "lightning_mmpar.callbacks.peak_memory.PeakMemory"},
         ],
     }
     if strategy:

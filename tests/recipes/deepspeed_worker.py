@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_mmpar.recipes.deepspeed import strategy_from_deepspeed
+from lightning_mmpar.recipes.deepspeed_cli import strategy_from_deepspeed
 
 
 class Tiny(LightningModule):

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Subset
 
 from lightning_mmpar import MultimodalParallelStrategy
 from lightning_mmpar.parallel import data as dpar
-from lightning_mmpar.recipes.captions import CaptionWriter
+from lightning_mmpar.recipes.caption_writer import CaptionWriter
 from lightning_mmpar.recipes.cli import RecipeDigitsCaptions
 from lightning_mmpar.testing import quiet_trainer
 

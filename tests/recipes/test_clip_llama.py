@@ -109,7 +109,7 @@ def test_tp2_pp2_fit_then_predict_on_another_layout(tmp_path: Path) -> None:
             "limit_predict_batches": 1,
             "default_root_dir": str(tmp_path),
             "logger": False,
-            "callbacks": [{"class_path": "lightning_mmpar.recipes.captions.CaptionWriter"}],
+            "callbacks": [{"class_path": "lightning_mmpar.recipes.caption_writer.CaptionWriter"}],
             "strategy": {
                 "class_path": "lightning_mmpar.strategy.MultimodalParallelStrategy",
                 "init_args": {"tensor_parallel": 2, "pipeline_parallel": 1},

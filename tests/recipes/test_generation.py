@@ -25,7 +25,7 @@ from lightning_mmpar.models.convert import import_llama, llama_config
 from lightning_mmpar.models.decoding import DecodeCache, decode_block, language_decode_step
 from lightning_mmpar.models.language import LanguageConfig, LanguageModel
 from lightning_mmpar.models.moe_routing import MoEConfig
-from lightning_mmpar.recipes.evaluation import ClassRecall
+from lightning_mmpar.recipes.metrics import ClassRecall
 from lightning_mmpar.testing import spawn
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
-from lightning_mmpar.recipes.captions import CaptionWriter
+from lightning_mmpar.recipes.caption_writer import CaptionWriter
 
 
 def test_rank0_replaces_its_file_and_removes_ranks_this_world_lacks(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from lightning_mmpar.parallel import checkpoint as ckpt
+from lightning_mmpar.parallel.checkpoint import atomic
 
 
 def _model(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -61,7 +62,7 @@ def test_crash_between_the_two_renames_falls_back_to_previous(
             raise KeyboardInterrupt("killed between renames")
         os.rename(src, dst)
 
-    monkeypatch.setattr(ckpt.os, "replace", replace_then_die)
+    monkeypatch.setattr(atomic.os, "replace", replace_then_die)
     newer, newer_opt = _model(5)
     with pytest.raises(KeyboardInterrupt):
         _save(path, newer, newer_opt, step=2)
@@ -100,7 +101,7 @@ KILLED_SAVER = textwrap.dedent(
         print("saving 2", flush=True)
         time.sleep(60)
         real_save(*args, **kwargs)
-    ckpt.torch.save = slow_save
+    torch.save = slow_save  # the same module object the checkpoint code calls
     save(2)
     """
 )

@@ -25,7 +25,7 @@ from lightning_mmpar.models.fusion import FusionConfig
 from lightning_mmpar.models.language import LanguageConfig
 from lightning_mmpar.models.vision import VisionConfig
 from lightning_mmpar.parallel import checkpoint as ckpt
-from lightning_mmpar.parallel import checkpoint_check as check
+from lightning_mmpar.parallel.checkpoint import check
 from lightning_mmpar.recipes.module import ClipLlamaModule
 
 SHARD = "__0_0.distcp"

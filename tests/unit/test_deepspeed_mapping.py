@@ -9,8 +9,12 @@ from typing import Any
 
 import pytest
 
-from lightning_mmpar.parallel.deepspeed import ZERO3_NOTE, map_deepspeed_config, resolve_batch
-from lightning_mmpar.recipes.deepspeed import optim_from_deepspeed
+from lightning_mmpar.parallel.deepspeed_mapping import (
+    ZERO3_NOTE,
+    map_deepspeed_config,
+    resolve_batch,
+)
+from lightning_mmpar.recipes.deepspeed_cli import optim_from_deepspeed
 
 YAML = str(Path(__file__).resolve().parents[2] / "recipes" / "clip_llama_cpu.yaml")
 

@@ -1,4 +1,4 @@
-"""Expert placement and locality (parallel/experts.py, TECHNIQUES 3.3), one process.
+"""Expert placement and locality (parallel/experts.py), one process.
 
 :func:`permute_experts` must leave the layer's function unchanged: outputs, aux loss, stats and
 gradients of the permuted layer equal the original's (reindexed), rel 1e-6. A negative control

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torchmetrics.retrieval import RetrievalRecall as OracleRecall
 
-from lightning_mmpar.metrics import RetrievalRecall, ZeroShotAccuracy, recall_at_k
+from lightning_mmpar.recipes.metrics import RetrievalRecall, ZeroShotAccuracy, recall_at_k
 
 
 def _unit(degrees: list[float]) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""DynamicMicroBatching (issue 11, TECHNIQUES 2.3): the policy's values, rounding to valid
+"""DynamicMicroBatching (issue 11): the policy's values, rounding to valid
 sizes, hysteresis, latency hooks with a fake clock, and decisions of the callback on a fake engine
 with a fake memory source. The real pipelined run (size changed mid-run, losses equal to the
 static run's) is in tests/distributed/test_pipeline_callbacks.py."""

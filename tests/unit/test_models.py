@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from lightning_mmpar.models.adapter import AdapterConfig, CrossModalAdapter
+from lightning_mmpar.models.block_cost import BlockCost
 from lightning_mmpar.models.convert import (
     build_fusion_model,
     export_llama,
@@ -19,7 +20,6 @@ from lightning_mmpar.models.convert import (
     import_llama,
     save_llama_pretrained,
 )
-from lightning_mmpar.models.cost import BlockCost
 from lightning_mmpar.models.fusion import FusionConfig, FusionModel, freeze_for_finetuning
 from lightning_mmpar.models.language import LanguageConfig, LlamaAttention
 from lightning_mmpar.models.vision import (

@@ -1,4 +1,4 @@
-"""Density-driven expert activation (models/moe_density.py, TECHNIQUES 3.2), one process.
+"""Density-driven expert activation (models/moe_density.py), one process.
 
 Oracles: ``torch.autograd.grad`` of the layer input computed apart for the captured norms, a
 token-by-token float64 reference for the output with per-token ``k``, and plain (not

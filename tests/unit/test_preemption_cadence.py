@@ -20,7 +20,7 @@ from torch import nn
 
 from lightning_mmpar.callbacks.preemption import Preemption
 from lightning_mmpar.parallel import checkpoint as ckpt
-from lightning_mmpar.parallel.checkpoint_find import complete_checkpoints, newest_checkpoint
+from lightning_mmpar.parallel.checkpoint import complete_checkpoints, newest_checkpoint
 
 YAML = Path(__file__).resolve().parents[2] / "recipes" / "clip_llama_cpu.yaml"
 

@@ -1,4 +1,4 @@
-"""The shipped recipe YAMLs: valid layouts, and the brief's Megatron flags mapped right."""
+"""The shipped recipe YAMLs: valid layouts, and the reference launch's Megatron flags mapped."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def test_layout_of_every_yaml_is_valid(path: Path) -> None:
 
 
 def test_16gpu_maps_megatron_layers_per_virtual_stage() -> None:
-    """``--num-layers-per-virtual-pipeline-stage 2`` (TECHNIQUES, reference launch) means two
+    """``--num-layers-per-virtual-pipeline-stage 2`` (Megatron-LM, the 16-GPU launch) means two
     decoder layers per virtual stage: ``v = num_layers / (pp * 2)`` stages per pipeline rank
     (megatron-core: ``virtual_pipeline_model_parallel_size``)."""
     config = _load(RECIPES / "clip_llama_16gpu.yaml")

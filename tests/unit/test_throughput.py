@@ -19,7 +19,7 @@ from lightning.pytorch.trainer.states import RunningStage
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_mmpar.callbacks.memory import PeakMemory
+from lightning_mmpar.callbacks.peak_memory import PeakMemory
 from lightning_mmpar.recipes.throughput import RecipeThroughput
 from lightning_mmpar.topology import ParallelDims
 
