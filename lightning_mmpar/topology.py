@@ -305,4 +305,3 @@ def check_placement(placement: Any, world_size: int) -> tuple[int, ...]:
             "a permutation of range(world_size), or None for Megatron's order."
         )
     return tuple(values)
-

@@ -67,8 +67,8 @@ from lightning_mmpar.layout.memory import (
     tp_local_shape,
 )
 from lightning_mmpar.layout.model import ModelSpec, ParamSpec, stage_ranks
-from lightning_mmpar.layout.value import LayoutFacts, ParallelLayout, validate
 from lightning_mmpar.layout.partition import plan_stages
+from lightning_mmpar.layout.value import LayoutFacts, ParallelLayout, validate
 
 __all__ = [
     "comm_bounds",
@@ -97,7 +97,13 @@ SIGTERM_BYTES = 8
 def world_dim(layout: ParallelLayout) -> str:
     """The key of a collective over every rank: the first of ``tp, pp, dp, edp, ep`` whose
     size is the world, else ``world``."""
-    sizes = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "edp": layout.edp, "ep": layout.ep}
+    sizes = {
+        "tp": layout.tp,
+        "pp": layout.pp,
+        "dp": layout.dp_size,
+        "edp": layout.edp,
+        "ep": layout.ep,
+    }
     return next((d for d, n in sizes.items() if n == layout.world), "world")
 
 
@@ -225,7 +231,7 @@ def _count(
     gathers = passes * layout.num_micro_batches + 1 if layout.pp > 1 else 2  # per FSDP unit
     params = [p for p in model.params if p.block in held]
     # data parallelism, per batch
-    if layout.dp > 1 and layout.data_parallel != "none":
+    if layout.dp_size > 1 and layout.data_parallel != "none":
         dense = [p for p in params if p.trainable and not p.expert]
         if layout.data_parallel == "ddp":  # one coalesced all-reduce per dtype
             add(
@@ -332,15 +338,15 @@ def _count(
                 add("pp.send", acc * b * grads, acc * m * n_grads)
         add("pp.broadcast", acc * (LOSS_BYTES + TERM_BYTES), acc * 2)
     # the loss and its logging
-    if layout.dp > 1:
+    if layout.dp_size > 1:
         loss = model.loss
         if loss is not None and last in held:
-            rows = b * layout.dp * loss.feature_bytes
+            rows = b * layout.dp_size * loss.feature_bytes
             add("dp.all_reduce", acc * TOKEN_BYTES, acc)
             # per gather: the row counts, then the image and the text features
             add(
                 "dp.all_gather",
-                acc * loss.gathers * (8 * layout.dp + 2 * rows),
+                acc * loss.gathers * (8 * layout.dp_size + 2 * rows),
                 acc * loss.gathers * 3,
             )
             add(

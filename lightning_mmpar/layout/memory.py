@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_mmpar.layout.model import ModelSpec, ParamSpec, stage_ranks
-from lightning_mmpar.layout.value import ParallelLayout
 from lightning_mmpar.layout.partition import plan_stages
+from lightning_mmpar.layout.value import ParallelLayout
 
 __all__ = ["StateBytes", "local_shape", "shard_dim", "stage_blocks", "state_bytes"]
 
@@ -89,14 +89,16 @@ def tp_local_shape(param: ParamSpec, layout: ParallelLayout) -> tuple[int, ...]:
 
 def fsdp_group(param: ParamSpec, layout: ParallelLayout) -> int:
     """Ranks FSDP2 shards ``param`` over (1: not sharded)."""
-    if layout.data_parallel != "fsdp" or layout.dp == 1 or not param.shape:
+    if layout.data_parallel != "fsdp" or layout.dp_size == 1 or not param.shape:
         return 1
     if param.expert:
         return layout.edp
-    return layout.dp
+    return layout.dp_size
 
 
-def local_shape(param: ParamSpec, layout: ParallelLayout, coords: dict[str, int]) -> tuple[int, ...]:
+def local_shape(
+    param: ParamSpec, layout: ParallelLayout, coords: dict[str, int]
+) -> tuple[int, ...]:
     """``param``'s local shard on the rank at ``coords`` (``dp``, ``edp`` keys used)."""
     shape = list(tp_local_shape(param, layout))
     n = fsdp_group(param, layout)

@@ -26,7 +26,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_mmpar.layout.model import SCHEDULES
 from lightning_mmpar.layout.partition import parse_partition
 
 __all__ = [
@@ -40,6 +39,15 @@ __all__ = [
 
 # Schedule facts (torch.distributed.pipelining's rules): as lightning_mmpar.config has them,
 # until layout/ owns the schedules (issue 27: one module of schedule facts).
+SCHEDULES = (
+    "gpipe",
+    "1f1b",
+    "interleaved_1f1b",
+    "looped_bfs",
+    "interleaved_zero_bubble",
+    "zbv_zero_bubble",
+    "dualpipev",
+)
 _MULTI_STAGE = frozenset(SCHEDULES[2:])
 _V_SCHEDULES = frozenset(("zbv_zero_bubble", "dualpipev"))
 _SPLIT_BACKWARD = frozenset(("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"))
@@ -142,15 +150,24 @@ class ParallelLayout:
         return self.pp * self.virtual
 
     @property
+    def dp_size(self) -> int:
+        """``dp`` as a number; raises ``ValueError`` while it is unknown (``None``)."""
+        if self.dp is None:
+            raise ValueError(
+                "dp (None) is not known yet: it follows from the world size; pass dp, or "
+                "validate the layout with LayoutFacts(world_size=...)."
+            )
+        return self.dp
+
+    @property
     def world(self) -> int:
-        """Ranks of the layout: ``tp * pp * dp``. Raises ``ValueError`` while ``dp`` is
-        unknown."""
-        return self.tp * self.pp * self._dp()
+        """Ranks of the layout: ``tp * pp * dp`` (``dp`` known: :attr:`dp_size`)."""
+        return self.tp * self.pp * self.dp_size
 
     @property
     def edp(self) -> int:
         """Data-parallel degree of expert weights: ``dp // ep``."""
-        return self._dp() // self.ep
+        return self.dp_size // self.ep
 
     @property
     def local_batch(self) -> int:
@@ -160,15 +177,7 @@ class ParallelLayout:
     @property
     def global_batch(self) -> int:
         """Samples per optimizer step: ``dp * local_batch * accumulate``."""
-        return self._dp() * self.local_batch * self.accumulate
-
-    def _dp(self) -> int:
-        if self.dp is None:
-            raise ValueError(
-                "dp (None) is not known yet: it follows from the world size; pass dp, or "
-                "validate the layout with LayoutFacts(world_size=...)."
-            )
-        return self.dp
+        return self.dp_size * self.local_batch * self.accumulate
 
     def strategy_args(self) -> dict[str, Any]:
         """``MultimodalParallelStrategy`` ``init_args`` of this layout (a recipe YAML fragment);
@@ -446,9 +455,9 @@ def _check_model(layout: ParallelLayout, facts: LayoutFacts) -> None:
     length = facts.sequence_length
     if layout.sequence_parallel and tp > 1 and length is not None and length % tp:
         raise ValueError(
-            f"sequence_parallel (True) shards the text ({length} tokens, "
-            f"{facts.sequence_name}) over tp ({tp}), which does not divide it; set "
-            f"{facts.sequence_name} to a multiple of {tp} (e.g. {-(-length // tp) * tp}) or "
+            f"sequence_parallel (True) shards the text ({length} tokens) over tp ({tp}), "
+            f"which does not divide it; set {facts.sequence_name} to a multiple of {tp} "
+            f"(e.g. {-(-length // tp) * tp}) or "
             "sequence_parallel false."
         )
     blocks, stages = facts.pipeline_blocks, layout.num_stages
@@ -499,7 +508,9 @@ def _check_batch(layout: ParallelLayout, facts: LayoutFacts) -> None:
     if layout.vision_parallel != "dp" or layout.tp == 1:
         return
     if piped:
-        check_vision_batch(batch // n, layout.tp, f"each micro-batch ({name} {batch} / micro_batches {n})")
+        check_vision_batch(
+            batch // n, layout.tp, f"each micro-batch ({name} {batch} / micro_batches {n})"
+        )
     else:
         check_vision_batch(batch, layout.tp, f"each batch ({name} {batch})")
 

@@ -47,7 +47,6 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
-
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -81,6 +80,7 @@ __all__ = [
     "TensorParallelOptions",
     "adapter_plan",
     "apply_tensor_parallel",
+    "check_fusion_layout",
     "check_moe_layout",
     "checkpoint_units",
     "dropout_regions",
@@ -335,6 +335,23 @@ def check_moe_layout(config: FusionConfig, tp: int, ep: int, *, sequence_paralle
     validate(layout, LayoutFacts(experts=facts.experts, no_experts=facts.no_experts))
 
 
+def check_fusion_layout(
+    config: FusionConfig, dims: ParallelDims, options: TensorParallelOptions
+) -> None:
+    """What :func:`parallelize_fusion` checks first: the layout of ``dims`` with ``options``'
+    vision mode and sequence parallelism, by :func:`lightning_mmpar.layout.validate` against
+    :func:`fusion_facts` (sizes vs tp, experts vs ep). Raises ``ValueError`` (field, value,
+    fix)."""
+    layout = ParallelLayout(
+        tp=dims.tp,
+        ep=dims.ep,
+        dp=None,
+        vision_parallel=options.vision_parallel,
+        sequence_parallel=options.sequence_parallel,
+    )
+    validate(layout, fusion_facts(config))
+
+
 def moe_layers(model: FusionModel) -> tuple[str, ...]:
     """Paths of the MoE FFNs: ``adapters.<i>.mlp``, ``language.layers.<i>.mlp``."""
     adapters = [f"adapters.{i}.mlp" for i, a in enumerate(model.adapters) if a.moe is not None]
@@ -358,14 +375,7 @@ def parallelize_fusion(
     divide by ``dims.tp``; ``vision_parallel="dp"`` raises it for dims not built by
     ``mm_parallel``, and at forward time for a micro-batch not divisible by ``dims.tp``.
     """
-    layout = ParallelLayout(
-        tp=dims.tp,
-        ep=dims.ep,
-        dp=None,
-        vision_parallel=options.vision_parallel,
-        sequence_parallel=options.sequence_parallel,
-    )
-    validate(layout, fusion_facts(model.config))
+    check_fusion_layout(model.config, dims, options)
     for path in moe_layers(
         model
     ):  # TECHNIQUES 1.4: routed sequences padded to lcm(tp, E) multiples

@@ -60,9 +60,9 @@ __all__ = [
     "check_vision_parallel",
     "parallelize_vision",
     "vision_checks",
-    "vision_tp_sizes",
     "vision_dropout_regions",
     "vision_plan",
+    "vision_tp_sizes",
 ]
 
 VisionParallel = Literal["tp", "replicate", "dp"]

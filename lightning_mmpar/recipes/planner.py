@@ -1,14 +1,14 @@
 """Rank the layouts of a recipe YAML on ``N`` devices by predicted step time:
-``python -m lightning_mmpar.recipes.plan --config recipes/clip_llama_16gpu.yaml --gpus 16``.
+``python -m lightning_mmpar.recipes.planner --config recipes/clip_llama_16gpu.yaml --gpus 16``.
 
 Builds the YAML's model on the meta device (:func:`lightning_mmpar.recipes.partition.
 build_module`), turns it into a ``ModelSpec`` (:func:`lightning_mmpar.plans.fusion_cost.
 fusion_model_spec`), enumerates tp / pp / v / dp / ep / micro-batches / sequence parallelism /
 FSDP or DDP / activation checkpointing at the YAML's global batch
 (:func:`lightning_mmpar.layout.planner.candidate_layouts`), refuses the layouts the strategy
-and the model would refuse (``ParallelConfig``, ``validate_tensor_parallel``,
-``check_moe_layout``, sequence parallelism vs the text length, ``vision_parallel='dp'`` vs the
-micro-batch), predicts the rest (:func:`lightning_mmpar.layout.cost.predict`) and prints the
+and the recipe's pre-launch check refuse (:func:`lightning_mmpar.layout.validate` with the
+model's facts, :func:`layout_facts`: the same check, the same message), predicts the rest
+(:func:`lightning_mmpar.layout.cost.predict`) and prints the
 best, the rejected ones with their reasons, and the YAML fragment of the best
 (``--write-yaml``). ``--topo`` (``nvidia-smi topo -m`` text or a YAML description) places the
 ranks (:func:`lightning_mmpar.layout.placement.place`) and prints the predicted communication
@@ -19,90 +19,63 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import re
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from lightning_mmpar.config import ParallelConfig
-from lightning_mmpar.layout.cost import DEVICES, GIB, Prediction, default_graph, predict
-from lightning_mmpar.layout.model import LayoutSpec
-from lightning_mmpar.layout.planner import Rejected, describe, divisors, plan
-from lightning_mmpar.plans.fusion import check_moe_layout, validate_tensor_parallel
+from lightning_mmpar.layout import LayoutFacts, ParallelLayout
+from lightning_mmpar.layout.cost import DEVICES, GIB, DeviceSpec, Prediction, default_graph, predict
+from lightning_mmpar.layout.planner import Rejected, describe, plan, refusal
+from lightning_mmpar.plans.fusion import fusion_facts
 from lightning_mmpar.plans.fusion_cost import fusion_model_spec
-from lightning_mmpar.plans.fusion_vision import check_vision_batch
 from lightning_mmpar.recipes.module import ClipLlamaModule
 from lightning_mmpar.recipes.partition import _strategy_args, build_module, data_args
 from lightning_mmpar.strategy import MultimodalParallelStrategy
 
-__all__ = ["accept_layout", "fragment", "main", "spec_cache"]
+__all__ = ["accept_layout", "fragment", "layout_facts", "main", "spec_cache"]
 
 _STRATEGY = "lightning_mmpar.strategy.MultimodalParallelStrategy"
 
 
-def accept_layout(module: ClipLlamaModule, text_length: int, tp_sizes: Sequence[int] = ()) -> Any:
-    """A ``layout -> reason | None`` filter: the checks the strategy (``ParallelConfig``, its
-    batch check) and the recipe's preflight run, on one candidate. A model that refuses the
-    layout's tp is reported with the ``tp_sizes`` (default 1 .. 8) it accepts."""
-    valid: dict[str, list[int]] = {}
+def layout_facts(module: ClipLlamaModule, text_length: int) -> Callable[[Any], LayoutFacts]:
+    """``layout -> LayoutFacts``: what the recipe's pre-launch check
+    (:func:`lightning_mmpar.recipes.preflight.layout_and_facts`) checks a layout against, for
+    a run of this layout: the model's facts at its tp (the vocabulary is padded per tp;
+    :func:`~lightning_mmpar.plans.fusion.fusion_facts`), its pipeline blocks, the text length
+    (``data.max_length``) and the layout's batch per dp rank (``data.batch_size``)."""
+    blocks = fusion_facts(module.fusion_config, count_blocks=True).pipeline_blocks
+    cache: dict[int, LayoutFacts] = {}
 
-    def accept(layout: LayoutSpec) -> str | None:
-        vision: Any = layout.vision_parallel
-        try:
-            config = ParallelConfig(**layout.strategy_args())
-            config.check_batch_size(layout.micro_batches * layout.micro_batch_size)
-            config.check_world(layout.world)
-            fusion = module._resolved_config(layout.tp)
-            if layout.tp > 1:
-                try:
-                    validate_tensor_parallel(fusion, layout.tp, vision_parallel=vision)
-                except ValueError as err:
-                    if vision not in valid:
-                        valid[vision] = _tp_sizes(module, tp_sizes or range(1, 9), vision)
-                    return _tp_reason(str(err), layout.tp, valid[vision])
-                if layout.vision_parallel == "dp":
-                    check_vision_batch(layout.micro_batch_size, layout.tp, "each micro-batch")
-            check_moe_layout(
-                fusion, layout.tp, layout.ep, sequence_parallel=layout.sequence_parallel
+    def facts(layout: ParallelLayout) -> LayoutFacts:
+        if layout.tp not in cache:
+            cache[layout.tp] = replace(
+                fusion_facts(module._resolved_config(layout.tp)),
+                pipeline_blocks=blocks,
+                sequence_length=text_length,
             )
-            if layout.sequence_parallel and text_length % layout.tp:
-                raise ValueError(
-                    f"sequence parallelism splits the text sequence over the {layout.tp} tp "
-                    f"ranks, but its length (data.max_length = {text_length}) is not a "
-                    f"multiple of {layout.tp}."
-                )
-        except ValueError as err:
-            return str(err)
-        return None
+        return replace(cache[layout.tp], batch_size=layout.local_batch)
 
-    return accept
+    return facts
 
 
-def _tp_sizes(module: ClipLlamaModule, sizes: Sequence[int], vision: Any) -> list[int]:
-    """The tensor-parallel sizes among ``sizes`` the model's dimensions allow."""
-    ok = []
-    for tp in sizes:
-        try:
-            validate_tensor_parallel(module._resolved_config(tp), tp, vision_parallel=vision)
-        except ValueError:
-            continue
-        ok.append(tp)
-    return ok
-
-
-def _tp_reason(message: str, tp: int, valid: Sequence[int]) -> str:
-    """``validate_tensor_parallel``'s message about a model field, said about tp."""
-    found = re.match(r"(.*?): (\S+) \((\d+)\) must be divisible by the tensor-parallel", message)
-    sizes = ", ".join(map(str, valid)) or "none"
-    if found is None:
-        return f"{message.split('; nearest')[0]}; tp sizes this model allows: {sizes}."
-    where, name, value = found.groups()
-    return (
-        f"tp {tp} does not divide {name} ({value}, {where}); tp sizes this model allows: {sizes}."
-    )
+def accept_layout(module: ClipLlamaModule, text_length: int, tp_sizes: Sequence[int] = ()) -> Any:
+    """A ``layout -> reason | None`` filter: :func:`~lightning_mmpar.layout.planner.refusal`
+    with :func:`layout_facts` (what :func:`~lightning_mmpar.layout.planner.plan` runs given
+    ``facts=layout_facts(...)``). ``tp_sizes`` is deprecated and unused: the message names the
+    smaller tensor-parallel sizes that divide the field."""
+    if tp_sizes:
+        warnings.warn(
+            "accept_layout(tp_sizes=...) is deprecated and unused.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+    facts = layout_facts(module, text_length)
+    return lambda layout: refusal(layout, facts)
 
 
 def spec_cache(module: ClipLlamaModule, text_length: int) -> Any:
@@ -110,7 +83,7 @@ def spec_cache(module: ClipLlamaModule, text_length: int) -> Any:
     ep, sequence parallelism and vision layout (what the spec depends on)."""
     cache: dict[tuple[Any, ...], Any] = {}
 
-    def spec(layout: LayoutSpec) -> Any:
+    def spec(layout: ParallelLayout) -> Any:
         key = (layout.tp, layout.ep, layout.sequence_parallel, layout.vision_parallel)
         if key not in cache:
             cache[key] = fusion_model_spec(module, layout, text_length)
@@ -119,7 +92,7 @@ def spec_cache(module: ClipLlamaModule, text_length: int) -> Any:
     return spec
 
 
-def fragment(layout: LayoutSpec, placement: Sequence[int] | None = None) -> dict[str, Any]:
+def fragment(layout: ParallelLayout, placement: Sequence[int] | None = None) -> dict[str, Any]:
     """The YAML the recipe accepts for ``layout``: ``trainer.strategy`` (class and every layout
     init arg, defaults included, so that merged over a recipe YAML none of the recipe's own
     values survive; ``micro_batches: null`` without a pipeline), ``trainer.
@@ -132,7 +105,7 @@ def fragment(layout: LayoutSpec, placement: Sequence[int] | None = None) -> dict
         "pipeline_parallel": layout.pp,
         "virtual_pipeline": layout.virtual,
         "expert_parallel": layout.ep,
-        "micro_batches": layout.micro_batches if layout.pp > 1 else None,
+        "micro_batches": layout.num_micro_batches if layout.pp > 1 else None,
         "schedule": layout.schedule,
         "data_parallel": layout.data_parallel,
         "partition": list(part) if isinstance(part, tuple) else part,
@@ -151,7 +124,7 @@ def fragment(layout: LayoutSpec, placement: Sequence[int] | None = None) -> dict
             "accumulate_grad_batches": layout.accumulate,
         },
         "model": {"tensor_parallel": tp_options},
-        "data": {"batch_size": layout.micro_batches * layout.micro_batch_size},
+        "data": {"batch_size": layout.local_batch},
     }
 
 
@@ -165,7 +138,7 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m lightning_mmpar.recipes.plan",
+        prog="python -m lightning_mmpar.recipes.planner",
         description="Rank a recipe's layouts on N devices by predicted step time (memory per "
         "rank, communication, bubble, MFU); list the rejected ones with reasons.",
     )
@@ -280,85 +253,109 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise ValueError(f"--device {args.device!r} is unknown; choose one of {list(DEVICES)}.")
 
 
+@dataclass(frozen=True)
+class _Planning:
+    """What one planner run reads once: the YAML, its model, the device and the topology."""
+
+    config: dict[str, Any]
+    module: ClipLlamaModule
+    device: DeviceSpec
+    precision: str
+    base: ParallelLayout
+    model: Callable[[Any], Any]
+    facts: Callable[[Any], LayoutFacts]
+    graph: Any
+    place: Any
+    topo: str
+
+
+def _prepare(args: argparse.Namespace) -> _Planning:
+    """Read ``--config`` and ``--topo``; build the model on the meta device."""
+    _check_numbers(args)
+    config = _load(args.config)
+    device = DEVICES[args.device]
+    precision = args.precision or str((config.get("trainer") or {}).get("precision", "32-true"))
+    device.peak(precision)
+    module, data = build_module(config)
+    text_length = int(data.max_length)
+    part = _strategy_args(config).get("partition", "equal")
+    base = ParallelLayout(
+        precision=precision,
+        partition=tuple(part) if isinstance(part, list) else part,
+        vision_parallel=module.tp_options.vision_parallel,
+    )
+    graph, place = None, None
+    topo = f"{_graph_text(default_graph(args.gpus))} (assumed; pass --topo)"
+    if args.topo:
+        graph, place, topo = _topology(args.topo, args.gpus)
+    model, facts = spec_cache(module, text_length), layout_facts(module, text_length)
+    return _Planning(config, module, device, precision, base, model, facts, graph, place, topo)
+
+
+def _rank(args: argparse.Namespace, run: _Planning) -> tuple[list[Prediction], list[Rejected]]:
+    """:func:`~lightning_mmpar.layout.planner.plan` over the YAML's global batch."""
+    fusion = run.module.fusion_config
+    moe = fusion.language.moe or fusion.adapter.moe
+    return plan(
+        run.model,
+        args.gpus,
+        run.device,
+        run.graph,
+        args.memory_gib,
+        facts=run.facts,
+        placement=run.place,
+        global_batch=_global_batch(run.config, args),
+        max_tp=args.max_tp,
+        experts=moe.num_experts if moe is not None else 0,
+        base=run.base,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Print the ranking; 0 on success, 1 when no layout fits. Invalid arguments (and an
     unreadable ``--config`` or ``--topo``): ``SystemExit(2)`` with the reason."""
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        _check_numbers(args)
-        config = _load(args.config)
-        device = DEVICES[args.device]
-        precision = args.precision or str((config.get("trainer") or {}).get("precision", "32-true"))
-        device.peak(precision)
-        module, data = build_module(config)
-        text_length = int(data.max_length)
-        strategy = _strategy_args(config)
-        base = LayoutSpec(
-            precision=precision,
-            partition=strategy.get("partition", "equal"),
-            vision_parallel=module.tp_options.vision_parallel,
-        )
-        model = spec_cache(module, text_length)
-        graph, place, topo = (
-            None,
-            None,
-            f"{_graph_text(default_graph(args.gpus))} (assumed; pass --topo)",
-        )
-        if args.topo:
-            graph, place, topo = _topology(args.topo, args.gpus)
-        moe = module.fusion_config.language.moe or module.fusion_config.adapter.moe
-        tp_sizes = [d for d in divisors(args.gpus) if d <= args.max_tp]
-        ranked, rejected = plan(
-            model,
-            args.gpus,
-            device,
-            graph,
-            args.memory_gib,
-            accept=accept_layout(module, text_length, tp_sizes),
-            placement=place,
-            global_batch=_global_batch(config, args),
-            max_tp=args.max_tp,
-            experts=moe.num_experts if moe is not None else 0,
-            base=base,
-        )
+        run = _prepare(args)
+        ranked, rejected = _rank(args, run)
     except (ValueError, OSError) as err:
         parser.error(str(err))
-    limit = device.memory_gib if args.memory_gib is None else args.memory_gib
+    limit = run.device.memory_gib if args.memory_gib is None else args.memory_gib
     print(
-        f"{args.config}: {len(model(base).blocks)} blocks, {args.gpus} x {args.device} "
-        f"({precision}, {limit:g} GiB), {len(ranked)} layouts fit, best first:"
+        f"{args.config}: {len(run.model(run.base).blocks)} blocks, {args.gpus} x {args.device} "
+        f"({run.precision}, {limit:g} GiB), {len(ranked)} layouts fit, best first:"
     )
-    print(f"topology: {topo}")
+    print(f"topology: {run.topo}")
     print(_table(ranked[: args.top]) if ranked else "no layout fits")
     print("\n".join(_rejected(rejected, 8)))
     if not ranked:
         if args.write_yaml:
             print(f"--write-yaml {args.write_yaml}: not written (no layout fits).")
         return 1
-    best = ranked[0]
-    order: tuple[int, ...] | None = None
-    if place is not None:
-        lay = best.layout
-        megatron = predict(model(lay), lay, device, graph, None, memory_gib=args.memory_gib)
-        if best.placement is None:  # the placed order was predicted slower for this layout
-            print(
-                f"placement: Megatron's order kept (comm {_seconds(megatron)}; placed "
-                "predicted slower)"
-            )
-        else:
-            order = tuple(best.placement.devices)
-            print(
-                f"placement {list(order)}: comm {_seconds(best)} vs Megatron order "
-                f"{_seconds(megatron)}"
-            )
-    out = fragment(best.layout, order)
-    build_module(_merge(config, {"model": out["model"], "data": out["data"]}))  # it parses
+    out = fragment(ranked[0].layout, _placement(args, run, ranked[0]))
+    build_module(_merge(run.config, {"model": out["model"], "data": out["data"]}))  # it parses
     text = yaml.safe_dump(out, sort_keys=False)
     print(f"\nYAML fragment of the best layout:\n{text}", end="")
     if args.write_yaml:
         Path(args.write_yaml).write_text(text)
     return 0
+
+
+def _placement(args: argparse.Namespace, run: _Planning, best: Prediction) -> Any:
+    """The best layout's device order (``None``: Megatron's), with a line comparing it."""
+    if run.place is None:
+        return None
+    lay = best.layout
+    megatron = predict(run.model(lay), lay, run.device, run.graph, None, memory_gib=args.memory_gib)
+    if best.placement is None:  # the placed order was predicted slower for this layout
+        print(
+            f"placement: Megatron's order kept (comm {_seconds(megatron)}; placed predicted slower)"
+        )
+        return None
+    order = tuple(best.placement.devices)
+    print(f"placement {list(order)}: comm {_seconds(best)} vs Megatron order {_seconds(megatron)}")
+    return order
 
 
 def _seconds(p: Prediction) -> str:
@@ -407,10 +404,10 @@ def _topology(path: str, gpus: int) -> tuple[Any, Any, str]:
         )
     cache: dict[tuple[int, ...], Any] = {}  # a placement depends on the degrees only
 
-    def placement(lay: LayoutSpec) -> Any:
-        key = (lay.pp, lay.dp, lay.ep, lay.tp)
+    def placement(lay: ParallelLayout) -> Any:
+        key = (lay.pp, lay.dp_size, lay.ep, lay.tp)
         if key not in cache:
-            cache[key] = place(graph, pp=lay.pp, dp=lay.dp, ep=lay.ep, tp=lay.tp)
+            cache[key] = place(graph, pp=lay.pp, dp=lay.dp_size, ep=lay.ep, tp=lay.tp)
         return cache[key]
 
     return graph, placement, f"{path}: {_graph_text(graph)}{note}"
