@@ -230,3 +230,27 @@ def test_fragment_merged_over_a_recipe_overrides_every_layout_field(recipe: Path
     flat = cli.fragment(ParallelLayout(dp=4), None)["trainer"]["strategy"]["init_args"]
     assert flat["micro_batches"] is None and flat["placement"] is None
     assert flat["pipeline_parallel"] == 1 and flat["tensor_parallel"] == 1
+
+
+def test_old_module_name_runs_the_planner_with_a_deprecation_warning(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``lightning_mmpar.recipes.plan`` (renamed: ``plans/plan.py`` shares its basename) is the
+    planner module for one more release, imported or run with ``-m``."""
+    import importlib
+    import runpy
+    import sys
+
+    monkeypatch.delitem(sys.modules, "lightning_mmpar.recipes.plan", raising=False)
+    with pytest.warns(DeprecationWarning, match=r"use lightning_mmpar\.recipes\.planner"):
+        old = importlib.import_module("lightning_mmpar.recipes.plan")
+    assert old is cli and old.fragment is cli.fragment
+    argv = ["plan", "--config", CPU, "--gpus", "1", "--device", "cpu", "--top", "1"]
+    monkeypatch.setattr(sys, "argv", argv)
+    del sys.modules["lightning_mmpar.recipes.plan"]  # as a fresh `python -m` finds it
+    with (
+        pytest.warns(DeprecationWarning, match="recipes.planner"),
+        pytest.raises(SystemExit) as end,
+    ):
+        runpy.run_module("lightning_mmpar.recipes.plan", run_name="__main__")
+    assert end.value.code == 0 and "1 x cpu" in capsys.readouterr().out
