@@ -34,7 +34,7 @@ from lightning_mmpar.layout.planner import Rejected, describe, plan, refusal
 from lightning_mmpar.plans.fusion import fusion_facts
 from lightning_mmpar.plans.fusion_cost import fusion_model_spec
 from lightning_mmpar.recipes.module import ClipLlamaModule
-from lightning_mmpar.recipes.partition import _strategy_args, build_module, data_args
+from lightning_mmpar.recipes.partition import _strategy_args, build_module, data_args, load_recipe
 from lightning_mmpar.strategy import MultimodalParallelStrategy
 
 __all__ = ["accept_layout", "fragment", "layout_facts", "main", "spec_cache"]
@@ -172,23 +172,6 @@ def _global_batch(config: dict[str, Any], args: argparse.Namespace) -> int:
     return int(data_args(config).get("batch_size", 1)) * dp
 
 
-def _load(path_text: str) -> dict[str, Any]:
-    path = Path(path_text)
-    if not path.is_file():
-        raise ValueError(f"--config {str(path)!r}: no such file; pass a recipe YAML.")
-    try:
-        config = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        why = " ".join(str(err).split())
-        raise ValueError(f"--config {str(path)!r} is not valid YAML: {why}") from None
-    if not isinstance(config, dict) or "model" not in config:
-        raise ValueError(f"--config {str(path)!r} has no model: section; pass a recipe YAML.")
-    for key in ("trainer", "model", "data"):
-        if not isinstance(config.get(key) or {}, dict):
-            raise ValueError(f"--config {str(path)!r}: {key} ({config[key]!r}) must be a mapping.")
-    return config
-
-
 def _table(ranked: Sequence[Prediction]) -> str:
     rows = [
         (
@@ -272,7 +255,7 @@ class _Planning:
 def _prepare(args: argparse.Namespace) -> _Planning:
     """Read ``--config`` and ``--topo``; build the model on the meta device."""
     _check_numbers(args)
-    config = _load(args.config)
+    config = load_recipe(args.config)
     device = DEVICES[args.device]
     precision = args.precision or str((config.get("trainer") or {}).get("precision", "32-true"))
     device.peak(precision)
