@@ -46,7 +46,7 @@ What runs, per batch (``accumulate`` batches per optimizer step; a dp rank's bat
 
 Exactness is checked against :class:`~lightning_mmpar.parallel.comm_count.CommCounter` on the
 CPU parity layouts (tests/recipes/test_parity_matrix.py: dp, tp, sequence parallel, the three
-vision layouts, pp with 1f1b / interleaved / ZBV / DualPipeV schedules and accumulation, ep with
+vision modes, pp with 1f1b / interleaved / ZBV / DualPipeV schedules and accumulation, ep with
 edp 1 and 2 under FSDP and DDP, clipping, a permuted placement, tp x pp x dp; fp32). Not
 measured, derived: bf16 / fp8 activation collectives (2 bytes per element; pipeline boundaries
 keep the fp32 residual stream under ``bf16-mixed``), ``bf16-true`` (2-byte parameters and

@@ -68,7 +68,7 @@ def candidate_layouts(
     ``micro_batch_counts(pp, per_dp_batch)`` (default: ``pp``, ``2 pp``, ``4 pp`` and the whole
     per-rank batch, those dividing it; 1 without a pipeline), sequence parallelism only with
     ``tp > 1``, ``ddp`` only with ``dp > 1``. ``base``: a ``ParallelLayout`` whose other fields
-    (precision, vision layout, partition) every candidate keeps.
+    (precision, vision mode, partition) every candidate keeps.
 
     Raises:
         ValueError: ``world``, ``num_blocks``, ``global_batch`` or ``max_tp`` < 1.

@@ -15,7 +15,7 @@ zero-filled one, ``Missing key ... logit_scale`` for a model with one layer fewe
 * :func:`damaged_files`: after a failed read only, the shard files whose items are not intact
   ``torch.save`` archives (zip CRC check, nothing unpickled).
 
-Layout of the directory: DCP's (``.metadata`` mapping every item to ``(file, offset, length)``,
+Files of the directory: DCP's (``.metadata`` mapping every item to ``(file, offset, length)``,
 ``torch.distributed.checkpoint.FileSystemReader``) plus this package's ``meta.pt``.
 """
 

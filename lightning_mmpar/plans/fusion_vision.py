@@ -1,4 +1,4 @@
-"""The fusion model's vision tower layouts inside a tensor-parallel group (``vision_parallel``).
+"""The fusion model's vision tower modes inside a tensor-parallel group (``vision_parallel``).
 
 * ``tp``: the ViT sharded like the LLM (Megatron's column/row patterns): per block the fused
   ``attn.in_proj`` column parallel by whole heads

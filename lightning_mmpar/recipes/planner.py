@@ -80,7 +80,7 @@ def accept_layout(module: ClipLlamaModule, text_length: int, tp_sizes: Sequence[
 
 def spec_cache(module: ClipLlamaModule, text_length: int) -> Any:
     """``layout -> ModelSpec`` of ``module`` (:func:`fusion_model_spec`), one per distinct tp,
-    ep, sequence parallelism and vision layout (what the spec depends on)."""
+    ep, sequence parallelism and vision mode (what the spec depends on)."""
     cache: dict[tuple[Any, ...], Any] = {}
 
     def spec(layout: ParallelLayout) -> Any:
@@ -96,7 +96,7 @@ def fragment(layout: ParallelLayout, placement: Sequence[int] | None = None) -> 
     """The YAML the recipe accepts for ``layout``: ``trainer.strategy`` (class and every layout
     init arg, defaults included, so that merged over a recipe YAML none of the recipe's own
     values survive; ``micro_batches: null`` without a pipeline), ``trainer.
-    accumulate_grad_batches``, ``model.tensor_parallel`` (sequence parallelism, vision layout,
+    accumulate_grad_batches``, ``model.tensor_parallel`` (sequence parallelism, vision mode,
     checkpointing) and ``data.batch_size`` (per data-parallel rank); ``placement``: the device
     order when it is not Megatron's (and the strategy takes one), else null."""
     part = layout.partition
