@@ -39,7 +39,7 @@ __all__ = [
 
 # Schedule facts (torch.distributed.pipelining's rules): as lightning_mmpar.config has them,
 # until layout/ owns the schedules (issue 27: one module of schedule facts).
-SCHEDULES = (
+_SCHEDULES = (
     "gpipe",
     "1f1b",
     "interleaved_1f1b",
@@ -48,7 +48,7 @@ SCHEDULES = (
     "zbv_zero_bubble",
     "dualpipev",
 )
-_MULTI_STAGE = frozenset(SCHEDULES[2:])
+_MULTI_STAGE = frozenset(_SCHEDULES[2:])
 _V_SCHEDULES = frozenset(("zbv_zero_bubble", "dualpipev"))
 _SPLIT_BACKWARD = frozenset(("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"))
 _ROUNDS = frozenset(("interleaved_1f1b", "interleaved_zero_bubble"))
@@ -286,10 +286,10 @@ def _check_values(layout: ParallelLayout) -> None:
                 f"{_STRATEGY_NAMES[name]} ({value!r}) must be a positive integer; "
                 "use 1 to disable it."
             )
-    if layout.schedule not in SCHEDULES:
+    if layout.schedule not in _SCHEDULES:
         raise ValueError(
             f"schedule ({layout.schedule!r}) is not a known pipeline schedule; "
-            f"choose one of {', '.join(SCHEDULES)}."
+            f"choose one of {', '.join(_SCHEDULES)}."
         )
     if layout.data_parallel not in DATA_PARALLEL:
         raise ValueError(
