@@ -28,6 +28,7 @@ from lightning_mmpar.layout.partition import plan_stages
 from lightning_mmpar.layout.placement import group_positions
 from lightning_mmpar.layout.schedules import bubble_fraction, in_flight, stage_ranks
 from lightning_mmpar.layout.stages import BlockSpec
+from lightning_mmpar.layout.value import validate
 
 __all__ = [
     "DEVICES",
@@ -157,7 +158,7 @@ def _stages_of(model: Any, layout: Any) -> tuple[list[range], list[int], list[in
     return (
         plan.ranges,
         ranks,
-        in_flight(layout.schedule, layout.pp, layout.virtual, layout.micro_batches),
+        in_flight(layout.schedule, layout.pp, layout.virtual, layout.num_micro_batches),
     )
 
 
@@ -174,7 +175,7 @@ def activation_bytes(model: Any, layout: Any, pp_rank: int = 0) -> int:
     one micro-batch (recomputed in its backward).
 
     ``model``: a ``ModelSpec`` (``.blocks``, ``.boundaries``); ``layout``: a
-    ``LayoutSpec``. Raises ``ValueError`` from :func:`plan_stages` for a pipeline the blocks
+    ``ParallelLayout``. Raises ``ValueError`` from :func:`plan_stages` for a pipeline the blocks
     cannot fill.
     """
     ranges, ranks, flight = _stages_of(model, layout)
@@ -213,7 +214,7 @@ def _rank_flops(model: Any, layout: Any) -> tuple[list[float], list[float], floa
     features of the whole batch before the schedule runs; :mod:`lightning_mmpar.layout.comm`
     counts its collectives too)."""
     ranges, ranks, _ = _stages_of(model, layout)
-    samples = layout.micro_batch_size * layout.micro_batches * layout.accumulate
+    samples = layout.micro_batch_size * layout.num_micro_batches * layout.accumulate
     per_rank, runs = [0.0] * layout.pp, [0.0] * layout.pp
     cached = 1 / 3 if layout.pp > 1 else 0.0
     for r, rank in zip(ranges, ranks, strict=True):
@@ -231,7 +232,7 @@ def compute_seconds(model: Any, layout: Any, device: DeviceSpec) -> list[float]:
     ``peak x efficiency``, plus ``device.overhead`` per block per micro-batch."""
     rate = device.peak(layout.precision) * device.efficiency
     flops, runs, _ = _rank_flops(model, layout)
-    batches = layout.micro_batches * layout.accumulate
+    batches = layout.num_micro_batches * layout.accumulate
     return [f / rate + device.overhead * n * batches for f, n in zip(flops, runs, strict=True)]
 
 
@@ -299,14 +300,16 @@ def predict(
 ) -> Prediction:
     """Predict one layout's step time, memory per rank, communication and MFU (module doc).
 
-    ``model``: a ``ModelSpec``; ``layout``: a ``LayoutSpec``; ``graph``: a ``DeviceGraph`` of
+    ``model``: a ``ModelSpec``; ``layout``: a ``ParallelLayout``; ``graph``: a ``DeviceGraph`` of
     ``>= layout.world`` devices (None: :func:`default_graph`); ``placement``: a ``Placement``
     (None: Megatron's order); ``memory_gib``: what ``fits`` checks (None: the device's).
 
     Raises:
-        ValueError: the graph has fewer devices than the layout's world, a precision the device
-            has no figure for, or a pipeline the model's blocks cannot fill.
+        ValueError: a layout :func:`~lightning_mmpar.layout.value.validate` refuses, the graph
+            has fewer devices than the layout's world, a precision the device has no figure
+            for, or a pipeline the model's blocks cannot fill.
     """
+    validate(layout)
     world = layout.world
     graph = graph if graph is not None else default_graph(world)
     if graph.num_devices < world:
@@ -315,7 +318,7 @@ def predict(
             "(tp * pp * dp); give a topology of the whole job or a smaller layout."
         )
     order = tuple(placement.devices) if placement is not None else tuple(range(world))
-    bubble = bubble_fraction(layout.schedule, layout.pp, layout.virtual, layout.micro_batches)
+    bubble = bubble_fraction(layout.schedule, layout.pp, layout.virtual, layout.num_micro_batches)
     compute = compute_seconds(model, layout, device)
     critical, exposed, busy, wire, memories = [], [], [], [], []
     worst_bytes, worst_secs = dict[str, int](), dict[str, float]()
@@ -376,7 +379,7 @@ def _comm_seconds(
             continue
         k = max(1, calls.get(key, 1))
         if key in _BATCHED:  # a micro-batch's tensors at a boundary go as one batched P2P op
-            k = layout.micro_batches * layout.accumulate * layout.virtual
+            k = layout.num_micro_batches * layout.accumulate * layout.virtual
         groups = [g for g in _groups(shape, dim) if dim == "pp" or g[0] // per_pp == pp_rank]
         kind = _P2P.get(kind, kind)
         t = k * max(collective_seconds(graph, kind, [order[p] for p in g], n / k) for g in groups)

@@ -34,9 +34,9 @@ import recipe_faults_worker as rw
 import yaml
 import yaml_runs_worker as yw
 
+from lightning_mmpar.layout import ParallelLayout
 from lightning_mmpar.layout.comm import comm_bounds, comm_bytes
 from lightning_mmpar.layout.memory import state_bytes
-from lightning_mmpar.layout.model import LayoutSpec
 from lightning_mmpar.plans.fusion_cost import fusion_model_spec
 from lightning_mmpar.testing import spawn
 
@@ -137,12 +137,12 @@ def _check_world(world_size: int, refs: dict[tuple[int, float | None], Any], roo
     assert not failures, failures
 
 
-def layout_spec(layout: pm.Layout) -> LayoutSpec:
+def layout_spec(layout: pm.Layout) -> ParallelLayout:
     """The cost model's view of a parity layout (the batch of :data:`rw.BATCH` rows split
     over dp ranks and micro-batches)."""
     s, dims = layout.strategy, layout.dims
     micro = (s.get("micro_batches") or dims.pp) if dims.pp > 1 else 1
-    return LayoutSpec(
+    return ParallelLayout(
         tp=dims.tp,
         pp=dims.pp,
         dp=dims.dp,

@@ -19,6 +19,7 @@ from lightning_mmpar.layout.cost import (
 )
 from lightning_mmpar.layout.schedules import SCHEDULES, bubble_fraction, in_flight, stage_ranks
 from lightning_mmpar.layout.stages import BlockSpec
+from lightning_mmpar.layout.value import ParallelLayout
 from lightning_mmpar.models.fusion import FusionModel
 from lightning_mmpar.parallel.pipeline import schedules as ps
 
@@ -26,26 +27,9 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "recipes"))
 import recipe_faults_worker as rw
 
 
-def layout(**kw: Any) -> SimpleNamespace:
-    """A stand-in LayoutSpec (the fields the cost model reads)."""
-    base = dict(
-        tp=1,
-        pp=1,
-        dp=1,
-        ep=1,
-        virtual=1,
-        micro_batches=1,
-        micro_batch_size=1,
-        accumulate=1,
-        schedule="1f1b",
-        partition="equal",
-        vision_parallel="tp",
-        sequence_parallel=False,
-        data_parallel="fsdp",
-        activation_checkpointing=False,
-        precision="32-true",
-    )
-    return SimpleNamespace(**{**base, **kw})
+def layout(**kw: Any) -> ParallelLayout:
+    """A layout of one micro-batch unless ``kw`` says otherwise."""
+    return ParallelLayout(**{"micro_batches": 1, **kw})
 
 
 def blocks(n: int = 4, kind: str = "language") -> SimpleNamespace:
@@ -184,7 +168,7 @@ def test_comm_calls_count_each_op_of_each_mechanism() -> None:
     and one reduce-scatter, ``2 m + 1`` gathers under a pipeline; one send per boundary tensor,
     micro-batch and forward pass; the same keys as ``comm_bytes``."""
     from lightning_mmpar.layout.comm import comm_bytes, comm_calls
-    from lightning_mmpar.layout.model import Boundary, LayoutSpec, ModelSpec, ParamSpec
+    from lightning_mmpar.layout.model import Boundary, ModelSpec, ParamSpec
 
     ps_ = (
         ParamSpec("w", (6, 4), 0, None, True),
@@ -196,20 +180,20 @@ def test_comm_calls_count_each_op_of_each_mechanism() -> None:
         params=ps_,
         boundaries=((Boundary(100, True), Boundary(8, False)), ()),
     )
-    ddp = LayoutSpec(dp=2, data_parallel="ddp", accumulate=3)
+    ddp = ParallelLayout(dp=2, data_parallel="ddp", accumulate=3)
     assert comm_calls(model, ddp) == {
         "dp.all_gather": 1,
         "dp.all_reduce": 3 * 3,
         "dp.broadcast": 3,
     }  # grads + pair + terms; guard; SIGTERM
-    fsdp = LayoutSpec(dp=2)
+    fsdp = ParallelLayout(dp=2)
     assert comm_calls(model, fsdp) == {
         "dp.all_gather": 2 * 2 + 1,
         "dp.all_reduce": 2,
         "dp.broadcast": 1,
         "dp.reduce_scatter": 2,
     }
-    piped = LayoutSpec(pp=2, dp=2, micro_batches=3, micro_batch_size=1)
+    piped = ParallelLayout(pp=2, dp=2, micro_batches=3, micro_batch_size=1)
     zero, one = comm_calls(model, piped, 0), comm_calls(model, piped, 1)
     assert zero["dp.all_gather"] == 2 * 3 + 1 and zero["dp.reduce_scatter"] == 1
     assert zero["world.all_gather"] == 1  # the guard: no single dimension spans the 4 ranks
@@ -228,12 +212,12 @@ def test_host_call_cost_and_shared_cores() -> None:
 
     from lightning_mmpar.layout.comm import comm_calls, dispatched_calls
     from lightning_mmpar.layout.cost import predict
-    from lightning_mmpar.layout.model import LayoutSpec, ModelSpec, ParamSpec
+    from lightning_mmpar.layout.model import ModelSpec, ParamSpec
 
     model = ModelSpec(blocks=blocks(2).blocks, params=(ParamSpec("w", (64, 64), 0, None, True),))
-    lay, cpu = LayoutSpec(dp=2), replace(DEVICES["cpu"], call_overhead=0.0)
+    lay, cpu = ParallelLayout(dp=2), replace(DEVICES["cpu"], call_overhead=0.0)
     assert dispatched_calls(model, lay) == 3 < sum(comm_calls(model, lay).values())
-    assert dispatched_calls(model, LayoutSpec(dp=2, data_parallel="ddp")) == 0
+    assert dispatched_calls(model, ParallelLayout(dp=2, data_parallel="ddp")) == 0
     base = predict(model, lay, cpu)
     costly = predict(model, lay, replace(cpu, call_overhead=1e-3))
     assert costly.step_seconds - base.step_seconds == pytest.approx(3e-3)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from lightning.pytorch import Trainer
 
-from lightning_mmpar import MultimodalParallelStrategy, ParallelConfig
+from lightning_mmpar import MultimodalParallelStrategy, ParallelConfig, ParallelDims
 
 
 def _exact(message: str) -> str:
@@ -49,12 +49,21 @@ def test_none_message_counts_pipeline_ranks() -> None:
         ("none", 2, 2, 4),  # model parallel only: dp 1
         ("fsdp", 2, 1, 8),
         ("ddp", 1, 2, 8),
-        ("none", 3, 1, 4),  # not divisible: ParallelDims names that fix
     ],
 )
 def test_layouts_that_pass(engine: str, tp: int, pp: int, world: int) -> None:
     cfg = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, data_parallel=engine)  # type: ignore[arg-type]
     cfg.check_world(world)  # raises nothing
+
+
+def test_world_not_divisible_is_named_as_parallel_dims_names_it() -> None:
+    """One validation: ``check_world`` refuses a world the model-parallel sizes do not divide
+    with ``ParallelDims``'s message (before, it left that to ``ParallelDims``)."""
+    cfg = ParallelConfig(tensor_parallel=3, data_parallel="none")
+    with pytest.raises(ValueError) as dims:
+        ParallelDims(world_size=4, tp=3)
+    with pytest.raises(ValueError, match=_exact(str(dims.value))):
+        cfg.check_world(4)
 
 
 def test_trainer_refuses_none_with_replicas(tmp_path: Path) -> None:

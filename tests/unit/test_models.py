@@ -26,7 +26,7 @@ from lightning_mmpar.models.vision import (
     FusedQKV,
     VisionConfig,
     VisionTower,
-    open_clip_fused_layout,
+    open_clip_shape,
 )
 
 TOL = 1e-5
@@ -72,7 +72,7 @@ def test_vision_matches_open_clip(options: dict) -> None:
     torch.testing.assert_close(tokens, ref_tokens, atol=TOL, rtol=0)
     assert set(ours.state_dict()) == set(ref.state_dict())
     for key, value in ref.state_dict().items():  # same values; fused in_proj as [3, D, D]
-        assert torch.equal(open_clip_fused_layout(key, ours.state_dict()[key]), value), key
+        assert torch.equal(open_clip_shape(key, ours.state_dict()[key]), value), key
 
 
 def test_fused_qkv_is_open_clip_viewed_by_q_k_v() -> None:

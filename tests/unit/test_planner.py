@@ -17,10 +17,11 @@ from lightning_mmpar.layout.cost import (
     predict,
 )
 from lightning_mmpar.layout.devices import DeviceGraph
-from lightning_mmpar.layout.model import Boundary, Collective, LayoutSpec, ModelSpec, ParamSpec
+from lightning_mmpar.layout.model import Boundary, Collective, ModelSpec, ParamSpec
 from lightning_mmpar.layout.placement import Placement
 from lightning_mmpar.layout.planner import candidate_layouts, describe, divisors, plan
 from lightning_mmpar.layout.stages import BlockSpec
+from lightning_mmpar.layout.value import ParallelLayout
 
 H100 = DEVICES["h100"]
 
@@ -65,7 +66,9 @@ def test_candidate_layouts_cover_the_space_and_respect_the_constraints() -> None
 
 def test_predict_composes_compute_comm_bubble_and_memory() -> None:
     spec = model()
-    lay = LayoutSpec(tp=2, pp=2, dp=2, micro_batches=4, micro_batch_size=2, precision="bf16-mixed")
+    lay = ParallelLayout(
+        tp=2, pp=2, dp=2, micro_batches=4, micro_batch_size=2, precision="bf16-mixed"
+    )
     p = predict(spec, lay, H100)
     assert p.bubble == bubble_fraction("1f1b", 2, 1, 4) == pytest.approx(1 / 5)
     assert p.compute_seconds == max(compute_seconds(spec, lay, H100))
@@ -88,7 +91,7 @@ def test_predict_composes_compute_comm_bubble_and_memory() -> None:
 
 def test_placement_and_slow_links_change_only_communication() -> None:
     spec = model()
-    lay = LayoutSpec(tp=4, dp=2, precision="bf16-mixed")
+    lay = ParallelLayout(tp=4, dp=2, precision="bf16-mixed")
     graph = DeviceGraph.uniform(8, 4)  # two nodes of 4: tp inside a node in Megatron's order
     inside = predict(spec, lay, H100, graph)
     across = predict(spec, lay, H100, graph, Placement((0, 4, 1, 5, 2, 6, 3, 7)))
@@ -135,7 +138,7 @@ def test_moe_dispatch_is_timed_as_an_all_to_all_and_bad_sizes_raise() -> None:
         )
         return replace(spec, collectives=tuple(c + ep for c in spec.collectives))
 
-    layout = LayoutSpec(dp=4, ep=2)
+    layout = ParallelLayout(dp=4, ep=2)
     routed = predict(with_ep("all_to_all_v"), layout, H100)
     even = predict(with_ep("all_to_all"), layout, H100)
     assert routed.comm_bytes["ep.all_to_all_v"] == 4 << 20

@@ -104,7 +104,7 @@ def test_single_stage_schedule_refuses_virtual_pipeline(schedule: str) -> None:
 @pytest.mark.parametrize("schedule", sorted(V_SCHEDULES))
 def test_v_schedule_needs_exactly_two_stages_per_rank(schedule: str) -> None:
     msg = (
-        f"schedule={schedule!r} needs virtual_pipeline=2 (got 3): its V layout holds exactly "
+        f"schedule={schedule!r} needs virtual_pipeline=2 (got 3): its V stage order holds exactly "
         "two stages per pipeline rank; set virtual_pipeline=2."
     )
     with pytest.raises(ValueError, match=_exact(msg)):
