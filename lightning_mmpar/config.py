@@ -17,8 +17,14 @@ from typing import Any, Literal
 
 from lightning_mmpar.layout import LayoutFacts, ParallelLayout, parse_partition, validate
 from lightning_mmpar.layout.schedules import (  # the schedule facts' home; names kept here
-    Schedule,
+    MULTI_STAGE_SCHEDULES as MULTI_STAGE_SCHEDULES,
 )
+from lightning_mmpar.layout.schedules import ROUND_SCHEDULES as ROUND_SCHEDULES
+from lightning_mmpar.layout.schedules import SCHEDULES as SCHEDULES
+from lightning_mmpar.layout.schedules import SPLIT_BACKWARD_SCHEDULES as SPLIT_BACKWARD_SCHEDULES
+from lightning_mmpar.layout.schedules import V_SCHEDULES as V_SCHEDULES
+from lightning_mmpar.layout.schedules import Schedule as Schedule
+from lightning_mmpar.layout.schedules import min_micro_batches as min_micro_batches
 from lightning_mmpar.layout.schedules import stage_layout as stage_layout
 
 DataParallel = Literal["fsdp", "ddp", "none"]
