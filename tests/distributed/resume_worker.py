@@ -10,7 +10,6 @@ callbacks when saved and when restored.
 from __future__ import annotations
 
 import copy
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +22,7 @@ from lightning_mmpar import MultimodalParallelStrategy
 from lightning_mmpar.callbacks import FP8FallbackCallback, GradientDriftMonitor
 from lightning_mmpar.data.digits import DigitsCaptions
 from lightning_mmpar.testing import quiet_trainer
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "recipes"))
-import recipe_faults_worker as rw
+from tests.recipes import recipe_faults_worker as rw
 
 BATCH = 4
 EPOCH = 4  # batches per epoch and dp replica (limit_train_batches)

@@ -20,11 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pipeline_callbacks_worker
-import recipe_faults_worker as rw
-import schedules_worker
 import torch.distributed as dist
-import yaml_runs_worker
 from lightning.pytorch import Callback
 from torch import Tensor
 
@@ -32,6 +28,8 @@ from lightning_mmpar import MultimodalParallelStrategy
 from lightning_mmpar.models.moe_routing import MoEConfig
 from lightning_mmpar.parallel.comm_count import CommCounter, state_bytes_of
 from lightning_mmpar.topology import ParallelDims
+from tests.recipes import pipeline_callbacks_worker, schedules_worker, yaml_runs_worker
+from tests.recipes import recipe_faults_worker as rw
 
 STEPS = 5  # AdamW steps per layout (accumulation: 2 batches per step)
 CLIP = 0.05  # a global norm below the first steps' gradient norm (~0.5): clipping bites
@@ -467,7 +465,7 @@ def world(rank: int, world_size: int, root: str) -> dict[str, Any]:
         callbacks_root.mkdir(exist_ok=True)
         out["pipeline callbacks"] = pipeline_callbacks_worker.world(rank, 2, str(callbacks_root))
     if world_size == 4:
-        import moe_reshard_worker
+        from tests.recipes import moe_reshard_worker
 
         out["moe reshard"] = moe_reshard_worker.world(rank, world_size, root, digits)
     return {"parity": out, "yaml": yaml_runs_worker.world(rank, world_size, root)}

@@ -20,25 +20,22 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-import parity_matrix_worker as pm
-import pipeline_callbacks_worker as pcw
-import recipe_faults_worker as rw
 import yaml
-import yaml_runs_worker as yw
 
 from lightning_mmpar.layout.comm import comm_bounds, comm_bytes
 from lightning_mmpar.layout.memory import state_bytes
 from lightning_mmpar.layout.model import LayoutSpec
 from lightning_mmpar.plans.fusion_cost import fusion_model_spec
 from lightning_mmpar.testing import spawn
+from tests.recipes import parity_matrix_worker as pm
+from tests.recipes import pipeline_callbacks_worker as pcw
+from tests.recipes import recipe_faults_worker as rw
+from tests.recipes import yaml_runs_worker as yw
 
 RTOL = 1e-5
 
