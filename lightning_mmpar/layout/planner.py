@@ -5,7 +5,7 @@ predict`) and rank them by predicted step time (pure Python). Every candidate is
 
 Peers: Megatron-LM and torchtitan take a hand-written layout; DeepSpeed's autotuner and
 Alpa/Galvatron search by trials or by a cost model of their own. This one is a cost model
-checked against the package's own measurements (tests/unit/test_cost_model.py,
+checked against the package's own measurements (tests/unit/layout/test_cost_model.py,
 benchmarks/bench_planner.py).
 """
 

@@ -58,6 +58,14 @@ def _scaling(r: dict[str, Any]) -> None:
     )
 
 
+def _learning(r: dict[str, Any]) -> None:
+    runs = r["runs"]  # --smoke: 2 steps each on one process, the bar reported (not reached)
+    assert set(runs) == {"recipe tp2 x pp2", "moe one process"}, runs
+    assert all(x["steps"] == 2 and 0.0 <= x["zero_shot_acc"] <= 1.0 for x in runs.values())
+    assert all(x["met"] == (x["zero_shot_acc"] >= x["bar"]) for x in runs.values())
+    assert sorted(runs["moe one process"]["router"]) == ["text", "vision"]
+
+
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "overhead": _overhead,
     "planner": _planner,
@@ -65,6 +73,7 @@ CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "zero": _zero,
     "memory_comm": _memory_comm,
     "scaling": _scaling,
+    "learning": _learning,
 }
 
 

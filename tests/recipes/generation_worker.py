@@ -21,7 +21,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import recipe_faults_worker as rw
 import torch
 from torch.utils.data import DataLoader, Subset
 
@@ -30,6 +29,7 @@ from lightning_mmpar.parallel import data as dpar
 from lightning_mmpar.recipes.caption_writer import CaptionWriter
 from lightning_mmpar.recipes.cli import RecipeDigitsCaptions
 from lightning_mmpar.testing import quiet_trainer
+from tests.recipes import recipe_faults_worker as rw
 
 SAMPLES = 13
 BATCH = 8

@@ -7,8 +7,6 @@ paths (a stream, a head, the logit scale) fails these tests.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -24,9 +22,7 @@ from lightning_mmpar.models.fusion import FusionOutput
 from lightning_mmpar.parallel.pipeline import PipelineChunk
 from lightning_mmpar.recipes.config import FinetuneConfig, LossConfig
 from lightning_mmpar.recipes.module import ClipLlamaModule
-
-sys.path.insert(0, str(Path(__file__).parent))
-import recipe_faults_worker as rw
+from tests.recipes import recipe_faults_worker as rw
 
 
 @pytest.fixture(scope="module")
