@@ -12,7 +12,14 @@ __version__ = "0.1.0"
 
 from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry
 
+from lightning_mmpar.parallel import MOVED_TO_STRATEGY as _MOVED_TO_STRATEGY
 from lightning_mmpar.strategy import MultimodalParallelStrategy
+from lightning_mmpar.strategy import ShardedCheckpointHooks as _ShardedCheckpointHooks
+from lightning_mmpar.strategy.gradient_stash import GradientStash as _GradientStash
+
+_MOVED_TO_STRATEGY.update(
+    ShardedCheckpointHooks=_ShardedCheckpointHooks, GradientStash=_GradientStash
+)  # the deprecated aliases in parallel/ (one release)
 
 if MultimodalParallelStrategy.strategy_name not in _StrategyRegistry:
     MultimodalParallelStrategy.register_strategies(_StrategyRegistry)

@@ -147,18 +147,33 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> object:
-    """Deprecated alias: ``ShardedCheckpointHooks`` moved to :mod:`lightning_mmpar.strategy`
-    (resolved by name on first use: ``parallel/`` does not import the strategy)."""
-    if name != "ShardedCheckpointHooks":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
+MOVED_TO_STRATEGY: dict[str, object] = {}
+"""Names that moved from ``parallel/`` to the strategy package, filled by
+``lightning_mmpar/__init__.py`` after it imports the strategy: the deprecated aliases below read
+this table, so ``parallel/`` never imports the strategy. Removed in the next release."""
+
+
+def moved_to_strategy(old: str, name: str) -> object:
+    """The strategy's ``name`` for the deprecated path ``old``, with a ``DeprecationWarning``.
+
+    Raises:
+        AttributeError: ``name`` did not move (or the package was not imported whole).
+    """
     import warnings
 
+    if name not in MOVED_TO_STRATEGY:
+        raise AttributeError(f"module {old!r} has no attribute {name!r}")
+    target = MOVED_TO_STRATEGY[name]
     warnings.warn(
-        "lightning_mmpar.parallel.ShardedCheckpointHooks moved to "
-        "lightning_mmpar.strategy.ShardedCheckpointHooks; import it from there.",
+        f"{old}.{name} moved to {target.__module__}.{name}; import it from there.",  # type: ignore[attr-defined]
         DeprecationWarning,
-        stacklevel=2,
+        stacklevel=3,
     )
-    return importlib.import_module("lightning_mmpar.strategy.checkpoint_hooks").__dict__[name]
+    return target
+
+
+def __getattr__(name: str) -> object:
+    """Deprecated alias: ``ShardedCheckpointHooks`` moved to :mod:`lightning_mmpar.strategy`."""
+    if name != "ShardedCheckpointHooks":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return moved_to_strategy(__name__, name)

@@ -1,24 +1,18 @@
 """Deprecated: :class:`ShardedCheckpointHooks` moved to
 :mod:`lightning_mmpar.strategy.checkpoint_hooks` (a mixin of the strategy, not a mechanism).
 
-The alias resolves on first use, by module name, so that ``parallel/`` does not import the
-strategy (the layering contracts in pyproject.toml); it goes in the next release.
+The alias reads :data:`lightning_mmpar.parallel.MOVED_TO_STRATEGY` (filled by the package's
+``__init__``), so ``parallel/`` does not import the strategy; it goes in the next release.
 """
 
 from __future__ import annotations
 
-import importlib
-import warnings
 from typing import Any
+
+from lightning_mmpar.parallel import moved_to_strategy
 
 
 def __getattr__(name: str) -> Any:
     if name != "ShardedCheckpointHooks":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(
-        "lightning_mmpar.parallel.checkpoint_hooks.ShardedCheckpointHooks moved to "
-        "lightning_mmpar.strategy.ShardedCheckpointHooks; import it from there.",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return importlib.import_module("lightning_mmpar.strategy.checkpoint_hooks").__dict__[name]
+    return moved_to_strategy(__name__, name)
