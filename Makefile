@@ -1,10 +1,10 @@
-# The two commands of the README. Each creates .venv and installs the package on first use.
+# The commands of the README. Each creates .venv and installs the package on first use.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint
+.PHONY: demo test test-fast lint
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,5 +23,12 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
+# The full CI set (.ci/run): lint, then every tier: tests/unit (one process, seconds),
+# tests/distributed (gloo worlds of 2-8 processes), tests/recipes (the recipe end to end),
+# tests/benchmarks (each benchmark's --smoke run).
 test: $(STAMP) lint
 	$(PY) -m pytest -q --durations=15 tests
+
+# The unit tier alone: no process group of several processes, about a minute.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q tests/unit

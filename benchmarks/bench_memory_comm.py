@@ -69,12 +69,12 @@ def degrees(args: dict[str, Any], world: int) -> dict[str, int]:
 
 
 def layout_spec(args: dict[str, Any], world: int, global_batch: int) -> Any:
-    """The cost model's :class:`~lightning_mmpar.layout.model.LayoutSpec` of strategy ``args``."""
-    from lightning_mmpar.layout.model import LayoutSpec
+    """The cost model's :class:`~lightning_mmpar.layout.ParallelLayout` of strategy ``args``."""
+    from lightning_mmpar.layout import ParallelLayout
 
     d = degrees(args, world)
     m = args.get("micro_batches", 1) if d["pp"] > 1 else 1
-    return LayoutSpec(
+    return ParallelLayout(
         tp=d["tp"],
         pp=d["pp"],
         dp=d["dp"],

@@ -37,6 +37,8 @@ import torch
 import yaml
 from lightning.pytorch import Callback, seed_everything
 
+from lightning_mmpar.layout.schedules import MULTI_STAGE_SCHEDULES, SCHEDULES
+
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_stability import StepTimer  # the same per-batch wall-time callback
 from report import save_figure, write_result
@@ -54,13 +56,8 @@ def _pp(pp: int, schedule: str, partition: str, v: int = 1) -> Spec:
     return name, {**args, "partition": partition}, "tp"
 
 
-MULTI = (
-    "interleaved_1f1b",
-    "looped_bfs",
-    "interleaved_zero_bubble",
-    "zbv_zero_bubble",
-    "dualpipev",
-)
+MULTI = tuple(s for s in SCHEDULES if s in MULTI_STAGE_SCHEDULES)
+"""Every multi-stage schedule, in the facts' order (lightning_mmpar.layout.schedules)."""
 WORLDS: dict[str, tuple[int, list[Spec]]] = {
     "pp2": (
         2,

@@ -64,11 +64,11 @@ def _dp(args: dict[str, Any]) -> int:
 
 
 def layout_spec(args: dict[str, Any], global_batch: int, precision: str = "32-true") -> Any:
-    from lightning_mmpar.layout.model import LayoutSpec
+    from lightning_mmpar.layout import ParallelLayout
 
     pp, dp = args.get("pipeline_parallel", 1), _dp(args)
     m = args.get("micro_batches", 1) if pp > 1 else 1
-    return LayoutSpec(
+    return ParallelLayout(
         tp=args.get("tensor_parallel", 1),
         pp=pp,
         dp=dp,
@@ -352,7 +352,7 @@ SCALE_MODELS: dict[str, dict[str, Any]] = {
         "adapter": {"num_blocks": 4, "heads": 64, "width": 8192, "ffn_width": 32768},
     },
 }
-"""docs/planner.md's models: ViT frozen (TECHNIQUES 1.5), adapters + decoder + embeddings
+"""docs/planner.md's models: ViT frozen (the recipe's default), adapters + decoder + embeddings
 trained, vocabulary 32000, text length 2048."""
 SCALE_WORLDS = (8, 16, 64, 256, 1024)
 TEXT_LENGTH = 2048
@@ -415,15 +415,15 @@ def scale_plan(model: Any, world: int, device: Any, accept: Any, base: Any) -> l
 def scale_tables(devices: tuple[str, ...] = ("h100", "h200"), top: int = 3) -> str:
     """Markdown: the best predicted layouts of each model on 8 .. 1024 GPUs, bf16, global
     batch ``max(64, 2 x GPUs)`` sequences, on :func:`scale_graph`."""
+    from lightning_mmpar.layout import ParallelLayout
     from lightning_mmpar.layout.cost import DEVICES, GIB, predict
-    from lightning_mmpar.layout.model import LayoutSpec
     from lightning_mmpar.layout.planner import describe
-    from lightning_mmpar.recipes.plan import accept_layout, spec_cache
+    from lightning_mmpar.recipes.planner import accept_layout, spec_cache
 
     lines = []
     for name in SCALE_MODELS:
         module = scale_module(name)
-        base = LayoutSpec(precision="bf16-mixed", sequence_parallel=True)
+        base = ParallelLayout(precision="bf16-mixed", sequence_parallel=True)
         model = spec_cache(module, TEXT_LENGTH)
         accept = accept_layout(module, TEXT_LENGTH)
         for dev in devices:
@@ -438,7 +438,7 @@ def scale_tables(devices: tuple[str, ...] = ("h100", "h200"), top: int = 3) -> s
                 ranked = scale_plan(model, world, DEVICES[dev], accept, base)
                 picks = ranked[:top]
                 if world == 16 and name == "7B":  # the brief's launch, wherever it ranks
-                    brief = LayoutSpec(
+                    brief = ParallelLayout(
                         tp=4,
                         pp=2,
                         dp=2,
@@ -467,14 +467,14 @@ def fp8_anchor() -> list[str]:
     Float8 anchor: +28% on Llama 3.1 8B, 8 H100s; Liang et al. 2024)."""
     from dataclasses import replace
 
+    from lightning_mmpar.layout import ParallelLayout
     from lightning_mmpar.layout.cost import DEVICES, predict
-    from lightning_mmpar.layout.model import LayoutSpec
     from lightning_mmpar.layout.planner import describe
-    from lightning_mmpar.recipes.plan import accept_layout, spec_cache
+    from lightning_mmpar.recipes.planner import accept_layout, spec_cache
 
     module = scale_module("7B")
     model, h100 = spec_cache(module, TEXT_LENGTH), DEVICES["h100"]
-    base = LayoutSpec(precision="bf16-mixed", sequence_parallel=True)
+    base = ParallelLayout(precision="bf16-mixed", sequence_parallel=True)
     bf16 = scale_plan(model, 8, h100, accept_layout(module, TEXT_LENGTH), base)[0]
     fp8 = predict(model(bf16.layout), replace(bf16.layout, precision="fp8"), h100, scale_graph(8))
     gain = bf16.step_seconds / fp8.step_seconds - 1

@@ -28,15 +28,13 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from report import write_result
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mmpar.callbacks import FP8FallbackCallback, GradientDriftMonitor
 from lightning_mmpar.precision import FP8Policy, convert_to_fp8, set_precision
 from lightning_mmpar.testing import quiet_trainer, spawn
-
-sys.path.insert(0, str(Path(__file__).parent))
-from report import write_result
 
 VARIANTS = ("off", "monitor", "monitor+fallback")
 
@@ -116,8 +114,8 @@ def _variant_callbacks(variant: str, root: str) -> list[pl.Callback]:
 
 def _fusion_rank(rank: int, world: int, repeats: int, steps: int, root: str) -> Any:
     """One rank of the fusion-model ddp benchmark: per variant, per repeat, step times."""
-    sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "recipes"))
-    from recipe_faults_worker import batches, digits, tiny_module
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tests/
+    from tests.recipes.recipe_faults_worker import batches, digits, tiny_module
 
     torch.set_num_threads(1)
     data = digits()

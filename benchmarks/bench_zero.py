@@ -140,7 +140,7 @@ def ds_state_bytes(module: torch.nn.Module, zero_opt: Any) -> dict[str, Any]:
 
 def _strategy(side: str, batch: int) -> Any:
     from lightning_mmpar import MultimodalParallelStrategy
-    from lightning_mmpar.parallel.deepspeed import CPUCapableDeepSpeedStrategy
+    from lightning_mmpar.parallel.deepspeed_strategy import CPUCapableDeepSpeedStrategy
 
     if side.startswith("mm_"):
         return MultimodalParallelStrategy(data_parallel=side[3:])
@@ -219,15 +219,15 @@ def worker(
 
 def analytical(batch: int) -> dict[str, list[dict[str, int]]]:
     """``layout.memory.state_bytes`` of each rank under ``fsdp`` and ``ddp`` at dp 2."""
+    from lightning_mmpar.layout import ParallelLayout
     from lightning_mmpar.layout.memory import state_bytes
-    from lightning_mmpar.layout.model import LayoutSpec
     from lightning_mmpar.plans.fusion_cost import fusion_model_spec
     from lightning_mmpar.recipes.partition import build_module
 
     module, data = build_module(yaml.safe_load(CPU_YAML.read_text()))
     out = {}
     for mode in ("fsdp", "ddp"):
-        lay = LayoutSpec(dp=WORLD, data_parallel=mode, micro_batch_size=batch)
+        lay = ParallelLayout(dp=WORLD, data_parallel=mode, micro_batch_size=batch)
         spec = fusion_model_spec(module, lay, int(data.max_length))
         out[f"mm_{mode}"] = [vars(state_bytes(spec, lay, {"dp": r})) for r in range(WORLD)]
     return out

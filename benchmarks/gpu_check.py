@@ -5,9 +5,9 @@ once), its tokens/s, MFU and peak memory, and every collective helper at world s
     python benchmarks/gpu_check.py --smoke --out-dir /tmp/r   # --device cpu --tiny, 4 steps
 
 **Model**: the recipe's ``ClipLlamaModule`` at :data:`SIZES` (``realistic``: ViT-B/16 at 224 px,
-frozen as TECHNIQUES 1.5 has it, one adapter block and a 1B-class LLaMA: 16 layers of width
-2048, 16 heads (4 key-value), FFN 5632, vocabulary 32000, all trained; batch 16 x 512 text
-tokens), trained by ``Trainer(strategy=MultimodalParallelStrategy(), devices=1,
+frozen as the recipe's default fine-tuning policy has it, one adapter block and a 1B-class LLaMA:
+16 layers of width 2048, 16 heads (4 key-value), FFN 5632, vocabulary 32000, all trained; batch
+16 x 512 text tokens), trained by ``Trainer(strategy=MultimodalParallelStrategy(), devices=1,
 precision="bf16-mixed")`` on random batches at the recipe's shapes (no network). **Runs**, each
 a fresh module and Trainer: ``bf16``; ``fp8`` (every linear but the LM head converted by
 ``convert_to_fp8``: ``torch._scaled_mm`` on GPUs of capability >= 8.9, else the exact

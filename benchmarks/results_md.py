@@ -181,6 +181,27 @@ def _generic(r: dict[str, Any]) -> list[str]:
     return out
 
 
+def _learning(r: dict[str, Any]) -> list[str]:
+    out = [
+        "| run | YAML | layout | steps | zero-shot acc | bar met | greedy caption acc | "
+        "train loss first -> last | wall s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, x in r["runs"].items():
+        lay = x["layout"]
+        layout = f"tp {lay['tp']} x pp {lay['pp']} x dp {lay['dp']}, ep {lay['ep']}"
+        out.append(
+            f"| {name} | `{x['yaml']}` | {layout} | {x['steps']} | {x['zero_shot_acc']:.3f} | "
+            f"{'yes' if x['met'] else 'NO'} (>= {x['bar']}) | {x['caption_acc_greedy']:.3f} | "
+            f"{x['first_train_loss']:.3f} -> {x['last_train_loss']:.3f} | {x['wall_s']} |"
+        )
+    out.append(
+        "\nThe test suite's learning bars until it had to fit in 20 minutes on 2 cores; the "
+        "tests keep short runs of the same commands (tests/recipes/test_clip_llama.py)."
+    )
+    return out
+
+
 SUMMARIES: dict[str, Summary] = {
     "pipeline": _pipeline,
     "planner": _planner,
@@ -190,6 +211,7 @@ SUMMARIES: dict[str, Summary] = {
     "zero": _zero,
     "memory_comm": _memory_comm,
     "scaling": _scaling,
+    "learning": _learning,
 }
 """Per benchmark: its key figures as markdown lines (others: :func:`_generic`)."""
 

@@ -32,6 +32,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "planner": ("bench_planner.py", "planner: predicted vs measured step-time ranking"),
     "tensor_parallel": ("bench_tensor_parallel.py", "tp2 combine and vision placement options"),
     "stability": ("bench_stability.py", "stability callbacks' overhead; fp8 emulation speed"),
+    "learning": (
+        "bench_learning.py",
+        "the CPU recipes trained through the CLI to a 0.6 zero-shot bar",
+    ),
 }
 """Benchmark name -> (script, what it measures: the issue's item numbers)."""
 

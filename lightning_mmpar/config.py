@@ -1,7 +1,11 @@
-"""Typed, validated configuration of a parallel layout.
+"""The strategy's layout arguments, typed and validated.
 
-Every check runs at construction, before any process group exists, and raises a
-``ValueError`` that names the field, the value, the constraint and the fix.
+:class:`ParallelConfig` holds what ``MultimodalParallelStrategy`` is given; its rules are
+:func:`lightning_mmpar.layout.validate`'s (the one check the pre-launch check and the planner run
+too), on :attr:`ParallelConfig.layout`: at construction, before any process group exists, then
+against the world size (:meth:`ParallelConfig.check_world`) and the batch
+(:meth:`ParallelConfig.check_batch_size`). Each raises a ``ValueError`` that names the field,
+the value, the constraint and the fix.
 """
 
 from __future__ import annotations
@@ -11,79 +15,29 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
-from lightning_mmpar.layout import parse_partition
+from lightning_mmpar.layout import LayoutFacts, ParallelLayout, parse_partition, validate
+from lightning_mmpar.layout.schedules import (  # the schedule facts' home; names kept here
+    MULTI_STAGE_SCHEDULES as MULTI_STAGE_SCHEDULES,
+)
+from lightning_mmpar.layout.schedules import ROUND_SCHEDULES as ROUND_SCHEDULES
+from lightning_mmpar.layout.schedules import SCHEDULES as SCHEDULES
+from lightning_mmpar.layout.schedules import SPLIT_BACKWARD_SCHEDULES as SPLIT_BACKWARD_SCHEDULES
+from lightning_mmpar.layout.schedules import V_SCHEDULES as V_SCHEDULES
+from lightning_mmpar.layout.schedules import Schedule as Schedule
+from lightning_mmpar.layout.schedules import min_micro_batches as min_micro_batches
+from lightning_mmpar.layout.schedules import stage_layout as stage_layout
 
-Schedule = Literal[
-    "gpipe",
-    "1f1b",
-    "interleaved_1f1b",
-    "looped_bfs",
-    "interleaved_zero_bubble",
-    "zbv_zero_bubble",
-    "dualpipev",
-]
 DataParallel = Literal["fsdp", "ddp", "none"]
-
-SCHEDULES: tuple[str, ...] = (
-    "gpipe",
-    "1f1b",
-    "interleaved_1f1b",
-    "looped_bfs",
-    "interleaved_zero_bubble",
-    "zbv_zero_bubble",
-    "dualpipev",
-)
-"""Pipeline schedules by name (torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B,
-ScheduleInterleaved1F1B, ScheduleLoopedBFS, ScheduleInterleavedZeroBubble,
-ScheduleZBVZeroBubble, ScheduleDualPipeV)."""
-MULTI_STAGE_SCHEDULES: frozenset[str] = frozenset(SCHEDULES[2:])
-"""Schedules that run ``virtual_pipeline >= 2`` stages per pipeline rank."""
-V_SCHEDULES: frozenset[str] = frozenset(("zbv_zero_bubble", "dualpipev"))
-"""Schedules on the "V" stage layout: exactly two stages per rank, rank ``r`` holding stages
-``r`` and ``2 * pp - 1 - r`` (the last stage on pipeline rank 0)."""
 DATA_PARALLEL_ENGINES: tuple[str, ...] = ("fsdp", "ddp", "none")
-
-SPLIT_BACKWARD_SCHEDULES: frozenset[str] = frozenset(
-    ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
-)
-"""Zero-bubble schedules: backward split into input-gradient and weight-gradient actions."""
-ROUND_SCHEDULES: frozenset[str] = frozenset(("interleaved_1f1b", "interleaved_zero_bubble"))
-"""Schedules that run micro-batches in rounds of ``micro_batches // pp``: the micro-batch count
-must be a multiple of the rounds (torch's check)."""
-
-
-def min_micro_batches(schedule: str, pp: int, virtual: int = 1) -> int:
-    """The fewest micro-batches ``schedule`` runs with at ``pp`` pipeline ranks and ``virtual``
-    stages per rank: ``pp`` for 1F1B and ``pp * virtual`` (the stage count) for DualPipeV
-    (torch's checks); 1 otherwise (tried on gloo with torch 2.14: the interleaved, looped-BFS
-    and zero-bubble schedules give exact gradients with fewer micro-batches than ranks; the
-    interleaved ones then need ``micro_batches`` a multiple of ``micro_batches // pp``)."""
-    if pp == 1:
-        return 1
-    if schedule == "1f1b":
-        return pp
-    if schedule == "dualpipev":
-        return pp * virtual
-    return 1
-
-
-def stage_layout(schedule: str) -> Literal["loop", "v"]:
-    """``"v"`` for :data:`V_SCHEDULES` (rank ``r`` holds stages ``r`` and ``2 * pp - 1 - r``),
-    ``"loop"`` otherwise (stage ``s`` on rank ``s % pp``, Megatron's virtual pipeline)."""
-    return "v" if schedule in V_SCHEDULES else "loop"
-
-
-def _positive(name: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} ({value!r}) must be a positive integer; use 1 to disable it.")
 
 
 @dataclass(kw_only=True)
 class ParallelConfig:
-    """The sizes and engines of one parallel layout.
+    """The sizes and engines of one parallel layout, as the strategy takes them.
 
     Data parallelism is inferred: ``data_parallel_size = world_size / (tensor_parallel *
     pipeline_parallel)``; expert parallelism is carved out of the data-parallel ranks.
+    Validated at construction by :func:`lightning_mmpar.layout.validate` (on :attr:`layout`).
     """
 
     tensor_parallel: int = 1
@@ -111,102 +65,43 @@ class ParallelConfig:
     FLOPs), ``memory`` (least maximum stage bytes), ``ratio:V:A:D`` (vision : aligner : decoder
     stage counts) or explicit boundaries (first block of stages 1 .. S-1)."""
     placement: str | list[int] | None = None
-    """Global rank of each mesh position (TECHNIQUES 2.4; :meth:`resolve_placement`): ``None`` /
+    """Global rank of each mesh position (topology-aware, :meth:`resolve_placement`): ``None`` /
     ``"auto"``, ``"megatron"`` (identity), a list (``list[i]`` = rank at Megatron position
     ``i``) or a topology file (nvidia-smi text or YAML)."""
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel", "pipeline_parallel", "expert_parallel", "virtual_pipeline"):
-            _positive(name, getattr(self, name))
-        if self.micro_batches is not None:
-            _positive("micro_batches", self.micro_batches)
-        if self.schedule not in SCHEDULES:
-            raise ValueError(
-                f"schedule ({self.schedule!r}) is not a known pipeline schedule; "
-                f"choose one of {', '.join(SCHEDULES)}."
-            )
-        if self.data_parallel not in DATA_PARALLEL_ENGINES:
-            raise ValueError(
-                f"data_parallel ({self.data_parallel!r}) is not a known engine; "
-                f"choose one of {', '.join(DATA_PARALLEL_ENGINES)}."
-            )
-        self._check_pipeline()
-        parse_partition(self.partition, self.num_stages if self.pipeline_parallel > 1 else None)
+        validate(self.layout)
         check_placement_option(self.placement)
 
-    def _check_pipeline(self) -> None:
-        pp, v, name = self.pipeline_parallel, self.virtual_pipeline, self.schedule
-        if v > 1 and pp == 1:
-            raise ValueError(
-                f"virtual_pipeline ({v}) needs pipeline_parallel > 1 (got 1); "
-                "set pipeline_parallel >= 2 or virtual_pipeline=1."
-            )
-        if v > 1 and name not in MULTI_STAGE_SCHEDULES:
-            raise ValueError(
-                f"virtual_pipeline ({v}) needs a multi-stage schedule (got {name!r}); set "
-                f"schedule to one of {', '.join(sorted(MULTI_STAGE_SCHEDULES))} or "
-                "virtual_pipeline=1."
-            )
-        if pp == 1:
-            return
-        if name in MULTI_STAGE_SCHEDULES and v == 1:
-            raise ValueError(
-                f"schedule={name!r} needs virtual_pipeline >= 2 (got 1); "
-                "set virtual_pipeline=2 or use schedule='1f1b'."
-            )
-        if name in V_SCHEDULES and v != 2:
-            raise ValueError(
-                f"schedule={name!r} needs virtual_pipeline=2 (got {v}): its V layout holds "
-                "exactly two stages per pipeline rank; set virtual_pipeline=2."
-            )
-        n, low = self.num_micro_batches, min_micro_batches(name, pp, v)
-        if n < low:
-            what = "pipeline_parallel" if low == pp else "the pipeline stages"
-            size = f"{pp}" if low == pp else f"{low} = pipeline_parallel * virtual_pipeline"
-            raise ValueError(
-                f"micro_batches ({n}) must be >= {what} ({size}) for the {name} schedule; "
-                f"set micro_batches to at least {low}."
-            )
-        rounds = max(1, n // pp)
-        if name in ROUND_SCHEDULES and n % rounds != 0:
-            raise ValueError(
-                f"micro_batches ({n}) must be a multiple of its rounds ({rounds} = "
-                f"micro_batches // pipeline_parallel) for {name}; use {rounds * pp}."
-            )
+    @property
+    def layout(self) -> ParallelLayout:
+        """These arguments as the layout value (``dp`` unknown until the world size is)."""
+        part = self.partition
+        return ParallelLayout(
+            tp=self.tensor_parallel,
+            pp=self.pipeline_parallel,
+            dp=None,
+            ep=self.expert_parallel,
+            virtual=self.virtual_pipeline,
+            micro_batches=self.micro_batches,
+            schedule=self.schedule,
+            data_parallel=self.data_parallel,
+            partition=tuple(part) if isinstance(part, list) else part,
+        )
 
     def check_world(self, world_size: int) -> None:
-        """Check this layout against the number of processes, once it is known.
+        """Check this layout against the number of processes, once it is known
+        (:func:`~lightning_mmpar.layout.validate` with ``world_size``).
 
-        ``data_parallel="none"`` with a data-parallel size ``world_size / (tensor_parallel *
-        pipeline_parallel)`` above 1 would train replicas whose gradients are never averaged and
-        whose weights drift apart, silently; it raises ``ValueError`` naming both fixes. So does
-        a zero-bubble schedule (:data:`SPLIT_BACKWARD_SCHEDULES`) with ``data_parallel="fsdp"``
-        over several replicas (wrong gradients on torch 2.14; DDP is exact). A
-        ``world_size`` the model-parallel sizes do not divide is left to
-        :class:`lightning_mmpar.topology.ParallelDims`, which names that fix.
+        Raises ``ValueError`` for a ``world_size`` the model-parallel sizes do not divide, an
+        ``expert_parallel`` not dividing the data-parallel size ``world_size / (tensor_parallel
+        * pipeline_parallel)``, ``data_parallel="none"`` with a data-parallel size above 1
+        (replicas whose gradients are never averaged and whose weights drift apart, silently),
+        and a zero-bubble schedule (:data:`SPLIT_BACKWARD_SCHEDULES`) with
+        ``data_parallel="fsdp"`` over several replicas (wrong gradients on torch 2.14; DDP is
+        exact); each message names the fixes.
         """
-        model = self.tensor_parallel * self.pipeline_parallel
-        if world_size % model or world_size // model <= 1:
-            return
-        dp = world_size // model
-        split = self.schedule in SPLIT_BACKWARD_SCHEDULES and self.pipeline_parallel > 1
-        if split and self.data_parallel == "fsdp":
-            raise ValueError(
-                f"schedule={self.schedule!r} cannot run with data_parallel='fsdp' over {dp} "
-                "data-parallel replicas on this torch: its split weight-gradient backward "
-                "bypasses FSDP2's per-block gradient reduce-scatter (measured: wrong gradients "
-                "at dp 2 x pp 2). "
-                "Set data_parallel='ddp', or choose schedule='interleaved_1f1b' or 'looped_bfs'."
-            )
-        if self.data_parallel != "none":
-            return
-        raise ValueError(
-            f"data_parallel ('none') cannot run {world_size // model} data-parallel replicas "
-            f"(world_size {world_size} / (tensor_parallel {self.tensor_parallel} * "
-            f"pipeline_parallel {self.pipeline_parallel})): their gradients would never be "
-            "averaged. Set data_parallel='fsdp' or 'ddp', or run on "
-            f"{model} processes (devices * num_nodes)."
-        )
+        validate(self.layout, LayoutFacts(world_size=world_size))
 
     def ineffective_options(self) -> list[str]:
         """Options this layout accepts but never uses, one warning text each (not refused:
@@ -283,12 +178,7 @@ class ParallelConfig:
         """Micro-batches per step: ``micro_batches``, by default ``pipeline_parallel`` (or the
         schedule's minimum when higher, :func:`min_micro_batches`); 1 without pipeline
         parallelism."""
-        if self.micro_batches is not None:
-            return self.micro_batches
-        pp = self.pipeline_parallel
-        if pp == 1:
-            return 1
-        return max(pp, min_micro_batches(self.schedule, pp, self.virtual_pipeline))
+        return 1 if self.pipeline_parallel == 1 else self.layout.num_micro_batches
 
     @property
     def num_stages(self) -> int:
@@ -297,19 +187,14 @@ class ParallelConfig:
 
     def check_batch_size(self, batch_size: int, name: str = "data.batch_size") -> None:
         """Under pipeline parallelism every batch splits into :attr:`num_micro_batches` equal
-        micro-batches (torch's pipeline stages fix activation shapes at the first step).
+        micro-batches (torch's pipeline stages fix activation shapes at the first step):
+        :func:`~lightning_mmpar.layout.validate` with ``batch_size``.
 
         Raises:
             ValueError: ``batch_size`` (per data-parallel rank; ``name`` in the message) not
                 divisible by the micro-batches.
         """
-        n = self.num_micro_batches
-        if self.pipeline_parallel > 1 and batch_size % n:
-            raise ValueError(
-                f"{name} ({batch_size}) must be divisible by micro_batches ({n}) under pipeline "
-                f"parallelism; use a multiple of {n}, e.g. {max(n, batch_size // n * n)} "
-                "(drop_last=True avoids a short last batch)."
-            )
+        validate(self.layout, LayoutFacts(batch_size=batch_size, batch_name=name))
 
 
 PLACEMENT_NAMES: tuple[str, ...] = ("auto", "megatron")

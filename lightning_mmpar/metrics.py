@@ -1,115 +1,15 @@
-"""Evaluation metrics of the CLIP-LLaMA recipe as torchmetrics ``Metric`` subclasses.
+"""Deprecated alias of :mod:`lightning_mmpar.recipes.metrics` (the recipe is its only user);
+removed in the next release."""
 
-Being torchmetrics metrics, their states are synchronised across ranks at ``compute()``; pass
-``process_group=<dp group>`` so that only data-parallel peers (who hold different samples) are
-combined, never tensor/pipeline peers (who hold copies of the same samples).
+import warnings
 
-* :class:`ZeroShotAccuracy`: ``argmax_c <u_i, w_c>`` over class-prompt text features ``w_c``.
-* :class:`RetrievalRecall`: image->text and text->image recall@k over the whole evaluation
-  set, pairs ``(u_i, v_i)`` matched by position.
-"""
+from lightning_mmpar.recipes.metrics import RetrievalRecall, ZeroShotAccuracy, recall_at_k
 
-from __future__ import annotations
+__all__ = ["RetrievalRecall", "ZeroShotAccuracy", "recall_at_k"]
 
-from collections.abc import Sequence
-from typing import Any
-
-import torch
-import torch.nn.functional as F
-from torchmetrics import Metric
-from torchmetrics.utilities import dim_zero_cat
-
-
-class ZeroShotAccuracy(Metric):
-    """Top-k accuracy of zero-shot classification with class-prompt text features.
-
-    ``update(image_features [n, d], class_features [C, d] or [C, P, d], labels [n])``; with P
-    prompts per class their normalised mean is the class embedding (CLIP's prompt ensemble).
-    Extra keyword arguments (``process_group``, ``sync_on_compute``...) go to ``Metric``.
-    """
-
-    is_differentiable = False
-    higher_is_better = True
-    full_state_update = False
-    correct: torch.Tensor
-    total: torch.Tensor
-
-    def __init__(self, *, top_k: int = 1, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        if top_k < 1:
-            raise ValueError(f"top_k ({top_k}) must be >= 1.")
-        self.top_k = top_k
-        self.add_state("correct", default=torch.tensor(0), dist_reduce_fx="sum")
-        self.add_state("total", default=torch.tensor(0), dist_reduce_fx="sum")
-
-    def update(
-        self, image_features: torch.Tensor, class_features: torch.Tensor, labels: torch.Tensor
-    ) -> None:
-        """Score a batch of images against every class embedding."""
-        if class_features.ndim == 3:
-            class_features = F.normalize(F.normalize(class_features, dim=-1).mean(1), dim=-1)
-        if class_features.shape[0] < self.top_k:
-            raise ValueError(
-                f"top_k ({self.top_k}) exceeds the number of classes ({class_features.shape[0]})."
-            )
-        scores = F.normalize(image_features, dim=-1) @ F.normalize(class_features, dim=-1).T
-        top = scores.topk(self.top_k, dim=-1).indices
-        self.correct += (top == labels.view(-1, 1)).any(dim=-1).sum()
-        self.total += labels.numel()
-
-    def compute(self) -> torch.Tensor:
-        """Fraction of images whose label is among the top-k classes."""
-        return self.correct.float() / self.total.clamp(min=1)
-
-
-def recall_at_k(scores: torch.Tensor, ks: Sequence[int]) -> dict[int, torch.Tensor]:
-    """Recall@k of the square score matrix ``scores[i, j]`` where item ``i`` matches ``j = i``.
-
-    The rank of the match is the number of candidates scoring *strictly* higher, so ties (e.g.
-    the duplicate samples a distributed sampler adds to even out ranks) count as hits.
-    """
-    positive = scores.diagonal().unsqueeze(1)
-    rank = (scores > positive).sum(dim=1)
-    return {k: (rank < k).float().mean() for k in ks}
-
-
-class RetrievalRecall(Metric):
-    """Image->text and text->image recall@k over all pairs seen (all dp ranks).
-
-    ``update(image_features [n, d], text_features [n, d])``: row ``i`` of both is a pair.
-    ``compute()`` returns ``{"i2t_recall@k": ..., "t2i_recall@k": ...}`` for each ``k``. The
-    features of the whole evaluation set are kept (``n_total x d`` each) until ``reset()``.
-    """
-
-    is_differentiable = False
-    higher_is_better = True
-    full_state_update = False
-    image_features: list[torch.Tensor]
-    text_features: list[torch.Tensor]
-
-    def __init__(self, *, ks: Sequence[int] = (1, 5), **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        if not ks or any(k < 1 for k in ks):
-            raise ValueError(f"ks {tuple(ks)} must be a non-empty list of integers >= 1.")
-        self.ks = tuple(ks)
-        self.add_state("image_features", default=[], dist_reduce_fx="cat")
-        self.add_state("text_features", default=[], dist_reduce_fx="cat")
-
-    def update(self, image_features: torch.Tensor, text_features: torch.Tensor) -> None:
-        """Store a batch of L2-normalised pairs."""
-        if image_features.ndim != 2 or image_features.shape != text_features.shape:
-            raise ValueError(
-                f"image_features {tuple(image_features.shape)} and text_features "
-                f"{tuple(text_features.shape)} must both be [batch, dim] with equal shapes."
-            )
-        self.image_features.append(F.normalize(image_features.detach(), dim=-1))
-        self.text_features.append(F.normalize(text_features.detach(), dim=-1))
-
-    def compute(self) -> dict[str, torch.Tensor]:
-        """Recall@k in both directions."""
-        scores = dim_zero_cat(self.image_features) @ dim_zero_cat(self.text_features).T
-        i2t = recall_at_k(scores, self.ks)
-        t2i = recall_at_k(scores.T, self.ks)
-        out = {f"i2t_recall@{k}": v for k, v in i2t.items()}
-        out.update({f"t2i_recall@{k}": v for k, v in t2i.items()})
-        return out
+warnings.warn(
+    "lightning_mmpar.metrics moved to lightning_mmpar.recipes.metrics; import from there "
+    "(this alias goes in the next release).",
+    DeprecationWarning,
+    stacklevel=2,
+)

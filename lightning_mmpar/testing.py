@@ -8,13 +8,16 @@ default process group initialised, and returns every rank's return value.
 Ranks are forked from a ``forkserver`` that imported :data:`PRELOAD` once (torch, Lightning
 and this package: about 14 CPU-seconds per fresh interpreter), instead of each rank importing
 them again; a rank still starts in a fresh process with the caller's environment, ``sys.path``
-and working directory at the time of the call. ``MMPAR_START_METHOD=spawn`` starts every rank
-as a fresh interpreter instead (the behaviour before: slower, nothing shared with a server).
+and working directory at the time of the call, and its own children (DataLoader workers) start
+by the platform's default method, as under ``torchrun``. ``MMPAR_START_METHOD=spawn`` starts
+every rank as a fresh interpreter instead (the behaviour before: slower, nothing shared with a
+server).
 """
 
 from __future__ import annotations
 
 import io
+import multiprocessing
 import os
 import queue
 import socket
@@ -58,6 +61,10 @@ def _entry(
 ) -> None:
     for key in set(os.environ) - set(env):  # the caller's environment now, not the server's
         del os.environ[key]
+    # a rank's own children (DataLoader workers) start as under torchrun, by the platform's
+    # default method: the forkserver's, inherited here, starts an interpreter per rank and
+    # re-imports each worker (about 40x slower for a 2-worker loader)
+    multiprocessing.set_start_method(None, force=True)
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))

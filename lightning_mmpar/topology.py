@@ -8,7 +8,7 @@ which is megatron-core's ``order="tp-cp-ep-dp-pp"`` (context parallel = 1). The 
 group of dense parameters is the flattened ``(edp, ep)`` pair, so expert parallelism is carved
 out of the data-parallel ranks exactly as in Megatron.
 
-A *placement* (TECHNIQUES 2.4) permutes that order: ``placement[i]`` is the global rank that runs
+A *placement* permutes that order: ``placement[i]`` is the global rank that runs
 mesh position ``i`` (``i`` the Megatron rank above), so a topology-aware order
 (:func:`lightning_mmpar.layout.placement.place`) puts tensor-parallel peers on the fastest links
 without changing any coordinate's meaning. The mesh is then built from the permuted rank tensor
@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_mmpar import compat
+from lightning_mmpar.layout import LayoutFacts, ParallelLayout, validate
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -47,8 +48,9 @@ class ParallelDims:
     Data parallelism is inferred as ``world_size // (tp * pp)``; ``ep`` must divide it.
     ``placement`` (default ``None``: Megatron's order, the identity) is stored resolved, as a
     tuple: ``placement[i]`` = the global rank at mesh position ``i``. Raises ``ValueError``
-    for a degree below 1, a world the sizes do not divide, or a placement that is not a
-    permutation of ``range(world_size)``.
+    for a degree below 1, a world the sizes do not divide or ``ep`` not dividing the
+    data-parallel size (:func:`lightning_mmpar.layout.validate`'s rules), or a placement that is
+    not a permutation of ``range(world_size)``.
     """
 
     world_size: int
@@ -74,19 +76,8 @@ class ParallelDims:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 fix = "pass the number of ranks" if name == "world_size" else "use 1 to disable it"
                 raise ValueError(f"{name} ({value!r}) must be a positive integer; {fix}.")
-        model = self.tp * self.pp
-        if self.world_size % model != 0:
-            raise ValueError(
-                f"world_size ({self.world_size}) must be divisible by tensor_parallel * "
-                f"pipeline_parallel ({self.tp} * {self.pp} = {model}); change the number of "
-                f"devices to a multiple of {model} or reduce the model-parallel sizes."
-            )
-        if self.dp % self.ep != 0:
-            raise ValueError(
-                f"expert_parallel ({self.ep}) must divide the data-parallel size ({self.dp} = "
-                f"world_size {self.world_size} / (tensor_parallel {self.tp} * pipeline_parallel "
-                f"{self.pp})); choose expert_parallel from {_divisors(self.dp)}."
-            )
+        degrees = ParallelLayout(tp=self.tp, pp=self.pp, ep=self.ep, dp=None)
+        validate(degrees, LayoutFacts(world_size=self.world_size))
         self.placement = check_placement(self.placement, self.world_size)
         self._position = {rank: i for i, rank in enumerate(self.placement)}
 
@@ -280,7 +271,7 @@ class ParallelDims:
         """Dedicated vision-language mesh: same ranks as ``tp``, its own communicator, derived
         from the root mesh (so FSDP2 composes with TP styles applied on it).
 
-        Cross-attention combines (TECHNIQUES 1.3) run here so they do not queue behind the
+        Cross-attention combines (``vl_combine``) run here so they do not queue behind the
         text path's collectives on the tp communicator.
         """
         self.mesh  # noqa: B018 - raises the standard message before set-up
@@ -314,7 +305,3 @@ def check_placement(placement: Any, world_size: int) -> tuple[int, ...]:
             "a permutation of range(world_size), or None for Megatron's order."
         )
     return tuple(values)
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]

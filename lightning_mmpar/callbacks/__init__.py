@@ -9,18 +9,18 @@ communicate through :mod:`lightning_mmpar.parallel.comm`.
 
 from lightning_mmpar.callbacks.anomalies import Anomaly, AnomalyLog
 from lightning_mmpar.callbacks.branch_clipping import BranchGradientClipping
-from lightning_mmpar.callbacks.config import DriftConfig, FallbackConfig
 from lightning_mmpar.callbacks.expert_load import ExpertLoadMonitor
 from lightning_mmpar.callbacks.expert_sparsity import ExpertSparsitySchedule
 from lightning_mmpar.callbacks.fp8_fallback import FP8FallbackCallback, FP8FallbackError
 from lightning_mmpar.callbacks.fp8_training import FP8Training
 from lightning_mmpar.callbacks.grad_drift import GradientDriftMonitor, GradReport
-from lightning_mmpar.callbacks.memory import PeakMemory
 from lightning_mmpar.callbacks.micro_batching import DynamicMicroBatching, brief_policy
+from lightning_mmpar.callbacks.peak_memory import PeakMemory
 from lightning_mmpar.callbacks.pipeline_timeline import PipelineTimeline, formula_bubble
 from lightning_mmpar.callbacks.preemption import Preemption
 from lightning_mmpar.callbacks.replicas import Drift, ReplicaGroup
 from lightning_mmpar.callbacks.snapshot import Snapshot
+from lightning_mmpar.callbacks.stability_config import DriftConfig, FallbackConfig
 
 __all__ = [
     "Anomaly",

@@ -1,4 +1,4 @@
-"""BranchGradientClipping: per-branch gradient clipping of a vision-language model (TECHNIQUES 3.4).
+"""BranchGradientClipping: per-branch gradient clipping of a vision-language model.
 
 In ``on_before_optimizer_step`` (after Lightning unscales AMP gradients, before the optimizer
 step and before ``Trainer(gradient_clip_val=...)`` clipping):
@@ -46,9 +46,9 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_mmpar.callbacks.grad_stats import lightning_fsdp, log_due, norm_weights
+from lightning_mmpar.callbacks.grad_stats import log_due, norm_weights
 from lightning_mmpar.parallel import comm, numerics
-from lightning_mmpar.topology import ParallelDims
+from lightning_mmpar.trainer_topology import TrainerTopology
 
 __all__ = ["BranchGradientClipping", "agc_coefficients", "branch_parameters"]
 
@@ -208,7 +208,7 @@ class BranchGradientClipping(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         vision, text = branch_parameters(pl_module, self.vision_prefixes, self.text_prefixes)
         self.vision, self.text = dict(vision), dict(text)
-        if text and lightning_fsdp(trainer):
+        if text and TrainerTopology.of(trainer).lightning_fsdp:
             raise ValueError(
                 "BranchGradientClipping: Lightning's FSDPStrategy keeps flat shards that cut "
                 f"rows, so AGC of {text[0][0]!r} has no unit norms; use ModelParallelStrategy / "
@@ -220,7 +220,7 @@ class BranchGradientClipping(Callback):
                 f"vision_prefixes {self.vision_prefixes} or text_prefixes {self.text_prefixes} "
                 "on this rank; nothing is clipped there."
             )
-        self._pp = ParallelDims.of(trainer).pp if comm.group_size() > 1 else 1
+        self._pp = TrainerTopology.of(trainer).dims.pp if comm.group_size() > 1 else 1
         self._counts = None
 
     @override

@@ -1,4 +1,4 @@
-"""ExpertSparsitySchedule: the expert pruning mask with a cosine sparsity ramp (TECHNIQUES 3.4).
+"""ExpertSparsitySchedule: the expert pruning mask with a cosine sparsity ramp.
 
 The sparsity after ``t`` optimizer steps of ``T`` is the cosine ramp (the shape of the cosine
 learning-rate schedule, Loshchilov & Hutter 2017, SGDR)::
@@ -16,16 +16,16 @@ sparsity decreases (``s1 < s0``). The mask is unchanged before the first optimiz
 
 Every rank must hold the same mask: each step's loads are summed over the ranks of the
 pipeline stage (the data-parallel, then the tensor-parallel group, as
-:func:`lightning_mmpar.callbacks.grad_stats.stage_groups` gives them; one small all-reduce per
-group and step, through :mod:`lightning_mmpar.parallel.comm`). Tensor-parallel peers that route
-the same tokens multiply every count by ``tp``, which leaves the ranking unchanged; peers that
-route different tokens (sequence parallelism) add up as they should.
+:attr:`lightning_mmpar.trainer_topology.TrainerTopology.stage_groups` gives them; one small
+all-reduce per group and step, through :mod:`lightning_mmpar.parallel.comm`). Tensor-parallel
+peers that route the same tokens multiply every count by ``tp``, which leaves the ranking
+unchanged; peers that route different tokens (sequence parallelism) add up as they should.
 
 The masks are saved with the model (``expert_mask`` is a persistent buffer); the schedule's own
 state (loads since fit start, last step and sparsity) through :meth:`state_dict`. Logged on the
 Trainer's logging steps: ``<prefix>/sparsity`` and ``<prefix>/<layer>/active_experts``.
 
-Sources: the expert pruning mask and ramp of TECHNIQUES 3.4; pruning the least-used experts as
+Sources: the ramp and its defaults are this package's schedule; pruning the least-used experts as
 in "Task-Specific Expert Pruning for Sparse Mixture-of-Experts" (Chen et al. 2022, which also
 prunes progressively during fine-tuning). Limitation: under a pipeline schedule ``last_stats``
 holds the last micro-batch of each step only (as for
@@ -44,9 +44,10 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_mmpar.callbacks.expert_load import moe_layers
-from lightning_mmpar.callbacks.grad_stats import log_due, stage_groups
+from lightning_mmpar.callbacks.grad_stats import log_due
 from lightning_mmpar.models.moe import MoEFeedForward
 from lightning_mmpar.parallel import comm
+from lightning_mmpar.trainer_topology import TrainerTopology
 
 __all__ = ["ExpertSparsitySchedule", "active_expert_count", "cosine_sparsity", "pruning_mask"]
 
@@ -170,7 +171,7 @@ class ExpertSparsitySchedule(Callback):
         self._step = int(self._restored.get("step", trainer.global_step))
         self.sparsity = self._restored.get("sparsity")
         self._restored = {}
-        self._groups = stage_groups(trainer)
+        self._groups = TrainerTopology.of(trainer).stage_groups
 
     @override
     def on_train_batch_end(

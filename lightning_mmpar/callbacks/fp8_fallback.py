@@ -1,4 +1,4 @@
-"""FP8FallbackCallback: on an FP8 anomaly, fall back to BF16 and redo the step (TECHNIQUES 1.7).
+"""FP8FallbackCallback: on an FP8 anomaly, fall back to BF16 and redo the step.
 
 Mechanism (automatic optimization):
 
@@ -22,6 +22,11 @@ Mechanism (automatic optimization):
 At most ``max_retries`` attempts per step, then :class:`FP8FallbackError`. Nothing is skipped
 silently: every redone step, every step lost to a rollback to an older snapshot and every
 precision switch is counted, logged and written to ``anomalies.jsonl``.
+
+Sources: the FP8 formats (E4M3 / E5M2) of Micikevicius et al. 2022, "FP8 Formats for Deep
+Learning", with delayed scaling as in NVIDIA Transformer Engine
+(:mod:`lightning_mmpar.precision.formats`); the fallback, the snapshot and the redo are this
+package's policy.
 """
 
 from __future__ import annotations
@@ -37,10 +42,10 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_mmpar.callbacks.anomalies import Anomaly
-from lightning_mmpar.callbacks.config import FallbackConfig
 from lightning_mmpar.callbacks.grad_drift import GradientDriftMonitor, GradReport
 from lightning_mmpar.callbacks.grad_stats import log_due
 from lightning_mmpar.callbacks.snapshot import Snapshot
+from lightning_mmpar.callbacks.stability_config import FallbackConfig
 from lightning_mmpar.parallel import comm
 from lightning_mmpar.parallel.numerics import scale_grads_
 from lightning_mmpar.precision.fp8 import Float8Linear, fp8_modules, set_precision

@@ -1,5 +1,5 @@
 """FP8Training: FP8 for a whole run from one configuration section (a recipe YAML's
-``precision.fp8``), with the BF16 fallback and the gradient-drift monitor (TECHNIQUES 1.6, 1.7).
+``precision.fp8``), with the BF16 fallback and the gradient-drift monitor.
 
 One callback in ``trainer.callbacks``::
 
@@ -35,9 +35,9 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_mmpar.callbacks.config import DriftConfig, FallbackConfig
 from lightning_mmpar.callbacks.fp8_fallback import FP8FallbackCallback
 from lightning_mmpar.callbacks.grad_drift import GradientDriftMonitor
+from lightning_mmpar.callbacks.stability_config import DriftConfig, FallbackConfig
 from lightning_mmpar.parallel.parallelize import PLAN_HOOK, ParallelPlan, applies_plans
 from lightning_mmpar.precision.formats import FP8Policy
 from lightning_mmpar.precision.fp8 import convert_to_fp8

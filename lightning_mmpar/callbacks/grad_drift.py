@@ -1,28 +1,27 @@
 """GradientDriftMonitor: replica drift, gradient noise scale, non-finite/exploding gradients.
 
-TECHNIQUES 1.6. Comparing a gradient's norm before and after the data-parallel all-reduce
-against a fixed threshold fires constantly: the average of ``n`` noisy gradients is legitimately
-shorter than each of them. What the check is meant to catch is split into three parts:
+Comparing a gradient's norm before and after the data-parallel all-reduce against a fixed
+threshold fires constantly: the average of ``n`` noisy gradients is legitimately shorter than
+each of them. What such a check is meant to catch is split into three parts, one module each:
 
-(a) **replica drift** - after every (``check_every_n_steps``-th) optimizer step, parameters
-    that must be identical across a group are fingerprinted and compared (:mod:`.replicas`);
-(b) **local/global gradient-norm ratio** as a statistic: with per-rank micro-batch size ``b``
-    and global batch ``B = b * accumulate * dp``, ``E|g_b|^2 = |G|^2 + tr(S)/b``, so the two
-    measured norms give unbiased estimates (McCandlish et al. 2018, App. A.1)::
+(a) **replica drift** (:mod:`.replicas`) - after every (``check_every_n_steps``-th) optimizer
+    step, parameters that must be identical across a group are fingerprinted and compared;
+(b) **local/global gradient-norm ratio** as a statistic (:mod:`.noise_scale`): it gives the
+    gradient noise scale of McCandlish et al. 2018, "An Empirical Model of Large-Batch
+    Training";
+(c) **non-finite or exploding** gradient norms per named module (:mod:`.grad_anomalies`: norm
+    > ``explode_factor`` times its EMA after ``warmup_steps``, or above
+    ``max_module_grad_norm``).
 
-        |G|^2 = (B |g_B|^2 - b |g_b|^2) / (B - b),   tr(S) = (|g_b|^2 - |g_B|^2) / (1/b - 1/B)
-
-    and the *simple noise scale* ``B_simple = EMA(tr S) / EMA(|G|^2)`` is logged;
-(c) **non-finite or exploding** gradient norms per named module (norm > ``explode_factor``
-    times its EMA after ``warmup_steps``, or above ``max_module_grad_norm``).
+This module is the Lightning callback that runs them, records their anomalies and logs
+``stability/*``.
 
 How the local (pre-sync) gradient is captured: a tensor hook on every parameter
 (``param.register_hook``) runs before the gradient is accumulated into ``param.grad``; DDP's
 reducer hooks run *after* accumulation, so the hook sees this rank's own gradient under DDP,
 under ``mm_parallel`` with ``data_parallel="ddp"`` (its all-reduce runs after backward) and on
 a single device. Under a pipeline schedule (pp > 1) the hook fires once per micro-batch with
-that micro-batch's gradient, so the small batch is ``b / micro_batches`` (and the noise scale is
-available even at dp = 1). Under FSDP (Lightning's strategies, or FSDP2 on the ``dp`` mesh
+that micro-batch's gradient. Under FSDP (Lightning's strategies, or FSDP2 on the ``dp`` mesh
 of ``mm_parallel``) the local gradient of a sharded parameter is not observable this way; there
 the noise scale is not computed (non-finite/exploding checks are unaffected, replica checks
 skip what FSDP shards).
@@ -51,22 +50,21 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_mmpar.callbacks import replicas
-from lightning_mmpar.callbacks.anomalies import Anomaly, AnomalyLog
-from lightning_mmpar.callbacks.config import DriftConfig
+from lightning_mmpar.callbacks.anomalies import AnomalyLog
+from lightning_mmpar.callbacks.grad_anomalies import ModuleNorms, grad_anomalies, nonfinite_local
 from lightning_mmpar.callbacks.grad_stats import (
     LocalGradCapture,
     batch_size_of,
     lightning_fsdp,
     log_due,
-    noise_scale_terms,
     norm_weights,
-    pipeline_micro_batches,
     reduce_module_norms,
     safe_sqrt,
     stage_groups,
 )
+from lightning_mmpar.callbacks.noise_scale import NoiseScale, small_batch_sq
+from lightning_mmpar.callbacks.stability_config import DriftConfig
 from lightning_mmpar.parallel import comm, numerics
-from lightning_mmpar.topology import ParallelDims
 
 
 @dataclass(kw_only=True)
@@ -115,9 +113,8 @@ class GradientDriftMonitor(Callback):
         self._batch: int | None = None
         self._inspected_step = -1
         self._checked_step = -1
-        self._module_ema: dict[str, float] = {}
-        self._ema_g2: float | None = None
-        self._ema_trace: float | None = None
+        self.module_norms = ModuleNorms()
+        self.noise = NoiseScale(self.config.ema_beta)
         self._logged_report: GradReport | None = None
         self._logged_keys: set[str] = set()
 
@@ -197,53 +194,28 @@ class GradientDriftMonitor(Callback):
         local_norms = numerics.local_grad_norms([p for _, p in named])
         ws = norm_weights(trainer, [p for _, p in named])
         norms = local_norms.tolist()  # the one host sync of the local norms
-        mod_sq = self._module_sq(named, norms, ws)
+        mod_sq = ModuleNorms.squares(named, norms, ws, self.config.module_depth)
         groups = stage_groups(trainer)
         # one stage spanning the world (DDP, dp-only layouts): module norms ride along in the
         # single all-reduce below; otherwise they are summed over the stage's groups first
         fold = len(groups) == 1 and comm.group_size(groups[0]) == comm.group_size()
         modules: dict[str, float] = {} if fold else reduce_module_norms(mod_sq, groups)
-        exploding = [] if fold else self._exploding(modules, step)
+        exploding = [] if fold else self.module_norms.exploding(modules, step, self.config)
         nonfinite = [n for (n, _), v in zip(named, norms, strict=True) if not math.isfinite(v)]
         local_sq, count = self.capture.take() if self.capture else ([], 0)
-        me = comm.group_rank()
-        local_bad = (
-            [
-                {"rank": me, "param": n, "shape": s, "norm": math.sqrt(v) if v >= 0 else v}
-                for n, s, v in zip(self.capture.names, self.capture.shapes, local_sq, strict=True)
-                if not math.isfinite(v)
-            ]
-            if self.capture
-            else []
-        )
-        small = 0.0
-        if self.capture is not None:
-            cw = norm_weights(trainer, self.capture.params)
-            # under a pipeline the hook sees unscaled micro-batch gradients, else loss/accumulate
-            acc = 1 if pipeline_micro_batches(trainer) > 1 else trainer.accumulate_grad_batches
-            small = sum(w * v for w, v in zip(cw, local_sq, strict=True)) * acc**2
-            small /= max(count, 1)
-        has = self.capture is not None and bool(self.capture.names)
-        bad_s = not has or count == 0 or not math.isfinite(small)
+        local_bad = nonfinite_local(self.capture, local_sq)
+        small, bad_s = small_batch_sq(trainer, self.capture, local_sq, count)
         # the global norm (numerics.global_norm_from_local's weighted squares) and every count
         # in one all-reduce
         sq = sum(w * v * v for w, v in zip(ws, norms, strict=True))
-        vec = torch.tensor(
-            [
-                0.0 if bad_s else small,
-                float(bad_s),
-                len(nonfinite),
-                len(local_bad),
-                len(exploding),
-                sq,
-                *(mod_sq.values() if fold else ()),
-            ],
-            dtype=torch.float64,
-        )
+        counts = [0.0 if bad_s else small, float(bad_s), len(nonfinite), len(local_bad)]
+        folded = mod_sq.values() if fold else ()
+        vec = torch.tensor([*counts, len(exploding), sq, *folded], dtype=torch.float64)
         tot = comm.all_reduce(vec).tolist()
         if fold:
             modules = {m: safe_sqrt(v) for m, v in zip(mod_sq, tot[6:], strict=True)}
-            exploding = self._exploding(modules, step)  # same global norms on every rank
+            # same global norms on every rank
+            exploding = self.module_norms.exploding(modules, step, self.config)
             tot[4] = len(exploding)
         total = safe_sqrt(tot[5])
         origin = [o for rk in comm.all_gather_objects(local_bad) for o in rk] if tot[3] > 0 else []
@@ -257,55 +229,13 @@ class GradientDriftMonitor(Callback):
             exploding_modules=exploding,
         )
         if tot[1] == 0 and finite:
-            self._noise_scale(report, tot[0], total * total, trainer)
-        self._record_grad_anomalies(report, named, norms, modules, local_bad)
+            ratio, noise = self.noise.update(tot[0], total * total, trainer, self._batch)
+            report.local_global_ratio, report.noise_scale = ratio, noise
+        self._record(report, named, norms, modules, local_bad)
         self.last_report = report
         return report
 
-    def _module_sq(
-        self, named: Sequence[tuple[str, Tensor]], norms: list[float], weights: list[float]
-    ) -> dict[str, float]:
-        """Weighted local squared norm per module (first ``module_depth`` name parts)."""
-        sq: dict[str, float] = {}
-        for (n, _), v, w in zip(named, norms, weights, strict=True):
-            mod = ".".join(n.split(".")[:-1][: self.config.module_depth]) or "<root>"
-            sq[mod] = sq.get(mod, 0.0) + w * v * v
-        return sq
-
-    def _exploding(self, modules: dict[str, float], step: int) -> list[str]:
-        cfg, out = self.config, []
-        for m, v in modules.items():
-            if not math.isfinite(v):
-                continue
-            ema = self._module_ema.get(m)
-            rel = ema is not None and step >= cfg.warmup_steps and v > cfg.explode_factor * ema
-            if rel or (cfg.max_module_grad_norm is not None and v > cfg.max_module_grad_norm):
-                out.append(m)
-                continue
-            self._module_ema[m] = v if ema is None else cfg.ema_beta * ema + (1 - cfg.ema_beta) * v
-        return out
-
-    def _noise_scale(
-        self, report: GradReport, small: float, big: float, trainer: pl.Trainer
-    ) -> None:
-        report.local_global_ratio = math.sqrt(small / big) if big > 0 else None
-        dp, b = ParallelDims.of(trainer).dp, self._batch
-        if b is None:
-            return
-        b_small = b / pipeline_micro_batches(trainer)
-        b_big = b * trainer.accumulate_grad_batches * dp
-        if b_big <= b_small:
-            return
-        g2, trace = noise_scale_terms(small, big, b_small, b_big)
-        beta = self.config.ema_beta
-        self._ema_g2 = g2 if self._ema_g2 is None else beta * self._ema_g2 + (1 - beta) * g2
-        self._ema_trace = (
-            trace if self._ema_trace is None else beta * self._ema_trace + (1 - beta) * trace
-        )
-        if self._ema_g2 > 0 and self._ema_trace > 0:
-            report.noise_scale = self._ema_trace / self._ema_g2
-
-    def _record_grad_anomalies(
+    def _record(
         self,
         report: GradReport,
         named: Sequence[tuple[str, Tensor]],
@@ -313,54 +243,21 @@ class GradientDriftMonitor(Callback):
         modules: dict[str, float],
         local_bad: list[dict[str, Any]],
     ) -> None:
-        me, step, cap = comm.group_rank(), report.step, self.config.max_records_per_step
-        shapes = {n: list(comm.to_local(p).shape) for n, p in named}
-        norm_of = dict(zip([n for n, _ in named], norms, strict=True))
-        recs = (
-            [
-                Anomaly(
-                    kind="nonfinite_local_grad",
-                    step=step,
-                    rank=me,
-                    group="local",
-                    param=o["param"],
-                    shape=o["shape"],
-                    values={"local_norm": o["norm"]},
-                    action=self.action,
-                )
-                for o in local_bad
-            ]
-            + [
-                Anomaly(
-                    kind="nonfinite_grad",
-                    step=step,
-                    rank=me,
-                    group="world",
-                    param=n,
-                    shape=shapes[n],
-                    values={"norm": norm_of[n], "origin": report.origin},
-                    action=self.action,
-                )
-                for n in report.nonfinite_params
-            ]
-            + [
-                Anomaly(
-                    kind="exploding_grad",
-                    step=step,
-                    rank=me,
-                    group="local",
-                    param=m,
-                    values={
-                        "norm": modules[m],
-                        "ema": self._module_ema.get(m),
-                        "explode_factor": self.config.explode_factor,
-                    },
-                    action=self.action,
-                )
-                for m in report.exploding_modules
-            ]
+        """Record the anomalies of ``report`` (at most ``max_records_per_step``)."""
+        records = grad_anomalies(
+            step=report.step,
+            action=self.action,
+            named=named,
+            norms=norms,
+            local_bad=local_bad,
+            nonfinite=report.nonfinite_params,
+            origin=report.origin,
+            modules=modules,
+            exploding=report.exploding_modules,
+            module_ema=self.module_norms.ema,
+            explode_factor=self.config.explode_factor,
         )
-        for a in recs[:cap]:
+        for a in records[: self.config.max_records_per_step]:
             self.anomalies.record(a)
 
     def log_metrics(self, pl_module: pl.LightningModule) -> None:
@@ -409,28 +306,8 @@ class GradientDriftMonitor(Callback):
             if drift and self.config.on_drift == "resync":
                 replicas.resync(rg, drift, getattr(trainer, "optimizers", []))
                 action = f"resynced from reference rank ({self.action})"
-            me = comm.group_rank()
             for d in drift[: self.config.max_records_per_step]:
-                self.anomalies.record(
-                    Anomaly(
-                        kind="replica_drift",
-                        step=trainer.global_step,
-                        rank=me,
-                        group=rg.name,
-                        param=d.name,
-                        shape=d.shape,
-                        action=action,
-                        values={
-                            "drifting_ranks": d.drifting_ranks,
-                            "this_rank_drifts": me in d.drifting_ranks,
-                            "reference_rank": d.reference_rank,
-                            "fingerprints": d.fingerprints,
-                            "max_abs_diff": d.max_abs_diff,
-                            "worst_index": d.worst_index,
-                            "ambiguous": d.ambiguous,
-                        },
-                    )
-                )
+                self.anomalies.record(replicas.drift_anomaly(d, trainer.global_step, rg, action))
             found += drift
         self.last_drift = found
         # a group's drift is known to its members only: one flag for every rank, so that
@@ -451,13 +328,13 @@ class GradientDriftMonitor(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         return {
-            "module_ema": self._module_ema,
-            "ema_g2": self._ema_g2,
-            "ema_trace": self._ema_trace,
+            "module_ema": self.module_norms.ema,
+            "ema_g2": self.noise.ema_g2,
+            "ema_trace": self.noise.ema_trace,
         }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._module_ema = dict(state_dict.get("module_ema", {}))
-        self._ema_g2 = state_dict.get("ema_g2")
-        self._ema_trace = state_dict.get("ema_trace")
+        self.module_norms.ema = dict(state_dict.get("module_ema", {}))
+        self.noise.ema_g2 = state_dict.get("ema_g2")
+        self.noise.ema_trace = state_dict.get("ema_trace")

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from lightning_mmpar.parallel import comm, numerics
-from lightning_mmpar.topology import ParallelDims
+from lightning_mmpar.trainer_topology import TrainerTopology
 
 
 def noise_scale_terms(
@@ -66,32 +66,26 @@ class LocalGradCapture:
 
 
 def pipeline_micro_batches(trainer: Any) -> int:
-    """Micro-batches per step when the strategy runs a pipeline schedule (pp > 1), else 1."""
-    engine = getattr(trainer.strategy, "pipeline", None)
-    return int(engine.config.num_micro_batches) if engine is not None else 1
+    """``TrainerTopology.of(trainer).micro_batches`` (for :mod:`.grad_drift`'s call sites)."""
+    return TrainerTopology.of(trainer).micro_batches
 
 
 def lightning_fsdp(trainer: Any) -> bool:
-    """Whether ``trainer`` runs Lightning's FSDP strategy (flat shards, no replicas)."""
-    from lightning.pytorch.strategies import FSDPStrategy
-
-    return isinstance(trainer.strategy, FSDPStrategy)
+    """``TrainerTopology.of(trainer).lightning_fsdp`` (for :mod:`.grad_drift`'s call sites)."""
+    return TrainerTopology.of(trainer).lightning_fsdp
 
 
 def norm_weights(trainer: Any, params: Sequence[Tensor]) -> list[float]:
     """Per parameter ``w = S * pp / world`` (module docstring); ``1`` under Lightning FSDP."""
-    if lightning_fsdp(trainer):
+    topology = TrainerTopology.of(trainer)
+    if topology.lightning_fsdp:
         return [1.0] * len(params)
-    return numerics.grad_norm_weights(params, pp=ParallelDims.of(trainer).pp)
+    return numerics.grad_norm_weights(params, pp=topology.dims.pp)
 
 
 def stage_groups(trainer: Any) -> list[Any]:
-    """Groups whose successive all-reduces sum over the ranks of one pipeline stage (the world
-    group under strategies without tensor or pipeline parallelism)."""
-    if comm.group_size() == 1:
-        return []
-    dims = ParallelDims.of(trainer)
-    return [dims.get_group(n) for n in ("dp", "tp") if dims.size(n) > 1]
+    """``TrainerTopology.of(trainer).stage_groups`` (for :mod:`.grad_drift`'s call sites)."""
+    return TrainerTopology.of(trainer).stage_groups
 
 
 def log_due(trainer: Any) -> bool:
@@ -111,7 +105,8 @@ def safe_sqrt(v: float) -> float:
 
 def reduce_module_norms(sq: dict[str, float], groups: list[Any]) -> dict[str, float]:
     """Global norm per module from weighted local squares: summed over ``groups`` (those of
-    :func:`stage_groups`: ``w = S / ranks per stage``, so the stage's sum is the global square).
+    :attr:`~lightning_mmpar.trainer_topology.TrainerTopology.stage_groups`: ``w = S / ranks
+    per stage``, so the stage's sum is the global square).
     Collective over each group."""
     if sq and groups:
         vec = torch.tensor(list(sq.values()), dtype=torch.float64)

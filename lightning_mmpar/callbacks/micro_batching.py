@@ -1,8 +1,9 @@
 """DynamicMicroBatching: re-choose the pipeline micro-batch size from memory and latency.
 
-TECHNIQUES 2.3 (the brief, after Flamingo-style training reports): every ``every_n_steps``
-optimizer steps the micro-batch size is chosen again from the peak memory headroom and the
-measured cross-attention latency with the default policy (:func:`brief_policy`)::
+Every ``every_n_steps`` optimizer steps the micro-batch size is chosen again from the peak
+memory headroom and the measured cross-attention latency. The default policy
+(:func:`brief_policy`) is this package's own, a heuristic (no paper): smaller micro-batches when
+memory is short or the cross-attention slow::
 
     mbs = max(2, int(8 * max(0.3, 1 - peak_mem / limit) * max(0.4, 1 - min(lat_ms, 80) / 80)))
 
@@ -45,8 +46,9 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_mmpar.callbacks.pipeline_timeline import no_pipeline, pipeline_engine
+from lightning_mmpar.callbacks.pipeline_timeline import no_pipeline
 from lightning_mmpar.parallel import comm
+from lightning_mmpar.trainer_topology import TrainerTopology
 
 Policy = Callable[[float, float], int]
 """``(peak_mem / limit, latency_ms) -> micro-batch size``."""
@@ -55,8 +57,8 @@ MemorySource = Callable[[], tuple[float, float]]
 
 
 def brief_policy(memory_fraction: float, latency_ms: float) -> int:
-    """TECHNIQUES 2.3's micro-batch size: ``max(2, int(8 * max(0.3, 1 - memory_fraction) *
-    max(0.4, 1 - min(latency_ms, 80) / 80)))``; between 2 and 8."""
+    """This package's default micro-batch size (a heuristic): ``max(2, int(8 * max(0.3, 1 -
+    memory_fraction) * max(0.4, 1 - min(latency_ms, 80) / 80)))``; between 2 and 8."""
     memory = max(0.3, 1.0 - memory_fraction)
     latency = max(0.4, 1.0 - min(latency_ms, 80.0) / 80.0)
     return max(2, int(8 * memory * latency))
@@ -209,7 +211,7 @@ def _check_int(name: str, value: Any, minimum: int, fix: str) -> None:
 
 
 class DynamicMicroBatching(Callback):
-    """Re-choose the pipeline micro-batch size every ``every_n_steps`` steps (TECHNIQUES 2.3).
+    """Re-choose the pipeline micro-batch size every ``every_n_steps`` steps.
 
     Args:
         every_n_steps: optimizer steps between decisions.
@@ -273,7 +275,7 @@ class DynamicMicroBatching(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        engine = pipeline_engine(trainer, "set_micro_batches")
+        engine = TrainerTopology.of(trainer).engine_with("set_micro_batches")
         if engine is None:
             if not self._warned:
                 effect = "the micro-batch size stays as it is"

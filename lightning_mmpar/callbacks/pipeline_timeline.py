@@ -21,18 +21,16 @@ schedules compute it after the forward action) and the schedule's own bookkeepin
 of unequal cost wait for the slowest one. The measured bubble is therefore above the formula,
 which assumes equal stage costs and free communication.
 
-The formula (:func:`formula_bubble`, a fraction of the span with equal per-micro-batch costs):
-
-* GPipe, 1F1B: ``(p - 1) / (m + p - 1)`` (Huang et al. 2019 GPipe; Narayanan et al. 2021,
-  Megatron-LM, whose ``(p - 1) / m`` is the same bubble relative to the compute);
-* Interleaved 1F1B, LoopedBFS (``v`` stages per rank): ``(p - 1) / (v m + p - 1)``, Megatron-LM's
-  ``(1 / v) (p - 1) / m`` as a fraction of the span (Lamy-Poirier 2022 for breadth-first);
-* InterleavedZeroBubble (torch: the ZB1P schedule of Qi et al. 2024, "Zero Bubble Pipeline
-  Parallelism", ZB-H1): nominal ``(p - 1) / (3 v m + p - 1)``, a third of 1F1B's bubble time
-  with ``T_F = T_B = T_W``;
-* ZBVZeroBubble (Qi et al. 2024 section 6, ZB-V) and DualPipeV (DeepSeek-V3 report, arXiv
-  2412.19437, table 2: ``(p/2 - 1)(T_FB + T_B - 3 T_W)``): nominal ``0`` (torch's docs: only if
-  forward, backward-input and backward-weight take the same time).
+The formula (:func:`formula_bubble`) is :func:`lightning_mmpar.layout.schedules.bubble_fraction`,
+the planner's bubble too: the idle share of the step when every stage's forward, input-gradient
+and weight-gradient backward take one unit each (a full backward two) and communication is free,
+equal to a simulation of the action order torch's schedule runs. Under those costs:
+``(p - 1) / (m + p - 1)`` for GPipe (Huang et al. 2019) and 1F1B (Narayanan et al. 2021);
+``(p - 1) / (v m + p - 1)`` for interleaved 1F1B (Narayanan et al. 2021) and looped BFS
+(Lamy-Poirier 2023) once ``m >= p``; ``(p - 1) / (3 v m + p - 1)`` for the zero-bubble ZB-H1
+schedule (Qi et al. 2024) once ``m >= p``; ``(p - 1) / (6 m + p - 1)`` for ZB-V (Qi et al. 2024
+section 6) and DualPipeV (DeepSeek-V3 report 2024) with enough micro-batches: their fill and
+drain. Fewer micro-batches: :func:`lightning_mmpar.layout.schedules.step_units`.
 
 Logged per recorded step (every rank, its pipeline group's value): ``pipeline_bubble_measured``
 and ``pipeline_bubble_formula``. Global rank 0 (first data/tensor-parallel replica) writes the
@@ -54,8 +52,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_mmpar.layout.schedules import SCHEDULE_SOURCES, bubble_fraction
 from lightning_mmpar.parallel import comm
-from lightning_mmpar.topology import ParallelDims
+from lightning_mmpar.trainer_topology import TrainerTopology
 
 Interval = tuple[int, str, int, float, float]
 """``(stage, action, micro_batch, start, end)``; seconds relative to the step start."""
@@ -68,52 +67,22 @@ ACTIONS = {
 }
 """Engine action -> (label, colour) of the timeline."""
 
-ZERO_BUBBLE_SOURCES = {
-    "interleaved_zero_bubble": "nominal ZB-H1 (ZB1P): Qi et al. 2024, Zero Bubble Pipeline "
-    "Parallelism, arXiv 2401.10241; torch ScheduleInterleavedZeroBubble",
-    "zbv_zero_bubble": "nominal 0 if T_F = T_B = T_W: Qi et al. 2024 section 6 (ZB-V); torch "
-    "ScheduleZBVZeroBubble",
-    "dualpipev": "nominal 0 if T_F = T_B = T_W: DeepSeek-V3 report (arXiv 2412.19437) table 2; "
-    "torch ScheduleDualPipeV",
-}
-
 
 def formula_bubble(schedule: str, pp: int, micro_batches: int, virtual: int = 1) -> float:
-    """The schedule's bubble as a fraction of the step span (see the module docstring).
+    """The schedule's bubble as a fraction of the step span:
+    ``lightning_mmpar.layout.schedules.bubble_fraction(schedule, pp, virtual, micro_batches)``
+    (see the module docstring).
 
     Args: ``schedule`` a name of :data:`FORMULA_SOURCES`, ``pp`` pipeline ranks, ``micro_batches``
     per step (``m``), ``virtual`` stages per rank (``v``). Raises ``ValueError`` for an unknown
-    schedule or non-positive sizes.
+    schedule, sizes that are not positive integers or a stage count the schedule cannot lay out.
     """
-    for name, value in (("pp", pp), ("micro_batches", micro_batches), ("virtual", virtual)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"formula_bubble {name} ({value!r}) must be a positive integer.")
-    p, m, v = pp, micro_batches, virtual
-    if schedule in ("gpipe", "1f1b"):
-        return (p - 1) / (m + p - 1)
-    if schedule in ("interleaved_1f1b", "looped_bfs"):
-        return (p - 1) / (v * m + p - 1)
-    if schedule == "interleaved_zero_bubble":
-        return (p - 1) / (3 * v * m + p - 1)
-    if schedule in ("zbv_zero_bubble", "dualpipev"):
-        return 0.0
-    raise ValueError(
-        f"formula_bubble schedule ({schedule!r}) is unknown; use one of "
-        f"{', '.join(FORMULA_SOURCES)}."
-    )
+    return bubble_fraction(schedule, pp, virtual, micro_batches)
 
 
-FORMULA_SOURCES = {
-    "gpipe": "(p-1)/(m+p-1): Huang et al. 2019 (GPipe)",
-    "1f1b": "(p-1)/(m+p-1): Narayanan et al. 2021 (Megatron-LM, PipeDream-Flush)",
-    "interleaved_1f1b": "(p-1)/(v m+p-1): Narayanan et al. 2021 (Megatron-LM interleaved)",
-    "looped_bfs": "(p-1)/(v m+p-1): Lamy-Poirier 2022 (Breadth-First Pipeline Parallelism)",
-    "interleaved_zero_bubble": "(p-1)/(3 v m+p-1), "
-    + ZERO_BUBBLE_SOURCES["interleaved_zero_bubble"],
-    "zbv_zero_bubble": ZERO_BUBBLE_SOURCES["zbv_zero_bubble"],
-    "dualpipev": ZERO_BUBBLE_SOURCES["dualpipev"],
-}
-"""Schedule name -> the formula of :func:`formula_bubble` and its source."""
+FORMULA_SOURCES: dict[str, str] = SCHEDULE_SOURCES
+"""Schedule name -> the formula of :func:`formula_bubble` and its source
+(:data:`lightning_mmpar.layout.schedules.SCHEDULE_SOURCES`)."""
 
 
 def _union_length(spans: list[tuple[float, float]]) -> float:
@@ -237,13 +206,6 @@ def draw_timeline(result: dict[str, Any], path: str | Path) -> Path | None:
     return out
 
 
-def pipeline_engine(trainer: pl.Trainer, needs: str) -> Any:
-    """The strategy's pipeline engine (``trainer.strategy.pipeline``, duck-typed: callbacks do
-    not import the strategy) when it has the attribute ``needs``; ``None`` otherwise."""
-    engine = getattr(trainer.strategy, "pipeline", None)
-    return engine if engine is not None and hasattr(engine, needs) else None
-
-
 def no_pipeline(who: str, trainer: pl.Trainer, effect: str) -> str:
     """The warning of a pipeline callback in a run without a pipeline schedule."""
     return (
@@ -309,14 +271,15 @@ class PipelineTimeline(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        engine = pipeline_engine(trainer, "observers")
+        topology = TrainerTopology.of(trainer)
+        engine = topology.engine_with("observers")
         if engine is None:
             if not self._warned:
                 rank_zero_warn(no_pipeline("PipelineTimeline", trainer, "nothing is recorded"))
                 self._warned = True
             return
         self._engine = engine
-        self._group = ParallelDims.of(trainer).get_group("pp")
+        self._group = topology.dims.get_group("pp")
         engine.observers.append(self._observe)
 
     @override

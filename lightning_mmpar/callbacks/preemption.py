@@ -8,7 +8,7 @@ only the process it runs in) stops all of them at the same step: they save one c
 ``trainer.save_checkpoint`` (a sharded, atomically committed DCP checkpoint under
 ``mm_parallel``), set ``trainer.should_stop`` and ``fit`` returns normally, so the job exits
 with code 0. Relaunching the same command with ``ckpt_path: last`` (or ``auto`` through the
-recipe CLI, :func:`lightning_mmpar.parallel.checkpoint_find.newest_checkpoint`) resumes
+recipe CLI, :func:`lightning_mmpar.parallel.checkpoint.newest_checkpoint`) resumes
 exactly from that step, including the data loader's position.
 
 The checkpoint goes to ``<dirpath>/last.ckpt``: ``dirpath`` defaults to the first

@@ -9,7 +9,7 @@ float64, and all-gathers the ``[P, 2]`` table over the group. Parameter ``p`` of
 largest element-wise difference and where it is. With two ranks in a group (or any tie) the
 majority cannot tell which side drifted: the record then says ``ambiguous``.
 
-Groups (:func:`build_groups`, from ``ParallelDims.of(trainer)`` under ``mm_parallel`` or
+Groups (:func:`build_groups`, from ``TrainerTopology.of(trainer).dims`` under ``mm_parallel`` or
 Lightning's ``ModelParallelStrategy``; the world group, labelled ``world``, under DDP and other
 data-parallel strategies), each compared over local shards. Which parameters a group compares is
 decided from the parameters' placements and meshes, never from mesh dimension names
@@ -36,9 +36,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_mmpar.callbacks.grad_stats import lightning_fsdp
+from lightning_mmpar.callbacks.anomalies import Anomaly
 from lightning_mmpar.parallel import comm
-from lightning_mmpar.topology import ParallelDims
+from lightning_mmpar.trainer_topology import TrainerTopology
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -112,8 +112,9 @@ def shard_key(p: Tensor) -> tuple[Any, ...]:
 def build_groups(
     trainer: pl.Trainer, module: nn.Module, expert_patterns: tuple[str, ...]
 ) -> list[ReplicaGroup]:
-    """Replica groups: dp/tp(/edp) of the run's :class:`ParallelDims`, labelled ``world`` when
-    the group is the default world group (DDP and other data-parallel strategies).
+    """Replica groups: dp/tp(/edp) of the run's :class:`~lightning_mmpar.topology.ParallelDims`,
+    labelled ``world`` when the group is the default world group (DDP and other data-parallel
+    strategies).
 
     Collective over the world (once, at fit start): every rank's :func:`shard_key` per
     parameter is gathered, and a parameter is compared over a group only when every member
@@ -124,9 +125,10 @@ def build_groups(
     """
     import fnmatch
 
-    if comm.group_size() == 1 or lightning_fsdp(trainer):
+    topology = TrainerTopology.of(trainer)
+    if comm.group_size() == 1 or topology.lightning_fsdp:
         return []
-    dims = ParallelDims.of(trainer)
+    dims = topology.dims
     named = list(module.named_parameters())
     keys = comm.all_gather_objects({n: shard_key(p) for n, p in named})
 
@@ -233,3 +235,27 @@ def resync(rg: ReplicaGroup, drift: list[Drift], optimizers: Sequence[Any] = ())
             state = opt.state.get(p, {})
             for key in sorted(k for k, v in state.items() if isinstance(v, Tensor)):
                 comm.broadcast(comm.to_local(state[key]), src=src, group=rg.group)
+
+
+def drift_anomaly(d: Drift, step: int, rg: ReplicaGroup, action: str) -> Anomaly:
+    """The ``replica_drift`` record of drifting parameter ``d`` of group ``rg`` at ``step``, as
+    this rank writes it (``this_rank_drifts``: whether this rank is one of the drifting ones)."""
+    me = comm.group_rank()
+    return Anomaly(
+        kind="replica_drift",
+        step=step,
+        rank=me,
+        group=rg.name,
+        param=d.name,
+        shape=d.shape,
+        action=action,
+        values={
+            "drifting_ranks": d.drifting_ranks,
+            "this_rank_drifts": me in d.drifting_ranks,
+            "reference_rank": d.reference_rank,
+            "fingerprints": d.fingerprints,
+            "max_abs_diff": d.max_abs_diff,
+            "worst_index": d.worst_index,
+            "ambiguous": d.ambiguous,
+        },
+    )

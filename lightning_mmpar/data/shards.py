@@ -1,7 +1,7 @@
 """Image-caption samples from WebDataset tar shards, split by dp rank and DataLoader worker,
 with a position a resumed run continues from exactly.
 
-Layout (WebDataset's): each sample is the files of one key in a tar, ``<key>.jpg`` / ``.jpeg`` /
+Files (WebDataset's): each sample is the files of one key in a tar, ``<key>.jpg`` / ``.jpeg`` /
 ``.png`` / ``.webp`` and ``<key>.txt`` (or ``<key>.json`` holding ``{"caption": ...}``), plus
 ``<key>.cls`` (a class index or name) when the data has labels. Tars are read by the
 ``webdataset`` library (``tarfile_samples``) and decoded by its ``autodecode.Decoder``.

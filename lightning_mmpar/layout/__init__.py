@@ -1,5 +1,11 @@
-"""Choosing a layout, model-agnostic (pure Python): block costs, stage partitions, the device
-graph, rank placement, the cost model and the planner.
+"""Choosing a layout, model-agnostic (pure Python): the layout value and its validation, block
+costs, stage partitions, the device graph, rank placement, the pipeline schedules' facts
+(:mod:`.schedules`: names, stage -> rank maps, in-flight micro-batches, the bubble), the cost
+model and the planner.
+
+:class:`ParallelLayout` is a run's layout (degrees, schedule, engines) and :func:`validate` the
+one check of it, against :class:`LayoutFacts` (world, batch, what the model tells), run by the
+strategy, the recipe's pre-launch check and the planner alike.
 
 :func:`plan_stages` cuts a model's costed pipeline blocks (:class:`BlockSpec`) into
 ``pipeline_parallel * virtual_pipeline`` stages by mode (``equal``, ``ratio``, ``balanced``,
@@ -7,8 +13,8 @@ graph, rank placement, the cost model and the planner.
 ``python -m lightning_mmpar.recipes.partition`` prints a recipe YAML's plans side by side.
 :class:`DeviceGraph` reads ``nvidia-smi topo -m`` or a YAML description, :func:`place` orders
 ranks on it, :func:`comm_bytes` / :func:`state_bytes` / :func:`predict` cost a
-:class:`LayoutSpec` of a :class:`ModelSpec`, and :func:`plan` ranks the layouts of a world;
-``python -m lightning_mmpar.recipes.plan`` is its CLI (docs/planner.md).
+:class:`ParallelLayout` of a :class:`ModelSpec`, and :func:`plan` ranks the layouts of a world;
+``python -m lightning_mmpar.recipes.planner`` is its CLI (docs/planner.md).
 """
 
 from lightning_mmpar.layout.comm import (
@@ -25,10 +31,8 @@ from lightning_mmpar.layout.cost import (
     Prediction,
     RankMemory,
     activation_bytes,
-    bubble_fraction,
     compute_seconds,
     default_graph,
-    in_flight,
     predict,
 )
 from lightning_mmpar.layout.devices import (
@@ -49,11 +53,9 @@ from lightning_mmpar.layout.memory import (
 from lightning_mmpar.layout.model import (
     Boundary,
     Collective,
-    LayoutSpec,
     LossSpec,
     ModelSpec,
     ParamSpec,
-    stage_ranks,
 )
 from lightning_mmpar.layout.partition import (
     Partition,
@@ -80,6 +82,14 @@ from lightning_mmpar.layout.planner import (
     describe,
     divisors,
     plan,
+    refusal,
+)
+from lightning_mmpar.layout.schedules import (
+    bubble_fraction,
+    in_flight,
+    rank_in_flight,
+    stage_ranks,
+    step_units,
 )
 from lightning_mmpar.layout.stages import (
     BlockSpec,
@@ -87,6 +97,14 @@ from lightning_mmpar.layout.stages import (
     measure_blocks,
     parameter_bytes,
     side_by_side,
+)
+from lightning_mmpar.layout.value import (
+    LayoutFacts,
+    LayoutSpec,
+    ParallelLayout,
+    TpSize,
+    check_vision_batch,
+    validate,
 )
 
 __all__ = [
@@ -100,10 +118,12 @@ __all__ = [
     "Collective",
     "DeviceGraph",
     "DeviceSpec",
+    "LayoutFacts",
     "LayoutSpec",
     "LinkClass",
     "LossSpec",
     "ModelSpec",
+    "ParallelLayout",
     "ParamSpec",
     "Partition",
     "Placement",
@@ -112,9 +132,11 @@ __all__ = [
     "Rejected",
     "StagePlan",
     "StateBytes",
+    "TpSize",
     "activation_bytes",
     "bubble_fraction",
     "candidate_layouts",
+    "check_vision_batch",
     "collective_seconds",
     "comm_bounds",
     "comm_bytes",
@@ -142,11 +164,15 @@ __all__ = [
     "plan",
     "plan_stages",
     "predict",
+    "rank_in_flight",
+    "refusal",
     "shard_dim",
     "side_by_side",
     "stage_blocks",
     "stage_ranks",
     "state_bytes",
+    "step_units",
     "tower_of",
+    "validate",
     "world_dim",
 ]

@@ -16,7 +16,7 @@ What runs, per batch (``accumulate`` batches per optimizer step; a dp rank's bat
   of ``dp``: FSDP2's padding) in every forward and again in backward, a reduce-scatter of the
   trainable ones' gradients, and one all-reduce of the 0-dim parameters' gradients;
 * **expert weights** (``edp = dp / ep > 1``): ``fsdp``: each MoE layer's experts are an FSDP2
-  unit over ``edp`` (``lightning_mmpar.parallel.data.shard_experts``: all-gathers and a
+  unit over ``edp`` (``lightning_mmpar.parallel.expert_data.shard_experts``: all-gathers and a
   reduce-scatter of the ``ep``-local weights, as a dense unit); ``ddp``: one ``edp`` all-reduce
   of their gradients per batch;
 * **partial gradients over tp**: parameters of a tower run data-parallel inside tp
@@ -46,7 +46,7 @@ What runs, per batch (``accumulate`` batches per optimizer step; a dp rank's bat
 
 Exactness is checked against :class:`~lightning_mmpar.parallel.comm_count.CommCounter` on the
 CPU parity layouts (tests/recipes/test_parity_matrix.py: dp, tp, sequence parallel, the three
-vision layouts, pp with 1f1b / interleaved / ZBV / DualPipeV schedules and accumulation, ep with
+vision modes, pp with 1f1b / interleaved / ZBV / DualPipeV schedules and accumulation, ep with
 edp 1 and 2 under FSDP and DDP, clipping, a permuted placement, tp x pp x dp; fp32). Not
 measured, derived: bf16 / fp8 activation collectives (2 bytes per element; pipeline boundaries
 keep the fp32 residual stream under ``bf16-mixed``), ``bf16-true`` (2-byte parameters and
@@ -66,8 +66,10 @@ from lightning_mmpar.layout.memory import (
     stage_blocks,
     tp_local_shape,
 )
-from lightning_mmpar.layout.model import LayoutSpec, ModelSpec, ParamSpec, stage_ranks
+from lightning_mmpar.layout.model import ModelSpec, ParamSpec
 from lightning_mmpar.layout.partition import plan_stages
+from lightning_mmpar.layout.schedules import stage_ranks
+from lightning_mmpar.layout.value import LayoutFacts, ParallelLayout, validate
 
 __all__ = [
     "comm_bounds",
@@ -93,10 +95,16 @@ SIGTERM_BYTES = 8
 (``_TrainingEpochLoop._broadcast_sigterm_tensor``)."""
 
 
-def world_dim(layout: LayoutSpec) -> str:
+def world_dim(layout: ParallelLayout) -> str:
     """The key of a collective over every rank: the first of ``tp, pp, dp, edp, ep`` whose
     size is the world, else ``world``."""
-    sizes = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "edp": layout.edp, "ep": layout.ep}
+    sizes = {
+        "tp": layout.tp,
+        "pp": layout.pp,
+        "dp": layout.dp_size,
+        "edp": layout.edp,
+        "ep": layout.ep,
+    }
     return next((d for d, n in sizes.items() if n == layout.world), "world")
 
 
@@ -107,7 +115,7 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _padded_bytes(p: ParamSpec, layout: LayoutSpec) -> int:
+def _padded_bytes(p: ParamSpec, layout: ParallelLayout) -> int:
     shape = list(tp_local_shape(p, layout))
     n = fsdp_group(p, layout)
     d = 0 if p.expert else shard_dim(tuple(shape), n)
@@ -115,12 +123,12 @@ def _padded_bytes(p: ParamSpec, layout: LayoutSpec) -> int:
     return _numel(tuple(shape)) * p.element_size
 
 
-def _grad_bytes(p: ParamSpec, layout: LayoutSpec) -> int:
+def _grad_bytes(p: ParamSpec, layout: ParallelLayout) -> int:
     size = _numel(tp_local_shape(p, layout)) * p.element_size
     return size * layout.tp if p.full_grad and layout.tp > 1 else size
 
 
-def _stage_of_block(model: ModelSpec, layout: LayoutSpec) -> tuple[list[int], list[int]]:
+def _stage_of_block(model: ModelSpec, layout: ParallelLayout) -> tuple[list[int], list[int]]:
     """Per block: its stage and that stage's pipeline rank."""
     n = len(model.blocks)
     if layout.pp == 1:
@@ -134,22 +142,23 @@ def _stage_of_block(model: ModelSpec, layout: LayoutSpec) -> tuple[list[int], li
     return stage, rank
 
 
-def comm_bytes(model: ModelSpec, layout: LayoutSpec, pp_rank: int = 0) -> dict[str, int]:
+def comm_bytes(model: ModelSpec, layout: ParallelLayout, pp_rank: int = 0) -> dict[str, int]:
     """Bytes per optimizer step of one rank on pipeline rank ``pp_rank`` (module docstring),
     keys ``"<dim>.<kind>"`` with non-zero bytes; data-dependent keys (``ep.all_to_all_v``: the
     MoE token dispatch) at their expected value (:func:`comm_bounds` gives their range).
 
     Raises:
         ValueError: ``pp_rank`` outside the pipeline, a partition the model cannot take, or a
-            layout the strategy refuses (``vision_parallel="dp"`` with a micro-batch not
-            divisible by ``tp``; sequence parallelism with ``ModelSpec.extra["text_length"]``
-            not divisible by ``tp``).
+            layout :func:`~lightning_mmpar.layout.value.validate` refuses (with the layout's
+            batch and ``ModelSpec.extra["text_length"]``: ``vision_parallel="dp"`` with a
+            micro-batch not divisible by ``tp``, sequence parallelism with a text ``tp`` does
+            not divide).
     """
     return _comm(model, layout, pp_rank, "expected")
 
 
 def comm_bounds(
-    model: ModelSpec, layout: LayoutSpec, pp_rank: int = 0
+    model: ModelSpec, layout: ParallelLayout, pp_rank: int = 0
 ) -> dict[str, tuple[int, int]]:
     """``(low, high)`` bytes per key of :func:`comm_bytes`; equal for every exact key.
 
@@ -160,27 +169,20 @@ def comm_bounds(
     return {k: (low.get(k, 0), high[k]) for k in high}
 
 
-def _check(model: ModelSpec, layout: LayoutSpec) -> None:
-    """Layouts the strategy refuses at run time: no byte count exists for them."""
-    tp, t = layout.tp, model.extra.get("text_length")
-    if tp > 1 and layout.vision_parallel == "dp" and layout.micro_batch_size % tp:
-        raise ValueError(
-            f"LayoutSpec.micro_batch_size ({layout.micro_batch_size}) must be divisible by tp "
-            f"({tp}) under vision_parallel='dp' (each tp rank encodes 1 / tp of the images); "
-            f"use a multiple of {tp} or vision_parallel='replicate'."
-        )
-    if tp > 1 and layout.sequence_parallel and isinstance(t, int) and t % tp:
-        raise ValueError(
-            f"LayoutSpec.sequence_parallel (True) shards the text ({t} tokens) over tp ({tp}), "
-            f"which does not divide it; pad the text to a multiple of {tp} or turn it off."
-        )
+def _check(model: ModelSpec, layout: ParallelLayout) -> None:
+    """Layouts the strategy refuses have no byte count: :func:`~lightning_mmpar.layout.value.
+    validate` with the layout's own batch and the model's text length; ``dp`` must be known."""
+    text = model.extra.get("text_length")
+    length = text if isinstance(text, int) else None
+    validate(layout, LayoutFacts(batch_size=layout.local_batch, sequence_length=length))
+    layout.world  # noqa: B018 - raises while dp is unknown
 
 
-def _comm(model: ModelSpec, layout: LayoutSpec, pp_rank: int, bound: str) -> dict[str, int]:
+def _comm(model: ModelSpec, layout: ParallelLayout, pp_rank: int, bound: str) -> dict[str, int]:
     return _count(model, layout, pp_rank, bound)[0]
 
 
-def comm_calls(model: ModelSpec, layout: LayoutSpec, pp_rank: int = 0) -> dict[str, int]:
+def comm_calls(model: ModelSpec, layout: ParallelLayout, pp_rank: int = 0) -> dict[str, int]:
     """Collective calls per optimizer step of one rank on pipeline rank ``pp_rank``, by the keys
     of :func:`comm_bytes` (each op one call, as :attr:`~lightning_mmpar.parallel.comm_count.
     CommCounter.calls` counts them): what a call's fixed cost (latency, host software)
@@ -189,7 +191,7 @@ def comm_calls(model: ModelSpec, layout: LayoutSpec, pp_rank: int = 0) -> dict[s
 
 
 def comm_profile(
-    model: ModelSpec, layout: LayoutSpec, pp_rank: int = 0
+    model: ModelSpec, layout: ParallelLayout, pp_rank: int = 0
 ) -> tuple[dict[str, int], dict[str, int], int]:
     """:func:`comm_bytes`, :func:`comm_calls` and :func:`dispatched_calls` of one rank from
     one count (the cost model needs all three per layout). Raises ``ValueError`` as
@@ -198,7 +200,7 @@ def comm_profile(
     return nbytes, {k: calls[k] for k in nbytes if calls[k]}, dispatched
 
 
-def dispatched_calls(model: ModelSpec, layout: LayoutSpec, pp_rank: int = 0) -> int:
+def dispatched_calls(model: ModelSpec, layout: ParallelLayout, pp_rank: int = 0) -> int:
     """Of :func:`comm_calls`, the calls issued through DTensor or FSDP2 (the tensor-parallel
     activation collectives and ``Partial`` redistributions, FSDP's unit all-gathers and
     reduce-scatters), which carry per-call host work (sharding propagation, copy-in / copy-out,
@@ -208,7 +210,7 @@ def dispatched_calls(model: ModelSpec, layout: LayoutSpec, pp_rank: int = 0) -> 
 
 
 def _count(
-    model: ModelSpec, layout: LayoutSpec, pp_rank: int, bound: str
+    model: ModelSpec, layout: ParallelLayout, pp_rank: int, bound: str
 ) -> tuple[dict[str, int], Counter[str], int]:
     """Bytes (``bound``: ``expected``, ``low`` or ``high``) and calls per key, and the calls
     issued through DTensor / FSDP2."""
@@ -227,10 +229,10 @@ def _count(
 
     b, acc = layout.local_batch, layout.accumulate
     passes = 2 if layout.pp > 1 else 1  # the gradient cache's forward-only pass
-    gathers = passes * layout.micro_batches + 1 if layout.pp > 1 else 2  # per FSDP unit
+    gathers = passes * layout.num_micro_batches + 1 if layout.pp > 1 else 2  # per FSDP unit
     params = [p for p in model.params if p.block in held]
     # data parallelism, per batch
-    if layout.dp > 1 and layout.data_parallel != "none":
+    if layout.dp_size > 1 and layout.data_parallel != "none":
         dense = [p for p in params if p.trainable and not p.expert]
         if layout.data_parallel == "ddp":  # one coalesced all-reduce per dtype
             add(
@@ -310,7 +312,7 @@ def _count(
             per_sample = c.bytes_per_sample
             if c.upper_per_sample is not None and bound != "expected":
                 per_sample = c.upper_per_sample if bound == "high" else 0
-            m = layout.micro_batches
+            m = layout.num_micro_batches
             add(
                 f"{c.dim}.{c.kind}",
                 acc * times * (b * per_sample + m * c.bytes_per_call),
@@ -321,7 +323,7 @@ def _count(
     last = len(model.blocks) - 1
     if layout.pp > 1:
         stage, rank = _stage_of_block(model, layout)
-        m = layout.micro_batches
+        m = layout.num_micro_batches
         for i in range(last):
             if stage[i] == stage[i + 1] or rank[i] == rank[i + 1]:
                 continue
@@ -337,15 +339,15 @@ def _count(
                 add("pp.send", acc * b * grads, acc * m * n_grads)
         add("pp.broadcast", acc * (LOSS_BYTES + TERM_BYTES), acc * 2)
     # the loss and its logging
-    if layout.dp > 1:
+    if layout.dp_size > 1:
         loss = model.loss
         if loss is not None and last in held:
-            rows = b * layout.dp * loss.feature_bytes
+            rows = b * layout.dp_size * loss.feature_bytes
             add("dp.all_reduce", acc * TOKEN_BYTES, acc)
             # per gather: the row counts, then the image and the text features
             add(
                 "dp.all_gather",
-                acc * loss.gathers * (8 * layout.dp + 2 * rows),
+                acc * loss.gathers * (8 * layout.dp_size + 2 * rows),
                 acc * loss.gathers * 3,
             )
             add(

@@ -3,7 +3,8 @@
 :func:`predict` = compute (FLOPs over ``peak x efficiency`` of a :data:`DEVICES` entry) +
 communication (:func:`lightning_mmpar.layout.comm.comm_bytes` timed by
 :func:`lightning_mmpar.layout.devices.collective_seconds` on the placed groups, no overlap) +
-the pipeline bubble (:func:`bubble_fraction`)::
+the pipeline bubble (:func:`lightning_mmpar.layout.schedules.bubble_fraction`, the formula the
+``PipelineTimeline`` callback logs too)::
 
     step = (compute + tp + ep + pp comm) / (1 - bubble) + dp comm
     MFU  = model FLOPs / (step x world x peak)       (PaLM, Chowdhery et al. 2022, app. B)
@@ -23,10 +24,11 @@ from typing import Any
 from lightning_mmpar.layout.comm import comm_profile
 from lightning_mmpar.layout.devices import DeviceGraph, collective_seconds
 from lightning_mmpar.layout.memory import state_bytes
-from lightning_mmpar.layout.model import stage_ranks
 from lightning_mmpar.layout.partition import plan_stages
 from lightning_mmpar.layout.placement import group_positions
+from lightning_mmpar.layout.schedules import bubble_fraction, in_flight, stage_ranks
 from lightning_mmpar.layout.stages import BlockSpec
+from lightning_mmpar.layout.value import validate
 
 __all__ = [
     "DEVICES",
@@ -34,12 +36,9 @@ __all__ = [
     "Prediction",
     "RankMemory",
     "activation_bytes",
-    "bubble_fraction",
     "compute_seconds",
     "default_graph",
-    "in_flight",
     "predict",
-    "stage_ranks",
 ]
 
 GIB = 2**30
@@ -131,83 +130,13 @@ DEVICES: dict[str, DeviceSpec] = {
 
 _NOT_RECOMPUTED = ("vision.stem", "vision.pool", "bridge", "head")
 """Blocks that ``activation_checkpointing="layers"`` leaves alone: the fusion plan's ``layers``
-(``plans.fusion.checkpoint_units``) are the other blocks' modules (tests/unit/test_parallelize)."""
+(``plans.fusion.checkpoint_units``) are the other blocks' modules
+(tests/unit/parallel/test_parallelize)."""
 REPLICATED_SHARE = 10 / 34
 """Share of a transformer layer's kept activations that tensor parallelism without sequence
 parallelism leaves whole on every rank (norm and dropout inputs, the column-parallel inputs):
 ``10 s b h`` of ``34 s b h`` (Korthikanti et al. 2022, "Reducing Activation Recomputation in
 Large Transformer Models", eq. 2-4; attention scores not counted, flash kernels)."""
-
-
-def in_flight(schedule: str, pp: int, virtual: int, micro_batches: int) -> list[int]:
-    """Micro-batches whose activations each stage holds at its peak: all ``m`` under GPipe,
-    ``min(m, pp - rank)`` under the 1F1B family (PipeDream-Flush; Narayanan et al. 2021) as
-    the strategy's memory plan counts them; the interleaved schedules' warm-up of rank ``r``
-    holds ``2 (pp - 1 - r) + (v - 1) pp + 1`` stage-micro-batches (Megatron-LM's
-    ``get_num_warmup_microbatches``), spread evenly over its ``v`` stages (rounded up)."""
-    ranks, m = stage_ranks(schedule, pp, virtual), micro_batches
-    if schedule == "gpipe":
-        return [m] * len(ranks)
-    if schedule in ("interleaved_1f1b", "interleaved_zero_bubble") and pp > 1:
-        return [
-            min(m, math.ceil((2 * (pp - 1 - r) + (virtual - 1) * pp + 1) / virtual)) for r in ranks
-        ]
-    return [min(m, pp - r) for r in ranks]
-
-
-def bubble_fraction(schedule: str, pp: int, virtual: int, micro_batches: int) -> float:
-    """Idle fraction of a pipeline rank's step (0 without pipelining).
-
-    With ``F``, ``B``, ``W`` the forward, input-gradient and weight-gradient times of one stage
-    and micro-batch, assumed ``B = 1.5 F``, ``W = F`` (attention's backward has no weight part):
-
-    * ``gpipe``, ``1f1b``: ``(p - 1) / (m + p - 1)`` (GPipe, Huang et al. 2019; PipeDream-Flush,
-      Narayanan et al. 2021).
-    * ``interleaved_1f1b``, ``looped_bfs``: ``(p - 1) / (v m + p - 1)`` (Narayanan et al. 2021;
-      Lamy-Poirier 2023 for breadth-first, same idle time).
-    * ``interleaved_zero_bubble``: the interleaved bubble scaled by ZB-H1's
-      ``(F + B - W) / (F + B + W)`` (Qi et al. 2023, "Zero Bubble Pipeline Parallelism").
-    * ``zbv_zero_bubble``, ``dualpipev``: ZB-V's ``(p - 1)(F + B - 2 W)`` idle per chunk (Qi et
-      al. 2024; DeepSeek-V3 report Table 2 gives DualPipe's ``(p/2 - 1)(F&B + B - 3 W)``, which
-      needs overlapped forward-backward chunks this package does not run, so DualPipeV is
-      charged ZB-V's figure).
-
-    Raises:
-        ValueError: an unknown schedule or sizes < 1.
-    """
-    for name, value in (("pp", pp), ("virtual", virtual), ("micro_batches", micro_batches)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} ({value!r}) must be an int >= 1.")
-    if schedule not in _SCHEDULES:
-        raise ValueError(f"schedule {schedule!r} is unknown; choose one of {sorted(_SCHEDULES)}.")
-    if pp == 1:
-        return 0.0
-    p, v, m = pp, virtual, micro_batches
-    f, b, w = 1.0, 1.5, 1.0
-    work = v * m * (f + b + w) if schedule in ("zbv_zero_bubble", "dualpipev") else m * (f + b + w)
-    loop, zb = (p - 1) * (f + b + w), (p - 1) * (f + b - w)
-    # V schedules: per chunk (half a rank's layers), 2 m (F + B + W) of work per step
-    idle = {
-        "gpipe": loop,
-        "1f1b": loop,
-        "interleaved_1f1b": loop / v,
-        "looped_bfs": loop / v,
-        "interleaved_zero_bubble": zb / v,
-        "zbv_zero_bubble": (p - 1) * (f + b - 2 * w),
-        "dualpipev": (p - 1) * (f + b - 2 * w),
-    }
-    return idle[schedule] / (idle[schedule] + work)
-
-
-_SCHEDULES = (
-    "gpipe",
-    "1f1b",
-    "interleaved_1f1b",
-    "looped_bfs",
-    "interleaved_zero_bubble",
-    "zbv_zero_bubble",
-    "dualpipev",
-)
 
 
 def _tp_share(block: BlockSpec, layout: Any, kept: bool) -> float:
@@ -232,7 +161,7 @@ def _stages_of(model: Any, layout: Any) -> tuple[list[range], list[int], list[in
     return (
         plan.ranges,
         ranks,
-        in_flight(layout.schedule, layout.pp, layout.virtual, layout.micro_batches),
+        in_flight(layout.schedule, layout.pp, layout.virtual, layout.num_micro_batches),
     )
 
 
@@ -240,15 +169,16 @@ def activation_bytes(model: Any, layout: Any, pp_rank: int = 0) -> int:
     """Kept activation bytes of pipeline rank ``pp_rank`` at the schedule's peak.
 
     Per stage on the rank: ``sum(BlockSpec.activation_bytes) x micro_batch_size x in_flight``
-    (:func:`in_flight`), times the element size of ``layout.precision`` / 4 (the specs count
-    fp32), times the tensor-parallel share (``1 / tp``, with sequence parallelism; without it
+    (:func:`lightning_mmpar.layout.schedules.in_flight`: the stage's share of its rank's peak),
+    times the element size of ``layout.precision`` / 4 (the specs count fp32), times the
+    tensor-parallel share (``1 / tp``, with sequence parallelism; without it
     :data:`REPLICATED_SHARE` stays whole; the ViT under ``vision_parallel='replicate'`` is
     not divided). Activation checkpointing keeps only the inputs of recomputed blocks
     (``ModelSpec.boundaries`` of the block before) and adds the largest such block's activations of
     one micro-batch (recomputed in its backward).
 
     ``model``: a ``ModelSpec`` (``.blocks``, ``.boundaries``); ``layout``: a
-    ``LayoutSpec``. Raises ``ValueError`` from :func:`plan_stages` for a pipeline the blocks
+    ``ParallelLayout``. Raises ``ValueError`` from :func:`plan_stages` for a pipeline the blocks
     cannot fill.
     """
     ranges, ranks, flight = _stages_of(model, layout)
@@ -287,7 +217,7 @@ def _rank_flops(model: Any, layout: Any) -> tuple[list[float], list[float], floa
     features of the whole batch before the schedule runs; :mod:`lightning_mmpar.layout.comm`
     counts its collectives too)."""
     ranges, ranks, _ = _stages_of(model, layout)
-    samples = layout.micro_batch_size * layout.micro_batches * layout.accumulate
+    samples = layout.micro_batch_size * layout.num_micro_batches * layout.accumulate
     per_rank, runs = [0.0] * layout.pp, [0.0] * layout.pp
     cached = 1 / 3 if layout.pp > 1 else 0.0
     for r, rank in zip(ranges, ranks, strict=True):
@@ -305,7 +235,7 @@ def compute_seconds(model: Any, layout: Any, device: DeviceSpec) -> list[float]:
     ``peak x efficiency``, plus ``device.overhead`` per block per micro-batch."""
     rate = device.peak(layout.precision) * device.efficiency
     flops, runs, _ = _rank_flops(model, layout)
-    batches = layout.micro_batches * layout.accumulate
+    batches = layout.num_micro_batches * layout.accumulate
     return [f / rate + device.overhead * n * batches for f, n in zip(flops, runs, strict=True)]
 
 
@@ -373,14 +303,16 @@ def predict(
 ) -> Prediction:
     """Predict one layout's step time, memory per rank, communication and MFU (module doc).
 
-    ``model``: a ``ModelSpec``; ``layout``: a ``LayoutSpec``; ``graph``: a ``DeviceGraph`` of
+    ``model``: a ``ModelSpec``; ``layout``: a ``ParallelLayout``; ``graph``: a ``DeviceGraph`` of
     ``>= layout.world`` devices (None: :func:`default_graph`); ``placement``: a ``Placement``
     (None: Megatron's order); ``memory_gib``: what ``fits`` checks (None: the device's).
 
     Raises:
-        ValueError: the graph has fewer devices than the layout's world, a precision the device
-            has no figure for, or a pipeline the model's blocks cannot fill.
+        ValueError: a layout :func:`~lightning_mmpar.layout.value.validate` refuses, the graph
+            has fewer devices than the layout's world, a precision the device has no figure
+            for, or a pipeline the model's blocks cannot fill.
     """
+    validate(layout)
     world = layout.world
     graph = graph if graph is not None else default_graph(world)
     if graph.num_devices < world:
@@ -389,7 +321,7 @@ def predict(
             "(tp * pp * dp); give a topology of the whole job or a smaller layout."
         )
     order = tuple(placement.devices) if placement is not None else tuple(range(world))
-    bubble = bubble_fraction(layout.schedule, layout.pp, layout.virtual, layout.micro_batches)
+    bubble = bubble_fraction(layout.schedule, layout.pp, layout.virtual, layout.num_micro_batches)
     compute = compute_seconds(model, layout, device)
     critical, exposed, busy, wire, memories = [], [], [], [], []
     worst_bytes, worst_secs = dict[str, int](), dict[str, float]()
@@ -450,7 +382,7 @@ def _comm_seconds(
             continue
         k = max(1, calls.get(key, 1))
         if key in _BATCHED:  # a micro-batch's tensors at a boundary go as one batched P2P op
-            k = layout.micro_batches * layout.accumulate * layout.virtual
+            k = layout.num_micro_batches * layout.accumulate * layout.virtual
         groups = [g for g in _groups(shape, dim) if dim == "pp" or g[0] // per_pp == pp_rank]
         kind = _P2P.get(kind, kind)
         t = k * max(collective_seconds(graph, kind, [order[p] for p in g], n / k) for g in groups)

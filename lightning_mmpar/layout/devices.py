@@ -1,6 +1,7 @@
 """Devices as a weighted link graph (:class:`DeviceGraph`: ``nvidia-smi topo -m`` output as the
 NVIDIA System Management Interface documents it, YAML, uniform, this machine) and the alpha-beta
-time of a collective on it (:func:`collective_seconds`). TECHNIQUES 2.4.
+time of a collective on it (:func:`collective_seconds`; the alpha-beta model of Thakur et al.
+2005, "Optimization of Collective Communication Operations in MPICH").
 
 A :class:`LinkClass` is one direction's bandwidth per GPU pair (bytes/s) and a per-message
 latency alpha (seconds). Defaults (:data:`LINK_CLASSES`; override them in YAML with measured

@@ -24,8 +24,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_mmpar.layout.model import LayoutSpec, ModelSpec, ParamSpec, stage_ranks
+from lightning_mmpar.layout.model import ModelSpec, ParamSpec
 from lightning_mmpar.layout.partition import plan_stages
+from lightning_mmpar.layout.schedules import stage_ranks
+from lightning_mmpar.layout.value import ParallelLayout
 
 __all__ = ["StateBytes", "local_shape", "shard_dim", "stage_blocks", "state_bytes"]
 
@@ -46,7 +48,7 @@ class StateBytes:
         return self.parameters + self.gradients + self.optimizer
 
 
-def stage_blocks(model: ModelSpec, layout: LayoutSpec, pp_rank: int) -> list[int]:
+def stage_blocks(model: ModelSpec, layout: ParallelLayout, pp_rank: int) -> list[int]:
     """Block indices held by pipeline rank ``pp_rank``: stage ``s`` runs on ``s % pp`` (loop)
     or, on the V schedules, rank ``r`` holds stages ``r`` and ``2 * pp - 1 - r``.
 
@@ -54,7 +56,7 @@ def stage_blocks(model: ModelSpec, layout: LayoutSpec, pp_rank: int) -> list[int
         ValueError: ``pp_rank`` outside ``0 .. pp - 1`` or a partition the model cannot take.
     """
     if not 0 <= pp_rank < layout.pp:
-        raise ValueError(f"pp_rank ({pp_rank}) must be in 0..{layout.pp - 1} (LayoutSpec.pp).")
+        raise ValueError(f"pp_rank ({pp_rank}) must be in 0..{layout.pp - 1} (pipeline_parallel).")
     if layout.pp == 1:
         return list(range(len(model.blocks)))
     plan = plan_stages(model.blocks, layout.pp, layout.virtual, layout.partition)
@@ -76,7 +78,7 @@ def _chunk(size: int, n: int, index: int) -> int:
     return max(0, min(step, size - index * step))
 
 
-def tp_local_shape(param: ParamSpec, layout: LayoutSpec) -> tuple[int, ...]:
+def tp_local_shape(param: ParamSpec, layout: ParallelLayout) -> tuple[int, ...]:
     """The shape after tensor (or expert) parallelism, before FSDP."""
     shape = list(param.shape)
     if param.expert and shape:
@@ -86,16 +88,18 @@ def tp_local_shape(param: ParamSpec, layout: LayoutSpec) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def fsdp_group(param: ParamSpec, layout: LayoutSpec) -> int:
+def fsdp_group(param: ParamSpec, layout: ParallelLayout) -> int:
     """Ranks FSDP2 shards ``param`` over (1: not sharded)."""
-    if layout.data_parallel != "fsdp" or layout.dp == 1 or not param.shape:
+    if layout.data_parallel != "fsdp" or layout.dp_size == 1 or not param.shape:
         return 1
     if param.expert:
         return layout.edp
-    return layout.dp
+    return layout.dp_size
 
 
-def local_shape(param: ParamSpec, layout: LayoutSpec, coords: dict[str, int]) -> tuple[int, ...]:
+def local_shape(
+    param: ParamSpec, layout: ParallelLayout, coords: dict[str, int]
+) -> tuple[int, ...]:
     """``param``'s local shard on the rank at ``coords`` (``dp``, ``edp`` keys used)."""
     shape = list(tp_local_shape(param, layout))
     n = fsdp_group(param, layout)
@@ -106,7 +110,7 @@ def local_shape(param: ParamSpec, layout: LayoutSpec, coords: dict[str, int]) ->
     return tuple(shape)
 
 
-def state_bytes(model: ModelSpec, layout: LayoutSpec, coords: dict[str, int]) -> StateBytes:
+def state_bytes(model: ModelSpec, layout: ParallelLayout, coords: dict[str, int]) -> StateBytes:
     """Parameter, gradient and AdamW state bytes of the rank at ``coords`` (keys ``pp``,
     ``dp``, ``edp``; missing ones are 0), exactly as the strategy leaves them (module docstring).
 

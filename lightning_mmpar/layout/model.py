@@ -1,7 +1,7 @@
-"""What the cost model knows of a layout and of a model, as plain numbers (pure Python).
+"""What the cost model knows of a model, as plain numbers (pure Python).
 
-:class:`LayoutSpec` is one candidate layout (degrees, schedule, engines, precision), validated at
-construction. :class:`ModelSpec` is a model reduced to what communication and state memory
+The layout it is costed in is a :class:`~lightning_mmpar.layout.value.ParallelLayout`.
+:class:`ModelSpec` is a model reduced to what communication and state memory
 depend on: its pipeline blocks (:class:`~lightning_mmpar.layout.stages.BlockSpec`), every
 parameter (:class:`ParamSpec`: global shape, block, tensor-parallel dim, trainable, expert), the
 tensors crossing each block boundary (:class:`Boundary`), each block's activation collectives
@@ -16,174 +16,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_mmpar.layout.partition import parse_partition
 from lightning_mmpar.layout.stages import BlockSpec
 
 __all__ = [
     "Boundary",
     "Collective",
-    "LayoutSpec",
     "LossSpec",
     "ModelSpec",
     "ParamSpec",
-    "stage_ranks",
 ]
-
-SCHEDULES = (
-    "gpipe",
-    "1f1b",
-    "interleaved_1f1b",
-    "looped_bfs",
-    "interleaved_zero_bubble",
-    "zbv_zero_bubble",
-    "dualpipev",
-)
-"""The pipeline schedules (``lightning_mmpar.config.SCHEDULES``; layout/ imports no config)."""
-V_SCHEDULES = ("zbv_zero_bubble", "dualpipev")
-
-
-def stage_ranks(schedule: str, pp: int, virtual: int) -> list[int]:
-    """Pipeline rank of each of the ``pp * virtual`` stages: the loop layout ``s % pp``, or for
-    the V schedules (``zbv_zero_bubble``, ``dualpipev``) ``s`` then ``2 pp - 1 - s`` (as
-    ``lightning_mmpar.parallel.pipeline_schedules.stage_ranks``)."""
-    stages = pp * virtual
-    if schedule in V_SCHEDULES and stages == 2 * pp:
-        return [s if s < pp else 2 * pp - 1 - s for s in range(stages)]
-    return [s % pp for s in range(stages)]
-
-
-PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "fp8")
-VISION_PARALLEL = ("tp", "replicate", "dp")
-DATA_PARALLEL = ("fsdp", "ddp", "none")
-
-
-@dataclass(frozen=True)
-class LayoutSpec:
-    """One layout of the strategy (``MultimodalParallelStrategy`` arguments and the options of
-    the run that change communication or memory).
-
-    Raises:
-        ValueError: a degree, count or size below 1 (or not an int), ``ep`` not dividing ``dp``,
-            an unknown schedule / vision layout / data-parallel engine / precision, a partition
-            :func:`~lightning_mmpar.layout.partition.parse_partition` refuses, ``virtual > 1``
-            with ``1f1b`` / ``gpipe``, or ``data_parallel="none"`` with ``dp > 1``; the message
-            names the field, the value and the fix.
-    """
-
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    ep: int = 1
-    virtual: int = 1
-    micro_batches: int = 1
-    """Micro-batches per optimizer-step batch per dp rank (the pipeline's ``n_microbatches``)."""
-    micro_batch_size: int = 1
-    """Samples per micro-batch (a dp rank's batch is ``micro_batches * micro_batch_size``)."""
-    accumulate: int = 1
-    """Lightning's ``accumulate_grad_batches``: batches per optimizer step."""
-    schedule: str = "1f1b"
-    partition: str | tuple[int, ...] = "equal"
-    vision_parallel: str = "tp"
-    sequence_parallel: bool = False
-    data_parallel: str = "fsdp"
-    activation_checkpointing: bool = False
-    """The strategy's ``activation_checkpointing="layers"``: the model's layers (the plan's
-    ``layers``; for the fusion model every block but the stem, pooler, bridge and head) are
-    recomputed in backward."""
-    precision: str = "32-true"
-    clip: bool = False
-    """Gradient clipping by the global norm (one float64 all-reduce per optimizer step)."""
-
-    def __post_init__(self) -> None:
-        for name in (
-            "tp",
-            "pp",
-            "dp",
-            "ep",
-            "virtual",
-            "micro_batches",
-            "micro_batch_size",
-            "accumulate",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"LayoutSpec.{name} ({value!r}) must be an int >= 1; use 1 to disable it."
-                )
-        if self.dp % self.ep:
-            raise ValueError(
-                f"LayoutSpec.ep ({self.ep}) must divide dp ({self.dp}): expert parallelism is "
-                f"carved out of the data-parallel ranks; choose ep from "
-                f"{[d for d in range(1, self.dp + 1) if self.dp % d == 0]}."
-            )
-        choices = {
-            "schedule": SCHEDULES,
-            "vision_parallel": VISION_PARALLEL,
-            "data_parallel": DATA_PARALLEL,
-            "precision": PRECISIONS,
-        }
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(
-                    f"LayoutSpec.{name} ({getattr(self, name)!r}) is unknown; use one of "
-                    f"{', '.join(allowed)}."
-                )
-        if self.virtual > 1 and self.schedule in ("gpipe", "1f1b"):
-            raise ValueError(
-                f"LayoutSpec.virtual ({self.virtual}) needs a multi-stage schedule; "
-                f"schedule {self.schedule!r} runs one stage per rank: use virtual=1 or "
-                "schedule='interleaved_1f1b'."
-            )
-        if self.data_parallel == "none" and self.dp > 1:
-            raise ValueError(
-                f"LayoutSpec.data_parallel ('none') needs dp 1, got dp {self.dp}; use 'fsdp' "
-                "or 'ddp'."
-            )
-        try:
-            parse_partition(self.partition, self.pp * self.virtual)
-        except ValueError as err:
-            raise ValueError(f"LayoutSpec.partition: {err}") from None
-
-    @property
-    def world(self) -> int:
-        """Ranks of the layout: ``tp * pp * dp``."""
-        return self.tp * self.pp * self.dp
-
-    @property
-    def edp(self) -> int:
-        """Data-parallel degree of expert weights: ``dp // ep``."""
-        return self.dp // self.ep
-
-    @property
-    def local_batch(self) -> int:
-        """Samples per batch on one dp rank: ``micro_batches * micro_batch_size``."""
-        return self.micro_batches * self.micro_batch_size
-
-    @property
-    def global_batch(self) -> int:
-        """Samples per optimizer step: ``dp * micro_batches * micro_batch_size * accumulate``."""
-        return self.dp * self.local_batch * self.accumulate
-
-    def strategy_args(self) -> dict[str, Any]:
-        """``MultimodalParallelStrategy`` ``init_args`` of this layout (a recipe YAML fragment);
-        defaults left out."""
-        out: dict[str, Any] = {}
-        for key, value, default in (
-            ("tensor_parallel", self.tp, 1),
-            ("pipeline_parallel", self.pp, 1),
-            ("expert_parallel", self.ep, 1),
-            ("virtual_pipeline", self.virtual, 1),
-            ("data_parallel", self.data_parallel, "fsdp"),
-        ):
-            if value != default:
-                out[key] = value
-        if self.pp > 1:
-            out["micro_batches"] = self.micro_batches
-            out["schedule"] = self.schedule
-            if self.partition != "equal":
-                part = self.partition
-                out["partition"] = list(part) if isinstance(part, tuple) else part
-        return out
 
 
 @dataclass(frozen=True)
@@ -290,3 +131,13 @@ class ModelSpec:
             raise ValueError(
                 f"ModelSpec.params {bad[:3]} name a block outside 0..{n - 1}; set ParamSpec.block."
             )
+
+
+def __getattr__(name: str) -> Any:
+    """``LayoutSpec``: the deprecated name of :class:`~lightning_mmpar.layout.value.
+    ParallelLayout` (constructing one warns)."""
+    if name == "LayoutSpec":
+        from lightning_mmpar.layout.value import LayoutSpec
+
+        return LayoutSpec
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -187,11 +187,11 @@ def plan_stages(
     stages = pipeline_parallel * virtual_pipeline
     part = parse_partition(partition, stages)
     blocks = tuple(blocks)
-    n = len(blocks)
-    if n < stages:
+    if len(blocks) < stages:
         raise ValueError(
             f"pipeline stages ({stages} = pipeline_parallel * virtual_pipeline) exceed the "
-            f"model's pipeline blocks ({n}); use at most {n} stages or a deeper model."
+            f"model's pipeline blocks ({len(blocks)}); use at most {len(blocks)} stages or a "
+            "deeper model."
         )
     ranks, flight = tuple(stage_ranks or ()), tuple(in_flight or ())
     shape = StagePlan(
@@ -200,39 +200,36 @@ def plan_stages(
     for name, given in (("stage_ranks", stage_ranks), ("in_flight", in_flight)):
         if given is not None and len(given) != stages:
             raise ValueError(f"{name} has {len(given)} entries for {stages} stages; give one each.")
-    ranges = list(
-        _cached_ranges(
-            part,
-            blocks,
-            stages,
-            pipeline_parallel,
-            micro_batch_size,
-            tuple(_in_flight(shape, stages)),
-        )
-    )
-    plan = replace(shape, ranges=ranges)
+    weights = tuple(_in_flight(shape, stages))
+    ranges = _cached_ranges(part, blocks, stages, pipeline_parallel, micro_batch_size, weights)
+    plan = replace(shape, ranges=list(ranges))
     if memory_limit_bytes is not None and max(plan.stage_bytes) > memory_limit_bytes * (1 + 1e-9):
-        best = (
-            plan
-            if part.mode == "memory"
-            else plan_stages(
-                blocks,
-                pipeline_parallel,
-                virtual_pipeline,
-                "memory",
-                micro_batch_size=micro_batch_size,
-                stage_ranks=stage_ranks,
-                in_flight=in_flight,
-            )
-        )
-        raise ValueError(
-            f"memory_limit ({gib(memory_limit_bytes)} per stage) is exceeded by partition "
-            f"{part} ({gib(max(plan.stage_bytes))}); the best achievable at pp "
-            f"{pipeline_parallel} x v {virtual_pipeline}, micro-batch {micro_batch_size} is "
-            f"{gib(max(best.stage_bytes))} (partition 'memory'). Raise the limit, use "
-            "partition='memory', more pipeline stages, a smaller micro-batch, or freeze more."
-        )
+        raise _over_limit(plan, part, memory_limit_bytes)
     return plan
+
+
+def _over_limit(plan: StagePlan, part: Partition, limit: float) -> ValueError:
+    """The error of a plan whose largest stage exceeds ``limit`` bytes, naming the best
+    ``memory`` plan of the same pipeline."""
+    best = plan
+    if part.mode != "memory":
+        best = plan_stages(
+            plan.blocks,
+            plan.pipeline_parallel,
+            plan.virtual_pipeline,
+            "memory",
+            micro_batch_size=plan.micro_batch_size,
+            stage_ranks=plan.stage_ranks or None,
+            in_flight=plan.in_flight or None,
+        )
+    return ValueError(
+        f"memory_limit ({gib(limit)} per stage) is exceeded by partition "
+        f"{part} ({gib(max(plan.stage_bytes))}); the best achievable at pp "
+        f"{plan.pipeline_parallel} x v {plan.virtual_pipeline}, micro-batch "
+        f"{plan.micro_batch_size} is {gib(max(best.stage_bytes))} (partition 'memory'). Raise "
+        "the limit, use partition='memory', more pipeline stages, a smaller micro-batch, or "
+        "freeze more."
+    )
 
 
 def _in_flight(shape: StagePlan, stages: int) -> list[int]:

@@ -14,8 +14,8 @@ contiguous (devices sorted by their connected component at every bandwidth level
 first: node, socket, PCIe switch, NVLink pair), then improves the best by swapping pairs of
 devices while that helps. Heavy traffic (``tp`` >> ``ep`` > ``pp`` > ``dp`` by default) lands
 on the fastest islands; a placement never predicts worse than Megatron's order (a candidate
-itself). TECHNIQUES 2.4; Megatron-LM places TP inside a node by rank order alone, this reads
-the topology.
+itself). Megatron-LM (Narayanan et al. 2021) places TP inside a node by rank order alone;
+this reads the topology.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """Enumerate the layouts of ``N`` devices, predict each (:func:`lightning_mmpar.layout.cost.
-predict`) and rank them by predicted step time (pure Python; the model-specific validity
-checks come in as ``accept``, see ``python -m lightning_mmpar.recipes.plan``).
+predict`) and rank them by predicted step time (pure Python). Every candidate is checked by
+:func:`lightning_mmpar.layout.value.validate`, with what the model tells as ``facts`` (see
+``python -m lightning_mmpar.recipes.planner``), the check the strategy runs.
 
 Peers: Megatron-LM and torchtitan take a hand-written layout; DeepSpeed's autotuner and
 Alpa/Galvatron search by trials or by a cost model of their own. This one is a cost model
-checked against the package's own measurements (tests/unit/test_cost_model.py,
+checked against the package's own measurements (tests/unit/layout/test_cost_model.py,
 benchmarks/bench_planner.py).
 """
 
@@ -12,12 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeAlias
 
 from lightning_mmpar.layout.cost import DeviceSpec, Prediction, predict
-from lightning_mmpar.layout.model import LayoutSpec
+from lightning_mmpar.layout.value import LayoutFacts, ParallelLayout, validate
 
-__all__ = ["Rejected", "candidate_layouts", "describe", "divisors", "plan"]
+__all__ = ["Rejected", "candidate_layouts", "describe", "divisors", "plan", "refusal"]
+
+Facts: TypeAlias = LayoutFacts | Callable[[Any], LayoutFacts] | None
+"""What the model tells about a layout: one :class:`LayoutFacts`, or a function of the layout
+(a model's padded vocabulary depends on tp), or nothing known."""
 
 
 @dataclass(frozen=True)
@@ -55,15 +60,15 @@ def candidate_layouts(
     checkpointing: Sequence[bool] = (False, True),
     base: Any = None,
 ) -> list[Any]:
-    """Every ``LayoutSpec`` of ``world`` devices at a fixed ``global_batch`` (samples per
+    """Every ``ParallelLayout`` of ``world`` devices at a fixed ``global_batch`` (samples per
     optimizer step): ``tp`` a divisor of ``world`` up to ``max_tp`` (a node's NVLink island),
     ``pp`` a divisor of the rest with ``pp * v <= num_blocks``, ``dp = world / (tp pp)`` dividing
     ``global_batch``, ``ep`` a divisor of ``dp`` and of ``experts`` (MoE models only), ``v``
     from ``virtual`` (``> 1``: ``interleaved_1f1b``), micro-batches per step from
     ``micro_batch_counts(pp, per_dp_batch)`` (default: ``pp``, ``2 pp``, ``4 pp`` and the whole
     per-rank batch, those dividing it; 1 without a pipeline), sequence parallelism only with
-    ``tp > 1``, ``ddp`` only with ``dp > 1``. ``base``: a ``LayoutSpec`` whose other fields
-    (precision, vision layout, partition) every candidate keeps.
+    ``tp > 1``, ``ddp`` only with ``dp > 1``. ``base``: a ``ParallelLayout`` whose other fields
+    (precision, vision mode, partition) every candidate keeps.
 
     Raises:
         ValueError: ``world``, ``num_blocks``, ``global_batch`` or ``max_tp`` < 1.
@@ -76,7 +81,7 @@ def candidate_layouts(
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} ({value!r}) must be an int >= 1.")
-    base = base if base is not None else LayoutSpec()
+    base = base if base is not None else ParallelLayout()
     counts = micro_batch_counts or _micro_batch_counts
     out = []
     for tp in (d for d in divisors(world) if d <= max_tp):
@@ -120,6 +125,20 @@ def _micro_batch_counts(pp: int, per_dp: int) -> list[int]:
     return sorted({m for m in (pp, 2 * pp, 4 * pp, per_dp) if m <= per_dp and per_dp % m == 0})
 
 
+def refusal(layout: Any, facts: Facts = None, world: int | None = None) -> str | None:
+    """Why ``layout`` cannot run (:func:`~lightning_mmpar.layout.value.validate`'s message), or
+    ``None``: the planner's filter. ``facts`` as :func:`plan` takes them; ``world``: the world
+    size (replaces the facts')."""
+    known = facts(layout) if callable(facts) else facts if facts is not None else LayoutFacts()
+    if world is not None:
+        known = replace(known, world_size=world)
+    try:
+        validate(layout, known)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
 def plan(
     model: Any,
     world: int,
@@ -128,6 +147,7 @@ def plan(
     memory_gib: float | None = None,
     *,
     candidates: Sequence[Any] | None = None,
+    facts: Facts = None,
     accept: Callable[[Any], str | None] | None = None,
     placement: Callable[[Any], Any] | None = None,
     **enumerate_args: Any,
@@ -137,9 +157,11 @@ def plan(
     ``model``: a ``ModelSpec``, or a function ``layout -> ModelSpec`` when the spec depends on
     the layout (a fusion model's vocabulary padding and collectives do; cache it).
     ``ranked``: predictions that fit in ``memory_gib`` (default the device's), fastest
-    predicted step first (ties: less memory). ``rejected``: layouts ``accept`` refuses (its
-    string is the reason; None accepts), whose prediction raises ``ValueError`` (its message),
-    or that do not fit (``"needs 93.1 GiB (pipeline rank 0: parameters 41.2 + gradients ... +
+    predicted step first (ties: less memory). ``rejected``: layouts :func:`refusal` refuses
+    with ``facts`` on ``world`` ranks (its message is the reason; a candidate whose ``dp`` is
+    ``None`` gets ``world / (tp * pp)``), that ``accept`` refuses (a further filter: its string
+    is the reason, None accepts), whose prediction raises ``ValueError`` (its message), or that
+    do not fit (``"needs 93.1 GiB (pipeline rank 0: parameters 41.2 + gradients ... +
     activations 21.0) > 80 GiB"``: :meth:`RankMemory.describe`), in candidate order.
     ``candidates`` default to :func:`candidate_layouts` (``world``, the model's block count and
     ``enumerate_args``); ``placement(layout)`` gives each layout's ``Placement`` (None:
@@ -151,22 +173,19 @@ def plan(
     spec_of = model if callable(model) else (lambda _: model)
     if candidates is None:
         base = enumerate_args.get("base")
-        blocks = len(spec_of(base if base is not None else LayoutSpec()).blocks)
+        blocks = len(spec_of(base if base is not None else ParallelLayout()).blocks)
         candidates = candidate_layouts(world, blocks, **enumerate_args)
     ranked: list[Prediction] = []
     rejected: list[Rejected] = []
     for layout in candidates:
-        reason = accept(layout) if accept is not None else None
+        reason = refusal(layout, facts, world) or (accept(layout) if accept is not None else None)
         if reason:
             rejected.append(Rejected(layout, reason))
             continue
+        if layout.dp is None:
+            layout = replace(layout, dp=world // (layout.tp * layout.pp))
         try:
-            pred = predict(spec_of(layout), layout, device, graph, None, memory_gib=memory_gib)
-            if placement is not None:  # placed, unless Megatron's order is predicted faster
-                placed = predict(
-                    spec_of(layout), layout, device, graph, placement(layout), memory_gib=memory_gib
-                )
-                pred = placed if placed.step_seconds <= pred.step_seconds else pred
+            pred = _predict(spec_of(layout), layout, device, graph, memory_gib, placement)
         except ValueError as err:
             rejected.append(Rejected(layout, str(err)))
             continue
@@ -178,6 +197,22 @@ def plan(
     return ranked, rejected
 
 
+def _predict(
+    spec: Any,
+    layout: Any,
+    device: DeviceSpec,
+    graph: Any,
+    memory_gib: float | None,
+    placement: Callable[[Any], Any] | None,
+) -> Prediction:
+    """Megatron's order, or the placed one when ``placement`` is given and it is faster."""
+    pred = predict(spec, layout, device, graph, None, memory_gib=memory_gib)
+    if placement is None:
+        return pred
+    placed = predict(spec, layout, device, graph, placement(layout), memory_gib=memory_gib)
+    return placed if placed.step_seconds <= pred.step_seconds else pred
+
+
 def describe(layout: Any) -> str:
     """``tp 4 pp 2 v 2 dp 2 ep 1 mb 8x4 sp fsdp ckpt`` for tables and logs."""
     flags = " ".join(
@@ -187,6 +222,6 @@ def describe(layout: Any) -> str:
     )
     return (
         f"tp {layout.tp} pp {layout.pp} v {layout.virtual} dp {layout.dp} ep {layout.ep} "
-        f"mb {layout.micro_batches}x{layout.micro_batch_size} {layout.data_parallel}"
+        f"mb {layout.num_micro_batches}x{layout.micro_batch_size} {layout.data_parallel}"
         + (f" {flags}" if flags else "")
     )

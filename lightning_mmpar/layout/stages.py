@@ -23,7 +23,7 @@ __all__ = ["BlockSpec", "StagePlan", "gib", "measure_blocks", "parameter_bytes",
 
 @dataclass(frozen=True)
 class BlockSpec:
-    """One pipeline block's cost per sample (see ``lightning_mmpar.models.cost``)."""
+    """One pipeline block's cost per sample (see ``lightning_mmpar.models.block_cost``)."""
 
     name: str
     kind: str

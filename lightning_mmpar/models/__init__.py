@@ -3,6 +3,7 @@ its towers, its pipeline blocks with their costs, open_clip / transformers conve
 multimodal mixture-of-experts feed-forward layer (``moe``, ``moe_routing``)."""
 
 from lightning_mmpar.models.adapter import AdapterConfig, CrossModalAdapter
+from lightning_mmpar.models.block_cost import BlockCost, CostTally
 from lightning_mmpar.models.blocks import MAX_LOGIT_SCALE, FusionBlock, FusionOutput
 from lightning_mmpar.models.convert import (
     build_fusion_model,
@@ -13,7 +14,6 @@ from lightning_mmpar.models.convert import (
     open_clip_model_config,
     save_llama_pretrained,
 )
-from lightning_mmpar.models.cost import BlockCost, CostTally
 from lightning_mmpar.models.decoding import DecodeCache
 from lightning_mmpar.models.fusion import FusionConfig, FusionModel, freeze_for_finetuning
 from lightning_mmpar.models.heads import MomentumHeads, TextPooler, ema_update, momentum_copy

@@ -1,6 +1,7 @@
-"""Cross-modal adapter: text hidden states attend to projected image tokens (TECHNIQUES 2.2).
+"""Cross-modal adapter: text hidden states attend to projected image tokens.
 
-One :class:`CrossModalAdapter` block (Flamingo's gated cross-attention dense block)::
+One :class:`CrossModalAdapter` block (Flamingo's gated cross-attention dense block, Alayrac et
+al. 2022)::
 
     h = h + tanh(a_attn) * dropout(xattn(norm_q h, norm_kv img))
     h = h + tanh(a_ffn)  * dropout(ffn(norm_ffn h))

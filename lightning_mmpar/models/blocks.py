@@ -22,7 +22,7 @@ of each row's last text token, ``p_ids [B, K, T_p]`` / ``p_last [B, K]`` the sam
 
 Blocks reference the model's own modules and parameters (no copies); build them after tensor
 parallelism has been applied to the model. Each has a ``kind`` (``vision``, ``aligner``,
-``language``, ``head``) and :meth:`FusionBlock.cost` (see :mod:`lightning_mmpar.models.cost`).
+``language``, ``head``) and :meth:`FusionBlock.cost` (see :mod:`lightning_mmpar.models.block_cost`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from lightning_mmpar.models import language as llama
 from lightning_mmpar.models.adapter import AdapterMLP, CrossModalAdapter
-from lightning_mmpar.models.cost import BlockCost, CostTally, linear_weight
+from lightning_mmpar.models.block_cost import BlockCost, CostTally, linear_weight
 from lightning_mmpar.models.heads import MomentumHeads, TextPooler
 from lightning_mmpar.models.language import LanguageModel, LlamaDecoderLayer, LlamaMLP
 from lightning_mmpar.models.vision import VisionBlock, VisionTower, embed_patches, pool_tokens

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from lightning_mmpar.models.adapter import AdapterConfig
 from lightning_mmpar.models.fusion import FusionConfig, FusionModel
 from lightning_mmpar.models.language import LanguageConfig
-from lightning_mmpar.models.vision import VisionConfig, open_clip_fused_layout
+from lightning_mmpar.models.vision import VisionConfig, open_clip_shape
 
 JOINT_ONLY_KEYS = ("image_norm.", "self_attn.temperature.")
 """Language parameters with no LLaMA counterpart (joint attention); dropped on export."""
@@ -181,7 +181,7 @@ def export_open_clip_visual(source: FusionModel | Mapping[str, Tensor]) -> dict[
     open_clip's ``[3 D, D]`` / ``[3 D]`` (same values, row order ``[W_q; W_k; W_v]``).
     """
     return {
-        k.removeprefix("vision."): open_clip_fused_layout(k, v)
+        k.removeprefix("vision."): open_clip_shape(k, v)
         for k, v in _state(source).items()
         if k.startswith("vision.")
     }

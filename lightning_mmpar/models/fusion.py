@@ -221,7 +221,10 @@ class FusionModel(nn.Module):
 def freeze_for_finetuning(
     model: FusionModel, *, train_vision: bool = False, train_decoder_layers: int = 2
 ) -> None:
-    """TECHNIQUES 1.5 policy: freeze the ViT and all but the first ``train_decoder_layers``.
+    """Freeze the ViT and all decoder layers but the first ``train_decoder_layers``.
+
+    This package's fine-tuning policy for pretrained towers: a frozen vision encoder as in LLaVA
+    (Liu et al. 2023) and Flamingo (Alayrac et al. 2022).
 
     Projector, adapters, contrastive heads and the logit scale stay trainable; the embedding,
     final norm and LM head are frozen with the later decoder layers.

@@ -3,10 +3,11 @@
 Module names follow ``LlamaForCausalLM`` without the ``model.`` prefix (``embed_tokens``,
 ``layers.N.self_attn.q_proj``, ..., ``norm``, ``lm_head``); ``convert.py`` maps the keys.
 
-Optional joint attention (TECHNIQUES 1.2): text queries attend over ``[image; text]`` keys, image
-keys and values coming from the projected image tokens through the same ``k_proj``/``v_proj``.
-Each key column is scaled by its modality's temperature, ``softmax(q k_j^T / sqrt(d) * t_{m(j)})``,
-which equals scaling the key rows ``k_j <- t_{m(j)} k_j`` before a plain softmax attention.
+Optional joint attention (this package's option): text queries attend over ``[image; text]``
+keys, image keys and values coming from the projected image tokens through the same
+``k_proj``/``v_proj``. Each key column is scaled by its modality's temperature,
+``softmax(q k_j^T / sqrt(d) * t_{m(j)})``, which equals scaling the key rows
+``k_j <- t_{m(j)} k_j`` before a plain softmax attention.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class LanguageConfig:
     learnable_temperature: bool = False
     """Train the two temperatures (one pair per layer)."""
     moe: MoEConfig | None = None
-    """Mixture-of-experts feed-forward layers (TECHNIQUES 3.1): ``None`` keeps every FFN dense;
+    """Mixture-of-experts feed-forward layers: ``None`` keeps every FFN dense;
     else the FFN of every ``moe_layer_freq``-th layer is a :class:`MoEFeedForward` with this
     config (its ``modalities`` must include ``"text"``; ``"vision"`` routes the image tokens under
     joint attention)."""
@@ -287,7 +288,7 @@ def moe_streams(
     ``[B, T, D]``, ``text_padding [B, T]`` (True after each row's last token; never routed).
 
     Image tokens go to the ``vision`` router under joint attention when the config has one (their
-    residual stream then evolves through the layer: dual-channel gating, TECHNIQUES 3.1); text
+    residual stream then evolves through the layer: one router per modality); text
     tokens of both streams go to the ``text`` router. Returns ``(img, h, ht)``.
     """
     moe = layer.moe

@@ -1,4 +1,4 @@
-"""Multimodal mixture-of-experts feed-forward layer (TECHNIQUES 3.1), single-process math.
+"""Multimodal mixture-of-experts feed-forward layer, single-process math.
 
 :class:`MoEFeedForward` is a drop-in for the decoder's SwiGLU FFN. Its forward is three
 separable steps, so an expert-parallel dispatcher (all-to-all, in ``parallel/``) can replace the
@@ -47,7 +47,7 @@ ExpertDispatch = Callable[[Tensor, Tensor, ExpertCompute], Tensor]
 
 
 class TokenDensity(Protocol):
-    """Per-token expert count (TECHNIQUES 3.2), plugged into :attr:`MoEFeedForward.density`."""
+    """Per-token expert count (density-driven), plugged into :attr:`MoEFeedForward.density`."""
 
     def observe(self, x: Tensor, modality: Tensor | None, padding_mask: Tensor | None) -> None:
         """See a training input ``x [B, S, D]`` (e.g. hook its gradient for the next step)."""
@@ -185,7 +185,7 @@ class MoEFeedForward(nn.Module):
         """``None``: every expert is local. Set by ``parallel.experts.apply_expert_parallel``
         to move the routed tokens to the ranks that hold their experts and back."""
         self.density: TokenDensity | None = GradientDensity.from_config(config)
-        """Optional per-token top-k (TECHNIQUES 3.2): ``observe`` sees each training input,
+        """Optional per-token top-k (density-driven): ``observe`` sees each training input,
         ``top_k`` gives each routed token's number of experts."""
         self.attach_aux_loss = attach_aux_loss
         self.aux_loss_scale = 1.0
@@ -193,7 +193,7 @@ class MoEFeedForward(nn.Module):
         ``1 / accumulate_grad_batches`` where Lightning divides the loss by it)."""
         self.sequence_multiple = 1
         """Pad the sequence to a multiple of ``lcm(sequence_multiple, E)`` before routing
-        (TECHNIQUES 1.4; the plan sets the tensor-parallel size); padding is never routed."""
+        (the plan sets the tensor-parallel size); padding is never routed."""
         self.aux_loss: Tensor = torch.zeros(())
         self.last_stats: dict[str, MoEStats] = {}
         self.reset_parameters()

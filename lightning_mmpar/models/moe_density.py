@@ -1,4 +1,4 @@
-"""Density-driven expert activation (TECHNIQUES 3.2): per-token top-k from gradient norms.
+"""Density-driven expert activation: per-token top-k from gradient norms.
 
 A token's "semantic density" is ``rho(t) = ||d loss / d x_t||``, the norm of the loss gradient
 at the MoE layer input. Computing it for the current tokens would need a second backward, so
@@ -6,6 +6,8 @@ at the MoE layer input. Computing it for the current tokens would need a second 
 layer input, as ``torch.Tensor.register_hook``) and keeps a per-(modality, sequence position)
 estimate that the next forwards use: dense positions get ``top_k`` experts, the others
 ``min_top_k``. Plain torch: no collectives (each data-parallel rank keeps its own estimate).
+The rule (density from gradient norms, a threshold relative to the densest position) is this
+package's own.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class _GradHook:
 
 
 class GradientDensity(nn.Module):
-    """Per-token expert count from last backward's input-gradient norms (TECHNIQUES 3.2).
+    """Per-token expert count from last backward's input-gradient norms.
 
     Implements :class:`lightning_mmpar.models.moe.TokenDensity`; installed by
     :class:`~lightning_mmpar.models.moe.MoEFeedForward` when ``MoEConfig.density_threshold`` is
@@ -104,8 +106,7 @@ class GradientDensity(nn.Module):
                 )
         if not 0.0 < threshold <= 1.0:
             raise ValueError(
-                f"GradientDensity threshold ({threshold!r}) must be in (0, 1]; TECHNIQUES 3.2 "
-                "uses 0.85."
+                f"GradientDensity threshold ({threshold!r}) must be in (0, 1]; use e.g. 0.85."
             )
         if not 0.0 <= momentum < 1.0:
             raise ValueError(

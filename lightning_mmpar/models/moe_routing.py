@@ -1,4 +1,4 @@
-"""Mixture-of-experts routing math (TECHNIQUES 1.4, 3.1): configuration, top-k routing with
+"""Mixture-of-experts routing math: configuration, top-k routing with
 capacity, load-balancing and z losses, the aux-loss-free expert bias and sequence alignment.
 
 Plain torch on one process: which token goes to which expert slot is decided here; moving tokens
@@ -32,7 +32,10 @@ def _non_negative(name: str, value: float, fix: str) -> None:
 
 @dataclass(kw_only=True)
 class MoEConfig:
-    """Shape, routing and balancing of one MoE feed-forward layer (TECHNIQUES 3.1).
+    """Shape, routing and balancing of one MoE feed-forward layer.
+
+    One router per modality over a shared expert pool (this package's dual-channel gating), top-k
+    routing with capacity as in GShard (Lepikhin et al. 2020) and Switch (Fedus et al. 2021).
 
     Raises ``ValueError`` (naming field, value and fix) on construction for any invalid value.
     """
@@ -49,8 +52,8 @@ class MoEConfig:
     min_capacity: int = 0
     """Lower bound of the capacity (DeepSpeed's ``min_capacity``; 0 disables it)."""
     temperature: float = 1.0
-    """Router softmax temperature ``tau``: ``p = softmax(logits / tau)``; TECHNIQUES 3.1 uses
-    0.5-1.2 (any ``tau > 0`` is accepted)."""
+    """Router softmax temperature ``tau``: ``p = softmax(logits / tau)``; 1.0 is the plain
+    softmax, below 1 sharpens and above 1 flattens the routing (any ``tau > 0`` is accepted)."""
     router_dim: int = 64
     """Width of the router's shared input projection ``x W_r`` (``D -> router_dim``)."""
     modalities: tuple[str, ...] = ("text", "vision")
@@ -71,10 +74,10 @@ class MoEConfig:
     init_std: float = 0.02
     """Std of the normal initialisation of router and expert weights."""
     density_threshold: float | None = None
-    """Density-driven expert activation (TECHNIQUES 3.2, :class:`GradientDensity`): tokens
+    """Density-driven expert activation (this package's rule, :class:`GradientDensity`): tokens
     whose gradient-norm density, relative to their modality's densest position, is at least
     this value use ``top_k`` experts, the others ``density_min_top_k``. ``None``: fixed
-    ``top_k``; else in ``(0, 1]`` (TECHNIQUES 3.2 uses 0.85)."""
+    ``top_k``; else in ``(0, 1]``, e.g. 0.85."""
     density_min_top_k: int = 1
     """Experts of the tokens below ``density_threshold`` (``1 <= density_min_top_k <=
     top_k``)."""
@@ -102,8 +105,8 @@ class MoEConfig:
                 )
         if not self.temperature > 0.0:
             raise ValueError(
-                f"MoEConfig.temperature ({self.temperature!r}) must be > 0; TECHNIQUES 3.1 "
-                "uses 0.5-1.2 (1.0 is the plain softmax)."
+                f"MoEConfig.temperature ({self.temperature!r}) must be > 0; use e.g. 1.0 (the "
+                "plain softmax) or a value in 0.5-1.2."
             )
         for name in ("aux_loss_weight", "z_loss_weight", "bias_update_rate", "init_std"):
             _non_negative(name, getattr(self, name), "use 0 to disable the term")
@@ -115,7 +118,7 @@ class MoEConfig:
         if self.density_threshold is not None and not 0.0 < self.density_threshold <= 1.0:
             raise ValueError(
                 f"MoEConfig.density_threshold ({self.density_threshold!r}) must be in (0, 1]; "
-                "use e.g. 0.85 (TECHNIQUES 3.2), or None for a fixed top_k."
+                "use e.g. 0.85, or None for a fixed top_k."
             )
         _positive_int("density_min_top_k", self.density_min_top_k, "use at least 1 expert")
         if self.density_min_top_k > self.top_k:
@@ -187,7 +190,7 @@ def route_tokens(
     all second choices, ..." (GShard / DeepSpeed ``top2gating``); a route whose slot is
     ``>= capacity`` is dropped, so dropping is deterministic. Softmax runs in at least float32.
 
-    ``top_k [T]`` (long, each in ``[1, config.top_k]``; TECHNIQUES 3.2's density-driven count)
+    ``top_k [T]`` (long, each in ``[1, config.top_k]``; the density-driven count)
     gives token ``t`` only its first ``top_k[t]`` choices: the others are not kept, take no slot
     and are left out of the gate normalisation. Raises ``ValueError`` on a ``top_k`` of the wrong
     shape or range.
@@ -267,11 +270,12 @@ def updated_expert_bias(bias: Tensor, tokens_per_expert: Tensor, rate: float) ->
 
 
 def aligned_sequence_length(lengths: Sequence[int], tp_size: int, num_experts: int) -> int:
-    """Smallest ``L >= max(lengths)`` divisible by ``lcm(tp_size, num_experts)`` (TECHNIQUES 1.4).
+    """Smallest ``L >= max(lengths)`` divisible by ``lcm(tp_size, num_experts)``.
 
-    The brief's ``lcm(lengths)`` is wrong (``lcm(196, 512, 256) = 25088``); with ``tp = 2`` and
-    4 experts, lengths 196/512/256 align to 512. Raises ``ValueError`` on an empty or negative
-    ``lengths`` or a non-positive ``tp_size``/``num_experts``.
+    This package's alignment rule: the tokens then split evenly over tp ranks and experts.
+    Padding to ``lcm(lengths)`` instead would be far longer (``lcm(196, 512, 256) = 25088``);
+    with ``tp = 2`` and 4 experts, lengths 196/512/256 align to 512. Raises ``ValueError`` on an
+    empty or negative ``lengths`` or a non-positive ``tp_size``/``num_experts``.
     """
     if not lengths or min(lengths) < 0:
         raise ValueError(
@@ -300,7 +304,7 @@ def align_sequence(
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Right-pad ``x [B, S, D]`` (and ``modality [B, S]``) to
     :func:`aligned_sequence_length` ``([S], tp_size, num_experts)``, with ``mask [B, S]`` (True =
-    padding; ``None``: none) True on the new positions (TECHNIQUES 1.4); unchanged when aligned."""
+    padding; ``None``: none) True on the new positions; unchanged when aligned."""
     length = x.shape[1]
     pad = aligned_sequence_length([length], tp_size, num_experts) - length
     if pad == 0:

@@ -11,7 +11,7 @@ Attention keeps open_clip's fused ``attn.in_proj_weight`` / ``attn.in_proj_bias`
 ``[3 D, D]`` / ``[3 D]`` viewed with q, k, v on dim 0). State dicts carry that ``[3, D, D]`` shape,
 so a tensor-parallel shard of whole heads (``Shard(1)``) is a plain DTensor whose global value is
 the canonical weight at every TP size; open_clip's ``[3 D, D]`` loads unchanged (the load hook
-reshapes it) and :func:`open_clip_fused_layout` / ``export_open_clip_visual`` give it back. The
+reshapes it) and :func:`open_clip_shape` / ``export_open_clip_visual`` give it back. The
 forward derives the local head count from the projection width, so the same code runs on the full
 weight or on a head shard.
 """
@@ -108,7 +108,7 @@ _FUSED_NDIM = {"in_proj_weight": 2, "in_proj_bias": 1}
 """open_clip's rank of each fused tensor; ours carries one more leading dim (q, k, v)."""
 
 
-def open_clip_fused_layout(key: str, value: Tensor) -> Tensor:
+def open_clip_shape(key: str, value: Tensor) -> Tensor:
     """``value`` in open_clip's shape: ``[3, D, D] -> [3 D, D]`` and ``[3, D] -> [3 D]`` for the
     fused ``attn.in_proj_*`` keys (a view, same values); any other tensor unchanged."""
     name = key.rsplit(".", 1)[-1]

@@ -1,102 +1,18 @@
-"""Lightning's checkpoint hooks over sharded DCP checkpoints, for a strategy with a mesh.
+"""Deprecated: :class:`ShardedCheckpointHooks` moved to
+:mod:`lightning_mmpar.strategy.checkpoint_hooks` (a mixin of the strategy, not a mechanism).
 
-:class:`ShardedCheckpointHooks` is mixed into
-:class:`~lightning_mmpar.strategy.MultimodalParallelStrategy`: ``save_checkpoint`` writes the
-DCP shards, rank 0's ``meta.pt`` and each rank's own callback/loop state
-(:func:`~lightning_mmpar.parallel.checkpoint.save_sharded`) atomically (``<path>.partial``,
-then a rename); ``load_checkpoint`` reshards into the current layout. It uses only Lightning's
-``Strategy`` interface and ``_rank_layout()``, which the strategy provides.
-
-Checkpoint guard: before anything is written, every rank checks that its parameters are
-finite (:func:`~lightning_mmpar.parallel.finite.nonfinite_weights`, one all-reduce); if not,
-``RuntimeError`` names the parameters, ranks and step, and the checkpoint already at the path
-(if any) stays as it was, so a NaN run never replaces the last finite ``last.ckpt``.
+The alias reads :data:`lightning_mmpar.parallel.MOVED_TO_STRATEGY` (filled by the package's
+``__init__``), so ``parallel/`` does not import the strategy; it goes in the next release.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.strategies import Strategy
-from lightning.pytorch.utilities import rank_zero_warn
-from torch.optim import Optimizer
-from typing_extensions import override
-
-from lightning_mmpar.parallel import checkpoint as ckpt
-from lightning_mmpar.parallel.finite import nonfinite_weights
-
-__all__ = ["ShardedCheckpointHooks"]
+from lightning_mmpar.parallel import moved_to_strategy
 
 
-class ShardedCheckpointHooks(Strategy):
-    """Mixin: Lightning checkpoint hooks writing and reading sharded DCP checkpoints."""
-
-    def _rank_layout(self) -> dict[str, int]:
-        """This rank's layout (:func:`~lightning_mmpar.parallel.checkpoint.rank_layout`)."""
-        raise NotImplementedError
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        return {}  # the shards are written by save_checkpoint()
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return {}
-
-    @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
-    ) -> None:
-        """Write the checkpoint at ``filepath`` (a directory). Raises ``TypeError`` for
-        ``storage_options``, ``RuntimeError`` when a parameter holds a NaN or inf (nothing is
-        written; module docstring)."""
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__} does not take storage_options.")
-        assert self.model is not None
-        if bad := nonfinite_weights(self.model):
-            names = "; ".join(f"rank {r}: {', '.join(n[:3])}" for r, n in sorted(bad.items()))
-            raise RuntimeError(
-                f"Refusing to save checkpoint {filepath} at global step "
-                f"{checkpoint.get('global_step', '?')}: non-finite weights ({names}). Nothing "
-                "was written; an earlier checkpoint at that path is left as it was. Train with "
-                "MultimodalParallelStrategy(on_nonfinite='raise' or 'skip') so that a "
-                "non-finite step never reaches the weights."
-            )
-        path = Path(self.broadcast(str(filepath)))
-        partial = ckpt.partial_path(path)
-        if self.is_global_zero:
-            ckpt.remove(partial)
-            partial.mkdir(parents=True)
-        self.barrier()
-        meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        own = {k: checkpoint[k] for k in ckpt.PER_RANK_KEYS if k in checkpoint}
-        ckpt.save_sharded(
-            partial,
-            self.model,
-            self.optimizers,
-            meta,
-            self.is_global_zero,
-            rank_state={"layout": self._rank_layout(), **own},
-        )
-        self.barrier()
-        if self.is_global_zero:
-            ckpt.commit(path)
-        self.barrier()
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict:
-        path = ckpt.resolve(Path(self.broadcast(str(checkpoint_path))))
-        assert self.model is not None and self.lightning_module is not None
-        meta = ckpt.load_sharded(
-            path, self.model, self.optimizers, strict=self.lightning_module.strict_loading
-        )
-        for note in ckpt.restore_rank_state(path, meta, self._rank_layout()):
-            rank_zero_warn(note)
-        return meta
-
-    @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
-        if self.is_global_zero:
-            ckpt.remove(Path(filepath))
+def __getattr__(name: str) -> Any:
+    if name != "ShardedCheckpointHooks":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return moved_to_strategy(__name__, name)

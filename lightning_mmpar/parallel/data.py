@@ -1,9 +1,11 @@
-"""Data parallelism on the ``dp`` mesh: FSDP2 ``fully_shard`` (ZeRO-3 role) or gradient all-reduce.
+"""Data parallelism of dense parameters on ``dp``: FSDP2 ``fully_shard`` (ZeRO-3 role) or
+gradient all-reduce (DDP's role).
 
 FSDP2 averages gradients with a reduce-scatter inside backward. Parameters it does not manage
 (``data_parallel="ddp"``, parameters held directly by the root module, and 0-dim parameters)
 are averaged by :func:`sync_gradients`: one coalesced all-reduce per dtype over the dp group,
-``g <- (1/dp) * sum_r g_r``, which is what DDP computes.
+``g <- (1/dp) * sum_r g_r``, which is what DDP computes. :class:`GradientSync` holds every
+parameter no FSDP unit reduces and runs those all-reduces after backward.
 
 Any parameter shape works under FSDP2:
 
@@ -17,11 +19,18 @@ Any parameter shape works under FSDP2:
   at dp 2 shards ``D``: torchtitan's ``Shard(1)`` for experts, "to avoid padding"), else
   ``Shard(0)`` with FSDP's padding (a one-element ``[1]`` or a ``[1, 3]`` at dp 2: the last
   ranks hold empty shards).
+
+Expert weights have their own data-parallel group (``edp``) and live in
+:mod:`lightning_mmpar.parallel.expert_data`; the MoE layers' per-step state in
+:mod:`lightning_mmpar.parallel.moe_state`.
 """
 
 from __future__ import annotations
 
+import importlib
+import warnings
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,9 +38,25 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 
-from lightning_mmpar.parallel import comm
+from lightning_mmpar.parallel import comm, expert_data
+from lightning_mmpar.topology import ParallelDims
+
+__all__ = [
+    "PARTIAL_OVER_TP",
+    "GradientSync",
+    "apply_fsdp",
+    "broadcast_parameters",
+    "fsdp_managed",
+    "has_fsdp",
+    "partial_over_tp_parameters",
+    "replicated_parameters",
+    "shard_blocks",
+    "shard_data_parallel",
+    "shard_placement",
+    "sync_gradients",
+]
 
 
 def has_fsdp(module: nn.Module) -> bool:
@@ -81,123 +106,14 @@ def _has_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
-def is_expert_parameter(param: Tensor) -> bool:
-    """Whether ``param`` is an expert weight sharded over the ``ep`` mesh alone (set up by
-    :func:`lightning_mmpar.parallel.experts.apply_expert_parallel`, not yet sharded over edp)."""
-    return isinstance(param, DTensor) and tuple(param.device_mesh.mesh_dim_names or ()) == ("ep",)
-
-
-def expert_modules(module: nn.Module) -> list[nn.Module]:
-    """Submodules holding expert-parallel weights directly (an MoE layer's ``experts``)."""
-    return [
-        m
-        for m in module.modules()
-        if any(is_expert_parameter(p) for p in m.parameters(recurse=False))
-    ]
-
-
-def check_expert_layers(module: nn.Module, ep: int) -> None:
-    """Raise ``ValueError`` when ``ep > 1`` but ``module`` has no expert-parallel layer (the
-    model's plan shards its MoE experts over ``ep`` in ``configure_model``)."""
-    if ep > 1 and not expert_modules(module):
-        raise ValueError(
-            f"expert_parallel ({ep}) needs a model with expert-parallel MoE layers, but "
-            f"{type(module).__name__} has none after configure_model(); configure MoE layers "
-            "(e.g. model.fusion.language.moe) or set expert_parallel=1."
-        )
-
-
-def set_aux_loss_scale(module: nn.Module, scale: float) -> None:
-    """Set ``aux_loss_scale`` on every MoE layer under ``module`` (the factor of the aux-loss
-    gradient its output injects in backward)."""
-    for m in module.modules():
-        if hasattr(m, "aux_loss_scale"):
-            setattr(m, "aux_loss_scale", scale)  # noqa: B010 - any MoE layer class
-
-
-@torch.no_grad()
-def update_expert_biases(module: nn.Module, group: dist.ProcessGroup | None) -> int:
-    """The aux-loss-free balancing step of every MoE layer under ``module`` that uses it
-    (``config.load_balancing == "aux_free"``; DeepSeek-V3, Megatron-core's
-    ``moe_router_enable_expert_bias``): ``pending_load`` summed over ``group`` (the data-parallel
-    group: one all-reduce for all layers), then ``update_expert_bias()``. Call once per optimizer
-    step on every rank of the group. Returns the number of layers updated."""
-    layers = [
-        m
-        for m in module.modules()
-        if getattr(getattr(m, "config", None), "load_balancing", None) == "aux_free"
-        and isinstance(getattr(m, "pending_load", None), Tensor)
-    ]
-    if not layers:
-        return 0
-    loads: list[Tensor] = [getattr(m, "pending_load") for m in layers]  # noqa: B009 - duck typed
-    flat = comm.all_reduce(torch.cat([t.reshape(-1) for t in loads]), "sum", group)
-    offset = 0
-    for m, t in zip(layers, loads, strict=True):
-        t.copy_(flat[offset : offset + t.numel()].view_as(t))
-        offset += t.numel()
-        getattr(m, "update_expert_bias")()  # noqa: B009
-    return len(layers)
-
-
-@torch.no_grad()
-def average_density_estimates(module: nn.Module, group: dist.ProcessGroup | None) -> int:
-    """Make every density-driven top-k estimate (a submodule with ``estimate`` and ``seen``
-    buffers, :class:`~lightning_mmpar.models.GradientDensity`) the mean over the ranks of
-    ``group`` that measured each position (``seen``: any rank did), so the data-parallel ranks
-    route with one estimate and a checkpoint (one copy per buffer) restores it exactly. One
-    all-reduce; returns the number of modules."""
-    found = [
-        m
-        for m in module.modules()
-        if isinstance(getattr(m, "estimate", None), Tensor)
-        and isinstance(getattr(m, "seen", None), Tensor)
-    ]
-    if not found or comm.group_size(group) == 1:
-        return len(found)
-    pairs = [(getattr(m, "estimate"), getattr(m, "seen")) for m in found]  # noqa: B009
-    flat = torch.cat([t for e, seen in pairs for t in ((e * seen).reshape(-1), seen.reshape(-1))])
-    flat = comm.all_reduce(flat.float(), "sum", group)
-    offset = 0
-    for estimate, seen in pairs:  # mean over the ranks that measured each position
-        n = estimate.numel()
-        total, count = flat[offset : offset + n], flat[offset + n : offset + 2 * n]
-        estimate.copy_((total / count.clamp_min(1)).view_as(estimate))
-        seen.copy_((count > 0).view_as(seen))
-        offset += 2 * n
-    return len(found)
-
-
-def shard_experts(module: nn.Module, edp_mesh: DeviceMesh) -> None:
-    """FSDP2 over the expert-data-parallel mesh for every expert module under ``module``
-    (Megatron's ``expert_data_parallel`` group; torchtitan's ``dp_shard_mod_ep``): each expert
-    weight, already ``Shard(0)`` over ``ep``, becomes a 2-D ``(edp, ep)`` DTensor whose
-    reduce-scatter averages over the ``edp`` replicas (:func:`scale_expert_gradients` makes that
-    the mean over all ``dp`` ranks)."""
-    for m in expert_modules(module):
-        if not isinstance(m, FSDPModule):
-            fully_shard(m, mesh=edp_mesh, shard_placement_fn=lambda p: Shard(0))
-
-
-def scale_expert_gradients(module: nn.Module, ep: int) -> None:
-    """Set ``gradient_scale = 1 / ep`` on every expert module under ``module``.
-
-    The all-to-all backward sums the gradients of every ep rank's tokens into each expert's
-    owner; scaled by ``1 / ep`` in the graph, an average over the ``edp`` replicas (FSDP2's
-    reduce-scatter or :func:`sync_gradients`) then gives ``(1 / dp) sum_r g_r``, the dense
-    parameters' mean, and stays right under gradient accumulation (averaging is idempotent)."""
-    for m in expert_modules(module):
-        setattr(m, "gradient_scale", 1.0 / ep)  # noqa: B010 - any expert module class
-
-
 def _fully_shard(module: nn.Module, dp_mesh: DeviceMesh, **fsdp_kwargs: Any) -> None:
     """``fully_shard`` with 0-dim parameters and expert weights (averaged over their own
-    ``edp`` group: :func:`shard_experts` or the strategy's all-reduce) ignored,
+    ``edp`` group: :mod:`~lightning_mmpar.parallel.expert_data`) ignored,
     :func:`shard_placement` per parameter, ``fsdp_kwargs`` (``mp_policy``, ``offload_policy``:
     :class:`~lightning_mmpar.parallel.fsdp_options.MemoryOptions`) passed on."""
     dp = dp_mesh.size()
     params = list(module.parameters())
-    ignored = {p for p in params if p.ndim == 0 or is_expert_parameter(p)}
+    ignored = {p for p in params if p.ndim == 0 or expert_data.is_expert_parameter(p)}
     if ignored and len(ignored) == len(params):
         return  # nothing to shard: the scalars stay replicated
     # fully_shard registers new DTensor parameters: carry the partial-over-tp mark over
@@ -246,18 +162,13 @@ def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, **fsdp_kwargs: Any) -> No
 
 def replicated_parameters(module: nn.Module) -> list[nn.Parameter]:
     """Trainable dense parameters that no FSDP unit averages (expert weights excluded:
-    :func:`expert_parameters`)."""
+    :func:`~lightning_mmpar.parallel.expert_data.expert_parameters`)."""
     managed = fsdp_managed(module)
     return [
         p
         for p in module.parameters()
-        if p.requires_grad and id(p) not in managed and not is_expert_parameter(p)
+        if p.requires_grad and id(p) not in managed and not expert_data.is_expert_parameter(p)
     ]
-
-
-def expert_parameters(module: nn.Module) -> list[nn.Parameter]:
-    """Trainable expert weights sharded over ``ep`` that no FSDP unit reduces."""
-    return [p for p in module.parameters() if p.requires_grad and is_expert_parameter(p)]
 
 
 @torch.no_grad()
@@ -302,3 +213,96 @@ def partial_over_tp_parameters(module: nn.Module) -> list[nn.Parameter]:
         if p.requires_grad and getattr(p, PARTIAL_OVER_TP, False):
             seen.setdefault(id(p), p)
     return list(seen.values())
+
+
+def shard_data_parallel(
+    module: nn.Module,
+    dims: ParallelDims,
+    blocks: Iterable[nn.Module] | None = None,
+    **fsdp_kwargs: Any,
+) -> nn.Module:
+    """FSDP2 for ``module`` (a pipeline stage's chunk or a whole model): its expert modules over
+    ``edp`` when ``dims.edp > 1`` (:func:`~lightning_mmpar.parallel.expert_data.shard_experts`),
+    then ``blocks`` one unit each and ``module`` over what remains (:func:`shard_blocks`), or,
+    without ``blocks``, the plain module tree (:func:`apply_fsdp`), over ``dp``. ``fsdp_kwargs``:
+    ``mp_policy`` / ``offload_policy``. Collective over ``dp`` (and ``edp``); returns ``module``."""
+    if dims.edp > 1:
+        expert_data.shard_experts(module, dims.get_mesh("edp"))
+    if blocks is None:
+        apply_fsdp(module, dims.get_mesh("dp"), **fsdp_kwargs)
+        return module
+    return shard_blocks(blocks, module, dims.get_mesh("dp"), **fsdp_kwargs)
+
+
+@dataclass
+class GradientSync:
+    """The gradients no FSDP2 unit reduces, and the all-reduce each needs after backward.
+
+    ``partial_over_tp``: :data:`PARTIAL_OVER_TP` parameters, summed over ``tp`` (each tp rank
+    computed its share of the batch); ``replicated``: dense parameters no FSDP unit manages
+    (all of them under ``data_parallel="ddp"``), averaged over ``dp``; ``experts``: expert
+    weights no FSDP unit manages, averaged over ``edp`` (DDP's all-reduce, Megatron's
+    expert-data-parallel reduction). Build with :meth:`of` after sharding.
+    """
+
+    partial_over_tp: list[nn.Parameter] = field(default_factory=list)
+    replicated: list[nn.Parameter] = field(default_factory=list)
+    experts: list[nn.Parameter] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, module: nn.Module, dims: ParallelDims, data_parallel: str) -> GradientSync:
+        """The lists of ``module`` (sharded already) under ``dims``; ``data_parallel="none"`` or
+        ``dims.dp == 1``: no dp / edp all-reduce."""
+        partial = partial_over_tp_parameters(module) if dims.tp > 1 else []
+        if dims.dp == 1 or data_parallel == "none":
+            return cls(partial_over_tp=partial)
+        return cls(partial, replicated_parameters(module), expert_data.expert_parameters(module))
+
+    def broadcast(self, dims: ParallelDims) -> None:
+        """Group rank 0's values into every replica, ``dp`` and ``edp`` (what DDP does at
+        construction). Collective over those groups when they have parameters to sync."""
+        if self.replicated:
+            broadcast_parameters(self.replicated, dims.get_group("dp"))
+        if self.experts:
+            broadcast_parameters(self.experts, dims.get_group("edp"))
+
+    def sync(self, dims: ParallelDims) -> None:
+        """After backward: the sums and means above (each a no-op on a one-rank group)."""
+        if self.partial_over_tp:  # each tp rank's share of the batch: sum over tp
+            sync_gradients(self.partial_over_tp, dims.get_group("tp"), "sum")
+        if self.replicated:
+            sync_gradients(self.replicated, dims.get_group("dp"))
+        if self.experts:  # expert weights: mean over their edp replicas (ep ranks differ)
+            sync_gradients(self.experts, dims.get_group("edp"))
+
+
+_MOVED = {
+    **dict.fromkeys(
+        (
+            "check_expert_layers",
+            "expert_modules",
+            "expert_parameters",
+            "is_expert_parameter",
+            "scale_expert_gradients",
+            "shard_experts",
+        ),
+        "lightning_mmpar.parallel.expert_data",
+    ),
+    **dict.fromkeys(
+        ("average_density_estimates", "set_aux_loss_scale", "update_expert_biases"),
+        "lightning_mmpar.parallel.moe_state",
+    ),
+}
+"""Names that moved out of this module -> their module (deprecated aliases, one release)."""
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(
+        f"lightning_mmpar.parallel.data.{name} moved to {_MOVED[name]}.{name}; import it from "
+        "there (the old path goes in the next release).",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module(_MOVED[name]), name)

@@ -17,7 +17,7 @@ forward on ep rank ``r`` of ``P``, ``E_l = E / P`` local experts (Megatron-core'
 Routing, capacity, aux losses and statistics stay per rank (computed on this rank's tokens, like
 DeepSpeed's ``l_aux`` and Megatron's per-rank capacity); nothing about them is communicated.
 
-Expert locality (TECHNIQUES 3.3): ``placement=`` maps any expert to any rank (the layer's experts
+Expert locality: ``placement=`` maps any expert to any rank (the layer's experts
 are permuted first, :func:`permute_experts`, so each rank still holds a contiguous block of
 *physical* experts); ``locality_groups=G`` restricts every token's routing to the experts of
 its rank's group of ``ep / G`` ranks (DeepSeek-V3's node-limited routing in its strictest form).

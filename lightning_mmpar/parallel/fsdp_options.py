@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
+from lightning_mmpar.layout import ParallelLayout, validate
 from lightning_mmpar.parallel import activation
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -85,20 +86,16 @@ class MemoryOptions:
         return self.mixed_precision is not None or self.offload_optimizer
 
     def check(self, data_parallel: str, expert_parallel: int) -> None:
-        """Refuse options the data-parallel engine cannot honour (``ValueError``)."""
-        for name in ("mixed_precision", "offload_optimizer"):
-            value = getattr(self, name)
-            if value not in (None, False) and data_parallel != "fsdp":
-                raise ValueError(
-                    f"{name}={value!r} is an FSDP2 policy but data_parallel={data_parallel!r}; "
-                    f"set data_parallel='fsdp' or {name}={None if name[0] == 'm' else False}."
-                )
-        if self.needs_fsdp and expert_parallel > 1:
-            raise ValueError(
-                f"mixed_precision / offload_optimizer with expert_parallel={expert_parallel}: "
-                "expert weights are sharded by their own FSDP units outside these policies; "
-                "set expert_parallel=1 or leave mixed_precision=None, offload_optimizer=False."
-            )
+        """Refuse options the data-parallel engine cannot honour (``ValueError``): the FSDP2
+        policies' rules of :func:`lightning_mmpar.layout.validate`."""
+        layout = ParallelLayout(
+            dp=None,
+            ep=expert_parallel,
+            data_parallel=data_parallel,
+            mixed_precision=self.mixed_precision,
+            offload_optimizer=self.offload_optimizer,
+        )
+        validate(layout)
 
     def check_precision(self, plugin: Any) -> None:
         """Refuse ``mixed_precision`` with a Lightning "true" half precision plugin

@@ -45,11 +45,13 @@ from lightning_mmpar.layout import StagePlan
 from lightning_mmpar.parallel import activation, deferred
 from lightning_mmpar.parallel import data as dpar
 from lightning_mmpar.parallel.comm import group_device
+from lightning_mmpar.parallel.data import GradientSync
+from lightning_mmpar.parallel.expert_data import prepare_expert_gradients
 from lightning_mmpar.parallel.experts import apply_expert_parallel
 from lightning_mmpar.parallel.fsdp_options import MemoryOptions
 from lightning_mmpar.parallel.pipeline import PipelineChunk, PipelineEngine, PipelineModule
+from lightning_mmpar.parallel.pipeline.stages import stage_plan_for
 from lightning_mmpar.parallel.random import ParallelDropout, seed_regions
-from lightning_mmpar.parallel.stage_plan import stage_plan_for
 from lightning_mmpar.parallel.tensor import StyleGroup, apply_styles
 from lightning_mmpar.topology import ParallelDims
 
@@ -58,18 +60,26 @@ __all__ = [
     "ParallelPlan",
     "ParallelizeOptions",
     "Parallelized",
+    "ShardFn",
     "applies_plans",
     "apply_model_parallel",
+    "check_pipeline_module",
     "checkpoint_and_compile",
+    "data_parallel_step",
     "install_parallel_dropout",
     "module_plan",
     "parallelize",
     "plan_meshes",
+    "split_pipeline",
     "tp_meshes",
 ]
 
 PLAN_HOOK = "parallel_plan"
 """Name of the optional LightningModule method ``(dims: ParallelDims) -> ParallelPlan | None``."""
+
+ShardFn = Callable[..., nn.Module]
+"""``shard(piece, blocks=None) -> piece``: FSDP2 over one piece of the model
+(:func:`lightning_mmpar.parallel.data.shard_data_parallel` with the layout and options bound)."""
 
 _APPLIED = "_mmpar_model_parallel"  # set on a root once steps 1-2 ran (idempotent)
 
@@ -149,12 +159,8 @@ class Parallelized:
     """All blocks as one chunk (a ``PipelineModule`` at ``pipeline_parallel == 1``)."""
     stage_plan: StagePlan | None = None
     """The partition in use (``pipeline_parallel > 1``)."""
-    replicated: list[nn.Parameter] = field(default_factory=list)
-    """Parameters no FSDP unit manages: all-reduced over dp after backward."""
-    experts: list[nn.Parameter] = field(default_factory=list)
-    """Expert parameters outside FSDP: averaged over their edp replicas after backward."""
-    partial_over_tp: list[nn.Parameter] = field(default_factory=list)
-    """Parameters holding this tp rank's share of the gradient: summed over tp after backward."""
+    grad_sync: GradientSync = field(default_factory=GradientSync)
+    """The gradients no FSDP unit reduces and their all-reduces after backward (tp, dp, edp)."""
 
 
 def module_plan(module: Any, dims: ParallelDims) -> ParallelPlan | None:
@@ -304,6 +310,63 @@ def checkpoint_and_compile(
     activation.wrap_blocks(layers, set(range(len(layers))), None)
 
 
+def check_pipeline_module(module: Any, config: ParallelConfig) -> None:
+    """Raise ``TypeError`` when ``config.pipeline_parallel > 1`` and ``module`` does not
+    implement :class:`~lightning_mmpar.parallel.pipeline.PipelineModule`."""
+    if config.pipeline_parallel > 1 and not isinstance(module, PipelineModule):
+        raise TypeError(
+            f"pipeline_parallel={config.pipeline_parallel} needs {type(module).__name__} to "
+            "implement pipeline_blocks(), pipeline_inputs() and pipeline_loss() "
+            "(lightning_mmpar.parallel.pipeline.PipelineModule); or set pipeline_parallel=1."
+        )
+
+
+def data_parallel_step(
+    module: nn.Module, dims: ParallelDims, options: ParallelizeOptions
+) -> ShardFn | None:
+    """FSDP2 for each piece of ``module``, or ``None`` when nothing is sharded: another
+    ``data_parallel`` than ``"fsdp"``, one data-parallel rank with no memory option that needs
+    FSDP2 (``memory.needs_fsdp``), or a module that sharded itself in ``configure_model``."""
+    config, memory = options.config, options.memory
+    wanted = config.data_parallel == "fsdp" and (dims.dp > 1 or memory.needs_fsdp)
+    if not wanted or dpar.has_fsdp(module):
+        return None
+    fsdp_kwargs = memory.fsdp_kwargs(options.device)
+
+    def shard(piece: nn.Module, blocks: Sequence[nn.Module] | None = None) -> nn.Module:
+        return dpar.shard_data_parallel(piece, dims, blocks, **fsdp_kwargs)
+
+    return shard
+
+
+def split_pipeline(
+    module: Any, dims: ParallelDims, options: ParallelizeOptions, shard: ShardFn | None
+) -> Parallelized:
+    """Steps 4-5: cut ``module`` into this rank's pipeline pieces and apply ``shard`` to each
+    (FSDP2 one unit per block); a module that is no ``PipelineModule`` is one piece, sharded as
+    a tree.
+
+    ``pipeline_parallel > 1``: the stage plan of ``config.partition``
+    (:func:`~lightning_mmpar.parallel.pipeline.stages.stage_plan_for`) and a
+    :class:`~lightning_mmpar.parallel.pipeline.PipelineEngine` on the ``pp`` group that shards
+    its chunks before it builds the stages. Collective over ``pp`` and ``dp``."""
+    config, device = options.config, options.device
+    if config.pipeline_parallel > 1:
+        plan = stage_plan_for(module, config)
+        wrap = None if shard is None else lambda chunk: shard(chunk, chunk.blocks)
+        pp_group = dims.get_mesh("pp").get_group()
+        engine = PipelineEngine(module, config, pp_group, device, wrap, stage_ranges=plan.ranges)
+        return Parallelized(pipeline=engine, stage_plan=plan)
+    if isinstance(module, PipelineModule):
+        chunk = PipelineChunk(list(module.pipeline_blocks()))
+        if shard is not None:
+            shard(chunk, chunk.blocks)
+        return Parallelized(chunk=chunk)
+    if shard is not None:
+        shard(module)
+    return Parallelized()
+
+
 def parallelize(
     module: nn.Module,
     dims: ParallelDims,
@@ -312,66 +375,24 @@ def parallelize(
 ) -> Parallelized:
     """Parallelize ``module`` (a LightningModule) in place: TP -> EP -> activation
     checkpointing / compile -> pipeline split -> FSDP2 or replicate (module docstring), then the
-    module's ``load_sharded_parameters`` hook (:mod:`.deferred`). ``plan`` ``None``: a module
-    without one (steps 1-2 skipped).
+    module's ``load_sharded_parameters`` hook (:mod:`.deferred`) and the gradients no FSDP unit
+    reduces (:class:`~lightning_mmpar.parallel.data.GradientSync`, replicas broadcast from
+    their group's rank 0, as DDP does). ``plan`` ``None``: a module without one (steps 1-2
+    skipped). Collective over ``tp``, ``ep``, ``pp``, ``dp`` and ``edp``.
 
     Raises:
         TypeError: ``pipeline_parallel > 1`` for a module that is not a ``PipelineModule``.
         ValueError: from the plan's styles and steps, the block options, the expert layers
             against ``dims.ep`` or the pipeline partition.
     """
-    cfg = options.config
-    if cfg.pipeline_parallel > 1 and not isinstance(module, PipelineModule):
-        raise TypeError(
-            f"pipeline_parallel={cfg.pipeline_parallel} needs {type(module).__name__} to "
-            "implement pipeline_blocks(), pipeline_inputs() and pipeline_loss() "
-            "(lightning_mmpar.parallel.pipeline.PipelineModule); or set pipeline_parallel=1."
-        )
+    check_pipeline_module(module, options.config)
     if plan is not None:
         apply_model_parallel(module if plan.root is None else plan.root, dims, plan)
-    checkpoint_and_compile(module, plan, options.memory)
-    dpar.check_expert_layers(module, dims.ep)
-    dpar.scale_expert_gradients(module, dims.ep)
-    done = _split_and_shard(module, dims, options)
+    checkpoint_and_compile(module, plan, options.memory)  # before any sharding
+    prepare_expert_gradients(module, dims.ep)
+    shard = data_parallel_step(module, dims, options)
+    done = split_pipeline(module, dims, options, shard)
     deferred.load_deferred(module, options.device)  # sharded meta params: their shards
-    done.partial_over_tp = dpar.partial_over_tp_parameters(module) if dims.tp > 1 else []
-    if dims.dp > 1 and cfg.data_parallel != "none":
-        done.replicated = dpar.replicated_parameters(module)
-        dpar.broadcast_parameters(done.replicated, dims.get_mesh("dp").get_group())
-        done.experts = dpar.expert_parameters(module)
-        dpar.broadcast_parameters(done.experts, dims.get_mesh("edp").get_group())
-    return done
-
-
-def _split_and_shard(
-    module: nn.Module, dims: ParallelDims, options: ParallelizeOptions
-) -> Parallelized:
-    """Steps 4-5: the pipeline split (``pp > 1``; a ``PipelineModule`` at pp 1 runs as one
-    chunk) and FSDP2 per block of this rank's stages (experts on the edp mesh), or FSDP2 on a
-    module without blocks."""
-    cfg, memory = options.config, options.memory
-    fsdp = cfg.data_parallel == "fsdp" and (dims.dp > 1 or memory.needs_fsdp)
-    shard = fsdp and not dpar.has_fsdp(module)
-    fsdp_kw = memory.fsdp_kwargs(options.device)
-    dp_mesh, edp_mesh = dims.get_mesh("dp"), dims.get_mesh("edp")
-
-    def wrap(chunk: PipelineChunk) -> nn.Module:
-        if shard and dims.edp > 1:
-            dpar.shard_experts(chunk, edp_mesh)
-        return dpar.shard_blocks(chunk.blocks, chunk, dp_mesh, **fsdp_kw) if shard else chunk
-
-    done = Parallelized()
-    if cfg.pipeline_parallel > 1:
-        pp_group = dims.get_mesh("pp").get_group()
-        done.stage_plan = stage_plan_for(module, cfg)
-        done.pipeline = PipelineEngine(
-            module, cfg, pp_group, options.device, wrap, stage_ranges=done.stage_plan.ranges
-        )
-    elif isinstance(module, PipelineModule):
-        done.chunk = PipelineChunk(list(module.pipeline_blocks()))
-        wrap(done.chunk)
-    elif shard:
-        if dims.edp > 1:
-            dpar.shard_experts(module, edp_mesh)
-        dpar.apply_fsdp(module, dp_mesh, **fsdp_kw)
+    done.grad_sync = GradientSync.of(module, dims, options.config.data_parallel)
+    done.grad_sync.broadcast(dims)  # replicas start equal, as under DDP
     return done

@@ -49,10 +49,11 @@ block.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Literal
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -65,6 +66,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from lightning_mmpar.layout import LayoutFacts, ParallelLayout, validate
 from lightning_mmpar.models.fusion import FusionConfig, FusionModel
 from lightning_mmpar.models.language import LanguageModel
 from lightning_mmpar.parallel.activation import LAYERS
@@ -76,9 +78,9 @@ from lightning_mmpar.plans.fusion_vision import (
     apply_vision_data_parallel,
     check_vision_parallel,
     parallelize_vision,
-    vision_checks,
     vision_dropout_regions,
     vision_plan,
+    vision_tp_sizes,
 )
 from lightning_mmpar.plans.plan import ParallelPlan, apply_plan, tp_meshes
 from lightning_mmpar.topology import ParallelDims
@@ -92,6 +94,7 @@ __all__ = [
     "check_moe_layout",
     "checkpoint_units",
     "dropout_regions",
+    "fusion_facts",
     "fusion_plan",
     "language_plan",
     "moe_layers",
@@ -117,8 +120,8 @@ class FusionPlanOptions:
     sequence_parallel: bool = False
     """Shard the text residual stream along the sequence (text length must divide by tp)."""
     vl_combine: VLCombine = "all_reduce"
-    """Combine of the cross-attention heads (row-parallel ``o_proj`` with an all-reduce, or the
-    heads all-gathered; :func:`adapter_plan`), on the vision-language group."""
+    """Combine of the cross-attention heads on the vision-language group: ``all_reduce`` of
+    partial sums (Megatron-LM's row-parallel output, Shoeybi et al. 2019) or ``all_gather``."""
     vocab_multiple: int = 8
     """The LM vocabulary is padded to a multiple of this (and of tp) so it shards evenly."""
     activation_checkpointing: bool = False
@@ -157,36 +160,52 @@ class TensorParallelOptions(FusionPlanOptions):
         super().__post_init__()
 
 
-def _fix(name: str, value: int, tp: int) -> str:
-    """The two ways out: the field's nearest multiples of ``tp``, or a smaller ``tp``."""
-    low, high = value // tp * tp, (value // tp + 1) * tp
-    tps = " or ".join(str(d) for d in range(1, tp) if value % d == 0 and tp % d == 0)
-    near = f"{low} or {high}" if low > 0 else f"{high}"
-    return f"nearest valid {name.rsplit('.', 1)[-1]}: {near}; or tensor_parallel {tps}"
+def fusion_facts(config: FusionConfig, *, count_blocks: bool = False) -> LayoutFacts:
+    """What the fusion model tells :func:`lightning_mmpar.layout.validate`: the sizes tensor
+    parallelism splits (ViT heads and MLP width under ``vision_parallel='tp'``; adapter heads
+    and FFN width; LLM query and key-value heads, intermediate size, vocabulary), the ViT's
+    blocks, the experts of each MoE part; with ``count_blocks`` the pipeline blocks too
+    (counted on a meta-device build).
+    """
+    v, a, lang = config.vision, config.adapter, config.language
+    attn = "language.layers.*.self_attn"
+    parts = {"language": lang.moe, "adapter": a.moe}
+    blocks = None
+    if count_blocks:
+        with torch.device("meta"):
+            blocks = len(FusionModel(config).pipeline_blocks())
+    return LayoutFacts(
+        vision_tp_sizes=vision_tp_sizes(v),
+        tp_sizes=(
+            ("adapters.*.attn", "AdapterConfig.heads", a.heads),
+            ("adapters.*.mlp", "AdapterConfig.ffn_width", a.ffn_width),
+            (attn, "LanguageConfig.num_attention_heads", lang.num_attention_heads),
+            (attn, "LanguageConfig.num_key_value_heads", lang.num_key_value_heads),
+            ("language.layers.*.mlp", "LanguageConfig.intermediate_size", lang.intermediate_size),
+            ("language.embed_tokens/lm_head", "LanguageConfig.vocab_size", lang.vocab_size),
+        ),
+        vision_layers=v.layers,
+        experts=tuple(
+            (f"model.fusion.{part}.moe.num_experts", moe.num_experts)
+            for part, moe in parts.items()
+            if moe is not None
+        ),
+        no_experts=(
+            "model.fusion.language.moe is null (adapter.moe too); configure MoE FFNs "
+            "(recipes/clip_llama_moe_cpu.yaml)"
+        ),
+        pipeline_blocks=blocks,
+    )
 
 
 def validate_tensor_parallel(
     config: FusionConfig, tp: int, *, vision_parallel: VisionParallel = "tp"
 ) -> None:
     """Raise a ``ValueError`` naming module, field, value and the fix: the field's nearest
-    multiples of ``tp``, or the smaller tensor-parallel sizes that divide it."""
-    v, a, lang = config.vision, config.adapter, config.language
-    checks = vision_checks(v, vision_parallel)
-    attn = "language.layers.*.self_attn"
-    checks += [
-        ("adapters.*.attn", "AdapterConfig.heads", a.heads),
-        ("adapters.*.mlp", "AdapterConfig.ffn_width", a.ffn_width),
-        (attn, "LanguageConfig.num_attention_heads", lang.num_attention_heads),
-        (attn, "LanguageConfig.num_key_value_heads", lang.num_key_value_heads),
-        ("language.layers.*.mlp", "LanguageConfig.intermediate_size", lang.intermediate_size),
-        ("language.embed_tokens/lm_head", "LanguageConfig.vocab_size", lang.vocab_size),
-    ]
-    for module, name, value in checks:
-        if value % tp != 0:
-            raise ValueError(
-                f"{module}: {name} ({value}) must be divisible by the tensor-parallel size ({tp}); "
-                f"{_fix(name, value, tp)}."
-            )
+    multiples of ``tp``, or the smaller tensor-parallel sizes that divide it (the sizes rules of
+    :func:`lightning_mmpar.layout.validate` with :func:`fusion_facts`)."""
+    layout = ParallelLayout(tp=tp, dp=None, vision_parallel=vision_parallel)
+    validate(layout, replace(fusion_facts(config), experts=None))
 
 
 def _combine_style(vl_combine: VLCombine, seq: Shard | Replicate) -> ParallelStyle:
@@ -309,8 +328,7 @@ def fusion_plan(
     from ``model`` (the plan's ``root``). Its steps after TP and EP set the MoE layers' routed
     sequence multiple to tp and install ``vision_parallel="dp"``'s hooks
     (:func:`~lightning_mmpar.plans.fusion_vision.parallelize_vision`). With ``dims``: checked
-    against them first (:func:`validate_tensor_parallel` when ``dims.tp > 1``,
-    :func:`check_moe_layout`), raising their ``ValueError``."""
+    against them first (:func:`check_fusion_layout`), raising its ``ValueError``."""
     if dims is not None:
         check_fusion_layout(model.config, dims, options)
     seq = options.sequence_parallel
@@ -354,16 +372,6 @@ def fusion_plan(
     )
 
 
-def check_fusion_layout(
-    config: FusionConfig, dims: ParallelDims, options: FusionPlanOptions
-) -> None:
-    """The fusion model's sizes against ``dims``: :func:`validate_tensor_parallel` (tp > 1) and
-    :func:`check_moe_layout`; raises their ``ValueError``."""
-    if dims.tp > 1:
-        validate_tensor_parallel(config, dims.tp, vision_parallel=options.vision_parallel)
-    check_moe_layout(config, dims.tp, dims.ep, sequence_parallel=options.sequence_parallel)
-
-
 def _moe_sequence_multiple(model: FusionModel, dims: ParallelDims) -> None:
     """MoE FFNs pad routed sequences to multiples of lcm(tp, experts) (:mod:`~lightning_mmpar.
     models.moe`): each tp rank then routes an equal share."""
@@ -378,28 +386,28 @@ def _vision_hooks(model: FusionModel, vision_parallel: VisionParallel, dims: Par
 def check_moe_layout(config: FusionConfig, tp: int, ep: int, *, sequence_parallel: bool) -> None:
     """MoE FFNs against the layout, from the config alone (the CLI runs it before launch).
     ``ValueError`` naming field, value and fix: ``ep > 1`` without MoE layers, ``num_experts``
-    not divisible by ``ep``, sequence parallelism (``tp > 1``) with MoE layers."""
-    moe = config.language.moe or config.adapter.moe
-    if moe is None:
-        if ep > 1:
-            raise ValueError(
-                f"expert_parallel ({ep}) needs mixture-of-experts layers, but model.fusion."
-                "language.moe is null (adapter.moe too); configure MoE FFNs (recipes/clip_llama_"
-                "moe_cpu.yaml) or set trainer.strategy.init_args.expert_parallel=1."
-            )
-        return
-    for part in ("language", "adapter"):
-        cfg = getattr(config, part).moe
-        if cfg is not None and cfg.num_experts % ep:
-            raise ValueError(
-                f"model.fusion.{part}.moe.num_experts ({cfg.num_experts}) must be divisible by "
-                f"expert_parallel ({ep}); use a multiple of {ep} experts or another ep."
-            )
-    if sequence_parallel and tp > 1:
-        raise ValueError(
-            "plan.sequence_parallel (True) is not supported with mixture-of-experts "
-            "layers: they route whole sequences on every tp rank; set it to false."
-        )
+    not divisible by ``ep``, sequence parallelism (``tp > 1``) with MoE layers (the experts
+    rules of :func:`lightning_mmpar.layout.validate` with :func:`fusion_facts`)."""
+    facts = fusion_facts(config)
+    layout = ParallelLayout(tp=tp, ep=ep, dp=None, sequence_parallel=sequence_parallel)
+    validate(layout, LayoutFacts(experts=facts.experts, no_experts=facts.no_experts))
+
+
+def check_fusion_layout(
+    config: FusionConfig, dims: ParallelDims, options: FusionPlanOptions
+) -> None:
+    """What :func:`parallelize_fusion` checks first: the layout of ``dims`` with ``options``'
+    vision mode and sequence parallelism, by :func:`lightning_mmpar.layout.validate` against
+    :func:`fusion_facts` (sizes vs tp, experts vs ep). Raises ``ValueError`` (field, value,
+    fix)."""
+    layout = ParallelLayout(
+        tp=dims.tp,
+        ep=dims.ep,
+        dp=None,
+        vision_parallel=options.vision_parallel,
+        sequence_parallel=options.sequence_parallel,
+    )
+    validate(layout, fusion_facts(config))
 
 
 def moe_layers(model: FusionModel) -> tuple[str, ...]:
@@ -451,10 +459,11 @@ def apply_tensor_parallel(
     ``vision_parallel``: ``tp`` shards the ViT by heads / FFN columns, ``replicate`` keeps a full
     copy on every tp rank, ``dp`` a full copy encoding ``1 / tp`` of the images per rank (sum the
     gradients of :data:`~lightning_mmpar.parallel.data.PARTIAL_OVER_TP` parameters over tp after
-    backward: the strategy does). ``vl_combine``: ``all_reduce`` or ``all_gather`` combine of the
-    cross-attention heads (TECHNIQUES 1.3), run on ``vl_group`` (same ranks as ``tp_mesh``, its
-    own communicator; default: the tp group itself). Raises ``ValueError`` for unknown options, a
-    mesh that is not 1-D, a ``vl_group`` of other ranks, or sizes that do not divide by tp.
+    backward: the strategy does). ``vl_combine``: ``all_reduce`` (Megatron-LM's row-parallel
+    output) or ``all_gather`` combine of the cross-attention heads, run on ``vl_group`` (same ranks
+    as ``tp_mesh``, its own communicator; default: the tp group itself). Raises ``ValueError`` for
+    unknown options, a mesh that is not 1-D, a ``vl_group`` of other ranks, or sizes that do not
+    divide by tp.
     """
     options = FusionPlanOptions(
         vision_parallel=vision_parallel, sequence_parallel=sequence_parallel, vl_combine=vl_combine

@@ -1,7 +1,7 @@
 """The fusion model as a :class:`~lightning_mmpar.layout.model.ModelSpec` (issue 12's cost model).
 
 :func:`fusion_model_spec` reads a recipe module (``ClipLlamaModule``, built or not) and a
-:class:`~lightning_mmpar.layout.model.LayoutSpec` and returns, without a process group and
+:class:`~lightning_mmpar.layout.ParallelLayout` and returns, without a process group and
 without allocating a tensor (the model is rebuilt on the meta device, so a 70B config costs
 nothing):
 
@@ -55,8 +55,8 @@ nothing):
 Activation bytes are 4 per element for ``32-true`` (checked exactly, tests/recipes), 2 for the
 bf16 precisions and fp8 (activations stay bf16 between layers); ``bf16-true`` also halves the
 parameters and the floating-point pipeline boundaries (not measured: CPU parity runs fp32).
-The layout must be one the strategy accepts for this model (``validate_tensor_parallel``,
-``check_moe_layout``), else ``ValueError``.
+The layout must be one the strategy accepts for this model (:func:`lightning_mmpar.layout.
+validate` with :func:`~lightning_mmpar.plans.fusion.fusion_facts`), else ``ValueError``.
 """
 
 from __future__ import annotations
@@ -66,17 +66,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_mmpar.layout.model import Boundary, Collective, LayoutSpec, LossSpec, ModelSpec
+from lightning_mmpar.layout import ParallelLayout, validate
+from lightning_mmpar.layout.model import Boundary, Collective, LossSpec, ModelSpec
 from lightning_mmpar.layout.model import ParamSpec as Param
 from lightning_mmpar.layout.stages import measure_blocks
 from lightning_mmpar.models.fusion import FusionModel
 from lightning_mmpar.parallel.tensor import FusedQKVColwiseParallel, HeadShardedReplicate
-from lightning_mmpar.plans.fusion import (
-    FusionPlanOptions,
-    check_moe_layout,
-    fusion_plan,
-    validate_tensor_parallel,
-)
+from lightning_mmpar.plans.fusion import FusionPlanOptions, fusion_facts, fusion_plan
 
 __all__ = ["fusion_model_spec"]
 
@@ -91,7 +87,7 @@ _VISION_DP = (
 ``lightning_mmpar.plans.fusion_vision.apply_vision_data_parallel``)."""
 
 
-def _meta_model(module: Any, layout: LayoutSpec) -> FusionModel:
+def _meta_model(module: Any, layout: ParallelLayout) -> FusionModel:
     with torch.device("meta"):
         model = FusionModel(
             module._resolved_config(layout.tp), momentum=module.loss_config.mml.momentum
@@ -157,7 +153,7 @@ def _boundaries(model: FusionModel, text_length: int, prompts: Any) -> list[tupl
 
 
 def _local_rows(
-    found: list[tuple[Boundary, ...]], names: list[str], layout: LayoutSpec
+    found: list[tuple[Boundary, ...]], names: list[str], layout: ParallelLayout
 ) -> list[tuple[Boundary, ...]]:
     """Block outputs a tp rank holds ``1 / tp`` of: under ``vision_parallel="dp"`` every
     output of the stem and of the ViT blocks but the last (its images; the gather follows the
@@ -194,7 +190,7 @@ def _local_rows(
 
 
 def _ep_collectives(
-    model: FusionModel, layout: LayoutSpec, names: list[str], text_length: int
+    model: FusionModel, layout: ParallelLayout, names: list[str], text_length: int
 ) -> list[tuple[Collective, ...]]:
     """Per MoE layer call (``ep > 1``): the per-expert counts (``8 E`` bytes, equal splits) and
     the token dispatch + return (``all_to_all_v``), forward and backward. A layer routes ``N``
@@ -239,7 +235,11 @@ def _ep_collectives(
 
 
 def _tp_collectives(
-    model: FusionModel, layout: LayoutSpec, names: list[str], text_length: int, grads: list[bool]
+    model: FusionModel,
+    layout: ParallelLayout,
+    names: list[str],
+    text_length: int,
+    grads: list[bool],
 ) -> list[tuple[Collective, ...]]:
     """Per block: tensor parallelism's activation collectives (module docstring's table);
     ``grads[i]``: block ``i`` or one before it trains (its backward runs)."""
@@ -307,7 +307,7 @@ def _tp_collectives(
 
 
 def fusion_model_spec(
-    module: Any, layout: LayoutSpec, text_length: int, prompts: tuple[int, int] | None = None
+    module: Any, layout: ParallelLayout, text_length: int, prompts: tuple[int, int] | None = None
 ) -> ModelSpec:
     """The :class:`ModelSpec` of ``module`` (a ``ClipLlamaModule``, built or not: its configs
     are read and the model rebuilt on the meta device) under ``layout``.
@@ -317,17 +317,16 @@ def fusion_model_spec(
     stands in, ``K = 1``).
 
     Raises:
-        ValueError: ``text_length`` < 2, or a layout the strategy refuses for this model (sizes
-            not divisible by ``tp``: ``validate_tensor_parallel``; ``ep`` without MoE layers or
-            not dividing the experts, sequence parallelism with MoE: ``check_moe_layout``).
+        ValueError: ``text_length`` < 2, or a layout the strategy refuses for this model
+            (:func:`lightning_mmpar.layout.validate` with
+            :func:`~lightning_mmpar.plans.fusion.fusion_facts`: sizes not divisible by ``tp``,
+            ``ep`` without MoE layers or not dividing the experts, sequence parallelism with
+            MoE).
     """
     if not isinstance(text_length, int) or text_length < 2:
         raise ValueError(f"text_length ({text_length!r}) must be an int >= 2 (caption tokens).")
     model = _meta_model(module, layout)
-    if layout.tp > 1:  # the strategy's own checks: sizes that must divide by tp
-        vision: Any = layout.vision_parallel
-        validate_tensor_parallel(model.config, layout.tp, vision_parallel=vision)
-    check_moe_layout(model.config, layout.tp, layout.ep, sequence_parallel=layout.sequence_parallel)
+    validate(layout, fusion_facts(model.config))  # the strategy's own check
     blocks = model.pipeline_blocks()
     vl, de = len(model.vision.transformer.resblocks), len(model.language.layers)
     names = ["vision.stem", *(f"vision.layer{i}" for i in range(vl)), "vision.pool", "bridge"]

@@ -1,4 +1,4 @@
-"""The fusion model's vision tower layouts inside a tensor-parallel group (``vision_parallel``).
+"""The fusion model's vision tower modes inside a tensor-parallel group (``vision_parallel``).
 
 * ``tp``: the ViT sharded like the LLM (Megatron's column/row patterns): per block the fused
   ``attn.in_proj`` column parallel by whole heads
@@ -35,12 +35,16 @@ checkpointing stops once the block's saved tensors are rebuilt) compose with eve
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+import warnings
+from typing import Any, Literal
 
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from lightning_mmpar.layout import LayoutFacts, ParallelLayout, TpSize, validate
+from lightning_mmpar.layout import check_vision_batch as check_vision_batch
+from lightning_mmpar.layout.value import VISION_PARALLEL as VISION_PARALLEL
 from lightning_mmpar.models.vision import VisionConfig, VisionTower
 from lightning_mmpar.parallel import comm
 from lightning_mmpar.parallel.data import PARTIAL_OVER_TP
@@ -58,42 +62,46 @@ __all__ = [
     "vision_checks",
     "vision_dropout_regions",
     "vision_plan",
+    "vision_tp_sizes",
 ]
 
 VisionParallel = Literal["tp", "replicate", "dp"]
-VISION_PARALLEL: tuple[str, ...] = get_args(VisionParallel)
-"""The vision tower layouts, in documentation order."""
+"""The vision tower's modes (:data:`VISION_PARALLEL`, in documentation order)."""
 
 
 def check_vision_parallel(value: str) -> None:
-    """Raise ``ValueError`` naming ``value`` and the choices unless it is a known layout."""
-    if value not in VISION_PARALLEL:
-        raise ValueError(
-            f"vision_parallel ({value!r}) must be 'tp' or 'replicate' or 'dp': shard the ViT by "
-            "heads, keep a full copy per tensor-parallel rank, or split the images over them."
-        )
+    """Raise ``ValueError`` naming ``value`` and the choices unless it is a known mode
+    (:func:`lightning_mmpar.layout.validate`'s rule)."""
+    validate(ParallelLayout(dp=None, vision_parallel=value))
+
+
+def vision_tp_sizes(config: VisionConfig) -> tuple[TpSize, ...]:
+    """``(module, field, value)`` sizes that must divide by tp under ``vision_parallel='tp'``."""
+    return (
+        ("vision.transformer.resblocks.*.attn", "VisionConfig.heads", config.heads),
+        ("vision.transformer.resblocks.*.mlp", "VisionConfig.mlp_width", config.mlp_width),
+    )
 
 
 def vision_checks(
     config: VisionConfig, vision_parallel: VisionParallel
 ) -> list[tuple[str, str, int]]:
-    """``(module, field, value)`` sizes that must divide by tp for this layout (``tp`` only).
+    """Deprecated (``lightning_mmpar.plans.fusion.fusion_facts`` gives the facts
+    :func:`lightning_mmpar.layout.validate` checks): :func:`vision_tp_sizes` under ``tp``, else
+    none.
 
     Raises ``ValueError`` for ``dp`` with a ViT of no blocks (the outputs are gathered after
     the last block).
     """
-    if vision_parallel == "dp" and config.layers < 1:
-        raise ValueError(
-            f"vision_parallel='dp' gathers the images after the last ViT block, but "
-            f"VisionConfig.layers is {config.layers}; use layers >= 1 or vision_parallel="
-            "'replicate'."
-        )
-    if vision_parallel != "tp":
-        return []
-    return [
-        ("vision.transformer.resblocks.*.attn", "VisionConfig.heads", config.heads),
-        ("vision.transformer.resblocks.*.mlp", "VisionConfig.mlp_width", config.mlp_width),
-    ]
+    warnings.warn(
+        "plans.fusion_vision.vision_checks is deprecated: use plans.fusion.fusion_facts and "
+        "lightning_mmpar.layout.validate.",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    layout = ParallelLayout(dp=None, vision_parallel=vision_parallel)
+    validate(layout, LayoutFacts(vision_layers=config.layers))
+    return list(vision_tp_sizes(config)) if vision_parallel == "tp" else []
 
 
 def vision_plan(vision: VisionTower) -> dict[str, ParallelStyle]:
@@ -119,22 +127,6 @@ def vision_dropout_regions(
         for name, m in vision.named_modules()
         if isinstance(m, nn.Dropout)
     )
-
-
-def check_vision_batch(batch: int, tp: int, what: str = "the micro-batch") -> None:
-    """``vision_parallel='dp'`` splits every (micro-)batch's images over the ``tp`` ranks.
-
-    Raises:
-        ValueError: ``batch`` not a multiple of ``tp``, naming both and the fix.
-    """
-    if batch % tp:
-        fit = max(tp, batch // tp * tp)
-        raise ValueError(
-            f"vision_parallel='dp' splits the images of {what} over the tensor-parallel ranks: "
-            f"its size ({batch}) must be divisible by tensor_parallel ({tp}); use a multiple of "
-            f"{tp} images per micro-batch (e.g. {fit}: data.batch_size per data-parallel rank a "
-            f"multiple of micro_batches * {tp}, drop_last=True) or vision_parallel='replicate'."
-        )
 
 
 def apply_vision_data_parallel(vision: VisionTower, group: dist.ProcessGroup | None) -> None:

@@ -4,16 +4,17 @@
 (this package does not import ``clip_llama`` itself, so ``-m`` runs it cleanly).
 """
 
-from lightning_mmpar.recipes.captions import CaptionWriter
+from lightning_mmpar.recipes.caption_writer import CaptionWriter
 from lightning_mmpar.recipes.cli import ClipLlamaCLI, RecipeDigitsCaptions, main, run_cli
-from lightning_mmpar.recipes.deepspeed import (
+from lightning_mmpar.recipes.deepspeed_cli import (
     apply_deepspeed_json,
     optim_from_deepspeed,
     strategy_from_deepspeed,
 )
-from lightning_mmpar.recipes.evaluation import ClassRecall, RecipeMetrics
+from lightning_mmpar.recipes.evaluation import RecipeMetrics
 from lightning_mmpar.recipes.export import ExportResult, export_checkpoint
 from lightning_mmpar.recipes.generation import cached_greedy_decode, greedy_decode
+from lightning_mmpar.recipes.metrics import ClassRecall
 from lightning_mmpar.recipes.module import ClipLlamaModule
 from lightning_mmpar.recipes.options import (
     FinetuneConfig,

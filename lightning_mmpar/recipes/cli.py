@@ -7,11 +7,11 @@ without it, :class:`RecipeDigitsCaptions`, whose arguments a bare ``data:`` sect
 data's ``vocab_size`` becomes ``model.vocab_size``.
 
 ``--deepspeed ds_config.json`` replaces ``trainer.strategy`` by what
-:func:`lightning_mmpar.recipes.deepspeed.strategy_from_deepspeed` maps the JSON to (DeepSpeed's
+:func:`lightning_mmpar.recipes.deepspeed_cli.strategy_from_deepspeed` maps the JSON to (DeepSpeed's
 engine for ZeRO-1/2, ``mm_parallel`` with FSDP2 for ZeRO-3), keeping the sizes of an
 ``mm_parallel`` strategy given in the YAML, and sets the Trainer's accumulation, clipping and
 precision, the data's batch size and ``model.optim`` from the JSON
-(:func:`~lightning_mmpar.recipes.deepspeed.apply_deepspeed_json`); unknown or unmapped keys warn
+(:func:`~lightning_mmpar.recipes.deepspeed_cli.apply_deepspeed_json`); unknown or unmapped keys warn
 (``--deepspeed_strict true``: one ``ValueError``). Before ``fit``/``validate``/``test``/
 ``predict`` launch any process, :func:`lightning_mmpar.recipes.preflight.preflight` checks the
 layout against the model and the data, in the main process, once.
@@ -57,8 +57,8 @@ from torch.utils.data import DataLoader
 from lightning_mmpar.callbacks.fp8_training import FP8Training
 from lightning_mmpar.data.digits import DigitsCaptions
 from lightning_mmpar.data.transforms import ImagePreprocess
-from lightning_mmpar.parallel.deepspeed import DeepSpeedPlan
-from lightning_mmpar.recipes.deepspeed import apply_deepspeed_json, strategy_from_deepspeed
+from lightning_mmpar.parallel.deepspeed_mapping import DeepSpeedPlan
+from lightning_mmpar.recipes.deepspeed_cli import apply_deepspeed_json, strategy_from_deepspeed
 from lightning_mmpar.recipes.module import ClipLlamaModule
 from lightning_mmpar.recipes.preflight import preflight
 from lightning_mmpar.recipes.resume import AUTO, auto_ckpt_path

@@ -8,7 +8,8 @@ every pipeline peer. Retrieval is reported two ways:
   is the image's *own* caption. Captions of one digit and template are identical token for
   token, so their features tie and the pair's own caption wins about ``1 / (copies)`` of the
   time: on the 360 held-out digits (36 per class) recall@1 stays low even for a perfect model;
-* class recall (``i2t_class_recall@k``, ``t2i_class_recall@k``, :class:`ClassRecall`): a hit
+* class recall (``i2t_class_recall@k``, ``t2i_class_recall@k``,
+  :class:`~lightning_mmpar.recipes.metrics.ClassRecall`): a hit
   when a retrieved caption (image) names the same digit, i.e. has the query's label. This is
   what zero-shot accuracy measures through retrieval, and what a reader compares with it.
 
@@ -26,20 +27,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
-from torchmetrics import Metric
-from torchmetrics.utilities import dim_zero_cat
 
 from lightning_mmpar.data.digits import CLASS_NAMES
 from lightning_mmpar.data.tokenizer import WordTokenizer
-from lightning_mmpar.metrics import RetrievalRecall, ZeroShotAccuracy
 from lightning_mmpar.parallel import comm
 from lightning_mmpar.recipes import parallel_env as penv
+from lightning_mmpar.recipes.metrics import ClassRecall, RetrievalRecall, ZeroShotAccuracy
 
 __all__ = [
     "EVAL_METRICS",
-    "ClassRecall",
     "RecipeMetrics",
     "digit_token_classes",
     "eval_values",
@@ -60,62 +57,6 @@ EVAL_METRICS: tuple[str, ...] = (
     "caption_acc_tf",
 )
 """Evaluation metrics logged as ``val/<name>`` and ``test/<name>``."""
-
-
-class ClassRecall(Metric):
-    """Image->text and text->image *class* recall@k over every pair seen (all dp ranks).
-
-    ``update(image_features [n, d], text_features [n, d], labels [n])``: row ``i`` of the
-    features is a pair, ``labels[i]`` its class. For image query ``i`` the captions are ranked
-    by cosine similarity; it is a hit at ``k`` when one of the top ``k`` has label
-    ``labels[i]`` (text->image alike over images). Unlike per-pair recall
-    (:class:`~lightning_mmpar.metrics.RetrievalRecall`), the many identical captions of one
-    class do not count as misses. Ties are broken by ``torch.topk``. ``compute()`` returns
-    ``{"i2t_class_recall@k": ..., "t2i_class_recall@k": ...}`` (fractions in [0, 1]).
-
-    Raises:
-        ValueError: bad ``ks`` or mismatched shapes in ``update``.
-    """
-
-    is_differentiable = False
-    higher_is_better = True
-    full_state_update = False
-    image_features: list[Tensor]
-    text_features: list[Tensor]
-    labels: list[Tensor]
-
-    def __init__(self, *, ks: Sequence[int] = (1, 5), **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        if not ks or any(k < 1 for k in ks):
-            raise ValueError(f"ClassRecall ks {tuple(ks)} must be integers >= 1, e.g. (1, 5).")
-        self.ks = tuple(ks)
-        for name in ("image_features", "text_features", "labels"):
-            self.add_state(name, default=[], dist_reduce_fx="cat")
-
-    def update(self, image_features: Tensor, text_features: Tensor, labels: Tensor) -> None:
-        """Store a batch of pairs and their labels."""
-        n = image_features.shape[0]
-        if image_features.shape != text_features.shape or labels.shape != (n,):
-            raise ValueError(
-                f"ClassRecall.update: image_features {tuple(image_features.shape)}, "
-                f"text_features {tuple(text_features.shape)} and labels {tuple(labels.shape)} "
-                "must be [n, d], [n, d] and [n]."
-            )
-        self.image_features.append(F.normalize(image_features.detach().float(), dim=-1))
-        self.text_features.append(F.normalize(text_features.detach().float(), dim=-1))
-        self.labels.append(labels.detach().long())
-
-    def compute(self) -> dict[str, Tensor]:
-        """Class recall@k both ways (``k`` capped at the number of pairs)."""
-        labels = dim_zero_cat(self.labels)
-        scores = dim_zero_cat(self.image_features) @ dim_zero_cat(self.text_features).T
-        out = {}
-        for name, s in (("i2t", scores), ("t2i", scores.T)):
-            for k in self.ks:
-                top = s.topk(min(k, s.shape[1]), dim=1).indices
-                hits = (labels[top] == labels[:, None]).any(1)
-                out[f"{name}_class_recall@{k}"] = hits.float().mean()
-        return out
 
 
 def eval_values(trainer: Any, metrics: RecipeMetrics, owner: bool) -> dict[str, Tensor]:

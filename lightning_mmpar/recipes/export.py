@@ -57,9 +57,12 @@ from lightning_mmpar.models.convert import (
     save_llama_pretrained,
 )
 from lightning_mmpar.models.fusion import FusionConfig, FusionModel
-from lightning_mmpar.parallel.checkpoint import resolve
-from lightning_mmpar.parallel.checkpoint_check import HPARAMS_KEY, inspect_checkpoint
-from lightning_mmpar.parallel.checkpoint_find import complete_checkpoints
+from lightning_mmpar.parallel.checkpoint import (
+    HPARAMS_KEY,
+    complete_checkpoints,
+    inspect_checkpoint,
+    resolve,
+)
 from lightning_mmpar.recipes import module as _module  # noqa: F401 - allow-lists the hparams
 from lightning_mmpar.recipes.export_verify import verify_export
 

@@ -30,6 +30,7 @@ from lightning_mmpar.models.decoding import DecodeCache, check_cacheable, decode
 from lightning_mmpar.models.fusion import FusionModel
 from lightning_mmpar.recipes import parallel_env as penv
 from lightning_mmpar.recipes.evaluation import named_digit
+from lightning_mmpar.trainer_topology import TrainerTopology
 
 __all__ = [
     "CachedStep",
@@ -135,7 +136,7 @@ class CaptionGeneration:
         """Why this module cannot decode with a key/value cache (``None``: it can)."""
         if self.training:
             return "training mode (dropout); call eval() first"
-        if self.plan_options.sequence_parallel and penv.layout(self._trainer)["tp"] > 1:
+        if self.plan_options.sequence_parallel and TrainerTopology.of(self._trainer).dims.tp > 1:
             return "sequence_parallel shards the text positions (one new token cannot be split)"
         return check_cacheable(list(self.blocks or []))
 
@@ -147,7 +148,7 @@ class CaptionGeneration:
         """
         tok = self._tokenizer
         bos, eos, pad = (tok.bos_id, tok.eos_id, tok.pad_id) if tok else (1, 2, 0)
-        pipelined = penv.pipeline_parallel(self._trainer) > 1
+        pipelined = TrainerTopology.of(self._trainer).dims.pp > 1
         reason = self.cache_refusal() if use_cache is not False else None
         if use_cache and reason:
             raise ValueError(
@@ -163,7 +164,7 @@ class CaptionGeneration:
     def _cached_step(self: Any, images: Tensor, pipelined: bool) -> CachedStep:
         """One cached decode step over this rank's blocks (stages in order under a pipeline)."""
         blocks, cache = self.pipeline_blocks(), DecodeCache()
-        engine = self.trainer.strategy.pipeline if pipelined else None  # type: ignore[attr-defined]
+        engine = TrainerTopology.of(self.trainer).engine if pipelined else None
         ranges = engine.stage_ranges if engine is not None else [range(len(blocks))]
 
         def step(new: Tensor) -> Tensor:
@@ -198,7 +199,7 @@ class CaptionGeneration:
     def _pipelined_next_token(self: Any, step: dict[str, Tensor], position: int) -> Tensor:
         """One forward-only schedule; the last stage picks the tokens (:meth:`pipeline_loss`
         in decode mode) and broadcasts them to its pipeline peers."""
-        pipeline = self.trainer.strategy.pipeline  # type: ignore[attr-defined]
+        pipeline = TrainerTopology.of(self.trainer).engine
         self._decode_position, self._decoded = position, []
         try:
             pipeline.eval_step(step)

@@ -1,6 +1,7 @@
 """The CLIP-LLaMA recipe's LightningModule: the fusion model's blocks and three loss terms.
 
-Loss (TECHNIQUES 1.5, 4)::
+Loss (CLIP's InfoNCE, Radford et al. 2021; a caption cross-entropy; ALBEF's momentum
+distillation, Li et al. 2021)::
 
     L = w_c * InfoNCE(u, v; dp group) + w_cap * CE_vocab-parallel(caption) + MML(u, v; EMA heads)
 
@@ -39,7 +40,7 @@ from lightning_mmpar.models.fusion import (
     freeze_for_finetuning,
 )
 from lightning_mmpar.parallel import deferred
-from lightning_mmpar.parallel.data import average_density_estimates, update_expert_biases
+from lightning_mmpar.parallel.moe_state import average_density_estimates, update_expert_biases
 from lightning_mmpar.parallel.parallelize import (
     ParallelPlan,
     applies_plans,
@@ -47,7 +48,6 @@ from lightning_mmpar.parallel.parallelize import (
     checkpoint_and_compile,
 )
 from lightning_mmpar.plans.fusion import fusion_plan
-from lightning_mmpar.recipes import parallel_env as penv
 from lightning_mmpar.recipes import pretrained as ptl
 from lightning_mmpar.recipes.evaluation import RecipeMetrics, digit_token_classes, eval_values
 from lightning_mmpar.recipes.generation import CaptionGeneration, next_tokens
@@ -63,6 +63,7 @@ from lightning_mmpar.recipes.options import (
     check_image_size,
 )
 from lightning_mmpar.topology import ParallelDims
+from lightning_mmpar.trainer_topology import TrainerTopology
 
 __all__ = ["TERMS", "ClipLlamaModule"]
 
@@ -98,7 +99,8 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         fusion: tower sizes, adapter, contrastive width and initial temperature
             (``logit_scale_init = 1 / temperature``). ``language.vocab_size`` is replaced by
             ``vocab_size`` padded to ``plan.vocab_multiple``.
-        finetune: which parts train (default: the TECHNIQUES 1.5 policy).
+        finetune: which parts train (default: this package's fine-tuning policy, a frozen ViT
+            as in LLaVA, Liu et al. 2023; :class:`~lightning_mmpar.recipes.options.FinetuneConfig`).
         loss: weights of the terms and the EMA momentum.
         optim: AdamW and its schedule.
         plan: options of the fusion model's parallel plan (``model.plan:``; the degree is the
@@ -255,13 +257,13 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
     def head(self) -> Head | None:
         """The last block when this rank owns it (always, without pipeline parallelism)."""
         last = self.blocks[-1] if self.blocks is not None else None
-        if not isinstance(last, Head) or not penv.owns_last_stage(self._trainer):
+        if not isinstance(last, Head) or not TrainerTopology.of(self._trainer).owns_last_stage:
             return None
         return last
 
     def setup(self, stage: str) -> None:
         """Losses and metrics on the dp group; prompts, tokenizer and digit tokens from data."""
-        group = penv.dp_group(self._trainer)
+        group = TrainerTopology.of(self._trainer).dp_group
         self._loss = RecipeLoss(self.loss_config, group)
         self._metrics = RecipeMetrics(group)
         data = getattr(self._trainer, "datamodule", None)

@@ -6,8 +6,8 @@ norms, positional / class embeddings, gates and the logit scale); the tower of a
 the fusion model's submodule that holds it (``model.vision``, ``model.language``, anything else
 is the fresh "adapter" part: projector, adapters, heads, logit scale). Each group's peak rate is
 ``optim.lr_<tower>`` (``None``: ``optim.lr``), every rate follows the same linear warm-up and
-cosine decay (TECHNIQUES 1.5: separate rates for a pretrained backbone and new layers, as
-LLaVA / Flamingo fine-tuning does).
+cosine decay (separate rates for a pretrained backbone and new layers, as LLaVA (Liu et al.
+2023) / Flamingo (Alayrac et al. 2022) fine-tuning does).
 """
 
 from __future__ import annotations

@@ -43,15 +43,19 @@ class PretrainedConfig:
 
 @dataclass(kw_only=True)
 class FinetuneConfig:
-    """Which parts train (TECHNIQUES 1.5: ViT frozen, adapter + first two decoder layers)."""
+    """Which parts train: by default the ViT frozen, the adapter and first two decoder layers.
+
+    This package's fine-tuning policy for pretrained towers: a frozen vision encoder as in LLaVA
+    (Liu et al. 2023) and Flamingo (Alayrac et al. 2022), new layers and the first decoder
+    layers trained."""
 
     train_vision: bool = False
-    """Train the ViT. The 1.5 policy freezes it (pretrained towers); with from-scratch towers a
+    """Train the ViT. The default policy freezes it (pretrained towers); with from-scratch towers a
     frozen random ViT limits accuracy, so the CPU recipe turns this on."""
     train_decoder_layers: int = 2
     """Train the first N LLaMA decoder layers (the rest are frozen); -1 trains all."""
     train_embeddings: bool = False
-    """Train ``embed_tokens``, the final norm and ``lm_head`` (frozen by the 1.5 policy)."""
+    """Train ``embed_tokens``, the final norm and ``lm_head`` (frozen by the default policy)."""
 
     def __post_init__(self) -> None:
         if self.train_decoder_layers < -1:

@@ -1,81 +1,42 @@
-"""What the recipe needs from whichever strategy runs it: dp group, pipeline stages, layout.
+"""Collectives the recipe runs over its layout, and its learning-rate schedule.
 
-Every answer comes from :meth:`lightning_mmpar.topology.ParallelDims.of` (duck typing, no
-strategy class): under ``mm_parallel`` its own dims; under any other strategy (DDP, DeepSpeed,
-one device) no pipeline, and every rank is a data-parallel rank of the world group. Collectives
-run through :mod:`lightning_mmpar.parallel.comm` (tensors on the group's device).
+Where this rank stands (dp group, pipeline degree, last stage) comes from
+:meth:`lightning_mmpar.trainer_topology.TrainerTopology.of` (duck typing, no strategy class):
+under ``mm_parallel`` its own dims and pipeline engine; under any other strategy (DDP,
+DeepSpeed, one device) no pipeline, and every rank is a data-parallel rank of the world group.
+Collectives run through :mod:`lightning_mmpar.parallel.comm` (tensors on the group's device).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from lightning_mmpar.config import stage_layout
 from lightning_mmpar.parallel import comm
 from lightning_mmpar.recipes.options import OptimConfig
-from lightning_mmpar.topology import ParallelDims
+from lightning_mmpar.trainer_topology import TrainerTopology
 
-__all__ = [
-    "dp_group",
-    "dp_sum",
-    "from_last_stage",
-    "layout",
-    "owns_last_stage",
-    "pipeline_parallel",
-    "warmup_cosine",
-]
-
-
-def dp_group(trainer: Any) -> dist.ProcessGroup | None:
-    """The data-parallel group: ``mm_parallel``'s dp mesh, another strategy's world group;
-    ``None`` when there is a single data-parallel rank (losses and metrics gather nothing)."""
-    dims = ParallelDims.of(trainer)
-    if dims.dp == 1:
-        return None
-    group = dims.get_group("dp")
-    return group if group is not None else dist.group.WORLD
-
-
-def pipeline_parallel(trainer: Any) -> int:
-    """Pipeline degree of the run (1 for other strategies)."""
-    return ParallelDims.of(trainer).pp
-
-
-def _last_stage_rank(trainer: Any, dims: ParallelDims) -> int:
-    """Pipeline rank of the last stage: ``pp - 1`` in the loop layout, 0 in the V layout of
-    ZBV / DualPipeV (the engine's ``last_rank``; from the strategy's schedule before it exists)."""
-    strategy = trainer.strategy
-    engine = getattr(strategy, "pipeline", None)
-    if engine is not None:
-        return int(engine.last_rank)
-    schedule = getattr(getattr(strategy, "config", None), "schedule", "1f1b")
-    return 0 if stage_layout(schedule) == "v" else dims.pp - 1
-
-
-def owns_last_stage(trainer: Any) -> bool:
-    """Whether this rank runs the last pipeline stage (always true without a pipeline)."""
-    dims = ParallelDims.of(trainer)
-    return dims.pp == 1 or dims.local_rank("pp") == _last_stage_rank(trainer, dims)
+__all__ = ["dp_sum", "from_last_stage", "warmup_cosine"]
 
 
 def from_last_stage(trainer: Any, values: Tensor, owner: bool) -> Tensor:
     """``values`` of the pipeline rank that owns the last stage, on every pp peer (a copy)."""
-    dims = ParallelDims.of(trainer)
-    if dims.pp == 1:
+    topology = TrainerTopology.of(trainer)
+    if topology.dims.pp == 1:
         return values
     out = values.clone() if owner else torch.zeros_like(values)
-    return comm.broadcast(out, src=_last_stage_rank(trainer, dims), group=dims.get_group("pp"))
+    group = topology.dims.get_group("pp")
+    return comm.broadcast(out, src=topology.last_stage_rank, group=group)
 
 
 def dp_sum(trainer: Any, values: Tensor) -> Tensor:
     """Sum of ``values`` over the data-parallel group (a copy)."""
-    group = dp_group(trainer)
+    group = TrainerTopology.of(trainer).dp_group
     if group is None:
         return values
     return comm.all_reduce(values.clone(), "sum", group)
@@ -94,20 +55,29 @@ def warmup_cosine(optim: OptimConfig, total: int) -> Callable[[int], float]:
     return factor
 
 
-def layout(trainer: Any) -> dict[str, Any]:
-    """``{"strategy", "world", "tp", "pp", "dp", "ep", "virtual"}`` of the run."""
-    strategy = trainer.strategy
-    dims = ParallelDims.of(trainer)
-    config = getattr(strategy, "config", None)
-    name = type(strategy).__name__
-    if isinstance(getattr(strategy, "parallel_dims", None), ParallelDims):
-        name = f"mm_parallel/{getattr(config, 'data_parallel', '?')}"
-    return {
-        "strategy": name,
-        "world": trainer.world_size,
-        "tp": dims.tp,
-        "pp": dims.pp,
-        "dp": dims.dp,
-        "ep": dims.ep,
-        "virtual": int(getattr(config, "virtual_pipeline", 1)),
-    }
+_MOVED: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "dp_group": ("TrainerTopology.of(trainer).dp_group", lambda t: TrainerTopology.of(t).dp_group),
+    "owns_last_stage": (
+        "TrainerTopology.of(trainer).owns_last_stage",
+        lambda t: TrainerTopology.of(t).owns_last_stage,
+    ),
+    "pipeline_parallel": (
+        "TrainerTopology.of(trainer).dims.pp",
+        lambda t: TrainerTopology.of(t).dims.pp,
+    ),
+    "layout": ("TrainerTopology.of(trainer).as_dict()", lambda t: TrainerTopology.of(t).as_dict()),
+}
+"""Deprecated accessors (one release): name -> (replacement, what it returns for a trainer)."""
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    replacement, answer = _MOVED[name]
+    warnings.warn(
+        f"lightning_mmpar.recipes.parallel_env.{name}(trainer) is deprecated; use {replacement} "
+        "(lightning_mmpar.trainer_topology), the one accessor of a run's layout.",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return answer

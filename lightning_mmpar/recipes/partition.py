@@ -23,25 +23,50 @@ import yaml
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningArgumentParser
 
-from lightning_mmpar.config import MULTI_STAGE_SCHEDULES, ParallelConfig
+from lightning_mmpar.config import ParallelConfig
 from lightning_mmpar.layout import (
     BlockSpec,
     compare_modes,
+    in_flight,
     parse_partition,
     plan_stages,
     side_by_side,
+    stage_ranks,
 )
-from lightning_mmpar.parallel.pipeline_schedules import in_flight_micro_batches, stage_ranks
+from lightning_mmpar.layout.schedules import MULTI_STAGE_SCHEDULES
 from lightning_mmpar.recipes.cli import RecipeDigitsCaptions
 from lightning_mmpar.recipes.module import ClipLlamaModule
 
-__all__ = ["build_module", "build_specs", "data_args", "main"]
+__all__ = ["build_module", "build_specs", "data_args", "load_recipe", "main"]
 
 
 def _strategy_args(config: dict[str, Any]) -> dict[str, Any]:
     strategy = (config.get("trainer") or {}).get("strategy")
     args = strategy.get("init_args") if isinstance(strategy, dict) else None
     return args if isinstance(args, dict) else {}
+
+
+def load_recipe(path_text: str) -> dict[str, Any]:
+    """The recipe YAML at ``path_text`` (the ``--config`` of the planner and partition CLIs).
+
+    Raises:
+        ValueError: no such file, not YAML, no ``model:`` section, or a ``trainer`` / ``model``
+            / ``data`` section that is not a mapping (the message names ``--config``).
+    """
+    path = Path(path_text)
+    if not path.is_file():
+        raise ValueError(f"--config {str(path)!r}: no such file; pass a recipe YAML.")
+    try:
+        config = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        why = " ".join(str(err).split())
+        raise ValueError(f"--config {str(path)!r} is not valid YAML: {why}") from None
+    if not isinstance(config, dict) or "model" not in config:
+        raise ValueError(f"--config {str(path)!r} has no model: section; pass a recipe YAML.")
+    for key in ("trainer", "model", "data"):
+        if not isinstance(config.get(key) or {}, dict):
+            raise ValueError(f"--config {str(path)!r}: {key} ({config[key]!r}) must be a mapping.")
+    return config
 
 
 def build_module(config: dict[str, Any], meta: bool = True) -> tuple[ClipLlamaModule, Any]:
@@ -123,44 +148,41 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _parallel_config(args: argparse.Namespace, strategy: dict[str, Any]) -> ParallelConfig:
+    """The previewed layout, as the strategy checks it: the YAML's, with the command line's
+    ``--pp`` / ``--virtual`` / ``--schedule`` / ``--micro-batches`` / ``--partition``."""
+    pp = args.pp if args.pp is not None else int(strategy.get("pipeline_parallel", 1))
+    v = args.virtual if args.virtual is not None else int(strategy.get("virtual_pipeline", 1))
+    schedule: Any = args.schedule or _schedule(strategy.get("schedule", "1f1b"), v)
+    return ParallelConfig(
+        pipeline_parallel=pp,
+        virtual_pipeline=v,
+        schedule=schedule,
+        # another --pp than the YAML's: the schedule's default count, not the YAML's
+        micro_batches=args.micro_batches
+        or (strategy.get("micro_batches") if args.pp is None else None),
+        partition=args.partition or strategy.get("partition") or "equal",
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Print the plans; 0 on success. Invalid arguments: ``SystemExit(2)`` with the reason."""
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        path = Path(args.config)
-        if not path.is_file():
-            raise ValueError(f"--config {str(path)!r}: no such file; pass a recipe YAML.")
-        try:
-            config = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ValueError(f"--config {str(path)!r} is not valid YAML: {err}") from None
-        if not isinstance(config, dict) or "model" not in config:
-            raise ValueError(f"--config {str(path)!r} has no model: section; pass a recipe YAML.")
+        path, config = args.config, load_recipe(args.config)
         strategy = _strategy_args(config)
-        pp = args.pp if args.pp is not None else int(strategy.get("pipeline_parallel", 1))
-        v = args.virtual if args.virtual is not None else int(strategy.get("virtual_pipeline", 1))
-        # the strategy's own checks: schedule constraints, micro-batch minimums, partition form
-        schedule: Any = args.schedule or _schedule(strategy.get("schedule", "1f1b"), v)
-        layout = ParallelConfig(
-            pipeline_parallel=pp,
-            virtual_pipeline=v,
-            schedule=schedule,
-            # another --pp than the YAML's: the schedule's default count, not the YAML's
-            micro_batches=args.micro_batches
-            or (strategy.get("micro_batches") if args.pp is None else None),
-            partition=args.partition or strategy.get("partition") or "equal",
-        )
-        m = layout.num_micro_batches
+        parallel = _parallel_config(args, strategy)
+        pp, v = parallel.pipeline_parallel, parallel.virtual_pipeline
+        m = parallel.num_micro_batches
         batch = int(data_args(config).get("batch_size", 1))
         if args.micro_batch_size is not None and args.micro_batch_size < 1:
             raise ValueError(f"--micro-batch-size ({args.micro_batch_size}) must be >= 1.")
         mbs = args.micro_batch_size or max(1, batch // m)
-        chosen = parse_partition(layout.partition, pp * v)
-        ranks = stage_ranks(layout.schedule, pp * v, pp)
+        chosen = parse_partition(parallel.partition, pp * v)
         place = {
-            "stage_ranks": ranks,
-            "in_flight": in_flight_micro_batches(layout.schedule, ranks, pp, m),
+            "stage_ranks": stage_ranks(parallel.schedule, pp, v),
+            "in_flight": in_flight(parallel.schedule, pp, v, m),
         }
         limit = args.memory_limit_gib
         if limit is not None and limit <= 0:
@@ -179,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         parser.error(str(err))
     print(
-        f"{path}: {len(blocks)} blocks, pp {pp} x v {v} = {pp * v} stages, {layout.schedule}, "
+        f"{path}: {len(blocks)} blocks, pp {pp} x v {v} = {pp * v} stages, {parallel.schedule}, "
         f"{m} micro-batches of {mbs}"
         + ("" if limit is None else f", memory limit {limit} GiB per stage")
     )

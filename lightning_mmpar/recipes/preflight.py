@@ -3,8 +3,9 @@
 Lightning launches the other ranks inside ``trainer.fit`` (``validate``, ``test``,
 ``predict``); errors that need the model or the data (pipeline stages vs blocks, heads vs
 tensor parallelism, batch vs micro-batches, image sizes) were raised after
-that, 13-20 s in, once per rank. :func:`preflight` runs the same validation functions in the
-CLI's main process, from the configuration (the model's blocks counted on the meta device), so a
+that, 13-20 s in, once per rank. :func:`preflight` runs the same validation
+(:func:`lightning_mmpar.layout.validate`, the strategy's and the planner's check) in the CLI's
+main process, from the configuration (the model's blocks counted on the meta device), so a
 mistake is one ``ValueError``, printed once, within seconds. Lightning's ``LightningCLI``
 ``before_<subcommand>`` hooks call it (:class:`lightning_mmpar.recipes.cli.ClipLlamaCLI`).
 """
@@ -12,24 +13,25 @@ mistake is one ``ValueError``, printed once, within seconds. Lightning's ``Light
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import torch
 from lightning.pytorch import LightningModule, Trainer
 
-from lightning_mmpar.config import ParallelConfig
-from lightning_mmpar.models.fusion import FusionModel
-from lightning_mmpar.parallel.checkpoint import resolve, validate_checkpoint
-from lightning_mmpar.parallel.checkpoint_check import HPARAMS_KEY, inspect_checkpoint
-from lightning_mmpar.parallel.pipeline import partition
-from lightning_mmpar.plans.fusion import check_moe_layout, validate_tensor_parallel
-from lightning_mmpar.plans.fusion_vision import check_vision_batch
+from lightning_mmpar.layout import LayoutFacts, ParallelLayout, validate
+from lightning_mmpar.parallel.checkpoint import (
+    HPARAMS_KEY,
+    inspect_checkpoint,
+    resolve,
+    validate_checkpoint,
+)
+from lightning_mmpar.plans.fusion import fusion_facts
 from lightning_mmpar.recipes.module import ClipLlamaModule
 from lightning_mmpar.recipes.options import check_image_size
 from lightning_mmpar.strategy import MultimodalParallelStrategy
 
-__all__ = ["RESUME_MAY_CHANGE", "preflight"]
+__all__ = ["RESUME_MAY_CHANGE", "layout_and_facts", "preflight"]
 
 RESUME_MAY_CHANGE = (
     "loss",
@@ -51,37 +53,32 @@ _RENAMED = {"plan": "tensor_parallel"}
 _LIGHTNING_CKPT_NAMES = ("last", "best", "hpc", "registry")
 
 
-def _check_model(model: ClipLlamaModule, tp: int, config: ParallelConfig | None) -> None:
-    """Heads and widths vs tp (``validate_tensor_parallel``), MoE layers vs ep and sequence
-    parallelism (``check_moe_layout``), pipeline stages vs the model's blocks (``partition``,
-    blocks counted on a meta-device model)."""
-    fusion = model._resolved_config(tp)
-    if tp > 1:
-        validate_tensor_parallel(fusion, tp, vision_parallel=model.plan_options.vision_parallel)
-    ep = config.expert_parallel if config is not None else 1
-    check_moe_layout(fusion, tp, ep, sequence_parallel=model.plan_options.sequence_parallel)
-    if config is not None and config.pipeline_parallel > 1:
-        with torch.device("meta"):
-            blocks = len(FusionModel(fusion).pipeline_blocks())
-        try:
-            partition(blocks, config.num_stages)
-        except ValueError as err:
-            pp = config.pipeline_parallel
-            raise ValueError(
-                f"{err} With pipeline_parallel={pp}: virtual_pipeline <= {blocks // pp}."
-            ) from None
-
-
-def _check_vision_batch(batch_size: int, config: ParallelConfig) -> None:
-    """``vision_parallel='dp'``: each micro-batch's images split over the tp ranks."""
-    tp, n = config.tensor_parallel, config.num_micro_batches
-    if tp == 1:
-        return
-    if config.pipeline_parallel > 1:
-        what = f"each micro-batch (data.batch_size {batch_size} / micro_batches {n})"
-        check_vision_batch(batch_size // n, tp, what)
-    else:
-        check_vision_batch(batch_size, tp, f"each batch (data.batch_size {batch_size})")
+def layout_and_facts(
+    trainer: Trainer, model: LightningModule | None, datamodule: Any = None
+) -> tuple[ParallelLayout, LayoutFacts]:
+    """The run's layout (the ``mm_parallel`` strategy's, with the recipe model's
+    ``plan`` options; one rank of everything under another strategy) and what it is
+    checked against: the world size, ``data.batch_size``, ``data.max_length`` and the recipe
+    model's facts (:func:`~lightning_mmpar.plans.fusion.fusion_facts` of its configuration at
+    this tp, pipeline blocks counted on the meta device)."""
+    strategy = trainer.strategy
+    layout = ParallelLayout(dp=None)
+    if isinstance(strategy, MultimodalParallelStrategy):
+        layout = strategy.config.layout
+    batch, length = (getattr(datamodule, k, None) for k in ("batch_size", "max_length"))
+    run: dict[str, Any] = {
+        "world_size": getattr(trainer, "world_size", None),
+        "batch_size": batch if isinstance(batch, int) else None,
+        "sequence_length": length if isinstance(length, int) else None,
+    }
+    if not isinstance(model, ClipLlamaModule):
+        return layout, LayoutFacts(**run)
+    options = model.plan_options
+    layout = replace(
+        layout, vision_parallel=options.vision_parallel, sequence_parallel=options.sequence_parallel
+    )
+    fusion = model._resolved_config(layout.tp)
+    return layout, replace(fusion_facts(fusion, count_blocks=layout.pp > 1), **run)
 
 
 def preflight(
@@ -94,13 +91,11 @@ def preflight(
     """Check the layout of ``trainer`` against ``model`` and ``datamodule`` before the processes
     are launched (call it in the main process, before ``trainer.fit`` & co.).
 
-    The world size vs the layout is checked when the strategy is built (``ParallelDims``,
-    ``ParallelConfig.check_world``). Checks here: every sharded size vs tp
-    (:func:`~lightning_mmpar.plans.fusion.validate_tensor_parallel`), pipeline stages vs blocks
-    (:func:`~lightning_mmpar.parallel.pipeline.partition`), ``data.batch_size`` vs micro-batches
-    (:meth:`ParallelConfig.check_batch_size`; under ``vision_parallel='dp'`` each micro-batch
-    vs tp, :func:`~lightning_mmpar.plans.fusion_vision.check_vision_batch`) and
-    ``data.image_size`` vs the ViT's
+    One :func:`lightning_mmpar.layout.validate` of the layout (:func:`layout_and_facts`): the
+    strategy's own rules (run again with the world size), every sharded size vs tp, MoE layers
+    vs ep and sequence parallelism, the text length vs sequence parallelism, pipeline stages vs
+    blocks, ``data.batch_size`` vs micro-batches and, under ``vision_parallel='dp'``, each
+    micro-batch vs tp; then ``data.image_size`` vs the ViT's
     (:func:`~lightning_mmpar.recipes.options.check_image_size`); under ``mm_parallel`` a
     ``ckpt_path`` is validated (:func:`~lightning_mmpar.parallel.checkpoint.validate_checkpoint`:
     complete, undamaged files, the same hyper-parameters apart from :data:`RESUME_MAY_CHANGE`).
@@ -110,22 +105,13 @@ def preflight(
         ValueError: the first failing check, naming field, value and fix.
         FileNotFoundError: ``ckpt_path`` or a file of it is missing.
     """
-    strategy = trainer.strategy
-    tp, config = 1, None
-    if isinstance(strategy, MultimodalParallelStrategy):
-        config = strategy.config
-        tp = config.tensor_parallel
+    validate(*layout_and_facts(trainer, model, datamodule))
     if isinstance(model, ClipLlamaModule):
-        _check_model(model, tp, config)
         image_size = getattr(datamodule, "image_size", None)
         if isinstance(image_size, int):
             check_image_size(image_size, model.fusion_config.vision.image_size)
-    batch_size = getattr(datamodule, "batch_size", None)
-    if config is not None and isinstance(batch_size, int):
-        config.check_batch_size(batch_size)
-        if isinstance(model, ClipLlamaModule) and model.plan_options.vision_parallel == "dp":
-            _check_vision_batch(batch_size, config)
-    if ckpt_path is not None and config is not None and ckpt_path not in _LIGHTNING_CKPT_NAMES:
+    mm_parallel = isinstance(trainer.strategy, MultimodalParallelStrategy)
+    if ckpt_path is not None and mm_parallel and ckpt_path not in _LIGHTNING_CKPT_NAMES:
         hparams = model.hparams if model is not None else None
         hparams, ignore = _as_saved(ckpt_path, hparams)
         validate_checkpoint(ckpt_path, hparams, ignore=ignore)

@@ -56,6 +56,7 @@ from lightning_mmpar.recipes.pretrained_files import (
     open_clip_vision,
     transformers_llama,
 )
+from lightning_mmpar.trainer_topology import TrainerTopology
 
 __all__ = [
     "LoadReport",
@@ -267,14 +268,12 @@ def owned_parameters(module: Any, blocks: list[nn.Module]) -> tuple[set[int], Lo
     if config is None or getattr(config, "pipeline_parallel", 1) == 1:
         return {id(p) for b in blocks for p in b.parameters()}, report
     from lightning_mmpar.parallel import comm
-    from lightning_mmpar.parallel import pipeline_schedules as ps
-    from lightning_mmpar.parallel.stage_plan import stage_plan_for
+    from lightning_mmpar.parallel.pipeline.stages import stage_plan_for
     from lightning_mmpar.topology import ParallelDims
 
     plan = stage_plan_for(module, config)
     group = ParallelDims.of(module._trainer).get_mesh("pp").get_group()
-    ranks = ps.stage_ranks(config.schedule, config.num_stages, comm.group_size(group))
-    mine = tuple(s for s, r in enumerate(ranks) if r == comm.group_rank(group))
+    mine = tuple(s for s, r in enumerate(plan.ranks) if r == comm.group_rank(group))
     report.stages = (tuple(plan.ranges), mine)
     owned = [blocks[i] for s in mine for i in plan.ranges[s]]
     return {id(p) for b in owned for p in b.parameters()}, report
@@ -390,7 +389,7 @@ def check_stage_guess(module: Any, report: LoadReport | None) -> None:
     """
     if report is None or report.stages is None:
         return
-    engine = getattr(getattr(module.trainer, "strategy", None), "pipeline", None)
+    engine = TrainerTopology.of(module.trainer).engine
     got = (tuple(engine.stage_ranges), tuple(engine.stage_ids)) if engine else None
     if got != report.stages:
         raise RuntimeError(

@@ -5,7 +5,7 @@ same command starts a run and, relaunched after a pre-emption or a crash, resume
 process resolves it alike: the files do not change before the processes start). Searched: each
 ModelCheckpoint's ``dirpath`` when set and ``trainer.default_root_dir`` (recursively, so the
 logger's ``version_<n>/checkpoints`` folders of earlier launches count);
-:func:`~lightning_mmpar.parallel.checkpoint_find.newest_checkpoint` says what counts as complete
+:func:`~lightning_mmpar.parallel.checkpoint.newest_checkpoint` says what counts as complete
 and newest. Lightning's own ``ckpt_path: last`` looks only in the current logger version's
 folder, which a relaunch changes unless ModelCheckpoint's ``dirpath`` is fixed.
 """
@@ -18,7 +18,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_mmpar.parallel.checkpoint_find import AUTO, complete_checkpoints
+from lightning_mmpar.parallel.checkpoint import AUTO, complete_checkpoints
 
 __all__ = ["AUTO", "auto_ckpt_path"]
 

@@ -22,7 +22,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_mmpar.recipes.parallel_env import layout
+from lightning_mmpar.trainer_topology import TrainerTopology
 
 __all__ = ["RunSummary"]
 
@@ -100,7 +100,7 @@ class RunSummary(Callback):
         last_val = self.val[-1] if self.val else {}
         ckpt = getattr(trainer.checkpoint_callback, "last_model_path", "") or None
         self.summary = {
-            "layout": layout(trainer),
+            "layout": TrainerTopology.of(trainer).as_dict(),
             "steps": trainer.global_step,
             "skipped_steps": getattr(getattr(trainer.strategy, "nonfinite", None), "skipped", 0),
             "wall_time_s": round(wall, 1),

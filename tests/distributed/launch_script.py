@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import torch
 from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, str(Path(__file__).parent))
-import parity_worker as pw
-
 from lightning_mmpar import MultimodalParallelStrategy
+from tests.distributed.parallel import parity_worker as pw
 
 LAYOUTS = {"tp2": {"tensor_parallel": 2}, "pp2": {"pipeline_parallel": 2}}
 

@@ -10,7 +10,6 @@ callbacks when saved and when restored.
 from __future__ import annotations
 
 import copy
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +22,12 @@ from lightning_mmpar import MultimodalParallelStrategy
 from lightning_mmpar.callbacks import FP8FallbackCallback, GradientDriftMonitor
 from lightning_mmpar.data.digits import DigitsCaptions
 from lightning_mmpar.testing import quiet_trainer
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "recipes"))
-import recipe_faults_worker as rw
+from tests.recipes import recipe_faults_worker as rw
 
 BATCH = 4
-EPOCH = 4  # batches per epoch and dp replica (limit_train_batches)
-SAVE_AT = 5  # optimizer steps before the checkpoint: batch 1 of the second epoch
-STEPS = 8  # optimizer steps of a whole run: into the third epoch
+EPOCH = 2  # batches per epoch and dp replica (limit_train_batches)
+SAVE_AT = 3  # optimizer steps before the checkpoint: after batch 0 of the second epoch
+STEPS = 5  # optimizer steps of a whole run: the resumed run crosses into the third epoch
 
 
 def fingerprint(batch: dict[str, Tensor]) -> list[tuple[int, float]]:

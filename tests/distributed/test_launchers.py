@@ -16,18 +16,19 @@ from pathlib import Path
 import pytest
 
 from lightning_mmpar.testing import free_port
-
-sys.path.insert(0, str(Path(__file__).parent))
-import parity_worker as pw
+from tests.distributed.parallel import parity_worker as pw
 
 pytestmark = pytest.mark.distributed
 SCRIPT = str(Path(__file__).parent / "launch_script.py")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _clean_env() -> dict[str, str]:
     drop = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", *drop))}
     env["OMP_NUM_THREADS"] = "1"
+    path = env.get("PYTHONPATH")  # the script imports tests.distributed.parallel.parity_worker
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), path] if path else [str(ROOT)])
     return env
 
 

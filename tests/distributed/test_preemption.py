@@ -4,8 +4,9 @@
   ranks get no signal) after its first periodic checkpoint (``every_n_train_steps``): all 4
   ranks agree, save ``last.ckpt`` at one step before ``max_steps`` and exit 0; relaunching the
   same command (``--ckpt_path auto``) resumes there and ends with weights and optimizer state
-  bitwise equal to an uninterrupted run of the same command; that run's TensorBoard events
-  (Lightning's default logger) hold throughput, MFU and the peak memory of all 4 ranks;
+  bitwise equal to an uninterrupted run of the same command (its 4 ranks in a spawned world:
+  :mod:`tests.recipes.cli_worker`); the resumed run's TensorBoard events (Lightning's default
+  logger) hold throughput, MFU and the peak memory of all 4 ranks;
 * SIGKILL of one rank of a 2-process run launched like a multi-node job (each rank its own
   process, no launcher watching them): the other exits non-zero, within the process-group
   timeout (``timeout: 0:00:30``) and never hangs.
@@ -27,8 +28,9 @@ import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from lightning_mmpar.parallel.checkpoint_find import complete_checkpoints, newest_checkpoint
-from lightning_mmpar.testing import free_port
+from lightning_mmpar.parallel.checkpoint import complete_checkpoints, newest_checkpoint
+from lightning_mmpar.testing import free_port, spawn
+from tests.recipes import cli_worker
 
 pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,7 +66,7 @@ def _command(tmp: Path, root: Path, devices: int = 4, **strategy: Any) -> list[s
                 "class_path": "lightning_mmpar.recipes.throughput.RecipeThroughput",
                 "init_args": {"peak_flops_per_device": PEAK, "window_size": 2},
             },
-            {"class_path": "lightning_mmpar.callbacks.memory.PeakMemory"},
+            {"class_path": "lightning_mmpar.callbacks.peak_memory.PeakMemory"},
         ],
     }
     if strategy:
@@ -173,8 +175,9 @@ def test_sigterm_saves_and_the_same_command_resumes_exactly(tmp_path: Path) -> N
     resumed = tmp_path / "resumed.log"
     text = _finish(_start(_command(tmp_path, run), resumed, env), resumed)
     assert f"resuming from {saved} (global step {stopped})" in text, text[-4000:]
-    env["MASTER_PORT"] = str(free_port())
-    _finish(_start(_command(tmp_path, ref), tmp_path / "ref.log", env), tmp_path / "ref.log")
+    # the uninterrupted reference: the same command, its 4 ranks in a spawned world (the CLI in
+    # each rank's process: no launcher and interpreters to start; the numerics are the same)
+    spawn(cli_worker.world, 4, {"ref": _command(tmp_path, ref)[3:]}, timeout=WAIT)
 
     (got, got_step), (want, want_step) = _final_state(run, tmp_path), _final_state(ref, tmp_path)
     assert got_step == want_step == STEPS
@@ -185,7 +188,7 @@ def test_sigterm_saves_and_the_same_command_resumes_exactly(tmp_path: Path) -> N
     assert any(".exp_avg" in k for k in tensors), tensors[:5]  # the optimizer state too
     different = [k for k in tensors if not torch.equal(got_flat[k], want_flat[k])]
     assert not different, different[:5]
-    _check_logged(ref, tmp_path / "ref.log")
+    _check_logged(run, resumed)
 
 
 def _check_logged(root: Path, log: Path) -> None:
@@ -195,7 +198,8 @@ def _check_logged(root: Path, log: Path) -> None:
         "logger"
         not in "".join(ln for ln in log.read_text().splitlines() if "Warning" in ln).lower()
     )
-    events = EventAccumulator(str(next(root.rglob("events.out.tfevents.*")).parent))
+    newest = max(root.rglob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime)
+    events = EventAccumulator(str(newest.parent))  # the resumed run's
     events.Reload()
     tags = set(events.Tags()["scalars"])
     ranks = {f"memory/peak_gib_rank{r}" for r in range(4)}

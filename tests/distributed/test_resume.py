@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -30,9 +29,7 @@ from lightning_mmpar.callbacks import FP8FallbackCallback
 from lightning_mmpar.parallel import checkpoint as ckpt
 from lightning_mmpar.precision.fp8 import convert_to_fp8
 from lightning_mmpar.testing import spawn
-
-sys.path.insert(0, str(Path(__file__).parent))
-import resume_worker as rw
+from tests.distributed import resume_worker as rw
 
 LAYOUT = {"world_size": 2, "tp": 1, "pp": 1, "ep": 1, "virtual_pipeline": 1}
 

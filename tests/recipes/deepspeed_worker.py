@@ -1,22 +1,22 @@
-"""Train a tiny module with DeepSpeed ZeRO-1/2 on CPU processes (run as a script by the tests).
+"""DeepSpeed on CPU processes, in one spawned world (gloo): the recipe's ``--deepspeed`` runs
+and a tiny module on DeepSpeed's ZeRO-1/2 engine.
 
-``python tests/recipes/deepspeed_worker.py STAGE OUT_JSON``: 2 CPU processes (gloo), DeepSpeed's
-engine through :class:`CPUCapableDeepSpeedStrategy`; rank 0 writes the first and last loss.
+:func:`world` runs the recipe CLI commands it is given (:mod:`cli_worker`), then trains
+:class:`Tiny` once per ZeRO stage through :class:`CPUCapableDeepSpeedStrategy`
+(:func:`train_engine`). ``DS_ACCELERATOR=cpu`` must be in the environment of the caller of
+:func:`lightning_mmpar.testing.spawn`.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_mmpar.recipes.deepspeed import strategy_from_deepspeed
+from lightning_mmpar.recipes.deepspeed_cli import strategy_from_deepspeed
+from tests.recipes import cli_worker
 
 
 class Tiny(LightningModule):
@@ -41,7 +41,9 @@ class Tiny(LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-def main(stage: int, out: str) -> None:
+def train_engine(stage: int) -> dict[str, Any]:
+    """40 steps of :class:`Tiny` under ZeRO ``stage`` on this world's 2 ranks; this rank's
+    first and last loss, the engine's class name and the steps taken."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(256, 8, generator=g)
     y = x @ torch.randn(8, 1, generator=g)
@@ -58,20 +60,19 @@ def main(stage: int, out: str) -> None:
         enable_model_summary=False,
     )
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=16))
-    if trainer.is_global_zero:
-        engine = type(trainer.strategy.model).__name__
-        Path = __import__("pathlib").Path
-        Path(out).write_text(
-            json.dumps(
-                {
-                    "first": model.losses[0],
-                    "last": model.losses[-1],
-                    "engine": engine,
-                    "steps": trainer.global_step,
-                }
-            )
-        )
+    return {
+        "first": model.losses[0],
+        "last": model.losses[-1],
+        "engine": type(trainer.strategy.model).__name__,
+        "steps": trainer.global_step,
+    }
 
 
-if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2])
+def world(
+    rank: int, world_size: int, commands: dict[str, list[str]], stages: list[int]
+) -> dict[str, Any]:
+    """The recipe ``commands`` (:func:`cli_worker.world`), then :func:`train_engine` for each
+    of ``stages``: ``{command name: ..., "engine": {stage: ...}}``."""
+    out = cli_worker.world(rank, world_size, commands)
+    out["engine"] = {stage: train_engine(stage) for stage in stages}
+    return out

@@ -21,15 +21,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import recipe_faults_worker as rw
 import torch
 from torch.utils.data import DataLoader, Subset
 
 from lightning_mmpar import MultimodalParallelStrategy
 from lightning_mmpar.parallel import data as dpar
-from lightning_mmpar.recipes.captions import CaptionWriter
+from lightning_mmpar.recipes.caption_writer import CaptionWriter
 from lightning_mmpar.recipes.cli import RecipeDigitsCaptions
 from lightning_mmpar.testing import quiet_trainer
+from tests.recipes import recipe_faults_worker as rw
 
 SAMPLES = 13
 BATCH = 8

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import recipe_faults_worker as rw
 import torch
 from torch.utils.data import DataLoader
 
 from lightning_mmpar import MultimodalParallelStrategy
 from lightning_mmpar.recipes.losses import TERMS
 from lightning_mmpar.testing import quiet_trainer
+from tests.recipes import recipe_faults_worker as rw
 
 STEPS = 2
 ROWS = rw.BATCH

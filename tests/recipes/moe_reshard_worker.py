@@ -11,14 +11,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import parity_matrix_worker as pm
-import recipe_faults_worker as rw
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from lightning_mmpar import MultimodalParallelStrategy
 from lightning_mmpar.testing import quiet_trainer
+from tests.recipes import parity_matrix_worker as pm
+from tests.recipes import recipe_faults_worker as rw
 
 CHAIN = (
     ("ep2", {"expert_parallel": 2}),

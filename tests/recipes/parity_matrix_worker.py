@@ -9,22 +9,21 @@ step and the full first-step gradient of every parameter it holds (pipeline stag
 their own blocks; the test takes the union).
 
 Layouts run grouped by world size, so imports are paid once per world: :func:`world` runs
-every layout of its size in order, then the shipped YAMLs of that size.
+every layout of its size in order, then the other checks of that world and the shipped YAMLs of
+that size, and returns each result under its name; an error names the layout or check that
+raised it (:func:`named`), and the test asserts every layout on its own.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pipeline_callbacks_worker
-import recipe_faults_worker as rw
-import schedules_worker
 import torch.distributed as dist
-import yaml_runs_worker
 from lightning.pytorch import Callback
 from torch import Tensor
 
@@ -32,8 +31,11 @@ from lightning_mmpar import MultimodalParallelStrategy
 from lightning_mmpar.models.moe_routing import MoEConfig
 from lightning_mmpar.parallel.comm_count import CommCounter, state_bytes_of
 from lightning_mmpar.topology import ParallelDims
+from tests.recipes import pipeline_callbacks_worker, yaml_runs_worker
+from tests.recipes import recipe_faults_worker as rw
+from tests.recipes.schedules_worker import engine_checks
 
-STEPS = 5  # AdamW steps per layout (accumulation: 2 batches per step)
+STEPS = 3  # AdamW steps per layout (accumulation: 2 batches per step)
 CLIP = 0.05  # a global norm below the first steps' gradient norm (~0.5): clipping bites
 MOE = {
     # per-token math (dropless, no aux terms): every layout equals the full-batch one process
@@ -74,8 +76,6 @@ class Layout:
     """``None``: dense FFNs; a key of :data:`MOE`: mixture-of-experts decoder FFNs."""
     vision_parallel: str = "tp"
     """The vision tower's layout under tensor parallelism: ``tp``, ``replicate`` or ``dp``."""
-    max_steps: int | None = None
-    """Fewer steps than :data:`STEPS` (compared with the reference's first ones): saves time."""
 
     @property
     def dims(self) -> ParallelDims:
@@ -102,7 +102,7 @@ class Layout:
 
     @property
     def steps(self) -> int:
-        return 1 if self.moe == "aux" else self.max_steps or STEPS
+        return 1 if self.moe == "aux" else STEPS
 
 
 LAYOUTS: tuple[Layout, ...] = (
@@ -216,17 +216,17 @@ def _pp(schedule: str, pp: int, micro: int, v: int = 2, **more: int) -> dict[str
 
 
 SCHEDULE_LAYOUTS: tuple[Layout, ...] = (  # issue 11: torch's other schedules, 3 steps each
-    Layout("pp2 x v2 looped bfs", 2, _pp("looped_bfs", 2, 2), max_steps=3),
-    Layout("pp2 x v2 zero bubble", 2, _pp("interleaved_zero_bubble", 2, 2), max_steps=3),
-    Layout("pp2 zbv zero bubble", 2, _pp("zbv_zero_bubble", 2, 2), max_steps=3),
-    Layout("pp2 dualpipev", 2, _pp("dualpipev", 2, 4), max_steps=3),
-    Layout("pp4 gpipe", 4, _pp("gpipe", 4, 4, 1), max_steps=3),
-    Layout("pp4 x v2 interleaved (8 stages)", 4, _pp("interleaved_1f1b", 4, 4), max_steps=3),
-    Layout("pp4 x v2 looped bfs (8 stages)", 4, _pp("looped_bfs", 4, 4), max_steps=3),
-    Layout("pp4 x v2 zero bubble (8 stages)", 4, _pp("interleaved_zero_bubble", 4, 4), max_steps=3),
-    Layout("pp4 zbv zero bubble (8 stages)", 4, _pp("zbv_zero_bubble", 4, 4), max_steps=3),
-    Layout("pp4 dualpipev (8 stages)", 4, _pp("dualpipev", 4, 8), max_steps=3),
-    Layout("pp2 zbv x dp2 ddp", 4, _pp("zbv_zero_bubble", 2, 2, data_parallel="ddp"), max_steps=3),
+    Layout("pp2 x v2 looped bfs", 2, _pp("looped_bfs", 2, 2)),
+    Layout("pp2 x v2 zero bubble", 2, _pp("interleaved_zero_bubble", 2, 2)),
+    Layout("pp2 zbv zero bubble", 2, _pp("zbv_zero_bubble", 2, 2)),
+    Layout("pp2 dualpipev", 2, _pp("dualpipev", 2, 4)),
+    Layout("pp4 gpipe", 4, _pp("gpipe", 4, 4, 1)),
+    Layout("pp4 x v2 interleaved (8 stages)", 4, _pp("interleaved_1f1b", 4, 4)),
+    Layout("pp4 x v2 looped bfs (8 stages)", 4, _pp("looped_bfs", 4, 4)),
+    Layout("pp4 x v2 zero bubble (8 stages)", 4, _pp("interleaved_zero_bubble", 4, 4)),
+    Layout("pp4 zbv zero bubble (8 stages)", 4, _pp("zbv_zero_bubble", 4, 4)),
+    Layout("pp4 dualpipev (8 stages)", 4, _pp("dualpipev", 4, 8)),
+    Layout("pp2 zbv x dp2 ddp", 4, _pp("zbv_zero_bubble", 2, 2, data_parallel="ddp")),
 )
 VISION_LAYOUTS: tuple[Layout, ...] = (  # issue 11: the vision tower's layouts under tp
     Layout("tp2 vision replicate", 2, {"tensor_parallel": 2}, vision_parallel="replicate"),
@@ -235,14 +235,13 @@ VISION_LAYOUTS: tuple[Layout, ...] = (  # issue 11: the vision tower's layouts u
     Layout("tp2 x pp2 vision dp", 4, _pp("1f1b", 2, 2, 1, tensor_parallel=2), vision_parallel="dp"),
 )
 PARTITION_LAYOUTS: tuple[Layout, ...] = (  # issue 11: stages cut by cost, ratio, boundaries
-    Layout("pp2 balanced", 2, {**_pp("1f1b", 2, 2, 1), "partition": "balanced"}, max_steps=3),
+    Layout("pp2 balanced", 2, {**_pp("1f1b", 2, 2, 1), "partition": "balanced"}),
     Layout(
         "pp2 x v2 boundaries [1, 2, 5]",
         2,
         {**_pp("interleaved_1f1b", 2, 2), "partition": [1, 2, 5]},
-        max_steps=3,
     ),
-    Layout("pp4 ratio:2:1:1", 4, {**_pp("1f1b", 4, 4, 1), "partition": "ratio:2:1:1"}, max_steps=3),
+    Layout("pp4 ratio:2:1:1", 4, {**_pp("1f1b", 4, 4, 1), "partition": "ratio:2:1:1"}),
 )
 PLANS = {
     "pp2 balanced": [6],
@@ -255,13 +254,11 @@ PLACEMENT_LAYOUTS: tuple[Layout, ...] = (  # issue 12: a rank permutation change
         "tp2 x pp2, placement [3, 1, 0, 2]",
         4,
         {**_pp("1f1b", 2, 2, 1, tensor_parallel=2), "placement": [3, 1, 0, 2]},
-        max_steps=3,
     ),
     Layout(
         "tp2 x dp2 fsdp, placement [3, 0, 2, 1]",
         4,
         {"tensor_parallel": 2, "placement": [3, 0, 2, 1]},
-        max_steps=3,
     ),
 )
 MEMORY_LAYOUTS: tuple[Layout, ...] = (  # issue 13: memory options change no fp32 numerics
@@ -269,13 +266,11 @@ MEMORY_LAYOUTS: tuple[Layout, ...] = (  # issue 13: memory options change no fp3
         "pp2 1f1b, activation checkpointing every 2nd block",
         2,
         {**_pp("1f1b", 2, 2, 1), "activation_checkpointing": 2},
-        max_steps=3,
     ),
     Layout(
         "tp2 x dp2 fsdp, activation checkpointing + optimizer offload",
         4,
         {"tensor_parallel": 2, "activation_checkpointing": "all", "offload_optimizer": True},
-        max_steps=3,
     ),
 )
 LAYOUTS += SCHEDULE_LAYOUTS + VISION_LAYOUTS + PARTITION_LAYOUTS + PLACEMENT_LAYOUTS
@@ -449,25 +444,46 @@ def selected(world_size: int) -> list[Layout]:
     return [x for x in LAYOUTS if x.world == world_size and (not names or x.name in names)]
 
 
+def named(name: str, rank: int, run: Callable[..., Any], *args: Any) -> Any:
+    """``run(*args)``, its error re-raised as one naming the layout or check (``name``) and
+    the rank: the world's traceback then says which of its many runs failed."""
+    try:
+        return run(*args)
+    except Exception as err:
+        raise RuntimeError(f"{name!r} failed on rank {rank}") from err
+
+
 def world(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """Every layout of this world size, in :data:`LAYOUTS` order, on this rank, then the
-    shipped YAMLs of this size (:mod:`yaml_runs_worker`, run directories under ``root``)."""
+    other checks of this world and the shipped YAMLs of this size (:mod:`yaml_runs_worker`,
+    run directories under ``root``). Returns ``{"parity": {layout or check name: result},
+    "yaml": {YAML name: result}}``."""
     digits = rw.digits()
     out: dict[str, Any] = {}
     if world_size == 2:  # first: on the spawned world's group, before any Trainer
-        out["engine"] = schedules_worker.engine_checks(dist.group.WORLD)
+        out["engine"] = named("engine", rank, engine_checks, dist.group.WORLD)
     for layout in selected(world_size):
         data = rw.batches(digits, layout.steps * layout.accumulate)
-        out[layout.name] = run_layout(layout, rank, digits.vocab_size, data)
+        out[layout.name] = named(
+            layout.name, rank, run_layout, layout, rank, digits.vocab_size, data
+        )
     if only():
         return {"parity": out, "yaml": {}}
     if world_size == 2:
-        out["moe density"] = density_run(rank, digits)
+        out["moe density"] = named("moe density", rank, density_run, rank, digits)
         callbacks_root = Path(root) / "pipeline_callbacks"
-        callbacks_root.mkdir(exist_ok=True)
-        out["pipeline callbacks"] = pipeline_callbacks_worker.world(rank, 2, str(callbacks_root))
+        callbacks_root.mkdir(parents=True, exist_ok=True)
+        callbacks = pipeline_callbacks_worker.world
+        out["pipeline callbacks"] = named(
+            "pipeline callbacks", rank, callbacks, rank, 2, str(callbacks_root)
+        )
     if world_size == 4:
-        import moe_reshard_worker
+        from tests.recipes import moe_reshard_worker
 
-        out["moe reshard"] = moe_reshard_worker.world(rank, world_size, root, digits)
-    return {"parity": out, "yaml": yaml_runs_worker.world(rank, world_size, root)}
+        reshard = moe_reshard_worker.world
+        out["moe reshard"] = named("moe reshard", rank, reshard, rank, world_size, root, digits)
+    yaml = {
+        name: named(f"YAML {name}", rank, yaml_runs_worker.run, name, Path(root) / name)
+        for name in yaml_runs_worker.names(world_size)
+    }
+    return {"parity": out, "yaml": yaml}

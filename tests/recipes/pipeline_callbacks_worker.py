@@ -19,12 +19,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import recipe_faults_worker as rw
 from lightning.pytorch import Callback, Trainer
 
 from lightning_mmpar import MultimodalParallelStrategy
 from lightning_mmpar.callbacks import DynamicMicroBatching, PipelineTimeline
 from lightning_mmpar.callbacks.pipeline_timeline import last_pass
+from tests.recipes import recipe_faults_worker as rw
 
 STEPS = 4
 RTOL = 1e-5

@@ -14,7 +14,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import recipe_faults_worker as rw
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback
@@ -33,6 +32,7 @@ from lightning_mmpar.recipes.options import (
     OptimConfig,
     PretrainedConfig,
 )
+from tests.recipes import recipe_faults_worker as rw
 
 VOCAB = 64  # the Llama checkpoint's rows (the word tokenizer has fewer ids)
 OPEN_CLIP_CFG: dict[str, Any] = {

@@ -23,11 +23,8 @@ from torch.utils.data import DataLoader
 from lightning_mmpar import MultimodalParallelStrategy
 from lightning_mmpar.data.digits import DigitsCaptions
 from lightning_mmpar.losses.mml import MMLConfig
-from lightning_mmpar.models.adapter import AdapterConfig
 from lightning_mmpar.models.fusion import FusionConfig
-from lightning_mmpar.models.language import LanguageConfig
 from lightning_mmpar.models.moe_routing import MoEConfig
-from lightning_mmpar.models.vision import VisionConfig
 from lightning_mmpar.parallel.tensor import full_gradients
 from lightning_mmpar.recipes.module import ClipLlamaModule
 from lightning_mmpar.recipes.options import (
@@ -37,6 +34,7 @@ from lightning_mmpar.recipes.options import (
     OptimConfig,
 )
 from lightning_mmpar.testing import quiet_trainer
+from tests.builders import tiny_fusion_config
 
 BATCH = 8
 TEXT_LENGTH = 12  # divisible by tp 2: sequence parallel shards the text along it
@@ -98,24 +96,11 @@ def tiny_module(
 
 
 def tiny_fusion(logit_scale_init: float = 1 / 0.07, moe: MoEConfig | None = None) -> FusionConfig:
-    """The tiny fusion model of the recipe tests: 16 px images, 1 ViT layer, 2 joint-attention
-    decoder layers, adapter dropout 0 (8 pipeline blocks)."""
-    return FusionConfig(
-        vision=VisionConfig(
-            image_size=16, patch_size=8, width=32, layers=1, heads=2, output_dim=16
-        ),
-        language=LanguageConfig(
-            hidden_size=32,
-            intermediate_size=48,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            joint_attention=True,
-            moe=moe,
-        ),
-        adapter=AdapterConfig(heads=2, width=32, ffn_width=48, dropout=0.0, moe=moe),
-        contrastive_dim=16,
-        logit_scale_init=logit_scale_init,
+    """The tiny fusion model of the recipe tests (the ``recipe`` preset of
+    :func:`tests.builders.tiny_fusion_config`): 16 px images, 1 ViT layer, 2 joint-attention
+    decoder layers, adapter dropout 0 (8 pipeline blocks); ``moe`` in the adapter and decoder."""
+    return tiny_fusion_config(
+        logit_scale_init=logit_scale_init, language__moe=moe, adapter__moe=moe
     )
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_mmpar import ParallelConfig
-from lightning_mmpar.config import MULTI_STAGE_SCHEDULES, SCHEDULES, min_micro_batches
+from lightning_mmpar.layout.schedules import MULTI_STAGE_SCHEDULES, SCHEDULES, min_micro_batches
 from lightning_mmpar.parallel.pipeline import PipelineChunk, PipelineEngine
 
 

@@ -19,7 +19,6 @@ import dataclasses
 import json
 import logging
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +34,7 @@ from lightning_mmpar.recipes import clip_llama
 from lightning_mmpar.recipes.export import export_checkpoint
 from lightning_mmpar.recipes.module import ClipLlamaModule
 from lightning_mmpar.testing import spawn
-
-sys.path.insert(0, str(Path(__file__).parent))
-import export_worker as ew
+from tests.recipes import export_worker as ew
 
 TOL = 1e-5  # measured: <= 4.8e-7 (logits), <= 3.6e-7 (features)
 

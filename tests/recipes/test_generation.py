@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -25,12 +24,10 @@ from lightning_mmpar.models.convert import import_llama, llama_config
 from lightning_mmpar.models.decoding import DecodeCache, decode_block, language_decode_step
 from lightning_mmpar.models.language import LanguageConfig, LanguageModel
 from lightning_mmpar.models.moe_routing import MoEConfig
-from lightning_mmpar.recipes.evaluation import ClassRecall
+from lightning_mmpar.recipes.metrics import ClassRecall
 from lightning_mmpar.testing import spawn
-
-sys.path.insert(0, str(Path(__file__).parent))
-import generation_worker as gw
-import recipe_faults_worker as rw
+from tests.recipes import generation_worker as gw
+from tests.recipes import recipe_faults_worker as rw
 
 ATOL = 1e-5
 

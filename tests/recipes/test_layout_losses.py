@@ -14,13 +14,11 @@ token count), 2 AdamW steps then one validation batch, relative 1e-5:
   from one process's features, and differs from the global one.
 
 The gradient cache's RNG replay (dropout masks of both passes equal) is checked on one process
-in ``tests/unit/test_losses.py``: the recipe's model has no dropout on its feature paths.
+in ``tests/unit/losses/test_losses.py``: the recipe's model has no dropout on its feature paths.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -28,10 +26,8 @@ import torch
 from torch import Tensor
 
 from lightning_mmpar.testing import spawn
-
-sys.path.insert(0, str(Path(__file__).parent))
-import layout_losses_worker as lw
-import recipe_faults_worker as rw
+from tests.recipes import layout_losses_worker as lw
+from tests.recipes import recipe_faults_worker as rw
 
 RTOL = 1e-5
 LAYOUTS = ("pp2_mb2", "pp2_mb4", "dp2_mm", "dp2_lightning_ddp")

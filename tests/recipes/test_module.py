@@ -7,8 +7,6 @@ paths (a stream, a head, the logit scale) fails these tests.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -26,9 +24,7 @@ from lightning_mmpar.plans.fusion import checkpoint_units
 from lightning_mmpar.recipes.module import ClipLlamaModule
 from lightning_mmpar.recipes.options import FinetuneConfig, LossConfig
 from lightning_mmpar.topology import ParallelDims
-
-sys.path.insert(0, str(Path(__file__).parent))
-import recipe_faults_worker as rw
+from tests.recipes import recipe_faults_worker as rw
 
 
 @pytest.fixture(scope="module")

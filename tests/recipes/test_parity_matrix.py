@@ -1,7 +1,7 @@
 """Parity matrix of the product's own model (issue 9): every layout we ship equals one process.
 
 The recipe module (CLIP-ViT + adapter + LLaMA fusion, contrastive + caption + MML with the CPU
-YAML's weights) trains 5 AdamW steps on the same global batches in each layout of
+YAML's weights) trains 3 AdamW steps on the same global batches in each layout of
 :data:`parity_matrix_worker.LAYOUTS` and on one process (no strategy, no process group). For
 every layout: each step's logged loss and the first-step gradient of every parameter
 (union over pipeline stages, full tensors over TP and FSDP shards) within a relative 1e-5 of
@@ -9,36 +9,38 @@ one process. Gradient clipping (global norm 0.05, below the gradient norm) and g
 accumulation (2 batches per step) each run in one layout against a one-process run with the
 same option; activation checkpointing (every 2nd block under pp2; every block with FSDP2's
 optimizer offload under tp2 x dp2) runs against the plain one, and the test checks the blocks
-were checkpointed. Layouts are grouped into one spawned world per size (2, 4 and 8 processes),
-which then trains the shipped YAMLs of that size for 3 steps (:mod:`yaml_runs_worker`); the
-2-process world also runs the pipeline callbacks (:mod:`pipeline_callbacks_worker`).
+were checkpointed. Layouts are grouped into one spawned world per size (1, 2, 4 and 8
+processes: :class:`Worlds`), which then trains the shipped YAMLs of that size for 2 steps
+(:mod:`yaml_runs_worker`); the 2-process world also runs the schedule engine checks, the
+pipeline callbacks (:mod:`pipeline_callbacks_worker`) and density-driven top-k, the 4-process
+one the MoE checkpoint's resharding (:mod:`moe_reshard_worker`). Each layout, check and YAML is
+its own test, named after it; the world's result is shared, and a failure inside a world names
+the layout or check that raised it.
 
-Run with ``-s`` to print the measured worst differences (docs/strategy.md reports them).
+Run with ``-s`` to print the measured worst differences (docs/strategy.md reports them);
+``MMPAR_PARITY_ONLY="<layout>;<layout>"`` runs those layouts alone.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-import parity_matrix_worker as pm
-import pipeline_callbacks_worker as pcw
-import recipe_faults_worker as rw
 import yaml
-import yaml_runs_worker as yw
 
+from lightning_mmpar.layout import ParallelLayout
 from lightning_mmpar.layout.comm import comm_bounds, comm_bytes
 from lightning_mmpar.layout.memory import state_bytes
-from lightning_mmpar.layout.model import LayoutSpec
 from lightning_mmpar.plans.fusion_cost import fusion_model_spec
 from lightning_mmpar.testing import spawn
+from tests.recipes import parity_matrix_worker as pm
+from tests.recipes import pipeline_callbacks_worker as pcw
+from tests.recipes import recipe_faults_worker as rw
+from tests.recipes import yaml_runs_worker as yw
 
 RTOL = 1e-5
 
@@ -52,97 +54,119 @@ def references() -> dict[Any, rw.Recorder]:
     }
 
 
-def _check_yaml_runs(world_size: int, results: list[dict[str, Any]]) -> None:
-    names = [n for n, spec in yw.RUNS.items() if spec["world"] == world_size]
-    for name in names:
-        for result in results:
-            summary = result["yaml"][name]["summary"]
-            assert summary["steps"] == yw.STEPS, (name, summary)
-            rows = summary["history"]["train"]
-            assert rows and all(math.isfinite(r["train_loss"]) for r in rows), (name, rows)
-            args = yw.overrides(name, Path())["trainer"]["strategy"]["init_args"]
-            layout = summary["layout"]
-            tp, pp = args.get("tensor_parallel", 1), args.get("pipeline_parallel", 1)
-            assert (layout["tp"], layout["pp"], layout["dp"]) == (tp, pp, world_size // (tp * pp))
-            assert layout["ep"] == args.get("expert_parallel", 1), (name, layout)
-            if "moe" in name:  # rank 0 (first stage) reports the MoE layers of every stage
-                router = summary["router"]
-                assert sorted(router) == ["text", "vision"], router
-                layers = yw.overrides(name, Path())["model"]["fusion"]["language"]
-                assert router["text"]["layers"] == layers["num_hidden_layers"], router
-            assert layout["virtual"] == args.get("virtual_pipeline", 1), (name, layout)
-            shipped = yaml.safe_load((yw.RECIPES / f"{name}.yaml").read_text())["trainer"]
-            assert result["yaml"][name]["precision"] == shipped.get("precision", "32-true")
-        print(f"yaml | {name} | {summary['layout']} | 3 steps, finite losses")
+def _check_yaml_run(name: str, results: list[dict[str, Any]]) -> None:
+    """One shipped YAML's run on every rank of its world: the steps, finite losses, the layout
+    and precision it was given, and the run summary (routers for the MoE YAMLs)."""
+    world_size = len(results)
+    for result in results:
+        summary = result["yaml"][name]["summary"]
+        assert summary["steps"] == yw.STEPS, (name, summary)
+        rows = summary["history"]["train"]
+        assert rows and all(math.isfinite(r["train_loss"]) for r in rows), (name, rows)
+        args = yw.overrides(name, Path())["trainer"]["strategy"]["init_args"]
+        layout = summary["layout"]
+        tp, pp = args.get("tensor_parallel", 1), args.get("pipeline_parallel", 1)
+        assert (layout["tp"], layout["pp"], layout["dp"]) == (tp, pp, world_size // (tp * pp))
+        assert layout["ep"] == args.get("expert_parallel", 1), (name, layout)
+        if "moe" in name:  # rank 0 (first stage) reports the MoE layers of every stage
+            _check_router(name, summary)
+        assert layout["virtual"] == args.get("virtual_pipeline", 1), (name, layout)
+        shipped = yaml.safe_load((yw.RECIPES / f"{name}.yaml").read_text())["trainer"]
+        assert result["yaml"][name]["precision"] == shipped.get("precision", "32-true")
+    printed = results[0]["yaml"][name]["printed"]  # rank 0's run summary
+    assert "run summary" in printed, printed
+    assert ("router (vision)" in printed) == ("moe" in name), printed
+    print(f"yaml | {name} | {summary['layout']} | {yw.STEPS} steps, finite losses")
 
 
-def _check_world(world_size: int, refs: dict[tuple[int, float | None], Any], root: Path) -> None:
-    results = spawn(pm.world, world_size, str(root), timeout=900)
-    if not pm.only():
-        _check_yaml_runs(world_size, results)
-    results = [r["parity"] for r in results]
-    if world_size == 2:
-        _check_engine([r.pop("engine") for r in results])
-    if world_size == 2 and not pm.only():  # PipelineTimeline, DynamicMicroBatching at pp 2
-        runs = [r.pop("pipeline callbacks") for r in results]
-        pcw.check_dynamic(runs)
-        pcw.check_timeline(runs, root / "pipeline_callbacks")
-    if world_size == 2 and not pm.only():  # density-driven top-k: one estimate over dp
-        runs = [r.pop("moe density") for r in results]
-        assert len(runs[0]["estimates"]) == 3 and min(runs[0]["seen"]) > 0, runs[0]  # adapter + 2
-        for a, b in zip(runs[0]["estimates"], runs[1]["estimates"], strict=True):
-            assert bool(a.any()) and torch.equal(a, b)
-        assert any(k < 2.0 for r in runs for k in r["experts_per_token"]), runs  # fewer experts
-    if world_size == 4 and not pm.only():  # DCP reshards the MoE module ep 2 -> 1 -> 4, bitwise
-        reshard = results[0].pop("moe reshard")
-        print(f"moe reshard | {reshard}")
-        assert reshard["count"] > 100 and all(reshard["same_keys"].values()), reshard
-        assert reshard["diffs"] == {"ep1": 0.0, "ep4": 0.0}, reshard
-    layouts = [x for x in pm.LAYOUTS if x.world == world_size and x.name in results[0]]
-    assert len(layouts) == len(pm.selected(world_size))  # MMPAR_PARITY_ONLY: a local subset
-    assert layouts
-    failures = []
-    for layout in layouts:
-        ref = refs[layout.reference]
-        grads: dict[str, Any] = {}
-        loss_diff = 0.0
-        for result in results:
-            got = result[layout.name]
-            if layout.moe != "aux":  # aux-only runs log a zero loss: their gradients are checked
-                n = layout.steps * layout.accumulate  # a loss per batch; max_steps: the first
-                assert len(got["losses"]) == n, layout.name
-                for a, b in zip(got["losses"], ref.losses[:n], strict=True):
-                    loss_diff = max(loss_diff, abs(a - b) / abs(b))
-            grads.update(got["grads"])
-        assert grads.keys() == ref.grads.keys(), (layout.name, grads.keys() ^ ref.grads.keys())
-        if layout.name in pm.PLANS:  # the partition was applied, on every rank
-            assert {tuple(r[layout.name]["boundaries"]) for r in results} == {
-                tuple(pm.PLANS[layout.name])
-            }, layout.name
-        if layout.name in pm.MEASURED:
-            _check_measured(layout, results)
-        checkpointed = [r[layout.name]["checkpointed"] for r in results]
-        if "activation_checkpointing" in layout.strategy:  # the option reached the blocks
-            assert min(checkpointed) > 0, (layout.name, checkpointed)
-        else:
-            assert max(checkpointed) == 0, (layout.name, checkpointed)
-        name, ratio = rw.worst_gradient(grads, ref.grads)
-        took = max(r[layout.name]["seconds"] for r in results)
-        print(
-            f"parity | {layout.name} | loss {loss_diff:.1e} | gradient {ratio:.1e} ({name}) | "
-            f"{took:.1f} s"
-        )
-        if loss_diff > RTOL or ratio > RTOL:
-            failures.append((layout.name, loss_diff, name, ratio))
-    assert not failures, failures
+def _check_router(name: str, summary: dict[str, Any]) -> None:
+    """The run summary's router section: both routers, every MoE layer, statistics in range,
+    the expert-load heatmap written (the MoE learning bar's run checked these before it moved
+    to ``benchmarks/bench_learning.py``)."""
+    router = summary["router"]
+    assert sorted(router) == ["text", "vision"], router
+    model = (
+        yw.overrides(name, Path())["model"]
+        or yaml.safe_load((yw.RECIPES / f"{name}.yaml").read_text())["model"]
+    )
+    language = model["fusion"]["language"]
+    assert router["text"]["layers"] == language["num_hidden_layers"], router
+    experts, top_k = language["moe"]["num_experts"], language["moe"]["top_k"]
+    for stats in router.values():  # entropy at most log2(experts) bits, the top-1 share >= 1/E
+        assert 0 < stats["routing_entropy_bits"] <= math.log2(experts), (name, stats)
+        assert 1 / experts <= stats["top1_share"] <= 1.0, (name, stats)
+        assert 0 < stats["experts_per_token"] <= top_k and 0 <= stats["dropped_fraction"] < 1
+    assert Path(summary["expert_load_heatmap"]).read_bytes()[:4] == b"\x89PNG", summary
 
 
-def layout_spec(layout: pm.Layout) -> LayoutSpec:
+class Worlds:
+    """The spawned worlds of the matrix, one per size, each started by the first test that
+    needs it and kept for the others (an error too: every test of that world reports it)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.results: dict[int, list[dict[str, Any]] | Exception] = {}
+
+    def __call__(self, world_size: int) -> list[dict[str, Any]]:
+        if world_size not in self.results:
+            root = self.root / f"world{world_size}"
+            try:
+                self.results[world_size] = spawn(pm.world, world_size, str(root), timeout=1200)
+            except Exception as err:  # kept: the other tests of this world fail with it
+                self.results[world_size] = err
+        got = self.results[world_size]
+        if isinstance(got, Exception):
+            raise RuntimeError(f"the {world_size}-process world failed (see its error)") from got
+        return got
+
+    def parity(self, world_size: int, name: str) -> list[Any]:
+        """Every rank's result of the layout or check ``name``."""
+        return [r["parity"][name] for r in self(world_size)]
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory: pytest.TempPathFactory) -> Worlds:
+    return Worlds(tmp_path_factory.mktemp("parity_matrix"))
+
+
+def _check_layout(layout: pm.Layout, ref: Any, results: list[dict[str, Any]]) -> None:
+    """One layout against its one-process reference: every step's loss and every first-step
+    gradient within :data:`RTOL`; the partition, the measured bytes and the checkpointed
+    blocks where the layout has them."""
+    grads: dict[str, Any] = {}
+    loss_diff = 0.0
+    for got in results:
+        if layout.moe != "aux":  # aux-only runs log a zero loss: their gradients are checked
+            n = layout.steps * layout.accumulate  # a loss per batch
+            assert len(got["losses"]) == n, layout.name
+            for a, b in zip(got["losses"], ref.losses[:n], strict=True):
+                loss_diff = max(loss_diff, abs(a - b) / abs(b))
+        grads.update(got["grads"])
+    assert grads.keys() == ref.grads.keys(), (layout.name, grads.keys() ^ ref.grads.keys())
+    if layout.name in pm.PLANS:  # the partition was applied, on every rank
+        assert {tuple(r["boundaries"]) for r in results} == {tuple(pm.PLANS[layout.name])}
+    if layout.name in pm.MEASURED:
+        _check_measured(layout, results)
+    checkpointed = [r["checkpointed"] for r in results]
+    if "activation_checkpointing" in layout.strategy:  # the option reached the blocks
+        assert min(checkpointed) > 0, (layout.name, checkpointed)
+    else:
+        assert max(checkpointed) == 0, (layout.name, checkpointed)
+    name, ratio = rw.worst_gradient(grads, ref.grads)
+    took = max(r["seconds"] for r in results)
+    print(
+        f"parity | {layout.name} | loss {loss_diff:.1e} | gradient {ratio:.1e} ({name}) | "
+        f"{took:.1f} s"
+    )
+    assert loss_diff <= RTOL and ratio <= RTOL, (layout.name, loss_diff, name, ratio)
+
+
+def layout_spec(layout: pm.Layout) -> ParallelLayout:
     """The cost model's view of a parity layout (the batch of :data:`rw.BATCH` rows split
     over dp ranks and micro-batches)."""
     s, dims = layout.strategy, layout.dims
     micro = (s.get("micro_batches") or dims.pp) if dims.pp > 1 else 1
-    return LayoutSpec(
+    return ParallelLayout(
         tp=dims.tp,
         pp=dims.pp,
         dp=dims.dp,
@@ -176,7 +200,7 @@ def _check_measured(layout: pm.Layout, results: list[dict[str, Any]]) -> None:
     model = fusion_model_spec(module, spec, rw.TEXT_LENGTH)
     for rank, result in enumerate(results):
         coords = layout.dims.rank_coords(rank)
-        got = result[layout.name]
+        got = result
         bounds = comm_bounds(model, spec, coords["pp"])
         exact = {k: low for k, (low, high) in bounds.items() if low == high}
         counted = {k: v for k, v in got["comm"].items() if k in exact or k not in bounds}
@@ -240,14 +264,59 @@ def test_references_differ_by_option(references: dict[Any, Any]) -> None:
     assert rw.worst_gradient(a.grads, b.grads)[1] > 1e-3
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("world_size", [2, 4, 8])
-def test_layouts_match_one_process(world_size: int, references: Any, tmp_path: Path) -> None:
-    _check_world(world_size, references, tmp_path)
+def _skip_unless_everything() -> None:
+    if pm.only():
+        pytest.skip("MMPAR_PARITY_ONLY: layouts only")
 
 
 @pytest.mark.distributed
-def test_one_process_yaml(tmp_path: Path) -> None:
-    """``clip_llama_1gpu.yaml`` (one process, ``data_parallel: none``) through the CLI."""
-    results = spawn(yw.world, 1, str(tmp_path), timeout=900)
-    _check_yaml_runs(1, [{"yaml": r} for r in results])
+@pytest.mark.parametrize("layout", pm.LAYOUTS, ids=[x.name for x in pm.LAYOUTS])
+def test_layout_matches_one_process(layout: pm.Layout, references: Any, worlds: Worlds) -> None:
+    if layout not in pm.selected(layout.world):
+        pytest.skip("not in MMPAR_PARITY_ONLY")
+    _check_layout(layout, references[layout.reference], worlds.parity(layout.world, layout.name))
+
+
+@pytest.mark.distributed
+def test_every_schedule_equals_autograd(worlds: Worlds) -> None:
+    """The engine checks of the 2-process world (:func:`schedules_worker.engine_checks`)."""
+    _check_engine(worlds.parity(2, "engine"))
+
+
+@pytest.mark.distributed
+def test_pipeline_callbacks_at_pp2(worlds: Worlds) -> None:
+    """PipelineTimeline and DynamicMicroBatching at pp 2 (:mod:`pipeline_callbacks_worker`)."""
+    _skip_unless_everything()
+    runs = worlds.parity(2, "pipeline callbacks")
+    pcw.check_dynamic(runs)
+    pcw.check_timeline(runs, worlds.root / "world2" / "pipeline_callbacks")
+
+
+@pytest.mark.distributed
+def test_moe_density_estimate_is_one_over_dp(worlds: Worlds) -> None:
+    """Density-driven top-k at ep 2 (dp 2): one estimate over dp, fewer experts per token."""
+    _skip_unless_everything()
+    runs = worlds.parity(2, "moe density")
+    assert len(runs[0]["estimates"]) == 3 and min(runs[0]["seen"]) > 0, runs[0]  # adapter + 2
+    for a, b in zip(runs[0]["estimates"], runs[1]["estimates"], strict=True):
+        assert bool(a.any()) and torch.equal(a, b)
+    assert any(k < 2.0 for r in runs for k in r["experts_per_token"]), runs  # fewer experts
+
+
+@pytest.mark.distributed
+def test_moe_checkpoint_reshards_over_ep_bitwise(worlds: Worlds) -> None:
+    """DCP reshards the MoE module ep 2 -> 1 -> 4 (:mod:`moe_reshard_worker`), bitwise."""
+    _skip_unless_everything()
+    reshard = worlds.parity(4, "moe reshard")[0]
+    print(f"moe reshard | {reshard}")
+    assert reshard["count"] > 100 and all(reshard["same_keys"].values()), reshard
+    assert reshard["diffs"] == {"ep1": 0.0, "ep4": 0.0}, reshard
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(yw.RUNS))
+def test_shipped_yaml_trains(name: str, worlds: Worlds) -> None:
+    """Each shipped YAML through the CLI for :data:`yaml_runs_worker.STEPS` steps, in the
+    world of its size (``clip_llama_1gpu.yaml``: one process, ``data_parallel: none``)."""
+    _skip_unless_everything()
+    _check_yaml_run(name, worlds(yw.RUNS[name]["world"]))

@@ -1,4 +1,4 @@
-"""``python -m lightning_mmpar.recipes.plan`` in-process on the CPU recipe (no process group)."""
+"""``python -m lightning_mmpar.recipes.planner`` in-process on the CPU recipe (no process group)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import yaml
 
 from lightning_mmpar.config import ParallelConfig
-from lightning_mmpar.layout.model import LayoutSpec
-from lightning_mmpar.recipes import plan as cli
+from lightning_mmpar.layout import ParallelLayout
+from lightning_mmpar.recipes import planner as cli
 from lightning_mmpar.recipes.partition import build_module
 from lightning_mmpar.strategy import MultimodalParallelStrategy
 
@@ -48,10 +48,10 @@ def test_plan_cpu_recipe_table_rejections_placement_and_yaml(
     steps = [float(r[-2]) for r in rows]
     assert len(rows) == 5 and steps == sorted(steps)
     assert all(r[0] == str(i) for i, r in enumerate(rows, 1))
-    # the strategy's own check, said about tp: the CPU model's 2 key-value heads refuse tp 4
+    # the strategy's own check, its own message: the CPU model's 2 key-value heads refuse tp 4
     assert any(
-        "tp 4 does not divide LanguageConfig.num_key_value_heads (2, " in ln
-        and ln.endswith("tp sizes this model allows: 1, 2.")
+        "LanguageConfig.num_key_value_heads (2) must be divisible by the tensor-parallel size "
+        "(4); nearest valid num_key_value_heads: 4; or tensor_parallel 1 or 2." in ln
         for ln in lines
     )
     assert any(ln.startswith("placement [") and "vs Megatron order" in ln for ln in lines)
@@ -176,7 +176,7 @@ def test_fragment_merged_over_a_recipe_overrides_every_layout_field(recipe: Path
     config = yaml.safe_load(recipe.read_text())
     old = config["trainer"]["strategy"].get("init_args") or {}
     options = config["model"].get("plan") or {}
-    layout = LayoutSpec(
+    layout = ParallelLayout(
         tp=_alternative(old.get("tensor_parallel", 1), [8, 1]),
         pp=_alternative(old.get("pipeline_parallel", 1), [4, 1]),
         dp=4,
@@ -226,7 +226,31 @@ def test_fragment_merged_over_a_recipe_overrides_every_layout_field(recipe: Path
     assert merged["trainer"]["accumulate_grad_batches"] == layout.accumulate
     # without a pipeline micro_batches is null (ParallelConfig refuses it at pp 1), and
     # Megatron's order writes placement null: neither recipe value survives either
-    flat = cli.fragment(LayoutSpec(dp=4), None)["trainer"]["strategy"]["init_args"]
+    flat = cli.fragment(ParallelLayout(dp=4), None)["trainer"]["strategy"]["init_args"]
     assert flat["micro_batches"] is None and flat["placement"] is None
     assert flat["activation_checkpointing"] is None
     assert flat["pipeline_parallel"] == 1 and flat["tensor_parallel"] == 1
+
+
+def test_old_module_name_runs_the_planner_with_a_deprecation_warning(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``lightning_mmpar.recipes.plan`` (renamed: ``plans/plan.py`` shares its basename) is the
+    planner module for one more release, imported or run with ``-m``."""
+    import importlib
+    import runpy
+    import sys
+
+    monkeypatch.delitem(sys.modules, "lightning_mmpar.recipes.plan", raising=False)
+    with pytest.warns(DeprecationWarning, match=r"use lightning_mmpar\.recipes\.planner"):
+        old = importlib.import_module("lightning_mmpar.recipes.plan")
+    assert old is cli and old.fragment is cli.fragment
+    argv = ["plan", "--config", CPU, "--gpus", "1", "--device", "cpu", "--top", "1"]
+    monkeypatch.setattr(sys, "argv", argv)
+    del sys.modules["lightning_mmpar.recipes.plan"]  # as a fresh `python -m` finds it
+    with (
+        pytest.warns(DeprecationWarning, match="recipes.planner"),
+        pytest.raises(SystemExit) as end,
+    ):
+        runpy.run_module("lightning_mmpar.recipes.plan", run_name="__main__")
+    assert end.value.code == 0 and "1 x cpu" in capsys.readouterr().out

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -31,10 +30,8 @@ from lightning_mmpar.recipes.optim import parameter_groups
 from lightning_mmpar.recipes.options import OptimConfig, PretrainedConfig
 from lightning_mmpar.recipes.pretrained import resolve_fusion_config
 from lightning_mmpar.testing import spawn
-
-sys.path.insert(0, str(Path(__file__).parent))
-import pretrained_worker as pw
-import recipe_faults_worker as rw
+from tests.recipes import pretrained_worker as pw
+from tests.recipes import recipe_faults_worker as rw
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 

@@ -20,7 +20,6 @@ it must have.
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -30,9 +29,7 @@ import torch
 
 from lightning_mmpar.models.fusion import weight_decay_split
 from lightning_mmpar.testing import spawn
-
-sys.path.insert(0, str(Path(__file__).parent))
-import recipe_faults_worker as rw
+from tests.recipes import recipe_faults_worker as rw
 
 RTOL = 1e-5
 

@@ -1,4 +1,4 @@
-"""Each shipped recipe YAML trained for 3 steps on CPU (issue 9), its model shrunk in width.
+"""Each shipped recipe YAML trained for 2 steps on CPU (issue 9), its model shrunk in width.
 
 The GPU YAMLs keep their schedule, micro-batches, virtual stages, sequence parallelism,
 data-parallel engine, precision and adapter count; widths, depth (2 ViT layers, 2 decoder
@@ -6,6 +6,8 @@ layers, 8 for the 16-GPU YAML's 2 x 8 virtual stages), image size and batch shri
 and the layout is scaled to at most 4 processes:
 
 * ``clip_llama_cpu``: its own layout, tp 2 x pp 2 (4 processes), as shipped;
+* ``clip_llama_moe_cpu``: its own layout and model, expert 2 x tensor 2 x dp 2 (FSDP2, 4
+  processes), as shipped, with the expert-load monitor (router statistics, heatmap);
 * ``clip_llama_1gpu``: its own layout, one process (``data_parallel: none``);
 * ``clip_llama_8gpu``: tp 4 x pp 2 -> tp 2 x pp 2 (4 processes; 1F1B, 4 micro-batches, FSDP2);
 * ``clip_llama_16gpu``: tp 4 x pp 2 x dp 2 on 16 GPUs -> tp 2 x pp 2 on 4 processes (sequence
@@ -24,7 +26,7 @@ from typing import Any
 import yaml
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
-STEPS = 3
+STEPS = 2
 
 
 def _tiny_model(heads: int, decoder_layers: int, moe: bool = False) -> dict[str, Any]:
@@ -55,6 +57,7 @@ def _tiny_model(heads: int, decoder_layers: int, moe: bool = False) -> dict[str,
 
 RUNS: dict[str, dict[str, Any]] = {
     "clip_llama_cpu": {"world": 4, "strategy": {}, "model": {}, "data": {}},
+    "clip_llama_moe_cpu": {"world": 4, "strategy": {}, "model": {}, "data": {}},
     "clip_llama_1gpu": {
         "world": 1,
         "strategy": {},
@@ -84,7 +87,7 @@ RUNS: dict[str, dict[str, Any]] = {
 
 
 def overrides(name: str, root: Path) -> dict[str, Any]:
-    """The override YAML of one run (CPU, 3 steps, no validation, the run summary kept)."""
+    """The override YAML of one run (CPU, :data:`STEPS` steps, no validation, the summary kept)."""
     run = RUNS[name]
     shipped = yaml.safe_load((RECIPES / f"{name}.yaml").read_text())
     strategy = shipped["trainer"]["strategy"]
@@ -119,22 +122,24 @@ def overrides(name: str, root: Path) -> dict[str, Any]:
 
 def run(name: str, root: Path) -> dict[str, Any]:
     """Fit ``name`` in this process (every rank of the world calls it) and return
-    ``{"summary": summary.json, "precision": trainer precision}``."""
-    from lightning_mmpar.recipes.cli import run_cli
+    ``{"summary": summary.json, "precision": trainer precision, "printed": what the run
+    summary printed on rank 0}``."""
+    from tests.recipes import cli_worker
 
     root.mkdir(parents=True, exist_ok=True)
     extra = root / f"overrides.{os.getpid()}.yaml"  # one per rank: no rank reads another's write
     extra.write_text(yaml.safe_dump(overrides(name, root)))
-    cli = run_cli(["fit", "--config", str(RECIPES / f"{name}.yaml"), "--config", str(extra)])
-    cli.trainer.strategy.barrier()
+    args = ["fit", "--config", str(RECIPES / f"{name}.yaml"), "--config", str(extra)]
+    cli, printed = cli_worker.run(args)
     summary = json.loads((root / "summary.json").read_text())
-    return {"summary": summary, "precision": cli.trainer.precision}
+    return {"summary": summary, "precision": cli.trainer.precision, "printed": printed}
+
+
+def names(world_size: int) -> list[str]:
+    """The YAMLs that run on ``world_size`` processes."""
+    return [name for name, spec in RUNS.items() if spec["world"] == world_size]
 
 
 def world(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """Every YAML run of this world size."""
-    return {
-        name: run(name, Path(root) / name)
-        for name, spec in RUNS.items()
-        if spec["world"] == world_size
-    }
+    return {name: run(name, Path(root) / name) for name in names(world_size)}

@@ -1,4 +1,4 @@
-"""Rank placement (issue 12, TECHNIQUES 2.4): ``ParallelDims(placement=...)`` and the strategy's
+"""Rank placement (issue 12): ``ParallelDims(placement=...)`` and the strategy's
 ``placement`` option, without a process group.
 
 A placement maps each mesh position (the Megatron rank) to the global rank that runs it, so

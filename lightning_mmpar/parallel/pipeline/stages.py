@@ -1,0 +1,115 @@
+"""The pipeline stage plan of a :class:`~lightning_mmpar.parallel.pipeline.PipelineModule`.
+
+Joins a module's blocks to :mod:`lightning_mmpar.layout.partition`: the module's own block
+costs when it has them (``pipeline_block_specs()``, e.g. the recipe's ``ClipLlamaModule``), else
+one unit of cost per block with the block's ``kind`` (enough for ``equal``, ``ratio`` and
+explicit boundaries; ``balanced`` and ``memory`` need real costs and are refused).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from lightning_mmpar.config import ParallelConfig
+from lightning_mmpar.layout import (
+    BlockSpec,
+    Partition,
+    StagePlan,
+    in_flight,
+    parameter_bytes,
+    parse_partition,
+    plan_stages,
+    stage_ranks,
+)
+
+__all__ = ["module_stage_plan", "stage_plan_for"]
+
+
+def _unit_specs(blocks: Sequence[Any]) -> list[BlockSpec]:
+    specs = []
+    for i, block in enumerate(blocks):
+        total, trainable = parameter_bytes(block)
+        kind = str(getattr(block, "kind", "") or type(block).__name__)
+        specs.append(BlockSpec(f"block{i}", kind, 1.0, 0.0, float(total), float(trainable)))
+    return specs
+
+
+def _block_specs(module: Any, part: Partition) -> list[BlockSpec]:
+    """One :class:`BlockSpec` per pipeline block: the module's own (``pipeline_block_specs()``)
+    or :func:`_unit_specs`; the costed modes (``balanced``, ``memory``) need the module's."""
+    blocks = list(module.pipeline_blocks())
+    specs_of = getattr(module, "pipeline_block_specs", None)
+    costed = part.mode in ("balanced", "memory")
+    specs: list[BlockSpec] | None = None
+    if specs_of is not None:
+        try:
+            specs = list(specs_of())
+        except ValueError:  # costs unknown here (no caption length, say): needed only to balance
+            if costed:
+                raise
+    if specs is None and costed:
+        raise ValueError(
+            f"partition ({part}) balances block costs, and {type(module).__name__} has no "
+            "pipeline_block_specs(); implement it (one lightning_mmpar.layout.BlockSpec per "
+            "pipeline block, see ClipLlamaModule.pipeline_block_specs) or use partition='equal', "
+            "'ratio:V:A:D' or explicit boundaries."
+        )
+    if specs is None:
+        specs = _unit_specs(blocks)
+    if len(specs) != len(blocks):
+        raise ValueError(
+            f"{type(module).__name__}.pipeline_block_specs() gave {len(specs)} specs for "
+            f"{len(blocks)} pipeline blocks; return one per block, in order."
+        )
+    return specs
+
+
+def module_stage_plan(
+    module: Any,
+    pipeline_parallel: int,
+    virtual_pipeline: int,
+    partition: str | Sequence[int],
+    *,
+    micro_batch_size: int = 1,
+    schedule: str = "1f1b",
+    micro_batches: int | None = None,
+) -> StagePlan:
+    """Cut ``module.pipeline_blocks()`` into ``pipeline_parallel * virtual_pipeline`` stages by
+    ``partition`` (``equal``, ``balanced``, ``memory``, ``ratio:V:A:D`` or boundaries).
+
+    Call before the pipeline drops other stages' parameters (the specs count them all).
+
+    Raises:
+        ValueError: ``balanced`` / ``memory`` for a module without ``pipeline_block_specs()``,
+            specs not one per block, or any error of :func:`~lightning_mmpar.layout.plan_stages`.
+    """
+    part = parse_partition(partition, pipeline_parallel * virtual_pipeline)
+    specs = _block_specs(module, part)
+    m = micro_batches or pipeline_parallel
+    return plan_stages(
+        specs,
+        pipeline_parallel,
+        virtual_pipeline,
+        part,
+        micro_batch_size=micro_batch_size,
+        stage_ranks=stage_ranks(schedule, pipeline_parallel, virtual_pipeline),
+        in_flight=in_flight(schedule, pipeline_parallel, virtual_pipeline, m),
+    )
+
+
+def stage_plan_for(module: Any, config: ParallelConfig) -> StagePlan:
+    """:func:`module_stage_plan` of a LightningModule for ``config`` (its ``partition``);
+    activation memory at its data module's ``batch_size / micro_batches`` when it has one."""
+    data = getattr(getattr(module, "_trainer", None), "datamodule", None)
+    batch = getattr(data, "batch_size", None)
+    mbs = max(1, batch // config.num_micro_batches) if isinstance(batch, int) else 1
+    return module_stage_plan(
+        module,
+        config.pipeline_parallel,
+        config.virtual_pipeline,
+        config.partition,
+        micro_batch_size=mbs,
+        schedule=config.schedule,
+        micro_batches=config.num_micro_batches,
+    )

@@ -1,0 +1,402 @@
+"""Rank the layouts of a recipe YAML on ``N`` devices by predicted step time:
+``python -m lightning_mmpar.recipes.planner --config recipes/clip_llama_16gpu.yaml --gpus 16``.
+
+Builds the YAML's model on the meta device (:func:`lightning_mmpar.recipes.partition.
+build_module`), turns it into a ``ModelSpec`` (:func:`lightning_mmpar.plans.fusion_cost.
+fusion_model_spec`), enumerates tp / pp / v / dp / ep / micro-batches / sequence parallelism /
+FSDP or DDP / activation checkpointing at the YAML's global batch
+(:func:`lightning_mmpar.layout.planner.candidate_layouts`), refuses the layouts the strategy
+and the recipe's pre-launch check refuse (:func:`lightning_mmpar.layout.validate` with the
+model's facts, :func:`layout_facts`: the same check, the same message), predicts the rest
+(:func:`lightning_mmpar.layout.cost.predict`) and prints the
+best, the rejected ones with their reasons, and the YAML fragment of the best
+(``--write-yaml``). ``--topo`` (``nvidia-smi topo -m`` text or a YAML description) places the
+ranks (:func:`lightning_mmpar.layout.placement.place`) and prints the predicted communication
+time of that order next to Megatron's. Invalid arguments exit with status 2 and the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lightning_mmpar.layout import LayoutFacts, ParallelLayout
+from lightning_mmpar.layout.cost import DEVICES, GIB, DeviceSpec, Prediction, default_graph, predict
+from lightning_mmpar.layout.planner import Rejected, describe, plan, refusal
+from lightning_mmpar.parallel.activation import LAYERS
+from lightning_mmpar.plans.fusion import fusion_facts
+from lightning_mmpar.plans.fusion_cost import fusion_model_spec
+from lightning_mmpar.recipes.module import ClipLlamaModule
+from lightning_mmpar.recipes.partition import _strategy_args, build_module, data_args, load_recipe
+from lightning_mmpar.strategy import MultimodalParallelStrategy
+
+__all__ = ["accept_layout", "fragment", "layout_facts", "main", "spec_cache"]
+
+_STRATEGY = "lightning_mmpar.strategy.MultimodalParallelStrategy"
+
+
+def layout_facts(module: ClipLlamaModule, text_length: int) -> Callable[[Any], LayoutFacts]:
+    """``layout -> LayoutFacts``: what the recipe's pre-launch check
+    (:func:`lightning_mmpar.recipes.preflight.layout_and_facts`) checks a layout against, for
+    a run of this layout: the model's facts at its tp (the vocabulary is padded per tp;
+    :func:`~lightning_mmpar.plans.fusion.fusion_facts`), its pipeline blocks, the text length
+    (``data.max_length``) and the layout's batch per dp rank (``data.batch_size``)."""
+    blocks = fusion_facts(module.fusion_config, count_blocks=True).pipeline_blocks
+    cache: dict[int, LayoutFacts] = {}
+
+    def facts(layout: ParallelLayout) -> LayoutFacts:
+        if layout.tp not in cache:
+            cache[layout.tp] = replace(
+                fusion_facts(module._resolved_config(layout.tp)),
+                pipeline_blocks=blocks,
+                sequence_length=text_length,
+            )
+        return replace(cache[layout.tp], batch_size=layout.local_batch)
+
+    return facts
+
+
+def accept_layout(module: ClipLlamaModule, text_length: int, tp_sizes: Sequence[int] = ()) -> Any:
+    """A ``layout -> reason | None`` filter: :func:`~lightning_mmpar.layout.planner.refusal`
+    with :func:`layout_facts` (what :func:`~lightning_mmpar.layout.planner.plan` runs given
+    ``facts=layout_facts(...)``). ``tp_sizes`` is deprecated and unused: the message names the
+    smaller tensor-parallel sizes that divide the field."""
+    if tp_sizes:
+        warnings.warn(
+            "accept_layout(tp_sizes=...) is deprecated and unused.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+    facts = layout_facts(module, text_length)
+    return lambda layout: refusal(layout, facts)
+
+
+def spec_cache(module: ClipLlamaModule, text_length: int) -> Any:
+    """``layout -> ModelSpec`` of ``module`` (:func:`fusion_model_spec`), one per distinct tp,
+    ep, sequence parallelism and vision mode (what the spec depends on)."""
+    cache: dict[tuple[Any, ...], Any] = {}
+
+    def spec(layout: ParallelLayout) -> Any:
+        key = (layout.tp, layout.ep, layout.sequence_parallel, layout.vision_parallel)
+        if key not in cache:
+            cache[key] = fusion_model_spec(module, layout, text_length)
+        return cache[key]
+
+    return spec
+
+
+def fragment(layout: ParallelLayout, placement: Sequence[int] | None = None) -> dict[str, Any]:
+    """The YAML the recipe accepts for ``layout``: ``trainer.strategy`` (class and every layout
+    init arg, defaults included, so that merged over a recipe YAML none of the recipe's own
+    values survive; ``micro_batches: null`` without a pipeline; ``activation_checkpointing:
+    layers`` or null), ``trainer.accumulate_grad_batches``, ``model.plan`` (sequence
+    parallelism, vision mode) and ``data.batch_size`` (per data-parallel rank);
+    ``placement``: the device order when it is not Megatron's (and the strategy takes one),
+    else null."""
+    part = layout.partition
+    args: dict[str, Any] = {
+        "tensor_parallel": layout.tp,
+        "pipeline_parallel": layout.pp,
+        "virtual_pipeline": layout.virtual,
+        "expert_parallel": layout.ep,
+        "micro_batches": layout.num_micro_batches if layout.pp > 1 else None,
+        "schedule": layout.schedule,
+        "data_parallel": layout.data_parallel,
+        "partition": list(part) if isinstance(part, tuple) else part,
+    }
+    if "placement" in inspect.signature(MultimodalParallelStrategy.__init__).parameters:
+        moved = placement is not None and tuple(placement) != tuple(range(len(placement)))
+        args["placement"] = list(placement) if moved and placement is not None else None
+    args["activation_checkpointing"] = LAYERS if layout.activation_checkpointing else None
+    plan_options = {
+        "sequence_parallel": layout.sequence_parallel,
+        "vision_parallel": layout.vision_parallel,
+    }
+    return {
+        "trainer": {
+            "strategy": {"class_path": _STRATEGY, "init_args": args},
+            "accumulate_grad_batches": layout.accumulate,
+        },
+        "model": {"plan": plan_options},
+        "data": {"batch_size": layout.local_batch},
+    }
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _merge(out[key], value) if both else value
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m lightning_mmpar.recipes.planner",
+        description="Rank a recipe's layouts on N devices by predicted step time (memory per "
+        "rank, communication, bubble, MFU); list the rejected ones with reasons.",
+    )
+    p.add_argument("--config", required=True, help="recipe YAML (the LightningCLI config)")
+    p.add_argument("--gpus", type=int, required=True, help="devices of the job (world size)")
+    p.add_argument("--topo", help="nvidia-smi topo -m output or a topology YAML (placement)")
+    p.add_argument("--memory-gib", type=float, help="memory per device (default: the device's)")
+    p.add_argument("--device", default="h100", help=f"one of {', '.join(DEVICES)}")
+    p.add_argument("--precision", help="default: the YAML's trainer.precision or 32-true")
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        help="samples per optimizer step (default: data.batch_size x the YAML's dp)",
+    )
+    p.add_argument("--max-tp", type=int, default=8, help="largest tensor-parallel size")
+    p.add_argument("--top", type=int, default=10, help="layouts shown")
+    p.add_argument("--write-yaml", help="write the best layout's YAML fragment here")
+    return p
+
+
+def _global_batch(config: dict[str, Any], args: argparse.Namespace) -> int:
+    if args.global_batch is not None:
+        return int(args.global_batch)
+    trainer, strategy = config.get("trainer") or {}, _strategy_args(config)
+    world = int(trainer.get("devices", 1) or 1) * int(trainer.get("num_nodes", 1) or 1)
+    dp = max(
+        1,
+        world
+        // (int(strategy.get("tensor_parallel", 1)) * int(strategy.get("pipeline_parallel", 1))),
+    )
+    return int(data_args(config).get("batch_size", 1)) * dp
+
+
+def _table(ranked: Sequence[Prediction]) -> str:
+    rows = [
+        (
+            "#",
+            "layout (tp pp v dp ep mb sp dp-mode ckpt)",
+            "mem/rank GiB",
+            "comm GB/step",
+            "bubble",
+            "step s",
+            "MFU",
+        )
+    ]
+    for i, p in enumerate(ranked, 1):
+        rows.append(
+            (
+                str(i),
+                describe(p.layout),
+                f"{p.memory.total / GIB:.2f}",
+                f"{p.comm_total_bytes / 1e9:.3f}",
+                f"{p.bubble:.3f}",
+                f"{p.step_seconds:.4g}",
+                f"{100 * p.mfu:.1f}%",
+            )
+        )
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)).rstrip() for r in rows
+    )
+
+
+def _rejected(rejected: Sequence[Rejected], shown: int) -> list[str]:
+    """One line per distinct reason (the first ``shown``): an example layout (for memory, the
+    one closest to fitting), the count."""
+    groups: dict[str, list[Rejected]] = {}
+    for r in rejected:
+        groups.setdefault("memory" if r.prediction is not None else r.reason, []).append(r)
+    lines = [f"rejected: {_plural(len(rejected), 'layout')}, {_plural(len(groups), 'reason')}"]
+    for key, items in list(groups.items())[:shown]:
+        least = min(items, key=lambda r: r.prediction.memory.total if r.prediction else 0)
+        first = least if key == "memory" else items[0]
+        more = f" (and {len(items) - 1} more)" if len(items) > 1 else ""
+        lines.append(f"  {describe(first.layout)}{more}: {first.reason}")
+    return lines
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    for flag, value in (
+        ("--gpus", args.gpus),
+        ("--max-tp", args.max_tp),
+        ("--top", args.top),
+        ("--global-batch", args.global_batch),
+    ):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} ({value}) must be >= 1.")
+    if args.memory_gib is not None and not 0 < args.memory_gib < float("inf"):  # nan too
+        raise ValueError(f"--memory-gib ({args.memory_gib}) must be a finite number > 0.")
+    if args.device not in DEVICES:
+        raise ValueError(f"--device {args.device!r} is unknown; choose one of {list(DEVICES)}.")
+
+
+@dataclass(frozen=True)
+class _Planning:
+    """What one planner run reads once: the YAML, its model, the device and the topology."""
+
+    config: dict[str, Any]
+    module: ClipLlamaModule
+    device: DeviceSpec
+    precision: str
+    base: ParallelLayout
+    model: Callable[[Any], Any]
+    facts: Callable[[Any], LayoutFacts]
+    graph: Any
+    place: Any
+    topo: str
+
+
+def _prepare(args: argparse.Namespace) -> _Planning:
+    """Read ``--config`` and ``--topo``; build the model on the meta device."""
+    _check_numbers(args)
+    config = load_recipe(args.config)
+    device = DEVICES[args.device]
+    precision = args.precision or str((config.get("trainer") or {}).get("precision", "32-true"))
+    device.peak(precision)
+    module, data = build_module(config)
+    text_length = int(data.max_length)
+    part = _strategy_args(config).get("partition", "equal")
+    base = ParallelLayout(
+        precision=precision,
+        partition=tuple(part) if isinstance(part, list) else part,
+        vision_parallel=module.plan_options.vision_parallel,
+    )
+    graph, place = None, None
+    topo = f"{_graph_text(default_graph(args.gpus))} (assumed; pass --topo)"
+    if args.topo:
+        graph, place, topo = _topology(args.topo, args.gpus)
+    model, facts = spec_cache(module, text_length), layout_facts(module, text_length)
+    return _Planning(config, module, device, precision, base, model, facts, graph, place, topo)
+
+
+def _rank(args: argparse.Namespace, run: _Planning) -> tuple[list[Prediction], list[Rejected]]:
+    """:func:`~lightning_mmpar.layout.planner.plan` over the YAML's global batch."""
+    fusion = run.module.fusion_config
+    moe = fusion.language.moe or fusion.adapter.moe
+    return plan(
+        run.model,
+        args.gpus,
+        run.device,
+        run.graph,
+        args.memory_gib,
+        facts=run.facts,
+        placement=run.place,
+        global_batch=_global_batch(run.config, args),
+        max_tp=args.max_tp,
+        experts=moe.num_experts if moe is not None else 0,
+        base=run.base,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print the ranking; 0 on success, 1 when no layout fits. Invalid arguments (and an
+    unreadable ``--config`` or ``--topo``): ``SystemExit(2)`` with the reason."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        run = _prepare(args)
+        ranked, rejected = _rank(args, run)
+    except (ValueError, OSError) as err:
+        parser.error(str(err))
+    limit = run.device.memory_gib if args.memory_gib is None else args.memory_gib
+    print(
+        f"{args.config}: {len(run.model(run.base).blocks)} blocks, {args.gpus} x {args.device} "
+        f"({run.precision}, {limit:g} GiB), {len(ranked)} layouts fit, best first:"
+    )
+    print(f"topology: {run.topo}")
+    print(_table(ranked[: args.top]) if ranked else "no layout fits")
+    print("\n".join(_rejected(rejected, 8)))
+    if not ranked:
+        if args.write_yaml:
+            print(f"--write-yaml {args.write_yaml}: not written (no layout fits).")
+        return 1
+    out = fragment(ranked[0].layout, _placement(args, run, ranked[0]))
+    build_module(_merge(run.config, {"model": out["model"], "data": out["data"]}))  # it parses
+    text = yaml.safe_dump(out, sort_keys=False)
+    print(f"\nYAML fragment of the best layout:\n{text}", end="")
+    if args.write_yaml:
+        Path(args.write_yaml).write_text(text)
+    return 0
+
+
+def _placement(args: argparse.Namespace, run: _Planning, best: Prediction) -> Any:
+    """The best layout's device order (``None``: Megatron's), with a line comparing it."""
+    if run.place is None:
+        return None
+    lay = best.layout
+    megatron = predict(run.model(lay), lay, run.device, run.graph, None, memory_gib=args.memory_gib)
+    if best.placement is None:  # the placed order was predicted slower for this layout
+        print(
+            f"placement: Megatron's order kept (comm {_seconds(megatron)}; placed predicted slower)"
+        )
+        return None
+    order = tuple(best.placement.devices)
+    print(f"placement {list(order)}: comm {_seconds(best)} vs Megatron order {_seconds(megatron)}")
+    return order
+
+
+def _seconds(p: Prediction) -> str:
+    return ", ".join(f"{d} {s * 1e3:.2f} ms" for d, s in sorted(p.comm_seconds.items()))
+
+
+def _graph_text(graph: Any) -> str:
+    """``2 nodes x 8 GPUs, NVSWITCH / NET``: the link classes fastest first."""
+    links = sorted(
+        {
+            graph.links[i][j]
+            for i in range(graph.num_devices)
+            for j in range(graph.num_devices)
+            if i != j
+        },
+        key=lambda c: -graph.classes[c].bandwidth,
+    )
+    per = graph.num_devices // graph.nodes
+    return (
+        f"{_plural(graph.nodes, 'node')} x {_plural(per, 'GPU')}, "
+        f"{' / '.join(links) or 'one device'}"
+    )
+
+
+def _topology(path: str, gpus: int) -> tuple[Any, Any, str]:
+    """The graph of ``path`` (a one-node file repeated over nodes), a placement function
+    (:func:`~lightning_mmpar.layout.placement.place`, default traffic weights) and the line
+    describing the graph."""
+    from lightning_mmpar.layout.devices import load_topology
+    from lightning_mmpar.layout.placement import place
+
+    graph = load_topology(path)
+    n, nodes, note = graph.num_devices, graph.nodes, ""
+    if n < gpus and gpus % n == 0 and nodes == 1:
+        graph = graph.replicate(gpus // n)
+        note = (
+            f"\nnote: --topo {path} describes one node of {n} devices; the planner repeats "
+            f"it over {gpus // n} nodes (joined by NET). The strategy's placement=<file> "
+            f"needs the whole job's {gpus} devices: use the printed list."
+        )
+    if graph.num_devices != gpus:
+        raise ValueError(
+            f"--topo {path!r} describes {_plural(n, 'device')} in {_plural(nodes, 'node')}, "
+            f"--gpus is {gpus}; give a one-node description (repeated over nodes) or a "
+            f"description of all {gpus} devices."
+        )
+    cache: dict[tuple[int, ...], Any] = {}  # a placement depends on the degrees only
+
+    def placement(lay: ParallelLayout) -> Any:
+        key = (lay.pp, lay.dp_size, lay.ep, lay.tp)
+        if key not in cache:
+            cache[key] = place(graph, pp=lay.pp, dp=lay.dp_size, ep=lay.ep, tp=lay.tp)
+        return cache[key]
+
+    return graph, placement, f"{path}: {_graph_text(graph)}{note}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

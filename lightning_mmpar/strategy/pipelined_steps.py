@@ -1,0 +1,104 @@
+"""Lightning steps of a :class:`~lightning_mmpar.parallel.pipeline.PipelineModule`, run by the
+strategy: through the pipeline schedule (``pp > 1``) or as one chunk of every block (``pp == 1``).
+
+:class:`PipelinedSteps` is a mixin of
+:class:`~lightning_mmpar.strategy.MultimodalParallelStrategy`. A module that is no
+``PipelineModule`` runs its own steps (Lightning's). A pipelined training step keeps the
+schedule's gradients aside (:class:`~lightning_mmpar.strategy.gradient_stash.GradientStash`)
+until the strategy's ``backward``; every step logs ``train_loss`` / ``val_loss`` /
+``test_loss``, the per-sample mean over the data-parallel group (:meth:`PipelinedSteps._log`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.utilities.data import extract_batch_size
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_mmpar.parallel import comm
+from lightning_mmpar.parallel.finite import NonFiniteGuard
+from lightning_mmpar.parallel.pipeline import PipelineChunk, PipelineEngine
+from lightning_mmpar.strategy.gradient_stash import GradientStash
+from lightning_mmpar.topology import ParallelDims
+
+__all__ = ["PipelinedSteps"]
+
+
+class PipelinedSteps(Strategy):
+    """Mixin: training, validation and test steps of a pipelined module (module docstring)."""
+
+    pipeline: PipelineEngine | None
+    _chunk: PipelineChunk | None
+    _stash: GradientStash
+    nonfinite: NonFiniteGuard | None
+
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        """The run's layout (the strategy's)."""
+        raise NotImplementedError
+
+    @property
+    def _module(self) -> Any:
+        """The LightningModule (typed ``Any``: it also implements ``PipelineModule``)."""
+        assert self.lightning_module is not None
+        return self.lightning_module
+
+    def _pipelined(self) -> bool:
+        return self.pipeline is not None or self._chunk is not None
+
+    def _loss(self, batch: Any, train: bool) -> Tensor:
+        module = self._module
+        if self.pipeline is not None:
+            return self.pipeline.train_step(batch) if train else self.pipeline.eval_step(batch)
+        assert self._chunk is not None
+        inputs, target = module.pipeline_inputs(batch)
+        return module.pipeline_loss(self._chunk(*inputs), target)
+
+    def _log(self, name: str, loss: Tensor, batch: Any) -> None:
+        """Log the per-sample mean over the data-parallel group, weighted by samples.
+
+        Each dp rank contributes ``(loss * B_r, B_r)``; the logged value is their ratio and its
+        ``batch_size`` the global batch, so Lightning's epoch mean of validation/test losses is
+        the mean over samples, as on one process (not a mean of batch means).
+        """
+        samples = float(extract_batch_size(batch))
+        pair = torch.stack([loss.detach().float() * samples, loss.new_tensor(samples).float()])
+        pair = comm.all_reduce(pair, "sum", self.parallel_dims.get_group("dp"))
+        value = pair[0] / pair[1]
+        self._module.log(name, value, prog_bar=True, batch_size=int(pair[1].item()))
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.nonfinite is not None and args:
+            idx = args[1] if len(args) > 1 else self._module.trainer.fit_loop.batch_idx
+            self.nonfinite.observe_batch(args[0], idx)
+        if not self._pipelined():
+            return super().training_step(*args, **kwargs)
+        if self.pipeline is None:
+            loss = self._loss(args[0], train=True)
+        else:  # Lightning zeroes gradients before backward(): keep the schedule's aside
+            params = list(self._module.parameters())
+            loss = self._stash.capture(params, lambda: self._loss(args[0], train=True))
+        self._log("train_loss", loss, args[0])
+        return loss
+
+    def _eval_loss(self, name: str, batch: Any) -> Tensor:
+        loss = self._loss(batch, train=False)
+        self._log(name, loss, batch)
+        return loss
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._pipelined():
+            return super().validation_step(*args, **kwargs)
+        return self._eval_loss("val_loss", args[0])
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._pipelined():
+            return super().test_step(*args, **kwargs)
+        return self._eval_loss("test_loss", args[0])

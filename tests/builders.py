@@ -1,0 +1,116 @@
+"""The tests' tiny fusion models, built in one place.
+
+Every test that needs a CLIP-ViT + adapter + LLaMA fusion model small enough for CPU builds it
+here, from one of three presets, changing what it needs with ``<part>__<field>=value``
+(``part``: ``vision``, ``language`` or ``adapter``; a plain name changes a
+:class:`~lightning_mmpar.models.fusion.FusionConfig` field):
+
+* ``"recipe"``: the recipe tests' model (16 px images, 1 ViT layer, 2 joint-attention decoder
+  layers, adapter dropout 0: 8 pipeline blocks), the one the parity matrix, the fault, resume,
+  export and generation tests train (through :func:`tests.recipes.recipe_faults_worker.
+  tiny_module`) and the communication model's byte counts are pinned to;
+* ``"tp"``: head counts that split over tensor-parallel degrees 2 and 4 (8 query / 4 key-value
+  heads, 4 ViT and adapter heads), for the plan and RNG tests;
+* ``"hand"``: the smallest one (8 px images, width 8) whose block costs are counted by hand.
+
+    tiny_fusion_config("recipe", language__num_hidden_layers=1)
+    tiny_fusion_model("tp", adapter__num_blocks=2, adapter__dropout=0.5)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_mmpar.models.adapter import AdapterConfig
+from lightning_mmpar.models.fusion import FusionConfig, FusionModel
+from lightning_mmpar.models.language import LanguageConfig
+from lightning_mmpar.models.vision import VisionConfig
+
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "recipe": {
+        "vision": {
+            "image_size": 16,
+            "patch_size": 8,
+            "width": 32,
+            "layers": 1,
+            "heads": 2,
+            "output_dim": 16,
+        },
+        "language": {
+            "hidden_size": 32,
+            "intermediate_size": 48,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "joint_attention": True,
+        },
+        "adapter": {"heads": 2, "width": 32, "ffn_width": 48, "dropout": 0.0},
+        "fusion": {"contrastive_dim": 16},
+    },
+    "tp": {
+        "vision": {"image_size": 16, "patch_size": 4, "width": 32, "heads": 4, "mlp_ratio": 2.0},
+        "language": {
+            "vocab_size": 64,
+            "hidden_size": 32,
+            "intermediate_size": 48,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+        },
+        "adapter": {"heads": 4, "width": 16, "ffn_width": 24},
+        "fusion": {},
+    },
+    "hand": {
+        "vision": {
+            "image_size": 8,
+            "patch_size": 4,
+            "width": 8,
+            "layers": 1,
+            "heads": 2,
+            "mlp_ratio": 2.0,
+            "output_dim": 6,
+        },
+        "language": {
+            "vocab_size": 16,
+            "hidden_size": 8,
+            "intermediate_size": 12,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "joint_attention": True,
+        },
+        "adapter": {"heads": 2, "width": 8, "ffn_width": 12, "dropout": 0.0},
+        "fusion": {"contrastive_dim": 4},
+    },
+}
+"""Preset name -> keyword arguments of each part's config (``fusion``: of FusionConfig)."""
+
+PARTS = {"vision": VisionConfig, "language": LanguageConfig, "adapter": AdapterConfig}
+
+
+def tiny_fusion_config(preset: str = "recipe", **changes: Any) -> FusionConfig:
+    """The ``preset``'s :class:`FusionConfig` with ``changes`` applied.
+
+    Raises:
+        ValueError: an unknown preset, or a change naming no part (``<part>__<field>``).
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"preset={preset!r}: choose one of {sorted(PRESETS)}.")
+    kwargs = {part: dict(fields) for part, fields in PRESETS[preset].items()}
+    for key, value in changes.items():
+        part, _, name = key.rpartition("__")
+        if part and part not in PARTS:
+            raise ValueError(f"{key}=: the part before '__' must be one of {sorted(PARTS)}.")
+        kwargs[part or "fusion"][name] = value
+    parts = {part: cls(**kwargs[part]) for part, cls in PARTS.items()}
+    return FusionConfig(**parts, **kwargs["fusion"])
+
+
+def tiny_fusion_model(preset: str = "recipe", *, seed: int = 0, **changes: Any) -> FusionModel:
+    """A :class:`FusionModel` of :func:`tiny_fusion_config`, initialised after
+    ``torch.manual_seed(seed)``."""
+    config = tiny_fusion_config(preset, **changes)
+    torch.manual_seed(seed)
+    return FusionModel(config)
