@@ -254,11 +254,21 @@ def test_channels_route_separately() -> None:
     layer = make_layer()
     x, modality, pad = inputs()
     y = layer(x, modality, pad)
+    before = layer.route(x, modality, pad).decisions
     text = (modality == 0) & ~pad
     with torch.no_grad():
         layer.router_gate[1].mul_(-3.0)  # only the vision router changes
     y2 = layer(x, modality, pad)
-    torch.testing.assert_close(y2[text], y[text], rtol=0, atol=0)
+    after = layer.route(x, modality, pad).decisions
+    # The text tokens' routing is bitwise unchanged; their outputs equal to fp32 rounding (each
+    # expert's matmul now sees a different number of vision rows, so the BLAS blocking and the
+    # summation order may differ by an ulp).
+    for field in ("experts", "gates", "kept", "probs"):
+        torch.testing.assert_close(
+            getattr(after["text"], field), getattr(before["text"], field), rtol=0, atol=0
+        )
+    assert not torch.equal(after["vision"].probs, before["vision"].probs)
+    torch.testing.assert_close(y2[text], y[text], rtol=1e-6, atol=1e-6)
     assert not torch.allclose(y2[modality == 1], y[modality == 1])
     layer.zero_grad()
     layer(x, torch.zeros_like(modality), pad).sum().backward()  # text tokens only
