@@ -102,7 +102,7 @@ def run_one(
 
     name, strategy, vision = spec
     config = yaml.safe_load(YAML.read_text())
-    config["model"]["tensor_parallel"]["vision_parallel"] = vision
+    config["model"]["plan"]["vision_parallel"] = vision
     seed_everything(0, verbose=False)
     module, data = build_module(config, meta=False)
     n = MICRO_BATCHES[world]
