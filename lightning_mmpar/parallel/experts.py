@@ -305,6 +305,34 @@ def _mesh_1d(mesh: DeviceMesh) -> None:
         )
 
 
+def _checked_experts(
+    module: nn.Module, mesh: DeviceMesh, ep_size: int | None, weights: Sequence[str]
+) -> tuple[nn.Module, dict[str, nn.Parameter], int]:
+    """The checks of :func:`apply_expert_parallel` on its mesh and module: returns the module
+    holding the expert weights, the weights by name and ``E``; raises its ``ValueError``s."""
+    _mesh_1d(mesh)
+    size = mesh.size()
+    if ep_size is not None and ep_size != size:
+        raise ValueError(
+            f"ep_size ({ep_size}) differs from the ep mesh's size ({size}); pass the mesh of "
+            "the expert-parallel group or the matching ep_size."
+        )
+    if not hasattr(module, "expert_dispatch"):
+        raise ValueError(
+            f"module ({type(module).__name__}) has no expert_dispatch hook; pass an MoE layer "
+            "such as lightning_mmpar.models.MoEFeedForward."
+        )
+    fix = "apply expert parallelism once, to a module with full experts"
+    holder, params = _expert_weights(module, weights, "weights", fix)
+    counts = {name: p.shape[0] for name, p in params.items()}
+    if len(set(counts.values())) != 1:
+        raise ValueError(
+            f"expert weights disagree on the number of experts (dim 0): {counts}; stack "
+            "every expert weight as [E, ...]."
+        )
+    return holder, params, next(iter(counts.values()))
+
+
 def apply_expert_parallel(
     module: nn.Module,
     mesh: DeviceMesh,
@@ -344,28 +372,8 @@ def apply_expert_parallel(
     ``placement`` / ``locality_groups`` is invalid (:func:`placement_order`,
     :func:`locality_group_ranks`).
     """
-    _mesh_1d(mesh)
-    size = mesh.size()
-    if ep_size is not None and ep_size != size:
-        raise ValueError(
-            f"ep_size ({ep_size}) differs from the ep mesh's size ({size}); pass the mesh of "
-            "the expert-parallel group or the matching ep_size."
-        )
-    if not hasattr(module, "expert_dispatch"):
-        raise ValueError(
-            f"module ({type(module).__name__}) has no expert_dispatch hook; pass an MoE layer "
-            "such as lightning_mmpar.models.MoEFeedForward."
-        )
-    fix = "apply expert parallelism once, to a module with full experts"
-    holder, params = _expert_weights(module, weights, "weights", fix)
-    counts = {name: p.shape[0] for name, p in params.items()}
-    if len(set(counts.values())) != 1:
-        raise ValueError(
-            f"expert weights disagree on the number of experts (dim 0): {counts}; stack "
-            "every expert weight as [E, ...]."
-        )
-    num_experts = next(iter(counts.values()))
-    rank = mesh.get_local_rank()
+    holder, params, num_experts = _checked_experts(module, mesh, ep_size, weights)
+    size, rank = mesh.size(), mesh.get_local_rank()
     block = expert_parallel_block(num_experts, size, rank)
     if placement is not None and len(placement) != num_experts:
         raise ValueError(
