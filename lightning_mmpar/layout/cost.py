@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_mmpar.layout.comm import comm_profile
@@ -275,6 +275,8 @@ class Prediction:
     fits: bool
     reason: str = ""  # why it does not fit (empty when it does)
     placement: Any = None  # the rank order predicted (None: Megatron's)
+    breakdown: dict[str, float] = field(default_factory=dict)
+    """``step_seconds`` in parts that add up to it (:func:`step_breakdown`)."""
 
     @property
     def comm_total_bytes(self) -> int:
@@ -323,11 +325,12 @@ def predict(
     order = tuple(placement.devices) if placement is not None else tuple(range(world))
     bubble = bubble_fraction(layout.schedule, layout.pp, layout.virtual, layout.num_micro_batches)
     compute = compute_seconds(model, layout, device)
-    critical, exposed, busy, wire, memories = [], [], [], [], []
+    critical, exposed, busy, wire, memories, per_rank = [], [], [], [], [], []
     worst_bytes, worst_secs = dict[str, int](), dict[str, float]()
     for r in range(layout.pp):
         nbytes, calls, dispatched = comm_profile(model, layout, r)  # one count: hot path
         secs = _comm_seconds(graph, layout, order, r, nbytes, calls)
+        per_rank.append(secs)
         for key, n in nbytes.items():
             worst_bytes[key] = max(worst_bytes.get(key, 0), int(n))
         for dim, s in secs.items():
@@ -340,8 +343,9 @@ def predict(
         acts = activation_bytes(model, layout, r)
         memories.append(RankMemory(state.parameters, state.gradients, state.optimizer, acts, r))
     step = max(critical) / (1 - bubble) + max(exposed)
-    if device.shared > 1:  # ranks time-share cores: idle ranks lend theirs, busy ones share
-        step = max(step, device.shared * sum(busy) / len(busy) + max(wire))
+    r = critical.index(max(critical))
+    parts = step_breakdown(compute[r], busy[r], per_rank[r], bubble, max(exposed))
+    step = _shared_cores(device, step, busy, max(wire), parts)
     model_flops, peak = _rank_flops(model, layout)[2], device.peak(layout.precision)
     memory = max(memories, key=lambda m: m.total)
     limit = device.memory_gib if memory_gib is None else memory_gib
@@ -359,7 +363,38 @@ def predict(
         mfu=model_flops / (step * world * peak) if step > 0 else 0.0,
         fits=fits,
         reason=reason,
+        breakdown=parts,
     )
+
+
+def _shared_cores(
+    device: DeviceSpec, step: float, busy: list[float], wire: float, parts: dict[str, float]
+) -> float:
+    """Ranks time-sharing cores (``device.shared > 1``): idle ranks lend theirs, busy ones
+    share, so the step is at least ``shared x mean busy + wire``; the excess is recorded in
+    ``parts`` as ``cores shared by ranks``."""
+    if device.shared <= 1:
+        return step
+    shared = device.shared * sum(busy) / len(busy) + wire
+    if shared > step:
+        parts["cores shared by ranks"] = shared - step
+    return max(step, shared)
+
+
+def step_breakdown(
+    compute: float, busy: float, comm: dict[str, float], bubble: float, exposed: float
+) -> dict[str, float]:
+    """The parts of :func:`predict`'s step on the critical pipeline rank, in seconds: its
+    compute, kernel-launch overhead (``busy - compute``), its blocking tp / ep / pp
+    communication, the pipeline bubble (the critical path's ``bubble / (1 - bubble)``) and the
+    data-parallel communication left exposed (``exposed``); their sum is the step."""
+    parts = {"compute": compute, "launch overhead": busy - compute}
+    blocking = {d: comm.get(d, 0.0) for d in ("tp", "ep", "pp")}
+    parts.update({f"{d} communication": s for d, s in blocking.items()})
+    critical = busy + sum(blocking.values())
+    parts["pipeline bubble"] = critical * bubble / (1 - bubble)
+    parts["dp communication (exposed)"] = exposed
+    return parts
 
 
 def _comm_seconds(

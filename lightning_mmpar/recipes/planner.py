@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import math
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -30,12 +31,13 @@ import yaml
 
 from lightning_mmpar.layout import LayoutFacts, ParallelLayout
 from lightning_mmpar.layout.cost import DEVICES, GIB, DeviceSpec, Prediction, default_graph, predict
-from lightning_mmpar.layout.planner import Rejected, describe, plan, refusal
+from lightning_mmpar.layout.planner import Rejected, _predict, describe, plan, refusal
 from lightning_mmpar.parallel.activation import LAYERS
 from lightning_mmpar.plans.fusion import fusion_facts
 from lightning_mmpar.plans.fusion_cost import fusion_model_spec
 from lightning_mmpar.recipes.module import ClipLlamaModule
 from lightning_mmpar.recipes.partition import _strategy_args, build_module, data_args, load_recipe
+from lightning_mmpar.recipes.yaml_layout import report, yaml_layout
 from lightning_mmpar.strategy import MultimodalParallelStrategy
 
 __all__ = ["accept_layout", "fragment", "layout_facts", "main", "spec_cache"]
@@ -155,6 +157,18 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         help="samples per optimizer step (default: data.batch_size x the YAML's dp)",
     )
+    p.add_argument(
+        "--text-length",
+        type=int,
+        help="text tokens per sample the layouts are priced on (default: the YAML's "
+        "data.max_length; give your data's length for a real run)",
+    )
+    p.add_argument(
+        "--image-tokens",
+        type=int,
+        help="patch tokens per image (a square number; default: the YAML's ViT, "
+        "(image_size / patch_size)^2); the ViT's image_size is set to match",
+    )
     p.add_argument("--max-tp", type=int, default=8, help="largest tensor-parallel size")
     p.add_argument("--top", type=int, default=10, help="layouts shown")
     p.add_argument("--write-yaml", help="write the best layout's YAML fragment here")
@@ -229,6 +243,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
         ("--max-tp", args.max_tp),
         ("--top", args.top),
         ("--global-batch", args.global_batch),
+        ("--text-length", args.text_length),
+        ("--image-tokens", args.image_tokens),
     ):
         if value is not None and value < 1:
             raise ValueError(f"{flag} ({value}) must be >= 1.")
@@ -252,6 +268,7 @@ class _Planning:
     graph: Any
     place: Any
     topo: str
+    workload: str
 
 
 def _prepare(args: argparse.Namespace) -> _Planning:
@@ -261,8 +278,16 @@ def _prepare(args: argparse.Namespace) -> _Planning:
     device = DEVICES[args.device]
     precision = args.precision or str((config.get("trainer") or {}).get("precision", "32-true"))
     device.peak(precision)
+    config, image_note = _with_image_tokens(config, args.image_tokens)
     module, data = build_module(config)
-    text_length = int(data.max_length)
+    text_length = int(args.text_length or data.max_length)
+    text_note = "--text-length" if args.text_length else "the YAML's data.max_length"
+    vision = module.fusion_config.vision
+    patches = (vision.image_size // vision.patch_size) ** 2
+    workload = (
+        f"workload: {text_length} text tokens per sample ({text_note}), {patches} image tokens "
+        f"per image ({image_note}), 1 image per sample"
+    )
     part = _strategy_args(config).get("partition", "equal")
     base = ParallelLayout(
         precision=precision,
@@ -274,7 +299,33 @@ def _prepare(args: argparse.Namespace) -> _Planning:
     if args.topo:
         graph, place, topo = _topology(args.topo, args.gpus)
     model, facts = spec_cache(module, text_length), layout_facts(module, text_length)
-    return _Planning(config, module, device, precision, base, model, facts, graph, place, topo)
+    return _Planning(
+        config, module, device, precision, base, model, facts, graph, place, topo, workload
+    )
+
+
+def _with_image_tokens(config: dict[str, Any], tokens: int | None) -> tuple[dict[str, Any], str]:
+    """``config`` with the ViT's (and the data's) ``image_size`` giving ``tokens`` patches, and
+    where the count comes from. Raises ``ValueError`` when ``tokens`` is not a square."""
+    if tokens is None:
+        return config, "the YAML's ViT"
+    side = math.isqrt(tokens)
+    if side * side != tokens:
+        raise ValueError(
+            f"--image-tokens ({tokens}) must be a square number of patches (a ViT's grid), "
+            f"e.g. {side * side} or {(side + 1) ** 2}."
+        )
+    model = dict(config.get("model") or {})
+    fusion = dict(model.get("fusion") or {})
+    vision = dict(fusion.get("vision") or {})
+    size = side * int(vision.get("patch_size", 16))
+    vision["image_size"] = size
+    fusion["vision"], model["fusion"] = vision, fusion
+    data = dict(config.get("data") or {})
+    target = data.setdefault("init_args", {}) if "class_path" in data else data
+    if "image_size" in target or target is data:
+        target["image_size"] = size
+    return {**config, "model": model, "data": data}, f"--image-tokens: image_size {size}"
 
 
 def _rank(args: argparse.Namespace, run: _Planning) -> tuple[list[Prediction], list[Rejected]]:
@@ -312,7 +363,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"({run.precision}, {limit:g} GiB), {len(ranked)} layouts fit, best first:"
     )
     print(f"topology: {run.topo}")
+    print(run.workload)
     print(_table(ranked[: args.top]) if ranked else "no layout fits")
+    print("\n".join(_own_layout(args, run, ranked)))
     print("\n".join(_rejected(rejected, 8)))
     if not ranked:
         if args.write_yaml:
@@ -325,6 +378,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.write_yaml:
         Path(args.write_yaml).write_text(text)
     return 0
+
+
+def _own_layout(args: argparse.Namespace, run: _Planning, ranked: list[Prediction]) -> list[str]:
+    """Where the YAML's own layout ranks and why (:mod:`lightning_mmpar.recipes.yaml_layout`)."""
+    own = yaml_layout(run.config, run.base, args.gpus)
+
+    def price(layout: ParallelLayout) -> Prediction:
+        spec = run.model(layout)
+        return _predict(spec, layout, run.device, run.graph, args.memory_gib, run.place)
+
+    return report(own, ranked, price, run.facts, args.gpus)
 
 
 def _placement(args: argparse.Namespace, run: _Planning, best: Prediction) -> Any:

@@ -72,6 +72,34 @@ def test_plan_cpu_recipe_table_rejections_placement_and_yaml(
     ParallelConfig(**layout_args).check_batch_size(data.batch_size)
     # the global batch is the YAML's (72 per dp rank x dp 1): every layout keeps it
     assert data.batch_size * (4 // (tp * pp)) == 72
+    # the workload priced, and the YAML's own layout (tp 2 x pp 2) with its rank and the parts
+    # of its step next to the best's
+    assert lines[2].startswith("workload: 9 text tokens per sample (the YAML's data.max_length)")
+    own = next(i for i, ln in enumerate(lines) if ln.startswith("the YAML's layout: tp 2 pp 2"))
+    ranked = int(lines[0].split(" layouts fit")[0].rsplit(" ", 1)[1])
+    place, total = map(int, lines[own].split(": rank ")[1].split(",")[0].split(" of "))
+    assert 1 < place <= total and total in (ranked, ranked + 1)
+    assert lines[own + 1].startswith("  why (this layout vs the best, largest gap first):")
+    assert any(ln.startswith("  pipeline bubble: ") for ln in lines[own + 2 : own + 9])
+
+
+def test_workload_options_price_the_users_text_and_images(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--text-length and --image-tokens replace the YAML's caption length and ViT grid: the
+    workload line says so and the checks see them (sequence parallelism at tp 2 refuses an odd
+    text length: 9 tokens in the YAML, accepted at 10)."""
+    base = ["--config", CPU, "--gpus", "4", "--device", "cpu", "--top", "3"]
+    assert cli.main(base) == 0
+    before = capsys.readouterr().out
+    assert "shards the text (9 tokens)" in before
+    assert cli.main([*base, "--text-length", "10", "--image-tokens", "64"]) == 0
+    after = capsys.readouterr().out
+    assert (
+        "workload: 10 text tokens per sample (--text-length), 64 image tokens per image " in after
+    )
+    assert "(--image-tokens: image_size 64)" in after
+    assert "shards the text" not in after
 
 
 def test_plan_rejects_layouts_over_the_memory_limit_with_the_reason(
@@ -124,6 +152,11 @@ def test_plan_rejects_layouts_over_the_memory_limit_with_the_reason(
         (["--config", CPU, "--gpus", "4", "--max-tp", "0"], "--max-tp (0) must be >= 1"),
         (["--config", CPU, "--gpus", "4", "--top", "0"], "--top (0) must be >= 1"),
         (["--config", CPU, "--gpus", "4", "--global-batch", "-3"], "--global-batch (-3) must be"),
+        (["--config", CPU, "--gpus", "4", "--text-length", "0"], "--text-length (0) must be"),
+        (
+            ["--config", CPU, "--gpus", "4", "--image-tokens", "10"],
+            "--image-tokens (10) must be a square number of patches",
+        ),
         (["--config", "BAD_CONFIG", "--gpus", "4"], "BAD_CONFIG' is not valid YAML: while parsing"),
         (["--config", "BAD_TRAINER", "--gpus", "4"], "BAD_TRAINER': trainer (3) must be a mapping"),
         (

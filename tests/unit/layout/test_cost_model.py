@@ -221,3 +221,33 @@ def test_host_call_cost_and_shared_cores() -> None:
     wire = sum(costly.comm_seconds.values())
     busy = costly.step_seconds - wire
     assert shared.step_seconds == pytest.approx(2 * busy + wire)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"dp": 2},
+        {"tp": 2, "dp": 1},
+        {"pp": 2, "dp": 1, "micro_batches": 4, "micro_batch_size": 2},
+        {"pp": 2, "dp": 2, "micro_batches": 2, "data_parallel": "ddp"},
+    ],
+    ids=["dp2", "tp2", "pp2", "pp2 dp2 ddp"],
+)
+@pytest.mark.parametrize("device", ["h100", "cpu"])
+def test_breakdown_adds_up_to_the_step(kw: dict[str, Any], device: str) -> None:
+    """``Prediction.breakdown``: compute, launch overhead, blocking tp / ep / pp communication,
+    the bubble, exposed dp communication (and on time-shared cores the sharing) sum to the
+    predicted step; the bubble part is zero without a pipeline."""
+    from lightning_mmpar.layout.cost import predict
+    from lightning_mmpar.layout.model import Boundary, ModelSpec, ParamSpec
+
+    model = ModelSpec(
+        blocks=blocks(4).blocks,
+        params=tuple(ParamSpec(f"w{i}", (64, 64), i, 0, True) for i in range(4)),
+        boundaries=tuple((Boundary(600, True), Boundary(40, False)) for _ in range(4)),
+    )
+    got = predict(model, ParallelLayout(**kw), DEVICES[device])
+    assert sum(got.breakdown.values()) == pytest.approx(got.step_seconds, rel=1e-9)
+    assert all(v >= 0 for v in got.breakdown.values()), got.breakdown
+    assert (got.breakdown["pipeline bubble"] > 0) == (kw.get("pp", 1) > 1)
+    assert got.breakdown["compute"] == pytest.approx(got.compute_seconds)
