@@ -341,6 +341,11 @@ class FP8FallbackCallback(Callback):
                 out: Any = trainer.strategy.training_step(batch, idx)
                 loss: Tensor = out["loss"] if isinstance(out, dict) else out
                 trainer.strategy.backward(loss * scale, optimizer)
+            # token-sum losses (caption_loss under mm_parallel): divide by the step's tokens
+            if (
+                normalise := getattr(trainer.strategy, "normalise_token_gradients", None)
+            ) is not None:
+                normalise(optimizer)
         finally:
             pl_module._current_fx_name = previous_fx
             self._in_redo = False

@@ -1,5 +1,8 @@
 """Training losses: contrastive (gathered over a data-parallel group), MML, caption CE.
 
+The caption CE returns a :class:`TokenMean` (the token mean carrying its sum and token count),
+which ``mm_parallel`` normalises over the target tokens of the whole optimizer step.
+
 Each loss takes a process group, not a strategy, and reduces to its single-device formula when
 the group is ``None`` or has one rank.
 """
@@ -13,6 +16,7 @@ from lightning_mmpar.losses.contrastive import (
 )
 from lightning_mmpar.losses.gather import gather_no_grad, gather_sizes, gather_with_grad
 from lightning_mmpar.losses.mml import MML_KEY, MMLConfig, MMLLoss, kl_to_targets
+from lightning_mmpar.parallel.token_loss import TokenMean, token_mean
 
 __all__ = [
     "CONTRASTIVE_KEY",
@@ -22,6 +26,7 @@ __all__ = [
     "LogitScale",
     "MMLConfig",
     "MMLLoss",
+    "TokenMean",
     "caption_loss",
     "contrastive_logits",
     "gather_no_grad",
@@ -29,4 +34,5 @@ __all__ = [
     "gather_with_grad",
     "kl_to_targets",
     "plain_caption_loss",
+    "token_mean",
 ]

@@ -10,6 +10,12 @@ vocab-parallel cross-entropy
 (:func:`lightning_mmpar.parallel.numerics.vocab_parallel_cross_entropy`), which never
 materialises the full ``[B, T, V]`` logits on one rank and needs no context manager around the
 backward.
+
+Both return a :class:`~lightning_mmpar.parallel.token_loss.TokenMean`: the token mean, carrying
+its summed loss and its count of target tokens, so ``mm_parallel`` normalises a module's loss
+by the target tokens of the whole optimizer step (every micro-batch, accumulated batch and
+data-parallel rank: Megatron-core's per-token loss) when ``pipeline_loss`` or ``training_step``
+returns it unchanged.
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lightning_mmpar.parallel import comm
 from lightning_mmpar.parallel.numerics import vocab_parallel_cross_entropy
+from lightning_mmpar.parallel.token_loss import TokenMean, token_mean
 
 IGNORE_INDEX = -100
 """Target value that contributes nothing to the loss (torch's and Hugging Face's default)."""
@@ -36,21 +44,40 @@ def _shift(logits: Any, target_ids: torch.Tensor, shift: bool) -> tuple[Any, tor
     return logits[:, :-1], target_ids[:, 1:]
 
 
+def _with_tokens(
+    mean: torch.Tensor, logits: Any, targets: torch.Tensor, ignore_index: int
+) -> TokenMean:
+    """``mean`` as a :class:`TokenMean`: sum ``mean * n`` over ``n`` scored targets; with no
+    scored target the sum is a zero still on the graph (the mean itself is NaN there)."""
+    if hasattr(targets, "full_tensor"):  # a DTensor target (vocab_parallel_cross_entropy's)
+        targets = targets.full_tensor()
+    n = (targets != ignore_index).sum()
+    if int(n) == 0:
+        total = comm.to_local(logits).float().sum() * 0.0
+    else:
+        total = mean * n.to(mean.dtype)
+    return token_mean(total, n, mean=mean)
+
+
 def plain_caption_loss(
     logits: torch.Tensor,
     target_ids: torch.Tensor,
     *,
     ignore_index: int = IGNORE_INDEX,
     shift: bool = True,
-) -> torch.Tensor:
+) -> TokenMean:
     """Token-mean cross-entropy of ``[B, T, V]`` logits against ``[B, T]`` ids (float32 math).
 
     With ``shift`` (default) ``logits[:, t]`` is scored against ``target_ids[:, t + 1]``, so
-    ``target_ids`` is the caption itself (bos ... eos) with padding set to ``ignore_index``.
+    ``target_ids`` is the caption itself (bos ... eos) with padding, prompt, image-marker and
+    image positions set to ``ignore_index``. Returns a 0-dim
+    :class:`~lightning_mmpar.parallel.token_loss.TokenMean` (NaN mean, zero ``token_sum`` when
+    no target is scored).
     """
     logits, targets = _shift(logits, target_ids, shift)
     flat = logits.reshape(-1, logits.shape[-1]).float()
-    return F.cross_entropy(flat, targets.reshape(-1), ignore_index=ignore_index)
+    mean = F.cross_entropy(flat, targets.reshape(-1), ignore_index=ignore_index)
+    return _with_tokens(mean, logits, targets, ignore_index)
 
 
 def _check_vocab_sharded(logits: Any) -> None:
@@ -76,18 +103,22 @@ def caption_loss(
     loss_parallel: bool = False,
     ignore_index: int = IGNORE_INDEX,
     shift: bool = True,
-) -> torch.Tensor:
+) -> TokenMean:
     """Caption cross-entropy; vocab-parallel when ``loss_parallel`` (logits a sharded DTensor).
 
     ``logits [B, T, V]``, ``target_ids [B, T]`` (this rank's batch, global token ids). With
     ``loss_parallel=True`` the logits must be a DTensor sharded on the vocab dim (``Shard(2)``)
     over one mesh dim and replicated over any other; the result is a plain 0-d tensor, the same
     on every rank of the vocab group, and its backward (inside or outside any context, Lightning's
-    own ``backward`` included) gives each rank the gradient of its vocab shard. Raises
-    ``ValueError`` for mismatched shapes or, with ``loss_parallel=True``, other logits.
+    own ``backward`` included) gives each rank the gradient of its vocab shard. The result is a
+    :class:`~lightning_mmpar.parallel.token_loss.TokenMean` (the mean, with ``token_sum`` and
+    ``tokens``): returned from ``pipeline_loss`` or ``training_step`` under ``mm_parallel``, the
+    step's loss is the mean over all its target tokens. Raises ``ValueError`` for mismatched
+    shapes or, with ``loss_parallel=True``, other logits.
     """
     if not loss_parallel:
         return plain_caption_loss(logits, target_ids, ignore_index=ignore_index, shift=shift)
     _check_vocab_sharded(logits)
     logits, targets = _shift(logits, target_ids, shift)
-    return vocab_parallel_cross_entropy(logits, targets, ignore_index=ignore_index)
+    mean = vocab_parallel_cross_entropy(logits, targets, ignore_index=ignore_index)
+    return _with_tokens(mean, logits, targets, ignore_index)

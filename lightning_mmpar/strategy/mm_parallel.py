@@ -54,6 +54,7 @@ from lightning_mmpar.parallel.fsdp_options import MemoryOptions
 from lightning_mmpar.parallel.moe_state import set_aux_loss_scale
 from lightning_mmpar.parallel.parallelize import ParallelizeOptions, module_plan, parallelize
 from lightning_mmpar.parallel.pipeline import PipelineChunk, PipelineEngine
+from lightning_mmpar.parallel.token_loss import TokenCount
 from lightning_mmpar.precision.plugins import GlobalNormClipping, with_global_clipping
 from lightning_mmpar.strategy.checkpoint_hooks import ShardedCheckpointHooks
 from lightning_mmpar.strategy.gradient_stash import GradientStash
@@ -106,6 +107,13 @@ class MultimodalParallelStrategy(
     that implements ``PipelineModule`` has its steps run by the strategy (any pp, 1 included) and
     ``train_loss`` / ``val_loss`` / ``test_loss`` logged; any other module runs its own steps
     (pp must then be 1).
+
+    Loss normalisation: a ``pipeline_loss`` (or a ``training_step``) that returns a plain mean
+    gets the mean of (micro-)batch means; one that returns ``(sum, token count)`` or a
+    :class:`~lightning_mmpar.parallel.token_loss.TokenMean` (what
+    :func:`lightning_mmpar.losses.caption_loss` returns) gets the mean over every target token
+    of the optimizer step, across pipeline micro-batches, ``accumulate_grad_batches`` and the dp
+    ranks (:meth:`normalise_token_gradients`; Megatron-core's per-token loss).
     """
 
     strategy_name = "mm_parallel"
@@ -155,6 +163,7 @@ class MultimodalParallelStrategy(
         self._chunk: PipelineChunk | None = None
         self._grad_sync = GradientSync()  # gradients no FSDP unit reduces, after backward
         self._stash = GradientStash()  # the pipeline schedule's gradients until backward()
+        self._step_tokens = TokenCount()  # target tokens of the step's token losses
         mode = finite.check_mode(on_nonfinite)
         self.nonfinite = None if mode == "off" else finite.NonFiniteGuard(mode)
 
@@ -315,6 +324,37 @@ class MultimodalParallelStrategy(
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Lightning's step, with the step's token-sum gradients divided by its target tokens
+        right after the last backward (before the ``on_before_optimizer_step`` hooks, clipping
+        and the non-finite check)."""
+
+        def closure_then_normalise() -> Any:
+            out = closure()
+            self.normalise_token_gradients(optimizer)
+            return out
+
+        return super().optimizer_step(optimizer, closure_then_normalise, model, **kwargs)
+
+    def normalise_token_gradients(self, optimizer: Any) -> int | None:
+        """Turn the gradients of the step's summed token losses into those of its token mean.
+
+        Every gradient of ``optimizer``'s parameters is multiplied by ``A * M * dp / N``: ``A``
+        undoes Lightning's ``1 / accumulate_grad_batches``, ``M`` the pipeline's
+        ``1 / micro_batches``, ``dp`` the gradient average over data-parallel ranks, and ``N``
+        is the step's target tokens summed over batches, micro-batches and the dp group (one
+        all-reduce of a scalar; Megatron's ``finalize_model_grads`` with ``num_tokens``).
+        Returns ``N``, or ``None`` for a step of plain mean losses (nothing done). Called once
+        per optimizer step by :meth:`optimizer_step`; a callback that recomputes a step's
+        gradients calls it again afterwards. Collective over the dp group for token losses.
+        """
+        module = self._module
+        micro = self.pipeline.num_micro_batches if self.pipeline is not None else 1
+        scale = float(module.trainer.accumulate_grad_batches * micro * self.parallel_dims.dp)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        return self._step_tokens.finish(params, self.parallel_dims.get_group("dp"), scale)
 
     # save/load/remove: ShardedCheckpointHooks (DCP shards, guarded against non-finite weights)
     def _rank_layout(self) -> dict[str, int]:

@@ -6,7 +6,16 @@ strategy: through the pipeline schedule (``pp > 1``) or as one chunk of every bl
 ``PipelineModule`` runs its own steps (Lightning's). A pipelined training step keeps the
 schedule's gradients aside (:class:`~lightning_mmpar.strategy.gradient_stash.GradientStash`)
 until the strategy's ``backward``; every step logs ``train_loss`` / ``val_loss`` /
-``test_loss``, the per-sample mean over the data-parallel group (:meth:`PipelinedSteps._log`).
+``test_loss``, the per-sample mean over the data-parallel group (:meth:`PipelinedSteps._log`),
+or, for a ``pipeline_loss`` that returns ``(sum, token count)`` or a
+:class:`~lightning_mmpar.parallel.token_loss.TokenMean`, the mean over the batch's target tokens
+on every dp rank.
+
+Token losses, from a pipelined module or from any module's own ``training_step`` (a
+``TokenMean``, e.g. :func:`lightning_mmpar.losses.caption_loss`'s result, alone or as a dict's
+``"loss"``), are recorded in the strategy's
+:class:`~lightning_mmpar.parallel.token_loss.TokenCount` and back-propagated as sums; the
+strategy divides the gradients by the step's target tokens after the last backward.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from typing_extensions import override
 from lightning_mmpar.parallel import comm
 from lightning_mmpar.parallel.finite import NonFiniteGuard
 from lightning_mmpar.parallel.pipeline import PipelineChunk, PipelineEngine
+from lightning_mmpar.parallel.token_loss import TokenCount, TokenMean, as_token_mean
 from lightning_mmpar.strategy.gradient_stash import GradientStash
 from lightning_mmpar.topology import ParallelDims
 
@@ -35,6 +45,7 @@ class PipelinedSteps(Strategy):
     _chunk: PipelineChunk | None
     _stash: GradientStash
     nonfinite: NonFiniteGuard | None
+    _step_tokens: TokenCount
 
     @property
     def parallel_dims(self) -> ParallelDims:
@@ -56,20 +67,34 @@ class PipelinedSteps(Strategy):
             return self.pipeline.train_step(batch) if train else self.pipeline.eval_step(batch)
         assert self._chunk is not None
         inputs, target = module.pipeline_inputs(batch)
-        return module.pipeline_loss(self._chunk(*inputs), target)
+        return as_token_mean(module.pipeline_loss(self._chunk(*inputs), target))
 
     def _log(self, name: str, loss: Tensor, batch: Any) -> None:
         """Log the per-sample mean over the data-parallel group, weighted by samples.
 
         Each dp rank contributes ``(loss * B_r, B_r)``; the logged value is their ratio and its
         ``batch_size`` the global batch, so Lightning's epoch mean of validation/test losses is
-        the mean over samples, as on one process (not a mean of batch means).
+        the mean over samples, as on one process (not a mean of batch means). A
+        :class:`~lightning_mmpar.parallel.token_loss.TokenMean` contributes ``(sum, tokens)``
+        instead: the value is the token mean of the global batch, weighted by its tokens.
         """
-        samples = float(extract_batch_size(batch))
-        pair = torch.stack([loss.detach().float() * samples, loss.new_tensor(samples).float()])
+        if isinstance(loss, TokenMean):
+            pair = torch.stack([loss.token_sum.detach().double(), loss.tokens.double()])
+        else:
+            samples = float(extract_batch_size(batch))
+            pair = torch.stack([loss.detach().float() * samples, loss.new_tensor(samples).float()])
         pair = comm.all_reduce(pair, "sum", self.parallel_dims.get_group("dp"))
-        value = pair[0] / pair[1]
+        value = (pair[0] / pair[1].clamp(min=1)).float()
         self._module.log(name, value, prog_bar=True, batch_size=int(pair[1].item()))
+
+    def _backward_loss(self, out: Any) -> Any:
+        """A training step's result with a token loss replaced by its sum (recorded for the
+        step's normalisation); unchanged under manual optimisation."""
+        if not self._module.automatic_optimization:
+            return out
+        if isinstance(out, dict) and isinstance(out.get("loss"), Tensor):
+            return {**out, "loss": self._step_tokens.add(out["loss"])}
+        return self._step_tokens.add(out) if isinstance(out, Tensor) else out
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -77,14 +102,14 @@ class PipelinedSteps(Strategy):
             idx = args[1] if len(args) > 1 else self._module.trainer.fit_loop.batch_idx
             self.nonfinite.observe_batch(args[0], idx)
         if not self._pipelined():
-            return super().training_step(*args, **kwargs)
+            return self._backward_loss(super().training_step(*args, **kwargs))
         if self.pipeline is None:
             loss = self._loss(args[0], train=True)
         else:  # Lightning zeroes gradients before backward(): keep the schedule's aside
             params = list(self._module.parameters())
             loss = self._stash.capture(params, lambda: self._loss(args[0], train=True))
         self._log("train_loss", loss, args[0])
-        return loss
+        return self._backward_loss(loss)
 
     def _eval_loss(self, name: str, batch: Any) -> Tensor:
         loss = self._loss(batch, train=False)

@@ -41,6 +41,7 @@ from lightning_mmpar.parallel.pipeline.schedules import (
     partition,
 )
 from lightning_mmpar.parallel.pipeline.steps import PipelineChunk, PipelineSteps
+from lightning_mmpar.parallel.token_loss import TokenMean, as_token_mean, token_mean
 
 __all__ = [
     "PipelineChunk",
@@ -64,8 +65,12 @@ class PipelineModule(Protocol):
         """Split a batch into the first block's positional inputs and the loss target."""
         ...
 
-    def pipeline_loss(self, output: Any, target: Any) -> Tensor:
-        """Mean loss of one (micro-)batch from the last block's output."""
+    def pipeline_loss(self, output: Any, target: Any) -> Tensor | tuple[Tensor, Tensor]:
+        """Loss of one (micro-)batch from the last block's output: its mean (a 0-dim tensor),
+        or its summed token loss and count of target tokens, as a ``(sum, count)`` pair or a
+        :class:`~lightning_mmpar.parallel.token_loss.TokenMean` (what
+        :func:`lightning_mmpar.losses.caption_loss` returns). ``mm_parallel`` averages means
+        over micro-batches, and divides sums by the target tokens of the whole step."""
         ...
 
 
@@ -77,7 +82,10 @@ class PipelineEngine:
     """This rank's stages and schedule for one :class:`PipelineModule`.
 
     Gradients are scaled by ``1 / micro_batches`` (``scale_grads``), so with a ``pipeline_loss``
-    that averages over its micro-batch the gradients equal the full batch's mean loss. A
+    that averages over its micro-batch the gradients equal the mean of micro-batch means; one
+    that returns ``(sum, count)`` (or a :class:`~lightning_mmpar.parallel.token_loss.TokenMean`)
+    back-propagates the sums, and the step returns the batch's token mean as a ``TokenMean``
+    (the strategy then divides the gradients by the step's target tokens). A
     :class:`~lightning_mmpar.parallel.gradient_cache.BatchLossModule` whose
     ``pipeline_batch_coupled()`` is true trains by the gradient cache (a forward-only pass, the
     coupled term on the whole batch, then the schedule with surrogate losses); its evaluation
@@ -148,6 +156,7 @@ class PipelineEngine:
         self._grads: list[tuple[Tensor | None, ...]] = []
         self._cached: list[gc.Features] = []
         self._batch_loss: Tensor | None = None
+        self._tokens: list[Tensor] = []  # target tokens of each token-sum micro-batch loss
         self.cache_drift = torch.zeros(())
         """Largest ``|f_pass2 - f_pass1|`` of the last gradient-cache step (0: same features)."""
 
@@ -279,8 +288,7 @@ class PipelineEngine:
         ``eval`` micro loss and features; ``cached`` micro loss + gradient-cache surrogate."""
         module: Any = self.module
         if self._mode == "plain":
-            loss: Tensor = module.pipeline_loss(output, target)
-            return loss
+            return self._micro_loss(module.pipeline_loss(output, target))
         features = module.pipeline_features(output, target)
         if self._mode == "collect":
             self._features.append(tuple(f.detach() for f in features))
@@ -297,6 +305,15 @@ class PipelineEngine:
         assert self._batch_loss is not None
         scale = float(self.config.num_micro_batches)  # cancels the schedule's 1 / M
         return loss + gc.surrogate(features, grads, scale) + self._batch_loss
+
+    def _micro_loss(self, loss: Any) -> Tensor:
+        """What the schedule back-propagates for one ``pipeline_loss`` result: a mean as it is,
+        a token loss's sum (its count kept for :meth:`_broadcast_loss`)."""
+        loss = as_token_mean(loss)
+        if not isinstance(loss, TokenMean):
+            return loss
+        self._tokens.append(loss.tokens.detach())
+        return loss.token_sum
 
     def run_in_order(
         self, first: tuple[Tensor, ...], run: ps.StageRun | None = None
@@ -321,8 +338,12 @@ class PipelineEngine:
         losses = []
         if out is not None:
             module: Any = self.module
-            losses.append(module.pipeline_loss(out[0] if len(out) == 1 else out, target))
-        return self._broadcast_loss(losses)
+            loss = module.pipeline_loss(out[0] if len(out) == 1 else out, target)
+            losses.append(self._micro_loss(loss))
+        try:
+            return self._broadcast_loss(losses)
+        finally:
+            self._tokens = []
 
     def _run(self, batch: Any, train: bool) -> Tensor:
         inputs, target = self.module.pipeline_inputs(batch)  # type: ignore[attr-defined]
@@ -353,7 +374,10 @@ class PipelineEngine:
             self.rng.stop()
             self._mode, self._features, self._grads = "plain", [], []
             self._cached, self._batch_loss = [], None
-        return self._broadcast_loss(losses, extra)
+        try:
+            return self._broadcast_loss(losses, extra)
+        finally:
+            self._tokens = []
 
     def _cache_pass(self, schedule: Any, args: Any, target: Any) -> None:
         """Gradient cache, steps 1 and 2: a forward-only pass recording the RNG state of every
@@ -381,11 +405,28 @@ class PipelineEngine:
         return self._run(batch, train=False)
 
     def _broadcast_loss(self, losses: list[Tensor], extra: Tensor | None = None) -> Tensor:
+        """The last stage's loss of the batch on every pp rank: the mean of micro-batch means,
+        or, for token losses, a :class:`TokenMean` (summed loss over target tokens)."""
         device = self.device
+        packed = torch.zeros(3, dtype=torch.float64, device=device)  # loss, token sum, tokens
+        packed[2] = -1.0  # plain means
         if self.has_last:
-            loss = torch.stack([x.detach().float() for x in losses]).mean().to(device)
-            if extra is not None:
-                loss = loss + extra.detach().float().to(device)
-        else:
-            loss = torch.zeros((), device=device)
-        return comm.broadcast(loss, src=self.last_rank, group=self.group)
+            stacked = torch.stack([x.detach().float() for x in losses]).to(device)
+            if self._tokens:
+                if len(self._tokens) != len(losses):
+                    raise ValueError(
+                        "pipeline_loss returned a plain mean for some micro-batches and a "
+                        "(sum, token count) for others; return the same kind for every one."
+                    )
+                packed[1] = stacked.sum()
+                packed[2] = torch.stack(self._tokens).sum().to(device)
+            else:
+                loss = stacked.mean()
+                if extra is not None:
+                    loss = loss + extra.detach().float().to(device)
+                packed[0] = loss
+        packed = comm.broadcast(packed, src=self.last_rank, group=self.group)
+        if packed[2] < 0:
+            return packed[0].float()
+        mean = (packed[1] / packed[2].clamp(min=1)).float()
+        return token_mean(packed[1].float(), packed[2].long(), mean=mean)

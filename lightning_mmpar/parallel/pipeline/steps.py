@@ -9,6 +9,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from lightning_mmpar.parallel.token_loss import as_token_mean
+
 __all__ = ["PipelineChunk", "PipelineSteps"]
 
 
@@ -38,13 +40,16 @@ class PipelineSteps:
 
     Mix in before ``LightningModule``. Each step runs the blocks in order on the whole batch and
     logs ``train_loss`` / ``val_loss`` / ``test_loss``; under ``mm_parallel`` the strategy runs
-    the same computation through its pipeline schedule instead and logs the same names.
+    the same computation through its pipeline schedule instead and logs the same names. A
+    ``(sum, token count)`` from ``pipeline_loss`` becomes this batch's token mean here (a
+    :class:`~lightning_mmpar.parallel.token_loss.TokenMean`); only ``mm_parallel`` normalises it
+    over the whole step's tokens (under other strategies each batch and rank weighs the same).
     """
 
     def _pipeline_step(self, name: str, batch: Any) -> Tensor:
         inputs, target = self.pipeline_inputs(batch)  # type: ignore[attr-defined]
         chunk = PipelineChunk(self.pipeline_blocks())  # type: ignore[attr-defined]
-        loss: Tensor = self.pipeline_loss(chunk(*inputs), target)  # type: ignore[attr-defined]
+        loss = as_token_mean(self.pipeline_loss(chunk(*inputs), target))  # type: ignore[attr-defined]
         self.log(f"{name}_loss", loss, prog_bar=True, sync_dist=True)  # type: ignore[attr-defined]
         return loss
 
