@@ -164,6 +164,7 @@ class MultimodalParallelStrategy(
         self._grad_sync = GradientSync()  # gradients no FSDP unit reduces, after backward
         self._stash = GradientStash()  # the pipeline schedule's gradients until backward()
         self._step_tokens = TokenCount()  # target tokens of the step's token losses
+        self._warned_aux = False
         mode = finite.check_mode(on_nonfinite)
         self.nonfinite = None if mode == "off" else finite.NonFiniteGuard(mode)
 
@@ -354,7 +355,17 @@ class MultimodalParallelStrategy(
         micro = self.pipeline.num_micro_batches if self.pipeline is not None else 1
         scale = float(module.trainer.accumulate_grad_batches * micro * self.parallel_dims.dp)
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        return self._step_tokens.finish(params, self.parallel_dims.get_group("dp"), scale)
+        total = self._step_tokens.finish(params, self.parallel_dims.get_group("dp"), scale)
+        if total is not None and not self._warned_aux:
+            self._warned_aux = True
+            if any(hasattr(m, "aux_loss_scale") for m in module.modules()):
+                rank_zero_warn(
+                    "a token loss (caption_loss or (sum, count)) with MoE layers: their aux-loss "
+                    "gradients are divided by the step's target tokens too (as under "
+                    "Megatron's calculate_per_token_loss); raise the aux-loss weight to match, "
+                    "or return a plain mean loss."
+                )
+        return total
 
     # save/load/remove: ShardedCheckpointHooks (DCP shards, guarded against non-finite weights)
     def _rank_layout(self) -> dict[str, int]:
