@@ -327,6 +327,11 @@ class MultimodalParallelStrategy(
         return closure_loss
 
     @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._step_tokens.reset()  # nothing left over from an interrupted fit
+
+    @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """Lightning's step, with the step's token-sum gradients divided by its target tokens
         right after the last backward (before the ``on_before_optimizer_step`` hooks, clipping
