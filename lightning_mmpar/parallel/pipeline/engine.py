@@ -348,6 +348,7 @@ class PipelineEngine:
     def _run(self, batch: Any, train: bool) -> Tensor:
         inputs, target = self.module.pipeline_inputs(batch)  # type: ignore[attr-defined]
         n = self.config.num_micro_batches
+        self._tokens = []  # nothing left from a step that raised
         if not train and any(int(t.shape[0]) % n for t in inputs):
             return self._eval_in_order(tuple(inputs), target)
         args = inputs if self.has_first else ()
