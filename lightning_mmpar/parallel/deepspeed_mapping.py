@@ -36,6 +36,8 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from lightning_mmpar.layout import ParallelLayout
+
 __all__ = [
     "MM_PARALLEL_KEYS",
     "ZERO3_NOTE",
@@ -121,6 +123,10 @@ class DeepSpeedPlan:
     """Samples per batch and per data-parallel rank (``train_micro_batch_size_per_gpu``)."""
     unmapped: list[str] = field(default_factory=list)
     """One message per key that is unknown, or known to DeepSpeed but without effect here."""
+    info: list[str] = field(default_factory=list)
+    """Info lines for the user: the batch under pipeline parallelism (micro-batches of
+    ``train_micro_batch_size_per_gpu``), a ZeRO stage that shards nothing (data-parallel size
+    1)."""
 
 
 def closest(key: str, known: frozenset[str] | set[str]) -> str:
@@ -277,7 +283,8 @@ def _engine(stage: int | None, layout: dict[str, Any]) -> Engine:
 
 
 def _trainer_kwargs(config: dict[str, Any], steps: int | None) -> dict[str, Any]:
-    """``accumulate_grad_batches``, ``gradient_clip_val`` and ``precision`` the JSON sets."""
+    """``accumulate_grad_batches`` (``steps``), ``gradient_clip_val`` and ``precision`` the
+    JSON sets."""
     trainer: dict[str, Any] = {}
     if steps is not None:
         trainer["accumulate_grad_batches"] = steps
@@ -331,23 +338,87 @@ def map_deepspeed_config(
         )
     tp = tp or given
     engine = _engine(stage, {**layout, "tensor_parallel": tp})
-    model_size = tp * layout.get("pipeline_parallel", 1)
-    dp = world_size // model_size if world_size and world_size % model_size == 0 else None
-    micro, steps = resolve_batch(config, dp, accumulation)
+    pp = layout.get("pipeline_parallel", 1)
+    dp = world_size // (tp * pp) if world_size and world_size % (tp * pp) == 0 else None
+    batch = _batch_plan(config, {**layout, "tensor_parallel": tp}, dp, accumulation)
     plan = DeepSpeedPlan(
         engine=engine,
         zero_stage=stage,
-        trainer_kwargs=_trainer_kwargs(config, steps),
-        batch_size=micro,
+        trainer_kwargs=_trainer_kwargs(config, batch.get("accumulate_grad_batches")),
+        batch_size=batch.get("batch_size"),
         unmapped=_unmapped(config, engine, handled),
+        info=_info(stage, dp, world_size, tp, pp, batch.get("info")),
     )
     if engine == "deepspeed":
         engine_json = {k: v for k, v in config.items() if k not in LIGHTNING_REFUSES}
-        if micro is not None:
-            engine_json["train_micro_batch_size_per_gpu"] = micro
+        if plan.batch_size is not None:
+            engine_json["train_micro_batch_size_per_gpu"] = plan.batch_size
         plan.strategy_kwargs = {"config": engine_json}
         return plan
     data_parallel = {3: "fsdp", 0: "ddp", None: base_dp or "ddp"}[stage]
     plan.strategy_kwargs = {**layout, "tensor_parallel": tp, "data_parallel": data_parallel}
+    if "micro_batches" in batch:
+        plan.strategy_kwargs["micro_batches"] = batch["micro_batches"]
     plan.note = ZERO3_NOTE if stage == 3 else None
     return plan
+
+
+def _batch_plan(
+    config: dict[str, Any], layout: dict[str, Any], dp: int | None, accumulation: int
+) -> dict[str, Any]:
+    """``batch_size`` (per dp rank and batch), ``accumulate_grad_batches``, ``micro_batches``
+    (pipeline) and an ``info`` line, as far as the JSON sets them.
+
+    DeepSpeed's meaning on both engines: ``train_micro_batch_size_per_gpu`` samples per
+    micro-batch, ``gradient_accumulation_steps`` micro-batches per optimizer step. Without
+    pipeline parallelism a micro-batch is one Lightning batch and the steps are Lightning's
+    accumulation. Under pipeline parallelism (DeepSpeed's ``PipelineEngine.train_batch``: one
+    flush of ``gradient_accumulation_steps`` micro-batches per step) the steps are the pipeline's
+    ``micro_batches``, a batch holds ``micro * steps`` samples and nothing is accumulated on top;
+    a JSON without steps keeps the layout's micro-batches (its default: ``pipeline_parallel``).
+    """
+    pp = layout.get("pipeline_parallel", 1)
+    if pp == 1:
+        micro, steps = resolve_batch(config, dp, accumulation)
+        out: dict[str, Any] = {"batch_size": micro, "accumulate_grad_batches": steps}
+        return {k: v for k, v in out.items() if v is not None}
+    current = ParallelLayout(
+        pp=pp,
+        virtual=layout.get("virtual_pipeline", 1),
+        micro_batches=layout.get("micro_batches"),
+        schedule=layout.get("schedule", "1f1b"),
+    ).num_micro_batches
+    micro, steps = resolve_batch(config, dp, current)
+    if micro is None and steps is None:
+        return {}
+    n = steps or current
+    out = {"micro_batches": n} if steps is not None else {}
+    out |= {"accumulate_grad_batches": 1} if steps is not None else {}
+    out |= {"batch_size": micro * n} if micro is not None else {}
+    size = f"{micro}" if micro is not None else "data.batch_size / micro_batches"
+    out["info"] = (
+        f"pipeline parallelism (pp {pp}): a step runs {n} micro-batches of {size} samples per "
+        "data-parallel rank and one pipeline flush, as DeepSpeed's PipelineEngine does "
+        "(train_micro_batch_size_per_gpu = the micro-batch, gradient_accumulation_steps = the "
+        "micro-batches per step): " + ", ".join(f"{k}={v}" for k, v in out.items() if k != "info")
+    )
+    return out
+
+
+def _info(
+    stage: int | None, dp: int | None, world: int | None, tp: int, pp: int, batch: str | None
+) -> list[str]:
+    """Info lines: a ZeRO stage that shards nothing (a data-parallel size of 1), the pipeline's
+    batch (``batch``)."""
+    info = [batch] if batch else []
+    if stage in (1, 2, 3) and dp == 1:
+        what = {1: "optimizer state", 2: "optimizer state and gradients"}.get(
+            stage, "parameters, gradients and optimizer state"
+        )
+        engine = "FSDP2" if stage == 3 else "DeepSpeed's engine"
+        info.append(
+            f"zero_optimization.stage {stage} shards nothing here: the data-parallel size is 1 "
+            f"({world} processes / (tp {tp} x pp {pp})), so {engine} keeps the whole "
+            f"{what} on every rank; add processes (trainer.devices x num_nodes) to shard it."
+        )
+    return info

@@ -50,6 +50,7 @@ from jsonargparse import Namespace
 from jsonargparse._common import debug_mode_active
 from lightning.pytorch import LightningDataModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from torch.utils.data import DataLoader
@@ -59,6 +60,7 @@ from lightning_mmpar.data.digits import DigitsCaptions
 from lightning_mmpar.data.transforms import ImagePreprocess
 from lightning_mmpar.parallel.deepspeed_mapping import DeepSpeedPlan
 from lightning_mmpar.recipes.deepspeed_cli import apply_deepspeed_json, strategy_from_deepspeed
+from lightning_mmpar.recipes.megatron_cli import add_megatron_flags, apply_megatron_flags
 from lightning_mmpar.recipes.module import ClipLlamaModule
 from lightning_mmpar.recipes.preflight import preflight
 from lightning_mmpar.recipes.resume import AUTO, auto_ckpt_path
@@ -200,12 +202,23 @@ class ClipLlamaCLI(LightningCLI):
         )
         parser.add_argument(
             "--deepspeed",
-            type=str | None,
+            nargs="?",
+            const=True,
+            type=str | bool | None,
             default=None,
             help="DeepSpeed JSON: zero_optimization.stage 1/2 -> DeepSpeed engine, 3 -> FSDP2; "
             "tensor_parallel.tp_size -> tensor_parallel; accumulation, clipping, fp16/bf16, "
-            "batch sizes, optimizer/scheduler -> Trainer, data and model.optim.",
+            "batch sizes, optimizer/scheduler -> Trainer, data and model.optim. Megatron-"
+            "DeepSpeed's spelling, --deepspeed --deepspeed_config <json>, works too.",
         )
+        parser.add_argument(
+            "--deepspeed_config",
+            "--deepspeed-config",
+            type=str | None,
+            default=None,
+            help="The DeepSpeed JSON (Megatron-DeepSpeed's name for --deepspeed <json>).",
+        )
+        add_megatron_flags(parser)
         parser.add_argument(
             "--precision.fp8",
             type=FP8Training | None,
@@ -227,16 +240,21 @@ class ClipLlamaCLI(LightningCLI):
         (:func:`link_vision_preprocess`)."""
         cfg = self.config[self.subcommand] if self.subcommand else self.config
         link_vision_preprocess(cfg)
-        path = cfg.get("deepspeed")
-        if path:
-            ds = _read_deepspeed_json(Path(path))
-            strict = bool(cfg.get("deepspeed_strict"))
-            self._deepspeed_plan = apply_deepspeed_json(cfg, ds, strict=strict)
+        with _setup_errors():  # nothing printed before a refusal: the lines come at the end
+            lines, fixed = apply_megatron_flags(cfg)
+            path = deepspeed_path(cfg.get("deepspeed"), cfg.get("deepspeed_config"))
+            if path:
+                ds = _read_deepspeed_json(Path(path))
+                strict = bool(cfg.get("deepspeed_strict"))
+                plan = apply_deepspeed_json(cfg, ds, strict=strict, fixed=fixed, info=lines)
+                self._deepspeed_plan = plan
+        for line in lines:
+            rank_zero_info(f"[lightning_mmpar] {line}")
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         trainer_config = self._get(self.config_init, "trainer", default={})
         _share_cpu_threads(trainer_config)
-        if self._deepspeed_plan is not None:
+        if self._deepspeed_plan is not None and self._deepspeed_plan.engine == "deepspeed":
             kwargs["strategy"] = strategy_from_deepspeed(self._deepspeed_plan)
         trainer = super().instantiate_trainer(**kwargs)
         fp8 = self._get(self.config_init, "precision.fp8")
@@ -313,6 +331,28 @@ def data_vocab_size(data: Any) -> int:
     return size
 
 
+def deepspeed_path(deepspeed: str | bool | None, deepspeed_config: str | None) -> str | None:
+    """The DeepSpeed JSON of ``--deepspeed <json>`` or of Megatron-DeepSpeed's
+    ``--deepspeed --deepspeed_config <json>`` (``--deepspeed_config`` alone also applies it).
+
+    Raises:
+        ValueError: a bare ``--deepspeed`` without ``--deepspeed_config``, or two different
+            files.
+    """
+    path = deepspeed if isinstance(deepspeed, str) else None
+    if path and deepspeed_config and path != deepspeed_config:
+        raise ValueError(
+            f"--deepspeed {path!r} and --deepspeed_config {deepspeed_config!r} name two JSONs; "
+            "give one."
+        )
+    if deepspeed is True and not deepspeed_config:
+        raise ValueError(
+            "--deepspeed without a JSON: pass --deepspeed ds_config.json (or Megatron-"
+            "DeepSpeed's --deepspeed --deepspeed_config ds_config.json)."
+        )
+    return path or deepspeed_config
+
+
 def _read_deepspeed_json(path: Path) -> Any:
     """The parsed ``--deepspeed`` file.
 
@@ -378,6 +418,6 @@ def main(args: list[str] | None = None) -> None:
             raise
         argv = sys.argv[1:] if args is None else args
         sub = next((a for a in argv if not a.startswith("-")), "")
-        print(f"{' '.join(['clip_llama', sub]).strip()}: error: {err}", file=sys.stderr)
-        print("(LIGHTNING_MMPAR_TRACEBACK=1 shows the traceback)", file=sys.stderr)
+        hint = "(LIGHTNING_MMPAR_TRACEBACK=1 shows the traceback)"
+        print(f"{' '.join(['clip_llama', sub]).strip()}: error: {err} {hint}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -10,7 +10,9 @@ warning, or in one ``ValueError`` with ``strict``.
 
 from __future__ import annotations
 
+import inspect
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -18,11 +20,11 @@ from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_mmpar.parallel.deepspeed_mapping import (
-    MM_PARALLEL_KEYS,
     DeepSpeedPlan,
     map_deepspeed_config,
 )
 from lightning_mmpar.parallel.deepspeed_strategy import CPUCapableDeepSpeedStrategy
+from lightning_mmpar.recipes.strategy_args import mm_parallel_args, strategy_layout, world_size
 from lightning_mmpar.strategy import MultimodalParallelStrategy
 
 __all__ = ["apply_deepspeed_json", "optim_from_deepspeed", "strategy_from_deepspeed"]
@@ -74,20 +76,6 @@ def optim_from_deepspeed(config: dict[str, Any]) -> tuple[dict[str, Any], list[s
     return optim, notes
 
 
-def _layout(strategy: Any) -> dict[str, Any]:
-    """``mm_parallel`` arguments of a strategy given as an instance or a parsed config."""
-    if isinstance(strategy, MultimodalParallelStrategy):
-        c = strategy.config
-        return {k: getattr(c, k) for k in (*MM_PARALLEL_KEYS, "data_parallel")}
-    path = getattr(strategy, "class_path", None) or (
-        strategy.get("class_path") if isinstance(strategy, dict) else None
-    )
-    if path and path.endswith("MultimodalParallelStrategy"):
-        args = strategy["init_args"]
-        return dict(args.as_dict() if hasattr(args, "as_dict") else args)
-    return {"data_parallel": "fsdp"} if strategy == "mm_parallel" else {}  # its default
-
-
 def strategy_from_deepspeed(
     config: dict[str, Any] | DeepSpeedPlan, *, base: Any = None
 ) -> Strategy:
@@ -102,10 +90,12 @@ def strategy_from_deepspeed(
             ZeRO-1/2 with model parallelism, a contradicting ``tp_size``).
     """
     plan = config
-    if not isinstance(plan, DeepSpeedPlan):
-        plan = map_deepspeed_config(plan, layout=_layout(base))
-    if plan.note:
-        rank_zero_info(f"[lightning_mmpar] {plan.note}")
+    if not isinstance(plan, DeepSpeedPlan):  # mapped here: its note and info lines said here
+        plan = map_deepspeed_config(plan, layout=strategy_layout(base))
+        for line in [plan.note] if plan.note else []:
+            rank_zero_info(f"[lightning_mmpar] {line}")
+        for line in plan.info:
+            rank_zero_info(f"[lightning_mmpar] {line}")
     if plan.engine == "deepspeed":
         if not torch.cuda.is_available():  # DeepSpeed reads it when first imported
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -113,44 +103,119 @@ def strategy_from_deepspeed(
     return MultimodalParallelStrategy(**plan.strategy_kwargs)
 
 
-def _world_size(trainer: Any) -> int | None:
-    """``devices * num_nodes`` of a parsed Trainer config (``None``: ``auto`` / -1 on GPU)."""
-    devices, nodes = trainer.get("devices", "auto"), trainer.get("num_nodes", 1) or 1
-    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
-        devices = int(devices)
-    if isinstance(devices, list | tuple):
-        devices = len(devices)
-    if devices in ("auto", -1) and trainer.get("accelerator") == "cpu":
-        devices = 1
-    return devices * nodes if isinstance(devices, int) and devices > 0 else None
+TRAINER_SOURCES = {
+    "accumulate_grad_batches": "gradient_accumulation_steps",
+    "gradient_clip_val": "gradient_clipping",
+    "precision": "fp16/bf16",
+}
+"""Trainer argument -> the DeepSpeed key it comes from (in the info lines)."""
+STRATEGY_DEFAULTS = {
+    name: p.default
+    for name, p in inspect.signature(MultimodalParallelStrategy.__init__).parameters.items()
+    if p.default is not inspect.Parameter.empty
+}
 
 
-def _set(cfg: Any, key: str, value: Any, source: str) -> None:
-    old = cfg.get(key)
-    if old is not None and old != value:
-        rank_zero_info(
-            f"[lightning_mmpar] DeepSpeed JSON {source} ({value!r}) replaces {key} ({old!r})"
-        )
-    cfg[key] = value
+def _changes(
+    cfg: Any, plan: DeepSpeedPlan, config: dict[str, Any], optim: dict[str, Any]
+) -> list[tuple[str, Any, str]]:
+    """``(config key, value, JSON key)`` of every non-strategy value the JSON sets."""
+    out = [(f"trainer.{k}", v, TRAINER_SOURCES[k]) for k, v in plan.trainer_kwargs.items()]
+    if plan.batch_size is not None:
+        data = "data.init_args" if cfg.get("data.init_args") is not None else "data"  # subclass
+        source = "train_micro_batch_size_per_gpu"
+        if plan.batch_size != config.get(source):  # pipeline: micro x micro-batches
+            source += " x the micro-batches per step"
+        out.append((f"{data}.batch_size", plan.batch_size, source))
+    out += [(f"model.optim.{k}", v, f"optimizer/scheduler {k}") for k, v in optim.items()]
+    return out
+
+
+def _strategy_sources(plan: DeepSpeedPlan) -> dict[str, str]:
+    stage = plan.zero_stage
+    return {
+        "tensor_parallel": "tensor_parallel.tp_size",
+        "data_parallel": "no zero_optimization.stage"
+        if stage is None
+        else f"zero_optimization.stage {stage}",
+        "micro_batches": "gradient_accumulation_steps",
+    }
+
+
+def _check_agrees(
+    cfg: Any, plan: DeepSpeedPlan, changes: list[tuple[str, Any, str]], fixed: Mapping[str, str]
+) -> None:
+    """Refuse a JSON value that contradicts one a command-line flag set (``fixed``: config key
+    -> flag)."""
+    sources = _strategy_sources(plan)
+    strategy = [
+        (f"trainer.strategy.init_args.{k}", v, sources.get(k, k))
+        for k, v in plan.strategy_kwargs.items()
+        if plan.engine == "mm_parallel"
+    ]
+    for key, value, source in [*strategy, *changes]:
+        if key in fixed and cfg.get(key) != value:
+            raise ValueError(
+                f"{fixed[key]} sets {key}={cfg.get(key)!r} but the DeepSpeed JSON's {source} "
+                f"gives {value!r}; make them agree or drop one."
+            )
+
+
+def _apply_strategy(cfg: Any, plan: DeepSpeedPlan) -> list[str]:
+    """Write the plan's strategy into ``cfg`` (``mm_parallel``: its arguments, every other one
+    the YAML gives kept); info lines for each value it replaces."""
+    stage = f"zero_optimization.stage {plan.zero_stage}"
+    if plan.engine == "deepspeed":
+        old = cfg.get("trainer.strategy")
+        name = getattr(old, "class_path", None) or old
+        return [
+            f"DeepSpeed JSON {stage} replaces trainer.strategy ({name!r}) by DeepSpeed's "
+            "engine (CPUCapableDeepSpeedStrategy)"
+        ]
+    args, converted = mm_parallel_args(cfg, "--deepspeed", replace=True)
+    lines = [f"DeepSpeed JSON: {converted}"] if converted else []
+    sources = _strategy_sources(plan)
+    for key, value in plan.strategy_kwargs.items():
+        old = args.get(key, STRATEGY_DEFAULTS.get(key))
+        if old != value:
+            lines.append(
+                f"DeepSpeed JSON {sources.get(key, key)} ({value!r}) replaces "
+                f"trainer.strategy.init_args.{key} ({old!r})"
+            )
+        args[key] = value
+    return lines
 
 
 def apply_deepspeed_json(
-    cfg: Any, config: dict[str, Any], *, strict: bool = False
+    cfg: Any,
+    config: dict[str, Any],
+    *,
+    strict: bool = False,
+    fixed: Mapping[str, str] | None = None,
+    info: list[str] | None = None,
 ) -> DeepSpeedPlan:
     """Apply a DeepSpeed JSON to the CLI's parsed config ``cfg`` (a jsonargparse ``Namespace``
     with ``trainer``, ``data``, ``model``) in place, before the classes are instantiated (so the
-    saved ``config.yaml`` shows the values that run); returns the plan whose strategy
-    :func:`strategy_from_deepspeed` builds.
+    saved ``config.yaml`` shows the values that run); returns the plan. An ``mm_parallel``
+    plan's arguments are written into ``trainer.strategy`` (the YAML's other arguments kept;
+    the name ``mm_parallel``, no strategy or another strategy becomes its ``class_path``
+    section); DeepSpeed's engine is built by :func:`strategy_from_deepspeed` from the plan.
+
+    Every value the JSON replaces is said in an info line (``DeepSpeed JSON <key> (<new>)
+    replaces <option> (<old>)``), as are the plan's ``note`` and ``info``; lines go to ``info``
+    when a list is given, else to ``rank_zero_info``. Unknown or unmapped keys are warned about.
 
     Raises:
-        ValueError: what :func:`map_deepspeed_config` refuses, and with ``strict`` every unknown
-            or unmapped key (all named, with the closest known key).
+        ValueError: what :func:`map_deepspeed_config` refuses; with ``strict`` every unknown
+            or unmapped key (all named, with the closest known key); a value that contradicts
+            one a command-line flag set (``fixed``: config key -> flag, e.g. Megatron-LM's
+            ``--micro-batch-size``). Nothing is changed or printed then.
     """
     trainer = cfg["trainer"]
     plan = map_deepspeed_config(
         config,
-        layout=_layout(trainer.get("strategy")),
-        world_size=_world_size(trainer),
+        layout=strategy_layout(trainer.get("strategy")),
+        world_size=world_size(trainer),
         accumulation=trainer.get("accumulate_grad_batches") or 1,
         handled=frozenset(("optimizer", "scheduler")),
     )
@@ -162,19 +227,21 @@ def apply_deepspeed_json(
             + "; ".join(notes)
             + ". Remove or fix them, or drop --deepspeed_strict to warn only."
         )
+    changes = _changes(cfg, plan, config, optim)
+    _check_agrees(cfg, plan, changes, fixed or {})
     for note in notes:
         end = "" if note.endswith("?") else "."
         rank_zero_warn(f"[lightning_mmpar] DeepSpeed JSON: {note}{end}")
-    names = {
-        "accumulate_grad_batches": "gradient_accumulation_steps",
-        "gradient_clip_val": "gradient_clipping",
-        "precision": "fp16/bf16",
-    }
-    for key, value in plan.trainer_kwargs.items():
-        _set(cfg, f"trainer.{key}", value, names[key])
-    if plan.batch_size is not None:
-        data = "data.init_args" if cfg.get("data.init_args") is not None else "data"  # subclass
-        _set(cfg, f"{data}.batch_size", plan.batch_size, "train_micro_batch_size_per_gpu")
-    for key, value in optim.items():
-        _set(cfg, f"model.optim.{key}", value, f"optimizer/scheduler {key}")
+    lines = _apply_strategy(cfg, plan)
+    for key, value, source in changes:
+        old = cfg.get(key)
+        if old is not None and old != value:
+            lines.append(f"DeepSpeed JSON {source} ({value!r}) replaces {key} ({old!r})")
+        cfg[key] = value
+    lines += [plan.note] if plan.note else []
+    lines += plan.info
+    if info is not None:
+        info += lines
+    for line in lines if info is None else ():
+        rank_zero_info(f"[lightning_mmpar] {line}")
     return plan
