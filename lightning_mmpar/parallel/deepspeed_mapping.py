@@ -13,7 +13,8 @@ The mapping (:func:`map_deepspeed_config`, a pure function) of ``zero_optimizati
 DeepSpeed's own engine (Lightning's ``DeepSpeedStrategy`` with the JSON as its config, its
 CUDA-only check lifted for CPU: :mod:`lightning_mmpar.parallel.deepspeed_strategy`), no tensor
 or pipeline parallelism; 3 -> ``mm_parallel`` with ``data_parallel="fsdp"`` (FSDP2 plays
-ZeRO-3), a note is logged.
+ZeRO-3), a note is logged. A ZeRO stage over a data-parallel size of 1 shards nothing: an info
+line (:attr:`DeepSpeedPlan.info`) says so.
 
 On every engine (DeepSpeed's `config-json <https://www.deepspeed.ai/docs/config-json/>`_ keys):
 ``gradient_accumulation_steps`` -> ``Trainer(accumulate_grad_batches)``, ``gradient_clipping``
@@ -21,7 +22,12 @@ On every engine (DeepSpeed's `config-json <https://www.deepspeed.ai/docs/config-
 ``16-mixed``, ``32-true`` when a section says ``enabled: false``),
 ``train_micro_batch_size_per_gpu`` -> the per-data-parallel-rank batch size, and
 ``train_batch_size`` checked (or the missing one of the three derived) as DeepSpeed does:
-``train_batch_size = micro * accumulation * data-parallel size``.
+``train_batch_size = micro * accumulation * data-parallel size``. Under pipeline parallelism the
+keys mean what DeepSpeed's ``PipelineEngine`` makes them mean: ``train_micro_batch_size_per_gpu``
+is one pipeline micro-batch and ``gradient_accumulation_steps`` the micro-batches of one
+optimizer step (one pipeline flush): ``micro_batches = steps``, a batch of ``micro * steps``
+samples per data-parallel rank, ``accumulate_grad_batches = 1`` (a JSON without the steps keeps
+the layout's micro-batches).
 ``tensor_parallel.tp_size`` (or ``autotp_size``) becomes ``tensor_parallel``. Keys Lightning
 refuses in the engine's JSON (``gradient_accumulation_steps``: it takes it from the Trainer)
 are dropped from the engine's JSON (``strategy_kwargs["config"]``). Every other key is reported in
@@ -316,7 +322,8 @@ def map_deepspeed_config(
             a tensor_parallel > 1; ``data_parallel`` is kept when the JSON gives no ZeRO stage.
         world_size: processes (``devices * num_nodes``): the data-parallel size of the
             ``train_batch_size`` rule is ``world_size / (tp * pp)``; ``None`` skips that rule.
-        accumulation: the Trainer's ``accumulate_grad_batches``, used when the JSON has none.
+        accumulation: the Trainer's ``accumulate_grad_batches``, used when the JSON has none
+            (under pipeline parallelism the layout's micro-batches stand in instead).
         handled: top-level keys the caller maps itself (the recipe: ``optimizer``,
             ``scheduler``), not reported as unmapped.
 

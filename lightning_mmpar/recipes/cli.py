@@ -6,13 +6,15 @@
 without it, :class:`RecipeDigitsCaptions`, whose arguments a bare ``data:`` section holds. The
 data's ``vocab_size`` becomes ``model.vocab_size``.
 
-``--deepspeed ds_config.json`` replaces ``trainer.strategy`` by what
-:func:`lightning_mmpar.recipes.deepspeed_cli.strategy_from_deepspeed` maps the JSON to (DeepSpeed's
-engine for ZeRO-1/2, ``mm_parallel`` with FSDP2 for ZeRO-3), keeping the sizes of an
-``mm_parallel`` strategy given in the YAML, and sets the Trainer's accumulation, clipping and
-precision, the data's batch size and ``model.optim`` from the JSON
-(:func:`~lightning_mmpar.recipes.deepspeed_cli.apply_deepspeed_json`); unknown or unmapped keys warn
-(``--deepspeed_strict true``: one ``ValueError``). Before ``fit``/``validate``/``test``/
+Megatron-LM's flags (``--tensor-model-parallel-size 2``, ``--micro-batch-size``, ...) set the
+options they mean (:mod:`lightning_mmpar.recipes.megatron_cli`), one printed line each.
+``--deepspeed ds_config.json`` (or Megatron-DeepSpeed's ``--deepspeed --deepspeed_config
+ds_config.json``) maps the JSON (DeepSpeed's engine for ZeRO-1/2, ``mm_parallel`` with FSDP2 for
+ZeRO-3, whose arguments are written into ``trainer.strategy``, the YAML's others kept) and sets
+the Trainer's accumulation, clipping and precision, the data's batch size and ``model.optim``
+from it (:func:`~lightning_mmpar.recipes.deepspeed_cli.apply_deepspeed_json`); every value it
+replaces is said in one line; unknown or unmapped keys warn (``--deepspeed_strict true``: one
+``ValueError``). Before ``fit``/``validate``/``test``/
 ``predict`` launch any process, :func:`lightning_mmpar.recipes.preflight.preflight` checks the
 layout against the model and the data, in the main process, once.
 
@@ -23,8 +25,8 @@ arguments to ``trainer.callbacks``: FP8 linear layers, the BF16 fallback and the
 Bad input ends as a command-line error (``<prog>: error: ...`` on stderr, exit status 2), not a
 traceback: an option or YAML key the parser does not know (with the closest known names:
 "did you mean --trainer.max_steps?"), and a ``ValueError`` / ``FileNotFoundError`` /
-``MisconfigurationException`` raised while the classes are built or by the preflight checks
-(layout vs model and data, the checkpoint).
+``MisconfigurationException`` raised while the flags and the JSON are mapped, the classes are
+built or by the preflight checks (layout vs model and data, the checkpoint): one line.
 ``LIGHTNING_MMPAR_TRACEBACK=1`` re-raises those with their traceback.
 """
 
@@ -235,9 +237,11 @@ class ClipLlamaCLI(LightningCLI):
         )
 
     def before_instantiate_classes(self) -> None:
-        """Apply ``--deepspeed`` to the parsed config, so the classes are built with its values,
-        and preprocess images as the pretrained vision tower expects
-        (:func:`link_vision_preprocess`)."""
+        """Apply the Megatron-LM flags (:func:`~lightning_mmpar.recipes.megatron_cli.
+        apply_megatron_flags`), then ``--deepspeed`` to the parsed config, so the classes are
+        built with their values, and preprocess images as the pretrained vision tower expects
+        (:func:`link_vision_preprocess`). The mapping's lines are printed once (rank 0), after
+        every check passed; a refusal is a set-up error (:func:`main`: one line, exit 2)."""
         cfg = self.config[self.subcommand] if self.subcommand else self.config
         link_vision_preprocess(cfg)
         with _setup_errors():  # nothing printed before a refusal: the lines come at the end
@@ -250,6 +254,11 @@ class ClipLlamaCLI(LightningCLI):
                 self._deepspeed_plan = plan
         for line in lines:
             rank_zero_info(f"[lightning_mmpar] {line}")
+        super()._set_seed()
+
+    def _set_seed(self) -> None:
+        """Deferred to the end of :meth:`before_instantiate_classes`: a refusal of the
+        Megatron-LM flags or the DeepSpeed JSON is then the only line printed."""
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         trainer_config = self._get(self.config_init, "trainer", default={})

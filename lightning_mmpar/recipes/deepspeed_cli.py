@@ -121,10 +121,17 @@ def _changes(
 ) -> list[tuple[str, Any, str]]:
     """``(config key, value, JSON key)`` of every non-strategy value the JSON sets."""
     out = [(f"trainer.{k}", v, TRAINER_SOURCES[k]) for k, v in plan.trainer_kwargs.items()]
+    steps = config.get("gradient_accumulation_steps")
+    if steps is not None and plan.trainer_kwargs.get("accumulate_grad_batches") == 1 != steps:
+        key = "trainer.accumulate_grad_batches"
+        out[0] = (key, 1, f"gradient_accumulation_steps {steps} = the pipeline's micro-batches")
+        # (under pipeline parallelism nothing is accumulated on top of the micro-batches)
     if plan.batch_size is not None:
         data = "data.init_args" if cfg.get("data.init_args") is not None else "data"  # subclass
         source = "train_micro_batch_size_per_gpu"
-        if plan.batch_size != config.get(source):  # pipeline: micro x micro-batches
+        if source not in config:  # derived from train_batch_size
+            source = "train_batch_size / (gradient_accumulation_steps x data-parallel size)"
+        elif plan.batch_size != config[source]:  # pipeline: micro x micro-batches
             source += " x the micro-batches per step"
         out.append((f"{data}.batch_size", plan.batch_size, source))
     out += [(f"model.optim.{k}", v, f"optimizer/scheduler {k}") for k, v in optim.items()]

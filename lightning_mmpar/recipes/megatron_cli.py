@@ -85,6 +85,11 @@ FLAGS: dict[str, tuple[str, str]] = {
 """Python name -> (the option it sets, the ``--help`` text)."""
 
 
+NO_PIPELINE: dict[str, Any] = {"micro_batches": None, "virtual_pipeline": 1, "schedule": "1f1b"}
+"""The pipeline options ``--pipeline-model-parallel-size 1`` resets (they cannot act without a
+pipeline; Megatron-LM's micro-batches are then accumulated batches)."""
+
+
 def flag(name: str) -> str:
     """``--tensor-model-parallel-size`` for ``tensor_model_parallel_size``."""
     return "--" + name.replace("_", "-")
@@ -234,8 +239,11 @@ def map_megatron_flags(
         value = _positive(flags, name)
         if value is not None:
             option = FLAGS[name][0]
-            layout[option] = value
-            out.append(FlagMapping(f"{flag(name)} {value}", {option: value}))
+            values = {option: value}
+            if option == "pipeline_parallel" and value == 1:  # no pipeline: its options go
+                values |= {k: v for k, v in NO_PIPELINE.items() if layout.get(k, v) != v}
+            layout |= values
+            out.append(FlagMapping(f"{flag(name)} {value}", values))
     n = _positive(flags, "num_layers_per_virtual_pipeline_stage")
     if n is not None:
         out.append(_virtual(n, layout, num_layers))

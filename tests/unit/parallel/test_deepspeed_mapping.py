@@ -240,12 +240,62 @@ def test_cli_applies_the_json_and_strict_refuses(
     with caplog.at_level(logging.INFO), pytest.warns(UserWarning, match="did you mean 'zero_opt"):
         cli = run_cli(args)
     t = cli.trainer
-    assert (t.accumulate_grad_batches, t.gradient_clip_val, t.precision) == (2, 0.5, "bf16-mixed")
-    assert cli.datamodule.batch_size == 36 and cli.model.optim.lr == 0.002
+    # the YAML is pp 2: as in DeepSpeed's PipelineEngine, one step is one pipeline flush of
+    # gradient_accumulation_steps (2) micro-batches of train_micro_batch_size_per_gpu (36)
+    # samples, nothing accumulated on top (it was 2 micro-batches of 18, two flushes a step)
+    assert (t.accumulate_grad_batches, t.gradient_clip_val, t.precision) == (1, 0.5, "bf16-mixed")
+    assert t.strategy.config.micro_batches == 2 and t.strategy.config.num_micro_batches == 2
+    assert cli.datamodule.batch_size == 72 and cli.model.optim.lr == 0.002
     assert t.strategy.config.data_parallel == "fsdp"  # the YAML's: the JSON gives no stage
+    assert "timeout" in cli.config["fit"]["trainer"]["strategy"]["init_args"]  # YAML's kept
     assert (
-        "gradient_accumulation_steps (2) replaces trainer.accumulate_grad_batches (3)"
-        in caplog.text
+        "gradient_accumulation_steps 2 = the pipeline's micro-batches (1) replaces "
+        "trainer.accumulate_grad_batches (3)" in caplog.text
     )
+    assert "a step runs 2 micro-batches of 36 samples per data-parallel rank" in caplog.text
     with pytest.raises(ValueError, match=r"--deepspeed_strict.*'zero_optimisation'; did you mean"):
         run_cli([*args, "--deepspeed_strict", "true"])
+
+
+# ------------------------------------------------------- issue 31: DeepSpeed's meaning under pp
+def test_pipeline_micro_batch_is_deepspeeds_and_a_zero_stage_sharding_nothing_is_said() -> None:
+    """Under pipeline parallelism, as in DeepSpeed's PipelineEngine: a micro-batch holds
+    ``train_micro_batch_size_per_gpu`` samples and a step flushes ``gradient_accumulation_steps``
+    micro-batches once (before: micro 24 became 2 micro-batches of 12, two flushes a step)."""
+    config = {
+        "train_micro_batch_size_per_gpu": 24,
+        "gradient_accumulation_steps": 3,
+        "train_batch_size": 144,
+        "zero_optimization": {"stage": 3},
+    }
+    layout = {"tensor_parallel": 2, "pipeline_parallel": 2, "micro_batches": 2}
+    plan = map_deepspeed_config(config, layout=layout, world_size=8)  # dp 2: 24 x 3 x 2 = 144
+    assert plan.batch_size == 72 and plan.strategy_kwargs["micro_batches"] == 3
+    assert plan.trainer_kwargs == {"accumulate_grad_batches": 1}
+    assert plan.info == [
+        "pipeline parallelism (pp 2): a step runs 3 micro-batches of 24 samples per "
+        "data-parallel rank and one pipeline flush, as DeepSpeed's PipelineEngine does "
+        "(train_micro_batch_size_per_gpu = the micro-batch, gradient_accumulation_steps = the "
+        "micro-batches per step): micro_batches=3, accumulate_grad_batches=1, batch_size=72"
+    ]
+    # without the steps: the layout's micro-batches (here the default, pp) hold 24 each
+    plan = map_deepspeed_config(
+        {"train_micro_batch_size_per_gpu": 24}, layout=layout | {"micro_batches": None}
+    )
+    assert plan.batch_size == 48 and plan.strategy_kwargs["micro_batches"] is None
+    assert "accumulate_grad_batches" not in plan.trainer_kwargs
+    # pp 1 keeps Lightning's accumulation
+    plan = map_deepspeed_config(config, layout={"tensor_parallel": 2}, world_size=4)
+    assert (plan.batch_size, plan.trainer_kwargs["accumulate_grad_batches"]) == (24, 3)
+    # a ZeRO stage over a data-parallel size of 1 shards nothing: said, once
+    for stage, layout, world in (
+        (3, {"tensor_parallel": 2, "pipeline_parallel": 2}, 4),
+        (1, {}, 1),
+    ):
+        plan = map_deepspeed_config(
+            {"zero_optimization": {"stage": stage}}, layout=layout, world_size=world
+        )
+        said = [line for line in plan.info if "shards nothing" in line]
+        assert len(said) == 1 and f"zero_optimization.stage {stage} shards nothing here" in said[0]
+    plan = map_deepspeed_config({"zero_optimization": {"stage": 3}}, world_size=2)
+    assert plan.info == []
