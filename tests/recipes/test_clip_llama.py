@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from lightning_mmpar.recipes.cli import main
-from lightning_mmpar.testing import spawn
+from lightning_mmpar.testing import free_port, spawn
 from tests.recipes import cli_worker
 from tests.recipes import deepspeed_worker as dsw
 
@@ -39,17 +39,21 @@ FIT_STEPS = 8
 docs/results.md reports them."""
 
 
-def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def _cli(
+    *args: str, timeout: float = 300, returncode: int = 0, launcher: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
+    """``python [launcher] -m lightning_mmpar.recipes.clip_llama args``, which must exit with
+    ``returncode``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(
-        [sys.executable, "-m", "lightning_mmpar.recipes.clip_llama", *args],
+        [sys.executable, *launcher, "-m", "lightning_mmpar.recipes.clip_llama", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=timeout,
         env=env,
     )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.returncode == returncode, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc
 
 
@@ -138,6 +142,48 @@ def test_tp2_pp2_fit_then_predict_on_another_layout(tmp_path: Path) -> None:
     assert abs(at_tp2 - greedy) <= 1 / 72 + 1e-9, (at_tp2, greedy)
 
 
+def test_megatron_launch_line_runs_under_torchrun(tmp_path: Path) -> None:
+    """The brief's launch line scaled down: ``torchrun --nproc_per_node 4 -m
+    lightning_mmpar.recipes.clip_llama fit --config recipes/clip_llama_cpu.yaml
+    --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2``, 2 steps, no evaluation:
+    exit 0, the mapping printed once (rank 0 of 4 processes that each parse the flags)."""
+    short = _overrides(
+        tmp_path,
+        "short",
+        {
+            "max_steps": 2,
+            "limit_val_batches": 0,
+            "logger": False,
+            "enable_checkpointing": False,
+            "enable_progress_bar": False,
+            "callbacks": None,
+            "default_root_dir": str(tmp_path),
+        },
+    )
+    torchrun = ("-m", "torch.distributed.run", "--nproc_per_node", "4")
+    proc = _cli(
+        "fit",
+        "--config",
+        str(CPU_YAML),
+        "--config",
+        short,
+        "--tensor-model-parallel-size",
+        "2",
+        "--pipeline-model-parallel-size",
+        "2",
+        launcher=(*torchrun, "--master_port", str(free_port())),
+    )
+    out = proc.stdout + proc.stderr
+    for line in (
+        "[lightning_mmpar] --tensor-model-parallel-size 2 -> "
+        "trainer.strategy.init_args.tensor_parallel=2\n",
+        "[lightning_mmpar] --pipeline-model-parallel-size 2 -> "
+        "trainer.strategy.init_args.pipeline_parallel=2\n",
+    ):
+        assert out.count(line) == 1, out[-3000:]
+    assert "`Trainer.fit` stopped: `max_steps=2` reached" in out, out[-3000:]
+
+
 def _deepspeed_commands(tmp_path: Path) -> dict[str, list[str]]:
     """``ds3``: a ZeRO-3 JSON (mapped to mm_parallel / FSDP2), 2 steps; ``ds1``: ZeRO-1 on
     DeepSpeed's engine, the fusion model (0-dim logit scale included), 3 steps."""
@@ -185,6 +231,15 @@ def deepspeed_world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_deepspeed_zero3_json_runs_as_fsdp2(deepspeed_world: dict[str, Any]) -> None:
     run = deepspeed_world["ds3"]
     assert "ZeRO-3 is mapped to FSDP2" in run["printed"], run["printed"][-2000:]
+    # every value the JSON replaces is said, and that ZeRO-3 over dp 1 shards nothing
+    assert (
+        "DeepSpeed JSON tensor_parallel.tp_size (2) replaces "
+        "trainer.strategy.init_args.tensor_parallel (1)" in run["printed"]
+    )
+    assert (
+        "zero_optimization.stage 3 shards nothing here: the data-parallel size is 1"
+        in (run["printed"])
+    )
     assert run["strategy"] == "MultimodalParallelStrategy" and run["steps"] == 2, run
 
 
@@ -198,15 +253,17 @@ def test_recipe_trains_under_deepspeed_zero1_on_cpu(deepspeed_world: dict[str, A
 
 
 def test_deepspeed_bad_json_is_refused(tmp_path: Path) -> None:
-    """ZeRO-2 (DeepSpeed's engine) with tensor parallelism: refused before any process starts
-    (the CLI's ``main`` in this process; run as a command, it exits non-zero with this error)."""
+    """ZeRO-1 (DeepSpeed's engine) with the YAML's tp 2 x pp 2: refused before any process
+    starts, as documented: one line on stderr, exit status 2 (it was a traceback, exit 1)."""
     ds = tmp_path / "ds.json"
-    ds.write_text(
-        json.dumps({"zero_optimization": {"stage": 2}, "tensor_parallel": {"tp_size": 2}})
-    )
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 1}}))
     args = ["fit", "--config", str(CPU_YAML), "--deepspeed", str(ds), "--trainer.max_steps", "1"]
-    with pytest.raises(ValueError, match=r"zero_optimization\.stage 2 runs on DeepSpeed's engine"):
-        main(args)
+    proc = _cli(*args, returncode=2)
+    assert proc.stdout == "" and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith(
+        "clip_llama fit: error: zero_optimization.stage 1 runs on DeepSpeed's engine, which "
+        "lightning_mmpar does not combine with {'tensor_parallel': 2, 'pipeline_parallel': 2}"
+    ), proc.stderr
 
 
 @pytest.mark.parametrize("stage", [1, 2])
