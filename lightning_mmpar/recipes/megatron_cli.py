@@ -57,7 +57,8 @@ class MegatronFlags:
     @classmethod
     def from_config(cls, cfg: Any) -> MegatronFlags:
         """The flags in a parsed config (the CLI stores them under their Python names)."""
-        return cls(**{f.name: cfg.get(f.name) or f.default for f in dataclasses.fields(cls)})
+        given: dict[str, Any] = {f.name: cfg.get(f.name) for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in given.items() if v is not None})
 
     @property
     def given(self) -> bool:
@@ -199,6 +200,7 @@ def _batch(
                 f"data-parallel size ({dp}) = {m * dp} (Megatron-LM's rule); e.g. {m * dp * n}."
             )
         n = g // (m * dp)
+    assert m is not None  # given, or derived from the global batch
     values: dict[str, Any] = {"batch_size": m * n if pipeline else m}
     if g is not None:
         values |= {"micro_batches": n, "accumulate_grad_batches": 1} if pipeline else {}

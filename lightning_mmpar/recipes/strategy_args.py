@@ -23,6 +23,16 @@ __all__ = [
 
 MM_PARALLEL_CLASS = "lightning_mmpar.strategy.MultimodalParallelStrategy"
 """``class_path`` of the strategy in a recipe YAML."""
+LAYOUT_KEYS = (
+    "tensor_parallel",
+    "pipeline_parallel",
+    "expert_parallel",
+    "virtual_pipeline",
+    "micro_batches",
+    "schedule",
+    "data_parallel",
+)
+"""The layout arguments of ``mm_parallel`` the CLI's translations read and write."""
 PLAIN = (None, "auto", "mm_parallel")
 """Strategy values that become ``mm_parallel`` arguments: the registered name, and no strategy
 (Lightning's ``auto``)."""
@@ -46,9 +56,7 @@ def strategy_layout(strategy: Any) -> dict[str, Any]:
     ``fsdp``); ``{}`` for any other strategy."""
     config = getattr(strategy, "config", None)
     if config is not None and type(strategy).__name__ == "MultimodalParallelStrategy":
-        keys = ("tensor_parallel", "pipeline_parallel", "expert_parallel", "virtual_pipeline")
-        keys += ("micro_batches", "schedule", "data_parallel")
-        return {k: getattr(config, k) for k in keys}
+        return {k: getattr(config, k) for k in LAYOUT_KEYS}
     if _class_path(strategy) and is_mm_parallel(strategy):
         args = strategy["init_args"] or {}
         return {"data_parallel": "fsdp"} | dict(
