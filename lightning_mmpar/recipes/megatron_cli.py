@@ -25,7 +25,9 @@ printed once (rank 0), one line per flag. The flags mean what they mean in Megat
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from lightning_mmpar.layout import ParallelLayout
@@ -98,7 +100,9 @@ def flag(name: str) -> str:
 
 def add_megatron_flags(parser: Any) -> None:
     """Add the flags of :data:`FLAGS` to a (jsonargparse) parser, in their own help group."""
-    group = parser.add_argument_group("Megatron-LM flags (mapped onto the options; docs/cli.md)")
+    group = parser.add_argument_group(
+        "Megatron-LM flags (mapped onto the options; docs/recipe_config.md)"
+    )
     for name, (option, text) in FLAGS.items():
         if name == "sequence_parallel":
             group.add_argument(flag(name), action="store_true", help=f"-> model.plan.{option}")
@@ -262,12 +266,12 @@ STRATEGY_OPTIONS = frozenset(
 
 
 def _num_layers(cfg: Any) -> int | None:
-    """The decoder's layers: the pretrained decoder's ``config.json``, else the YAML's."""
+    """The decoder's layers: the pretrained decoder's ``config.json`` (a transformers Llama
+    directory), else the YAML's ``model.fusion.language.num_hidden_layers``."""
     path = cfg.get("model.pretrained.language")
-    if path:
-        from lightning_mmpar.recipes.pretrained_files import transformers_llama
-
-        return transformers_llama(path)[0].num_hidden_layers
+    config = Path(path) / "config.json" if path else None
+    if config is not None and config.is_file():  # else the model's own check names the path
+        return json.loads(config.read_text()).get("num_hidden_layers")
     return cfg.get("model.fusion.language.num_hidden_layers")
 
 

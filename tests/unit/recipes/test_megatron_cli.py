@@ -122,6 +122,35 @@ def test_batch_flags_are_micro_times_dp_times_micro_batches() -> None:
     }
 
 
+def test_apply_reads_the_layers_and_refuses_another_strategy(tmp_path: Path) -> None:
+    """The virtual stages count a pretrained decoder's layers (its ``config.json``); a size flag
+    with a strategy other than ``mm_parallel`` is refused; no strategy becomes ``mm_parallel``."""
+    from jsonargparse import Namespace
+
+    from lightning_mmpar.recipes.megatron_cli import apply_megatron_flags
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 24}))
+    cfg = Namespace(
+        trainer=Namespace(strategy="auto", devices=4, accelerator="cpu"),
+        model=Namespace(pretrained=Namespace(language=str(tmp_path))),
+        pipeline_model_parallel_size=2,
+        num_layers_per_virtual_pipeline_stage=3,
+    )
+    lines, keys = apply_megatron_flags(cfg)
+    args = cfg["trainer.strategy.init_args"]
+    assert (args.pipeline_parallel, args.virtual_pipeline, args.schedule) == (
+        2,
+        4,
+        "interleaved_1f1b",
+    )
+    assert lines[0].startswith("--pipeline-model-parallel-size 2 -> trainer.strategy ('auto') ->")
+    assert lines[1].endswith("(24 decoder layers / (pp 2 x 3))")
+    assert keys["trainer.strategy.init_args.virtual_pipeline"].startswith("--num-layers-per")
+    cfg["trainer.strategy"] = "ddp"
+    with pytest.raises(ValueError, match=r"--pipeline-model-parallel-size 2 sets arguments of "):
+        apply_megatron_flags(cfg)
+
+
 def test_cli_maps_the_flags_once_and_a_json_must_agree(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
