@@ -20,6 +20,13 @@ printed once (rank 0), one line per flag. The flags mean what they mean in Megat
   (``data.batch_size = m * n``, ``micro_batches = n``, no Trainer accumulation); without it, ``n``
   batches of ``m`` are accumulated (``data.batch_size = m``, ``accumulate_grad_batches = n``).
   One of the two alone keeps the configured ``n``. A ``g`` not divisible by ``m * dp`` is refused.
+* ``--pipeline-model-parallel-size 1`` also resets ``micro_batches``, ``virtual_pipeline`` and
+  ``schedule`` (nothing to act on without a pipeline).
+
+The flags are applied after the YAML, before the classes are built (the saved ``config.yaml``
+shows the result); a DeepSpeed JSON applied next must agree with them
+(:func:`~lightning_mmpar.recipes.deepspeed_cli.apply_deepspeed_json`'s ``fixed``). A refusal is
+a ``ValueError`` naming the flag, the value and the fix (the CLI: one line, exit status 2).
 """
 
 from __future__ import annotations
