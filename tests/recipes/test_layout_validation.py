@@ -270,6 +270,7 @@ def _instant(spec: Any, layout: Any, *args: Any) -> Any:
         bubble=0.0,
         mfu=0.0,
         placement=None,
+        breakdown={"compute": 1.0},
     )
 
 
