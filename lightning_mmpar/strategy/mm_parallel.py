@@ -164,12 +164,12 @@ class MultimodalParallelStrategy(
                 partition=partition,
                 placement=placement,
             )
+            self.memory = MemoryOptions(
+                mixed_precision, offload_optimizer, activation_checkpointing, compile_blocks
+            )
+            self.memory.check(self.config.data_parallel, self.config.expert_parallel)
         except ValueError as err:
             refuse_once(err, rank_zero_only.rank)  # type: ignore[attr-defined]
-        self.memory = MemoryOptions(
-            mixed_precision, offload_optimizer, activation_checkpointing, compile_blocks
-        )
-        self.memory.check(self.config.data_parallel, self.config.expert_parallel)
         self._dims: ParallelDims | None = None
         self.pipeline: PipelineEngine | None = None
         self.stage_plan: StagePlan | None = None  # the partition in use (pp > 1, after setup)
