@@ -17,6 +17,12 @@ Set-up order, torchtitan's (each step a function taking a module, the layout and
    meta device with this rank's shards (:mod:`lightning_mmpar.parallel.deferred`), then
    optimizers.
 
+Before any process starts (Lightning's launcher; under torchrun / SLURM, before step 1),
+:mod:`~lightning_mmpar.strategy.setup_checks` refuses a module the layout cannot act on (no
+plan at ``tensor_parallel > 1``, no ``PipelineModule`` methods at ``pipeline_parallel > 1``);
+step 3 refuses a degree the plan left without effect. Every set-up refusal is raised on global
+rank 0 only, the other ranks stop quietly.
+
 The steps of a pipelined module, the numerics hooks and the checkpoint hooks are mixins:
 :mod:`~lightning_mmpar.strategy.pipelined_steps`, :mod:`~lightning_mmpar.strategy.numerics_hooks`,
 :mod:`~lightning_mmpar.strategy.checkpoint_hooks`.
