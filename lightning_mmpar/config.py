@@ -104,32 +104,17 @@ class ParallelConfig:
         validate(self.layout, LayoutFacts(world_size=world_size))
 
     def ineffective_options(self) -> list[str]:
-        """Options this layout accepts but never uses, one warning text each (not refused:
-        shipped configurations pass ``schedule="1f1b"`` at ``pipeline_parallel=1``).
-
-        ``micro_batches`` set explicitly, or a
-        ``schedule`` other than the default ``"1f1b"``, at ``pipeline_parallel=1``: the batch
-        runs whole, with no pipeline to schedule (Megatron-LM's ``--num-microbatches`` and
-        pipeline schedules act on pipeline stages only).
-        """
-        notes, pp = [], self.pipeline_parallel
-        if pp == 1 and self.partition_mode != "equal":
-            notes.append(
+        """Options this layout accepts but never uses, one warning text each: ``partition`` at
+        ``pipeline_parallel=1`` (not refused: the planner carries a recipe's partition into
+        its layouts without a pipeline). ``micro_batches`` above 1 and a schedule other than
+        ``"1f1b"`` at ``pipeline_parallel=1`` cannot act either; :func:`validate` refuses them
+        at construction."""
+        if self.pipeline_parallel == 1 and self.partition_mode != "equal":
+            return [
                 f"partition ({self.partition!r}) has no effect with pipeline_parallel=1: there "
                 "are no stages to cut; set pipeline_parallel >= 2 or leave partition unset."
-            )
-        if pp == 1 and self.micro_batches is not None:
-            notes.append(
-                f"micro_batches ({self.micro_batches}) has no effect with pipeline_parallel=1: "
-                "each batch runs whole; set pipeline_parallel >= 2 or leave micro_batches unset "
-                "(Trainer(accumulate_grad_batches=...) accumulates several batches per step)."
-            )
-        if pp == 1 and self.schedule != "1f1b":
-            notes.append(
-                f"schedule ({self.schedule!r}) has no effect with pipeline_parallel=1: there is "
-                "no pipeline to schedule; set pipeline_parallel >= 2 or leave schedule unset."
-            )
-        return notes
+            ]
+        return []
 
     def resolve_placement(self, world_size: int) -> tuple[tuple[int, ...] | None, str]:
         """``(placement, source)`` for ``world_size`` ranks (cached): ``placement[i]`` is the

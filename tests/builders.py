@@ -114,3 +114,16 @@ def tiny_fusion_model(preset: str = "recipe", *, seed: int = 0, **changes: Any) 
     config = tiny_fusion_config(preset, **changes)
     torch.manual_seed(seed)
     return FusionModel(config)
+
+
+def column_parallel_plan(*paths: str) -> Any:
+    """A :class:`~lightning_mmpar.parallel.parallelize.ParallelPlan` sharding each ``nn.Linear``
+    at ``paths`` column-wise over the ``tp`` mesh: the least tensor parallelism a test module
+    needs to run at ``tensor_parallel > 1`` (a module without a plan is refused there)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from lightning_mmpar.parallel.parallelize import ParallelPlan
+    from lightning_mmpar.parallel.tensor import StyleGroup
+
+    styles = tuple(StyleGroup(path, "tp", ColwiseParallel()) for path in paths)
+    return ParallelPlan(tensor_parallel=styles)

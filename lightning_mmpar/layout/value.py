@@ -231,7 +231,8 @@ def validate(layout: ParallelLayout, facts: LayoutFacts | None = None) -> None:
     """Check ``layout`` against ``facts`` (default: none known).
 
     In order: the values themselves (degrees positive ints, known names), the pipeline
-    (virtual stages, schedule, micro-batches, partition), the FSDP2 policies, the world (its
+    (virtual stages, schedule, micro-batches, partition; ``micro_batches`` above 1 or another
+    schedule than ``"1f1b"`` without one), the FSDP2 policies, the world (its
     size divisible by ``tp * pp``, ``ep`` dividing ``dp``, the engine vs ``dp``), the model
     (sizes vs ``tp``, experts vs ``ep``, text vs sequence parallelism, stages vs blocks) and the
     batch (vs micro-batches; images vs ``tp`` under ``vision_parallel='dp'``).
@@ -305,6 +306,7 @@ def _check_pipeline(layout: ParallelLayout) -> None:
             f"schedule to one of {', '.join(sorted(_MULTI_STAGE))} or virtual_pipeline=1."
         )
     if pp == 1:
+        _check_no_pipeline(layout)
         return
     if name in _MULTI_STAGE and v == 1:
         raise ValueError(
@@ -329,6 +331,25 @@ def _check_pipeline(layout: ParallelLayout) -> None:
         raise ValueError(
             f"micro_batches ({n}) must be a multiple of its rounds ({rounds} = "
             f"micro_batches // pipeline_parallel) for {name}; use {rounds * pp}."
+        )
+
+
+def _check_no_pipeline(layout: ParallelLayout) -> None:
+    """Pipeline options that cannot act without a pipeline: ``micro_batches`` above 1 (each
+    batch runs whole) and a schedule other than the default ``"1f1b"`` (nothing to schedule).
+    Megatron-LM's ``validate_args`` likewise refuses pipeline-only options without a pipeline."""
+    n, name = layout.micro_batches, layout.schedule
+    if n is not None and n > 1:
+        raise ValueError(
+            f"micro_batches ({n}) cannot act with pipeline_parallel=1: each batch runs whole. "
+            "Set pipeline_parallel >= 2, or leave micro_batches unset (null); "
+            "Trainer(accumulate_grad_batches=...) accumulates several batches per step."
+        )
+    if name != "1f1b":
+        raise ValueError(
+            f"schedule ({name!r}) cannot act with pipeline_parallel=1: there is no pipeline to "
+            "schedule. Set pipeline_parallel >= 2, or leave schedule unset (the default "
+            "'1f1b')."
         )
 
 

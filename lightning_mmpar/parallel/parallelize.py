@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from lightning_mmpar.config import ParallelConfig
 from lightning_mmpar.layout import StagePlan
@@ -46,7 +47,7 @@ from lightning_mmpar.parallel import activation, deferred
 from lightning_mmpar.parallel import data as dpar
 from lightning_mmpar.parallel.comm import group_device
 from lightning_mmpar.parallel.data import GradientSync
-from lightning_mmpar.parallel.expert_data import prepare_expert_gradients
+from lightning_mmpar.parallel.expert_data import check_expert_layers, prepare_expert_gradients
 from lightning_mmpar.parallel.experts import apply_expert_parallel
 from lightning_mmpar.parallel.fsdp_options import MemoryOptions
 from lightning_mmpar.parallel.pipeline import PipelineChunk, PipelineEngine, PipelineModule
@@ -61,8 +62,10 @@ __all__ = [
     "ParallelizeOptions",
     "Parallelized",
     "ShardFn",
+    "UnappliedDegreeError",
     "applies_plans",
     "apply_model_parallel",
+    "check_degrees_applied",
     "check_pipeline_module",
     "checkpoint_and_compile",
     "data_parallel_step",
@@ -321,6 +324,65 @@ def check_pipeline_module(module: Any, config: ParallelConfig) -> None:
         )
 
 
+TP_MESH_NAMES = ("tp", "vl", "tensor_parallel")
+"""Mesh dimension names of the tensor-parallel ranks (the ``vl`` mesh holds the same ranks;
+``tensor_parallel`` is Lightning ``ModelParallelStrategy``'s name)."""
+PLAN_DOCS = "docs/strategy.md#one-parallelize-path-parallel_plandims-and-parallelize"
+"""Where a module's plan (``parallel_plan`` or ``configure_model``) is documented."""
+
+
+class UnappliedDegreeError(ValueError):
+    """A parallel degree above 1 that leaves the module as it was (``tensor_parallel > 1`` and
+    no parameter sharded over ``tp``, ``expert_parallel > 1`` and no expert layer): found alike
+    on every rank, after the plan is applied. The ``mm_parallel`` strategy raises it on rank 0
+    only and stops the other ranks quietly."""
+
+
+def tp_sharded(module: nn.Module) -> bool:
+    """Whether some parameter of ``module`` is a DTensor sharded (``Shard``) over a
+    tensor-parallel mesh dimension (:data:`TP_MESH_NAMES`)."""
+    for param in module.parameters():
+        if not isinstance(param, DTensor):
+            continue
+        names = param.device_mesh.mesh_dim_names or ()
+        for name, placement in zip(names, param.placements, strict=False):
+            if name in TP_MESH_NAMES and isinstance(placement, Shard):
+                return True
+    return False
+
+
+def unapplied_tp_message(tp: int, name: str, why: str) -> str:
+    """The refusal of ``tensor_parallel=tp`` for module class ``name``: ``why`` it cannot act,
+    what its ranks would do and the fixes (a plan, docs link, or ``tensor_parallel=1``)."""
+    return (
+        f"tensor_parallel={tp} has no effect on {name}: {why}, so its {tp} tensor-parallel "
+        "ranks would train identical full copies doing the same work. Give it a plan: a "
+        "parallel_plan(dims) method returning a ParallelPlan with tensor_parallel styles, or "
+        "parallelize_module(..., self.device_mesh['tp'], ...) in configure_model() "
+        f"({PLAN_DOCS}); or set tensor_parallel=1."
+    )
+
+
+def check_degrees_applied(module: nn.Module, dims: ParallelDims) -> None:
+    """Refuse a degree the module's plan (or its ``configure_model``) left without effect, once
+    steps 1-2 of :func:`parallelize` ran: ``dims.tp > 1`` with no parameter sharded over
+    ``tp`` (:func:`tp_sharded`), ``dims.ep > 1`` with no expert-parallel layer
+    (:func:`~lightning_mmpar.parallel.expert_data.check_expert_layers`). torchtitan and
+    Megatron-LM shard by construction; a Lightning module may skip its plan silently.
+
+    Raises:
+        UnappliedDegreeError: naming the option, the module and the fix.
+    """
+    name = type(module).__name__
+    if dims.tp > 1 and not tp_sharded(module):
+        why = "no parameter is sharded over the 'tp' mesh after its configure_model() and plan"
+        raise UnappliedDegreeError(unapplied_tp_message(dims.tp, name, why))
+    try:
+        check_expert_layers(module, dims.ep)
+    except ValueError as err:
+        raise UnappliedDegreeError(str(err)) from None
+
+
 def data_parallel_step(
     module: nn.Module, dims: ParallelDims, options: ParallelizeOptions
 ) -> ShardFn | None:
@@ -382,12 +444,15 @@ def parallelize(
 
     Raises:
         TypeError: ``pipeline_parallel > 1`` for a module that is not a ``PipelineModule``.
+        UnappliedDegreeError: ``tp`` or ``ep`` above 1 left without effect by the plan
+            (:func:`check_degrees_applied`).
         ValueError: from the plan's styles and steps, the block options, the expert layers
             against ``dims.ep`` or the pipeline partition.
     """
     check_pipeline_module(module, options.config)
     if plan is not None:
         apply_model_parallel(module if plan.root is None else plan.root, dims, plan)
+    check_degrees_applied(module, dims)
     checkpoint_and_compile(module, plan, options.memory)  # before any sharding
     prepare_expert_gradients(module, dims.ep)
     shard = data_parallel_step(module, dims, options)

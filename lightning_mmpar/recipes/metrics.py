@@ -71,12 +71,25 @@ class ZeroShotAccuracy(Metric):
 def recall_at_k(scores: torch.Tensor, ks: Sequence[int]) -> dict[int, torch.Tensor]:
     """Recall@k of the square score matrix ``scores[i, j]`` where item ``i`` matches ``j = i``.
 
-    The rank of the match is the number of candidates scoring *strictly* higher, so ties (e.g.
-    the duplicate samples a distributed sampler adds to even out ranks) count as hits.
+    Ties never count as hits: they are ranked in every order with equal probability, so a
+    query whose match ties with ``t`` other candidates, ``g`` scoring strictly higher, is a
+    hit at ``k`` with probability ``clamp(k - g, 0, t + 1) / (t + 1)`` (the tie-aware expected
+    recall of McSherry & Najork, "Computing Information Retrieval Performance Measures
+    Efficiently in the Presence of Tied Scores", ECIR 2008). A constant model (every score
+    tied) scores chance, ``min(k, n) / n``; two copies of one pair (the duplicates a
+    distributed sampler adds to even out ranks) share the credit. A non-finite match score
+    (NaN features) is a miss, and a non-finite candidate ranks above the match, so a NaN model
+    scores 0. Returns ``{k: recall}`` (0-dim float tensors in [0, 1]).
     """
     positive = scores.diagonal().unsqueeze(1)
-    rank = (scores > positive).sum(dim=1)
-    return {k: (rank < k).float().mean() for k in ks}
+    above = ((scores > positive) | ~scores.isfinite()).sum(dim=1)
+    tied = (scores == positive).sum(dim=1)  # the match included
+    finite = positive.squeeze(1).isfinite()
+    out = {}
+    for k in ks:
+        hit = (k - above).clamp(min=0).minimum(tied) / tied.clamp(min=1)
+        out[k] = torch.where(finite, hit.float(), 0.0).mean()
+    return out
 
 
 class RetrievalRecall(Metric):

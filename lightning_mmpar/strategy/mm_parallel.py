@@ -17,6 +17,12 @@ Set-up order, torchtitan's (each step a function taking a module, the layout and
    meta device with this rank's shards (:mod:`lightning_mmpar.parallel.deferred`), then
    optimizers.
 
+Before any process starts (Lightning's launcher; under torchrun / SLURM, before step 1),
+:mod:`~lightning_mmpar.strategy.setup_checks` refuses a module the layout cannot act on (no
+plan at ``tensor_parallel > 1``, no ``PipelineModule`` methods at ``pipeline_parallel > 1``);
+step 3 refuses a degree the plan left without effect. Every set-up refusal is raised on global
+rank 0 only, the other ranks stop quietly.
+
 The steps of a pipelined module, the numerics hooks and the checkpoint hooks are mixins:
 :mod:`~lightning_mmpar.strategy.pipelined_steps`, :mod:`~lightning_mmpar.strategy.numerics_hooks`,
 :mod:`~lightning_mmpar.strategy.checkpoint_hooks`.
@@ -38,7 +44,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning.pytorch.utilities.data import sized_len
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
@@ -52,7 +58,12 @@ from lightning_mmpar.parallel import comm, deferred, finite
 from lightning_mmpar.parallel.data import GradientSync
 from lightning_mmpar.parallel.fsdp_options import MemoryOptions
 from lightning_mmpar.parallel.moe_state import set_aux_loss_scale
-from lightning_mmpar.parallel.parallelize import ParallelizeOptions, module_plan, parallelize
+from lightning_mmpar.parallel.parallelize import (
+    ParallelizeOptions,
+    UnappliedDegreeError,
+    module_plan,
+    parallelize,
+)
 from lightning_mmpar.parallel.pipeline import PipelineChunk, PipelineEngine
 from lightning_mmpar.parallel.token_loss import TokenCount
 from lightning_mmpar.precision.plugins import GlobalNormClipping, with_global_clipping
@@ -60,6 +71,11 @@ from lightning_mmpar.strategy.checkpoint_hooks import ShardedCheckpointHooks
 from lightning_mmpar.strategy.gradient_stash import GradientStash
 from lightning_mmpar.strategy.numerics_hooks import NumericsHooks
 from lightning_mmpar.strategy.pipelined_steps import PipelinedSteps
+from lightning_mmpar.strategy.setup_checks import (
+    CheckedLauncher,
+    check_module_before_launch,
+    refuse_once,
+)
 from lightning_mmpar.topology import ParallelDims
 
 
@@ -142,21 +158,24 @@ class MultimodalParallelStrategy(
         compile_blocks: bool | str | None = None,
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
-        self.config = config or ParallelConfig(
-            tensor_parallel=tensor_parallel,
-            pipeline_parallel=pipeline_parallel,
-            expert_parallel=expert_parallel,
-            virtual_pipeline=virtual_pipeline,
-            micro_batches=micro_batches,
-            schedule=schedule,
-            data_parallel=data_parallel,
-            partition=partition,
-            placement=placement,
-        )
-        self.memory = MemoryOptions(
-            mixed_precision, offload_optimizer, activation_checkpointing, compile_blocks
-        )
-        self.memory.check(self.config.data_parallel, self.config.expert_parallel)
+        try:  # under torchrun / SLURM every rank builds the strategy: one message, rank 0's
+            self.config = config or ParallelConfig(
+                tensor_parallel=tensor_parallel,
+                pipeline_parallel=pipeline_parallel,
+                expert_parallel=expert_parallel,
+                virtual_pipeline=virtual_pipeline,
+                micro_batches=micro_batches,
+                schedule=schedule,
+                data_parallel=data_parallel,
+                partition=partition,
+                placement=placement,
+            )
+            self.memory = MemoryOptions(
+                mixed_precision, offload_optimizer, activation_checkpointing, compile_blocks
+            )
+            self.memory.check(self.config.data_parallel, self.config.expert_parallel)
+        except ValueError as err:
+            refuse_once(err, rank_zero_only.rank)  # type: ignore[attr-defined]
         self._dims: ParallelDims | None = None
         self.pipeline: PipelineEngine | None = None
         self.stage_plan: StagePlan | None = None  # the partition in use (pp > 1, after setup)
@@ -248,16 +267,41 @@ class MultimodalParallelStrategy(
             dataloader.worker_init_fn = partial(pl_worker_init_function, rank=dp_rank)
         return dataloader
 
+    def _launch_rank(self) -> int:
+        """This process's global rank before the process group exists (Lightning's
+        ``_set_world_ranks`` formula: node rank * processes per node + local rank)."""
+        return self.node_rank * self.num_processes + self.local_rank
+
     @override
     def _configure_launcher(self) -> None:
-        self._dims = self._make_dims()  # layout errors surface when the Trainer is built
+        try:  # layout errors surface when the Trainer is built, once (rank 0)
+            self._dims = self._make_dims()
+        except ValueError as err:
+            refuse_once(err, self._launch_rank())
         for note in self.config.ineffective_options():  # and options with no effect, as warnings
             rank_zero_warn(note)
         self.memory.check_precision(self.precision_plugin)
-        super()._configure_launcher()
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:  # as Lightning's, checked
+            self._launcher = CheckedLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
+            self._launcher.before_launch = self._check_module
+
+    def _check_module(self) -> None:
+        """:func:`~lightning_mmpar.strategy.setup_checks.check_module_before_launch` on the
+        module being fitted, before Lightning starts the other processes (its launcher) or
+        before the process group exists (processes started by torchrun / SLURM), once."""
+        if self.lightning_module is None:
+            return
+        try:
+            check_module_before_launch(self.lightning_module, self.config)
+        except (TypeError, ValueError) as err:
+            refuse_once(err, self._launch_rank())
 
     @override
     def setup_environment(self) -> None:
+        self._check_module()
         self._setup_distributed()
         if self._dims is None or not self._dims.is_built:  # once per strategy, not per fit/test
             self._dims = self._make_dims()
@@ -300,7 +344,10 @@ class MultimodalParallelStrategy(
             return  # already set up by an earlier fit/validate call on this strategy
         dims = self.parallel_dims
         options = ParallelizeOptions(self.config, self.memory, self.root_device)
-        done = parallelize(module, dims, module_plan(module, dims), options)
+        try:
+            done = parallelize(module, dims, module_plan(module, dims), options)
+        except UnappliedDegreeError as err:  # every rank finds it: rank 0 says it
+            refuse_once(err, self.global_rank)
         self.pipeline, self._chunk, self.stage_plan = done.pipeline, done.chunk, done.stage_plan
         if done.stage_plan is not None:
             rank_zero_info(done.stage_plan.table())

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_mmpar import MultimodalParallelStrategy
 from lightning_mmpar.examples.toy_transformer import ToyConfig, ToyTransformer, make_tokens
 from lightning_mmpar.testing import quiet_trainer, spawn
+from tests.builders import column_parallel_plan
 
 pytestmark = pytest.mark.distributed
 
@@ -67,16 +68,21 @@ class RandomRows(Dataset[Tensor]):
 
 
 class Recorder(LightningModule):
-    """Records the batches it trains on (no pipeline: runs its own steps)."""
+    """Records the batches it trains on (no pipeline: runs its own steps); ``proj`` is split
+    column-wise at tensor_parallel > 1 (a module leaving tp idle is refused)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.w = torch.nn.Parameter(torch.zeros(4))
+        self.proj = torch.nn.Linear(4, 2)
         self.seen: list[Tensor] = []
+
+    def parallel_plan(self, dims: Any) -> Any:
+        return column_parallel_plan("proj")
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         self.seen.append(batch.detach().clone())
-        return (batch * self.w).sum()
+        return (batch * self.w).sum() + self.proj(batch).sum()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)

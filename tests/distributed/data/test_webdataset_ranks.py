@@ -19,22 +19,29 @@ from torch import Tensor
 from lightning_mmpar import MultimodalParallelStrategy
 from lightning_mmpar.data.webdataset import WebDatasetCaptions
 from lightning_mmpar.testing import quiet_trainer, spawn
+from tests.builders import column_parallel_plan
 from tests.unit.data.test_webdataset import write_shards
 
 pytestmark = pytest.mark.distributed
 
 
 class Recorder(LightningModule):
-    """Records the captions (token ids) of the batches it trains on."""
+    """Records the captions (token ids) of the batches it trains on; ``proj`` is split
+    column-wise at tensor_parallel > 1 (a module leaving tp idle is refused)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.w = torch.nn.Parameter(torch.zeros(1))
+        self.proj = torch.nn.Linear(1, 2)
         self.seen: list[Tensor] = []
+
+    def parallel_plan(self, dims: Any) -> Any:
+        return column_parallel_plan("proj")
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         self.seen.append(batch["input_ids"].detach().clone())
-        return self.w.sum() * batch["images"].mean()
+        loss = self.w.sum() * batch["images"].mean()
+        return loss + self.proj(batch["images"].mean().view(1, 1)).sum()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)

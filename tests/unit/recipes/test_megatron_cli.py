@@ -164,7 +164,9 @@ def test_cli_maps_the_flags_once_and_a_json_must_agree(
     args = [
         "fit",
         "--config",
-        YAML,  # tp 2 x pp 2, 2 micro-batches, FSDP2, 4 processes
+        YAML,  # tp 2 x pp 2, FSDP2, 4 processes
+        "--trainer.strategy.init_args.micro_batches",  # 2 micro-batches (the YAML's default)
+        "2",
         "--tensor-model-parallel-size",
         "2",
         "--pipeline-model-parallel-size",

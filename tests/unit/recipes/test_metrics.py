@@ -37,9 +37,30 @@ def test_recall_hand_computed() -> None:
     }
 
 
-def test_recall_counts_ties_as_hits() -> None:
+def test_recall_never_counts_ties_as_hits() -> None:
+    """Issue 31 item 6(b): a constant model scored recall@1 = 1 (ties were hits); now chance."""
     scores = torch.tensor([[1.0, 1.0], [1.0, 1.0]])
-    assert recall_at_k(scores, [1]) == {1: torch.tensor(1.0)}
+    assert recall_at_k(scores, [1, 2]) == {1: torch.tensor(0.5), 2: torch.tensor(1.0)}
+    metric = RetrievalRecall(ks=(1, 5))
+    metric.update(torch.ones(10, 4), torch.ones(10, 4))  # every feature the same
+    assert {k: round(v.item(), 6) for k, v in metric.compute().items()} == {
+        "i2t_recall@1": 0.1,
+        "i2t_recall@5": 0.5,
+        "t2i_recall@1": 0.1,
+        "t2i_recall@5": 0.5,
+    }
+    # a tie with one other candidate, one candidate above: rank 1 or 2 with equal chance
+    scores = torch.tensor([[0.5, 0.9, 0.5], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    assert recall_at_k(scores, [1, 2, 3])[2] == pytest.approx((0.5 + 1 + 1) / 3)
+
+
+def test_recall_of_nan_features_is_zero() -> None:
+    metric = RetrievalRecall(ks=(1, 5))
+    metric.update(torch.full((6, 4), float("nan")), torch.randn(6, 4))
+    assert all(v.item() == 0.0 for v in metric.compute().values())
+    scores = torch.eye(3)
+    scores[0, 1] = float("nan")  # a NaN candidate ranks above query 0's match
+    assert recall_at_k(scores, [1])[1] == pytest.approx(2 / 3)
 
 
 def test_recall_matches_torchmetrics_retrieval() -> None:

@@ -128,7 +128,7 @@ def test_valid_layout_reaches_fit_and_validate_is_checked_too(launched: list[str
 def test_check_functions() -> None:
     pp2 = ParallelConfig(pipeline_parallel=2, micro_batches=4)
     pp2.check_batch_size(8)
-    ParallelConfig(micro_batches=4).check_batch_size(7)  # pp 1: the batch runs whole
+    ParallelConfig().check_batch_size(7)  # pp 1: the batch runs whole
     with pytest.raises(ValueError, match=r"batch_size \(6\).*micro_batches \(4\).*e.g. 4"):
         pp2.check_batch_size(6)
     check_image_size(32, 32)

@@ -1,5 +1,6 @@
-"""Inputs that used to be accepted silently: an empty training set is refused, and layout
-options that have no effect are warned about when the Trainer is built (issue 15, items 6, 9).
+"""Inputs that used to be accepted silently: an empty training set is refused, layout options
+that cannot act are refused at construction (issue 31 item 8; warned about before, issue 15
+item 9) and a partition without a pipeline is warned about (issue 15, items 6, 9).
 
 The fits run in this process on one CPU device (a gloo world of 1, destroyed afterwards).
 """
@@ -121,19 +122,45 @@ def test_expert_parallel_without_experts_is_refused_at_setup() -> None:
     check_expert_layers(nn.Linear(2, 2), 1)
 
 
-def test_micro_batches_and_schedule_at_pp_1_warn() -> None:
-    notes = _build(MultimodalParallelStrategy(micro_batches=2, schedule="gpipe"), 1)
-    assert notes == [
-        "micro_batches (2) has no effect with pipeline_parallel=1: each batch runs whole; set "
-        "pipeline_parallel >= 2 or leave micro_batches unset (Trainer(accumulate_grad_batches="
-        "...) accumulates several batches per step).",
-        "schedule ('gpipe') has no effect with pipeline_parallel=1: there is no pipeline to "
-        "schedule; set pipeline_parallel >= 2 or leave schedule unset.",
-    ]
-    notes = _build(MultimodalParallelStrategy(schedule="interleaved_1f1b"), 1)
-    assert [n.split(":")[0] for n in notes] == [
-        "schedule ('interleaved_1f1b') has no effect with pipeline_parallel=1"
-    ]
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"micro_batches": 2},
+            "micro_batches (2) cannot act with pipeline_parallel=1: each batch runs whole. Set "
+            "pipeline_parallel >= 2, or leave micro_batches unset (null); Trainer("
+            "accumulate_grad_batches=...) accumulates several batches per step.",
+        ),
+        (
+            {"schedule": "gpipe"},
+            "schedule ('gpipe') cannot act with pipeline_parallel=1: there is no pipeline to "
+            "schedule. Set pipeline_parallel >= 2, or leave schedule unset (the default '1f1b').",
+        ),
+        (
+            {"schedule": "interleaved_1f1b"},
+            "schedule ('interleaved_1f1b') cannot act with pipeline_parallel=1: there is no "
+            "pipeline to schedule. Set pipeline_parallel >= 2, or leave schedule unset (the "
+            "default '1f1b').",
+        ),
+    ],
+)
+def test_pipeline_options_at_pp_1_are_refused_at_construction(
+    kwargs: dict[str, Any], message: str
+) -> None:
+    """Issue 31 item 8: refused when the strategy (and the planner's layout) is built, with the
+    fix; formerly a warning when the Trainer was built."""
+    from lightning_mmpar.layout import ParallelLayout, validate
+
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        MultimodalParallelStrategy(**kwargs)
+    layout = {"micro_batches": kwargs.get("micro_batches"), "schedule": kwargs.get("schedule")}
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        validate(ParallelLayout(**{k: v for k, v in layout.items() if v is not None}))
+
+
+def test_one_micro_batch_at_pp_1_is_what_runs() -> None:
+    """``micro_batches=1`` without a pipeline says what happens (the planner's layouts)."""
+    assert _build(MultimodalParallelStrategy(micro_batches=1), 1) == []
 
 
 @pytest.mark.parametrize(
