@@ -7,7 +7,10 @@ module can generate (``generate_accuracy(dataloader)``, any layout: KV-cached gr
 through the pipeline stages under pipeline parallelism), the greedy caption accuracy over the
 validation set is measured first (a collective over all ranks). Retrieval is printed per pair
 (the image's own caption) and by class (a caption naming the same digit,
-``i2t_class_recall@1``: comparable with zero-shot accuracy).
+``i2t_class_recall@1``: comparable with zero-shot accuracy). Data without ``labels`` or without
+a validation split gives ``n/a`` where a measure needs them. The summary runs after the training
+and its checkpoints: an error in it is one warning on rank 0 with the cause
+(:func:`summary_failure`), not a failed ``fit``.
 """
 
 from __future__ import annotations
@@ -204,9 +207,9 @@ def _format(s: dict[str, Any], path: Path, plots: list[Path]) -> str:
         f"  caption names the digit: greedy {_pct(s['caption_acc_greedy'])}, "
         f"teacher-forced {_pct(s['caption_acc_teacher_forced'])}",
         "  retrieval per pair (own caption)  "
-        + "  ".join(f"{k} {_pct(v)}" for k, v in s["retrieval"].items() if "class" not in k),
+        + _recalls({k: v for k, v in s["retrieval"].items() if "class" not in k}),
         "  retrieval by class (same digit)   "
-        + "  ".join(f"{k} {_pct(v)}" for k, v in s["retrieval"].items() if "class" in k),
+        + _recalls({k: v for k, v in s["retrieval"].items() if "class" in k}),
         *(
             f"  router ({m:6s})  top-1 share {_pct(r['top1_share'])}, entropy "
             f"{r['routing_entropy_bits']:.2f} bits, {r['experts_per_token']:.2f} experts/token, "
@@ -253,6 +256,11 @@ def _router(trainer: Trainer) -> dict[str, Any]:
             path = getattr(cb, "heatmap_path", None)
             return {"router": cb.modality_summary(), "expert_load_heatmap": path and str(path)}
     return {}
+
+
+def _recalls(values: dict[str, float]) -> str:
+    """``i2t_recall@1 18.1%  ...``; ``n/a`` when none was measured (data without labels)."""
+    return "  ".join(f"{k} {_pct(v)}" for k, v in values.items()) or "n/a"
 
 
 def _pct(value: float | None) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import math
 import warnings
 from pathlib import Path
@@ -222,7 +223,9 @@ def test_precision_fp8_section_trains_in_fp8(tmp_path: Path) -> None:
     assert not any(isinstance(c, FP8Training) for c in plain.trainer.callbacks)
 
 
-def test_fit_with_unlabelled_caption_csv_ends_with_its_summary(tmp_path: Path) -> None:
+def test_fit_with_unlabelled_caption_csv_ends_with_its_summary(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A caption CSV without labels (no ``label_column``: the docs' optional labels) trains,
     validates, checkpoints and ends with its run summary, greedy and zero-shot accuracy
     ``n/a`` (they need labels), not a ``KeyError`` after the checkpoint."""
@@ -260,10 +263,14 @@ def test_fit_with_unlabelled_caption_csv_ends_with_its_summary(tmp_path: Path) -
     }
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump({**TINY, "trainer": trainer, "data": data}))
+    caplog.set_level(logging.INFO)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         main(["fit", "--config", str(path)])  # returns: the command exits 0
     assert not [w for w in caught if "RunSummary" in str(w.message)]
+    printed = caplog.text
+    assert "caption names the digit: greedy n/a, teacher-forced n/a" in printed, printed
+    assert "retrieval per pair (own caption)  n/a" in printed, printed
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 2 and Path(summary["checkpoint"]).is_dir(), summary
     assert summary["caption_acc_greedy"] is None and summary["zero_shot_acc"] is None
