@@ -256,6 +256,19 @@ def _machine_placement(world: int, **degrees: int) -> tuple[int, ...] | None:
     return None if found is None else tuple(found)
 
 
+def loader_batching(dataloader: object) -> tuple[object, object]:
+    """``(batch_size, drop_last)`` a DataLoader batches with: its own, or its batch sampler's
+    when it was built with ``batch_sampler=`` (its own then read ``None`` and ``False``: the
+    loaders Lightning re-creates around a distributed sampler, torchdata's
+    ``StatefulDataLoader`` among them)."""
+    batch_size = getattr(dataloader, "batch_size", None)
+    drop_last = getattr(dataloader, "drop_last", None)
+    sampler = getattr(dataloader, "batch_sampler", None)
+    if batch_size is None and sampler is not None and hasattr(sampler, "batch_size"):
+        batch_size, drop_last = sampler.batch_size, getattr(sampler, "drop_last", drop_last)
+    return batch_size, drop_last
+
+
 def check_train_batches(total: int | None, dataloader: object) -> None:
     """Refuse a fit whose train dataloader yields no batch on any rank.
 
@@ -270,10 +283,11 @@ def check_train_batches(total: int | None, dataloader: object) -> None:
         return
     dataset = getattr(dataloader, "dataset", None)
     size = len(dataset) if hasattr(dataset, "__len__") else "unknown"  # type: ignore[arg-type]
+    batch_size, drop_last = loader_batching(dataloader)
     raise ValueError(
         f"the train dataloader ({type(dataloader).__name__} over {type(dataset).__name__} of "
-        f"{size} samples, batch_size {getattr(dataloader, 'batch_size', None)}, drop_last "
-        f"{getattr(dataloader, 'drop_last', None)}) has 0 batches on every rank, so fit would "
+        f"{size} samples, batch_size {batch_size}, drop_last "
+        f"{drop_last}) has 0 batches on every rank, so fit would "
         "run 0 steps. Check the datamodule's data path and train split, use a batch_size no "
         "larger than the samples per data-parallel rank, or set drop_last=False."
     )

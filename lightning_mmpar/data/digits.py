@@ -8,6 +8,7 @@ only for the zero-shot class prompts (:meth:`DigitsCaptions.class_prompts`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,15 @@ TEMPLATES: tuple[str, ...] = (
     "a picture of the digit {name}",
 )
 """Caption templates; ``{name}`` is the class name, ``{digit}`` the numeral."""
+DIGITS_SAMPLES = 1797
+"""Images in ``sklearn.datasets.load_digits()`` (a fixed dataset), counted without loading it."""
+
+
+def split_sizes(val_fraction: float) -> tuple[int, int]:
+    """``(train, held-out)`` digits of ``val_fraction``, as scikit-learn's ``train_test_split``
+    counts them: ``ceil(val_fraction * 1797)`` held out, the rest for training."""
+    held_out = math.ceil(val_fraction * DIGITS_SAMPLES)
+    return DIGITS_SAMPLES - held_out, held_out
 
 
 def fill(template: str, label: int) -> str:
@@ -242,6 +252,16 @@ def _validate(
         )
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction ({val_fraction}) must be in (0, 1), e.g. 0.2.")
+    train, held_out = split_sizes(val_fraction)
+    if min(train, held_out) < len(CLASS_NAMES):  # the split is stratified by class
+        low = (len(CLASS_NAMES) - 1) / DIGITS_SAMPLES
+        high = (DIGITS_SAMPLES - len(CLASS_NAMES)) / DIGITS_SAMPLES
+        raise ValueError(
+            f"val_fraction ({val_fraction}) leaves {train} training and {held_out} held-out "
+            f"digits of {DIGITS_SAMPLES}; the split is stratified by class and needs at least "
+            f"{len(CLASS_NAMES)} in each: use a val_fraction from {math.ceil(low * 1e4) / 1e4} "
+            f"to {math.floor(high * 1e4) / 1e4}, e.g. 0.2."
+        )
     if len(templates) < 2:
         raise ValueError(
             f"templates ({len(templates)} given) needs at least 2: one is held out for prompts."

@@ -271,18 +271,19 @@ class ClipLlamaCLI(LightningCLI):
             trainer.callbacks.append(fp8)  # type: ignore[attr-defined]
         return trainer
 
-    def _preflight(self) -> None:
+    def _preflight(self, fit: bool = False) -> None:
         ckpt_path = self._get(self.config, "ckpt_path")
         if ckpt_path == AUTO:  # the newest complete checkpoint, else a fresh start
             ckpt_path = self.config_init[str(self.subcommand)]["ckpt_path"] = auto_ckpt_path(
                 self.trainer
             )
         with _setup_errors():
-            preflight(self.trainer, self.model, self.datamodule, ckpt_path=ckpt_path)
+            preflight(self.trainer, self.model, self.datamodule, ckpt_path=ckpt_path, fit=fit)
 
     def before_fit(self) -> None:
-        """Layout vs model and data, before ``fit`` launches any process."""
-        self._preflight()
+        """Layout vs model and data (and a training batch on every rank), before ``fit``
+        launches any process."""
+        self._preflight(fit=True)
 
     def before_validate(self) -> None:
         """As :meth:`before_fit`."""

@@ -17,6 +17,7 @@ the logits at position ``t - 1``.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -229,14 +230,26 @@ class CaptionGeneration:
     @torch.no_grad()
     def generate_accuracy(self: Any, dataloader: Any) -> float | None:
         """Fraction of images whose greedy caption names their digit first (dp-summed);
-        ``None`` without a tokenizer."""
-        if self._tokenizer is None:
+        ``None`` without a tokenizer, without batches or when the batches carry no ``labels``
+        (a caption file without ``label_column``: nothing to score, nothing decoded).
+
+        Batches are cast as the Trainer's precision casts a step's batch
+        (``precision_plugin.convert_input``: bf16 images for the bf16 weights of DeepSpeed's
+        bf16 engine or ``bf16-true``; unchanged under ``32-true`` and ``bf16-mixed``). Every
+        rank of a run holds the same data module, so all of them skip, or all decode, alike.
+        """
+        batches = iter(dataloader)
+        first = next(batches, None)
+        if self._tokenizer is None or first is None or "labels" not in first:
             return None
+        plugin = getattr(self._trainer, "precision_plugin", None)
+        convert = plugin.convert_input if plugin is not None else (lambda data: data)
         was_training = self.training
         self.eval()
         hits = torch.zeros(2)
-        for batch in dataloader:
-            ids = self._greedy({k: v.to(self.device) for k, v in batch.items()})
+        for batch in itertools.chain([first], batches):
+            step = convert({k: v.to(self.device) for k, v in batch.items() if k != "labels"})
+            ids = self._greedy(step)
             named = torch.tensor([named_digit(r, self._digit_classes) for r in ids.tolist()])
             hits += torch.tensor([float((named == batch["labels"]).sum()), float(len(named))])
         self.train(was_training)

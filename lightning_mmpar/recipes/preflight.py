@@ -12,6 +12,7 @@ mistake is one ``ValueError``, printed once, within seconds. Lightning's ``Light
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -19,6 +20,12 @@ from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
 
+from lightning_mmpar.data.digits import (
+    CLASS_NAMES,
+    DIGITS_SAMPLES,
+    DigitsCaptions,
+    split_sizes,
+)
 from lightning_mmpar.layout import LayoutFacts, ParallelLayout, validate
 from lightning_mmpar.parallel.checkpoint import (
     HPARAMS_KEY,
@@ -31,7 +38,7 @@ from lightning_mmpar.recipes.module import ClipLlamaModule
 from lightning_mmpar.recipes.options import check_image_size
 from lightning_mmpar.strategy import MultimodalParallelStrategy
 
-__all__ = ["RESUME_MAY_CHANGE", "layout_and_facts", "preflight"]
+__all__ = ["RESUME_MAY_CHANGE", "check_training_batches", "layout_and_facts", "preflight"]
 
 RESUME_MAY_CHANGE = (
     "loss",
@@ -87,6 +94,7 @@ def preflight(
     datamodule: Any = None,
     *,
     ckpt_path: str | None = None,
+    fit: bool = False,
 ) -> None:
     """Check the layout of ``trainer`` against ``model`` and ``datamodule`` before the processes
     are launched (call it in the main process, before ``trainer.fit`` & co.).
@@ -99,13 +107,18 @@ def preflight(
     (:func:`~lightning_mmpar.recipes.options.check_image_size`); under ``mm_parallel`` a
     ``ckpt_path`` is validated (:func:`~lightning_mmpar.parallel.checkpoint.validate_checkpoint`:
     complete, undamaged files, the same hyper-parameters apart from :data:`RESUME_MAY_CHANGE`).
-    Other strategies and modules get the checks that apply.
+    Other strategies and modules get the checks that apply. With ``fit`` (the CLI's ``fit``),
+    the digits data must leave every data-parallel rank a training batch
+    (:func:`check_training_batches`).
 
     Raises:
         ValueError: the first failing check, naming field, value and fix.
         FileNotFoundError: ``ckpt_path`` or a file of it is missing.
     """
-    validate(*layout_and_facts(trainer, model, datamodule))
+    layout, facts = layout_and_facts(trainer, model, datamodule)
+    validate(layout, facts)
+    if fit and isinstance(datamodule, DigitsCaptions):
+        check_training_batches(datamodule, _dp_size(layout, facts.world_size))
     if isinstance(model, ClipLlamaModule):
         image_size = getattr(datamodule, "image_size", None)
         if isinstance(image_size, int):
@@ -115,6 +128,40 @@ def preflight(
         hparams = model.hparams if model is not None else None
         hparams, ignore = _as_saved(ckpt_path, hparams)
         validate_checkpoint(ckpt_path, hparams, ignore=ignore)
+
+
+def check_training_batches(data: DigitsCaptions, dp: int) -> None:
+    """Refuse a digits split that leaves a data-parallel rank no training batch.
+
+    The training loader drops its last partial batch and Lightning's ``DistributedSampler``
+    gives each of the ``dp`` ranks ``ceil(train / dp)`` of the training digits
+    (:func:`~lightning_mmpar.data.digits.split_sizes` of ``data.val_fraction``); fewer than
+    ``data.batch_size`` is no step at all. Raises ``ValueError`` naming ``data.val_fraction``
+    and ``data.batch_size``, the samples missing and the largest ``val_fraction`` (and
+    ``batch_size``) that train.
+    """
+    train, _ = split_sizes(data.val_fraction)
+    per_rank, batch = -(-train // dp), data.batch_size
+    if per_rank >= batch:
+        return
+    need = (batch - 1) * dp + 1  # the fewest training digits with ceil(train / dp) >= batch
+    most = math.floor((DIGITS_SAMPLES - need) / DIGITS_SAMPLES * 1e4) / 1e4
+    fix = f"Use data.val_fraction <= {most} (>= {batch} digits per rank) or"
+    if DIGITS_SAMPLES - need < len(CLASS_NAMES):  # no split leaves that many: a smaller batch
+        fix = f"No val_fraction leaves {batch} digits per rank: use"
+    raise ValueError(
+        f"data.val_fraction ({data.val_fraction}) leaves {train} of the {DIGITS_SAMPLES} digits "
+        f"for training: {per_rank} per data-parallel rank (dp {dp}), {batch - per_rank} short "
+        f"of one batch of data.batch_size ({batch}; the last partial batch is dropped), so "
+        f"fit would run no step. {fix} data.batch_size <= {per_rank}."
+    )
+
+
+def _dp_size(layout: ParallelLayout, world_size: int | None) -> int:
+    """Data-parallel ranks: the layout's ``dp``, else ``world / (tp * pp)``."""
+    if layout.dp is not None:
+        return layout.dp
+    return max(1, (world_size or 1) // (layout.tp * layout.pp))
 
 
 def _as_saved(path: str, hparams: Any) -> tuple[Any, tuple[str, ...]]:

@@ -7,24 +7,30 @@ module can generate (``generate_accuracy(dataloader)``, any layout: KV-cached gr
 through the pipeline stages under pipeline parallelism), the greedy caption accuracy over the
 validation set is measured first (a collective over all ranks). Retrieval is printed per pair
 (the image's own caption) and by class (a caption naming the same digit,
-``i2t_class_recall@1``: comparable with zero-shot accuracy).
+``i2t_class_recall@1``: comparable with zero-shot accuracy). Data without ``labels`` or without
+a validation split gives ``n/a`` where a measure needs them. The summary runs after the training
+and its checkpoints: an error in it is one warning on rank 0 with the cause
+(:func:`summary_failure`), not a failed ``fit``.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lightning_mmpar.trainer_topology import TrainerTopology
 
-__all__ = ["RunSummary"]
+__all__ = ["RunSummary", "summary_failure"]
 
 
 class RunSummary(Callback):
@@ -88,15 +94,34 @@ class RunSummary(Callback):
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        wall = time.perf_counter() - self._start
-        caption = None
+        """Measure, print and save the summary. Training and its checkpoints are finished by
+        now: an error here is a warning naming its cause (rank 0), and ``fit`` returns
+        normally (``LIGHTNING_MMPAR_TRACEBACK=1`` re-raises it instead)."""
+        try:
+            self._summarize(trainer, pl_module)
+        except Exception as err:  # a finished run is not failed by its summary
+            if os.environ.get("LIGHTNING_MMPAR_TRACEBACK", "") not in ("", "0"):
+                raise
+            ckpt = getattr(trainer.checkpoint_callback, "last_model_path", "") or None
+            rank_zero_warn(summary_failure(err, trainer.global_step, ckpt))
+
+    def _caption_accuracy(self, trainer: Trainer, pl_module: LightningModule) -> float | None:
+        """Greedy caption accuracy on ``caption_batches`` validation batches; ``None`` when the
+        module cannot generate, there is no validation data or ``caption_batches`` is 0."""
         measure = getattr(pl_module, "generate_accuracy", None)
         data = getattr(trainer, "datamodule", None)
-        if measure is not None and data is not None and self.caption_batches != 0:
-            batches: Any = data.val_dataloader()
-            if self.caption_batches is not None:
-                batches = itertools.islice(batches, self.caption_batches)
-            caption = measure(batches)
+        if measure is None or data is None or self.caption_batches == 0:
+            return None
+        batches: Any = _val_batches(data)
+        if batches is None:
+            return None
+        if self.caption_batches is not None:
+            batches = itertools.islice(batches, self.caption_batches)
+        return measure(batches)
+
+    def _summarize(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        wall = time.perf_counter() - self._start
+        caption = self._caption_accuracy(trainer, pl_module)
         last_val = self.val[-1] if self.val else {}
         ckpt = getattr(trainer.checkpoint_callback, "last_model_path", "") or None
         self.summary = {
@@ -182,9 +207,9 @@ def _format(s: dict[str, Any], path: Path, plots: list[Path]) -> str:
         f"  caption names the digit: greedy {_pct(s['caption_acc_greedy'])}, "
         f"teacher-forced {_pct(s['caption_acc_teacher_forced'])}",
         "  retrieval per pair (own caption)  "
-        + "  ".join(f"{k} {_pct(v)}" for k, v in s["retrieval"].items() if "class" not in k),
+        + _recalls({k: v for k, v in s["retrieval"].items() if "class" not in k}),
         "  retrieval by class (same digit)   "
-        + "  ".join(f"{k} {_pct(v)}" for k, v in s["retrieval"].items() if "class" in k),
+        + _recalls({k: v for k, v in s["retrieval"].items() if "class" in k}),
         *(
             f"  router ({m:6s})  top-1 share {_pct(r['top1_share'])}, entropy "
             f"{r['routing_entropy_bits']:.2f} bits, {r['experts_per_token']:.2f} experts/token, "
@@ -199,6 +224,30 @@ def _format(s: dict[str, Any], path: Path, plots: list[Path]) -> str:
     return "\n".join(lines)
 
 
+def summary_failure(err: BaseException, steps: int, checkpoint: str | None) -> str:
+    """The warning of a run summary that raised ``err`` after ``steps`` finished steps: the
+    cause, and that the training and its checkpoint are kept."""
+    kept = f"its last checkpoint is {checkpoint}" if checkpoint else "no checkpoint was written"
+    return (
+        f"RunSummary: the end-of-run summary failed ({type(err).__name__}: {err}). Training "
+        f"finished ({steps} steps) and {kept}; only the summary (summary.json, plots, greedy "
+        "caption accuracy) is missing. LIGHTNING_MMPAR_TRACEBACK=1 re-raises it with its "
+        "traceback."
+    )
+
+
+def _val_batches(data: Any) -> Any:
+    """``data.val_dataloader()``; ``None`` when the data module has no validation split (no
+    ``val_dataloader`` of its own, or a caption module without ``val_file`` / ``val_shards``:
+    its ``datasets`` hold no ``"val"``)."""
+    if isinstance(data, LightningDataModule) and not is_overridden("val_dataloader", data):
+        return None
+    datasets = getattr(data, "datasets", None)
+    if isinstance(datasets, Mapping) and "val" not in datasets:
+        return None
+    return data.val_dataloader()
+
+
 def _router(trainer: Trainer) -> dict[str, Any]:
     """Per-modality router statistics and the heatmap path of an ``ExpertLoadMonitor`` among
     the Trainer's callbacks (duck-typed: ``modality_summary``); empty without one."""
@@ -207,6 +256,11 @@ def _router(trainer: Trainer) -> dict[str, Any]:
             path = getattr(cb, "heatmap_path", None)
             return {"router": cb.modality_summary(), "expert_load_heatmap": path and str(path)}
     return {}
+
+
+def _recalls(values: dict[str, float]) -> str:
+    """``i2t_recall@1 18.1%  ...``; ``n/a`` when none was measured (data without labels)."""
+    return "  ".join(f"{k} {_pct(v)}" for k, v in values.items()) or "n/a"
 
 
 def _pct(value: float | None) -> str:

@@ -1,10 +1,13 @@
-"""The recipe CLI with any LightningDataModule: caption files and WebDataset shards, 2 steps."""
+"""The recipe CLI with any LightningDataModule: caption files (with labels, and without: the run
+summary still ends the run) and WebDataset shards, 2 steps."""
 
 from __future__ import annotations
 
 import io
 import json
+import logging
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +16,7 @@ import webdataset as wds
 import yaml
 from PIL import Image
 
-from lightning_mmpar.recipes.cli import run_cli
+from lightning_mmpar.recipes.cli import main, run_cli
 
 NAMES = ["red", "green", "blue"]
 COLOURS = [(200, 30, 30), (30, 200, 30), (30, 30, 200)]
@@ -218,3 +221,57 @@ def test_precision_fp8_section_trains_in_fp8(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump(config))
     plain = run_cli(["fit", "--config", str(path), "--trainer.max_steps", "1"])
     assert not any(isinstance(c, FP8Training) for c in plain.trainer.callbacks)
+
+
+def test_fit_with_unlabelled_caption_csv_ends_with_its_summary(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A caption CSV without labels (no ``label_column``: the docs' optional labels) trains,
+    validates, checkpoints and ends with its run summary, greedy and zero-shot accuracy
+    ``n/a`` (they need labels), not a ``KeyError`` after the checkpoint."""
+    lines = ["filepath,title"]
+    for i in range(12):
+        _image(i % 3, i).save(tmp_path / f"{i}.png")
+        lines.append(f"{i}.png,a {NAMES[i % 3]} square")
+    (tmp_path / "captions.csv").write_text("\n".join(lines) + "\n")
+    run = tmp_path / "run"
+    trainer = {
+        **TINY["trainer"],
+        "default_root_dir": str(run),
+        "enable_checkpointing": True,
+        "callbacks": [
+            {
+                "class_path": "lightning_mmpar.recipes.summary.RunSummary",
+                "init_args": {"plots": False},
+            },
+            {
+                "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                "init_args": {"save_last": True, "save_top_k": 0},
+            },
+        ],
+    }
+    data = {
+        "class_path": "lightning_mmpar.data.captions.CaptionsDataModule",
+        "init_args": {
+            "train_file": str(tmp_path / "captions.csv"),
+            "val_file": str(tmp_path / "captions.csv"),
+            "image_root": str(tmp_path),
+            "image_size": 16,
+            "batch_size": 4,
+            "max_length": 8,
+        },
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({**TINY, "trainer": trainer, "data": data}))
+    caplog.set_level(logging.INFO)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        main(["fit", "--config", str(path)])  # returns: the command exits 0
+    assert not [w for w in caught if "RunSummary" in str(w.message)]
+    printed = caplog.text
+    assert "caption names the digit: greedy n/a, teacher-forced n/a" in printed, printed
+    assert "retrieval per pair (own caption)  n/a" in printed, printed
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 2 and Path(summary["checkpoint"]).is_dir(), summary
+    assert summary["caption_acc_greedy"] is None and summary["zero_shot_acc"] is None
+    assert math.isfinite(summary["history"]["val"][-1]["val_loss"])

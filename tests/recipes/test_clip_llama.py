@@ -7,7 +7,8 @@
   layout (tp 2, pp 1: DCP reshards) and writes greedy captions that score what the summary's
   decoding at tp 2 x pp 2 scored;
 * ``--deepspeed`` with a ZeRO-3 JSON runs as mm_parallel/FSDP2, with ZeRO-1 on DeepSpeed's
-  engine, and a bad JSON is refused; a tiny module trains on DeepSpeed's ZeRO-1/2 engine.
+  engine (fp32, and bf16 through the run summary), and a bad JSON is refused; a tiny module
+  trains on DeepSpeed's ZeRO-1/2 engine.
 
 Commands after the first fit run in spawned worlds (:mod:`cli_worker`: the CLI in each rank's
 process, no interpreter started per command); the in-process ones run in this process.
@@ -186,7 +187,9 @@ def test_megatron_launch_line_runs_under_torchrun(tmp_path: Path) -> None:
 
 def _deepspeed_commands(tmp_path: Path) -> dict[str, list[str]]:
     """``ds3``: a ZeRO-3 JSON (mapped to mm_parallel / FSDP2), 2 steps; ``ds1``: ZeRO-1 on
-    DeepSpeed's engine, the fusion model (0-dim logit scale included), 3 steps."""
+    DeepSpeed's engine, the fusion model (0-dim logit scale included), 3 steps; ``ds1_bf16``:
+    the same in bf16, 2 steps of 8 samples, one validation batch and the run summary's greedy
+    decoding of one batch (it raised a float / bfloat16 mismatch after training)."""
     commands = {}
     jsons = {
         "ds3": {
@@ -194,8 +197,13 @@ def _deepspeed_commands(tmp_path: Path) -> dict[str, list[str]]:
             "tensor_parallel": {"tp_size": 2},
         },
         "ds1": {"zero_optimization": {"stage": 1}},
+        "ds1_bf16": {
+            "zero_optimization": {"stage": 1},
+            "bf16": {"enabled": True},
+            "train_micro_batch_size_per_gpu": 8,
+        },
     }
-    for name, steps in (("ds3", 2), ("ds1", 3)):
+    for name, steps in (("ds3", 2), ("ds1", 3), ("ds1_bf16", 2)):
         root = tmp_path / name
         ds = tmp_path / f"{name}.json"
         ds.write_text(json.dumps(jsons[name]))
@@ -212,6 +220,18 @@ def _deepspeed_commands(tmp_path: Path) -> dict[str, list[str]]:
         }
         if name == "ds3":
             trainer |= {"enable_checkpointing": False, "callbacks": None}
+        if name == "ds1_bf16":
+            summary = {"plots": False, "caption_batches": 1}
+            trainer |= {
+                "limit_val_batches": 1,
+                "val_check_interval": 2,
+                "callbacks": [
+                    {
+                        "class_path": "lightning_mmpar.recipes.summary.RunSummary",
+                        "init_args": summary,
+                    }
+                ],
+            }
         run = _overrides(tmp_path, name, trainer)
         commands[name] = ["fit", "--config", str(CPU_YAML), "--config", run, "--deepspeed", str(ds)]
     return commands
@@ -249,6 +269,17 @@ def test_recipe_trains_under_deepspeed_zero1_on_cpu(deepspeed_world: dict[str, A
     assert "CPUCapableDeepSpeedStrategy: world 2" in out, out[-2000:]
     summary = json.loads((deepspeed_world["root"] / "ds1" / "summary.json").read_text())
     assert summary["steps"] == 3
+    assert all(math.isfinite(row["train_loss"]) for row in summary["history"]["train"])
+
+
+def test_recipe_summary_under_deepspeed_zero1_bf16(deepspeed_world: dict[str, Any]) -> None:
+    """ZeRO-1 in bf16 on DeepSpeed's engine: trains, validates and ends with its run summary
+    (the greedy decoding casts its images as the engine casts a batch)."""
+    out = deepspeed_world["ds1_bf16"]["printed"]
+    assert "run summary" in out and "RunSummary: the end-of-run summary failed" not in out, out
+    summary = json.loads((deepspeed_world["root"] / "ds1_bf16" / "summary.json").read_text())
+    assert summary["steps"] == 2 and isinstance(summary["caption_acc_greedy"], float), summary
+    assert 0.0 <= summary["zero_shot_acc"] <= 1.0, summary
     assert all(math.isfinite(row["train_loss"]) for row in summary["history"]["train"])
 
 

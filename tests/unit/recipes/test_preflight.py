@@ -69,6 +69,19 @@ MISTAKES = [
         ["--data.image_size", "16"],
         r"data.image_size \(16\) must equal model.fusion.vision.image_size \(32\)",
     ),
+    (  # a val_fraction that leaves no training batch: scikit-learn's message on 4 ranks before
+        ["--data.val_fraction", "0.97"],
+        r"^data.val_fraction \(0.97\) leaves 53 of the 1797 digits for training: 53 per "
+        r"data-parallel rank \(dp 1\), 19 short of one batch of data.batch_size \(72; the last "
+        r"partial batch is dropped\), so fit would run no step. Use data.val_fraction <= 0.9599 "
+        r"\(>= 72 digits per rank\) or data.batch_size <= 53.",
+    ),
+    (  # a split scikit-learn cannot stratify: refused when the data module is built
+        ["--data.val_fraction", "0.999", "--data.batch_size", "2"],
+        r"val_fraction \(0.999\) leaves 1 training and 1796 held-out digits of 1797; the split "
+        r"is stratified by class and needs at least 10 in each: use a val_fraction from 0.0051 "
+        r"to 0.9944",
+    ),
     (  # vision_parallel="dp": micro-batch vs tp, raised at the first forward before
         ["--model.plan.vision_parallel", "dp", "--data.batch_size", "70"],
         r"vision_parallel='dp' splits the images of each micro-batch \(data.batch_size 70 / "
@@ -123,6 +136,24 @@ def test_valid_layout_reaches_fit_and_validate_is_checked_too(launched: list[str
     with pytest.raises(ValueError, match=r"data.image_size \(16\)"):
         run_cli(["validate", "--config", YAML, "--data.image_size", "16"])
     assert launched == ["fit"]
+
+
+def test_training_batches_per_dp_rank() -> None:
+    """``ceil(train / dp)`` digits per rank against ``batch_size``: the fix is the largest
+    ``val_fraction`` that trains (it does), and the smaller batch when none does."""
+    from lightning_mmpar.data.digits import DigitsCaptions, split_sizes
+    from lightning_mmpar.recipes.preflight import check_training_batches
+
+    assert split_sizes(0.2) == (1437, 360)  # scikit-learn's train_test_split of the digits
+    check_training_batches(DigitsCaptions(batch_size=72, val_fraction=0.9599), 1)
+    with pytest.raises(ValueError, match=r"71 per data-parallel rank \(dp 1\), 1 short.*0.9599"):
+        check_training_batches(DigitsCaptions(batch_size=72, val_fraction=0.96), 1)
+    check_training_batches(DigitsCaptions(batch_size=9, val_fraction=0.96), 8)  # 71 / 8 ranks
+    with pytest.raises(ValueError, match=r"9 per data-parallel rank \(dp 8\).*<= 0.9593"):
+        check_training_batches(DigitsCaptions(batch_size=10, val_fraction=0.96), 8)
+    check_training_batches(DigitsCaptions(batch_size=10, val_fraction=0.9593), 8)
+    with pytest.raises(ValueError, match=r"No val_fraction leaves 500 digits per rank: use "):
+        check_training_batches(DigitsCaptions(batch_size=500, val_fraction=0.2), 4)
 
 
 def test_check_functions() -> None:

@@ -1,8 +1,13 @@
-"""``RunSummary(caption_batches=...)``: validated at construction, and the greedy caption
-accuracy measured on exactly that many validation batches (the slowest part of a short run)."""
+"""``RunSummary``: ``caption_batches`` validated at construction, and the greedy caption
+accuracy measured on exactly that many validation batches (the slowest part of a short run);
+the summary and the evaluation on every data module (digits, caption CSV with and without labels
+or a validation file, WebDataset shards) and precision (fp32, bf16-mixed, DeepSpeed's bf16
+engine), one process; a summary that fails is a warning, not a failed run."""
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -70,3 +75,207 @@ def test_skipped_steps_reported(tmp_path: Path, capsys: pytest.CaptureFixture[st
     trainer.strategy = SimpleNamespace()  # no guard (other strategies): 0
     summary.on_fit_end(trainer, _Module())  # type: ignore[arg-type]
     assert summary.summary["skipped_steps"] == 0
+
+
+# ------------------------------------------------------------ every data module and precision
+NAMES = ["red", "green", "blue"]
+
+
+def _png(path: Path, i: int) -> None:
+    from PIL import Image
+
+    Image.new("RGB", (20, 16), (40 + 60 * (i % 3), 30, (7 * i) % 256)).save(path)
+
+
+def _csv_data(root: Path, *, labels: bool, val: bool) -> Any:
+    """A caption CSV of 8 images (``label`` column and class names with ``labels``), its own
+    validation file with ``val``."""
+    from lightning_mmpar.data.captions import CaptionsDataModule
+
+    root.mkdir(parents=True, exist_ok=True)
+    lines = ["filepath,title" + (",label" if labels else "")]
+    for i in range(8):
+        _png(root / f"{i}.png", i)
+        lines.append(f"{i}.png,a {NAMES[i % 3]} square" + (f",{i % 3}" if labels else ""))
+    (root / "train.csv").write_text("\n".join(lines) + "\n")
+    classes = {"label_column": "label", "class_names": NAMES} if labels else {}
+    data = CaptionsDataModule(
+        train_file=str(root / "train.csv"),
+        val_file=str(root / "train.csv") if val else None,
+        image_root=str(root),
+        image_size=16,
+        max_length=8,
+        batch_size=4,
+        prompt_template="a {name} square",
+        **classes,
+    )
+    data.setup("fit")
+    return data
+
+
+def _shard_data(root: Path) -> Any:
+    import io
+
+    import webdataset as wds
+
+    from lightning_mmpar.data.webdataset import WebDatasetCaptions
+
+    root.mkdir(parents=True, exist_ok=True)
+    with wds.TarWriter(str(root / "000000.tar")) as sink:
+        for i in range(8):
+            _png(root / "x.png", i)
+            buf = io.BytesIO((root / "x.png").read_bytes())
+            sample = {"__key__": f"{i:06d}", "png": buf.getvalue(), "cls": str(i % 3)}
+            sink.write({**sample, "txt": f"a {NAMES[i % 3]} square"})
+    shards = str(root / "000000.tar")
+    data = WebDatasetCaptions(
+        train_shards=shards,
+        val_shards=shards,
+        image_size=16,
+        max_length=8,
+        batch_size=4,
+        shuffle=False,
+        class_names=NAMES,
+        prompt_template="a {name} square",
+    )
+    data.setup("fit")
+    return data
+
+
+DATA = ("digits", "csv", "csv_unlabelled", "csv_no_val", "webdataset")
+PRECISIONS = ("32-true", "bf16-mixed", "deepspeed-bf16")
+
+
+@pytest.fixture(scope="module")
+def data_modules(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from tests.recipes import recipe_faults_worker as rw
+
+    root = tmp_path_factory.mktemp("data")
+    return {
+        "digits": rw.digits(),
+        "csv": _csv_data(root / "csv", labels=True, val=True),
+        "csv_unlabelled": _csv_data(root / "plain", labels=False, val=True),
+        "csv_no_val": _csv_data(root / "no_val", labels=True, val=False),
+        "webdataset": _shard_data(root / "shards"),
+    }
+
+
+def _precision(name: str) -> Any:
+    """Lightning's precision plugin of ``name``; ``deepspeed-bf16``: DeepSpeed's engine, whose
+    module is bf16 and whose batches the plugin casts to bf16."""
+    from lightning.pytorch.plugins.precision import DeepSpeedPrecision, MixedPrecision, Precision
+
+    if name == "deepspeed-bf16":
+        return DeepSpeedPrecision("bf16-mixed")
+    return MixedPrecision("bf16-mixed", "cpu") if name == "bf16-mixed" else Precision()
+
+
+def _trained(data: Any, precision: str, root: Path) -> tuple[Any, Any]:
+    """The recipe module (tiny) at the end of a fit on ``data`` under ``precision``, with a
+    stand-in Trainer (one process: nothing is combined)."""
+    import torch
+
+    from tests.recipes import recipe_faults_worker as rw
+
+    trainer: Any = SimpleNamespace(
+        datamodule=data,
+        precision_plugin=_precision(precision),
+        checkpoint_callback=SimpleNamespace(last_model_path=str(root / "last.ckpt")),
+        logger=None,
+        default_root_dir=str(root),
+        global_step=2,
+        world_size=1,
+        is_global_zero=True,
+        strategy=SimpleNamespace(),
+        sanity_checking=False,
+        callback_metrics={},
+    )
+    module = rw.tiny_module(data.vocab_size)
+    module._trainer = trainer
+    module.configure_model()
+    module.setup("fit")
+    if precision == "deepspeed-bf16":  # DeepSpeed's bf16 engine holds the module in bf16
+        module.to(torch.bfloat16)
+    return module, trainer
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("kind", DATA)
+def test_summary_and_evaluation_run_on_every_data_module_and_precision(
+    data_modules: dict[str, Any], tmp_path: Path, kind: str, precision: str
+) -> None:
+    """Validation metrics (a batch through the precision plugin, as Lightning runs a step)
+    and the end-of-fit summary with its greedy caption accuracy: scored where the data has
+    labels and a validation split, ``None`` (not a ``KeyError``, not a dtype mismatch, not a
+    missing-split error) where it has not; the summary never fails."""
+    import math
+    import warnings
+
+    import torch
+
+    from lightning_mmpar.recipes.evaluation import EVAL_METRICS
+
+    data = data_modules[kind]
+    module, trainer = _trained(data, precision, tmp_path)
+    plugin = trainer.precision_plugin
+    module.eval()
+    loader = data.val_dataloader() if kind != "csv_no_val" else data.train_dataloader()
+    batch = plugin.convert_input(next(iter(loader)))
+    with torch.no_grad(), plugin.forward_context():
+        inputs, target = module.pipeline_inputs(batch)
+        loss = module.pipeline_loss(tuple(module._run(inputs)), target)
+    assert math.isfinite(float(loss))
+    if kind != "csv_unlabelled":  # labels and class prompts: every metric is scored
+        values = module._metrics.compute()
+        assert set(values) == set(EVAL_METRICS)
+        assert all(0.0 <= v <= 1.0 for v in values.values()), values
+    summary = RunSummary(plots=False, caption_batches=1)
+    summary.on_fit_start(trainer, module)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        summary.on_fit_end(trainer, module)
+    assert not [str(w.message) for w in caught if "RunSummary" in str(w.message)]
+    greedy = summary.summary["caption_acc_greedy"]
+    if kind in ("csv_unlabelled", "csv_no_val"):
+        assert greedy is None
+    else:
+        assert isinstance(greedy, float) and 0.0 <= greedy <= 1.0
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["steps"] == 2 and saved["checkpoint"] == str(tmp_path / "last.ckpt")
+
+
+class _Failing(_Module):
+    def generate_accuracy(self, batches: Any) -> float:
+        raise RuntimeError("decoding broke")
+
+
+def test_a_failing_summary_is_a_warning_with_its_cause(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A summary that raises after the training finished warns (the cause, the steps, the
+    checkpoint kept) and ``fit`` goes on to return; ``LIGHTNING_MMPAR_TRACEBACK=1`` raises."""
+    trainer: Any = SimpleNamespace(
+        datamodule=SimpleNamespace(val_dataloader=lambda: iter(range(4))),
+        checkpoint_callback=SimpleNamespace(last_model_path="runs/x/last.ckpt"),
+        logger=None,
+        default_root_dir=str(tmp_path),
+        global_step=7,
+        world_size=1,
+        is_global_zero=True,
+        strategy=SimpleNamespace(),
+    )
+    summary = RunSummary(plots=False)
+    summary.on_fit_start(trainer, _Failing())  # type: ignore[arg-type]
+    monkeypatch.delenv("LIGHTNING_MMPAR_TRACEBACK", raising=False)
+    message = (
+        "RunSummary: the end-of-run summary failed (RuntimeError: decoding broke). Training "
+        "finished (7 steps) and its last checkpoint is runs/x/last.ckpt; only the summary "
+        "(summary.json, plots, greedy caption accuracy) is missing. LIGHTNING_MMPAR_TRACEBACK=1 "
+        "re-raises it with its traceback."
+    )
+    with pytest.warns(UserWarning, match="^" + re.escape(message) + "$"):
+        summary.on_fit_end(trainer, _Failing())  # type: ignore[arg-type]
+    assert not (tmp_path / "summary.json").exists()
+    monkeypatch.setenv("LIGHTNING_MMPAR_TRACEBACK", "1")
+    with pytest.raises(RuntimeError, match="decoding broke"):
+        summary.on_fit_end(trainer, _Failing())  # type: ignore[arg-type]

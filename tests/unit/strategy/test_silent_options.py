@@ -102,6 +102,27 @@ def test_check_train_batches_passes_unsized_and_non_empty_loaders() -> None:
         check_train_batches(0, loader)
 
 
+def test_empty_loader_message_reports_the_batching_it_really_uses() -> None:
+    """Lightning re-creates a torchdata ``StatefulDataLoader`` around a ``DistributedSampler``
+    (dp > 1) with ``batch_sampler=``: the loader's own ``batch_size`` / ``drop_last`` then read
+    ``None`` / ``False``; the message names its batch sampler's 72 and ``True``."""
+    from lightning.fabric.utilities.data import _update_dataloader
+    from torch.utils.data import DistributedSampler
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from lightning_mmpar.data.sampler import ResumableRandomSampler
+
+    data = TensorDataset(torch.zeros(100, 1))
+    loader = StatefulDataLoader(
+        data, batch_size=72, sampler=ResumableRandomSampler(data, seed=0), drop_last=True
+    )
+    sampler = DistributedSampler(data, num_replicas=2, rank=0, shuffle=False)
+    rebuilt = _update_dataloader(loader, sampler)
+    assert (rebuilt.batch_size, rebuilt.drop_last, len(rebuilt)) == (None, False, 0)
+    with pytest.raises(ValueError, match=r"of 100 samples, batch_size 72, drop_last True\) has 0"):
+        check_train_batches(0, rebuilt)
+
+
 # ---------------------------------------------------------------- item 9: options with no effect
 def _build(strategy: MultimodalParallelStrategy, devices: int) -> list[str]:
     """Build a Trainer (no process starts) and return the warnings it raised."""
