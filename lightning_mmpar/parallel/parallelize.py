@@ -149,7 +149,10 @@ class ParallelizeOptions:
     memory: MemoryOptions = field(default_factory=MemoryOptions)
     """Precision and memory options (FSDP2 policies, checkpointing, compilation)."""
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    """This rank's device (pipeline buffers, deferred parameters)."""
+    """This rank's device (pipeline buffers, deferred parameters). ``meta``: a dry run
+    (:mod:`lightning_mmpar.recipes.dryrun`): every step runs on meta parameters, except the
+    module's ``load_sharded_parameters`` hook and the replicas' broadcast, which need storage
+    (skipped)."""
 
 
 @dataclass
@@ -440,7 +443,8 @@ def parallelize(
     module's ``load_sharded_parameters`` hook (:mod:`.deferred`) and the gradients no FSDP unit
     reduces (:class:`~lightning_mmpar.parallel.data.GradientSync`, replicas broadcast from
     their group's rank 0, as DDP does). ``plan`` ``None``: a module without one (steps 1-2
-    skipped). Collective over ``tp``, ``ep``, ``pp``, ``dp`` and ``edp``.
+    skipped). ``options.device`` on ``meta`` (a dry run): the hook and the broadcast are
+    skipped, the parameters stay on the meta device. Collective over ``tp``, ``ep``, ``pp``, ``dp`` and ``edp``.
 
     Raises:
         TypeError: ``pipeline_parallel > 1`` for a module that is not a ``PipelineModule``.
@@ -457,7 +461,10 @@ def parallelize(
     prepare_expert_gradients(module, dims.ep)
     shard = data_parallel_step(module, dims, options)
     done = split_pipeline(module, dims, options, shard)
-    deferred.load_deferred(module, options.device)  # sharded meta params: their shards
+    dry = options.device.type == "meta"  # a dry run: no storage to load into or broadcast
+    if not dry:
+        deferred.load_deferred(module, options.device)  # sharded meta params: their shards
     done.grad_sync = GradientSync.of(module, dims, options.config.data_parallel)
-    done.grad_sync.broadcast(dims)  # replicas start equal, as under DDP
+    if not dry:
+        done.grad_sync.broadcast(dims)  # replicas start equal, as under DDP
     return done

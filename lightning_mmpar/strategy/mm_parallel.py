@@ -337,13 +337,14 @@ class MultimodalParallelStrategy(
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _parallelize(self, module: LightningModule) -> None:
+    def _parallelize(self, module: LightningModule, device: torch.device | None = None) -> None:
         """The one :func:`~lightning_mmpar.parallel.parallelize.parallelize` call, with the
-        module's own plan (``parallel_plan(dims)``, when it defines one)."""
+        module's own plan (``parallel_plan(dims)``, when it defines one); ``device``: instead
+        of the root device (``meta``: the dry run, :mod:`lightning_mmpar.recipes.dryrun`)."""
         if self._pipelined():
             return  # already set up by an earlier fit/validate call on this strategy
         dims = self.parallel_dims
-        options = ParallelizeOptions(self.config, self.memory, self.root_device)
+        options = ParallelizeOptions(self.config, self.memory, device or self.root_device)
         try:
             done = parallelize(module, dims, module_plan(module, dims), options)
         except UnappliedDegreeError as err:  # every rank finds it: rank 0 says it

@@ -1,0 +1,374 @@
+"""A dry run of a recipe YAML at its real scale on one CPU machine, next to the planner's counts:
+``python -m lightning_mmpar.recipes.dryrun --config recipes/clip_llama_16gpu.yaml [--gpus 16]
+[--ranks 0,8]``.
+
+Each chosen rank of the YAML's world is set up in this one process, one after the other: torch's
+fake process group (``torch.testing._internal.distributed.fake_pg``: collectives return at once,
+nothing is moved) stands in for the world, the model is built on the meta device (no storage),
+and the strategy's own set-up runs as under ``trainer.fit``: a Lightning ``Trainer`` with the
+YAML's strategy and precision, ``MultimodalParallelStrategy.setup_environment`` (the mesh, handed
+to the module), Lightning's ``configure_model`` call, the precision plugin's ``convert_module``
+and ``MultimodalParallelStrategy._parallelize`` (the one
+:func:`~lightning_mmpar.parallel.parallelize.parallelize` path: tensor and expert parallelism,
+the pipeline split, FSDP2) on the meta device (the deferred tower load and the replicas'
+broadcast need storage and are skipped: :class:`~lightning_mmpar.parallel.parallelize.
+ParallelizeOptions`).
+
+Per rank it prints, **measured** on what the set-up left (the local shards of this rank's
+pipeline chunks under pp, else of the module): parameter bytes, gradient bytes (one gradient per
+trainable local shard) and AdamW bytes (two moments per trainable shard and a 4-byte ``step``
+per trainable parameter), the pipeline blocks the rank holds; next to them the planner's
+**predicted** counts for the same layout (:func:`lightning_mmpar.layout.memory.state_bytes`,
+:func:`lightning_mmpar.layout.memory.stage_blocks`); and, **predicted only** (no step is run:
+a step on meta tensors cannot route MoE tokens or run the pipeline schedules' transfers), the
+activation estimate (:func:`lightning_mmpar.layout.cost.activation_bytes`) and the bytes of
+every collective of one optimizer step (:func:`lightning_mmpar.layout.comm.comm_bytes`).
+A measured count that differs from the prediction is printed with ``MISMATCH`` and makes the
+exit status 1, except the one difference the set-up cannot show: a vocab-parallel embedding's
+gradient comes back whole from torch's ``RowwiseParallel`` embedding (``tp`` times its shard;
+only when FSDP does not shard it), which the planner counts and a run without backward cannot
+see - printed as ``explained``.
+
+Before anything is built the layout is checked as the recipe's launch does
+(:func:`lightning_mmpar.layout.validate` with the model's facts,
+:func:`lightning_mmpar.recipes.planner.layout_facts`): a layout that would fail at set-up exits
+with status 2 and one line naming the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Trainer
+from lightning.pytorch.trainer.call import _call_configure_model
+from torch import nn
+
+from lightning_mmpar.layout import ParallelLayout, validate
+from lightning_mmpar.layout.comm import comm_bytes
+from lightning_mmpar.layout.cost import activation_bytes
+from lightning_mmpar.layout.memory import StateBytes, stage_blocks, state_bytes
+from lightning_mmpar.recipes.partition import _strategy_args, build_module, load_recipe
+from lightning_mmpar.recipes.planner import layout_facts, spec_cache
+from lightning_mmpar.recipes.yaml_layout import yaml_layout
+from lightning_mmpar.strategy import MultimodalParallelStrategy
+
+__all__ = ["RankReport", "Planned", "build_rank", "main", "measure", "plan_layout"]
+
+STEP_BYTES = 4
+"""AdamW's ``step`` state per trainable parameter: a float32 0-dim tensor (torch's
+``_get_scalar_dtype()``)."""
+_NOT_STRATEGY = ("process_group_backend", "timeout")
+"""Strategy arguments of a real launch that mean nothing on the fake process group."""
+
+
+@dataclass(frozen=True)
+class Planned:
+    """The YAML's layout on ``gpus`` devices and the planner's model of it."""
+
+    config: dict[str, Any]
+    layout: ParallelLayout
+    spec: Any
+    """The planner's ``ModelSpec`` (:func:`~lightning_mmpar.recipes.planner.spec_cache`)."""
+    text_length: int
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """One rank's measured and predicted counts (bytes; blocks as pipeline block indices)."""
+
+    rank: int
+    coords: dict[str, int]
+    measured: StateBytes
+    predicted: StateBytes
+    blocks: list[int]
+    predicted_blocks: list[int]
+    full_grad_extra: int
+    """Predicted gradient bytes no set-up can show: vocab-parallel embeddings' whole gradients
+    (``ParamSpec.full_grad``), ``tp - 1`` extra shards each, when FSDP does not shard them."""
+    activations: int
+    comm: dict[str, int]
+    seconds: float
+
+    def mismatches(self) -> list[str]:
+        """What differs beyond :attr:`full_grad_extra` (empty: the counts agree)."""
+        m, p = self.measured, self.predicted
+        out = []
+        if self.blocks != self.predicted_blocks:
+            out.append(f"blocks {self.blocks} vs predicted {self.predicted_blocks}")
+        if m.parameters != p.parameters:
+            out.append(f"parameters {m.parameters} vs predicted {p.parameters}")
+        if m.gradients + self.full_grad_extra != p.gradients:
+            out.append(f"gradients {m.gradients} vs predicted {p.gradients}")
+        if m.optimizer != p.optimizer:
+            out.append(f"optimizer {m.optimizer} vs predicted {p.optimizer}")
+        return out
+
+
+def plan_layout(config: dict[str, Any], gpus: int) -> Planned:
+    """The YAML's layout on ``gpus`` devices as the planner prices it (its base: the YAML's
+    precision, partition and vision mode), checked as the recipe's launch checks it.
+
+    Raises:
+        ValueError: the YAML's degrees do not divide ``gpus``, or a layout the strategy or the
+            model refuses (:func:`lightning_mmpar.layout.validate`'s message).
+    """
+    module, data = build_module(config)
+    text_length = int(data.max_length)
+    part = _strategy_args(config).get("partition", "equal")
+    base = ParallelLayout(
+        precision=str((config.get("trainer") or {}).get("precision", "32-true")),
+        partition=tuple(part) if isinstance(part, list) else part,
+        vision_parallel=module.plan_options.vision_parallel,
+    )
+    layout = yaml_layout(config, base, gpus)
+    if isinstance(layout, str):
+        raise ValueError(f"the YAML's layout: {layout}")
+    validate(layout, layout_facts(module, text_length)(layout))
+    return Planned(config, layout, spec_cache(module, text_length)(layout), text_length)
+
+
+@contextlib.contextmanager
+def _rank_env(rank: int, devices: int) -> Iterator[None]:
+    """``LOCAL_RANK`` / ``NODE_RANK`` of ``rank`` while set up (Lightning's ranks read them)."""
+    saved = {k: os.environ.get(k) for k in ("LOCAL_RANK", "NODE_RANK")}
+    os.environ.update(LOCAL_RANK=str(rank % devices), NODE_RANK=str(rank // devices))
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _trainer(config: dict[str, Any], gpus: int) -> Trainer:
+    """A Lightning ``Trainer`` with the YAML's strategy and precision on ``gpus`` CPU devices
+    (one node: the fake group spans them all; node boundaries change no count)."""
+    args = {k: v for k, v in _strategy_args(config).items() if k not in _NOT_STRATEGY}
+    precision = (config.get("trainer") or {}).get("precision", "32-true")
+    return Trainer(
+        accelerator="cpu",
+        devices=gpus,
+        strategy=MultimodalParallelStrategy(**args),
+        precision=precision,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
+def build_rank(config: dict[str, Any], gpus: int, rank: int) -> tuple[Trainer, nn.Module]:
+    """Set up rank ``rank`` of ``gpus`` as ``trainer.fit`` does, on the fake process group and
+    the meta device (module docstring); returns the trainer (its strategy holds the pipeline
+    and the dims) and the module. Destroy the process group before the next rank."""
+    store = __import__("torch.testing._internal.distributed.fake_pg", fromlist=["FakeStore"])
+    dist.init_process_group("fake", store=store.FakeStore(), rank=rank, world_size=gpus)
+    trainer = _trainer(config, gpus)
+    module, data = build_module(config, meta=False)
+    module.text_length = int(data.max_length)  # the partitioner's caption length
+    strategy = trainer.strategy
+    assert isinstance(strategy, MultimodalParallelStrategy)
+    trainer._data_connector.attach_data(module, datamodule=data)
+    strategy.connect(module)
+    module.trainer = trainer
+    with _rank_env(rank, gpus):
+        strategy.setup_environment()
+    with torch.device("meta"):  # Lightning's call, without storage
+        _call_configure_model(trainer)
+    converted = trainer.precision_plugin.convert_module(module)
+    strategy._parallelize(converted, device=torch.device("meta"))
+    return trainer, converted
+
+
+def _local_bytes(p: torch.Tensor) -> int:
+    t = p.to_local() if hasattr(p, "to_local") else p
+    return int(t.numel() * t.element_size())
+
+
+def _pieces(strategy: MultimodalParallelStrategy, module: nn.Module) -> list[nn.Module]:
+    """This rank's pipeline chunks (pp > 1), else the module."""
+    return list(strategy.pipeline.chunks) if strategy.pipeline is not None else [module]
+
+
+def measure(strategy: MultimodalParallelStrategy, module: nn.Module) -> StateBytes:
+    """Parameter, gradient and AdamW bytes of the local shards this rank holds (module
+    docstring), each parameter counted once."""
+    seen: set[int] = set()
+    params = trainable = count = 0
+    for piece in _pieces(strategy, module):
+        for p in piece.parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            size = _local_bytes(p)
+            params += size
+            if p.requires_grad:
+                trainable += size
+                count += 1
+    return StateBytes(params, trainable, 2 * trainable + STEP_BYTES * count)
+
+
+def held_blocks(strategy: MultimodalParallelStrategy) -> list[int]:
+    """Pipeline block indices of this rank's stages (every block without a pipeline)."""
+    if strategy.pipeline is None:
+        return list(range(len(strategy.lightning_module.pipeline_blocks())))
+    ranges = strategy.pipeline.stage_ranges
+    return sorted(i for s in strategy.pipeline.stage_ids for i in ranges[s])
+
+
+def _full_grad_extra(planned: Planned, coords: dict[str, int]) -> int:
+    """The predicted gradient bytes of vocab-parallel embeddings beyond their local shard."""
+    from lightning_mmpar.layout.memory import fsdp_group, local_shape
+
+    layout, blocks = planned.layout, set(stage_blocks(planned.spec, planned.layout, coords["pp"]))
+    extra = 0
+    for p in planned.spec.params:
+        if p.block in blocks and p.trainable and p.full_grad and layout.tp > 1:
+            if fsdp_group(p, layout) == 1:
+                n = 1
+                for d in local_shape(p, layout, coords):
+                    n *= d
+                extra += n * p.element_size * (layout.tp - 1)
+    return extra
+
+
+def report_rank(planned: Planned, rank: int) -> RankReport:
+    """Set up ``rank`` (:func:`build_rank`), measure it and predict it; the process group is
+    destroyed afterwards."""
+    start = time.perf_counter()
+    gpus = planned.layout.world
+    trainer, module = build_rank(planned.config, gpus, rank)
+    try:
+        strategy = trainer.strategy
+        assert isinstance(strategy, MultimodalParallelStrategy)
+        coords = dict(strategy.parallel_dims.rank_coords(rank))
+        measured, blocks = measure(strategy, module), held_blocks(strategy)
+    finally:
+        dist.destroy_process_group()
+    spec, layout = planned.spec, planned.layout
+    return RankReport(
+        rank=rank,
+        coords=coords,
+        measured=measured,
+        predicted=state_bytes(spec, layout, coords),
+        blocks=blocks,
+        predicted_blocks=sorted(stage_blocks(spec, layout, coords["pp"])),
+        full_grad_extra=_full_grad_extra(planned, coords),
+        activations=activation_bytes(spec, layout, coords["pp"]),
+        comm=comm_bytes(spec, layout, coords["pp"]),
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def format_rank(r: RankReport) -> list[str]:
+    """The lines printed for one rank."""
+    where = " ".join(f"{k} {v}" for k, v in r.coords.items())
+    lines = [f"rank {r.rank} ({where}), set up in {r.seconds:.1f} s"]
+    lines.append(f"  blocks: {_ranges(r.blocks)} (planner: {_ranges(r.predicted_blocks)})")
+    for name in ("parameters", "gradients", "optimizer"):
+        got, want = getattr(r.measured, name), getattr(r.predicted, name)
+        note = "agree" if got == want else f"differ by {want - got:+,}"
+        if name == "gradients" and got + r.full_grad_extra == want and got != want:
+            note = "explained: vocab-parallel embedding gradients come back whole (tp x shard)"
+        lines.append(
+            f"  {name:<11} measured {got:>16,} B ({_mib(got)})  predicted {want:>16,} B  {note}"
+        )
+    lines.append(f"  activations predicted {r.activations:,} B ({_mib(r.activations)}) at peak")
+    comm = ", ".join(f"{k} {v:,}" for k, v in sorted(r.comm.items())) or "none"
+    lines.append(f"  collectives of one step, predicted (bytes): {comm}")
+    lines += [f"  MISMATCH {m}" for m in r.mismatches()]
+    return lines
+
+
+def _ranges(blocks: Sequence[int]) -> str:
+    """``[0, 1, 2, 5, 6]`` -> ``0-2,5-6``."""
+    out: list[str] = []
+    for b in blocks:
+        if out and out[-1].endswith(f"-{b - 1}"):
+            out[-1] = out[-1].rsplit("-", 1)[0] + f"-{b}"
+        elif out and out[-1] == str(b - 1):
+            out[-1] += f"-{b}"
+        else:
+            out.append(str(b))
+    return ",".join(out) or "none"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m lightning_mmpar.recipes.dryrun",
+        description="Set up every rank (or --ranks) of a recipe YAML on one CPU machine (meta "
+        "device, fake process group) and print each rank's measured parameter, gradient and "
+        "optimizer bytes next to the planner's predictions.",
+    )
+    p.add_argument("--config", required=True, help="recipe YAML (the LightningCLI config)")
+    p.add_argument("--gpus", type=int, help="world size (default: the YAML's devices x nodes)")
+    p.add_argument("--ranks", help="comma-separated ranks to set up (default: all)")
+    return p
+
+
+def _world(config: dict[str, Any], gpus: int | None) -> int:
+    if gpus is not None:
+        if gpus < 1:
+            raise ValueError(f"--gpus ({gpus}) must be >= 1.")
+        return gpus
+    trainer = config.get("trainer") or {}
+    devices = trainer.get("devices", 1)
+    if not isinstance(devices, int):
+        raise ValueError(f"trainer.devices ({devices!r}) is not a count; pass --gpus.")
+    return devices * int(trainer.get("num_nodes", 1) or 1)
+
+
+def _ranks(text: str | None, world: int) -> list[int]:
+    if text is None:
+        return list(range(world))
+    try:
+        ranks = [int(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        raise ValueError(f"--ranks ({text!r}) must be comma-separated integers.") from None
+    bad = [r for r in ranks if not 0 <= r < world]
+    if bad or not ranks:
+        raise ValueError(f"--ranks ({text!r}): each must be in 0..{world - 1} (--gpus {world}).")
+    return ranks
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the dry run; 0 when every count agrees, 1 on a mismatch, 2 (one line on stderr)
+    for invalid arguments or a layout refused before anything is built."""
+    args = _parser().parse_args(argv)
+    try:
+        config = load_recipe(args.config)
+        world = _world(config, args.gpus)
+        ranks = _ranks(args.ranks, world)
+        planned = plan_layout(config, world)
+    except ValueError as err:
+        print(f"dryrun: refused: {err}", file=sys.stderr)
+        return 2
+    from lightning_mmpar.layout.planner import describe
+
+    print(f"{args.config} on {world} ranks: {describe(planned.layout)}")
+    failed = 0
+    for rank in ranks:
+        r = report_rank(planned, rank)
+        print("\n".join(format_rank(r)), flush=True)
+        failed += bool(r.mismatches())
+    print(f"{len(ranks) - failed} of {len(ranks)} ranks agree with the planner")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
