@@ -444,7 +444,8 @@ def parallelize(
     reduces (:class:`~lightning_mmpar.parallel.data.GradientSync`, replicas broadcast from
     their group's rank 0, as DDP does). ``plan`` ``None``: a module without one (steps 1-2
     skipped). ``options.device`` on ``meta`` (a dry run): the hook and the broadcast are
-    skipped, the parameters stay on the meta device. Collective over ``tp``, ``ep``, ``pp``, ``dp`` and ``edp``.
+    skipped, the parameters stay on the meta device. Collective over ``tp``, ``ep``, ``pp``,
+    ``dp`` and ``edp``.
 
     Raises:
         TypeError: ``pipeline_parallel > 1`` for a module that is not a ``PipelineModule``.

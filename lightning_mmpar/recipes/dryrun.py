@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import sys
 import time
@@ -55,13 +56,29 @@ from torch import nn
 from lightning_mmpar.layout import ParallelLayout, validate
 from lightning_mmpar.layout.comm import comm_bytes
 from lightning_mmpar.layout.cost import activation_bytes
-from lightning_mmpar.layout.memory import StateBytes, stage_blocks, state_bytes
+from lightning_mmpar.layout.memory import (
+    StateBytes,
+    fsdp_group,
+    local_shape,
+    stage_blocks,
+    state_bytes,
+)
+from lightning_mmpar.recipes.module import ClipLlamaModule
 from lightning_mmpar.recipes.partition import _strategy_args, build_module, load_recipe
 from lightning_mmpar.recipes.planner import layout_facts, spec_cache
 from lightning_mmpar.recipes.yaml_layout import yaml_layout
 from lightning_mmpar.strategy import MultimodalParallelStrategy
 
-__all__ = ["RankReport", "Planned", "build_rank", "main", "measure", "plan_layout"]
+__all__ = [
+    "Planned",
+    "RankReport",
+    "build_rank",
+    "format_rank",
+    "main",
+    "measure",
+    "plan_layout",
+    "report_rank",
+]
 
 STEP_BYTES = 4
 """AdamW's ``step`` state per trainable parameter: a float32 0-dim tensor (torch's
@@ -97,6 +114,8 @@ class RankReport:
     activations: int
     comm: dict[str, int]
     seconds: float
+    stage_table: str | None = None
+    """The strategy's stage plan (``StagePlan.table()``; ``None`` without a pipeline)."""
 
     def mismatches(self) -> list[str]:
         """What differs beyond :attr:`full_grad_extra` (empty: the counts agree)."""
@@ -168,13 +187,15 @@ def _trainer(config: dict[str, Any], gpus: int) -> Trainer:
     )
 
 
-def build_rank(config: dict[str, Any], gpus: int, rank: int) -> tuple[Trainer, nn.Module]:
+def build_rank(config: dict[str, Any], gpus: int, rank: int) -> tuple[Trainer, ClipLlamaModule]:
     """Set up rank ``rank`` of ``gpus`` as ``trainer.fit`` does, on the fake process group and
     the meta device (module docstring); returns the trainer (its strategy holds the pipeline
     and the dims) and the module. Destroy the process group before the next rank."""
-    store = __import__("torch.testing._internal.distributed.fake_pg", fromlist=["FakeStore"])
-    dist.init_process_group("fake", store=store.FakeStore(), rank=rank, world_size=gpus)
-    trainer = _trainer(config, gpus)
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=gpus)
+    with _quiet():
+        trainer = _trainer(config, gpus)
     module, data = build_module(config, meta=False)
     module.text_length = int(data.max_length)  # the partitioner's caption length
     strategy = trainer.strategy
@@ -182,13 +203,26 @@ def build_rank(config: dict[str, Any], gpus: int, rank: int) -> tuple[Trainer, n
     trainer._data_connector.attach_data(module, datamodule=data)
     strategy.connect(module)
     module.trainer = trainer
-    with _rank_env(rank, gpus):
+    with _rank_env(rank, gpus), _quiet():
         strategy.setup_environment()
-    with torch.device("meta"):  # Lightning's call, without storage
-        _call_configure_model(trainer)
-    converted = trainer.precision_plugin.convert_module(module)
-    strategy._parallelize(converted, device=torch.device("meta"))
-    return trainer, converted
+        with torch.device("meta"):  # Lightning's call, without storage
+            _call_configure_model(trainer)
+        trainer.precision_plugin.convert_module(module)  # in place (bf16-true: a cast)
+        strategy._parallelize(module, device=torch.device("meta"))
+    return trainer, module
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Lightning's info lines (devices, precision, the stage table: printed once by
+    :func:`main`) silenced while a rank is set up."""
+    logger = logging.getLogger("lightning.pytorch")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _local_bytes(p: torch.Tensor) -> int:
@@ -229,8 +263,6 @@ def held_blocks(strategy: MultimodalParallelStrategy) -> list[int]:
 
 def _full_grad_extra(planned: Planned, coords: dict[str, int]) -> int:
     """The predicted gradient bytes of vocab-parallel embeddings beyond their local shard."""
-    from lightning_mmpar.layout.memory import fsdp_group, local_shape
-
     layout, blocks = planned.layout, set(stage_blocks(planned.spec, planned.layout, coords["pp"]))
     extra = 0
     for p in planned.spec.params:
@@ -254,6 +286,7 @@ def report_rank(planned: Planned, rank: int) -> RankReport:
         assert isinstance(strategy, MultimodalParallelStrategy)
         coords = dict(strategy.parallel_dims.rank_coords(rank))
         measured, blocks = measure(strategy, module), held_blocks(strategy)
+        table = strategy.stage_plan.table() if strategy.stage_plan is not None else None
     finally:
         dist.destroy_process_group()
     spec, layout = planned.spec, planned.layout
@@ -268,6 +301,7 @@ def report_rank(planned: Planned, rank: int) -> RankReport:
         activations=activation_bytes(spec, layout, coords["pp"]),
         comm=comm_bytes(spec, layout, coords["pp"]),
         seconds=time.perf_counter() - start,
+        stage_table=table,
     )
 
 
@@ -362,8 +396,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print(f"{args.config} on {world} ranks: {describe(planned.layout)}")
     failed = 0
-    for rank in ranks:
+    for i, rank in enumerate(ranks):
         r = report_rank(planned, rank)
+        if i == 0 and r.stage_table is not None:
+            print(f"the strategy's stage plan:\n{r.stage_table}")
         print("\n".join(format_rank(r)), flush=True)
         failed += bool(r.mismatches())
     print(f"{len(ranks) - failed} of {len(ranks)} ranks agree with the planner")

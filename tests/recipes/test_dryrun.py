@@ -1,0 +1,137 @@
+"""``python -m lightning_mmpar.recipes.dryrun`` in-process: every rank of the CPU recipe set up on
+the fake process group and the meta device, its measured state bytes equal to the planner's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+import yaml
+from torch.distributed.tensor import DTensor
+
+from lightning_mmpar.layout.memory import StateBytes
+from lightning_mmpar.recipes import dryrun
+from lightning_mmpar.recipes.partition import load_recipe
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+
+
+@pytest.fixture(scope="module")
+def cpu_reports() -> list[dryrun.RankReport]:
+    """Every rank of the CPU recipe (tp 2 x pp 2, 4 ranks), set up one after the other."""
+    planned = dryrun.plan_layout(load_recipe(str(RECIPES / "clip_llama_cpu.yaml")), 4)
+    return [dryrun.report_rank(planned, rank) for rank in range(4)]
+
+
+def test_cpu_recipe_ranks_match_the_planner_exactly(cpu_reports: list[dryrun.RankReport]) -> None:
+    for r in cpu_reports:
+        assert r.mismatches() == [], (r.rank, r.mismatches())
+        assert r.measured.parameters == r.predicted.parameters > 0
+        assert r.measured.optimizer == r.predicted.optimizer > 0
+        assert r.blocks == r.predicted_blocks
+    # pp rank 0 holds the vision tower, pp rank 1 the language model and head (the YAML's
+    # equal partition of 9 blocks into 2 stages)
+    assert [r.coords["pp"] for r in cpu_reports] == [0, 0, 1, 1]
+    assert cpu_reports[0].blocks == list(range(5)) and cpu_reports[2].blocks == [5, 6, 7, 8]
+    assert not dist.is_initialized()  # each rank's fake group destroyed
+
+
+def test_vocab_parallel_gradient_is_the_explained_difference(
+    cpu_reports: list[dryrun.RankReport],
+) -> None:
+    """The CPU recipe trains its embeddings at dp 1: the vocab-parallel embedding's gradient
+    comes back whole, which the planner counts and a set-up without backward cannot see."""
+    first, last = cpu_reports[0], cpu_reports[2]
+    assert first.full_grad_extra > 0 and first.measured.gradients < first.predicted.gradients
+    assert first.measured.gradients + first.full_grad_extra == first.predicted.gradients
+    assert last.full_grad_extra == 0 and last.measured.gradients == last.predicted.gradients
+    lines = dryrun.format_rank(first)
+    assert any("explained: vocab-parallel" in line for line in lines)
+    assert not any("MISMATCH" in line for line in lines)
+
+
+def test_predictions_are_labelled_as_such(cpu_reports: list[dryrun.RankReport]) -> None:
+    lines = dryrun.format_rank(cpu_reports[0])
+    assert any(line.startswith("  activations predicted") for line in lines)
+    assert any("collectives of one step, predicted" in line for line in lines)
+    assert cpu_reports[0].comm["tp.all_reduce"] > 0 and cpu_reports[0].activations > 0
+
+
+def test_decoder_is_tensor_parallel_under_the_strategy_set_up() -> None:
+    """The strategy's own set-up (trainer, mesh, ``configure_model``) reaches ``parallelize``:
+    the decoder's projections are sharded over tp (a module set up without its trainer applied
+    its plan at tp 1 and left them whole)."""
+    config = load_recipe(str(RECIPES / "clip_llama_cpu.yaml"))
+    trainer, module = dryrun.build_rank(config, 4, 2)  # pp rank 1: the decoder
+    try:
+        chunk = trainer.strategy.pipeline.chunks[0]
+        sharded = [
+            p
+            for n, p in chunk.named_parameters()
+            if "q_proj" in n and isinstance(p, DTensor) and "tp" in p.device_mesh.mesh_dim_names
+        ]
+        assert sharded and all(p.to_local().shape[0] * 2 == p.shape[0] for p in sharded)
+        assert all(p.is_meta for p in module.parameters())  # nothing materialised
+    finally:
+        dist.destroy_process_group()
+
+
+def _write(tmp_path: Path, config: dict[str, Any]) -> str:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def test_refuses_a_layout_before_anything_is_built(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = load_recipe(str(RECIPES / "clip_llama_cpu.yaml"))
+    config["trainer"]["strategy"]["init_args"]["tensor_parallel"] = 3  # 4 heads, 64 wide
+    assert dryrun.main(["--config", _write(tmp_path, config), "--gpus", "6"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dryrun: refused:")
+    assert "tensor-parallel size (3)" in err[0]
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("argv", "why"),
+    [(["--ranks", "4"], "--ranks"), (["--gpus", "0"], "--gpus"), (["--gpus", "6"], "divide")],
+)
+def test_refuses_bad_arguments(
+    argv: list[str], why: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = str(RECIPES / "clip_llama_cpu.yaml")
+    assert dryrun.main(["--config", config, *argv]) == 2
+    assert why in capsys.readouterr().err
+
+
+def test_main_prints_every_rank_and_agrees(capsys: pytest.CaptureFixture[str]) -> None:
+    assert dryrun.main(["--config", str(RECIPES / "clip_llama_cpu.yaml"), "--ranks", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 1 (tp 1" in out and "1 of 1 ranks agree with the planner" in out
+    assert "the strategy's stage plan:" in out
+
+
+def test_mismatch_is_reported() -> None:
+    state = StateBytes(10, 4, 12)
+    report = dryrun.RankReport(
+        rank=0,
+        coords={"pp": 0},
+        measured=state,
+        predicted=StateBytes(10, 4, 16),
+        blocks=[0, 1],
+        predicted_blocks=[0, 2],
+        full_grad_extra=0,
+        activations=0,
+        comm={},
+        seconds=0.0,
+    )
+    assert report.mismatches() == [
+        "blocks [0, 1] vs predicted [0, 2]",
+        "optimizer 12 vs predicted 16",
+    ]
+    assert any(line.startswith("  MISMATCH") for line in dryrun.format_rank(report))
+    assert dryrun._ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
