@@ -135,3 +135,14 @@ def test_mismatch_is_reported() -> None:
     ]
     assert any(line.startswith("  MISMATCH") for line in dryrun.format_rank(report))
     assert dryrun._ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+
+
+@pytest.mark.parametrize("recipe", ["clip_llama_8gpu", "clip_llama_moe_8gpu"])
+def test_real_size_recipe_ranks_match_the_planner_exactly(recipe: str) -> None:
+    """A shipped 8-GPU YAML at its real size (a 2B-parameter decoder, tp 4 x pp 2): the first
+    rank of each pipeline rank, measured state bytes equal to the planner's, no mismatch."""
+    planned = dryrun.plan_layout(load_recipe(str(RECIPES / f"{recipe}.yaml")), 8)
+    for rank in (0, 4):
+        r = dryrun.report_rank(planned, rank)
+        assert r.coords["pp"] == rank // 4 and r.mismatches() == [], (recipe, rank, r)
+        assert r.measured == r.predicted and r.measured.parameters > 2**26
