@@ -208,7 +208,12 @@ def build_rank(config: dict[str, Any], gpus: int, rank: int) -> tuple[Trainer, C
         with torch.device("meta"):  # Lightning's call, without storage
             _call_configure_model(trainer)
         trainer.precision_plugin.convert_module(module)  # in place (bf16-true: a cast)
-        strategy._parallelize(module, device=torch.device("meta"))
+        try:
+            strategy._parallelize(module, device=torch.device("meta"))
+        except SystemExit:  # the strategy's refusal leaves ranks other than 0 quietly
+            raise RuntimeError(
+                f"rank {rank}: the strategy refused this set-up; --ranks 0 raises its reason."
+            ) from None
     return trainer, module
 
 
