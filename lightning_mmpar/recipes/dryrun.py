@@ -20,7 +20,8 @@ trainable local shard) and AdamW bytes (two moments per trainable shard and a 4-
 per trainable parameter), the pipeline blocks the rank holds; next to them the planner's
 **predicted** counts for the same layout (:func:`lightning_mmpar.layout.memory.state_bytes`,
 :func:`lightning_mmpar.layout.memory.stage_blocks`); and, **predicted only** (no step is run:
-a step on meta tensors cannot route MoE tokens or run the pipeline schedules' transfers), the
+on meta tensors and a fake group whose peers never answer, the pipeline engine cannot exchange
+its stages' output shapes and MoE layers cannot route tokens: both read values), the
 activation estimate (:func:`lightning_mmpar.layout.cost.activation_bytes`) and the bytes of
 every collective of one optimizer step (:func:`lightning_mmpar.layout.comm.comm_bytes`).
 A measured count that differs from the prediction is printed with ``MISMATCH`` and makes the
