@@ -16,13 +16,14 @@ ParallelizeOptions`).
 
 Per rank it prints, **measured** on what the set-up left (the local shards of this rank's
 pipeline chunks under pp, else of the module): parameter bytes, gradient bytes (one gradient per
-trainable local shard) and AdamW bytes (two moments per trainable shard and a 4-byte ``step``
-per trainable parameter), the pipeline blocks the rank holds; next to them the planner's
+trainable local shard) and optimizer bytes (the module's own optimizer, built by the strategy's
+``setup_optimizers`` and stepped once on zero gradients: AdamW's two moments and ``step`` per
+parameter, on the meta device), the pipeline blocks the rank holds; next to them the planner's
 **predicted** counts for the same layout (:func:`lightning_mmpar.layout.memory.state_bytes`,
-:func:`lightning_mmpar.layout.memory.stage_blocks`); and, **predicted only** (no step is run:
-on meta tensors and a fake group whose peers never answer, the pipeline engine cannot exchange
-its stages' output shapes and MoE layers cannot route tokens: both read values), the
-activation estimate (:func:`lightning_mmpar.layout.cost.activation_bytes`) and the bytes of
+:func:`lightning_mmpar.layout.memory.stage_blocks`); and, **predicted only** (no forward or
+backward runs: on meta tensors and a fake group whose peers never answer, the pipeline engine
+cannot exchange its stages' output shapes and MoE layers cannot route tokens: both read
+values), the activation estimate (:func:`lightning_mmpar.layout.cost.activation_bytes`) and the bytes of
 every collective of one optimizer step (:func:`lightning_mmpar.layout.comm.comm_bytes`).
 A measured count that differs from the prediction is printed with ``MISMATCH`` and makes the
 exit status 1, except the one difference the set-up cannot show: a vocab-parallel embedding's
@@ -77,13 +78,11 @@ __all__ = [
     "format_rank",
     "main",
     "measure",
+    "optimizer_bytes",
     "plan_layout",
     "report_rank",
 ]
 
-STEP_BYTES = 4
-"""AdamW's ``step`` state per trainable parameter: a float32 0-dim tensor (torch's
-``_get_scalar_dtype()``)."""
 _NOT_STRATEGY = ("process_group_backend", "timeout")
 """Strategy arguments of a real launch that mean nothing on the fake process group."""
 
@@ -185,6 +184,8 @@ def _trainer(config: dict[str, Any], gpus: int) -> Trainer:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        max_epochs=-1,  # the schedule's length without the data: max_steps
+        max_steps=int((config.get("trainer") or {}).get("max_steps", -1) or -1),
     )
 
 
@@ -242,10 +243,10 @@ def _pieces(strategy: MultimodalParallelStrategy, module: nn.Module) -> list[nn.
 
 
 def measure(strategy: MultimodalParallelStrategy, module: nn.Module) -> StateBytes:
-    """Parameter, gradient and AdamW bytes of the local shards this rank holds (module
-    docstring), each parameter counted once."""
+    """Parameter and gradient bytes of the local shards this rank holds (module docstring),
+    each parameter counted once, and the optimizer state :func:`optimizer_bytes` measures."""
     seen: set[int] = set()
-    params = trainable = count = 0
+    params = trainable = 0
     for piece in _pieces(strategy, module):
         for p in piece.parameters():
             if id(p) in seen:
@@ -255,8 +256,25 @@ def measure(strategy: MultimodalParallelStrategy, module: nn.Module) -> StateByt
             params += size
             if p.requires_grad:
                 trainable += size
-                count += 1
-    return StateBytes(params, trainable, 2 * trainable + STEP_BYTES * count)
+    return StateBytes(params, trainable, optimizer_bytes(strategy))
+
+
+def optimizer_bytes(strategy: MultimodalParallelStrategy) -> int:
+    """The module's own optimizers (``configure_optimizers`` through the strategy's
+    ``setup_optimizers``, as at fit set-up) after one step on zero gradients of each
+    parameter's local shard: the bytes of every tensor of their state (AdamW: two moments
+    and a ``step`` per parameter), on the meta device."""
+    assert strategy.lightning_module is not None
+    strategy.setup_optimizers(strategy.lightning_module.trainer)
+    total = 0
+    for optimizer in strategy.optimizers:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = torch.zeros_like(p)
+        optimizer.step()
+        for state in optimizer.state.values():
+            total += sum(_local_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+    return total
 
 
 def held_blocks(strategy: MultimodalParallelStrategy) -> list[int]:
