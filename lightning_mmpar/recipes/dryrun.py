@@ -23,8 +23,9 @@ parameter, on the meta device), the pipeline blocks the rank holds; next to them
 :func:`lightning_mmpar.layout.memory.stage_blocks`); and, **predicted only** (no forward or
 backward runs: on meta tensors and a fake group whose peers never answer, the pipeline engine
 cannot exchange its stages' output shapes and MoE layers cannot route tokens: both read
-values), the activation estimate (:func:`lightning_mmpar.layout.cost.activation_bytes`) and the bytes of
-every collective of one optimizer step (:func:`lightning_mmpar.layout.comm.comm_bytes`).
+values), the activation estimate (:func:`lightning_mmpar.layout.cost.activation_bytes`) and
+the bytes of every collective of one optimizer step (:func:`lightning_mmpar.layout.comm.
+comm_bytes`).
 A measured count that differs from the prediction is printed with ``MISMATCH`` and makes the
 exit status 1, except the one difference the set-up cannot show: a vocab-parallel embedding's
 gradient comes back whole from torch's ``RowwiseParallel`` embedding (``tp`` times its shard;
