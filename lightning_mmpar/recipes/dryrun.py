@@ -68,7 +68,7 @@ from lightning_mmpar.layout.memory import (
 )
 from lightning_mmpar.recipes.module import ClipLlamaModule
 from lightning_mmpar.recipes.partition import _strategy_args, build_module, load_recipe
-from lightning_mmpar.recipes.planner import layout_facts, spec_cache
+from lightning_mmpar.recipes.planner import base_layout, layout_facts, spec_cache
 from lightning_mmpar.recipes.yaml_layout import yaml_layout
 from lightning_mmpar.strategy import MultimodalParallelStrategy
 
@@ -143,13 +143,8 @@ def plan_layout(config: dict[str, Any], gpus: int) -> Planned:
     """
     module, data = build_module(config)
     text_length = int(data.max_length)
-    part = _strategy_args(config).get("partition", "equal")
-    base = ParallelLayout(
-        precision=str((config.get("trainer") or {}).get("precision", "32-true")),
-        partition=tuple(part) if isinstance(part, list) else part,
-        vision_parallel=module.plan_options.vision_parallel,
-    )
-    layout = yaml_layout(config, base, gpus)
+    precision = str((config.get("trainer") or {}).get("precision", "32-true"))
+    layout = yaml_layout(config, base_layout(config, module, precision), gpus)
     if isinstance(layout, str):
         raise ValueError(f"the YAML's layout: {layout}")
     validate(layout, layout_facts(module, text_length)(layout))

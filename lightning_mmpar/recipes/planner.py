@@ -40,7 +40,7 @@ from lightning_mmpar.recipes.partition import _strategy_args, build_module, data
 from lightning_mmpar.recipes.yaml_layout import report, yaml_layout
 from lightning_mmpar.strategy import MultimodalParallelStrategy
 
-__all__ = ["accept_layout", "fragment", "layout_facts", "main", "spec_cache"]
+__all__ = ["accept_layout", "base_layout", "fragment", "layout_facts", "main", "spec_cache"]
 
 _STRATEGY = "lightning_mmpar.strategy.MultimodalParallelStrategy"
 
@@ -93,6 +93,19 @@ def spec_cache(module: ClipLlamaModule, text_length: int) -> Any:
         return cache[key]
 
     return spec
+
+
+def base_layout(config: dict[str, Any], module: ClipLlamaModule, precision: str) -> ParallelLayout:
+    """The defaults every layout of the YAML is priced with: ``precision``, the YAML strategy's
+    ``partition`` (a list becomes boundaries) and the model's ``plan.vision_parallel``; the
+    YAML's own layout is this base with its degrees
+    (:func:`~lightning_mmpar.recipes.yaml_layout.yaml_layout`)."""
+    part = _strategy_args(config).get("partition", "equal")
+    return ParallelLayout(
+        precision=precision,
+        partition=tuple(part) if isinstance(part, list) else part,
+        vision_parallel=module.plan_options.vision_parallel,
+    )
 
 
 def fragment(layout: ParallelLayout, placement: Sequence[int] | None = None) -> dict[str, Any]:
@@ -288,12 +301,7 @@ def _prepare(args: argparse.Namespace) -> _Planning:
         f"workload: {text_length} text tokens per sample ({text_note}), {patches} image tokens "
         f"per image ({image_note}), 1 image per sample"
     )
-    part = _strategy_args(config).get("partition", "equal")
-    base = ParallelLayout(
-        precision=precision,
-        partition=tuple(part) if isinstance(part, list) else part,
-        vision_parallel=module.plan_options.vision_parallel,
-    )
+    base = base_layout(config, module, precision)
     graph, place = None, None
     topo = f"{_graph_text(default_graph(args.gpus))} (assumed; pass --topo)"
     if args.topo:
