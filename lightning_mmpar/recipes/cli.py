@@ -61,8 +61,8 @@ from lightning_mmpar.callbacks.fp8_training import FP8Training
 from lightning_mmpar.data.digits import DigitsCaptions
 from lightning_mmpar.data.transforms import ImagePreprocess
 from lightning_mmpar.parallel.deepspeed_mapping import DeepSpeedPlan
+from lightning_mmpar.recipes import faults
 from lightning_mmpar.recipes.deepspeed_cli import apply_deepspeed_json, strategy_from_deepspeed
-from lightning_mmpar.recipes.faults import RankFaults, is_collective_failure, report_failure
 from lightning_mmpar.recipes.megatron_cli import add_megatron_flags, apply_megatron_flags
 from lightning_mmpar.recipes.module import ClipLlamaModule
 from lightning_mmpar.recipes.preflight import preflight
@@ -270,7 +270,7 @@ class ClipLlamaCLI(LightningCLI):
         fp8 = self._get(self.config_init, "precision.fp8")
         if fp8 is not None:  # the `precision.fp8:` section
             trainer.callbacks.append(fp8)  # type: ignore[attr-defined]
-        trainer.callbacks.append(RankFaults())  # type: ignore[attr-defined]
+        trainer.callbacks.append(faults.watch(trainer))  # type: ignore[attr-defined]
         return trainer
 
     def _preflight(self, fit: bool = False) -> None:
@@ -437,6 +437,6 @@ def main(args: list[str] | None = None) -> None:
         print(f"{' '.join(['clip_llama', sub]).strip()}: error: {err} {hint}", file=sys.stderr)
         raise SystemExit(2) from None
     except RuntimeError as err:  # torch's DistError family included
-        if not is_collective_failure(err) or os.environ.get("LIGHTNING_MMPAR_TRACEBACK"):
+        if not faults.is_collective_failure(err) or os.environ.get("LIGHTNING_MMPAR_TRACEBACK"):
             raise
-        raise SystemExit(report_failure(err)) from None
+        raise SystemExit(faults.report_failure(err)) from None

@@ -57,6 +57,7 @@ __all__ = [
     "is_collective_failure",
     "report_failure",
     "resume_command",
+    "watch",
 ]
 
 ANSWER_S = 3.0
@@ -138,7 +139,13 @@ def fault_block(
     for r, how in sorted(dead.items()):
         host, pid = table.get(r, ("?", -1))
         lines.append(f"lightning_mmpar: rank {r} (host {host}, pid {pid}) {how}.")
-    if not dead:
+    if not table:
+        lines.append(
+            "lightning_mmpar: the process group failed while it was being set up (a rank did "
+            "not start or join within the process-group timeout, trainer.strategy.init_args."
+            "timeout, or died before)."
+        )
+    elif not dead:
         lines.append(
             "lightning_mmpar: a collective failed but every rank answered: a rank is hung or "
             "a collective timed out (the process-group timeout, trainer.strategy.init_args."
@@ -156,9 +163,16 @@ def fault_block(
     return "\n".join(lines)
 
 
+def watch(trainer: pl.Trainer) -> RankFaults:
+    """Report this ``trainer``'s failures (its ``default_root_dir`` holds the logs, its
+    checkpoint folders the checkpoint named); returns the callback to add to it."""
+    _RUN.trainer = trainer
+    return RankFaults()
+
+
 class RankFaults(Callback):
     """Records every rank's host and pid at set-up (module docstring); added by the recipe CLI
-    to every fit. Without a process group it does nothing."""
+    to every fit (:func:`watch`). Without a process group it does nothing."""
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -277,7 +291,7 @@ def _report_once(error: str) -> None:
         return
     trainer = _RUN.trainer
     dead = _dead_ranks(store_ok)
-    if not store_ok and not dead:
+    if not store_ok and not dead and _RUN.table and _RUN.rank != 0:
         dead = {0: "is unreachable (its process held the store of the process group)"}
     block = fault_block(
         dead,
@@ -312,5 +326,6 @@ def report_failure(err: BaseException) -> int:
         f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} rank {_RUN.rank} pid {os.getpid()}\n")
         f.write("".join(traceback.format_exception(err)))
     first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    first = re.sub(r"^\[[^\]]*\]\s*", "", first)  # gloo's "[.../pair.cc:561] " source prefix
     _report(f"{type(err).__name__}: {first[:160]}")
     return 1

@@ -8,7 +8,7 @@
   :mod:`tests.recipes.cli_worker`); the resumed run's TensorBoard events (Lightning's default
   logger) hold throughput, MFU and the peak memory of all 4 ranks;
 * SIGKILL of rank 1 of a 2-process run (Lightning's launcher: rank 0 started rank 1): the job
-  exits non-zero within seconds (well within the process-group timeout ``0:00:30``), the
+  exits non-zero within seconds (the process-group timeout is 3 minutes), the
   console holds one block naming the rank, host, pid, signal, the last complete checkpoint and
   the resume command, and no traceback (rank 0's is in ``faults/rank_0.log``).
 """
@@ -221,8 +221,10 @@ def test_sigkill_of_one_rank_prints_one_block_and_ends_the_job(tmp_path: Path) -
     holds one block naming rank 1, its host, the signal, the last checkpoint and the resume
     command; the gloo tracebacks are in the log files it names, not on the console."""
     root = tmp_path / "killed"
+    # a long process-group timeout: rank 1 starts after rank 0's imports (slow on a loaded
+    # machine), and the job must end at once after the kill, not at the timeout
     cmd = _command(
-        tmp_path, root, devices=2, tensor_parallel=2, pipeline_parallel=1, timeout="0:00:30"
+        tmp_path, root, devices=2, tensor_parallel=2, pipeline_parallel=1, timeout="0:03:00"
     )
     log = tmp_path / "console.log"
     proc = _start(cmd, log, _env(MASTER_PORT=str(free_port())))
@@ -243,9 +245,8 @@ def test_sigkill_of_one_rank_prints_one_block_and_ends_the_job(tmp_path: Path) -
     assert "resume: python -m lightning_mmpar.recipes.clip_llama fit --config" in text, text
     assert text.count("--ckpt_path auto") == 1, text[-4000:]
     assert "Traceback" not in text, text[-4000:]
-    raw = [ln for ln in text.splitlines() if "gloo/transport" in ln]
-    assert len(raw) == 1 and "stopped at global step" in raw[0], raw  # the block's one line
+    assert "gloo/transport" not in text, text[-4000:]  # no raw gloo message either
     rank0 = root / "faults" / "rank_0.log"
     assert f"tracebacks of every rank: {root / 'faults'}/rank_<r>.log" in text, text[-4000:]
-    assert "Traceback" in rank0.read_text()
+    assert "Traceback" in rank0.read_text() and "gloo" in rank0.read_text()
     print(f"rank 0 exited with code {rc} {elapsed:.1f} s after rank 1 was killed")
