@@ -13,10 +13,11 @@ rank fails in its next collective with a gloo / NCCL error, and each printed its
   ranks, the signal named as torch elastic names it: :class:`~torch.distributed.elastic.
   multiprocessing.errors.ProcessFailure`; another process on this host: no longer running; a
   rank on another host: it did not answer within :data:`ANSWER_S` seconds); one surviving rank
-  (the first to claim the report in the store; when the store is gone with rank 0, the lowest
-  local rank alive) prints one block (:func:`fault_block`): which rank, host, pid and how it
-  ended or that the collective timed out, the newest complete checkpoint, the command that
-  resumes from it and where the tracebacks are. The job exits with status 1.
+  (rank 0 when it launched the others, else the first to claim the report in the store; when
+  the store is gone with rank 0, the lowest local rank alive) prints one block
+  (:func:`fault_block`): which rank, host, pid and how it ended or that the collective timed
+  out, the newest complete checkpoint, the command that resumes from it and where the
+  tracebacks are. The job exits with status 1.
 
 Lightning's launcher (``_SubprocessScriptLauncher``) watches its child ranks from a thread
 every 5 s and SIGKILLs all of them, itself included, when one fails; that thread is made to
@@ -258,19 +259,30 @@ def _dead_ranks(store_ok: bool) -> dict[int, str]:
 
 
 def _claim() -> tuple[bool, bool]:
-    """``(this rank reports, the store answers)``: the first rank to claim the report in the
-    store reports; without the store (it lived in rank 0's process), the lowest local rank
-    still running does."""
+    """``(this rank reports, the store answers)``: rank 0 when it launched this rank (Lightning's
+    launcher), else the first rank to claim the report in the store; without the store (it
+    lived in rank 0's process), the lowest local rank still running."""
     store = _RUN.store
-    if store is None:
-        return True, False
+    if store is None:  # failed while the process group was set up: global rank 0 reports
+        return _launched_as_rank_0(), False
     try:
         store.set_timeout(timedelta(seconds=ANSWER_S))
         store.set(f"{_KEY}/alive/{_RUN.rank}", "1")
+        if _RUN.rank != 0 and os.getppid() == _RUN.table.get(0, ("", -1))[1]:
+            return False, True  # rank 0 launched this rank: it knows how its children ended
         return store.add(f"{_KEY}/reporter", 1) == 1, True
     except Exception:  # the store's process is gone (rank 0): any error means that
         alive = [r for r in _RUN.table if _how_ended(r, {}) is None or r == _RUN.rank]
         return _RUN.rank == min(alive, default=_RUN.rank), False
+
+
+def _launched_as_rank_0() -> bool:
+    """Whether this process's launcher made it global rank 0 (torchrun's ``RANK``, SLURM's
+    ``SLURM_PROCID``, else Lightning's ``NODE_RANK`` and ``LOCAL_RANK``; none set: yes)."""
+    for name in ("RANK", "SLURM_PROCID"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name]) == 0
+    return all(os.environ.get(n, "0") in ("", "0") for n in ("NODE_RANK", "LOCAL_RANK"))
 
 
 def _report(error: str) -> None:
