@@ -65,7 +65,7 @@ ANSWER_S = 3.0
 """Seconds a reporting rank waits for the other survivors to say they are alive."""
 _KEY = "lightning_mmpar/faults"
 _COLLECTIVE = re.compile(
-    r"gloo|nccl|Connection (reset|closed|refused)|Broken pipe|timed? ?out|Socket Timeout",
+    r"gloo|nccl|ProcessGroup|Connection (reset|closed) by peer|Broken pipe|Socket Timeout",
     re.IGNORECASE,
 )
 
@@ -88,8 +88,8 @@ _RUN = _Run()
 
 def is_collective_failure(err: BaseException) -> bool:
     """Whether ``err`` (or an exception it was raised from) is a failed collective: torch's
-    ``DistError`` family, or a ``RuntimeError`` naming gloo / NCCL, a closed or reset
-    connection or a timeout."""
+    ``DistError`` family (store and NCCL watchdog timeouts included), or a ``RuntimeError``
+    naming gloo / NCCL / a process group, or a connection closed or reset by the peer."""
     seen: BaseException | None = err
     while seen is not None:
         if isinstance(seen, dist.DistError):

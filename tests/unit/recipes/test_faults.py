@@ -19,6 +19,7 @@ def test_collective_failures_are_told_from_other_errors() -> None:
     assert is_collective_failure(wrapped)
     assert not is_collective_failure(RuntimeError("non-finite loss at step 3"))
     assert not is_collective_failure(ValueError("batch_size must be > 0"))
+    assert not is_collective_failure(RuntimeError("DataLoader worker timed out"))
 
 
 def test_resume_command_replaces_the_checkpoint_option() -> None:
