@@ -16,6 +16,7 @@ from lightning_mmpar.callbacks.fp8_training import FP8Training
 from lightning_mmpar.callbacks.grad_drift import GradientDriftMonitor, GradReport
 from lightning_mmpar.callbacks.micro_batching import DynamicMicroBatching, brief_policy
 from lightning_mmpar.callbacks.peak_memory import PeakMemory
+from lightning_mmpar.callbacks.periodic_checkpoint import PeriodicCheckpoint
 from lightning_mmpar.callbacks.pipeline_timeline import PipelineTimeline, formula_bubble
 from lightning_mmpar.callbacks.preemption import Preemption
 from lightning_mmpar.callbacks.replicas import Drift, ReplicaGroup
@@ -38,6 +39,7 @@ __all__ = [
     "GradReport",
     "GradientDriftMonitor",
     "PeakMemory",
+    "PeriodicCheckpoint",
     "PipelineTimeline",
     "Preemption",
     "ReplicaGroup",

@@ -61,6 +61,7 @@ from lightning_mmpar.callbacks.fp8_training import FP8Training
 from lightning_mmpar.data.digits import DigitsCaptions
 from lightning_mmpar.data.transforms import ImagePreprocess
 from lightning_mmpar.parallel.deepspeed_mapping import DeepSpeedPlan
+from lightning_mmpar.recipes import faults
 from lightning_mmpar.recipes.deepspeed_cli import apply_deepspeed_json, strategy_from_deepspeed
 from lightning_mmpar.recipes.megatron_cli import add_megatron_flags, apply_megatron_flags
 from lightning_mmpar.recipes.module import ClipLlamaModule
@@ -269,6 +270,7 @@ class ClipLlamaCLI(LightningCLI):
         fp8 = self._get(self.config_init, "precision.fp8")
         if fp8 is not None:  # the `precision.fp8:` section
             trainer.callbacks.append(fp8)  # type: ignore[attr-defined]
+        trainer.callbacks.append(faults.watch(trainer))  # type: ignore[attr-defined]
         return trainer
 
     def _preflight(self, fit: bool = False) -> None:
@@ -417,7 +419,10 @@ def main(args: list[str] | None = None) -> None:
 
     A set-up error (:data:`SETUP_ERROR_NOTE`: bad layout, missing checkpoint, ...) is printed as
     ``clip_llama <subcommand>: error: <message>`` and exits with status 2, unless
-    ``LIGHTNING_MMPAR_TRACEBACK=1``. Errors once training runs keep their traceback.
+    ``LIGHTNING_MMPAR_TRACEBACK=1``. A failed collective (a dead or hung rank) goes to
+    :func:`~lightning_mmpar.recipes.faults.report_failure`: the traceback to a log file, one
+    block on one surviving rank, exit status 1. Other errors once training runs keep their
+    traceback.
     """
     try:
         run_cli(args)
@@ -431,3 +436,7 @@ def main(args: list[str] | None = None) -> None:
         hint = "(LIGHTNING_MMPAR_TRACEBACK=1 shows the traceback)"
         print(f"{' '.join(['clip_llama', sub]).strip()}: error: {err} {hint}", file=sys.stderr)
         raise SystemExit(2) from None
+    except RuntimeError as err:  # torch's DistError family included
+        if not faults.is_collective_failure(err) or os.environ.get("LIGHTNING_MMPAR_TRACEBACK"):
+            raise
+        raise SystemExit(faults.report_failure(err)) from None

@@ -20,18 +20,29 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_mmpar.parallel.checkpoint import AUTO, complete_checkpoints
 
-__all__ = ["AUTO", "auto_ckpt_path"]
+__all__ = ["AUTO", "auto_ckpt_path", "newest_run_checkpoint"]
+
+
+def _roots(trainer: Trainer) -> list[str]:
+    dirs = [c.dirpath for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
+    return [*(str(d) for d in dirs if d), str(trainer.default_root_dir)]
+
+
+def newest_run_checkpoint(trainer: Trainer) -> tuple[int, Path] | None:
+    """``(global step, path)`` of the newest complete checkpoint under the run's checkpoint
+    folders (module docstring), ``None`` when there is none."""
+    found = sorted({x for r in _roots(trainer) for x in complete_checkpoints(Path(r))})
+    return (found[-1][0], found[-1][2]) if found else None
 
 
 def auto_ckpt_path(trainer: Trainer) -> str | None:
     """The newest complete checkpoint under the run's checkpoint folders (module docstring);
     ``None`` (start from scratch, said in the log) when there is none."""
-    dirs = [c.dirpath for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
-    roots = [*(d for d in dirs if d), str(trainer.default_root_dir)]
-    found = sorted({x for r in roots for x in complete_checkpoints(Path(r))})
-    if not found:
+    newest = newest_run_checkpoint(trainer)
+    if newest is None:
+        roots = _roots(trainer)
         rank_zero_info(f"ckpt_path=auto: no complete checkpoint under {roots}; starting afresh.")
         return None
-    step, _, path = found[-1]
+    step, path = newest
     rank_zero_info(f"ckpt_path=auto: resuming from {path} (global step {step}).")
     return str(path)

@@ -11,6 +11,12 @@ Checkpoint guard: before anything is written, every rank checks that its paramet
 finite (:func:`~lightning_mmpar.parallel.finite.nonfinite_weights`, one all-reduce); if not,
 ``RuntimeError`` names the parameters, ranks and step, and the checkpoint already at the path
 (if any) stays as it was, so a NaN run never replaces the last finite ``last.ckpt``.
+
+Generator states: every rank saves its own (:func:`~lightning_mmpar.parallel.checkpoint.
+capture_rng_state`: Python, NumPy, torch CPU and accelerator, the model-parallel tracker) and a
+resume in the same layout puts them back where the uninterrupted run had them
+(:func:`~lightning_mmpar.parallel.checkpoint.resume_points`), so dropout masks and data-loader
+worker seeds after a resume are the uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -78,7 +84,11 @@ class ShardedCheckpointHooks(Strategy):
             self.optimizers,
             meta,
             self.is_global_zero,
-            rank_state={"layout": self._rank_layout(), **own},
+            rank_state={
+                "layout": self._rank_layout(),
+                **own,
+                ckpt.RNG_KEY: ckpt.capture_rng_state(self.root_device),
+            },
         )
         self.barrier()
         if self.is_global_zero:
@@ -92,9 +102,45 @@ class ShardedCheckpointHooks(Strategy):
         meta = ckpt.load_sharded(
             path, self.model, self.optimizers, strict=self.lightning_module.strict_loading
         )
-        for note in ckpt.restore_rank_state(path, meta, self._rank_layout()):
+        layout = self._rank_layout()
+        for note in ckpt.restore_rank_state(path, meta, layout):
             rank_zero_warn(note)
+        self._resume_rng = ckpt.saved_rng_state(path, layout)
+        self._resume_rng_points: tuple[str, ...] = ()
+        if self._resume_rng is None:
+            rank_zero_warn(
+                f"checkpoint {path} holds no generator states for this layout: dropout masks "
+                "and data-loader worker seeds after the resume differ from an uninterrupted "
+                "run's (weights, optimizer and data order are restored)."
+            )
         return meta
+
+    _resume_rng: dict[str, Any] | None = None
+    _resume_rng_points: tuple[str, ...] = ()
+
+    def _apply_resume_rng(self, hook: str) -> None:
+        """Put the loaded generator states back at ``hook`` if it is one of this resume's
+        points (:func:`~lightning_mmpar.parallel.checkpoint.resume_points`)."""
+        if self._resume_rng is None:
+            return
+        if hook == "on_train_start":
+            assert self.lightning_module is not None
+            mid_epoch = self.lightning_module.trainer.fit_loop.restarted_mid_epoch
+            self._resume_rng_points = ckpt.resume_points(mid_epoch)
+        if hook in self._resume_rng_points:
+            ckpt.apply_rng_state(self._resume_rng, self.root_device)
+            if hook == self._resume_rng_points[-1]:
+                self._resume_rng = None
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._apply_resume_rng("on_train_start")
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self._apply_resume_rng("on_train_batch_start")
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:

@@ -3,8 +3,9 @@
 Each scenario trains the recipe's tiny module (``tests/recipes/recipe_faults_worker.py``) on
 the digits datamodule three times: ``N`` steps uninterrupted, ``K`` steps with a checkpoint at
 step ``K`` (mid-epoch), and a resume from it to ``N``. Every rank records the batches it trains
-on per step (sample fingerprints), its final weights (full tensors), and the state of its
-callbacks when saved and when restored.
+on per step (sample fingerprints), the logged loss per step (with adapter dropout, the masks
+decide it), the base seed of the training loader's workers per step, its final weights (full
+tensors), and the state of its callbacks when saved and when restored.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ BATCH = 4
 EPOCH = 2  # batches per epoch and dp replica (limit_train_batches)
 SAVE_AT = 3  # optimizer steps before the checkpoint: after batch 0 of the second epoch
 STEPS = 5  # optimizer steps of a whole run: the resumed run crosses into the third epoch
+DROPOUT = 0.3  # adapter dropout of the distributed runs: their losses depend on the masks
 
 
 def fingerprint(batch: dict[str, Tensor]) -> list[tuple[int, float]]:
@@ -46,6 +48,8 @@ class RankState(Callback):
     def __init__(self, rank: int) -> None:
         self.rank, self.seen = rank, 0
         self.batches: list[tuple[int, list[tuple[int, float]]]] = []
+        self.losses: list[float] = []
+        self.worker_seeds: list[int | None] = []
         self.at_save: dict[str, Any] = {}
         self.at_start: dict[str, Any] = {}
 
@@ -62,8 +66,11 @@ class RankState(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, i: int) -> None:
         self.batches.append((trainer.global_step, fingerprint(batch)))
         self.seen += len(batch["labels"])
+        self.worker_seeds.append(loader_base_seed(trainer))
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, *args: Any) -> None:
+        loss = trainer.callback_metrics.get("train_loss")
+        self.losses.append(float("nan") if loss is None else float(loss))
         if trainer.global_step == SAVE_AT - 1:  # a per-rank FP8 decision before the save
             for cb in trainer.callbacks:  # type: ignore[attr-defined]
                 if isinstance(cb, FP8FallbackCallback):
@@ -77,6 +84,17 @@ class RankState(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.rank, self.seen = state_dict["rank"], state_dict["seen"]
+
+
+def loader_base_seed(trainer: Trainer) -> int | None:
+    """The base seed of the training loader's current iterator (``DataLoader``'s
+    ``_base_seed``: worker ``i`` is seeded ``base + i``); ``None`` without workers."""
+    fetcher = trainer.fit_loop._data_fetcher
+    combined = getattr(fetcher, "_combined_loader", None)
+    iterators = getattr(getattr(combined, "_iterator", None), "iterators", [])
+    seeds = [getattr(it, "_base_seed", None) for it in iterators]
+    workers = [getattr(it, "_num_workers", 0) for it in iterators]
+    return seeds[0] if seeds and workers[0] else None
 
 
 def full_weights(module: Any) -> dict[str, Tensor]:
@@ -97,13 +115,15 @@ def train(
     ckpt_path: str | None = None,
     save: bool = False,
     fp8: bool = False,
+    dropout: float = 0.0,
 ) -> dict[str, Any]:
-    """One run; returns the recorder's batches and callback states and the final weights."""
+    """One run (adapter ``dropout``); returns the recorder's batches, losses, worker seeds and
+    callback states and the final weights."""
     seed_everything(0, workers=True)
     data = DigitsCaptions(
         image_size=16, batch_size=BATCH, max_length=rw.TEXT_LENGTH, num_workers=num_workers
     )
-    module = rw.tiny_module(data.vocab_size)
+    module = rw.tiny_module(data.vocab_size, dropout=dropout)
     recorder = RankState(rank)
     callbacks: list[Callback] = [
         recorder,
@@ -127,6 +147,8 @@ def train(
     assert trainer.global_step == steps
     return {
         "batches": recorder.batches,
+        "losses": recorder.losses,
+        "worker_seeds": recorder.worker_seeds,
         "at_save": recorder.at_save,
         "at_start": recorder.at_start,
         "weights": full_weights(module),
@@ -143,14 +165,21 @@ def resume_runs(root: Path, rank: int, **kwargs: Any) -> dict[str, Any]:
 
 
 def world(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    """Both distributed layouts in one 2-process world:
+    """Both distributed layouts in one 2-process world, adapter dropout 0.3 (masks drawn from
+    the model-parallel tracker's regions):
 
     * ``dp2``: FSDP2 data parallel, ``num_workers=0`` (ranks see different shards);
     * ``pp2``: pipeline parallel 2, ``num_workers=2`` (both stages see the same batches), with
       the FP8 fallback callback holding a different decision on each rank.
     """
     shared = Path(root)
-    dp2 = resume_runs(shared / "dp2", rank, devices=world_size, layout={"data_parallel": "fsdp"})
+    dp2 = resume_runs(
+        shared / "dp2",
+        rank,
+        devices=world_size,
+        layout={"data_parallel": "fsdp"},
+        dropout=DROPOUT,
+    )
     pp2 = resume_runs(
         shared / "pp2",
         rank,
@@ -158,5 +187,6 @@ def world(rank: int, world_size: int, root: str) -> dict[str, Any]:
         layout={"pipeline_parallel": 2},
         num_workers=2,
         fp8=True,
+        dropout=DROPOUT,
     )
     return {"dp2": dp2, "pp2": pp2}

@@ -10,7 +10,9 @@
   and pp 2 (2 workers per rank): ``STEPS`` steps uninterrupted vs ``SAVE_AT`` steps, a DCP
   checkpoint mid-epoch (``ModelCheckpoint(every_n_train_steps)``) and a resume to ``STEPS``.
   Every rank trains on the same batches in the same order (dp ranks on different shards, pipeline
-  peers on the same ones), ends with the same weights (bitwise), and gets back its own callback
+  peers on the same ones), with adapter dropout 0.3 logs the same losses after the resume (the
+  tracker's and the default generators' states are checkpointed per rank), its loader workers
+  get the same base seeds, ends with the same weights (bitwise), and gets back its own callback
   state (a rank-dependent recorder, ``GradientDriftMonitor``'s statistics,
   ``FP8FallbackCallback``'s decisions).
 """
@@ -98,6 +100,9 @@ def _check_resume(runs: dict[str, Any], rank: int) -> None:
     tail = full["batches"][rw.SAVE_AT :]
     assert part["batches"] == full["batches"][: rw.SAVE_AT]
     assert resumed["batches"] == tail, f"rank {rank}: resumed batches differ"
+    # dropout masks (the losses) and the workers' base seeds of the resumed steps: bitwise
+    assert resumed["losses"] == full["losses"][rw.SAVE_AT :], f"rank {rank}: losses differ"
+    assert resumed["worker_seeds"] == full["worker_seeds"][rw.SAVE_AT :], f"rank {rank}: seeds"
     for name, want in full["weights"].items():
         assert torch.equal(resumed["weights"][name], want), f"rank {rank}: {name}"
     saved, restored = part["at_save"], resumed["at_start"]
@@ -119,6 +124,8 @@ def test_mid_epoch_resume_and_rank_state_in_a_world(tmp_path: Path) -> None:
         assert fallback["fallen"] == [f"stage_of_rank_{rank}"]
     dp = [out["dp2"]["full"]["batches"] for out in ranks]
     assert dp[0] != dp[1], "dp ranks must see different shards"
+    seeds = [s for out in ranks for s in out["pp2"]["full"]["worker_seeds"]]
+    assert all(isinstance(s, int) for s in seeds), seeds  # pp2 runs 2 loader workers per rank
     pp = [out["pp2"]["full"]["batches"] for out in ranks]
     assert pp[0] == pp[1], "pipeline peers must see the same batches"
     drift = [out["pp2"]["part"]["at_save"]["GradientDriftMonitor"] for out in ranks]

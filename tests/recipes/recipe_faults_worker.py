@@ -73,13 +73,15 @@ def tiny_module(
     contrastive_weight: float = 1.0,
     moe: MoEConfig | None = None,
     vision_parallel: str = "tp",
+    dropout: float = 0.0,
 ) -> SeededModule:
-    """Every part trainable, dropout 0, the CPU YAML's loss weights unless given; ``moe``:
-    mixture-of-experts FFNs in the adapter and both decoder layers; ``vision_parallel``: the
-    vision tower's layout under tensor parallelism (``tp``, ``replicate`` or ``dp``)."""
+    """Every part trainable, adapter ``dropout`` (default 0), the CPU YAML's loss weights
+    unless given; ``moe``: mixture-of-experts FFNs in the adapter and both decoder layers;
+    ``vision_parallel``: the vision tower's layout under tensor parallelism (``tp``,
+    ``replicate`` or ``dp``)."""
     return SeededModule(
         zero_momentum=zero_momentum,
-        fusion=tiny_fusion(logit_scale_init=logit_scale_init, moe=moe),
+        fusion=tiny_fusion(logit_scale_init=logit_scale_init, moe=moe, dropout=dropout),
         finetune=FinetuneConfig(train_vision=True, train_decoder_layers=-1, train_embeddings=True),
         loss=LossConfig(
             contrastive_weight=contrastive_weight,
@@ -95,12 +97,18 @@ def tiny_module(
     )
 
 
-def tiny_fusion(logit_scale_init: float = 1 / 0.07, moe: MoEConfig | None = None) -> FusionConfig:
+def tiny_fusion(
+    logit_scale_init: float = 1 / 0.07, moe: MoEConfig | None = None, dropout: float = 0.0
+) -> FusionConfig:
     """The tiny fusion model of the recipe tests (the ``recipe`` preset of
     :func:`tests.builders.tiny_fusion_config`): 16 px images, 1 ViT layer, 2 joint-attention
-    decoder layers, adapter dropout 0 (8 pipeline blocks); ``moe`` in the adapter and decoder."""
+    decoder layers, adapter ``dropout`` (default 0; 8 pipeline blocks); ``moe`` in the adapter
+    and decoder."""
     return tiny_fusion_config(
-        logit_scale_init=logit_scale_init, language__moe=moe, adapter__moe=moe
+        logit_scale_init=logit_scale_init,
+        language__moe=moe,
+        adapter__moe=moe,
+        adapter__dropout=dropout,
     )
 
 

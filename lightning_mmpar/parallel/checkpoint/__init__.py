@@ -1,8 +1,9 @@
 """Sharded checkpoints: DCP save and load in any layout (:mod:`.dcp`), each rank's own callback
-and loop state (:mod:`.rank_state`), the atomic commit (:mod:`.atomic`), the checks that name a
-bad file or a differing setting (:mod:`.check`) and the newest complete checkpoint under a
-directory (:mod:`.find`). ``from lightning_mmpar.parallel import checkpoint as ckpt`` reaches
-every name below as ``ckpt.<name>``.
+and loop state (:mod:`.rank_state`) and generator states (:mod:`.rng_state`), the atomic commit
+(:mod:`.atomic`), the checks that name a bad file or a differing setting (:mod:`.check`) and the
+newest complete checkpoint under a directory (:mod:`.find`).
+``from lightning_mmpar.parallel import checkpoint as ckpt`` reaches every name below as
+``ckpt.<name>``.
 """
 
 from lightning_mmpar.parallel.checkpoint.atomic import (
@@ -42,6 +43,13 @@ from lightning_mmpar.parallel.checkpoint.rank_state import (
     set_sampler_epoch,
     write_rank_state,
 )
+from lightning_mmpar.parallel.checkpoint.rng_state import (
+    RNG_KEY,
+    apply_rng_state,
+    capture_rng_state,
+    resume_points,
+    saved_rng_state,
+)
 
 __all__ = [
     "AUTO",
@@ -54,7 +62,10 @@ __all__ = [
     "PER_RANK_KEYS",
     "PREVIOUS_SUFFIX",
     "RANKS_DIR",
+    "RNG_KEY",
     "CheckedCheckpoint",
+    "apply_rng_state",
+    "capture_rng_state",
     "check_layout",
     "check_state_keys",
     "commit",
@@ -70,8 +81,10 @@ __all__ = [
     "remove",
     "resolve",
     "restore_rank_state",
+    "resume_points",
     "root_error",
     "save_sharded",
+    "saved_rng_state",
     "set_sampler_epoch",
     "validate_checkpoint",
     "write_rank_state",

@@ -41,6 +41,7 @@ from lightning_mmpar.parallel.pipeline.schedules import (
     partition,
 )
 from lightning_mmpar.parallel.pipeline.steps import PipelineChunk, PipelineSteps
+from lightning_mmpar.parallel.random import get_rng_tracker
 from lightning_mmpar.parallel.token_loss import TokenMean, as_token_mean, token_mean
 
 __all__ = [
@@ -167,14 +168,18 @@ class PipelineEngine:
         torch's shape inference, which runs stages on uninitialised tensors: integer inputs
         (token ids, indices) would be garbage there. One schedule per input shape, so evaluation
         batches of another size work too; forward-only passes get their own schedule, so
-        switching between them and training does not re-initialise stages.
+        switching between them and training does not re-initialise stages. The example run
+        leaves every generator (default ones, the model-parallel tracker) where it was: its
+        dropout draws would otherwise shift the masks of whichever step builds the schedule
+        (the first one, or the first after a resume).
         """
         n = self.config.num_micro_batches
         for t in inputs:
             self.config.check_batch_size(int(t.shape[0]), name="batch size")
         key = (train, n, *((tuple(t.shape), t.dtype) for t in inputs))
         if key not in self._schedules:
-            io = self._example_io(tuple(t.tensor_split(n)[0] for t in inputs))
+            with _rng_untouched(self.device):  # built lazily: a resumed run builds it later
+                io = self._example_io(tuple(t.tensor_split(n)[0] for t in inputs))
             stages = [
                 self._stage(c, s, io[s]) for c, s in zip(self.chunks, self.stage_ids, strict=True)
             ]
@@ -431,3 +436,19 @@ class PipelineEngine:
             return packed[0].float()
         mean = (packed[1] / packed[2].clamp(min=1)).float()
         return token_mean(packed[1].float(), packed[2].long(), mean=mean)
+
+
+@contextlib.contextmanager
+def _rng_untouched(device: torch.device) -> Any:
+    """Run the block with the default generators (CPU and ``device``'s) and the model-parallel
+    tracker's regions put back afterwards (``torch.random.fork_rng`` plus the tracker)."""
+    tracker = get_rng_tracker()
+    saved = tracker.state_dict()
+    accelerator = device.type != "cpu"
+    devices = [device.index or 0] if accelerator else []
+    device_type = device.type if accelerator else "cuda"
+    try:
+        with torch.random.fork_rng(devices=devices, device_type=device_type):
+            yield
+    finally:
+        tracker.load_state_dict(saved)

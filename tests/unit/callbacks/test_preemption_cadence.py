@@ -1,5 +1,6 @@
-"""Pre-emption callback in one process, the newest-complete-checkpoint finder, and the CPU
-recipe's checkpoint cadence as parsed by jsonargparse (LightningCLI's parser)."""
+"""Pre-emption callback in one process, the newest-complete-checkpoint finder, one
+``last.ckpt`` on a step and a time trigger (:class:`PeriodicCheckpoint`), and the CPU recipe's
+checkpoint cadence as parsed by jsonargparse (LightningCLI's parser)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
 from torch import nn
 
+from lightning_mmpar.callbacks.periodic_checkpoint import PeriodicCheckpoint
 from lightning_mmpar.callbacks.preemption import Preemption
 from lightning_mmpar.parallel import checkpoint as ckpt
 from lightning_mmpar.parallel.checkpoint import complete_checkpoints, newest_checkpoint
@@ -170,8 +172,53 @@ def test_cpu_recipe_cadence_parses_to_lightning_triggers() -> None:
     )
     init = parser.instantiate_classes(cfg)
     checkpoints = [c for c in init.callbacks if isinstance(c, ModelCheckpoint)]
-    assert [c._every_n_train_steps for c in checkpoints] == [100, 0]
-    assert [c._train_time_interval for c in checkpoints] == [None, timedelta(minutes=15)]
-    assert all(c.save_last for c in checkpoints)
+    assert len(checkpoints) == 1, checkpoints  # two with save_last wrote last-v1.ckpt
+    assert isinstance(checkpoints[0], PeriodicCheckpoint) and checkpoints[0].save_last
+    assert checkpoints[0]._every_n_train_steps == 100
+    assert checkpoints[0]._train_time_interval == timedelta(minutes=2)
     assert [type(c) for c in init.callbacks].count(Preemption) == 1
     assert init.timeout == timedelta(minutes=5)
+
+
+class _SavedAt(Callback):
+    """The global steps at which a checkpoint was written."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def on_save_checkpoint(self, trainer: Trainer, *args: Any) -> None:
+        self.steps.append(trainer.global_step)
+
+
+@pytest.mark.parametrize(
+    ("interval", "want"), [(timedelta(hours=1), [3, 6]), (timedelta(0), [1, 2, 3, 4, 5, 6, 7])]
+)
+def test_periodic_checkpoint_keeps_one_last_on_both_triggers(
+    tmp_path: Path, interval: timedelta, want: list[int]
+) -> None:
+    saved = _SavedAt()
+    periodic = PeriodicCheckpoint(
+        dirpath=tmp_path,
+        save_last=True,
+        save_top_k=0,
+        every_n_train_steps=3,
+        train_time_interval=interval,
+    )
+    trainer = Trainer(
+        default_root_dir=tmp_path,
+        max_steps=7,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        accelerator="cpu",
+        devices=1,
+        callbacks=[periodic, saved],
+    )
+    trainer.fit(BoringModel())
+    assert saved.steps == want  # the step trigger alone, or the time trigger every step
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    with pytest.raises(ValueError, match="every_n_train_steps=-1"):
+        PeriodicCheckpoint(every_n_train_steps=-1)
+    with pytest.raises(ValueError, match="every_n_epochs"):
+        PeriodicCheckpoint(every_n_epochs=1)
