@@ -111,7 +111,9 @@ def fit_recipe(world: int, recipe: str, tp: int, steps: int = 3) -> dict[str, An
     shipped = yaml.safe_load((RECIPES / f"{name}.yaml").read_text())
     strategy = shipped["trainer"]["strategy"]
     strategy["init_args"].update(tensor_parallel=tp, pipeline_parallel=1, **memory)
-    strategy["init_args"].pop("micro_batches", None)
+    # no pipeline: the shipped YAML's pipeline options are reset (refused at pp 1), not dropped
+    # (a key left out of this override keeps the shipped YAML's value)
+    strategy["init_args"].update(micro_batches=None, virtual_pipeline=1, schedule="1f1b")
     root = Path(tempfile.mkdtemp())
     heads = 4
     override = {
