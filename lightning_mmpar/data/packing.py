@@ -33,7 +33,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-__all__ = ["IGNORE_INDEX", "RAGGED_KEYS", "MultimodalCollator", "Overflow"]
+__all__ = ["IGNORE_INDEX", "RAGGED_KEYS", "MultimodalCollator", "Overflow", "contrastive_pairs"]
 
 IGNORE_INDEX = -100
 """Label value that contributes no loss (torch's cross-entropy default)."""
@@ -293,3 +293,21 @@ class MultimodalCollator:
                     img += 1
                 tok += n
         return out
+
+
+def contrastive_pairs(batch: Mapping[str, Tensor]) -> Tensor:
+    """``[B, I]`` bool: image slots that form an image-caption pair for contrastive / MML terms,
+    i.e. the only image of a sample that has at least one target token (a label != -100).
+    Samples with 0 or several images, and images of samples without a caption, are left out."""
+    sid, labels = batch["sample_ids"], batch["labels"]
+    img_sample, mask = batch["image_sample"], batch["image_mask"]
+    n = int(sid.max()) + 1 if sid.numel() else 0
+    n = max(n, 1)
+    s = sid.clamp(min=0)
+    captioned = torch.zeros(sid.shape[0], n, dtype=torch.long, device=sid.device)
+    captioned.scatter_add_(1, s, ((labels != IGNORE_INDEX) & (sid >= 0)).long())
+    images = torch.zeros_like(captioned)
+    images.scatter_add_(1, img_sample.clamp(min=0), mask.long())
+    slot = img_sample.clamp(min=0, max=n - 1)
+    one = images.gather(1, slot) == 1
+    return mask & one & (captioned.gather(1, slot) > 0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_mmpar.data.packing import IGNORE_INDEX, MultimodalCollator
+from lightning_mmpar.data.packing import IGNORE_INDEX, MultimodalCollator, contrastive_pairs
 
 IMG = 9
 
@@ -140,3 +140,20 @@ def test_malformed_sample_names_the_field() -> None:
         MultimodalCollator(max_tokens=8, image_token_id=IMG)(
             [{"id": "z", "input_ids": torch.tensor([1]), "labels": torch.tensor([1])}]
         )
+
+
+def test_contrastive_pairs_are_single_image_samples_with_a_caption() -> None:
+    c = MultimodalCollator(max_tokens=32, image_token_id=IMG)
+    no_caption = _sample("n", [1, IMG, 2], 1)
+    no_caption["labels"] = torch.full((3,), IGNORE_INDEX)
+    batch = c(
+        [
+            _sample("one", [1, IMG, 5, 2], 1),
+            _sample("three", [1, IMG, IMG, IMG, 2], 3),
+            _sample("text", [1, 4, 2], 0),
+            no_caption,
+            _sample("one again", [1, IMG, 6, 2], 1),
+        ]
+    )
+    assert batch["image_mask"].sum() == 6
+    assert contrastive_pairs(batch).tolist() == [[True, False, False, False, False, True]]
