@@ -42,8 +42,10 @@ from lightning_mmpar.models.language import LanguageModel, LlamaDecoderLayer, Ll
 from lightning_mmpar.models.ragged import (
     block_causal_mask,
     image_cross_mask,
+    occupied,
     on_images,
     sample_last_index,
+    scatter_slots,
     splice_images,
 )
 from lightning_mmpar.models.vision import VisionBlock, VisionTower, embed_patches, pool_tokens
@@ -150,11 +152,6 @@ def _ragged(x: Tensor, legacy_ndim: int) -> bool:
     return x.ndim == legacy_ndim + 1
 
 
-def _scatter(y: Tensor, image_mask: Tensor) -> Tensor:
-    out = y.new_zeros(*image_mask.shape, *y.shape[1:])
-    return out.index_put((image_mask,), y)
-
-
 def _broadcast_rows(x: Tensor, rows: int) -> Tensor:
     return x.unsqueeze(0).expand(rows, *x.shape).contiguous()
 
@@ -259,8 +256,9 @@ class VisionPool(FusionBlock):
     def forward(self, x: Tensor, *rest: Tensor) -> tuple[Tensor, ...]:
         if _ragged(x, 3):
             mask = rest[0]
-            pooled, tokens = pool_tokens(x[mask], self.ln_post, self.proj, self.config)
-            return (_scatter(tokens, mask), _scatter(pooled, mask), *rest)
+            sel, dummy = occupied(x, mask)
+            pooled, tokens = pool_tokens(sel, self.ln_post, self.proj, self.config)
+            return (scatter_slots(tokens, mask, dummy), scatter_slots(pooled, mask, dummy), *rest)
         pooled, tokens = pool_tokens(x, self.ln_post, self.proj, self.config)
         return (tokens, pooled, *rest)
 

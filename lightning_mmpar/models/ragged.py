@@ -26,8 +26,10 @@ from torch import Tensor
 __all__ = [
     "block_causal_mask",
     "image_cross_mask",
+    "occupied",
     "on_images",
     "sample_last_index",
+    "scatter_slots",
     "splice_images",
 ]
 
@@ -64,13 +66,35 @@ def image_cross_mask(
     return mask.repeat_interleave(tokens_per_image, dim=2)[:, None]
 
 
-def on_images(fn: Callable[[Tensor], Tensor], x: Tensor, image_mask: Tensor) -> Tensor:
-    """``fn`` on the occupied slots of ``x [B, I, ...]`` as ONE batch ``[N_img, ...]`` (``N_img``
-    may be 0: the module still runs, so its data-parallel collectives and gradient hooks fire on
-    every rank), scattered back into ``[B, I, ...]`` with zeros in empty slots."""
-    y = fn(x[image_mask])
+def occupied(x: Tensor, image_mask: Tensor) -> tuple[Tensor, bool]:
+    """``(x[image_mask] [N_img, ...], False)``, or with no image at all ``(one zero image
+    [1, ...], True)``: the tower then runs on a dummy, so its data-parallel collectives (FSDP2
+    all-gathers in forward pre-hooks, gradient reduce-scatters, DDP's gradient hooks) fire on
+    every rank, and tensor-parallel DTensor ops never see a zero-size batch (whose sharding
+    propagation torch rejects). The dummy depends on ``x`` (times 0), so every earlier block
+    stays on the autograd path and gets its (zero) gradient in the usual order: FSDP2 ranks
+    then issue their reduce-scatters in the same order."""
+    if bool(image_mask.any()):
+        return x[image_mask], False
+    # on x's graph (0 * sum): the blocks before stay on the path to the loss
+    return x.new_zeros(1, *x.shape[2:]) + 0.0 * x.sum(), True
+
+
+def scatter_slots(y: Tensor, image_mask: Tensor, dummy: bool) -> Tensor:
+    """``y [N_img, ...]`` back into ``[B, I, ...]`` (zeros in empty slots); the output of a
+    dummy (:func:`occupied`) contributes zero, keeping its graph (zero gradients)."""
     out = y.new_zeros(*image_mask.shape, *y.shape[1:])
+    if dummy:
+        return out + 0.0 * y.sum()
     return out.index_put((image_mask,), y)
+
+
+def on_images(fn: Callable[[Tensor], Tensor], x: Tensor, image_mask: Tensor) -> Tensor:
+    """``fn`` on the occupied slots of ``x [B, I, ...]`` as ONE batch ``[N_img, ...]`` (no
+    image: on a zero dummy, :func:`occupied`), scattered back into ``[B, I, ...]`` with zeros
+    in empty slots."""
+    sel, dummy = occupied(x, image_mask)
+    return scatter_slots(fn(sel), image_mask, dummy)
 
 
 def splice_images(h: Tensor, ids: Tensor, img: Tensor, image_mask: Tensor, token: int) -> Tensor:
