@@ -10,6 +10,7 @@ from lightning_mmpar.data.caption_files import (
 from lightning_mmpar.data.captions import CaptionsDataModule, CaptionsDataset
 from lightning_mmpar.data.digits import CLASS_NAMES, TEMPLATES, DigitsCaptions, DigitsDataset
 from lightning_mmpar.data.hf_tokenizer import HFTokenizer, load_tokenizer
+from lightning_mmpar.data.packing import RAGGED_KEYS, MultimodalCollator
 from lightning_mmpar.data.sampler import ResumableRandomSampler
 from lightning_mmpar.data.text import CaptionTokenizer
 from lightning_mmpar.data.tokenizer import IGNORE_INDEX, SPECIAL_TOKENS, WordTokenizer
@@ -21,6 +22,7 @@ __all__ = [
     "CLIP_MEAN",
     "CLIP_STD",
     "IGNORE_INDEX",
+    "RAGGED_KEYS",
     "SPECIAL_TOKENS",
     "TEMPLATES",
     "CaptionRow",
@@ -32,6 +34,7 @@ __all__ = [
     "DigitsDataset",
     "HFTokenizer",
     "ImagePreprocess",
+    "MultimodalCollator",
     "ResumableRandomSampler",
     "SkippedRow",
     "WebDatasetCaptions",

@@ -95,10 +95,21 @@ class CrossAttention(nn.Module):
     def _heads(self, x: Tensor) -> Tensor:
         return x.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
 
-    def forward(self, text: Tensor, image: Tensor) -> Tensor:
+    def forward(self, text: Tensor, image: Tensor, attn_mask: Tensor | None = None) -> Tensor:
+        """``text [B, T, D]``, ``image [B, N, D]`` -> ``[B, T, D]``. ``attn_mask [B, 1, T, N]``
+        (bool, True = attend; a ragged batch's own-sample, preceding-image rule): a text token
+        that may attend to no image token gets a zero context (its output is ``o_proj``'s
+        bias), also when ``N = 0``; every projection stays on the autograd graph."""
         q = self._heads(self.q_proj(text))
         k, v = self._heads(self.k_proj(image)), self._heads(self.v_proj(image))
-        out = F.scaled_dot_product_attention(q, k, v)
+        if attn_mask is None:
+            out = F.scaled_dot_product_attention(q, k, v)
+        elif k.shape[2] == 0:  # no image slot at all: zero context, projections kept on graph
+            out = q * 0.0 + (k.sum() + v.sum()) * 0.0
+        else:
+            visible = attn_mask.any(dim=-1, keepdim=True)  # [B, 1, T, 1]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask | ~visible)
+            out = out * visible.to(out.dtype)
         return self.o_proj(out.transpose(1, 2).flatten(2))
 
 
@@ -142,10 +153,18 @@ class CrossModalAdapter(nn.Module):
         """The mixture-of-experts FFN, or ``None`` for the GELU MLP."""
         return self.mlp if isinstance(self.mlp, MoEFeedForward) else None
 
-    def forward(self, text: Tensor, image: Tensor, padding_mask: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        text: Tensor,
+        image: Tensor,
+        padding_mask: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+    ) -> Tensor:
         """``text [B, T, D]``, ``image [B, N, D]`` -> ``[B, T, D]``; ``padding_mask [B, T]``
-        (True = padding) keeps padded text out of MoE routing."""
-        h = text + self.attn_gate(self.dropout(self.attn(self.norm_q(text), self.norm_kv(image))))
+        (True = padding) keeps padded text out of MoE routing; ``attn_mask [B, 1, T, N]``: which
+        image tokens each text token sees (ragged batches; :meth:`CrossAttention.forward`)."""
+        attn = self.attn(self.norm_q(text), self.norm_kv(image), attn_mask=attn_mask)
+        h = text + self.attn_gate(self.dropout(attn))
         x = self.norm_ffn(h)
         if isinstance(self.mlp, MoEFeedForward):
             ids = modality_ids(self.mlp, x, "text")

@@ -39,6 +39,15 @@ from lightning_mmpar.models.adapter import AdapterMLP, CrossModalAdapter
 from lightning_mmpar.models.block_cost import BlockCost, CostTally, linear_weight
 from lightning_mmpar.models.heads import MomentumHeads, TextPooler
 from lightning_mmpar.models.language import LanguageModel, LlamaDecoderLayer, LlamaMLP
+from lightning_mmpar.models.ragged import (
+    block_causal_mask,
+    image_cross_mask,
+    occupied,
+    on_images,
+    sample_last_index,
+    scatter_slots,
+    splice_images,
+)
 from lightning_mmpar.models.vision import VisionBlock, VisionTower, embed_patches, pool_tokens
 
 __all__ = [
@@ -49,6 +58,7 @@ __all__ = [
     "FusionBlock",
     "FusionOutput",
     "Head",
+    "RaggedStreams",
     "Streams",
     "VisionLayer",
     "VisionPool",
@@ -113,6 +123,35 @@ class Streams(NamedTuple):
     """``[B, K]`` index of each prompt's last token."""
 
 
+class RaggedStreams(NamedTuple):
+    """The state between the bridge and the head for a ragged batch (every tensor batch-first;
+    :mod:`lightning_mmpar.models.ragged`)."""
+
+    img: Tensor
+    """``[B, I, N, D]`` projected image tokens per image slot (zeros in empty slots)."""
+    pooled: Tensor
+    """``[B, I, E]`` pooled image embedding per slot."""
+    h: Tensor
+    """``[B, T, D]`` fused stream (spliced: image tokens in place of the markers)."""
+    ht: Tensor
+    """``[B, T, D]`` text-only stream."""
+    position_ids: Tensor
+    """``[B, T]`` positions restarting at 0 per packed sample."""
+    sample_ids: Tensor
+    """``[B, T]`` sample index within the row, -1 on pad."""
+    image_mask: Tensor
+    """``[B, I]`` slot holds an image."""
+    image_sample: Tensor
+    """``[B, I]`` sample of each image (-1: empty slot)."""
+    image_position: Tensor
+    """``[B, I]`` token index of each image's marker (-1: empty slot)."""
+
+
+def _ragged(x: Tensor, legacy_ndim: int) -> bool:
+    """A ragged batch's state carries one more (image slot) dim than the one-image one."""
+    return x.ndim == legacy_ndim + 1
+
+
 def _broadcast_rows(x: Tensor, rows: int) -> Tensor:
     return x.unsqueeze(0).expand(rows, *x.shape).contiguous()
 
@@ -157,10 +196,16 @@ class VisionStem(FusionBlock):
         self.positional_embedding = vision.positional_embedding
 
     def forward(self, images: Tensor, *rest: Tensor) -> tuple[Tensor, ...]:
-        x = embed_patches(
+        """``images [B, 3, H, W]``, or ragged ``pixel_values [B, I, 3, H, W]`` with
+        ``image_mask`` next (the occupied slots embedded as one batch)."""
+        if _ragged(images, 4):
+            return (on_images(self._embed, images, rest[0]), *rest)
+        return (self._embed(images), *rest)
+
+    def _embed(self, images: Tensor) -> Tensor:
+        return embed_patches(
             images, self.conv1, self.class_embedding, self.positional_embedding, self.ln_pre
         )
-        return (x, *rest)
 
     def _tally(self, tally: CostTally, n: int, t: int) -> None:
         w = self.conv1.weight  # [W, 3, p, p]: a [3 p p] -> [W] product per patch
@@ -179,6 +224,8 @@ class VisionLayer(FusionBlock):
         self.block = block
 
     def forward(self, x: Tensor, *rest: Tensor) -> tuple[Tensor, ...]:
+        if _ragged(x, 3):  # [B, I, V, W]: the occupied slots as one batch
+            return (on_images(self.block, x, rest[0]), *rest)
         return (self.block(x), *rest)
 
     def _tally(self, tally: CostTally, n: int, t: int) -> None:
@@ -207,6 +254,11 @@ class VisionPool(FusionBlock):
         self.config = vision.config
 
     def forward(self, x: Tensor, *rest: Tensor) -> tuple[Tensor, ...]:
+        if _ragged(x, 3):
+            mask = rest[0]
+            sel, dummy = occupied(x, mask)
+            pooled, tokens = pool_tokens(sel, self.ln_post, self.proj, self.config)
+            return (scatter_slots(tokens, mask, dummy), scatter_slots(pooled, mask, dummy), *rest)
         pooled, tokens = pool_tokens(x, self.ln_post, self.proj, self.config)
         return (tokens, pooled, *rest)
 
@@ -222,11 +274,54 @@ class Bridge(FusionBlock):
 
     kind = "aligner"
 
-    def __init__(self, projector: nn.Linear, embed_tokens: nn.Embedding) -> None:
+    def __init__(
+        self,
+        projector: nn.Linear,
+        embed_tokens: nn.Embedding,
+        *,
+        image_token_id: int | None = None,
+    ) -> None:
         super().__init__()
         self.projector, self.embed_tokens = projector, embed_tokens
+        self.image_token_id = image_token_id
+        """Spliced fusion of ragged batches: the id whose embeddings image tokens replace
+        (``None``: cross-attention fusion, markers stay text tokens)."""
 
-    def forward(
+    def forward(self, tokens: Tensor, pooled: Tensor, *rest: Tensor) -> tuple[Tensor, ...]:
+        if _ragged(tokens, 3):
+            return self._ragged(tokens, pooled, *rest)
+        return self._one_image(tokens, pooled, *rest)
+
+    def _ragged(
+        self,
+        tokens: Tensor,
+        pooled: Tensor,
+        image_mask: Tensor,
+        ids: Tensor,
+        position_ids: Tensor,
+        sample_ids: Tensor,
+        image_sample: Tensor,
+        image_position: Tensor,
+    ) -> tuple[Tensor, ...]:
+        img = self.projector(tokens)
+        ht = self.embed_tokens(ids)
+        h = ht
+        if self.image_token_id is not None:
+            if ht.shape[1] != ids.shape[1]:
+                raise ValueError(
+                    "spliced fusion (FusionConfig.fusion='spliced') does not run under sequence "
+                    "parallelism: the embedding output is a sequence shard; set "
+                    "sequence_parallel=False or use fusion='cross_attention'."
+                )
+            h = splice_images(ht, ids, img, image_mask, self.image_token_id)
+        else:
+            h = ht.clone()
+        streams = RaggedStreams(
+            img, pooled, h, ht, position_ids, sample_ids, image_mask, image_sample, image_position
+        )
+        return tuple(streams)
+
+    def _one_image(
         self,
         tokens: Tensor,
         pooled: Tensor,
@@ -256,9 +351,18 @@ class AdapterLayer(FusionBlock):
         self.adapter = adapter
 
     def forward(self, *state: Tensor) -> tuple[Tensor, ...]:
+        if _ragged(state[0], 3):
+            return self._ragged(RaggedStreams(*state))
         s = Streams(*state)
         pad = llama.padding_after(s.last, s.h.shape[1])  # used by an MoE FFN only
         return tuple(s._replace(h=self.adapter(s.h, s.img, pad)))
+
+    def _ragged(self, s: RaggedStreams) -> tuple[Tensor, ...]:
+        """Each text token attends to its own sample's images at or before it."""
+        n = s.img.shape[2]
+        mask = image_cross_mask(s.sample_ids, s.image_mask, s.image_sample, s.image_position, n)
+        h = self.adapter(s.h, s.img.flatten(1, 2), s.sample_ids < 0, attn_mask=mask)
+        return tuple(s._replace(h=h))
 
     def _tally(self, tally: CostTally, n: int, t: int) -> None:
         a = self.adapter
@@ -290,6 +394,8 @@ class DecoderLayer(FusionBlock):
         self.layer = layer
 
     def forward(self, *state: Tensor) -> tuple[Tensor, ...]:
+        if _ragged(state[0], 3):
+            return self._ragged(RaggedStreams(*state))
         s = Streams(*state)
         hp = s.hp
         if not self.training:
@@ -302,6 +408,44 @@ class DecoderLayer(FusionBlock):
             return tuple(s._replace(img=img, h=h, ht=ht, hp=hp))
         fused = self.layer(s.h, s.img)
         return tuple(s._replace(h=fused, ht=self.layer(s.ht, _no_image(s.ht, s.img)), hp=hp))
+
+    def _ragged(self, s: RaggedStreams) -> tuple[Tensor, ...]:
+        """Block-diagonal causal attention over the packed samples, per-sample positions.
+
+        Joint attention: the fused stream's keys are ``[image tokens of every slot; text]``,
+        a text token sees its own sample's images at or before it; each image's tokens sit at
+        RoPE positions ``0 .. N-1`` and the text at ``N + position_ids`` (the one-image
+        layout, image before text). The text-only stream sees text only (positions from 0)."""
+        causal = block_causal_mask(s.sample_ids)
+        text_kw = {"attn_mask": causal, "position_ids": s.position_ids}
+        fused_kw, img = text_kw, s.img.flatten(1, 2)
+        b, i, n = s.img.shape[:3]
+        if self.layer.image_norm is not None:
+            cross = image_cross_mask(
+                s.sample_ids, s.image_mask, s.image_sample, s.image_position, n
+            )
+            fused_kw = {
+                "attn_mask": torch.cat([cross, causal], dim=-1),
+                "position_ids": s.position_ids + n,
+                "image_position_ids": torch.arange(n, device=img.device).repeat(i),
+            }
+        pad = s.sample_ids < 0
+        if self.layer.moe is not None:
+            image_pad = (~s.image_mask).repeat_interleave(n, dim=1)
+            img, h, ht = llama.moe_streams(
+                self.layer,
+                img,
+                s.h,
+                s.ht,
+                pad,
+                fused_packed=fused_kw,
+                text_packed=text_kw,
+                image_padding=image_pad,
+            )
+            return tuple(s._replace(img=img.unflatten(1, (i, n)), h=h, ht=ht))
+        h = self.layer(s.h, img, None, **fused_kw)
+        none = img.new_zeros(b, 0, img.shape[-1])
+        return tuple(s._replace(h=h, ht=self.layer(s.ht, none, None, **text_kw)))
 
     def _tally(self, tally: CostTally, n: int, t: int) -> None:
         joint = self.layer.image_norm is not None
@@ -355,6 +499,8 @@ class Head(FusionBlock):
 
     def forward(self, *state: Tensor) -> tuple[Tensor, ...]:
         """A plain tuple in :class:`FusionOutput` order (pipeline stages reject NamedTuples)."""
+        if _ragged(state[0], 3):
+            return self._ragged(RaggedStreams(*state))
         s = Streams(*state)
         text_embed, text = self.text_head(self.norm(s.ht), s.last)
         m_img, m_txt = self.momentum(s.pooled, text_embed)
@@ -372,6 +518,25 @@ class Head(FusionBlock):
                 momentum_image=m_img,
                 momentum_text=m_txt,
                 class_features=classes,
+            )
+        )
+
+    def _ragged(self, s: RaggedStreams) -> tuple[Tensor, ...]:
+        """Features per image slot ``[B, I, C]``: the slot's image and its sample's text (the
+        text-only stream at the sample's last token); zeros for empty slots' images."""
+        last = sample_last_index(s.sample_ids, s.image_sample)
+        text_embed, text = self.text_head(self.norm(s.ht), last)
+        m_img, m_txt = self.momentum(s.pooled, text_embed)
+        scale = self.logit_scale.exp()
+        return tuple(
+            FusionOutput(
+                logits=self.lm_head(self.norm(s.h)),
+                image_features=F.normalize(self.image_head(s.pooled), dim=-1),
+                text_features=F.normalize(text, dim=-1),
+                logit_scale=scale.expand(s.h.shape[0]),
+                momentum_image=m_img,
+                momentum_text=m_txt,
+                class_features=s.pooled.new_zeros(1, m_img.shape[-1]),
             )
         )
 

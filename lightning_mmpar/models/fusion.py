@@ -19,9 +19,9 @@ blocks a pipeline-parallel strategy cuts into stages.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Literal, cast
 
 import torch
 from torch import Tensor, nn
@@ -75,6 +75,26 @@ class FusionConfig:
     """Width of the normalised image/text features."""
     logit_scale_init: float = 1 / 0.07
     """Initial CLIP logit scale (stored as its log)."""
+    fusion: Literal["cross_attention", "spliced"] = "cross_attention"
+    """How a ragged batch's images reach the language model (one-image batches always use the
+    adapters): ``cross_attention`` (Flamingo: each text token attends, in the adapters, to the
+    images of its own sample at or before it; the marker stays a text token) or ``spliced``
+    (LLaVA / Qwen-VL: the ``image_token_id`` embeddings are replaced by the image's patch
+    tokens; the adapters still run with the cross-attention rule; ``num_blocks=0`` for plain
+    LLaVA)."""
+    image_token_id: int | None = None
+    """The image marker / image token id; required with ``fusion="spliced"``."""
+
+    def __post_init__(self) -> None:
+        if self.fusion not in ("cross_attention", "spliced"):
+            raise ValueError(
+                f"FusionConfig.fusion ({self.fusion!r}) must be 'cross_attention' or 'spliced'."
+            )
+        if self.fusion == "spliced" and self.image_token_id is None:
+            raise ValueError(
+                "FusionConfig.image_token_id is None but fusion='spliced' needs it: set it to "
+                "the collator's image_token_id."
+            )
 
 
 def _last_index(ids: Tensor, mask: Tensor | None) -> Tensor:
@@ -170,6 +190,35 @@ class FusionModel(nn.Module):
             p_last.unsqueeze(0).expand(b, -1).contiguous(),
         )
 
+    @staticmethod
+    def ragged_inputs(batch: Mapping[str, Tensor]) -> tuple[Tensor, ...]:
+        """The tuple block 0 takes for a ragged batch (:class:`~lightning_mmpar.data.
+        MultimodalCollator`): ``(pixel_values [B, I, C, H, W], image_mask [B, I], input_ids,
+        position_ids, sample_ids [B, T], image_sample, image_position [B, I])``.
+
+        Raises:
+            ValueError: a key missing, or ``pixel_values`` not 5-d.
+        """
+        keys: tuple[str, ...] = ("pixel_values", "image_mask", "input_ids", "position_ids")
+        keys += ("sample_ids", "image_sample", "image_position")
+        missing = [k for k in keys if k not in batch]
+        if missing or batch["pixel_values"].ndim != 5:
+            raise ValueError(
+                f"a ragged batch needs {list(keys)} with pixel_values [B, I, C, H, W]; missing "
+                f"{missing} (use lightning_mmpar.data.MultimodalCollator)."
+            )
+        return tuple(batch[k] for k in keys)
+
+    def forward_ragged(self, batch: Mapping[str, Tensor]) -> FusionOutput:
+        """All blocks on a ragged batch (:meth:`ragged_inputs`). Features are per image slot:
+        ``image_features`` / ``text_features`` / momentum features ``[B, I, C]`` (the slot's
+        image and its sample's text), ``logits [B, T, V]``, ``class_features`` zeros ``[1, C]``
+        (no prompt stream)."""
+        state = self.ragged_inputs(batch)
+        for block in self.pipeline_blocks():
+            state = block(*state)
+        return FusionOutput(*state)
+
     def pipeline_blocks(self) -> list[FusionBlock]:
         """Ordered blocks (vision, aligner, language, head), each mapping a tuple to a tuple.
 
@@ -179,7 +228,9 @@ class FusionModel(nn.Module):
         """
         blocks: list[FusionBlock] = [VisionStem(self.vision)]
         blocks += [VisionLayer(cast(VisionBlock, b)) for b in self.vision.transformer.resblocks]
-        blocks += [VisionPool(self.vision), Bridge(self.projector, self.language.embed_tokens)]
+        spliced = self.config.image_token_id if self.config.fusion == "spliced" else None
+        bridge = Bridge(self.projector, self.language.embed_tokens, image_token_id=spliced)
+        blocks += [VisionPool(self.vision), bridge]
         blocks += [AdapterLayer(cast(CrossModalAdapter, a)) for a in self.adapters]
         blocks += [DecoderLayer(cast(LlamaDecoderLayer, d)) for d in self.language.layers]
         blocks.append(

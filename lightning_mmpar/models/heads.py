@@ -33,7 +33,10 @@ class TextPooler(nn.Module):
         self.proj = nn.Linear(dim, out_dim, bias=False)
 
     def forward(self, h: Tensor, last_index: Tensor) -> tuple[Tensor, Tensor]:
+        """``last_index [B]``, or ``[B, I]`` (a ragged batch: one token per image slot) giving
+        ``e [B, I, D]`` and ``f [B, I, C]``."""
         rows = torch.arange(h.shape[0], device=last_index.device)
+        rows = rows.view(-1, *([1] * (last_index.ndim - 1)))
         pooled = h[rows, last_index]
         return pooled, self.proj(pooled)
 

@@ -179,7 +179,22 @@ class LlamaAttention(nn.Module):
     def _heads(self, x: Tensor) -> Tensor:
         return x.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
 
-    def forward(self, x: Tensor, image: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        image: Tensor | None = None,
+        *,
+        attn_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        image_position_ids: Tensor | None = None,
+    ) -> Tensor:
+        """``x [B, T, D]`` -> ``[B, T, D]``. A packed (ragged) batch passes ``attn_mask`` (bool,
+        True = attend) ``[B, 1, T, N + T]`` over ``[image; text]`` keys (``N`` = image tokens
+        of ``image``, 0 without joint attention): block-diagonal causal over text, each
+        sample's own images; ``position_ids [B, T]`` (RoPE positions of the text) and
+        ``image_position_ids [N]`` (of the image keys)."""
+        if attn_mask is not None:
+            return self._packed(x, image, attn_mask, position_ids, image_position_ids)
         q, k, v = (
             self._heads(self.q_proj(x)),
             self._heads(self.k_proj(x)),
@@ -204,6 +219,39 @@ class LlamaAttention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).flatten(2))
+
+    def _packed(
+        self,
+        x: Tensor,
+        image: Tensor | None,
+        attn_mask: Tensor,
+        position_ids: Tensor | None,
+        image_position_ids: Tensor | None,
+    ) -> Tensor:
+        """Self-attention over packed samples (see :meth:`forward`)."""
+        q, k, v = (
+            self._heads(self.q_proj(x)),
+            self._heads(self.k_proj(x)),
+            self._heads(self.v_proj(x)),
+        )
+        b, t = x.shape[:2]
+        if position_ids is None:
+            position_ids = torch.arange(t, device=x.device).expand(b, t)
+        cos, sin = rope_cos_sin(position_ids.reshape(-1), self.head_dim, self.rope_theta, q.dtype)
+        cos, sin = cos.view(b, 1, t, -1), sin.view(b, 1, t, -1)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        n_image = 0 if image is None or self.temperature is None else image.shape[1]
+        if n_image:
+            assert image is not None and image_position_ids is not None
+            ci, si = rope_cos_sin(image_position_ids, self.head_dim, self.rope_theta, q.dtype)
+            k = torch.cat([apply_rope(self._heads(self.k_proj(image)), ci, si), k], dim=2)
+            v = torch.cat([self._heads(self.v_proj(image)), v], dim=2)
+        if self.temperature is not None:
+            k = self.temperature(k, n_image)
+        k = k.repeat_interleave(self.groups, dim=1)
+        v = v.repeat_interleave(self.groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
         return self.o_proj(out.transpose(1, 2).flatten(2))
 
 
@@ -249,18 +297,30 @@ class LlamaDecoderLayer(nn.Module):
         """The mixture-of-experts FFN, or ``None`` for a dense layer."""
         return self.mlp if isinstance(self.mlp, MoEFeedForward) else None
 
-    def attend(self, x: Tensor, image: Tensor | None = None) -> Tensor:
-        """The attention half: ``x + attn(norm_1 x [, image_norm img])``."""
+    def attend(self, x: Tensor, image: Tensor | None = None, **packed: Tensor | None) -> Tensor:
+        """The attention half: ``x + attn(norm_1 x [, image_norm img])``; ``packed``: the
+        ``attn_mask`` and ``position_ids`` of a packed batch (text keys only)."""
+        if packed.get("attn_mask") is not None:
+            if self.image_norm is not None and image is not None:
+                image = self.image_norm(image)
+                return x + self.self_attn(self.input_layernorm(x), image, **packed)
+            return x + self.self_attn(self.input_layernorm(x), **packed)
         if self.image_norm is not None and image is not None:
             return x + self.self_attn(self.input_layernorm(x), self.image_norm(image))
         return x + self.self_attn(self.input_layernorm(x))
 
     def forward(
-        self, x: Tensor, image: Tensor | None = None, padding_mask: Tensor | None = None
+        self,
+        x: Tensor,
+        image: Tensor | None = None,
+        padding_mask: Tensor | None = None,
+        **packed: Tensor | None,
     ) -> Tensor:
         """``x [B, T, D]`` (text), ``image [B, N, D]`` (joint attention keys) -> ``[B, T, D]``;
-        ``padding_mask [B, T]`` (True = padding) keeps padded tokens out of MoE routing."""
-        h = self.attend(x, image)
+        ``padding_mask [B, T]`` (True = padding) keeps padded tokens out of MoE routing;
+        ``packed``: ``attn_mask`` / ``position_ids`` of a packed batch
+        (:meth:`LlamaAttention.forward`)."""
+        h = self.attend(x, image, **packed)
         if isinstance(self.mlp, MoEFeedForward):
             ids = modality_ids(self.mlp, h, "text")
             return h + self.mlp(self.post_attention_layernorm(h), ids, padding_mask)
@@ -280,7 +340,15 @@ def padding_after(last: Tensor, length: int) -> Tensor:
 
 
 def moe_streams(
-    layer: LlamaDecoderLayer, img: Tensor, h: Tensor, ht: Tensor, text_padding: Tensor
+    layer: LlamaDecoderLayer,
+    img: Tensor,
+    h: Tensor,
+    ht: Tensor,
+    text_padding: Tensor,
+    *,
+    fused_packed: dict[str, Tensor] | None = None,
+    text_packed: dict[str, Tensor] | None = None,
+    image_padding: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One MoE decoder layer on the fusion model's streams: attention per stream, then ONE
     mixture-of-experts call over ``[img; h; ht]`` (one routing, one all-to-all under expert
@@ -289,17 +357,22 @@ def moe_streams(
 
     Image tokens go to the ``vision`` router under joint attention when the config has one (their
     residual stream then evolves through the layer: one router per modality); text
-    tokens of both streams go to the ``text`` router. Returns ``(img, h, ht)``.
+    tokens of both streams go to the ``text`` router. A packed batch passes the attention
+    keywords of each stream (``fused_packed``, ``text_packed``: :meth:`LlamaAttention.forward`)
+    and ``image_padding [B, N]`` (True: an empty image slot's tokens, never routed). Returns
+    ``(img, h, ht)``.
     """
     moe = layer.moe
     assert moe is not None
-    fused = layer.attend(h, img)
-    text = layer.attend(ht, img.new_zeros(ht.shape[0], 0, img.shape[-1]))
+    fused = layer.attend(h, img, **(fused_packed or {}))
+    text = layer.attend(ht, img.new_zeros(ht.shape[0], 0, img.shape[-1]), **(text_packed or {}))
     route_image = layer.image_norm is not None and "vision" in moe.config.modalities
     parts = ([img] if route_image else []) + [fused, text]
     kinds = (["vision"] if route_image else []) + ["text", "text"]
     ids = [modality_ids(moe, p, k) for p, k in zip(parts, kinds, strict=True)]
-    pads = ([torch.zeros_like(ids[0], dtype=torch.bool)] if route_image else []) + [
+    if image_padding is None:
+        image_padding = torch.zeros_like(ids[0], dtype=torch.bool)
+    pads = ([image_padding] if route_image else []) + [
         text_padding,
         text_padding,
     ]

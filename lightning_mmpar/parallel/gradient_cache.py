@@ -91,7 +91,9 @@ def batch_gradients(
     with respect to feature ``i`` of micro-batch ``m`` (same shape), None where no gradient
     flows (integer features, features the loss treats as constants).
     """
-    sizes = [f[0].shape[0] for f in per_micro_batch]
+    # rows per feature and micro-batch: features may differ in rows (a ragged batch's
+    # image-caption pairs beside the batch-shaped logit scale)
+    sizes = [[f[i].shape[0] for f in per_micro_batch] for i in range(len(per_micro_batch[0]))]
     leaves = tuple(
         t.detach().requires_grad_(t.is_floating_point()) for t in cat_features(per_micro_batch)
     )
@@ -102,8 +104,13 @@ def batch_gradients(
         if loss.requires_grad and wanted:
             found = torch.autograd.grad(loss, wanted, allow_unused=True)
     by_leaf = dict(zip(map(id, wanted), found, strict=True))
-    split = [g.split(sizes) if (g := by_leaf.get(id(t))) is not None else None for t in leaves]
-    grads = [tuple(s[m] if s is not None else None for s in split) for m in range(len(sizes))]
+    split = [
+        g.split(n) if (g := by_leaf.get(id(t))) is not None else None
+        for t, n in zip(leaves, sizes, strict=True)
+    ]
+    grads = [
+        tuple(s[m] if s is not None else None for s in split) for m in range(len(per_micro_batch))
+    ]
     return loss.detach(), grads
 
 

@@ -31,6 +31,7 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
+from lightning_mmpar.data.packing import contrastive_pairs
 from lightning_mmpar.layout import BlockSpec, measure_blocks
 from lightning_mmpar.models.blocks import Head
 from lightning_mmpar.models.fusion import (
@@ -306,6 +307,8 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         """The model's block-0 inputs (with the data's class prompts) and
         ``[target_ids | label]``; the caption loss learns the batch's token count here (every
         path splits the full local batch through this method)."""
+        if "pixel_values" in batch:
+            return self._ragged_inputs(batch)
         ids = batch["input_ids"]
         prompts = {k: v.to(ids.device) for k, v in self._prompts.items()}
         inputs = FusionModel.pipeline_inputs(
@@ -320,6 +323,14 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         b = ids.shape[0]
         labels = batch.get("labels", torch.full((b,), -1, dtype=torch.long, device=ids.device))
         return inputs, torch.cat([batch["target_ids"], labels[:, None]], dim=1)
+
+    def _ragged_inputs(self, batch: Mapping[str, Tensor]) -> tuple[tuple[Tensor, ...], Tensor]:
+        """A ragged batch (:class:`~lightning_mmpar.data.MultimodalCollator`): the model's
+        block-0 inputs and ``[labels [B, T] | contrastive pair slots [B, I]]``."""
+        inputs = FusionModel.ragged_inputs(batch)
+        if self._loss is not None:
+            self._loss.start_batch(batch["labels"])
+        return inputs, torch.cat([batch["labels"], contrastive_pairs(batch).long()], dim=1)
 
     def pipeline_loss(self, output: tuple[Tensor, ...], target: Tensor) -> Tensor:
         """All three terms of one (micro-)batch; metrics in eval mode."""
@@ -342,6 +353,10 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         if self._decode_position is not None:  # greedy decoding through the pipeline
             self._decoded.append(next_tokens(out.logits, self._decode_position, self.vocab_size))
             return torch.zeros((), device=out.image_features.device)
+        if out.image_features.ndim == 3:  # ragged: [labels | pair slots]
+            return self.loss_config.caption_weight * self._loss.caption(
+                out.logits, target[:, : out.logits.shape[1]]
+            )
         target_ids, labels = target[:, :-1], target[:, -1]
         cap = self._loss.caption(out.logits, target_ids)
         if not self.training and self._metrics is not None and self._prompts:
@@ -349,8 +364,15 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         return self.loss_config.caption_weight * cap
 
     def pipeline_features(self, output: tuple[Tensor, ...], target: Tensor) -> tuple[Tensor, ...]:
-        """Image, text and momentum features and the logit scale of one (micro-)batch."""
-        return RecipeLoss.features(FusionOutput(*output))
+        """Image, text and momentum features and the logit scale of one (micro-)batch; a
+        ragged batch's image-caption pairs only (``[P, C]``, :func:`~lightning_mmpar.data.
+        contrastive_pairs`)."""
+        out = FusionOutput(*output)
+        if out.image_features.ndim == 3:
+            pairs = target[:, out.logits.shape[1] :].bool()
+            img, txt, m_img, m_txt, scale = RecipeLoss.features(out)
+            return (img[pairs], txt[pairs], m_img[pairs], m_txt[pairs], scale)
+        return RecipeLoss.features(out)
 
     def pipeline_batch_loss(self, features: tuple[Tensor, ...]) -> Tensor:
         """``w_c * InfoNCE + MML`` of a batch's features (dp-gathered negatives)."""

@@ -161,6 +161,25 @@ class PipelineEngine:
         self.cache_drift = torch.zeros(())
         """Largest ``|f_pass2 - f_pass1|`` of the last gradient-cache step (0: same features)."""
 
+    def _check_shapes_agree(self, inputs: tuple[Tensor, ...]) -> None:
+        """Every pipeline rank must split a batch of the same shapes (its stages exchange
+        micro-batches of those shapes; a ragged batch's length and image slots vary by step).
+        One 2-element all-reduce per step compares a signature of the shapes; on a mismatch
+        every rank raises the same ``ValueError`` with every rank's shapes (never a hang or a
+        silent reshape)."""
+        shapes = tuple(tuple(t.shape) for t in inputs)
+        sig = hash(shapes) % (1 << 61)
+        both = torch.tensor([sig, -sig], dtype=torch.int64, device=self.device)
+        comm.all_reduce(both, "max", self.group)
+        if int(both[0]) == sig and int(both[1]) == -sig:
+            return
+        every = comm.all_gather_objects(shapes, self.group)
+        raise ValueError(
+            f"pipeline ranks got batches of different shapes ({every}, by pipeline rank); every "
+            "pipeline rank must get the same batch: pad ragged batches to the same shapes on "
+            "every rank (MultimodalCollator(pad_to_max_tokens=True, max_images_per_row=...))."
+        )
+
     def _schedule_for(self, inputs: tuple[Tensor, ...], train: bool) -> Any:
         """The training or forward-only schedule for this input signature, built on first use.
 
@@ -356,6 +375,7 @@ class PipelineEngine:
         self._tokens = []  # nothing left from a step that raised
         if not train and any(int(t.shape[0]) % n for t in inputs):
             return self._eval_in_order(tuple(inputs), target)
+        self._check_shapes_agree(tuple(inputs))
         args = inputs if self.has_first else ()
         tgt = target if self.has_last else None
         losses: list[Tensor] = []

@@ -1,0 +1,123 @@
+"""Ragged-batch parity (issue 28 item 5): the recipe module on packed batches mixing text-only,
+one-image and three-image samples, in many layouts inside one spawned world per size, against
+one process.
+
+Every global batch has 4 rows packed by :class:`~lightning_mmpar.data.MultimodalCollator` to
+fixed shapes (``pad_to_max_tokens`` and ``max_images_per_row``: the pipeline's shape choice,
+docs/ragged.md); rows 2-3 of step 1 and rows 0-1 of step 2 hold text-only samples, so a
+data-parallel rank (and a pipeline micro-batch) with no image runs beside one with images.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from lightning_mmpar import MultimodalParallelStrategy
+from lightning_mmpar.data.packing import MultimodalCollator
+from tests.recipes import parity_matrix_worker as pm
+from tests.recipes import recipe_faults_worker as rw
+
+VOCAB = 64
+IMG = 63  # the image marker (cross-attention fusion: one token per image)
+TOKENS, SLOTS = 24, 4
+ROWS: tuple[tuple[tuple[int, int], ...], ...] = (  # (images, text length) of each row's samples
+    ((1, 6), (3, 7), (0, 5)),
+    ((1, 5), (1, 8), (0, 4)),
+    ((0, 9), (0, 6)),
+    ((0, 11),),
+)
+
+
+def _sample(g: torch.Generator, sid: str, images: int, length: int) -> dict[str, Any]:
+    text = torch.randint(4, IMG, (length,), generator=g)
+    ids = torch.cat([text[:1], torch.full((images,), IMG), text[1:]])
+    pix = torch.randn(images, 3, 16, 16, generator=g)
+    return {"id": sid, "input_ids": ids, "labels": ids.clone(), "pixel_values": pix}
+
+
+def batches(steps: int = 2) -> list[dict[str, Any]]:
+    """``steps`` global batches of 4 packed rows; step 2 puts the text-only rows first and has
+    other shapes (22 tokens, 5 image slots: the pipeline builds a schedule per shape)."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for step in range(steps):
+        tokens, slots = (TOKENS, SLOTS) if step % 2 == 0 else (TOKENS - 2, SLOTS + 1)
+        collate = MultimodalCollator(
+            max_tokens=tokens, image_token_id=IMG, max_images_per_row=slots, pad_to_max_tokens=True
+        )
+        rows = ROWS if step % 2 == 0 else ROWS[2:] + ROWS[:2]
+        parts = [
+            collate([_sample(g, f"{step}.{r}.{k}", *spec) for k, spec in enumerate(row)])
+            for r, row in enumerate(rows)
+        ]
+        assert all(p["input_ids"].shape[0] == 1 for p in parts)  # one row per ROWS entry
+        out.append({key: torch.cat([p[key] for p in parts]) for key in parts[0]})
+    return out
+
+
+LAYOUTS: tuple[pm.Layout, ...] = (
+    pm.Layout("ragged dp2 fsdp", 2, {"data_parallel": "fsdp"}),
+    pm.Layout("ragged dp2 ddp", 2, {"data_parallel": "ddp"}),
+    pm.Layout("ragged tp2 + sp", 2, {"tensor_parallel": 2}, sequence_parallel=True),
+    pm.Layout("ragged pp2 1f1b", 2, pm._pp("1f1b", 2, 2, 1)),
+    pm.Layout("ragged pp2 x v2 interleaved", 2, pm._pp("interleaved_1f1b", 2, 2)),
+    pm.Layout("ragged pp2 zbv", 2, pm._pp("zbv_zero_bubble", 2, 2)),
+    pm.Layout("ragged ep2 (moe)", 2, {"expert_parallel": 2}, moe="moe"),
+    pm.Layout("ragged tp2 x pp2", 4, pm._pp("1f1b", 2, 2, 1, tensor_parallel=2)),
+)
+
+
+def reference(moe: str | None) -> rw.Recorder:
+    """One process on the same batches."""
+    return rw.fit(pm.build(VOCAB, moe), batches())
+
+
+def run_layout(layout: pm.Layout, rank: int) -> dict[str, Any]:
+    start = time.perf_counter()
+    coords = layout.dims.rank_coords(rank)
+    local = [pm.dp_slice(b, layout.dims.dp, coords["dp"]) for b in batches()]
+    module = pm.build(VOCAB, layout.moe, layout.sequence_parallel)
+    module.text_length = TOKENS
+    strategy = MultimodalParallelStrategy(**layout.strategy)
+    rec = rw.fit(module, local, strategy=strategy, devices=layout.world)
+    return {"losses": rec.losses, "grads": rec.grads, "seconds": time.perf_counter() - start}
+
+
+def shape_mismatch(rank: int) -> str:
+    """pp 2 where the two pipeline ranks get batches of different lengths: every rank must
+    raise the engine's ValueError (not hang, not reshape). Returns this rank's message."""
+    data = batches(1)
+    if rank == 1:  # two more pad tokens on this rank only
+        data = [
+            {
+                k: torch.cat([v, v[:, :2].fill_(-1 if k == "sample_ids" else 0)], dim=1)
+                if v.ndim == 2 and v.shape[1] == TOKENS
+                else v
+                for k, v in b.items()
+            }
+            for b in data
+        ]
+    module = pm.build(VOCAB, None)
+    strategy = MultimodalParallelStrategy(**pm._pp("1f1b", 2, 2, 1))
+    try:
+        rw.fit(module, data, strategy=strategy, devices=2)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def selected(world_size: int) -> list[pm.Layout]:
+    """The layouts of this size (``MMPAR_PARITY_ONLY="<layout>;<layout>"``: those alone)."""
+    names = pm.only()
+    return [x for x in LAYOUTS if x.world == world_size and (not names or x.name in names)]
+
+
+def world(rank: int, world_size: int) -> dict[str, Any]:
+    """Every ragged layout of this world size on this rank: ``{layout name: result}``."""
+    out = {x.name: pm.named(x.name, rank, run_layout, x, rank) for x in selected(world_size)}
+    if world_size == 2 and not pm.only():
+        out["shape mismatch"] = pm.named("shape mismatch", rank, shape_mismatch, rank)
+    return out
