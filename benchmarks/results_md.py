@@ -134,17 +134,54 @@ def _zero(r: dict[str, Any]) -> list[str]:
 
 def _memory_comm(r: dict[str, Any]) -> list[str]:
     out = [
-        "| layout | state / ideal (max, mean) | within 5% | state = model | comm = model |",
-        "|---|---|---|---|---|",
+        "| layout | state / ideal (max, mean) | within 5% | state / honest ideal (max) | "
+        "within 2% | state = model | comm = model |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, x in r["memory_comm"].items():
         ranged = {k: v for rank in x["ranks"] for k, v in rank.get("comm_ranged", {}).items()}
         note = f" (outside bounds: {ranged})" if ranged and not x["comm_equal"] else ""
+        honest = x.get("honest_ratio_max")
         out.append(
             f"| {name} | {x['ratio_max']:.3f}, {x['ratio_mean']:.3f} | "
-            f"{'yes' if x['within_5pct'] else 'no'} | {'yes' if x['state_equal'] else 'NO'}"
+            f"{'yes' if x['within_5pct'] else 'no'} | "
+            + (f"{honest:.4f} | {'yes' if x['honest_within_2pct'] else 'no'}" if honest else " | ")
+            + f" | {'yes' if x['state_equal'] else 'NO'}"
             f" | {'yes' if x['comm_equal'] else 'NO'}{note} |"
         )
+    definition = r.get("config", {}).get("ideal_definition")
+    if definition:
+        out += ["", f"Ideals: {definition}"]
+    for name, x in r["memory_comm"].items():
+        out += _excess_table(name, x)
+    return out
+
+
+def _excess_table(name: str, x: dict[str, Any]) -> list[str]:
+    """The largest rank's bytes above the ideal by cause (shares of the ideal), and what it
+    holds outside the state (buffers, gradient-cache features)."""
+    causes = x.get("excess_largest")
+    if not causes:
+        return []
+    rank = x["ranks"][x["largest_rank"]]
+    out = [
+        "",
+        f"**{name}**, rank {x['largest_rank']}: holds {rank['measured_bytes']:,} B, ideal "
+        f"{x['ideal_bytes']:,.0f} B, honest ideal {rank['honest_ideal_bytes']:,.0f} B "
+        f"(ratio {rank['ratio_to_ideal']:.4f}, {rank['ratio_to_honest']:.4f}).",
+        "",
+        "| above the ideal | bytes | share of the ideal |",
+        "|---|---|---|",
+    ]
+    for cause, (value, share) in sorted(causes.items(), key=lambda kv: -abs(kv[1][0])):
+        out.append(f"| {cause} | {value:,.0f} | {100 * share:.2f}% |")
+    total = sum(v for v, _ in causes.values())
+    out.append(f"| **total** | **{total:,.0f}** | **{100 * total / x['ideal_bytes']:.2f}%** |")
+    out.append(
+        f"\nOutside the state: buffers {rank['buffer_bytes']:,} B, gradient-cache features "
+        f"of one step {rank['gradient_cache_bytes']:,} B, FSDP2 padding "
+        f"{rank['storage_bytes'] - rank['measured_bytes']:,} B."
+    )
     return out
 
 
