@@ -49,6 +49,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from report import CPU_YAML, ROOT, save_figure, write_result
 
 MOE_YAML = ROOT / "recipes" / "clip_llama_moe_cpu.yaml"
+SCALE_YAML = ROOT / "recipes" / "clip_llama_8gpu.yaml"
+"""The recipe whose layout :func:`at_scale` breaks down with the cost model alone."""
 SCHEDULE = {"pipeline_parallel": 2, "micro_batches": 2, "schedule": "1f1b"}
 LAYOUTS: dict[str, dict[str, Any]] = {
     "dp4 fsdp": {"data_parallel": "fsdp"},
@@ -243,6 +245,69 @@ def predicted(name: str, args: dict[str, Any], world: int, global_batch: int) ->
     return out
 
 
+def _scale_layout(config: dict[str, Any], partition: Any) -> Any:
+    from lightning_mmpar.layout import ParallelLayout
+
+    args = config["trainer"]["strategy"]["init_args"]
+    m = args.get("micro_batches", 1)
+    return ParallelLayout(
+        tp=args.get("tensor_parallel", 1),
+        pp=args.get("pipeline_parallel", 1),
+        dp=config["trainer"]["devices"]
+        // (args.get("tensor_parallel", 1) * args.get("pipeline_parallel", 1)),
+        micro_batches=m,
+        micro_batch_size=config["data"]["batch_size"] // m,
+        schedule=args.get("schedule", "1f1b"),
+        partition=partition,
+        data_parallel=args.get("data_parallel", "fsdp"),
+        vision_parallel=config["model"]["plan"].get("vision_parallel", "tp"),
+    )
+
+
+def at_scale(path: Path = SCALE_YAML) -> dict[str, Any]:
+    """The largest rank's state bytes above the ideal by cause for the layout of the recipe at
+    ``path`` (a meta model: nothing allocated), under its own partition and ``equal`` /
+    ``memory`` (the cut the strategy makes, ``lightning_mmpar.parallel.pipeline.stages.
+    module_stage_plan``: at the YAML's micro-batch size and the schedule's in-flight
+    micro-batches, given as explicit boundaries)."""
+    from lightning_mmpar.layout import in_flight, plan_stages, stage_ranks
+    from lightning_mmpar.layout.memory_ideal import memory_excess
+    from lightning_mmpar.plans.fusion_cost import fusion_model_spec
+    from lightning_mmpar.recipes.partition import build_module
+
+    config = yaml.safe_load(path.read_text())
+    module, data = build_module(config)
+    data.setup()
+    prompts = tuple(data.class_prompts()["input_ids"].shape)
+    own = config["trainer"]["strategy"]["init_args"].get("partition", "equal")
+    base = _scale_layout(config, own)
+    spec = fusion_model_spec(module, base, int(data.max_length), prompts)
+    memory = plan_stages(
+        spec.blocks,
+        base.pp,
+        1,
+        "memory",
+        micro_batch_size=base.micro_batch_size,
+        stage_ranks=stage_ranks(base.schedule, base.pp, 1),
+        in_flight=in_flight(base.schedule, base.pp, 1, base.num_micro_batches),
+    ).boundaries
+    out: dict[str, Any] = {"recipe": path.name, "layout": str(base)}
+    for name, part in {own: own, "equal": "equal", "memory": memory}.items():
+        layout = _scale_layout(config, part)
+        model = fusion_model_spec(module, layout, int(data.max_length), prompts)
+        ranks = [memory_excess(model, layout, {"pp": pp}) for pp in range(layout.pp)]
+        e = max(ranks, key=lambda x: x.held)
+        out[name] = {
+            "boundaries": part if isinstance(part, list) else None,
+            "held_bytes": e.held,
+            "ideal_bytes": float(e.ideal),
+            "ratio_to_ideal": float(e.held / e.ideal),
+            "ratio_to_honest": float(e.held / e.honest_ideal),
+            "excess": {k: [float(v), float(v / e.ideal)] for k, v in e.causes.items()},
+        }
+    return out
+
+
 IDEAL = (
     "ideal = full / (tp * pp * shard): full = the parameter + gradient + AdamW bytes of the "
     "one-process model, shard = dp under FSDP, 1 under DDP. honest ideal = ideal + what the "
@@ -407,6 +472,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "ideal_definition": IDEAL,
         },
         "memory_comm": results,
+        "at_scale": None if args.smoke else at_scale(),
         "wall_s": round(time.perf_counter() - started, 1),
     }
     write_result("memory_comm", payload, args.out_dir)

@@ -75,12 +75,15 @@ class MemoryExcess:
 
 def replicated_kind(param: ParamSpec) -> str:
     """Why a tp-replicated parameter is whole, from its name's parts: ``frozen`` (not
-    trainable), ``router``, ``MoE experts`` (an MoE FFN stays whole on every tp rank),
-    ``gates``, ``norms``, ``vision stem``, ``embeddings``, ``biases`` or ``projections and
-    heads`` (the first that matches, in that order)."""
+    trainable), ``attention output (vl_combine all_gather)`` (an ``o_proj.weight`` left
+    whole: the heads are gathered, not row-parallel), ``router``, ``MoE experts`` (an MoE FFN
+    stays whole on every tp rank), ``gates``, ``norms``, ``vision stem``, ``embeddings``,
+    ``biases`` or ``projections and heads`` (the first that matches, in that order)."""
     if not param.trainable:
         return "frozen"
     parts = param.name.split(".")[1:]
+    if parts[-2:] == ["o_proj", "weight"]:
+        return "attention output (vl_combine all_gather)"
     for kind, match in _KINDS:
         if any(match(part) for part in parts):
             return kind
