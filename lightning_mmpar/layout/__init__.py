@@ -46,6 +46,7 @@ from lightning_mmpar.layout.devices import (
 )
 from lightning_mmpar.layout.memory import (
     StateBytes,
+    layout_stage_plan,
     local_shape,
     shard_dim,
     stage_blocks,
@@ -161,6 +162,7 @@ __all__ = [
     "equal_ranges",
     "group_positions",
     "in_flight",
+    "layout_stage_plan",
     "load_topology",
     "local_shape",
     "machine_placement",

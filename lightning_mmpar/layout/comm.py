@@ -61,13 +61,13 @@ from collections import Counter
 
 from lightning_mmpar.layout.memory import (
     fsdp_group,
+    layout_stage_plan,
     local_shape,
     shard_dim,
     stage_blocks,
     tp_local_shape,
 )
 from lightning_mmpar.layout.model import ModelSpec, ParamSpec
-from lightning_mmpar.layout.partition import plan_stages
 from lightning_mmpar.layout.schedules import stage_ranks
 from lightning_mmpar.layout.value import LayoutFacts, ParallelLayout, validate
 
@@ -134,7 +134,7 @@ def _stage_of_block(model: ModelSpec, layout: ParallelLayout) -> tuple[list[int]
     n = len(model.blocks)
     if layout.pp == 1:
         return [0] * n, [0] * n
-    plan = plan_stages(model.blocks, layout.pp, layout.virtual, layout.partition)
+    plan = layout_stage_plan(model, layout)
     stage, rank = [0] * n, [0] * n
     owners = stage_ranks(layout.schedule, layout.pp, layout.virtual)
     for s, (r, owner) in enumerate(zip(plan.ranges, owners, strict=True)):

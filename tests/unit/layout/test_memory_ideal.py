@@ -181,3 +181,28 @@ def test_stage_imbalance_is_the_largest_stage_share() -> None:
         if p.block in stage_blocks(model, layout, 1)
     )
     assert last.causes["stage imbalance"] == Fraction(stage, 2) - Fraction(total, 4)
+
+
+def test_cost_model_cuts_memory_partition_as_the_strategy() -> None:
+    """``partition="memory"`` weighs activations by the micro-batch size and the schedule's
+    in-flight micro-batches in the strategy (``module_stage_plan``); the cost model's stages
+    (``stage_blocks``, hence ``state_bytes`` and ``comm_bytes``) follow the same cut (tp2 pp2 at
+    12 samples per micro-batch: boundary 4, not the one-sample cut 5)."""
+    from lightning_mmpar.layout import in_flight, plan_stages, stage_ranks
+    from lightning_mmpar.layout.memory import layout_stage_plan
+
+    model = _recipe_model("tp2 pp2")
+    layout = dataclasses.replace(LAYOUTS["tp2 pp2"], partition="memory")
+    strategy = plan_stages(
+        model.blocks,
+        2,
+        1,
+        "memory",
+        micro_batch_size=12,
+        stage_ranks=stage_ranks("1f1b", 2, 1),
+        in_flight=in_flight("1f1b", 2, 1, 2),
+    )
+    assert layout_stage_plan(model, layout).boundaries == strategy.boundaries == [4]
+    assert stage_blocks(model, layout, 1) == list(range(4, len(model.blocks)))
+    for e in _assert_adds_up(model, layout):
+        assert abs(e.held / e.honest_ideal - 1) <= 0.02
