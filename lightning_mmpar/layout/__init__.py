@@ -13,7 +13,8 @@ strategy, the recipe's pre-launch check and the planner alike.
 ``python -m lightning_mmpar.recipes.partition`` prints a recipe YAML's plans side by side.
 :class:`DeviceGraph` reads ``nvidia-smi topo -m`` or a YAML description, :func:`place` orders
 ranks on it, :func:`comm_bytes` / :func:`state_bytes` / :func:`predict` cost a
-:class:`ParallelLayout` of a :class:`ModelSpec`, and :func:`plan` ranks the layouts of a world;
+:class:`ParallelLayout` of a :class:`ModelSpec`, :func:`memory_excess` splits a rank's state
+above the ideal ``full / ranks`` by cause, and :func:`plan` ranks the layouts of a world;
 ``python -m lightning_mmpar.recipes.planner`` is its CLI (docs/planner.md).
 """
 
@@ -45,10 +46,17 @@ from lightning_mmpar.layout.devices import (
 )
 from lightning_mmpar.layout.memory import (
     StateBytes,
+    layout_stage_plan,
     local_shape,
     shard_dim,
     stage_blocks,
     state_bytes,
+)
+from lightning_mmpar.layout.memory_ideal import (
+    DESIGN_CAUSES,
+    MemoryExcess,
+    memory_excess,
+    replicated_kind,
 )
 from lightning_mmpar.layout.model import (
     Boundary,
@@ -110,6 +118,7 @@ from lightning_mmpar.layout.value import (
 __all__ = [
     "COLLECTIVES",
     "DEFAULT_TRAFFIC",
+    "DESIGN_CAUSES",
     "DEVICES",
     "LINK_CLASSES",
     "MESH_AXES",
@@ -122,6 +131,7 @@ __all__ = [
     "LayoutSpec",
     "LinkClass",
     "LossSpec",
+    "MemoryExcess",
     "ModelSpec",
     "ParallelLayout",
     "ParamSpec",
@@ -152,11 +162,13 @@ __all__ = [
     "equal_ranges",
     "group_positions",
     "in_flight",
+    "layout_stage_plan",
     "load_topology",
     "local_shape",
     "machine_placement",
     "measure_blocks",
     "megatron_placement",
+    "memory_excess",
     "parameter_bytes",
     "parse_partition",
     "place",
@@ -166,6 +178,7 @@ __all__ = [
     "predict",
     "rank_in_flight",
     "refusal",
+    "replicated_kind",
     "shard_dim",
     "side_by_side",
     "stage_blocks",

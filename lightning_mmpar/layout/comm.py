@@ -33,7 +33,7 @@ What runs, per batch (``accumulate`` batches per optimizer step; a dp rank's bat
   once);
 * **pipeline**: at each stage boundary the sender sends every tensor of the boundary per forward
   pass (two per micro-batch: the gradient cache's forward-only pass and the schedule's) and
-  receives the gradient of every floating-point one once; the loss (4 bytes) and the logged
+  receives the gradient of every floating-point one once; the loss (24 bytes) and the logged
   terms (48 bytes) are broadcast from the last stage;
 * **loss** (``dp > 1``, on the last stage): the caption token count (8-byte all-reduce), three
   dp gathers of the image / text features (row counts: ``8 dp`` bytes; each tensor ``b dp``
@@ -61,13 +61,13 @@ from collections import Counter
 
 from lightning_mmpar.layout.memory import (
     fsdp_group,
+    layout_stage_plan,
     local_shape,
     shard_dim,
     stage_blocks,
     tp_local_shape,
 )
 from lightning_mmpar.layout.model import ModelSpec, ParamSpec
-from lightning_mmpar.layout.partition import plan_stages
 from lightning_mmpar.layout.schedules import stage_ranks
 from lightning_mmpar.layout.value import LayoutFacts, ParallelLayout, validate
 
@@ -88,8 +88,9 @@ TERM_BYTES = 48
 """The recipe's ``[2, 3]`` float64 term sums."""
 TOKEN_BYTES = 8
 """The caption's int64 token count."""
-LOSS_BYTES = 4
-"""The pipeline's float32 loss broadcast from the last stage."""
+LOSS_BYTES = 24
+"""The pipeline's loss broadcast from the last stage: 3 float64 (the mean loss, a token loss's
+sum and its token count; ``PipelineEngine._broadcast_loss``)."""
 SIGTERM_BYTES = 8
 """Lightning's int64 SIGTERM flag, broadcast from rank 0 before every training batch
 (``_TrainingEpochLoop._broadcast_sigterm_tensor``)."""
@@ -133,7 +134,7 @@ def _stage_of_block(model: ModelSpec, layout: ParallelLayout) -> tuple[list[int]
     n = len(model.blocks)
     if layout.pp == 1:
         return [0] * n, [0] * n
-    plan = plan_stages(model.blocks, layout.pp, layout.virtual, layout.partition)
+    plan = layout_stage_plan(model, layout)
     stage, rank = [0] * n, [0] * n
     owners = stage_ranks(layout.schedule, layout.pp, layout.virtual)
     for s, (r, owner) in enumerate(zip(plan.ranges, owners, strict=True)):

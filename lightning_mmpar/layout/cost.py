@@ -23,8 +23,7 @@ from typing import Any
 
 from lightning_mmpar.layout.comm import comm_profile
 from lightning_mmpar.layout.devices import DeviceGraph, collective_seconds
-from lightning_mmpar.layout.memory import state_bytes
-from lightning_mmpar.layout.partition import plan_stages
+from lightning_mmpar.layout.memory import layout_stage_plan, state_bytes
 from lightning_mmpar.layout.placement import group_positions
 from lightning_mmpar.layout.schedules import bubble_fraction, in_flight, stage_ranks
 from lightning_mmpar.layout.stages import BlockSpec
@@ -156,7 +155,7 @@ def _tp_share(block: BlockSpec, layout: Any, kept: bool) -> float:
 
 def _stages_of(model: Any, layout: Any) -> tuple[list[range], list[int], list[int]]:
     """Block ranges, pipeline rank and in-flight micro-batches of every stage."""
-    plan = plan_stages(model.blocks, layout.pp, layout.virtual, layout.partition)  # memoised
+    plan = layout_stage_plan(model, layout)  # memoised
     ranks = stage_ranks(layout.schedule, layout.pp, layout.virtual)
     return (
         plan.ranges,

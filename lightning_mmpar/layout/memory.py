@@ -26,10 +26,18 @@ from dataclasses import dataclass
 
 from lightning_mmpar.layout.model import ModelSpec, ParamSpec
 from lightning_mmpar.layout.partition import plan_stages
-from lightning_mmpar.layout.schedules import stage_ranks
+from lightning_mmpar.layout.schedules import in_flight, stage_ranks
+from lightning_mmpar.layout.stages import StagePlan
 from lightning_mmpar.layout.value import ParallelLayout
 
-__all__ = ["StateBytes", "local_shape", "shard_dim", "stage_blocks", "state_bytes"]
+__all__ = [
+    "StateBytes",
+    "layout_stage_plan",
+    "local_shape",
+    "shard_dim",
+    "stage_blocks",
+    "state_bytes",
+]
 
 STEP_BYTES = 4
 """AdamW's ``step`` state: a float32 0-dim tensor per parameter."""
@@ -48,6 +56,28 @@ class StateBytes:
         return self.parameters + self.gradients + self.optimizer
 
 
+def layout_stage_plan(model: ModelSpec, layout: ParallelLayout) -> StagePlan:
+    """The stage cut the strategy makes for ``layout``
+    (``lightning_mmpar.parallel.pipeline.stages.module_stage_plan``): ``layout.partition`` at
+    its micro-batch size, stages on the schedule's ranks with its in-flight micro-batches
+    (they weigh activations in ``memory`` mode; the other modes ignore them).
+
+    Raises:
+        ValueError: a partition the model cannot take (:func:`~lightning_mmpar.layout.
+            partition.plan_stages`).
+    """
+    pp, v = layout.pp, layout.virtual
+    return plan_stages(
+        model.blocks,
+        pp,
+        v,
+        layout.partition,
+        micro_batch_size=layout.micro_batch_size,
+        stage_ranks=stage_ranks(layout.schedule, pp, v),
+        in_flight=in_flight(layout.schedule, pp, v, layout.num_micro_batches),
+    )
+
+
 def stage_blocks(model: ModelSpec, layout: ParallelLayout, pp_rank: int) -> list[int]:
     """Block indices held by pipeline rank ``pp_rank``: stage ``s`` runs on ``s % pp`` (loop)
     or, on the V schedules, rank ``r`` holds stages ``r`` and ``2 * pp - 1 - r``.
@@ -59,7 +89,7 @@ def stage_blocks(model: ModelSpec, layout: ParallelLayout, pp_rank: int) -> list
         raise ValueError(f"pp_rank ({pp_rank}) must be in 0..{layout.pp - 1} (pipeline_parallel).")
     if layout.pp == 1:
         return list(range(len(model.blocks)))
-    plan = plan_stages(model.blocks, layout.pp, layout.virtual, layout.partition)
+    plan = layout_stage_plan(model, layout)
     ranks = stage_ranks(layout.schedule, layout.pp, layout.virtual)
     return [i for r, blocks in zip(ranks, plan.ranges, strict=True) if r == pp_rank for i in blocks]
 

@@ -55,6 +55,7 @@ def _zero(r: dict[str, Any]) -> None:
 def _memory_comm(r: dict[str, Any]) -> None:
     layouts = r["memory_comm"]
     assert layouts and all(x["state_equal"] and x["comm_equal"] for x in layouts.values())
+    assert all(x["excess_adds_up"] and x["ideal_equal"] for x in layouts.values())
 
 
 def _scaling(r: dict[str, Any]) -> None:
