@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import importlib
 import warnings
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -250,13 +250,22 @@ class GradientSync:
     experts: list[nn.Parameter] = field(default_factory=list)
 
     @classmethod
-    def of(cls, module: nn.Module, dims: ParallelDims, data_parallel: str) -> GradientSync:
+    def of(
+        cls,
+        module: nn.Module,
+        dims: ParallelDims,
+        data_parallel: str,
+        reduced: Collection[int] = frozenset(),
+    ) -> GradientSync:
         """The lists of ``module`` (sharded already) under ``dims``; ``data_parallel="none"`` or
-        ``dims.dp == 1``: no dp / edp all-reduce."""
+        ``dims.dp == 1``: no dp / edp all-reduce. ``reduced``: ids of parameters torch's DDP
+        reduces in backward (:func:`~lightning_mmpar.parallel.replicas.replicate_module`), left
+        out of ``replicated``."""
         partial = partial_over_tp_parameters(module) if dims.tp > 1 else []
         if dims.dp == 1 or data_parallel == "none":
             return cls(partial_over_tp=partial)
-        return cls(partial, replicated_parameters(module), expert_data.expert_parameters(module))
+        dense = [p for p in replicated_parameters(module) if id(p) not in reduced]
+        return cls(partial, dense, expert_data.expert_parameters(module))
 
     def broadcast(self, dims: ParallelDims) -> None:
         """Group rank 0's values into every replica, ``dp`` and ``edp`` (what DDP does at

@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from lightning_mmpar.config import ParallelConfig
 from lightning_mmpar.layout import StagePlan
-from lightning_mmpar.parallel import activation, deferred
+from lightning_mmpar.parallel import activation, deferred, replicas
 from lightning_mmpar.parallel import data as dpar
 from lightning_mmpar.parallel.comm import group_device
 from lightning_mmpar.parallel.data import GradientSync
@@ -166,7 +166,12 @@ class Parallelized:
     stage_plan: StagePlan | None = None
     """The partition in use (``pipeline_parallel > 1``)."""
     grad_sync: GradientSync = field(default_factory=GradientSync)
-    """The gradients no FSDP unit reduces and their all-reduces after backward (tp, dp, edp)."""
+    """The gradients no FSDP unit or DDP reduces and their all-reduces after backward (tp, dp,
+    edp)."""
+    replicated: nn.Module | None = None
+    """The module torch's DDP replicates (``data_parallel="ddp"`` where
+    :func:`~lightning_mmpar.parallel.replicas.ddp_fallback` allows it: the chunk at
+    ``pipeline_parallel == 1``), else ``None``."""
 
 
 def module_plan(module: Any, dims: ParallelDims) -> ParallelPlan | None:
@@ -426,7 +431,10 @@ def split_pipeline(
         chunk = PipelineChunk(list(module.pipeline_blocks()))
         if shard is not None:
             shard(chunk, chunk.blocks)
-        return Parallelized(chunk=chunk)
+        ddp = replicas.ddp_fallback(dims, config) is None and not dpar.has_fsdp(chunk)
+        ddp = ddp and device.type != "meta"  # a dry run builds no DDP
+        replicated = replicas.replicate_module(chunk, dims, device) if ddp else None
+        return Parallelized(chunk=chunk, replicated=replicated)
     if shard is not None:
         shard(module)
     return Parallelized()
@@ -460,12 +468,15 @@ def parallelize(
     check_degrees_applied(module, dims)
     checkpoint_and_compile(module, plan, options.memory)  # before any sharding
     prepare_expert_gradients(module, dims.ep)
+    dry = options.device.type == "meta"  # a dry run: no storage to load into or broadcast
+    if not dry:  # replicas start equal (before FSDP2 shards them)
+        replicas.broadcast_module_state(module, dims)
     shard = data_parallel_step(module, dims, options)
     done = split_pipeline(module, dims, options, shard)
-    dry = options.device.type == "meta"  # a dry run: no storage to load into or broadcast
-    if not dry:
+    data_parallel = options.config.data_parallel
+    if not dry and deferred.defers(module):
         deferred.load_deferred(module, options.device)  # sharded meta params: their shards
-    done.grad_sync = GradientSync.of(module, dims, options.config.data_parallel)
-    if not dry:
-        done.grad_sync.broadcast(dims)  # replicas start equal, as under DDP
+        GradientSync.of(module, dims, data_parallel).broadcast(dims)  # and the replicated ones
+    reduced = replicas.replicated_by_ddp(done.replicated)
+    done.grad_sync = GradientSync.of(module, dims, data_parallel, reduced)
     return done
