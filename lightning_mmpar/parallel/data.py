@@ -1,11 +1,12 @@
 """Data parallelism of dense parameters on ``dp``: FSDP2 ``fully_shard`` (ZeRO-3 role) or
 gradient all-reduce (DDP's role).
 
-FSDP2 averages gradients with a reduce-scatter inside backward. Parameters it does not manage
-(``data_parallel="ddp"``, parameters held directly by the root module, and 0-dim parameters)
-are averaged by :func:`sync_gradients`: one coalesced all-reduce per dtype over the dp group,
-``g <- (1/dp) * sum_r g_r``, which is what DDP computes. :class:`GradientSync` holds every
-parameter no FSDP unit reduces and runs those all-reduces after backward.
+FSDP2 averages gradients with a reduce-scatter inside backward; under ``data_parallel="ddp"``
+torch's DDP does in the layouts where it applies (:mod:`lightning_mmpar.parallel.replicas`).
+Parameters neither manages (``ddp`` in the other layouts, parameters held directly by the root
+module, and 0-dim parameters) are averaged by :func:`sync_gradients`: one coalesced all-reduce
+per dtype over the dp group, ``g <- (1/dp) * sum_r g_r``, which is what DDP computes.
+:class:`GradientSync` holds those parameters and runs their all-reduces after backward.
 
 Any parameter shape works under FSDP2:
 
@@ -239,8 +240,10 @@ class GradientSync:
     """The gradients no FSDP2 unit reduces, and the all-reduce each needs after backward.
 
     ``partial_over_tp``: :data:`PARTIAL_OVER_TP` parameters, summed over ``tp`` (each tp rank
-    computed its share of the batch); ``replicated``: dense parameters no FSDP unit manages
-    (all of them under ``data_parallel="ddp"``), averaged over ``dp``; ``experts``: expert
+    computed its share of the batch); ``replicated``: dense parameters no FSDP unit or torch
+    DDP manages (all of them under ``data_parallel="ddp"`` where
+    :func:`~lightning_mmpar.parallel.replicas.ddp_fallback` keeps this path), averaged over
+    ``dp``; ``experts``: expert
     weights no FSDP unit manages, averaged over ``edp`` (DDP's all-reduce, Megatron's
     expert-data-parallel reduction). Build with :meth:`of` after sharding.
     """

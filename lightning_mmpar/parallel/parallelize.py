@@ -14,8 +14,10 @@ its MoE models add expert parallelism after TP; pipelining as in ``pipeline_llm`
 3. activation checkpointing and ``torch.compile`` per block (:mod:`.activation`: the strategy's
    ``activation_checkpointing``, else the plan's deprecated model-side choice);
 4. the pipeline split into stages (:class:`~lightning_mmpar.parallel.pipeline.PipelineEngine`);
-5. FSDP2 once per block of this rank's stages plus the root (:mod:`.data`), or replication
-   (parameters broadcast over dp, gradients all-reduced after backward).
+5. FSDP2 once per block of this rank's stages plus the root (:mod:`.data`), or replication:
+   torch's DDP on the chunk at ``tp == pp == 1``, else gradients all-reduced after backward
+   (:mod:`.replicas`). Before any sharding every replica gets its dp group's rank-0 state
+   (parameters, frozen ones too, and persistent buffers: :func:`.replicas.broadcast_module_state`).
 
 TP comes first because FSDP shards the DTensors TP made (2-D ``(dp, tp)`` parameters),
 checkpointing before FSDP so a recomputed forward runs inside its unit's all-gathered
@@ -448,12 +450,13 @@ def parallelize(
 ) -> Parallelized:
     """Parallelize ``module`` (a LightningModule) in place: TP -> EP -> activation
     checkpointing / compile -> pipeline split -> FSDP2 or replicate (module docstring), then the
-    module's ``load_sharded_parameters`` hook (:mod:`.deferred`) and the gradients no FSDP unit
-    reduces (:class:`~lightning_mmpar.parallel.data.GradientSync`, replicas broadcast from
-    their group's rank 0, as DDP does). ``plan`` ``None``: a module without one (steps 1-2
-    skipped). ``options.device`` on ``meta`` (a dry run): the hook and the broadcast are
-    skipped, the parameters stay on the meta device. Collective over ``tp``, ``ep``, ``pp``,
-    ``dp`` and ``edp``.
+    module's ``load_sharded_parameters`` hook (:mod:`.deferred`; the replicated parameters it
+    filled broadcast then) and the gradients no FSDP unit or DDP reduces
+    (:class:`~lightning_mmpar.parallel.data.GradientSync`). Replicas start from their group's
+    rank 0 state, broadcast before any sharding, as DDP does. ``plan`` ``None``: a module
+    without one (steps 1-2 skipped). ``options.device`` on ``meta`` (a dry run): the hook, the
+    broadcasts and DDP are skipped, the parameters stay on the meta device. Collective over
+    ``tp``, ``ep``, ``pp``, ``dp`` and ``edp``.
 
     Raises:
         TypeError: ``pipeline_parallel > 1`` for a module that is not a ``PipelineModule``.
