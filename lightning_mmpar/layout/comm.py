@@ -236,8 +236,8 @@ def _count(
     # data parallelism, per batch
     if layout.dp_size > 1 and layout.data_parallel != "none":
         dense = [p for p in params if p.trainable and not p.expert]
-        if layout.data_parallel == "ddp":  # one coalesced all-reduce per dtype
-            syncs = 1 if layout.tp == 1 and layout.pp == 1 else acc  # torch's DDP: no_sync
+        if layout.data_parallel == "ddp":  # per dtype; torch's DDP (tp = pp = 1): no_sync
+            syncs = 1 if layout.tp == 1 and layout.pp == 1 else acc
             add(
                 "dp.all_reduce",
                 syncs * sum(_grad_bytes(p, layout) for p in dense),
