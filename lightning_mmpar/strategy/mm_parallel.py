@@ -356,6 +356,9 @@ class MultimodalParallelStrategy(
         if done.stage_plan is not None:
             rank_zero_info(done.stage_plan.table())
         self._grad_sync, self._replicated = done.grad_sync, done.replicated
+        if self.config.data_parallel == "ddp" and dims.dp > 1 and done.replicated is None:
+            why = replicas.ddp_fallback(dims, self.config) or "a module with its own steps"
+            rank_zero_info(f"data_parallel='ddp': gradients all-reduced after backward ({why})")
 
     # ---------------------------------------------------------------- gradients
     @override
