@@ -13,7 +13,7 @@ What runs, per batch (``accumulate`` batches per optimizer step; a dp rank's bat
 * **data parallelism** (``dp > 1``): ``ddp``: one all-reduce of every trainable dense gradient
   held (``lightning_mmpar.parallel.data.sync_gradients``), once per optimizer step at
   ``tp == pp == 1`` (torch's DDP, ``no_sync`` while accumulating:
-  ``lightning_mmpar.parallel.replicas``); ``fsdp``: per FSDP unit (pipeline
+  ``lightning_mmpar.parallel.replication``); ``fsdp``: per FSDP unit (pipeline
   block) an all-gather of its non-scalar parameters (each padded on its shard dim to a multiple
   of ``dp``: FSDP2's padding) in every forward and again in backward, a reduce-scatter of the
   trainable ones' gradients, and one all-reduce of the 0-dim parameters' gradients;

@@ -2,7 +2,7 @@
 gradient all-reduce (DDP's role).
 
 FSDP2 averages gradients with a reduce-scatter inside backward; under ``data_parallel="ddp"``
-torch's DDP does in the layouts where it applies (:mod:`lightning_mmpar.parallel.replicas`).
+torch's DDP does in the layouts where it applies (:mod:`lightning_mmpar.parallel.replication`).
 Parameters neither manages (``ddp`` in the other layouts, parameters held directly by the root
 module, and 0-dim parameters) are averaged by :func:`sync_gradients`: one coalesced all-reduce
 per dtype over the dp group, ``g <- (1/dp) * sum_r g_r``, which is what DDP computes.
@@ -242,7 +242,7 @@ class GradientSync:
     ``partial_over_tp``: :data:`PARTIAL_OVER_TP` parameters, summed over ``tp`` (each tp rank
     computed its share of the batch); ``replicated``: dense parameters no FSDP unit or torch
     DDP manages (all of them under ``data_parallel="ddp"`` where
-    :func:`~lightning_mmpar.parallel.replicas.ddp_fallback` keeps this path), averaged over
+    :func:`~lightning_mmpar.parallel.replication.ddp_fallback` keeps this path), averaged over
     ``dp``; ``experts``: expert
     weights no FSDP unit manages, averaged over ``edp`` (DDP's all-reduce, Megatron's
     expert-data-parallel reduction). Build with :meth:`of` after sharding.
@@ -262,7 +262,7 @@ class GradientSync:
     ) -> GradientSync:
         """The lists of ``module`` (sharded already) under ``dims``; ``data_parallel="none"`` or
         ``dims.dp == 1``: no dp / edp all-reduce. ``reduced``: ids of parameters torch's DDP
-        reduces in backward (:func:`~lightning_mmpar.parallel.replicas.replicate_module`), left
+        reduces in backward (:func:`~lightning_mmpar.parallel.replication.replicate_module`), left
         out of ``replicated``."""
         partial = partial_over_tp_parameters(module) if dims.tp > 1 else []
         if dims.dp == 1 or data_parallel == "none":

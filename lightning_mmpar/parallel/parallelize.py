@@ -16,8 +16,9 @@ its MoE models add expert parallelism after TP; pipelining as in ``pipeline_llm`
 4. the pipeline split into stages (:class:`~lightning_mmpar.parallel.pipeline.PipelineEngine`);
 5. FSDP2 once per block of this rank's stages plus the root (:mod:`.data`), or replication:
    torch's DDP on the chunk at ``tp == pp == 1``, else gradients all-reduced after backward
-   (:mod:`.replicas`). Before any sharding every replica gets its dp group's rank-0 state
-   (parameters, frozen ones too, and persistent buffers: :func:`.replicas.broadcast_module_state`).
+   (:mod:`.replication`). Before any sharding every replica gets its dp group's rank-0 state
+   (parameters, frozen ones too, and persistent buffers:
+   :func:`.replication.broadcast_module_state`).
 
 TP comes first because FSDP shards the DTensors TP made (2-D ``(dp, tp)`` parameters),
 checkpointing before FSDP so a recomputed forward runs inside its unit's all-gathered
@@ -45,7 +46,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from lightning_mmpar.config import ParallelConfig
 from lightning_mmpar.layout import StagePlan
-from lightning_mmpar.parallel import activation, deferred, replicas
+from lightning_mmpar.parallel import activation, deferred, replication
 from lightning_mmpar.parallel import data as dpar
 from lightning_mmpar.parallel.comm import group_device
 from lightning_mmpar.parallel.data import GradientSync
@@ -172,7 +173,7 @@ class Parallelized:
     edp)."""
     replicated: nn.Module | None = None
     """The module torch's DDP replicates (``data_parallel="ddp"`` where
-    :func:`~lightning_mmpar.parallel.replicas.ddp_fallback` allows it: the chunk at
+    :func:`~lightning_mmpar.parallel.replication.ddp_fallback` allows it: the chunk at
     ``pipeline_parallel == 1``), else ``None``."""
 
 
@@ -433,9 +434,9 @@ def split_pipeline(
         chunk = PipelineChunk(list(module.pipeline_blocks()))
         if shard is not None:
             shard(chunk, chunk.blocks)
-        ddp = replicas.ddp_fallback(dims, config) is None and not dpar.has_fsdp(chunk)
+        ddp = replication.ddp_fallback(dims, config) is None and not dpar.has_fsdp(chunk)
         ddp = ddp and device.type != "meta"  # a dry run builds no DDP
-        replicated = replicas.replicate_module(chunk, dims, device) if ddp else None
+        replicated = replication.replicate_module(chunk, dims, device) if ddp else None
         return Parallelized(chunk=chunk, replicated=replicated)
     if shard is not None:
         shard(module)
@@ -473,13 +474,13 @@ def parallelize(
     prepare_expert_gradients(module, dims.ep)
     dry = options.device.type == "meta"  # a dry run: no storage to load into or broadcast
     if not dry:  # replicas start equal (before FSDP2 shards them)
-        replicas.broadcast_module_state(module, dims)
+        replication.broadcast_module_state(module, dims)
     shard = data_parallel_step(module, dims, options)
     done = split_pipeline(module, dims, options, shard)
     data_parallel = options.config.data_parallel
     if not dry and deferred.defers(module):
         deferred.load_deferred(module, options.device)  # sharded meta params: their shards
         GradientSync.of(module, dims, data_parallel).broadcast(dims)  # and the replicated ones
-    reduced = replicas.replicated_by_ddp(done.replicated)
+    reduced = replication.replicated_by_ddp(done.replicated)
     done.grad_sync = GradientSync.of(module, dims, data_parallel, reduced)
     return done

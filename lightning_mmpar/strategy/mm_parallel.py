@@ -56,7 +56,7 @@ from typing_extensions import override
 from lightning_mmpar.config import DataParallel, ParallelConfig, Schedule, check_train_batches
 from lightning_mmpar.layout import StagePlan
 from lightning_mmpar.parallel import checkpoint as ckpt
-from lightning_mmpar.parallel import comm, deferred, finite, replicas
+from lightning_mmpar.parallel import comm, deferred, finite, replication
 from lightning_mmpar.parallel.data import GradientSync
 from lightning_mmpar.parallel.fsdp_options import MemoryOptions
 from lightning_mmpar.parallel.moe_state import set_aux_loss_scale
@@ -357,7 +357,7 @@ class MultimodalParallelStrategy(
             rank_zero_info(done.stage_plan.table())
         self._grad_sync, self._replicated = done.grad_sync, done.replicated
         if self.config.data_parallel == "ddp" and dims.dp > 1 and done.replicated is None:
-            why = replicas.ddp_fallback(dims, self.config) or "a module with its own steps"
+            why = replication.ddp_fallback(dims, self.config) or "a module with its own steps"
             rank_zero_info(f"data_parallel='ddp': gradients all-reduced after backward ({why})")
 
     # ---------------------------------------------------------------- gradients
@@ -367,11 +367,11 @@ class MultimodalParallelStrategy(
         """Lightning's gradient accumulation (and manual optimization's ``toggle_model(
         sync_grad=False)``): torch's DDP skips its all-reduce (``no_sync``) for the backward
         inside; gradients then accumulate locally until a synced backward reduces their sum."""
-        replicas.set_gradient_sync(self._replicated, False)
+        replication.set_gradient_sync(self._replicated, False)
         try:
             yield None
         finally:
-            replicas.set_gradient_sync(self._replicated, True)
+            replication.set_gradient_sync(self._replicated, True)
 
     @override
     def backward(

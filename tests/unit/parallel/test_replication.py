@@ -1,6 +1,6 @@
 """What the set-up broadcast covers and where torch's DDP applies (:mod:`~lightning_mmpar.
-parallel.replicas`), without processes; the collectives are
-``tests/distributed/parallel/test_replicas.py``."""
+parallel.replication`), without processes; the collectives are
+``tests/distributed/parallel/test_replication.py``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from lightning_mmpar.config import ParallelConfig
-from lightning_mmpar.parallel.replicas import ddp_fallback, module_state
+from lightning_mmpar.parallel.replication import ddp_fallback, module_state
 from lightning_mmpar.topology import ParallelDims
 
 
