@@ -9,7 +9,8 @@ Dense tensors go over ``dp``, expert weights and the buffers of expert modules o
 replicas: :mod:`~lightning_mmpar.parallel.expert_data`); a tensor-parallel DTensor's local shard
 is broadcast (the ``dp`` peers hold the same shard). Non-persistent buffers are derived state a
 rank may own (the MoE router's locality mask, its pending load) and are left alone; meta tensors
-(deferred parameters, filled by the module's own hook later) too.
+(deferred parameters, filled by the module's own hook later) and expanded views (one element
+seen many times, ``ones(1).expand(n)``: no collective can write into them) too.
 
 Gradients (:func:`replicate_module`) under ``data_parallel="ddp"``: torch's composable
 ``replicate`` (``torch.distributed._composable.replicate``: a ``DistributedDataParallel`` over
@@ -57,10 +58,17 @@ def _persistent_buffers(module: nn.Module) -> Iterable[tuple[nn.Module, Tensor]]
                 yield m, b
 
 
+def _expanded(t: Tensor) -> bool:
+    """Whether ``t`` is an expanded view (stride 0 along a dim of size > 1, as
+    ``ones(1).expand(n)``), which no collective can write into."""
+    return any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape, strict=True))
+
+
 def module_state(module: nn.Module) -> tuple[list[Tensor], list[Tensor]]:
     """``(dense, experts)``: every parameter (frozen ones too) and persistent buffer of
-    ``module``, each once, meta tensors and parameters an FSDP2 unit shards already (a module
-    that sharded itself) left out; ``experts`` holds the expert weights
+    ``module``, each once, meta tensors, expanded views (:func:`_expanded`: derived, one value)
+    and parameters an FSDP2 unit shards already (a module that sharded itself) left out;
+    ``experts`` holds the expert weights
     (:func:`~lightning_mmpar.parallel.expert_data.is_expert_parameter`) and the buffers of the
     expert modules, ``dense`` the rest. Local tensors (a DTensor's shard)."""
     owners = {id(m) for m in expert_data.expert_modules(module)}
@@ -71,7 +79,7 @@ def module_state(module: nn.Module) -> tuple[list[Tensor], list[Tensor]]:
     pairs = [(p, expert_data.is_expert_parameter(p)) for p in module.parameters()]
     pairs += [(b, id(m) in owners) for m, b in _persistent_buffers(module)]
     for t, is_expert in pairs:
-        if id(t) in seen or t.is_meta:
+        if id(t) in seen or t.is_meta or _expanded(t):
             continue
         seen.add(id(t))
         (experts if is_expert else dense).append(comm.to_local(t.detach()))

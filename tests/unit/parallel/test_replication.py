@@ -18,6 +18,7 @@ def test_module_state_is_every_parameter_and_persistent_buffer_once() -> None:
     model = nn.Sequential(lin, frozen, lin)  # lin shared: listed once
     model.register_buffer("kept", torch.zeros(2))
     model.register_buffer("derived", torch.zeros(2), persistent=False)
+    model.register_buffer("ones", torch.ones(1).expand(3))  # one element, seen 3 times
     with torch.device("meta"):
         model.add_module("deferred", nn.Linear(2, 2))
     dense, experts = module_state(model)
