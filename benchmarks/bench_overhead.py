@@ -33,8 +33,9 @@ script exits non-zero after writing the JSON (the comparison is void).
 
 Both sides run with their defaults: ours checks for non-finite loss / gradients each step
 (``on_nonfinite="raise"``), runs cross-attention on its own ``vl`` communicator, and under
-``data_parallel="ddp"`` all-reduces gradients after backward (one coalesced call) where torch's
-DDP overlaps bucketed all-reduces with backward; those costs are part of the measured ratio.
+``data_parallel="ddp"`` reduces gradients through torch's DDP (composable ``replicate``:
+bucketed all-reduces overlapping backward) without Lightning's per-forward buffer broadcast;
+those costs are part of the measured ratio. ``--pairs ddp`` runs one pair alone.
 """
 
 from __future__ import annotations
@@ -213,15 +214,30 @@ def fit_side(
     return timer.times
 
 
-def worker(rank: int, world: int, repeats: int, steps: int, global_batch: int) -> dict[str, Any]:
-    """Every pair of this world size, interleaved; per side, per repeat: times and losses."""
+def _pairs(
+    world: int, names: Sequence[str] | None
+) -> tuple[tuple[str, dict[str, Any], str, float], ...]:
+    """The pairs of ``world`` processes, those named in ``names`` only (``None``: all)."""
+    return tuple(p for p in PAIRS[world] if names is None or p[0] in names)
+
+
+def worker(
+    rank: int,
+    world: int,
+    repeats: int,
+    steps: int,
+    global_batch: int,
+    names: Sequence[str] | None = None,
+) -> dict[str, Any]:
+    """Every pair of this world size (those in ``names``), interleaved; per side, per repeat:
+    times and losses."""
     import warnings
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     losses: dict[str, list[list[float]]] = {}
     sides: dict[str, Callable[[], Sequence[float]]] = {}
-    for name, ours, theirs, _ in PAIRS[world]:
+    for name, ours, theirs, _ in _pairs(world, names):
         for side in ("ours", "theirs"):
             key = f"{name}/{side}"
             losses[key] = []
@@ -235,10 +251,12 @@ def _agree(a: float, b: float, tol: float) -> bool:
     return abs(a - b) <= tol * max(1.0, abs(a), abs(b))
 
 
-def summarise(per_rank: list[dict[str, Any]], world: int, warmup: int) -> dict[str, Any]:
+def summarise(
+    per_rank: list[dict[str, Any]], world: int, warmup: int, names: Sequence[str] | None = None
+) -> dict[str, Any]:
     """Per pair: ``ratio_stats`` of the slowest-rank step times and the loss checks."""
     out: dict[str, Any] = {}
-    for name, ours, theirs, target in PAIRS[world]:
+    for name, ours, theirs, target in _pairs(world, names):
         steps: dict[str, list[list[float]]] = {}
         for side in ("ours", "theirs"):
             runs = [r["times"][f"{name}/{side}"] for r in per_rank]  # rank -> repeat -> step
@@ -315,6 +333,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--steps", type=int, default=6, help="steps per fit")
     p.add_argument("--warmup", type=int, default=2, help="first steps of a fit not timed")
     p.add_argument("--global-batch", type=int, default=16, help="samples per optimizer step")
+    p.add_argument("--pairs", default=None, help="pair names, comma-separated (default: all)")
     p.add_argument("--smoke", action="store_true", help="2 processes, 2 steps, one repeat")
     p.add_argument("--out-dir", type=Path, default=None, help="default docs/results")
     args = p.parse_args(argv)
@@ -326,8 +345,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for size in (int(w) for w in args.worlds.split(",")):
         if size not in PAIRS:
             raise SystemExit(f"--worlds: {size} processes; choose from {sorted(PAIRS)}")
-        per_rank = spawn(worker, size, args.repeats, args.steps, args.global_batch, timeout=900)
-        results[str(size)] = summarise(per_rank, size, args.warmup)
+        names = None if args.pairs is None else args.pairs.split(",")
+        per_rank = spawn(
+            worker, size, args.repeats, args.steps, args.global_batch, names, timeout=900
+        )
+        results[str(size)] = summarise(per_rank, size, args.warmup, names)
     print(
         f"{'procs':>5} {'pair':8} {'ours ms':>8} {'theirs ms':>9} {'ratio':>6} {'spread':>6} "
         f"{'target':>6} {'met':>4} {'loss0 ours':>11} {'loss0 theirs':>12} same"

@@ -148,3 +148,27 @@ def deepspeed_broadcast_zero_dim() -> None:
 
     _broadcast_model._zero_dim_safe = True  # type: ignore[attr-defined]
     DeepSpeedEngine._broadcast_model = _broadcast_model  # type: ignore[method-assign]
+
+
+def broadcast_coalesced(tensors: list[Any], group: Any, bucket_bytes: int) -> None:
+    """Group rank 0's values into ``tensors`` (same device, any dtypes), coalesced into
+    buckets of ``bucket_bytes``: torch's private ``_broadcast_coalesced``, what
+    ``DistributedDataParallel`` uses to sync module states at construction."""
+    import torch.distributed as dist
+
+    dist._broadcast_coalesced(group, tensors, bucket_bytes, 0)
+
+
+def replicate(module: Any, ignored_modules: Sequence[Any], **ddp_kwargs: Any) -> Any:
+    """torch's composable ``replicate`` (``torch.distributed._composable.replicate``, private;
+    torchtitan's ``apply_ddp``) with ``ddp_kwargs`` for its ``DistributedDataParallel``, plus
+    no buffer broadcast in forward: ``forward_sync_buffers=False`` where torch has it (2.14),
+    else ``broadcast_buffers=False`` (deprecated there)."""
+    import inspect
+
+    from torch.distributed._composable.replicate import replicate as torch_replicate
+    from torch.nn.parallel import DistributedDataParallel
+
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    key = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
+    return torch_replicate(module, ignored_modules=ignored_modules, **{key: False}, **ddp_kwargs)

@@ -11,7 +11,9 @@ What runs, per batch (``accumulate`` batches per optimizer step; a dp rank's bat
 ``b = micro_batches * micro_batch_size`` samples):
 
 * **data parallelism** (``dp > 1``): ``ddp``: one all-reduce of every trainable dense gradient
-  held (``lightning_mmpar.parallel.data.sync_gradients``); ``fsdp``: per FSDP unit (pipeline
+  held (``lightning_mmpar.parallel.data.sync_gradients``), once per optimizer step at
+  ``tp == pp == 1`` (torch's DDP, ``no_sync`` while accumulating:
+  ``lightning_mmpar.parallel.replication``); ``fsdp``: per FSDP unit (pipeline
   block) an all-gather of its non-scalar parameters (each padded on its shard dim to a multiple
   of ``dp``: FSDP2's padding) in every forward and again in backward, a reduce-scatter of the
   trainable ones' gradients, and one all-reduce of the 0-dim parameters' gradients;
@@ -235,11 +237,12 @@ def _count(
     # data parallelism, per batch
     if layout.dp_size > 1 and layout.data_parallel != "none":
         dense = [p for p in params if p.trainable and not p.expert]
-        if layout.data_parallel == "ddp":  # one coalesced all-reduce per dtype
+        if layout.data_parallel == "ddp":  # per dtype; torch's DDP (tp = pp = 1): no_sync
+            syncs = 1 if layout.tp == 1 and layout.pp == 1 else acc
             add(
                 "dp.all_reduce",
-                acc * sum(_grad_bytes(p, layout) for p in dense),
-                acc * len({p.element_size for p in dense}),
+                syncs * sum(_grad_bytes(p, layout) for p in dense),
+                syncs * len({p.element_size for p in dense}),
             )
         else:
             units: dict[int, list[ParamSpec]] = {}

@@ -1,11 +1,12 @@
 """Data parallelism of dense parameters on ``dp``: FSDP2 ``fully_shard`` (ZeRO-3 role) or
 gradient all-reduce (DDP's role).
 
-FSDP2 averages gradients with a reduce-scatter inside backward. Parameters it does not manage
-(``data_parallel="ddp"``, parameters held directly by the root module, and 0-dim parameters)
-are averaged by :func:`sync_gradients`: one coalesced all-reduce per dtype over the dp group,
-``g <- (1/dp) * sum_r g_r``, which is what DDP computes. :class:`GradientSync` holds every
-parameter no FSDP unit reduces and runs those all-reduces after backward.
+FSDP2 averages gradients with a reduce-scatter inside backward; under ``data_parallel="ddp"``
+torch's DDP does in the layouts where it applies (:mod:`lightning_mmpar.parallel.replication`).
+Parameters neither manages (``ddp`` in the other layouts, parameters held directly by the root
+module, and 0-dim parameters) are averaged by :func:`sync_gradients`: one coalesced all-reduce
+per dtype over the dp group, ``g <- (1/dp) * sum_r g_r``, which is what DDP computes.
+:class:`GradientSync` holds those parameters and runs their all-reduces after backward.
 
 Any parameter shape works under FSDP2:
 
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import importlib
 import warnings
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -239,8 +240,10 @@ class GradientSync:
     """The gradients no FSDP2 unit reduces, and the all-reduce each needs after backward.
 
     ``partial_over_tp``: :data:`PARTIAL_OVER_TP` parameters, summed over ``tp`` (each tp rank
-    computed its share of the batch); ``replicated``: dense parameters no FSDP unit manages
-    (all of them under ``data_parallel="ddp"``), averaged over ``dp``; ``experts``: expert
+    computed its share of the batch); ``replicated``: dense parameters no FSDP unit or torch
+    DDP manages (all of them under ``data_parallel="ddp"`` where
+    :func:`~lightning_mmpar.parallel.replication.ddp_fallback` keeps this path), averaged over
+    ``dp``; ``experts``: expert
     weights no FSDP unit manages, averaged over ``edp`` (DDP's all-reduce, Megatron's
     expert-data-parallel reduction). Build with :meth:`of` after sharding.
     """
@@ -250,13 +253,22 @@ class GradientSync:
     experts: list[nn.Parameter] = field(default_factory=list)
 
     @classmethod
-    def of(cls, module: nn.Module, dims: ParallelDims, data_parallel: str) -> GradientSync:
+    def of(
+        cls,
+        module: nn.Module,
+        dims: ParallelDims,
+        data_parallel: str,
+        reduced: Collection[int] = frozenset(),
+    ) -> GradientSync:
         """The lists of ``module`` (sharded already) under ``dims``; ``data_parallel="none"`` or
-        ``dims.dp == 1``: no dp / edp all-reduce."""
+        ``dims.dp == 1``: no dp / edp all-reduce. ``reduced``: ids of parameters torch's DDP
+        reduces in backward (:func:`~lightning_mmpar.parallel.replication.replicate_module`), left
+        out of ``replicated``."""
         partial = partial_over_tp_parameters(module) if dims.tp > 1 else []
         if dims.dp == 1 or data_parallel == "none":
             return cls(partial_over_tp=partial)
-        return cls(partial, replicated_parameters(module), expert_data.expert_parameters(module))
+        dense = [p for p in replicated_parameters(module) if id(p) not in reduced]
+        return cls(partial, dense, expert_data.expert_parameters(module))
 
     def broadcast(self, dims: ParallelDims) -> None:
         """Group rank 0's values into every replica, ``dp`` and ``edp`` (what DDP does at

@@ -14,8 +14,11 @@ its MoE models add expert parallelism after TP; pipelining as in ``pipeline_llm`
 3. activation checkpointing and ``torch.compile`` per block (:mod:`.activation`: the strategy's
    ``activation_checkpointing``, else the plan's deprecated model-side choice);
 4. the pipeline split into stages (:class:`~lightning_mmpar.parallel.pipeline.PipelineEngine`);
-5. FSDP2 once per block of this rank's stages plus the root (:mod:`.data`), or replication
-   (parameters broadcast over dp, gradients all-reduced after backward).
+5. FSDP2 once per block of this rank's stages plus the root (:mod:`.data`), or replication:
+   torch's DDP on the chunk at ``tp == pp == 1``, else gradients all-reduced after backward
+   (:mod:`.replication`). Before any sharding every replica gets its dp group's rank-0 state
+   (parameters, frozen ones too, and persistent buffers:
+   :func:`.replication.broadcast_module_state`).
 
 TP comes first because FSDP shards the DTensors TP made (2-D ``(dp, tp)`` parameters),
 checkpointing before FSDP so a recomputed forward runs inside its unit's all-gathered
@@ -43,7 +46,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from lightning_mmpar.config import ParallelConfig
 from lightning_mmpar.layout import StagePlan
-from lightning_mmpar.parallel import activation, deferred
+from lightning_mmpar.parallel import activation, deferred, replication
 from lightning_mmpar.parallel import data as dpar
 from lightning_mmpar.parallel.comm import group_device
 from lightning_mmpar.parallel.data import GradientSync
@@ -166,7 +169,12 @@ class Parallelized:
     stage_plan: StagePlan | None = None
     """The partition in use (``pipeline_parallel > 1``)."""
     grad_sync: GradientSync = field(default_factory=GradientSync)
-    """The gradients no FSDP unit reduces and their all-reduces after backward (tp, dp, edp)."""
+    """The gradients no FSDP unit or DDP reduces and their all-reduces after backward (tp, dp,
+    edp)."""
+    replicated: nn.Module | None = None
+    """The module torch's DDP replicates (``data_parallel="ddp"`` where
+    :func:`~lightning_mmpar.parallel.replication.ddp_fallback` allows it: the chunk at
+    ``pipeline_parallel == 1``), else ``None``."""
 
 
 def module_plan(module: Any, dims: ParallelDims) -> ParallelPlan | None:
@@ -426,7 +434,10 @@ def split_pipeline(
         chunk = PipelineChunk(list(module.pipeline_blocks()))
         if shard is not None:
             shard(chunk, chunk.blocks)
-        return Parallelized(chunk=chunk)
+        ddp = replication.ddp_fallback(dims, config) is None and not dpar.has_fsdp(chunk)
+        ddp = ddp and device.type != "meta"  # a dry run builds no DDP
+        replicated = replication.replicate_module(chunk, dims, device) if ddp else None
+        return Parallelized(chunk=chunk, replicated=replicated)
     if shard is not None:
         shard(module)
     return Parallelized()
@@ -440,12 +451,13 @@ def parallelize(
 ) -> Parallelized:
     """Parallelize ``module`` (a LightningModule) in place: TP -> EP -> activation
     checkpointing / compile -> pipeline split -> FSDP2 or replicate (module docstring), then the
-    module's ``load_sharded_parameters`` hook (:mod:`.deferred`) and the gradients no FSDP unit
-    reduces (:class:`~lightning_mmpar.parallel.data.GradientSync`, replicas broadcast from
-    their group's rank 0, as DDP does). ``plan`` ``None``: a module without one (steps 1-2
-    skipped). ``options.device`` on ``meta`` (a dry run): the hook and the broadcast are
-    skipped, the parameters stay on the meta device. Collective over ``tp``, ``ep``, ``pp``,
-    ``dp`` and ``edp``.
+    module's ``load_sharded_parameters`` hook (:mod:`.deferred`; the replicated parameters it
+    filled broadcast then) and the gradients no FSDP unit or DDP reduces
+    (:class:`~lightning_mmpar.parallel.data.GradientSync`). Replicas start from their group's
+    rank 0 state, broadcast before any sharding, as DDP does. ``plan`` ``None``: a module
+    without one (steps 1-2 skipped). ``options.device`` on ``meta`` (a dry run): the hook, the
+    broadcasts and DDP are skipped, the parameters stay on the meta device. Collective over
+    ``tp``, ``ep``, ``pp``, ``dp`` and ``edp``.
 
     Raises:
         TypeError: ``pipeline_parallel > 1`` for a module that is not a ``PipelineModule``.
@@ -460,12 +472,15 @@ def parallelize(
     check_degrees_applied(module, dims)
     checkpoint_and_compile(module, plan, options.memory)  # before any sharding
     prepare_expert_gradients(module, dims.ep)
+    dry = options.device.type == "meta"  # a dry run: no storage to load into or broadcast
+    if not dry:  # replicas start equal (before FSDP2 shards them)
+        replication.broadcast_module_state(module, dims)
     shard = data_parallel_step(module, dims, options)
     done = split_pipeline(module, dims, options, shard)
-    dry = options.device.type == "meta"  # a dry run: no storage to load into or broadcast
-    if not dry:
+    data_parallel = options.config.data_parallel
+    if not dry and deferred.defers(module):
         deferred.load_deferred(module, options.device)  # sharded meta params: their shards
-    done.grad_sync = GradientSync.of(module, dims, options.config.data_parallel)
-    if not dry:
-        done.grad_sync.broadcast(dims)  # replicas start equal, as under DDP
+        GradientSync.of(module, dims, data_parallel).broadcast(dims)  # and the replicated ones
+    reduced = replication.replicated_by_ddp(done.replicated)
+    done.grad_sync = GradientSync.of(module, dims, data_parallel, reduced)
     return done

@@ -31,6 +31,8 @@ The steps of a pipelined module, the numerics hooks and the checkpoint hooks are
 from __future__ import annotations
 
 import os
+from collections.abc import Generator
+from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
 from typing import Any
@@ -54,7 +56,7 @@ from typing_extensions import override
 from lightning_mmpar.config import DataParallel, ParallelConfig, Schedule, check_train_batches
 from lightning_mmpar.layout import StagePlan
 from lightning_mmpar.parallel import checkpoint as ckpt
-from lightning_mmpar.parallel import comm, deferred, finite
+from lightning_mmpar.parallel import comm, deferred, finite, replication
 from lightning_mmpar.parallel.data import GradientSync
 from lightning_mmpar.parallel.fsdp_options import MemoryOptions
 from lightning_mmpar.parallel.moe_state import set_aux_loss_scale
@@ -180,7 +182,8 @@ class MultimodalParallelStrategy(
         self.pipeline: PipelineEngine | None = None
         self.stage_plan: StagePlan | None = None  # the partition in use (pp > 1, after setup)
         self._chunk: PipelineChunk | None = None
-        self._grad_sync = GradientSync()  # gradients no FSDP unit reduces, after backward
+        self._grad_sync = GradientSync()  # gradients no FSDP unit or DDP reduces, after backward
+        self._replicated: torch.nn.Module | None = None  # what torch's DDP reduces (ddp)
         self._stash = GradientStash()  # the pipeline schedule's gradients until backward()
         self._step_tokens = TokenCount()  # target tokens of the step's token losses
         self._warned_aux = False
@@ -352,9 +355,24 @@ class MultimodalParallelStrategy(
         self.pipeline, self._chunk, self.stage_plan = done.pipeline, done.chunk, done.stage_plan
         if done.stage_plan is not None:
             rank_zero_info(done.stage_plan.table())
-        self._grad_sync = done.grad_sync
+        self._grad_sync, self._replicated = done.grad_sync, done.replicated
+        if self.config.data_parallel == "ddp" and dims.dp > 1 and done.replicated is None:
+            why = replication.ddp_fallback(dims, self.config) or "a module with its own steps"
+            rank_zero_info(f"data_parallel='ddp': gradients all-reduced after backward ({why})")
 
     # ---------------------------------------------------------------- gradients
+    @override
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Lightning's gradient accumulation (and manual optimization's ``toggle_model(
+        sync_grad=False)``): torch's DDP skips its all-reduce (``no_sync``) for the backward
+        inside; gradients then accumulate locally until a synced backward reduces their sum."""
+        replication.set_gradient_sync(self._replicated, False)
+        try:
+            yield None
+        finally:
+            replication.set_gradient_sync(self._replicated, True)
+
     @override
     def backward(
         self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any

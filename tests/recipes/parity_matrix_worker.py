@@ -304,12 +304,14 @@ MEASURED = frozenset(x.name for x in VISION_LAYOUTS + PLACEMENT_LAYOUTS) | froze
 
 
 class Meter(Callback):
-    """Bytes by ``"<dim>.<kind>"`` of every collective of optimizer step 2 (from the end of
-    step 1's last batch to the end of step 2's: Lightning's per-batch SIGTERM broadcasts, the
-    optimizer step, clipping and logging included), and the state bytes after training."""
+    """Bytes by ``"<dim>.<kind>"`` of every collective of optimizer step 3, a steady-state step
+    (from the end of step 2's last batch to the end of step 3's: Lightning's per-batch SIGTERM
+    broadcasts, the optimizer step, clipping and logging included; step 2 also holds torch
+    DDP's one-off bucket rebuild, a ``dp`` broadcast of its bucket indices), and the state
+    bytes after training."""
 
     def __init__(self, accumulate: int) -> None:
-        self.ends, self.counter = (accumulate - 1, 2 * accumulate - 1), None
+        self.ends, self.counter = (2 * accumulate - 1, 3 * accumulate - 1), None
         self.bytes: dict[str, int] = {}
         self.state: tuple[int, ...] = ()
 

@@ -86,16 +86,17 @@ def test_layout_spec_sizes_and_strategy_args() -> None:
     ] == ["tp", "dp", "world"]
 
 
-def test_ddp_all_reduces_every_trainable_gradient_per_batch() -> None:
-    """DDP (``sync_gradients``): one all-reduce of every trainable gradient held, per batch;
-    frozen parameters move nothing; plus the step's fixed small collectives."""
+def test_ddp_all_reduces_every_trainable_gradient_per_step() -> None:
+    """DDP: one all-reduce of every trainable gradient held, once per optimizer step (torch's
+    DDP skips it while accumulating); frozen parameters move nothing; plus the step's fixed
+    small collectives."""
     w = ParamSpec("w", (6, 5), 0, None, True)
     frozen = ParamSpec("f", (7,), 1, None, False)
     b = ParamSpec("b", (), 1, None, True)
     lay = ParallelLayout(dp=2, data_parallel="ddp", accumulate=3)
     got = comm_bytes(spec(w, frozen, b), lay)
-    # per batch: grads (30 + 1) * 4, logged pair 8, term sums 48; per step: the guard 2 * 24
-    assert got == {"dp.all_reduce": 3 * (124 + 8 + 48), "dp.all_gather": 48, "dp.broadcast": 24}
+    # per step: grads (30 + 1) * 4, the guard 2 * 24; per batch: logged pair 8, term sums 48
+    assert got == {"dp.all_reduce": 124 + 3 * (8 + 48), "dp.all_gather": 48, "dp.broadcast": 24}
     assert state_bytes(spec(w, frozen, b), lay, {}) == state_bytes(
         spec(w, frozen, b), ParallelLayout(dp=1), {}
     )

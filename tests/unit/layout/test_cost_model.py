@@ -160,7 +160,8 @@ def test_activation_memory_within_15_percent_of_measured() -> None:
 def test_comm_calls_count_each_op_of_each_mechanism() -> None:
     """``comm_calls``: what a call's fixed cost multiplies, each op one call (the benchmark
     checks them equal to ``CommCounter.calls`` on every rank of its 7 layouts): DDP one
-    coalesced all-reduce per dtype and batch; FSDP per unit two all-gathers (forward, backward)
+    coalesced all-reduce per dtype and batch, per optimizer step at ``tp == pp == 1`` (torch's
+    DDP, one bucket for these sizes); FSDP per unit two all-gathers (forward, backward)
     and one reduce-scatter, ``2 m + 1`` gathers under a pipeline; one send per boundary tensor,
     micro-batch and forward pass; the same keys as ``comm_bytes``."""
     from lightning_mmpar.layout.comm import comm_bytes, comm_calls
@@ -179,9 +180,11 @@ def test_comm_calls_count_each_op_of_each_mechanism() -> None:
     ddp = ParallelLayout(dp=2, data_parallel="ddp", accumulate=3)
     assert comm_calls(model, ddp) == {
         "dp.all_gather": 1,
-        "dp.all_reduce": 3 * 3,
+        "dp.all_reduce": 1 + 3 * 2,
         "dp.broadcast": 3,
-    }  # grads + pair + terms; guard; SIGTERM
+    }  # grads once per step (torch's DDP) + pair + terms per batch; guard; SIGTERM
+    ddp_pp = ParallelLayout(pp=2, dp=2, data_parallel="ddp", accumulate=3)
+    assert comm_calls(model, ddp_pp)["dp.all_reduce"] == 3 * 3  # grads per batch too
     fsdp = ParallelLayout(dp=2)
     assert comm_calls(model, fsdp) == {
         "dp.all_gather": 2 * 2 + 1,
