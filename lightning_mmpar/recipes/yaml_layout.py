@@ -47,17 +47,18 @@ def yaml_layout(config: dict[str, Any], base: ParallelLayout, gpus: int) -> Para
         return f"its tp {tp} x pp {pp} does not divide --gpus {gpus}"
     dp = gpus // (tp * pp)
     batch = int(data_args(config).get("batch_size", 1) or 1)
-    micro = values.get("micro_batches")
-    return replace(
+    layout = replace(
         base,
         **values,
         dp=dp,
-        micro_batch_size=max(1, batch // int(micro)) if micro and pp > 1 else batch,
         accumulate=int(trainer.get("accumulate_grad_batches", 1) or 1),
         sequence_parallel=bool(plan.get("sequence_parallel", base.sequence_parallel)),
         vision_parallel=str(plan.get("vision_parallel", base.vision_parallel)),
         activation_checkpointing=bool(args.get("activation_checkpointing")),
     )
+    # the strategy splits each dp rank's batch into the schedule's micro-batches (by default
+    # pipeline_parallel of them, ParallelLayout.num_micro_batches)
+    return replace(layout, micro_batch_size=max(1, batch // layout.num_micro_batches))
 
 
 def report(
@@ -72,7 +73,8 @@ def report(
     the best's. ``price(layout)`` predicts one layout as the planner does."""
     if isinstance(own, str):
         return [f"the YAML's layout: not on {gpus} devices ({own})"]
-    head = f"the YAML's layout: {describe(own)}"
+    name = describe(own)
+    head = f"the YAML's layout: {name}"
     reason = refusal(own, facts, gpus)
     if reason:
         return [f"{head}: refused: {reason}"]
@@ -83,7 +85,7 @@ def report(
     if not mine.fits:
         return [f"{head}: does not fit: {mine.reason}"]
     place = 1 + sum(p.step_seconds < mine.step_seconds for p in ranked)
-    total = len(ranked) + (0 if any(p.layout == own for p in ranked) else 1)
+    total = len(ranked) + (0 if any(describe(p.layout) == name for p in ranked) else 1)
     if not ranked:
         return [f"{head}: rank 1 of 1"]
     best = ranked[0]
