@@ -15,7 +15,7 @@ processes outnumber the cores), the fixed cost per block and micro-batch
 alpha-beta (all-reduce of 4 B and 4 MiB, the ring formula solved: a loopback link class; the
 latency is a call's cost under load, :mod:`sync_latency`, when larger than the idle one), and
 the host work per DTensor / FSDP2 call (:mod:`call_overhead`, a synthetic model). Each layout's
-collective calls of step 2 are counted (``CommCounter.calls``) and compared with
+collective calls of step 3 are counted (``CommCounter.calls``) and compared with
 :func:`lightning_mmpar.layout.comm.comm_calls` on every rank.
 
 **Prediction**: :func:`lightning_mmpar.layout.cost.predict` of each layout with that device
@@ -122,8 +122,9 @@ def block_overhead(repeats: int = 10) -> float:
 
 
 class CallMeter(Callback):
-    """Collective calls and bytes by ``"<dim>.<kind>"`` of optimizer step 2 (as the parity
-    matrix's ``Meter``: from the end of step 1 to the end of step 2)."""
+    """Collective calls and bytes by ``"<dim>.<kind>"`` of optimizer step 3 (as the parity
+    matrix's ``Meter``: from the end of step 2 to the end of step 3; step 2 holds torch DDP's
+    one-off bucket-rebuild broadcast)."""
 
     def __init__(self) -> None:
         self.counter: Any = None
@@ -132,9 +133,9 @@ class CallMeter(Callback):
     def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
         from lightning_mmpar.parallel import CommCounter
 
-        if args[-1] == 0:
+        if args[-1] == 1:
             self.counter = CommCounter(trainer.strategy.parallel_dims).__enter__()
-        elif args[-1] == 1 and self.counter is not None:
+        elif args[-1] == 2 and self.counter is not None:
             self.counter.__exit__(None, None, None)
             self.calls = {k: v for k, v in self.counter.calls.items() if k != "self"}
 
@@ -171,7 +172,7 @@ def worker(
     from lightning_mmpar.layout.devices import DeviceGraph
 
     times: dict[str, list[list[float]]] = {n: [] for n in names}
-    calls = {n: run_one(size, LAYOUTS[n], global_batch, 2, count=True)[1] for n in names}
+    calls = {n: run_one(size, LAYOUTS[n], global_batch, 3, count=True)[1] for n in names}
     for _ in range(rounds):
         for name in names:
             times[name].append(run_one(size, LAYOUTS[name], global_batch, steps)[0])

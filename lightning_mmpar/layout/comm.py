@@ -93,6 +93,9 @@ TOKEN_BYTES = 8
 LOSS_BYTES = 24
 """The pipeline's loss broadcast from the last stage: 3 float64 (the mean loss, a token loss's
 sum and its token count; ``PipelineEngine._broadcast_loss``)."""
+SHAPE_CHECK_BYTES = 16
+"""The pipeline's per-batch check that every pipeline rank got the same batch shapes: a
+2-element int64 all-reduce over ``pp`` (``PipelineEngine._check_shapes_agree``)."""
 SIGTERM_BYTES = 8
 """Lightning's int64 SIGTERM flag, broadcast from rank 0 before every training batch
 (``_TrainingEpochLoop._broadcast_sigterm_tensor``)."""
@@ -342,6 +345,7 @@ def _count(
                 add("pp.recv", acc * passes * b * sent, acc * passes * m * n_sent)
                 add("pp.send", acc * b * grads, acc * m * n_grads)
         add("pp.broadcast", acc * (LOSS_BYTES + TERM_BYTES), acc * 2)
+        add("pp.all_reduce", acc * SHAPE_CHECK_BYTES, acc)
     # the loss and its logging
     if layout.dp_size > 1:
         loss = model.loss
