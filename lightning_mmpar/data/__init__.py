@@ -8,8 +8,12 @@ from lightning_mmpar.data.caption_files import (
     index_captions,
 )
 from lightning_mmpar.data.captions import CaptionsDataModule, CaptionsDataset
+from lightning_mmpar.data.chat import IMAGE_MARKER, ChatEncoder
+from lightning_mmpar.data.conversation_shards import ShardedConversations
+from lightning_mmpar.data.conversations import ConversationDataModule, RaggedDataModule
 from lightning_mmpar.data.digits import CLASS_NAMES, TEMPLATES, DigitsCaptions, DigitsDataset
 from lightning_mmpar.data.hf_tokenizer import HFTokenizer, load_tokenizer
+from lightning_mmpar.data.llava import ConversationDataset, ConversationRecord, read_conversations
 from lightning_mmpar.data.packing import RAGGED_KEYS, MultimodalCollator
 from lightning_mmpar.data.sampler import ResumableRandomSampler
 from lightning_mmpar.data.text import CaptionTokenizer
@@ -22,6 +26,7 @@ __all__ = [
     "CLIP_MEAN",
     "CLIP_STD",
     "IGNORE_INDEX",
+    "IMAGE_MARKER",
     "RAGGED_KEYS",
     "SPECIAL_TOKENS",
     "TEMPLATES",
@@ -30,16 +35,23 @@ __all__ = [
     "CaptionsDataModule",
     "CaptionsDataset",
     "CaptionsFormat",
+    "ChatEncoder",
+    "ConversationDataModule",
+    "ConversationDataset",
+    "ConversationRecord",
     "DigitsCaptions",
     "DigitsDataset",
     "HFTokenizer",
     "ImagePreprocess",
     "MultimodalCollator",
+    "RaggedDataModule",
     "ResumableRandomSampler",
+    "ShardedConversations",
     "SkippedRow",
     "WebDatasetCaptions",
     "WordTokenizer",
     "clip_transform",
     "index_captions",
     "load_tokenizer",
+    "read_conversations",
 ]
