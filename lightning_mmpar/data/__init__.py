@@ -12,6 +12,7 @@ from lightning_mmpar.data.chat import IMAGE_MARKER, ChatEncoder
 from lightning_mmpar.data.conversation_shards import ShardedConversations
 from lightning_mmpar.data.conversations import ConversationDataModule, RaggedDataModule
 from lightning_mmpar.data.digits import CLASS_NAMES, TEMPLATES, DigitsCaptions, DigitsDataset
+from lightning_mmpar.data.digits_vqa import DigitsVQA
 from lightning_mmpar.data.hf_tokenizer import HFTokenizer, load_tokenizer
 from lightning_mmpar.data.llava import ConversationDataset, ConversationRecord, read_conversations
 from lightning_mmpar.data.packing import RAGGED_KEYS, MultimodalCollator
@@ -41,6 +42,7 @@ __all__ = [
     "ConversationRecord",
     "DigitsCaptions",
     "DigitsDataset",
+    "DigitsVQA",
     "HFTokenizer",
     "ImagePreprocess",
     "MultimodalCollator",
