@@ -1,5 +1,6 @@
-"""Data: the offline digits demo, CSV/JSONL caption files, WebDataset shards, tokenizers and
-image preprocessing from the vision tower's config."""
+"""Data: the offline digits demo and question task, CSV/JSONL caption files, WebDataset shards,
+LLaVA-format conversations with 0..N images, ragged batches, tokenizers and image preprocessing
+from the vision tower's config."""
 
 from lightning_mmpar.data.caption_files import (
     CaptionRow,

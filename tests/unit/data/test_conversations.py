@@ -163,6 +163,13 @@ def test_chat_template_labels_only_the_assistant_turns(tmp_path: Path) -> None:
     assert ids2[0] == hf.bos_token_id
 
 
+def test_json_lines_read_like_a_list(tmp_path: Path) -> None:
+    lines = tmp_path / "data.jsonl"
+    lines.write_text("\n".join(json.dumps(r) for r in RECORDS) + "\n")
+    assert read_conversations(lines) == read_conversations(_write(tmp_path))
+    assert [r.images for r in read_conversations(lines)] == [("a.png", "b.png"), ("a.png",), ()]
+
+
 def test_bad_input_is_named(tmp_path: Path) -> None:
     bad = json.loads(json.dumps(RECORDS))
     bad[0]["conversations"][0]["value"] = "<image>\nwhat differs?"  # 1 marker, 2 images
