@@ -12,7 +12,8 @@ question task, in one run (one process, CPU).
 :class:`~lightning_mmpar.data.DigitsVQA` (0-3 digits per question, short answers). Each side
 takes the same ``--batches`` batches of ``--batch-size`` samples (same seed, same order):
 ``padded`` puts one sample per row padded to the batch's longest, ``packed`` fills rows of
-``--max-tokens`` (``--digits-max-tokens`` for the digits) first-fit (:class:`~lightning_mmpar.data.MultimodalCollator`).
+``--max-tokens`` (``--digits-max-tokens`` for the digits) first-fit
+(:class:`~lightning_mmpar.data.MultimodalCollator`).
 
 **Measured.** ``non_pad_fraction``: tokens of samples / (rows x row length) over the batches;
 ``target_tokens_per_s``: the batches' target tokens (labels != -100) over the wall time of
