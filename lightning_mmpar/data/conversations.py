@@ -111,6 +111,15 @@ class RaggedDataModule(pl.LightningDataModule):
             )
         return self.collators[split]
 
+    def unpacked_collator(self) -> MultimodalCollator:
+        """A collator of one sample per row, right-padded (greedy decoding reads every row at
+        one position), with this module's other arguments (fixed shapes kept)."""
+        return MultimodalCollator(
+            image_token_id=self.image_token_id,
+            pad_token_id=self.pad_token_id,
+            **{**self.collate_args, "pack": False},
+        )
+
     def _loader(self, split: str, train: bool) -> DataLoader[dict[str, torch.Tensor]]:
         if split not in self.datasets:
             raise ValueError(f"no {split} data: call setup() first (or give a {split} source).")
