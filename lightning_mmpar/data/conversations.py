@@ -12,6 +12,8 @@ turns them into batches (``pack: true``: several samples per row up to ``max_tok
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -26,11 +28,11 @@ from lightning_mmpar.data.llava import ConversationDataset, ConversationRecord, 
 from lightning_mmpar.data.packing import MultimodalCollator, Overflow
 from lightning_mmpar.data.sampler import ResumableRandomSampler
 from lightning_mmpar.data.shards import expand_shards, shard_sizes
-from lightning_mmpar.data.tokenizer import WordTokenizer
+from lightning_mmpar.data.tokenizer import IGNORE_INDEX, WordTokenizer
 from lightning_mmpar.data.transforms import ImagePreprocess
 from lightning_mmpar.data.webdataset import _EpochLoader
 
-__all__ = ["ConversationDataModule", "RaggedDataModule", "word_tokenizer_for"]
+__all__ = ["ConversationDataModule", "RaggedDataModule", "RowsCollator", "word_tokenizer_for"]
 
 
 def word_tokenizer_for(texts: list[str], image_token: str = IMAGE_MARKER) -> WordTokenizer:
@@ -38,6 +40,37 @@ def word_tokenizer_for(texts: list[str], image_token: str = IMAGE_MARKER) -> Wor
     ``image_token`` as the last id."""
     tok = WordTokenizer.build(t.replace(image_token, " ") for t in texts)
     return WordTokenizer(vocab=[*tok.vocab, image_token])
+
+
+ROW_FILL: dict[str, int] = {
+    "input_ids": -1,  # replaced by the pad id
+    "labels": IGNORE_INDEX,
+    "sample_ids": -1,
+    "image_sample": -1,
+    "image_position": -1,
+}
+"""Value of each key on an empty row (others: 0 / False)."""
+
+
+@dataclass(kw_only=True)
+class RowsCollator(MultimodalCollator):
+    """:class:`MultimodalCollator` whose batches have a multiple of ``rows_multiple`` rows:
+    packed batches vary in row count, a pipeline splits a batch into ``micro_batches`` equal
+    parts; empty rows (all pad, ``sample_ids`` -1, no image, no target) make up the rest."""
+
+    rows_multiple: int = 1
+
+    def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        batch = super().__call__(samples)
+        extra = -batch["input_ids"].shape[0] % self.rows_multiple
+        if not extra:
+            return batch
+        out = {}
+        for key, value in batch.items():
+            fill = self.pad_token_id if key == "input_ids" else ROW_FILL.get(key, 0)
+            rows = value.new_full((extra, *value.shape[1:]), fill)
+            out[key] = torch.cat([value, rows])
+        return out
 
 
 class RaggedDataModule(pl.LightningDataModule):
@@ -50,6 +83,8 @@ class RaggedDataModule(pl.LightningDataModule):
         image_seq_length: tokens one image occupies (spliced style; 0: cross-attention, the
             marker stays one token).
         max_images_per_row, pad_to_max_tokens, overflow: as in :class:`MultimodalCollator`.
+        rows_multiple: batches hold a multiple of this many rows (empty rows added): the
+            pipeline's ``micro_batches`` when packing under pipeline parallelism.
         num_workers: DataLoader workers; ``seed``: shuffling (and splits).
     """
 
@@ -63,13 +98,15 @@ class RaggedDataModule(pl.LightningDataModule):
         max_images_per_row: int | None = None,
         pad_to_max_tokens: bool = False,
         overflow: Overflow = "truncate",
+        rows_multiple: int = 1,
         num_workers: int = 0,
         seed: int = 0,
     ) -> None:
         super().__init__()
-        if batch_size < 1 or num_workers < 0:
+        if batch_size < 1 or num_workers < 0 or rows_multiple < 1:
             raise ValueError(
-                f"batch_size ({batch_size}) must be >= 1 and num_workers ({num_workers}) >= 0."
+                f"batch_size ({batch_size}) and rows_multiple ({rows_multiple}) must be >= 1 "
+                f"and num_workers ({num_workers}) >= 0."
             )
         self.batch_size, self.num_workers, self.seed = batch_size, num_workers, seed
         self.collate_args: dict[str, Any] = {
@@ -79,12 +116,13 @@ class RaggedDataModule(pl.LightningDataModule):
             "max_images_per_row": max_images_per_row,
             "pad_to_max_tokens": pad_to_max_tokens,
             "overflow": overflow,
+            "rows_multiple": rows_multiple,
         }
-        MultimodalCollator(image_token_id=0, **self.collate_args)  # checks the arguments now
+        RowsCollator(image_token_id=0, **self.collate_args)  # checks the arguments now
         self.tokenizer: Tokenizer | None = None
         self.image_token_id = -1
         self.datasets: dict[str, Any] = {}
-        self.collators: dict[str, MultimodalCollator] = {}
+        self.collators: dict[str, RowsCollator] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -101,20 +139,20 @@ class RaggedDataModule(pl.LightningDataModule):
             self.setup("fit")
         return int(self.tokenizer.pad_id)  # type: ignore[union-attr]
 
-    def collator(self, split: str = "train") -> MultimodalCollator:
+    def collator(self, split: str = "train") -> RowsCollator:
         """The split's collator (one per split: its ``stats`` count truncations there)."""
         if split not in self.collators:
-            self.collators[split] = MultimodalCollator(
+            self.collators[split] = RowsCollator(
                 image_token_id=self.image_token_id,
                 pad_token_id=self.pad_token_id,
                 **self.collate_args,
             )
         return self.collators[split]
 
-    def unpacked_collator(self) -> MultimodalCollator:
+    def unpacked_collator(self) -> RowsCollator:
         """A collator of one sample per row, right-padded (greedy decoding reads every row at
         one position), with this module's other arguments (fixed shapes kept)."""
-        return MultimodalCollator(
+        return RowsCollator(
             image_token_id=self.image_token_id,
             pad_token_id=self.pad_token_id,
             **{**self.collate_args, "pack": False},

@@ -226,6 +226,25 @@ def test_batches_padded_and_packed(tmp_path: Path) -> None:
     assert tokens[False] == tokens[True]  # the same samples, fewer pad positions
     assert padded["image_mask"].sum() == packed["image_mask"].sum()
     assert packed["sample_ids"].max() >= 1  # at least one row holds two samples
+    module = ConversationDataModule(
+        train_file=str(path),
+        image_root=str(tmp_path),
+        image_size=16,
+        batch_size=6,
+        pack=True,
+        max_tokens=64,
+        val_fraction=0.25,
+        rows_multiple=4,  # a pipeline's micro_batches: empty rows make up the rest
+    )
+    module.setup("fit")
+    rows = next(iter(module.train_dataloader()))
+    n = packed["input_ids"].shape[0]
+    assert rows["input_ids"].shape[0] == 4 * -(-n // 4) > n
+    for key, value in packed.items():
+        assert torch.equal(rows[key][:n], value), key
+    empty = {k: v[n:] for k, v in rows.items()}
+    assert (empty["sample_ids"] == -1).all() and (empty["labels"] == IGNORE_INDEX).all()
+    assert (empty["input_ids"] == module.pad_token_id).all() and not empty["image_mask"].any()
 
 
 def _shard(path: Path, samples: list[tuple[str, dict[str, Any], list[str]]]) -> None:
