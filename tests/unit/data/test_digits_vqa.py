@@ -73,3 +73,24 @@ def test_answer_accuracy_is_exact_match() -> None:
     assert acc.compute().item() == pytest.approx(0.5)
     with pytest.raises(ValueError, match="2 predictions for 1 answers"):
         acc.update(["a", "b"], ["a"])
+
+
+def test_recipe_yaml_data_section() -> None:
+    """recipes/digits_vqa_cpu.yaml's data builds, and its packed batches split evenly into the
+    strategy's pipeline micro-batches."""
+    from pathlib import Path
+
+    import yaml
+
+    config = yaml.safe_load(
+        (Path(__file__).resolve().parents[3] / "recipes" / "digits_vqa_cpu.yaml").read_text()
+    )
+    assert config["data"]["class_path"] == "lightning_mmpar.data.DigitsVQA"
+    args = {**config["data"]["init_args"], "train_samples": 64, "val_samples": 8}
+    data = DigitsVQA(**args)
+    data.setup("fit")
+    micro = config["trainer"]["strategy"]["init_args"]["micro_batches"]
+    assert data.collate_args["pack"] and data.collate_args["rows_multiple"] == micro
+    assert config["model"]["fusion"]["vision"]["image_size"] == data.image_size
+    rows = [b["input_ids"].shape[0] for b in data.train_dataloader()]
+    assert rows and all(r % micro == 0 for r in rows)
