@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--max-tokens", type=int, default=512, help="row budget, conversations")
     p.add_argument("--digits-max-tokens", type=int, default=64, help="row budget, digits task")
     p.add_argument("--batches", type=int, default=6)
-    p.add_argument("--repeats", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.smoke:
