@@ -125,8 +125,9 @@ class RunSummary(Callback):
         wall = time.perf_counter() - self._start
         caption = answer = None
         answers = getattr(pl_module, "answer_accuracy", None)
-        if callable(getattr(getattr(trainer, "datamodule", None), "prompts", None)):
-            answer = answers(trainer.datamodule) if answers else None  # a question task
+        data = getattr(trainer, "datamodule", None)
+        if callable(getattr(data, "prompts", None)):  # a question task: greedy answers
+            answer = answers(data) if answers else None
         else:
             caption = self._caption_accuracy(trainer, pl_module)
         last_val = self.val[-1] if self.val else {}
