@@ -287,6 +287,27 @@ def _learning(r: dict[str, Any]) -> list[str]:
     return out
 
 
+def _packing(r: dict[str, Any]) -> list[str]:
+    out = [
+        "| data | side | rows | row tokens | non-pad fraction | target tokens | target tokens/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for data, x in r["packing"].items():
+        for side in ("padded", "packed"):
+            s = x[side]
+            out.append(
+                f"| {data} | {side} | {s['rows']} | {min(s['row_tokens'])}-"
+                f"{max(s['row_tokens'])} | {s['non_pad_fraction']:.3f} | {s['target_tokens']} | "
+                f"{s['target_tokens_per_s']:.0f} |"
+            )
+    speed = ", ".join(
+        f"{data} {x['speedup']['ratio']:.2f} (spread {x['speedup']['spread']:.2f})"
+        for data, x in r["packing"].items()
+    )
+    out.append(f"\nTarget tokens/s, packed / padded (above 1: packing faster): {speed}.")
+    return out
+
+
 SUMMARIES: dict[str, Summary] = {
     "pipeline": _pipeline,
     "planner": _planner,
@@ -297,6 +318,7 @@ SUMMARIES: dict[str, Summary] = {
     "memory_comm": _memory_comm,
     "scaling": _scaling,
     "learning": _learning,
+    "packing": _packing,
 }
 """Per benchmark: its key figures as markdown lines (others: :func:`_generic`)."""
 

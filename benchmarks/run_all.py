@@ -36,6 +36,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "bench_learning.py",
         "the CPU recipes trained through the CLI to a 0.6 zero-shot bar",
     ),
+    "packing": (
+        "bench_packing.py",
+        "ragged data: non-pad fraction and target tokens/s, packed vs padded",
+    ),
 }
 """Benchmark name -> (script, what it measures: the issue's item numbers)."""
 

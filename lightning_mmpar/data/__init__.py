@@ -1,5 +1,6 @@
-"""Data: the offline digits demo, CSV/JSONL caption files, WebDataset shards, tokenizers and
-image preprocessing from the vision tower's config."""
+"""Data: the offline digits demo and question task, CSV/JSONL caption files, WebDataset shards,
+LLaVA-format conversations with 0..N images, ragged batches, tokenizers and image preprocessing
+from the vision tower's config."""
 
 from lightning_mmpar.data.caption_files import (
     CaptionRow,
@@ -8,8 +9,13 @@ from lightning_mmpar.data.caption_files import (
     index_captions,
 )
 from lightning_mmpar.data.captions import CaptionsDataModule, CaptionsDataset
+from lightning_mmpar.data.chat import IMAGE_MARKER, ChatEncoder
+from lightning_mmpar.data.conversation_shards import ShardedConversations
+from lightning_mmpar.data.conversations import ConversationDataModule, RaggedDataModule
 from lightning_mmpar.data.digits import CLASS_NAMES, TEMPLATES, DigitsCaptions, DigitsDataset
+from lightning_mmpar.data.digits_vqa import DigitsVQA
 from lightning_mmpar.data.hf_tokenizer import HFTokenizer, load_tokenizer
+from lightning_mmpar.data.llava import ConversationDataset, ConversationRecord, read_conversations
 from lightning_mmpar.data.packing import RAGGED_KEYS, MultimodalCollator
 from lightning_mmpar.data.sampler import ResumableRandomSampler
 from lightning_mmpar.data.text import CaptionTokenizer
@@ -22,6 +28,7 @@ __all__ = [
     "CLIP_MEAN",
     "CLIP_STD",
     "IGNORE_INDEX",
+    "IMAGE_MARKER",
     "RAGGED_KEYS",
     "SPECIAL_TOKENS",
     "TEMPLATES",
@@ -30,16 +37,24 @@ __all__ = [
     "CaptionsDataModule",
     "CaptionsDataset",
     "CaptionsFormat",
+    "ChatEncoder",
+    "ConversationDataModule",
+    "ConversationDataset",
+    "ConversationRecord",
     "DigitsCaptions",
     "DigitsDataset",
+    "DigitsVQA",
     "HFTokenizer",
     "ImagePreprocess",
     "MultimodalCollator",
+    "RaggedDataModule",
     "ResumableRandomSampler",
+    "ShardedConversations",
     "SkippedRow",
     "WebDatasetCaptions",
     "WordTokenizer",
     "clip_transform",
     "index_captions",
     "load_tokenizer",
+    "read_conversations",
 ]

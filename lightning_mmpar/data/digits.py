@@ -167,23 +167,9 @@ class DigitsCaptions(pl.LightningDataModule):
         """Load the digits, split them, upsample and caption them (idempotent)."""
         if self.train is not None:
             return
-        from sklearn.datasets import load_digits
-        from sklearn.model_selection import train_test_split
-
-        digits = load_digits()
-        pixels = torch.tensor(digits.images, dtype=torch.float32) / 16.0
-        labels = torch.tensor(digits.target, dtype=torch.long)
-        train_idx, val_idx = train_test_split(
-            np.arange(len(labels)),
-            test_size=self.val_fraction,
-            random_state=self.seed,
-            stratify=digits.target,
+        images, labels, train_idx, val_idx = digit_images(
+            self.image_size, self.val_fraction, self.seed
         )
-        images = F.interpolate(pixels[:, None], size=self.image_size, mode="bilinear")
-        images = images.clamp(0, 1).expand(-1, 3, -1, -1)
-        train_pixels = images[torch.as_tensor(train_idx)]
-        mean, std = train_pixels.mean(), train_pixels.std()
-        images = ((images - mean) / std).contiguous()
         rng = np.random.default_rng(self.seed)
         chosen = rng.integers(len(self.train_templates), size=len(labels))
         captions = [
@@ -237,6 +223,28 @@ class DigitsCaptions(pl.LightningDataModule):
     def save_tokenizer(self, directory: str | Path) -> Path:
         """Write the tokenizer next to exported weights; returns the file written."""
         return self.tokenizer.save(directory)
+
+
+def digit_images(
+    image_size: int, val_fraction: float, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]:
+    """All 1,797 digits as ``images [N, 3, S, S]`` (bilinear upsampling, 3 channels,
+    normalised by the training split's pixel mean and std), ``labels [N]`` and the train / val
+    indices (stratified by class, seeded)."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    pixels = torch.tensor(digits.images, dtype=torch.float32) / 16.0
+    labels = torch.tensor(digits.target, dtype=torch.long)
+    train_idx, val_idx = train_test_split(
+        np.arange(len(labels)), test_size=val_fraction, random_state=seed, stratify=digits.target
+    )
+    images = F.interpolate(pixels[:, None], size=image_size, mode="bilinear")
+    images = images.clamp(0, 1).expand(-1, 3, -1, -1)
+    train_pixels = images[torch.as_tensor(train_idx)]
+    mean, std = train_pixels.mean(), train_pixels.std()
+    return ((images - mean) / std).contiguous(), labels, train_idx, val_idx
 
 
 def _validate(

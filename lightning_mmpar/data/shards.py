@@ -196,6 +196,11 @@ class ShardedCaptions(IterableDataset[dict[str, torch.Tensor]]):
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         return CaptionStream(self, self.rank * workers + worker, workers, self.epoch)
 
+    def decode(self, raw: dict[str, Any]) -> dict[str, Any] | str:
+        """The training item of a raw sample, or the reason it cannot be used."""
+        decoded = decode_sample(raw, self.caption_key, self.class_names)
+        return decoded if isinstance(decoded, str) else self.make_item(*decoded)
+
     def make_item(self, image: Image.Image, caption: str, label: int) -> dict[str, torch.Tensor]:
         """The training item of a decoded sample."""
         text = self.tokenizer([caption], self.max_length)
@@ -205,7 +210,7 @@ class ShardedCaptions(IterableDataset[dict[str, torch.Tensor]]):
         return item
 
 
-class CaptionStream(Iterator[dict[str, torch.Tensor]]):
+class CaptionStream(Iterator[dict[str, Any]]):
     """One reader's samples of one epoch; ``Stateful`` (``state_dict`` / ``load_state_dict``)."""
 
     def __init__(self, data: ShardedCaptions, reader: int, workers: int, epoch: int) -> None:
@@ -234,7 +239,7 @@ class CaptionStream(Iterator[dict[str, torch.Tensor]]):
                         yield url, raw
                 skip = 0
 
-    def __next__(self) -> dict[str, torch.Tensor]:
+    def __next__(self) -> dict[str, Any]:
         if self.yielded >= self.quota:
             raise StopIteration
         if self._raw is None:
@@ -242,10 +247,10 @@ class CaptionStream(Iterator[dict[str, torch.Tensor]]):
         for _ in range(self.total):
             url, raw = next(self._raw)
             self.consumed += 1
-            decoded = decode_sample(raw, self.data.caption_key, self.data.class_names)
+            decoded = self.data.decode(raw)
             if not isinstance(decoded, str):
                 self.yielded += 1
-                return self.data.make_item(*decoded)
+                return decoded
             where = f"{url}, sample {raw.get('__key__')!r}"
             if self.data.on_error == "raise":
                 raise ValueError(

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from lightning_mmpar.models.decoding import DecodeCache, check_cacheable, decode_block
 from lightning_mmpar.models.fusion import FusionModel
 from lightning_mmpar.recipes import parallel_env as penv
+from lightning_mmpar.recipes.answers import answer_accuracy, greedy_answers
 from lightning_mmpar.recipes.evaluation import named_digit
 from lightning_mmpar.trainer_topology import TrainerTopology
 
@@ -190,6 +191,34 @@ class CaptionGeneration:
             return penv.from_last_stage(self.trainer, nxt.to(new.device), owner)
 
         return step
+
+    @torch.no_grad()
+    def answer_accuracy(self: Any, data: Any, split: str = "val", chunk: int = 8) -> float | None:
+        """Exact match of the greedy answers to ``data.prompts(split)`` (questions over 0..N
+        images, e.g. :class:`~lightning_mmpar.data.DigitsVQA`), every rank decoding every
+        prompt in step (:mod:`lightning_mmpar.recipes.answers`); ``chunk`` rows per batch (a
+        multiple of the pipeline's micro-batches). ``None`` without prompts or a tokenizer."""
+        if not callable(getattr(data, "prompts", None)) or self._tokenizer is None:
+            return None
+        was_training = self.training
+        self.eval()
+        pipelined = TrainerTopology.of(self._trainer).dims.pp > 1
+        prompts = data.prompts(split)
+        answers = greedy_answers(
+            prompts,
+            self._pipelined_next_token if pipelined else self._ragged_next_token,
+            data.unpacked_collator(),
+            decode=self._tokenizer.decode,
+            eos=self._tokenizer.eos_id,
+            device=self.device,
+            chunk=chunk,
+        )
+        self.train(was_training)
+        return answer_accuracy(prompts, answers)
+
+    def _ragged_next_token(self: Any, step: dict[str, Tensor], position: int) -> Tensor:
+        logits = self._run(FusionModel.ragged_inputs(step)).logits
+        return next_tokens(logits, position, self.vocab_size)
 
     def _local_next_token(self: Any, step: dict[str, Tensor], position: int) -> Tensor:
         inputs = FusionModel.pipeline_inputs(

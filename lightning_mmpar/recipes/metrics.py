@@ -8,6 +8,7 @@ combined, never tensor/pipeline peers (who hold copies of the same samples).
 * :class:`RetrievalRecall`: image->text and text->image recall@k over the whole evaluation
   set, pairs ``(u_i, v_i)`` matched by position;
 * :class:`ClassRecall`: the same retrieval, a hit when the retrieved item has the query's class.
+* :class:`AnswerAccuracy`: exact match of generated answers (the digits question task).
 
 Wired into the recipe's validation and test steps by
 :class:`~lightning_mmpar.recipes.evaluation.RecipeMetrics`.
@@ -23,7 +24,14 @@ import torch.nn.functional as F
 from torchmetrics import Metric
 from torchmetrics.utilities import dim_zero_cat
 
-__all__ = ["ClassRecall", "RetrievalRecall", "ZeroShotAccuracy", "recall_at_k"]
+__all__ = [
+    "AnswerAccuracy",
+    "ClassRecall",
+    "RetrievalRecall",
+    "ZeroShotAccuracy",
+    "normalise_answer",
+    "recall_at_k",
+]
 
 
 class ZeroShotAccuracy(Metric):
@@ -190,3 +198,47 @@ class ClassRecall(Metric):
                 hits = (labels[top] == labels[:, None]).any(1)
                 out[f"{name}_class_recall@{k}"] = hits.float().mean()
         return out
+
+
+def normalise_answer(text: str) -> str:
+    """``text`` lower-cased with runs of whitespace collapsed (exact-match comparison form)."""
+    return " ".join(text.lower().split())
+
+
+class AnswerAccuracy(Metric):
+    """Exact-match accuracy of generated answers (VQA-style, after :func:`normalise_answer`).
+
+    ``update(predicted: list[str], expected: list[str])``; ``compute()`` is the fraction of
+    predictions equal to their expected answer (0 before any update). Extra keyword arguments
+    (``process_group``...) go to ``Metric``.
+
+    Raises:
+        ValueError: (``update``) lists of different lengths.
+    """
+
+    is_differentiable = False
+    higher_is_better = True
+    full_state_update = False
+    correct: torch.Tensor
+    total: torch.Tensor
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_state("correct", default=torch.tensor(0), dist_reduce_fx="sum")
+        self.add_state("total", default=torch.tensor(0), dist_reduce_fx="sum")
+
+    def update(self, predicted: Sequence[str], expected: Sequence[str]) -> None:
+        """Count the exact matches of a batch of answers."""
+        if len(predicted) != len(expected):
+            raise ValueError(
+                f"AnswerAccuracy: {len(predicted)} predictions for {len(expected)} answers; "
+                "pass one prediction per question."
+            )
+        pairs = zip(predicted, expected, strict=True)
+        hits = sum(normalise_answer(p) == normalise_answer(e) for p, e in pairs)
+        self.correct += hits
+        self.total += len(expected)
+
+    def compute(self) -> torch.Tensor:
+        """Fraction of exact matches."""
+        return self.correct.float() / self.total.clamp(min=1)

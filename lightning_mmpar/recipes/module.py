@@ -275,6 +275,10 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
             self._tokenizer = data.tokenizer
             rows = ptl.vocab_rows(self, ParallelDims.of(self._trainer).tp)  # the logits' width
             self._digit_classes = digit_token_classes(data.tokenizer, rows)
+        elif data is not None and callable(getattr(data, "prompts", None)):  # a question task
+            image_size = getattr(data, "image_size", self.fusion_config.vision.image_size)
+            check_image_size(image_size, self.fusion_config.vision.image_size)
+            self._tokenizer = data.tokenizer  # greedy answers (RunSummary: answer_accuracy)
 
     # ------------------------------------------------------------------ PipelineModule
     def pipeline_blocks(self) -> list[nn.Module]:

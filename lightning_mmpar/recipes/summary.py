@@ -5,8 +5,10 @@ Collects every logged scalar per step (training terms) and per validation, and a
 ``loss.png`` and ``accuracy.png`` into the logger's directory (or ``default_root_dir``). When the
 module can generate (``generate_accuracy(dataloader)``, any layout: KV-cached greedy decoding,
 through the pipeline stages under pipeline parallelism), the greedy caption accuracy over the
-validation set is measured first (a collective over all ranks). Retrieval is printed per pair
-(the image's own caption) and by class (a caption naming the same digit,
+validation set is measured first (a collective over all ranks); with a question task (a data
+module with ``prompts``, e.g. ``DigitsVQA``) the exact match of the greedy answers to the
+held-out questions instead (``answer_accuracy``, every rank decoding in step). Retrieval is
+printed per pair (the image's own caption) and by class (a caption naming the same digit,
 ``i2t_class_recall@1``: comparable with zero-shot accuracy). Data without ``labels`` or without
 a validation split gives ``n/a`` where a measure needs them. The summary runs after the training
 and its checkpoints: an error in it is one warning on rank 0 with the cause
@@ -121,7 +123,13 @@ class RunSummary(Callback):
 
     def _summarize(self, trainer: Trainer, pl_module: LightningModule) -> None:
         wall = time.perf_counter() - self._start
-        caption = self._caption_accuracy(trainer, pl_module)
+        caption = answer = None
+        answers = getattr(pl_module, "answer_accuracy", None)
+        data = getattr(trainer, "datamodule", None)
+        if callable(getattr(data, "prompts", None)):  # a question task: greedy answers
+            answer = answers(data) if answers else None
+        else:
+            caption = self._caption_accuracy(trainer, pl_module)
         last_val = self.val[-1] if self.val else {}
         ckpt = getattr(trainer.checkpoint_callback, "last_model_path", "") or None
         self.summary = {
@@ -131,6 +139,7 @@ class RunSummary(Callback):
             "wall_time_s": round(wall, 1),
             "zero_shot_acc": last_val.get("val/zero_shot_acc"),
             "caption_acc_greedy": caption,
+            "answer_acc_greedy": answer,
             "caption_acc_teacher_forced": last_val.get("val/caption_acc_tf"),
             "retrieval": {k.removeprefix("val/"): v for k, v in last_val.items() if "recall" in k},
             "final_train": self.train[-1] if self.train else {},
@@ -206,6 +215,11 @@ def _format(s: dict[str, Any], path: Path, plots: list[Path]) -> str:
         f"  zero-shot accuracy (held-out digits)  {_pct(s['zero_shot_acc'])}",
         f"  caption names the digit: greedy {_pct(s['caption_acc_greedy'])}, "
         f"teacher-forced {_pct(s['caption_acc_teacher_forced'])}",
+        *(
+            [f"  answer exact match (held-out questions, greedy)  {_pct(s['answer_acc_greedy'])}"]
+            if s.get("answer_acc_greedy") is not None
+            else []
+        ),
         "  retrieval per pair (own caption)  "
         + _recalls({k: v for k, v in s["retrieval"].items() if "class" not in k}),
         "  retrieval by class (same digit)   "

@@ -74,6 +74,17 @@ def _learning(r: dict[str, Any]) -> None:
     assert sorted(runs["moe one process"]["router"]) == ["text", "vision"]
 
 
+def _packing(r: dict[str, Any]) -> None:
+    assert set(r["packing"]) == {"conversations", "digits_vqa"}
+    for x in r["packing"].values():  # the same samples on both sides, fewer pad positions
+        padded, packed = x["padded"], x["packed"]
+        for key in ("sample_tokens", "target_tokens", "images"):
+            assert padded[key] == packed[key] > 0, (key, padded[key], packed[key])
+        assert packed["rows"] < padded["rows"]
+        assert packed["non_pad_fraction"] >= padded["non_pad_fraction"]
+        assert padded["target_tokens_per_s"] > 0 and packed["target_tokens_per_s"] > 0
+
+
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "overhead": _overhead,
     "planner": _planner,
@@ -82,6 +93,7 @@ CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "memory_comm": _memory_comm,
     "scaling": _scaling,
     "learning": _learning,
+    "packing": _packing,
 }
 
 

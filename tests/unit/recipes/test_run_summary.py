@@ -279,3 +279,34 @@ def test_a_failing_summary_is_a_warning_with_its_cause(
     monkeypatch.setenv("LIGHTNING_MMPAR_TRACEBACK", "1")
     with pytest.raises(RuntimeError, match="decoding broke"):
         summary.on_fit_end(trainer, _Failing())  # type: ignore[arg-type]
+
+
+def test_question_task_reports_answer_accuracy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A data module with ``prompts`` (a question task): the answers' exact match is measured
+    and printed instead of the caption accuracy (whose batches a ragged module lacks)."""
+
+    class _Answering(_Module):
+        def answer_accuracy(self, data: Any) -> float:
+            return 0.75
+
+    trainer: Any = SimpleNamespace(
+        datamodule=SimpleNamespace(prompts=lambda split="val": [], val_dataloader=lambda: []),
+        checkpoint_callback=None,
+        logger=None,
+        default_root_dir=str(tmp_path),
+        global_step=3,
+        world_size=1,
+        is_global_zero=True,
+        strategy=SimpleNamespace(),
+    )
+    module = _Answering()
+    printed: list[str] = []
+    monkeypatch.setattr("lightning_mmpar.recipes.summary.rank_zero_info", printed.append)
+    summary = RunSummary(plots=False)
+    summary.on_fit_start(trainer, module)  # type: ignore[arg-type]
+    summary.on_fit_end(trainer, module)  # type: ignore[arg-type]
+    assert summary.summary["answer_acc_greedy"] == 0.75
+    assert summary.summary["caption_acc_greedy"] is None and module.seen == []
+    assert "answer exact match (held-out questions, greedy)  75.0%" in printed[0]

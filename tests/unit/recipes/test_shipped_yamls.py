@@ -13,7 +13,7 @@ from lightning_mmpar import MultimodalParallelStrategy, ParallelConfig, Parallel
 from lightning_mmpar.models import MoEConfig
 
 RECIPES = Path(__file__).resolve().parents[3] / "recipes"
-YAMLS = sorted(RECIPES.glob("clip_llama_*.yaml"))
+YAMLS = sorted(RECIPES.glob("clip_llama_*.yaml")) + sorted(RECIPES.glob("digits_vqa_*.yaml"))
 
 
 def _load(path: Path) -> dict:
