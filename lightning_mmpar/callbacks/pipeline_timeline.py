@@ -112,6 +112,33 @@ def measured_bubble(per_rank: Sequence[Sequence[Interval]]) -> tuple[float, floa
     return idle / (span * len(per_rank)), span
 
 
+Wait = tuple[float, float]
+"""``(start, end)`` of one point-to-point wait; seconds relative to the step start."""
+
+
+def bubble_split(
+    per_rank: Sequence[Sequence[Interval]], waits: Sequence[Sequence[Wait]]
+) -> dict[str, Any]:
+    """Where the step span goes, per pipeline rank (rank order) and in the mean over ranks:
+    ``compute`` (union of the rank's actions), ``wait`` (its point-to-point waits inside the
+    span) and ``host`` (the rest: the loss, the schedule's bookkeeping, posting sends and
+    receives), each a fraction of the span of ``per_rank`` (:func:`measured_bubble`), so
+    ``wait + host`` is the measured bubble. Raises ``ValueError`` as :func:`measured_bubble`.
+    """
+    _, span = measured_bubble(per_rank)
+    start = min(i[3] for rank in per_rank for i in rank)
+    end = start + span
+    rows = []
+    for rank, rank_waits in zip(per_rank, waits, strict=True):
+        busy = _union_length([(i[3], i[4]) for i in rank])
+        clipped = [(max(a, start), min(b, end)) for a, b in rank_waits]
+        wait = _union_length([(a, b) for a, b in clipped if b > a])
+        compute, wait = (busy / span, wait / span) if span > 0 else (0.0, 0.0)
+        rows.append({"compute": compute, "wait": wait, "host": max(0.0, 1.0 - compute - wait)})
+    mean = {k: sum(r[k] for r in rows) / len(rows) for k in ("compute", "wait", "host")}
+    return {**mean, "ranks": rows}
+
+
 def last_pass(intervals: Sequence[Interval]) -> list[Interval]:
     """The intervals of the last schedule pass of one rank's step, in time order.
 
@@ -262,6 +289,7 @@ class PipelineTimeline(Callback):
         self._t0 = 0.0
         self._step = self._m = 0
         self._local: list[Interval] = []
+        self._waits: list[Wait] = []
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -281,11 +309,15 @@ class PipelineTimeline(Callback):
         self._engine = engine
         self._group = topology.dims.get_group("pp")
         engine.observers.append(self._observe)
+        getattr(engine, "wait_observers", []).append(self._observe_wait)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._engine is not None and self._observe in self._engine.observers:
             self._engine.observers.remove(self._observe)
+        waits = getattr(self._engine, "wait_observers", [])
+        if self._observe_wait in waits:
+            waits.remove(self._observe_wait)
         self._engine = None
 
     def _due(self, step: int) -> bool:
@@ -300,6 +332,10 @@ class PipelineTimeline(Callback):
         if self._recording:
             self._local.append((stage, action, mb, start - self._t0, end - self._t0))
 
+    def _observe_wait(self, start: float, end: float) -> None:
+        if self._recording:
+            self._waits.append((start - self._t0, end - self._t0))
+
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -307,7 +343,7 @@ class PipelineTimeline(Callback):
         if self._engine is None or not self._due(trainer.global_step):
             return
         comm.barrier(self._group)  # a common origin on every pipeline rank
-        self._local, self._recording = [], True
+        self._local, self._waits, self._recording = [], [], True
         self._step, self._m = trainer.global_step, int(self._engine.num_micro_batches)
         self._t0 = time.perf_counter()
 
@@ -323,21 +359,29 @@ class PipelineTimeline(Callback):
         if not self._recording:
             return
         self._recording = False
-        per_rank = comm.all_gather_objects(self._local, self._group)
-        result = self._result(self._step, per_rank)
+        gathered = comm.all_gather_objects((self._local, self._waits), self._group)
+        result = self._result(self._step, [g[0] for g in gathered], [g[1] for g in gathered])
         self.results.append(result)
-        pl_module.log("pipeline_bubble_measured", result["measured"], on_step=True, on_epoch=False)
-        pl_module.log("pipeline_bubble_formula", result["formula"], on_step=True, on_epoch=False)
+        for key, value in (
+            ("measured", result["measured"]),
+            ("formula", result["formula"]),
+            ("wait", result["split"]["wait"]),
+            ("host", result["split"]["host"]),
+        ):
+            pl_module.log(f"pipeline_bubble_{key}", value, on_step=True, on_epoch=False)
         if trainer.is_global_zero and self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.with_suffix(".json").write_text(json.dumps(self.results, indent=1))
             draw_timeline(result, self.path)
 
-    def _result(self, step: int, per_rank: list[list[Interval]]) -> dict[str, Any]:
+    def _result(
+        self, step: int, per_rank: list[list[Interval]], waits: list[list[Wait]]
+    ) -> dict[str, Any]:
         engine = self._engine
         pp, stages = int(engine.pp), int(engine.num_stages)
         m, schedule = self._m, str(engine.schedule_name)
-        measured, span = measured_bubble([last_pass(rank) for rank in per_rank])
+        passes = [last_pass(rank) for rank in per_rank]
+        measured, span = measured_bubble(passes)
         whole, step_span = measured_bubble(per_rank)
         return {
             "step": step,
@@ -350,6 +394,7 @@ class PipelineTimeline(Callback):
             "formula": formula_bubble(schedule, pp, m, stages // pp),
             "source": FORMULA_SOURCES.get(schedule, ""),
             "span_s": span,
+            "split": bubble_split(passes, waits),
             "measured_step": whole,
             "step_span_s": step_span,
             "intervals": [[list(i) for i in rank] for rank in per_rank],

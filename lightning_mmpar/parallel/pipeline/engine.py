@@ -94,7 +94,8 @@ class PipelineEngine:
 
     ``stage_ranges`` gives each stage's blocks (``pp * v`` contiguous non-empty ranges covering
     every block); ``None`` is :func:`partition`'s equal split. ``observers`` receive the timing
-    of every stage action (:data:`~lightning_mmpar.parallel.pipeline.schedules.StageObserver`);
+    of every stage action (:data:`~lightning_mmpar.parallel.pipeline.schedules.StageObserver`),
+    ``wait_observers`` of every point-to-point wait (:data:`~.schedules.WaitObserver`);
     :meth:`set_micro_batches` changes the micro-batch count between steps.
 
     Raises:
@@ -139,6 +140,8 @@ class PipelineEngine:
         self._unsplit: set[int] = set()  # stages whose zero-bubble split misses parameters
         self.observers: list[ps.StageObserver] = []
         """Called after each stage action with ``(stage, action, micro_batch, start, end)``."""
+        self.wait_observers: list[ps.WaitObserver] = []
+        """Called after each point-to-point wait of the schedule with ``(start, end)``."""
         stage_of = [s for s, r in enumerate(ranges) for _ in r]
         owned = set(self.stage_ids)
         self.chunks = [PipelineChunk([blocks[i] for i in ranges[s]]) for s in self.stage_ids]
@@ -159,7 +162,8 @@ class PipelineEngine:
         self._batch_loss: Tensor | None = None
         self._tokens: list[Tensor] = []  # target tokens of each token-sum micro-batch loss
         self.cache_drift = torch.zeros(())
-        """Largest ``|f_pass2 - f_pass1|`` of the last gradient-cache step (0: same features)."""
+        """Largest ``|f_pass2 - f_pass1|`` of the last gradient-cache step (0: same features), a
+        0-dim tensor on the engine's device (kept there: reading it is the only host sync)."""
 
     def _check_shapes_agree(self, inputs: tuple[Tensor, ...]) -> None:
         """Every pipeline rank must split a batch of the same shapes (its stages exchange
@@ -323,9 +327,9 @@ class PipelineEngine:
             return loss
         grads = self._grads.pop(0)
         for f, c in zip(features, self._cached.pop(0), strict=True):
-            if f.is_floating_point() and f.numel():
-                drift = (f.detach() - c).abs().max().float().cpu()
-                self.cache_drift = torch.maximum(self.cache_drift, drift)
+            if f.is_floating_point() and f.numel():  # on the device: no host sync per action
+                drift = (f.detach() - c).abs().max().float()
+                self.cache_drift = torch.maximum(self.cache_drift.to(drift.device), drift)
         assert self._batch_loss is not None
         scale = float(self.config.num_micro_batches)  # cancels the schedule's 1 / M
         return loss + gc.surrogate(features, grads, scale) + self._batch_loss
@@ -389,10 +393,11 @@ class PipelineEngine:
                 self.rng.replay()
             else:
                 self._mode = "eval" if coupled else "plain"
-            if train:
-                schedule.step(*args, target=tgt, losses=losses, return_outputs=False)
-            else:
-                schedule.eval(*args, target=tgt, losses=losses)
+            with ps.observing_waits(self.wait_observers):
+                if train:
+                    schedule.step(*args, target=tgt, losses=losses, return_outputs=False)
+                else:
+                    schedule.eval(*args, target=tgt, losses=losses)
             if not train and coupled and self.has_last:
                 module: Any = self.module
                 extra = module.pipeline_batch_loss(gc.cat_features(self._features))
@@ -411,14 +416,14 @@ class PipelineEngine:
         whole batch and its gradient on each micro-batch's features."""
         self._mode, self._features = "collect", []
         self.rng.record()
-        with torch.no_grad():
+        with torch.no_grad(), ps.observing_waits(self.wait_observers):
             schedule.eval(*args, target=target, losses=[])
         if self.has_last:
             loss, self._grads = gc.batch_gradients(self.module, self._features)  # type: ignore[arg-type]
             self._batch_loss = loss
             self._cached = self._features
         self._features = []
-        self.cache_drift = torch.zeros(())
+        self.cache_drift = torch.zeros((), device=self.device)
 
     def train_step(self, batch: Any) -> Tensor:
         """Forward and backward of one batch; returns the mean loss (detached, on every rank)."""

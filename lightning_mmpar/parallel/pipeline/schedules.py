@@ -31,9 +31,10 @@ it bypasses FSDP2's reduce-scatter (refused by ``ParallelConfig.check_world``).
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -53,12 +54,14 @@ __all__ = [
     "SCHEDULE_CLASSES",
     "ZERO_BUBBLE",
     "StageObserver",
+    "WaitObserver",
     "allow_forward_only_turn",
     "build_schedule",
     "check_ownership",
     "check_stage_ranges",
     "in_flight_micro_batches",
     "instrument_stage",
+    "observing_waits",
     "partition",
     "run_in_order",
     "schedule_class",
@@ -70,6 +73,10 @@ StageObserver = Callable[[int, str, int, float, float], None]
 """``observer(stage, action, micro_batch, start, end)``: called after each stage action;
 ``action`` is ``"forward"``, ``"backward"`` (full), ``"backward_input"`` or
 ``"backward_weight"`` (zero-bubble split); ``start`` / ``end`` from ``time.perf_counter()``."""
+
+WaitObserver = Callable[[float, float], None]
+"""``observer(start, end)``: called after each point-to-point wait of torch's schedules
+(``time.perf_counter()`` seconds): the peer's lateness plus the transfer."""
 
 SCHEDULE_CLASSES: dict[str, str] = dict(
     zip(
@@ -266,6 +273,47 @@ def instrument_stage(stage: Any, observers: list[StageObserver]) -> None:
     stage.forward_one_chunk = timed(stage.forward_one_chunk, "forward")
     stage.backward_one_chunk = timed(stage.backward_one_chunk, "backward")
     stage.backward_weight_one_chunk = timed(stage.backward_weight_one_chunk, "backward_weight")
+
+
+_WAITING: list[list[WaitObserver]] = []  # the observer lists of the schedules now running
+
+
+def _timed_wait(wait: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def timed(work: Any) -> Any:
+        if not _WAITING:
+            return wait(work)
+        start = time.perf_counter()
+        out = wait(work)
+        end = time.perf_counter()
+        for observers in list(_WAITING):
+            for observer in list(observers):
+                observer(start, end)
+        return out
+
+    timed.mmpar_timed = True  # type: ignore[attr-defined]
+    return timed
+
+
+@contextlib.contextmanager
+def observing_waits(observers: list[WaitObserver]) -> Iterator[None]:
+    """Time the point-to-point waits of torch's schedules for ``observers`` while in the block.
+
+    torch waits on each batch of sends / receives in one module function
+    (``torch.distributed.pipelining.schedules._wait_batch_p2p``); it is wrapped once, on first
+    use, and times nothing outside these blocks. With ``observers`` empty nothing is wrapped.
+    """
+    if not observers:
+        yield
+        return
+    from torch.distributed.pipelining import schedules as ts
+
+    if not getattr(ts._wait_batch_p2p, "mmpar_timed", False):
+        ts._wait_batch_p2p = _timed_wait(ts._wait_batch_p2p)
+    _WAITING.append(observers)
+    try:
+        yield
+    finally:
+        _WAITING.remove(observers)
 
 
 def allow_forward_only_turn(stage: Any) -> None:

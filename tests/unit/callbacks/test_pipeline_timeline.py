@@ -19,6 +19,7 @@ from lightning_mmpar.callbacks import DynamicMicroBatching, PipelineTimeline, fo
 from lightning_mmpar.callbacks.pipeline_timeline import (
     FORMULA_SOURCES,
     Interval,
+    bubble_split,
     draw_timeline,
     last_pass,
     measured_bubble,
@@ -86,11 +87,23 @@ def test_last_pass_drops_the_forward_only_pass() -> None:
     assert last_pass(train) == train
 
 
+def test_bubble_split_charges_waits_and_host() -> None:
+    rank0 = [(0, "forward", 0, 0.0, 1.0), (0, "backward", 0, 3.0, 4.0)]  # busy 2 of 4
+    rank1 = [(1, "forward", 0, 1.0, 2.0), (1, "backward", 0, 2.0, 3.0)]  # busy 2 of 4
+    waits0 = [(1.0, 2.5), (-1.0, -0.5), (2.0, 2.2)]  # 1.5 inside (overlap once), one before
+    split = bubble_split([rank0, rank1], [waits0, [(3.5, 9.0)]])
+    assert split["ranks"][0] == pytest.approx({"compute": 0.5, "wait": 0.375, "host": 0.125})
+    assert split["ranks"][1] == pytest.approx({"compute": 0.5, "wait": 0.125, "host": 0.375})
+    assert split["wait"] + split["host"] == pytest.approx(measured_bubble([rank0, rank1])[0])
+    assert split["compute"] == pytest.approx(0.5) and split["wait"] == pytest.approx(0.25)
+
+
 class FakeEngine:
     """The engine API the callbacks read."""
 
     def __init__(self, schedule: str = "gpipe", pp: int = 2, m: int = 4) -> None:
         self.observers: list[Any] = []
+        self.wait_observers: list[Any] = []
         self.schedule_name, self.pp, self.num_stages, self.num_micro_batches = schedule, pp, pp, m
         self.stage_ids = [0]
 
@@ -125,7 +138,7 @@ def test_callback_records_chosen_steps_logs_and_draws(tmp_path: Path) -> None:
     cb = PipelineTimeline(steps=[1])
     cb.setup(trainer, module, "fit")  # type: ignore[arg-type]
     cb.on_fit_start(trainer, module)  # type: ignore[arg-type]
-    assert engine.observers == [cb._observe]
+    assert engine.observers == [cb._observe] and engine.wait_observers == [cb._observe_wait]
     for step in range(3):
         trainer.global_step = step
         cb.on_train_batch_start(trainer, module, None, step)  # type: ignore[arg-type]
@@ -133,21 +146,31 @@ def test_callback_records_chosen_steps_logs_and_draws(tmp_path: Path) -> None:
             stage, action, mb, start, end = interval
             for observer in engine.observers:
                 observer(stage, action, mb, cb._t0 + start, cb._t0 + end)
+        for observer in engine.wait_observers:  # a wait before the first action: outside
+            observer(cb._t0 - 1.0, cb._t0)
         trainer.global_step = step + 1
         cb.on_train_batch_end(trainer, module, None, None, step)  # type: ignore[arg-type]
     assert [r["step"] for r in cb.results] == [1]
     result = cb.results[0]
     assert result["measured"] == pytest.approx(0.0) and result["micro_batches"] == 2
     assert result["formula"] == pytest.approx(1 / 3)
+    assert result["split"] == {
+        "compute": 1.0,
+        "wait": 0.0,
+        "host": 0.0,
+        "ranks": [{"compute": 1.0, "wait": 0.0, "host": 0.0}],
+    }
     assert module.logged == {
         "pipeline_bubble_measured": result["measured"],
         "pipeline_bubble_formula": result["formula"],
+        "pipeline_bubble_wait": 0.0,
+        "pipeline_bubble_host": 0.0,
     }
     png = tmp_path / "pipeline_timeline.png"
     assert png.stat().st_size > 1000
     assert json.loads(png.with_suffix(".json").read_text())[0]["intervals"][0][0][1] == "forward"
     cb.on_fit_end(trainer, module)  # type: ignore[arg-type]
-    assert engine.observers == []
+    assert engine.observers == [] and engine.wait_observers == []
 
 
 def test_draw_timeline_interleaved(tmp_path: Path) -> None:
