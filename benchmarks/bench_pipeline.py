@@ -18,9 +18,9 @@ Within a world the configurations run round-robin (A B C A B C ...), so machine 
 alike. A step's time is the slowest rank's (``on_train_batch_start`` to ``_end``), medians over
 the measured steps of all rounds (the first steps build schedules and are skipped); the spread is
 the range of the per-round medians. The measured bubble comes from
-:class:`~lightning_mmpar.callbacks.PipelineTimeline` on one step per round (send/recv waits
-included), next to the schedule's formula. Stage imbalance (max / mean stage FLOPs) is the
-partition's own figure.
+:class:`~lightning_mmpar.callbacks.PipelineTimeline` on one step per round (split into send/recv
+waits and host work between actions), next to the schedule's formula. Stage imbalance (max /
+mean stage FLOPs) is the partition's own figure.
 """
 
 from __future__ import annotations
@@ -131,6 +131,7 @@ def run_one(
     if timeline is not None and timeline.results:
         r = timeline.results[-1]
         out.update(measured=r["measured"], formula=r["formula"], measured_step=r["measured_step"])
+        out.update(wait=r["split"]["wait"], host=r["split"]["host"])
     return out
 
 
@@ -171,6 +172,8 @@ def summarise(per_rank: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
         if bubbles:
             row["bubble_measured"] = statistics.median(bubbles)
             row["bubble_formula"] = next(run["formula"] for run in runs0 if "formula" in run)
+            row["bubble_wait"] = statistics.median(run["wait"] for run in runs0 if "wait" in run)
+            row["bubble_host"] = statistics.median(run["host"] for run in runs0 if "host" in run)
         out[name] = row
     return out
 
@@ -222,7 +225,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for name, row in results[world].items():
             extra = "".join(
                 f"  {k} {row[k]:.3f}"
-                for k in ("imbalance", "bubble_measured", "bubble_formula")
+                for k in (
+                    "imbalance",
+                    "bubble_measured",
+                    "bubble_wait",
+                    "bubble_host",
+                    "bubble_formula",
+                )
                 if k in row
             )
             print(f"{world:4} {name:38} {row['step_s'] * 1000:8.1f} ms{extra}", flush=True)

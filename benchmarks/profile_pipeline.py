@@ -1,24 +1,27 @@
 """Where a pipeline step's time goes: compute, send/recv wait, loss and host work, per rank.
 
-    python benchmarks/profile_pipeline.py               # pp2: 1f1b, interleaved_1f1b, zbv, dualpipev
-    python benchmarks/profile_pipeline.py --schedules 1f1b --steps 6
+    python benchmarks/profile_pipeline.py    # pp2: 1f1b, interleaved_1f1b, zbv, dualpipev
+    python benchmarks/profile_pipeline.py --schedules 1f1b --steps 8 --repeats 3
 
 The model and data of ``benchmarks/bench_pipeline.py`` (``recipes/clip_llama_cpu.yaml``, batch
-72, 4 micro-batches, ``partition="balanced"``), one spawned 2-process gloo world, one thread
-per process. On every step after the first two, each rank splits the span of the training
-schedule (first action start to last action end over both ranks, as
-:class:`~lightning_mmpar.callbacks.PipelineTimeline` measures it) into:
+72, 4 micro-batches, ``partition="balanced"``), one spawned 2-process gloo world per schedule
+and repeat, one thread per process. On every step after the first two, each rank splits the
+span of the training schedule (first action start to last action end over both ranks, clocks
+aligned by a barrier at the batch start: what :class:`~lightning_mmpar.callbacks.PipelineTimeline`
+measures) into:
 
 * ``compute``: the stage actions (forward, backward, input / weight backward);
-* ``wait``: torch's point-to-point waits (``_wait_batch_p2p``), i.e. the peer's lateness plus
-  the gloo transfer;
-* ``loss``: the loss on the last stage (torch's ``_maybe_compute_loss``: the engine's
+* ``wait``: torch's point-to-point waits (the engine's ``wait_observers``): the peer's lateness
+  plus the gloo transfer;
+* ``post``: posting the sends and receives (torch's ``_batch_p2p``);
+* ``loss``: the loss on the last stage (torch's ``_maybe_compute_loss``, the engine's
   ``_loss_fn``);
-* ``host``: the rest (the schedule's own bookkeeping between actions).
+* ``host``: the rest (the schedule's bookkeeping between actions).
 
-Prints medians over the measured steps of ``(idle share, wait, loss, host)`` as fractions of
-the span, next to the PipelineTimeline bubble and the formula; ``--profile`` also writes the
-torch profiler's table of the last step (self CPU time per op) to stdout.
+Each as a share of the span (wall clock) and as CPU milliseconds of the process
+(``time.thread_time``): on a shared machine a descheduled process stretches every wall figure,
+the CPU figures are what the work costs. ``cpu/wall`` of the actions says how much of a core the
+process got. Prints the medians over all measured steps of all repeats, next to the formula.
 """
 
 from __future__ import annotations
@@ -38,82 +41,65 @@ from lightning.pytorch import Callback, seed_everything
 ROOT = Path(__file__).resolve().parents[1]
 YAML = ROOT / "recipes" / "clip_llama_cpu.yaml"
 SCHEDULES = {"1f1b": 1, "interleaved_1f1b": 2, "zbv_zero_bubble": 2, "dualpipev": 2}
+Event = tuple[str, float, float, float, float]
+"""(kind, wall start, wall end, cpu start, cpu end), seconds."""
 
 
 class Recorder(Callback):
-    """Per step: (kind, start, end) of every timed region on this rank (perf_counter)."""
+    """Every timed region of the measured steps on this rank, and the engine's observers."""
 
-    def __init__(self, warmup: int, profile: bool) -> None:
-        self.warmup, self.profile = warmup, profile
-        self.steps: list[list[tuple[str, float, float]]] = []
-        self.current: list[tuple[str, float, float]] | None = None
-        self.table = ""
-        self._prof: Any = None
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.steps: list[list[Event]] = []
+        self.current: list[Event] | None = None
 
-    def add(self, kind: str, start: float, end: float) -> None:
+    def add(self, kind: str, start: float, end: float, c0: float = 0.0, c1: float = 0.0) -> None:
         if self.current is not None:
-            self.current.append((kind, start, end))
+            self.current.append((kind, start, end, c0, c1))
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        engine = trainer.strategy.pipeline
+        engine.wait_observers.append(lambda a, b: self.add("wait", a, b))
 
     def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
         if trainer.global_step >= self.warmup:
-            self.current = []
-            last = trainer.global_step == trainer.max_steps - 1
-            if self.profile and last:
-                self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-                self._prof.__enter__()
             torch.distributed.barrier()  # a common origin on both ranks
-            self.current.append(("batch_start", time.perf_counter(), time.perf_counter()))
+            now, cpu = time.perf_counter(), time.thread_time()
+            self.current = [("batch_start", now, now, cpu, cpu)]
 
     def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
         if self.current is not None:
-            self.current.append(("batch_end", time.perf_counter(), time.perf_counter()))
+            now, cpu = time.perf_counter(), time.thread_time()
+            self.current.append(("batch_end", now, now, cpu, cpu))
             self.steps.append(self.current)
             self.current = None
-            if self._prof is not None:
-                self._prof.__exit__(None, None, None)
-                self.table = self._prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
-                self._prof = None
 
 
-def _timed(fn: Callable[..., Any], kind: str, rec: Recorder) -> Callable[..., Any]:
+def _timed(fn: Callable[..., Any], kind: str | None, rec: Recorder) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         try:
             return fn(*args, **kwargs)
         finally:
-            rec.add(kind, start, time.perf_counter())
+            name = kind or f"compute:{fn.__name__}:{args[0].stage_index}:{args[1]}"
+            rec.add(name, start, time.perf_counter(), cpu, time.thread_time())
 
     return wrapper
 
 
 def _patch(rec: Recorder) -> None:
     from torch.distributed.pipelining import schedules as ts
+    from torch.distributed.pipelining.stage import _PipelineStageBase as base
 
-    ts._wait_batch_p2p = _timed(ts._wait_batch_p2p, "wait", rec)
     ts._PipelineSchedule._maybe_compute_loss = _timed(
         ts._PipelineSchedule._maybe_compute_loss, "loss", rec
     )
     ts._batch_p2p = _timed(ts._batch_p2p, "post", rec)
-    from torch.distributed.pipelining.stage import _PipelineStageBase as base
-
     for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-        setattr(base, name, _cpu_timed(getattr(base, name), rec))
+        setattr(base, name, _timed(getattr(base, name), None, rec))
 
 
-def _cpu_timed(fn: Callable[..., Any], rec: Recorder) -> Callable[..., Any]:
-    """Record the action's CPU time (this thread) as ``cpu:<ms>`` over its wall interval."""
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        start, cpu = time.perf_counter(), time.thread_time()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            rec.add(f"cpu:{time.thread_time() - cpu}", start, time.perf_counter())
-
-    return wrapper
-
-
-def run(rank: int, size: int, schedule: str, steps: int, profile: bool) -> list[Any]:
+def run(rank: int, size: int, schedule: str, steps: int) -> list[list[Event]]:
     from lightning_mmpar import MultimodalParallelStrategy
     from lightning_mmpar.recipes.partition import build_module
     from lightning_mmpar.testing import quiet_trainer
@@ -122,32 +108,20 @@ def run(rank: int, size: int, schedule: str, steps: int, profile: bool) -> list[
     config = yaml.safe_load(YAML.read_text())
     seed_everything(0, verbose=False)
     module, data = build_module(config, meta=False)
-    v = SCHEDULES[schedule]
     strategy = MultimodalParallelStrategy(
         pipeline_parallel=2,
-        virtual_pipeline=v,
+        virtual_pipeline=SCHEDULES[schedule],
         schedule=schedule,
         partition="balanced",
         micro_batches=4,
     )
-    rec = Recorder(warmup=2, profile=profile and rank == 0)
+    rec = Recorder(warmup=2)
     _patch(rec)
-
-    class Observe(Callback):
-        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-            trainer.strategy.pipeline.observers.append(
-                lambda s, a, mb, t0, t1: rec.add(f"compute:{a}:{s}:{mb}", t0, t1)
-            )
-
     trainer = quiet_trainer(
-        devices=size, strategy=strategy, max_steps=steps, limit_val_batches=0,
-        callbacks=[rec, Observe()],
+        devices=size, strategy=strategy, max_steps=steps, limit_val_batches=0, callbacks=[rec]
     )
     trainer.fit(module, datamodule=data)
-    return [rec.steps, rec.table]
-
-
-from lightning_mmpar.callbacks.pipeline_timeline import last_pass  # noqa: E402
+    return rec.steps
 
 
 def _union(spans: list[tuple[float, float]]) -> float:
@@ -159,77 +133,103 @@ def _union(spans: list[tuple[float, float]]) -> float:
     return total
 
 
-def decompose(per_rank: list[list[tuple[str, float, float]]]) -> dict[str, Any]:
-    """One step: per rank, shares of the schedule span (clocks aligned at the batch start)."""
-    aligned = []
-    for events in per_rank:
-        t0 = next(e[1] for e in events if e[0] == "batch_start")
-        aligned.append([(k, a - t0, b - t0) for k, a, b in events])
-    passes = [
-        last_pass([(int(k.split(":")[2]), k.split(":")[1], int(k.split(":")[3]), a, b)
-                   for k, a, b in ev if k.startswith("compute")])
-        for ev in aligned
-    ]
-    comp = [[(i[3], i[4]) for i in p] for p in passes]
-    start = min(a for c in comp for a, _ in c)
-    end = max(b for c in comp for _, b in c)
+def _actions(events: list[Event]) -> list[tuple[int, str, int, float, float]]:
+    from lightning_mmpar.callbacks.pipeline_timeline import last_pass
+
+    out = []
+    for kind, a, b, _, _ in events:
+        if kind.startswith("compute:"):
+            _, action, stage, mb = kind.split(":")
+            out.append((int(stage), action, int(mb), a, b))
+    return last_pass(out)
+
+
+def decompose(per_rank: list[list[Event]]) -> dict[str, Any]:
+    """One step: per rank, wall shares of the training schedule's span and CPU ms in it."""
+    passes = [_actions(ev) for ev in per_rank]
+    t0 = [next(e[1] for e in ev if e[0] == "batch_start") for ev in per_rank]
+    start = min(i[3] - t for p, t in zip(passes, t0, strict=True) for i in p)
+    end = max(i[4] - t for p, t in zip(passes, t0, strict=True) for i in p)
     span = end - start
     rows = []
-    for ev, c, p in zip(aligned, comp, passes, strict=True):
-        busy = _union(c)
-        inside = [(k, max(a, start), min(b, end)) for k, a, b in ev]
-        wait = sum(b - a for k, a, b in inside if k == "wait" and b > a)
-        cpu = sum(float(k[4:]) for k, a, b in ev if k.startswith("cpu:") and a >= start - 1e-6)
-        post = sum(b - a for k, a, b in inside if k == "post" and b > a)
-        loss = sum(b - a for k, a, b in inside if k == "loss" and b > a)
-        idle = span - busy
-        step = next(b for k, a, b in ev if k == "batch_end")
-        rows.append({
-            "idle": idle / span, "wait": wait / span, "post": post / span, "loss": loss / span,
-            "host": (idle - wait - loss - post) / span, "busy": busy / span, "cpu": cpu / span,
-            "fwd": sum(i[4] - i[3] for i in p if i[1] == "forward") / span,
-            "bwd": sum(i[4] - i[3] for i in p if i[1] != "forward") / span,
-            "n_actions": len(c), "span_ms": span * 1e3, "step_ms": step * 1e3,
-            "before_ms": start * 1e3, "after_ms": (step - end) * 1e3,
-        })
-    return {"bubble": sum(r["idle"] for r in rows) / len(rows), "ranks": rows, "span": span}
+    for ev, p, t in zip(per_rank, passes, t0, strict=True):
+        lo, hi = start + t, end + t
+        inside = [e for e in ev if e[1] >= lo - 1e-9 and e[2] <= hi + 1e-9]
+        acts = [e for e in inside if e[0].startswith("compute:")]
+        mine = {(i[3], i[4]) for i in p}
+        earlier = [e for e in acts if (e[1], e[2]) not in mine]  # the cache pass's tail
+
+        def wall(kind: str, inside: list[Event] = inside) -> float:
+            return sum(e[2] - e[1] for e in inside if e[0] == kind)
+
+        def cpu(kind: str, inside: list[Event] = inside) -> float:
+            return sum(e[4] - e[3] for e in inside if e[0] == kind)
+
+        busy = _union([(i[3], i[4]) for i in p])
+        a_cpu = sum(e[4] - e[3] for e in acts)
+        timed = [e for e in inside if e[4] > 0]
+        c_all = max(e[4] for e in timed) - min(e[3] for e in timed)
+        row = {
+            "compute": busy / span,
+            "earlier_pass": sum(e[2] - e[1] for e in earlier) / span,
+            "wait": wall("wait") / span,
+            "post": wall("post") / span,
+            "loss": wall("loss") / span,
+        }
+        row["host"] = 1 - sum(row.values())
+        row.update(
+            compute_cpu_ms=1e3 * a_cpu,
+            fwd_cpu_ms=1e3 * sum(e[4] - e[3] for e in acts if "forward" in e[0]),
+            wait_cpu_ms=1e3 * cpu("wait"),
+            post_cpu_ms=1e3 * cpu("post"),
+            loss_cpu_ms=1e3 * cpu("loss"),
+            host_cpu_ms=1e3 * (c_all - a_cpu - cpu("wait") - cpu("post") - cpu("loss")),
+            core_share=a_cpu / max(sum(e[2] - e[1] for e in acts), 1e-9),
+            earlier_actions=len(earlier),
+            actions=len(acts),
+        )
+        rows.append(row)
+    bubble = sum(1 - r["compute"] for r in rows) / len(rows)
+    return {"bubble": bubble, "span_ms": 1e3 * span, "ranks": rows}
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     from lightning_mmpar.callbacks.pipeline_timeline import formula_bubble
     from lightning_mmpar.testing import spawn
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--schedules", default=",".join(SCHEDULES))
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--profile", action="store_true")
+    p.add_argument("--steps", type=int, default=8, help="steps per run (2 warm-up)")
+    p.add_argument("--repeats", type=int, default=1, help="runs per schedule (round-robin)")
     args = p.parse_args(argv)
-    for schedule in args.schedules.split(","):
-        out = spawn(run, 2, schedule, args.steps, args.profile, timeout=900)
-        steps = [decompose([out[r][0][i] for r in range(2)]) for i in range(len(out[0][0]))]
-        med = lambda f: statistics.median(f(s) for s in steps)  # noqa: E731
-        formula = formula_bubble(schedule, 2, 4, SCHEDULES[schedule])
-        print(f"== {schedule}: bubble {med(lambda s: s['bubble']):.3f} (formula {formula:.3f}),"
-              f" {len(steps)} steps")
-        for r in range(2):
-            keys = ("idle", "wait", "post", "loss", "host", "busy", "cpu", "fwd", "bwd", "span_ms", "step_ms", "before_ms", "after_ms", "n_actions")
-            print(f"  rank {r}: " + " ".join(f"{k} {med(lambda s: s['ranks'][r][k]):.3f}" for k in keys))
-        if args.profile:
-            print(out[0][1])
+    names = args.schedules.split(",")
+    steps: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    for _ in range(args.repeats):
+        for name in names:
+            out = spawn(run, 2, name, args.steps, timeout=900)
+            steps[name] += [decompose([out[0][i], out[1][i]]) for i in range(len(out[0]))]
+    report: dict[str, Any] = {}
+    for name in names:
+        rows = steps[name]
+        formula = formula_bubble(name, 2, 4, SCHEDULES[name])
+        med = {
+            "bubble": statistics.median(s["bubble"] for s in rows),
+            "span_ms": statistics.median(s["span_ms"] for s in rows),
+            "ranks": [
+                {k: statistics.median(s["ranks"][r][k] for s in rows) for k in rows[0]["ranks"][r]}
+                for r in range(2)
+            ],
+        }
+        report[name] = {"formula": formula, "steps": len(rows), **med}
+        print(
+            f"== {name}: bubble {med['bubble']:.3f} (formula {formula:.3f}), span "
+            f"{med['span_ms']:.1f} ms, {len(rows)} steps"
+        )
+        for r, row in enumerate(med["ranks"]):
+            print(f"  rank {r}: " + " ".join(f"{k} {v:.3f}" for k, v in row.items()))
         sys.stdout.flush()
+    return report
 
 
 if __name__ == "__main__":
     main()
-
-
-def dump(schedule: str = "1f1b", steps: int = 4) -> None:
-    from lightning_mmpar.testing import spawn
-
-    out = spawn(run, 2, schedule, steps, False, timeout=900)
-    for r in range(2):
-        ev = out[r][0][-1]
-        t0 = next(e[1] for e in ev if e[0] == "batch_start")
-        print(f"rank {r}")
-        for k, a, b in sorted(ev, key=lambda e: e[1]):
-            print(f"   {k:28} {1e3 * (a - t0):8.2f} {1e3 * (b - t0):8.2f} {1e3 * (b - a):7.2f}")

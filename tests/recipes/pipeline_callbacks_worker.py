@@ -121,14 +121,17 @@ def check_timeline(results: list[dict[str, Any]], root: Path) -> None:
             assert (t["schedule"], t["pp"], t["micro_batches"]) == ("1f1b", 2, m)
             assert abs(t["formula"] - 1 / (m + 1)) < 1e-12
             assert 0.0 < t["measured"] < 1.0 and 0.0 < t["measured_step"] < 1.0, t
+            split = t["split"]  # the bubble is the waits plus the host work between actions
+            assert split["wait"] > 0.0 and split["host"] >= 0.0, split
+            assert abs(split["wait"] + split["host"] - t["measured"]) < 1e-9, (split, t)
             for stage, rank in enumerate(t["intervals"]):
                 seen = {(i[0], i[1], i[2]) for i in last_pass([tuple(i) for i in rank])}
                 want = {(stage, a, mb) for a in ("forward", "backward") for mb in range(m)}
                 assert seen == want, (name, t["step"], stage, seen)
             print(
                 f"{name} step {t['step']} m={m}: bubble measured {t['measured']:.3f} (whole "
-                f"step {t['measured_step']:.3f}), formula {t['formula']:.3f}, span "
-                f"{1e3 * t['span_s']:.1f} ms"
+                f"step {t['measured_step']:.3f}; wait {split['wait']:.3f}, host "
+                f"{split['host']:.3f}), formula {t['formula']:.3f}, span {1e3 * t['span_s']:.1f} ms"
             )
         png = root / f"{name}.png"
         assert png.stat().st_size > 1000

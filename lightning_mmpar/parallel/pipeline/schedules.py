@@ -308,7 +308,7 @@ def observing_waits(observers: list[WaitObserver]) -> Iterator[None]:
     from torch.distributed.pipelining import schedules as ts
 
     if not getattr(ts._wait_batch_p2p, "mmpar_timed", False):
-        ts._wait_batch_p2p = _timed_wait(ts._wait_batch_p2p)
+        ts._wait_batch_p2p = _timed_wait(ts._wait_batch_p2p)  # type: ignore[assignment]
     _WAITING.append(observers)
     try:
         yield

@@ -31,6 +31,7 @@ from lightning_mmpar.parallel.pipeline.schedules import (
     SCHEDULE_CLASSES,
     check_stage_ranges,
     instrument_stage,
+    observing_waits,
     stage_ranks,
 )
 
@@ -269,6 +270,28 @@ def test_observers_time_every_action_only_when_present() -> None:
         (3, "backward_weight", 2),
     ]
     assert all(start <= end for *_, start, end in seen)
+
+
+def test_wait_observers_time_torchs_p2p_waits_inside_the_block_only() -> None:
+    from torch.distributed.pipelining import schedules as ts
+
+    waited: list[Any] = []
+
+    class Work:
+        def wait(self) -> None:
+            waited.append(self)
+
+    seen: list[tuple[float, float]] = []
+    observers: list[Any] = [lambda start, end: seen.append((start, end))]
+    with observing_waits([]):  # nothing to time: nothing wrapped or timed
+        ts._wait_batch_p2p([Work()])
+    with observing_waits(observers):
+        ts._wait_batch_p2p([Work(), Work()])
+        with observing_waits(observers):  # nested: each active list is told once
+            ts._wait_batch_p2p([Work()])
+    ts._wait_batch_p2p([Work()])  # outside: not timed
+    assert len(waited) == 5
+    assert len(seen) == 3 and all(start <= end for start, end in seen)
 
 
 @pytest.mark.parametrize(
