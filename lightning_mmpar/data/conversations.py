@@ -125,6 +125,13 @@ class RaggedDataModule(pl.LightningDataModule):
         self.collators: dict[str, RowsCollator] = {}
 
     @property
+    def max_length(self) -> int:
+        """Tokens per row (``max_tokens``): what the planner, the partitioner and the pre-launch
+        checks price as one sample's text length (a caption module's ``max_length``); an upper
+        bound, since a packed row may hold several samples and an unpacked one pads less."""
+        return int(self.collate_args["max_tokens"])
+
+    @property
     def vocab_size(self) -> int:
         """Tokenizer vocabulary size (the LM head's output size), image token included."""
         if self.tokenizer is None:
