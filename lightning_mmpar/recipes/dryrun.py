@@ -153,12 +153,21 @@ def plan_layout(config: dict[str, Any], gpus: int) -> Planned:
 
 @contextlib.contextmanager
 def _rank_env(rank: int, devices: int) -> Iterator[None]:
-    """``LOCAL_RANK`` / ``NODE_RANK`` of ``rank`` while set up (Lightning's ranks read them)."""
+    """``LOCAL_RANK`` / ``NODE_RANK`` of ``rank`` while set up (Lightning's ranks read them);
+    Lightning's process-wide ``rank_zero_only.rank`` (the strategy sets it to ``rank``) is put
+    back afterwards, so this process logs as before."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
     saved = {k: os.environ.get(k) for k in ("LOCAL_RANK", "NODE_RANK")}
+    holders: list[Any] = [rank_zero_only, fabric_rank_zero]
+    ranks = [getattr(f, "rank", 0) for f in holders]
     os.environ.update(LOCAL_RANK=str(rank % devices), NODE_RANK=str(rank // devices))
     try:
         yield
     finally:
+        for holder, value in zip(holders, ranks, strict=True):
+            holder.rank = value
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)

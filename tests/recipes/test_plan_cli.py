@@ -10,7 +10,7 @@ import yaml
 from lightning_mmpar.config import ParallelConfig
 from lightning_mmpar.layout import ParallelLayout
 from lightning_mmpar.recipes import planner as cli
-from lightning_mmpar.recipes.partition import build_module
+from lightning_mmpar.recipes.partition import build_module, data_args
 from lightning_mmpar.strategy import MultimodalParallelStrategy
 
 ROOT = Path(__file__).parents[2]
@@ -227,7 +227,7 @@ def test_fragment_merged_over_a_recipe_overrides_every_layout_field(recipe: Path
         vision_parallel=_alternative(options.get("vision_parallel", "tp"), ["dp", "tp"]),
         activation_checkpointing=old.get("activation_checkpointing") is None,
     )
-    assert layout.micro_batches * layout.micro_batch_size != config["data"]["batch_size"]
+    assert layout.micro_batches * layout.micro_batch_size != data_args(config)["batch_size"]
     order = list(range(layout.world))[::-1]
     merged = cli._merge(config, cli.fragment(layout, order))
     args = merged["trainer"]["strategy"]["init_args"]
