@@ -508,18 +508,7 @@ class Head(FusionBlock):
             classes = s.pooled.new_zeros(s.hp.shape[1], m_img.shape[-1])
         else:
             classes = F.normalize(self.text_head(self.norm(s.hp[0]), s.p_last[0])[1], dim=-1)
-        scale = self.logit_scale.exp()  # clamped as a parameter after each optimizer step
-        return tuple(
-            FusionOutput(
-                logits=self.lm_head(self.norm(s.h)),
-                image_features=F.normalize(self.image_head(s.pooled), dim=-1),
-                text_features=F.normalize(text, dim=-1),
-                logit_scale=scale.expand(s.h.shape[0]),
-                momentum_image=m_img,
-                momentum_text=m_txt,
-                class_features=classes,
-            )
-        )
+        return self._output(s.h, s.pooled, text, (m_img, m_txt), classes)
 
     def _ragged(self, s: RaggedStreams) -> tuple[Tensor, ...]:
         """Features per image slot ``[B, I, C]``: the slot's image and its sample's text (the
@@ -527,16 +516,29 @@ class Head(FusionBlock):
         last = sample_last_index(s.sample_ids, s.image_sample)
         text_embed, text = self.text_head(self.norm(s.ht), last)
         m_img, m_txt = self.momentum(s.pooled, text_embed)
-        scale = self.logit_scale.exp()
+        classes = s.pooled.new_zeros(1, m_img.shape[-1])
+        return self._output(s.h, s.pooled, text, (m_img, m_txt), classes)
+
+    def _output(
+        self,
+        h: Tensor,
+        pooled: Tensor,
+        text: Tensor,
+        momentum: tuple[Tensor, Tensor],
+        classes: Tensor,
+    ) -> tuple[Tensor, ...]:
+        """The heads on the fused stream ``h``, the pooled images and the pooled text: a plain
+        tuple in :class:`FusionOutput` order (one-image and ragged batches alike)."""
+        scale = self.logit_scale.exp()  # clamped as a parameter after each optimizer step
         return tuple(
             FusionOutput(
-                logits=self.lm_head(self.norm(s.h)),
-                image_features=F.normalize(self.image_head(s.pooled), dim=-1),
+                logits=self.lm_head(self.norm(h)),
+                image_features=F.normalize(self.image_head(pooled), dim=-1),
                 text_features=F.normalize(text, dim=-1),
-                logit_scale=scale.expand(s.h.shape[0]),
-                momentum_image=m_img,
-                momentum_text=m_txt,
-                class_features=s.pooled.new_zeros(1, m_img.shape[-1]),
+                logit_scale=scale.expand(h.shape[0]),
+                momentum_image=momentum[0],
+                momentum_text=momentum[1],
+                class_features=classes,
             )
         )
 
