@@ -127,3 +127,22 @@ def column_parallel_plan(*paths: str) -> Any:
 
     styles = tuple(StyleGroup(path, "tp", ColwiseParallel()) for path in paths)
     return ParallelPlan(tensor_parallel=styles)
+
+
+def fake_trainer(root: Any, **fields: Any) -> Any:
+    """A stand-in ``Trainer`` for callbacks' end-of-fit code (``RunSummary`` and the like): one
+    process, rank 0, step 3, no logger, checkpoint callback or data module, logging into
+    ``root``; ``fields`` replace or add attributes."""
+    from types import SimpleNamespace
+
+    base = {
+        "datamodule": None,
+        "checkpoint_callback": None,
+        "logger": None,
+        "default_root_dir": str(root),
+        "global_step": 3,
+        "world_size": 1,
+        "is_global_zero": True,
+        "strategy": SimpleNamespace(),
+    }
+    return SimpleNamespace(**{**base, **fields})

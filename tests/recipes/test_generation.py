@@ -26,6 +26,7 @@ from lightning_mmpar.models.language import LanguageConfig, LanguageModel
 from lightning_mmpar.models.moe_routing import MoEConfig
 from lightning_mmpar.recipes.metrics import ClassRecall
 from lightning_mmpar.testing import spawn
+from tests.builders import fake_trainer
 from tests.recipes import generation_worker as gw
 from tests.recipes import recipe_faults_worker as rw
 
@@ -199,15 +200,8 @@ def test_run_summary_prints_class_recall_apart_from_per_pair(
     from lightning_mmpar.recipes.summary import RunSummary
 
     caplog.set_level(logging.INFO)
-    trainer: Any = SimpleNamespace(
-        datamodule=None,
-        checkpoint_callback=None,
-        logger=None,
-        default_root_dir=str(tmp_path),
-        global_step=3,
-        world_size=1,
-        is_global_zero=True,
-        strategy=SimpleNamespace(),
+    trainer: Any = fake_trainer(
+        tmp_path,
         sanity_checking=False,
         callback_metrics={
             "val/i2t_recall@1": torch.tensor(0.181),

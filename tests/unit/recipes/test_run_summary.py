@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from lightning_mmpar.recipes.summary import RunSummary
+from tests.builders import fake_trainer
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, "2", True])
@@ -36,15 +37,9 @@ class _Module:
 def test_caption_batches_limits_the_measurement(
     tmp_path: Path, limit: int | None, seen: list[int] | None
 ) -> None:
-    trainer: Any = SimpleNamespace(
+    trainer: Any = fake_trainer(
+        tmp_path,
         datamodule=SimpleNamespace(val_dataloader=lambda: iter(range(4))),
-        checkpoint_callback=None,
-        logger=None,
-        default_root_dir=str(tmp_path),
-        global_step=3,
-        world_size=1,
-        is_global_zero=True,
-        strategy=SimpleNamespace(),
     )
     module = _Module()
     summary = RunSummary(plots=False, caption_batches=limit)
@@ -58,14 +53,8 @@ def test_caption_batches_limits_the_measurement(
 
 def test_skipped_steps_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Steps skipped by ``on_nonfinite="skip"`` are in the summary and its printed line."""
-    trainer: Any = SimpleNamespace(
-        datamodule=None,
-        checkpoint_callback=None,
-        logger=None,
-        default_root_dir=str(tmp_path),
-        global_step=3,
-        world_size=1,
-        is_global_zero=True,
+    trainer: Any = fake_trainer(
+        tmp_path,
         strategy=SimpleNamespace(nonfinite=SimpleNamespace(skipped=2)),
     )
     summary = RunSummary(plots=False)
@@ -254,15 +243,11 @@ def test_a_failing_summary_is_a_warning_with_its_cause(
 ) -> None:
     """A summary that raises after the training finished warns (the cause, the steps, the
     checkpoint kept) and ``fit`` goes on to return; ``LIGHTNING_MMPAR_TRACEBACK=1`` raises."""
-    trainer: Any = SimpleNamespace(
+    trainer: Any = fake_trainer(
+        tmp_path,
         datamodule=SimpleNamespace(val_dataloader=lambda: iter(range(4))),
         checkpoint_callback=SimpleNamespace(last_model_path="runs/x/last.ckpt"),
-        logger=None,
-        default_root_dir=str(tmp_path),
         global_step=7,
-        world_size=1,
-        is_global_zero=True,
-        strategy=SimpleNamespace(),
     )
     summary = RunSummary(plots=False)
     summary.on_fit_start(trainer, _Failing())  # type: ignore[arg-type]
@@ -291,15 +276,9 @@ def test_question_task_reports_answer_accuracy(
         def answer_accuracy(self, data: Any) -> float:
             return 0.75
 
-    trainer: Any = SimpleNamespace(
+    trainer: Any = fake_trainer(
+        tmp_path,
         datamodule=SimpleNamespace(prompts=lambda split="val": [], val_dataloader=lambda: []),
-        checkpoint_callback=None,
-        logger=None,
-        default_root_dir=str(tmp_path),
-        global_step=3,
-        world_size=1,
-        is_global_zero=True,
-        strategy=SimpleNamespace(),
     )
     module = _Answering()
     printed: list[str] = []
