@@ -155,3 +155,30 @@ def test_gpu_check_sh_exits_0_without_cuda() -> None:
         ["bash", script], capture_output=True, text=True, timeout=120, cwd=ROOT, check=False
     )
     assert done.returncode == 0 and "no CUDA device" in done.stdout, done.stdout + done.stderr
+
+
+def test_gpu_llava_code_path_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/gpu_llava.py's code path at tiny sizes on CPU: the spliced-fusion module trains
+    packed and padded ragged batches with finite losses, packing fills more of its rows, FP8
+    through torchao runs or says why not, and the model FLOPs count what the docstring says."""
+    import gpu_llava
+
+    run_main("gpu_llava.py", tmp_path, monkeypatch)
+    r = json.loads((tmp_path / "gpu_llava.json").read_text())
+    assert r["ok"] and list(r["runs"]) == ["bf16_packed", "bf16_padded", "fp8_torchao"]
+    packed, padded = r["runs"]["bf16_packed"], r["runs"]["bf16_padded"]
+    assert packed["losses_finite"] and padded["losses_finite"]
+    assert packed["batches"]["non_pad_fraction"] > padded["batches"]["non_pad_fraction"]
+    assert packed["mfu"] is None and r["packed_vs_padded_tokens_per_s"] > 0
+    fp8 = r["runs"]["fp8_torchao"]
+    assert "torchao" in fp8.get("skipped", "torchao") and (fp8.get("losses_finite", True))
+    sizes = gpu_llava.SIZES["tiny"]  # one row: samples of 3 and 5 tokens, one image; one pad
+    batch = {
+        "sample_ids": torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, -1]]),
+        "image_mask": torch.ones(1, 1),
+    }
+    weights = {"vision": 10, "trained": 100}
+    lang, vis, pos = sizes["language"], sizes["vision"], gpu_llava.image_tokens(sizes) + 1
+    expected = 6 * 100 * 8 + 6 * lang["hidden_size"] * lang["num_hidden_layers"] * (9 + 25)
+    expected += 2 * 10 * pos + 4 * vis["width"] * vis["layers"] * pos**2
+    assert gpu_llava.model_flops(sizes, weights, batch) == expected
