@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -28,6 +29,28 @@ def set_group_timeout(timeout: timedelta | None) -> None:
     _GROUP_TIMEOUT[0] = timeout
 
 
+def _keep_rank_order(new_group: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Ask ``new_group`` to keep the ranks' order (``sort_ranks=False``, torch >= 2.12). An older
+    torch has no such argument and always sorts: sorted rank lists need nothing; a permuted one
+    is refused, as its collectives would run in another order than DTensor's coordinates.
+
+    Raises:
+        RuntimeError: a permuted rank list on a torch whose ``new_group`` cannot keep its order.
+    """
+    import torch
+
+    if "sort_ranks" in inspect.signature(new_group).parameters:
+        kwargs["sort_ranks"] = False
+        return
+    ranks = kwargs.get("ranks", args[0] if args else None)
+    if ranks is not None and list(ranks) != sorted(ranks):
+        raise RuntimeError(
+            f"rank placement: a process group over ranks {list(ranks)} (not in ascending order) "
+            f"needs torch.distributed.new_group(sort_ranks=False), which torch {torch.__version__} "
+            "lacks: upgrade torch, or use a rank placement whose groups are ascending."
+        )
+
+
 @contextmanager
 def _ordered_groups(ordered: bool = True) -> Iterator[None]:
     """While set, the groups ``DeviceMesh`` creates keep its rank order (``sort_ranks=False``)
@@ -50,7 +73,7 @@ def _ordered_groups(ordered: bool = True) -> Iterator[None]:
             if timeout is not None and kwargs.get("timeout") is None:
                 kwargs["timeout"] = timeout
             if ordered and name == "new_group":
-                kwargs["sort_ranks"] = False
+                _keep_rank_order(originals[name], args, kwargs)
             return originals[name](*args, **kwargs)
 
         return create

@@ -127,11 +127,13 @@ class CastMeta:
         self.reset_stats()
 
     def reset_stats(self) -> None:
-        """Forget the per-step counters (amax, saturated, overflow, nonfinite)."""
-        self.amax = torch.zeros((), dtype=torch.float32)
-        self.saturated = torch.zeros((), dtype=torch.int64)
-        self.overflow = torch.zeros((), dtype=torch.int64)
-        self.nonfinite = torch.zeros((), dtype=torch.int64)
+        """Forget the per-step counters (amax, saturated, overflow, nonfinite), keeping them on
+        the device of the amax history (a reset after the first cast on a GPU stays there)."""
+        device = self.history.device
+        self.amax = torch.zeros((), dtype=torch.float32, device=device)
+        self.saturated = torch.zeros((), dtype=torch.int64, device=device)
+        self.overflow = torch.zeros((), dtype=torch.int64, device=device)
+        self.nonfinite = torch.zeros((), dtype=torch.int64, device=device)
         self.shape: list[int] = []
 
     def reset_history(self) -> None:

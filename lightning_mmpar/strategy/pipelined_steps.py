@@ -62,6 +62,15 @@ class PipelinedSteps(Strategy):
         return self.pipeline is not None or self._chunk is not None
 
     def _loss(self, batch: Any, train: bool) -> Tensor:
+        """The step's loss through the pipeline schedule or the one-chunk model, inside the
+        precision plugin's step context (``bf16-mixed``: autocast), as Lightning's own
+        ``Strategy.training_step`` runs ``LightningModule.training_step``."""
+        plugin = self.precision_plugin
+        context = plugin.train_step_context() if train else plugin.val_step_context()
+        with context:
+            return self._schedule_loss(batch, train)
+
+    def _schedule_loss(self, batch: Any, train: bool) -> Tensor:
         module = self._module
         if self.pipeline is not None:
             return self.pipeline.train_step(batch) if train else self.pipeline.eval_step(batch)

@@ -107,6 +107,19 @@ def test_delayed_scaling_saturation_and_overflow_counted() -> None:
     assert int(meta.nonfinite) == 1 and meta.history.tolist() == [4.0, 1.0, 0.0]
 
 
+def test_counters_reset_after_a_cast_stay_on_the_casts_device() -> None:
+    """A per-step reset after the first cast keeps the counters where the amax history moved
+    (found on an H200: the reset made them CPU tensors, the next GPU cast raised a device
+    mismatch); the meta device stands in for a GPU here."""
+    meta = CastMeta(E4M3, FP8Policy())
+    x = torch.randn(4, 16, device="meta")
+    meta.cast(x)
+    meta.reset_stats()
+    assert {t.device.type for t in (meta.amax, meta.saturated, meta.overflow)} == {"meta"}
+    meta.cast(x)  # raised before: saturated (cpu) += sat (meta)
+    assert meta.saturated.device.type == "meta"
+
+
 def test_policy_patterns_pin_modules_and_switch_at_run_time() -> None:
     model = nn.ModuleDict(
         {
