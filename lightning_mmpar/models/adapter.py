@@ -99,13 +99,20 @@ class CrossAttention(nn.Module):
         """``text [B, T, D]``, ``image [B, N, D]`` -> ``[B, T, D]``. ``attn_mask [B, 1, T, N]``
         (bool, True = attend; a ragged batch's own-sample, preceding-image rule): a text token
         that may attend to no image token gets a zero context (its output is ``o_proj``'s
-        bias), also when ``N = 0``; every projection stays on the autograd graph."""
+        bias), also when ``N = 0``; every projection stays on the autograd graph.
+
+        ``N = 0`` (a ragged batch with no image slot) runs k/v on one zero image token that no
+        text token sees: a zero-size token dimension never reaches a projection, whose
+        tensor-parallel DTensor reshape cannot propagate a sharding over zero elements (torch
+        raises ``integer modulo by zero`` there)."""
+        if image.shape[1] == 0:
+            image = image.new_zeros(image.shape[0], 1, image.shape[2]) + 0.0 * image.sum()
+            b, t = text.shape[:2]
+            attn_mask = torch.zeros(b, 1, t, 1, dtype=torch.bool, device=text.device)
         q = self._heads(self.q_proj(text))
         k, v = self._heads(self.k_proj(image)), self._heads(self.v_proj(image))
         if attn_mask is None:
             out = F.scaled_dot_product_attention(q, k, v)
-        elif k.shape[2] == 0:  # no image slot at all: zero context, projections kept on graph
-            out = q * 0.0 + (k.sum() + v.sum()) * 0.0
         else:
             visible = attn_mask.any(dim=-1, keepdim=True)  # [B, 1, T, 1]
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask | ~visible)
