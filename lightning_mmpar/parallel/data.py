@@ -49,6 +49,7 @@ __all__ = [
     "GradientSync",
     "apply_fsdp",
     "broadcast_parameters",
+    "fill_missing_gradients",
     "fsdp_managed",
     "has_fsdp",
     "partial_over_tp_parameters",
@@ -181,13 +182,38 @@ def broadcast_parameters(params: Iterable[Tensor], group: dist.ProcessGroup | No
 
 
 @torch.no_grad()
+def fill_missing_gradients(params: Iterable[Tensor], group: dist.ProcessGroup | None) -> None:
+    """Give a zero gradient to each parameter of ``params`` that has none on this rank but has
+    one on a peer of ``group`` (a module skipped on this rank only); a parameter without a
+    gradient on every rank keeps ``None``. One all-reduce of one flag per parameter (torch
+    DDP's used-parameter map under ``find_unused_parameters``). ``params``: the same list, in
+    the same order, on every rank. Collective over ``group``."""
+    params = list(params)
+    if not params or comm.group_size(group) == 1:
+        return
+    used = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+    comm.all_reduce(used, "max", group)
+    for p, anywhere in zip(params, used.tolist(), strict=True):
+        if anywhere and p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
+@torch.no_grad()
 def sync_gradients(
-    params: Iterable[Tensor], group: dist.ProcessGroup | None, op: comm.ReduceOp = "avg"
+    params: Iterable[Tensor],
+    group: dist.ProcessGroup | None,
+    op: comm.ReduceOp = "avg",
+    fill_missing: bool = False,
 ) -> None:
     """Average (``op="sum"``: sum) gradients over ``group`` with one coalesced all-reduce per
-    dtype (local shards of DTensor gradients)."""
+    dtype (local shards of DTensor gradients). ``fill_missing``: first
+    :func:`fill_missing_gradients`, so a parameter some ranks did not use cannot make the
+    ranks' buffers differ in size (without it, every rank must hold the same gradients)."""
     if comm.group_size(group) == 1:
         return
+    if fill_missing:
+        params = list(params)
+        fill_missing_gradients(params, group)
     by_dtype: dict[torch.dtype, list[Tensor]] = {}
     for p in params:
         if p.grad is not None:
@@ -251,6 +277,10 @@ class GradientSync:
     partial_over_tp: list[nn.Parameter] = field(default_factory=list)
     replicated: list[nn.Parameter] = field(default_factory=list)
     experts: list[nn.Parameter] = field(default_factory=list)
+    fill_missing: bool = False
+    """``replicated`` gradients missing on some ranks are reduced as zeros
+    (:func:`fill_missing_gradients`: one more small all-reduce per step); set for modules whose
+    parts the strategy cannot tell always run (no ``pipeline_blocks``)."""
 
     @classmethod
     def of(
@@ -283,7 +313,7 @@ class GradientSync:
         if self.partial_over_tp:  # each tp rank's share of the batch: sum over tp
             sync_gradients(self.partial_over_tp, dims.get_group("tp"), "sum")
         if self.replicated:
-            sync_gradients(self.replicated, dims.get_group("dp"))
+            sync_gradients(self.replicated, dims.get_group("dp"), fill_missing=self.fill_missing)
         if self.experts:  # expert weights: mean over their edp replicas (ep ranks differ)
             sync_gradients(self.experts, dims.get_group("edp"))
 

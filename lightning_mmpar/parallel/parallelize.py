@@ -57,6 +57,7 @@ from lightning_mmpar.parallel.pipeline import PipelineChunk, PipelineEngine, Pip
 from lightning_mmpar.parallel.pipeline.stages import stage_plan_for
 from lightning_mmpar.parallel.random import ParallelDropout, seed_regions
 from lightning_mmpar.parallel.tensor import StyleGroup, apply_styles
+from lightning_mmpar.parallel.unit_order import UnitOrderGuard
 from lightning_mmpar.topology import ParallelDims
 
 __all__ = [
@@ -175,6 +176,10 @@ class Parallelized:
     """The module torch's DDP replicates (``data_parallel="ddp"`` where
     :func:`~lightning_mmpar.parallel.replication.ddp_fallback` allows it: the chunk at
     ``pipeline_parallel == 1``), else ``None``."""
+    unit_order: UnitOrderGuard | None = None
+    """A module without ``pipeline_blocks`` sharded by FSDP2 over several data-parallel ranks:
+    the check that every rank enters the same FSDP2 unit next (a part skipped on some ranks
+    only raises one clear error, not a hang: :mod:`~lightning_mmpar.parallel.unit_order`)."""
 
 
 def module_plan(module: Any, dims: ParallelDims) -> ParallelPlan | None:
@@ -438,9 +443,11 @@ def split_pipeline(
         ddp = ddp and device.type != "meta"  # a dry run builds no DDP
         replicated = replication.replicate_module(chunk, dims, device) if ddp else None
         return Parallelized(chunk=chunk, replicated=replicated)
-    if shard is not None:
-        shard(module)
-    return Parallelized()
+    if shard is None:
+        return Parallelized()
+    shard(module)
+    dry = device.type == "meta"
+    return Parallelized(unit_order=None if dry else UnitOrderGuard.of(module, dims.get_group("dp")))
 
 
 def parallelize(
@@ -483,4 +490,6 @@ def parallelize(
         GradientSync.of(module, dims, data_parallel).broadcast(dims)  # and the replicated ones
     reduced = replication.replicated_by_ddp(done.replicated)
     done.grad_sync = GradientSync.of(module, dims, data_parallel, reduced)
+    # a module without blocks may skip a part on some ranks (module docstring of unit_order)
+    done.grad_sync.fill_missing = not isinstance(module, PipelineModule)
     return done

@@ -68,6 +68,7 @@ from lightning_mmpar.parallel.parallelize import (
 )
 from lightning_mmpar.parallel.pipeline import PipelineChunk, PipelineEngine
 from lightning_mmpar.parallel.token_loss import TokenCount
+from lightning_mmpar.parallel.unit_order import UnitOrderGuard
 from lightning_mmpar.precision.plugins import GlobalNormClipping, with_global_clipping
 from lightning_mmpar.strategy.checkpoint_hooks import ShardedCheckpointHooks
 from lightning_mmpar.strategy.gradient_stash import GradientStash
@@ -183,6 +184,7 @@ class MultimodalParallelStrategy(
         self.stage_plan: StagePlan | None = None  # the partition in use (pp > 1, after setup)
         self._chunk: PipelineChunk | None = None
         self._grad_sync = GradientSync()  # gradients no FSDP unit or DDP reduces, after backward
+        self._unit_order: UnitOrderGuard | None = None  # same FSDP2 unit next on every dp rank
         self._replicated: torch.nn.Module | None = None  # what torch's DDP reduces (ddp)
         self._stash = GradientStash()  # the pipeline schedule's gradients until backward()
         self._step_tokens = TokenCount()  # target tokens of the step's token losses
@@ -356,6 +358,7 @@ class MultimodalParallelStrategy(
         if done.stage_plan is not None:
             rank_zero_info(done.stage_plan.table())
         self._grad_sync, self._replicated = done.grad_sync, done.replicated
+        self._unit_order = done.unit_order
         if self.config.data_parallel == "ddp" and dims.dp > 1 and done.replicated is None:
             why = replication.ddp_fallback(dims, self.config) or "a module with its own steps"
             rank_zero_info(f"data_parallel='ddp': gradients all-reduced after backward ({why})")
@@ -381,6 +384,8 @@ class MultimodalParallelStrategy(
         self.pre_backward(closure_loss)
         if self.nonfinite is not None and (self.pipeline is None or self.pipeline.has_last):
             self.nonfinite.observe_loss(closure_loss)  # the loss exists on the last stage only
+        if self._unit_order is not None:  # a rank that skipped the last FSDP2 unit: raise
+            self._unit_order.end_of_forward()
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         if self._stash.pending:
             scale = 1.0 / module.trainer.accumulate_grad_batches

@@ -19,6 +19,7 @@ from lightning_mmpar import MultimodalParallelStrategy
 from lightning_mmpar.data.packing import MultimodalCollator
 from tests.recipes import parity_matrix_worker as pm
 from tests.recipes import recipe_faults_worker as rw
+from tests.recipes import skipped_tower_worker as skipped_tower
 
 VOCAB = 64
 IMG = 63  # the image marker (cross-attention fusion: one token per image)
@@ -67,6 +68,12 @@ LAYOUTS: tuple[pm.Layout, ...] = (
     pm.Layout("ragged pp2 zbv", 2, pm._pp("zbv_zero_bubble", 2, 2)),
     pm.Layout("ragged ep2 (moe)", 2, {"expert_parallel": 2}, moe="moe"),
     pm.Layout("ragged tp2 x pp2", 4, pm._pp("1f1b", 2, 2, 1, tensor_parallel=2)),
+    pm.Layout(  # dp rank 1 text-only at step 1, dp rank 0 at step 2; one row per micro-batch
+        "ragged tp2 x pp2 x dp2 (sp, v2 interleaved, fsdp)",
+        8,
+        pm._pp("interleaved_1f1b", 2, 2, tensor_parallel=2),
+        sequence_parallel=True,
+    ),
 )
 
 
@@ -84,6 +91,29 @@ def run_layout(layout: pm.Layout, rank: int) -> dict[str, Any]:
     strategy = MultimodalParallelStrategy(**layout.strategy)
     rec = rw.fit(module, local, strategy=strategy, devices=layout.world)
     return {"losses": rec.losses, "grads": rec.grads, "seconds": time.perf_counter() - start}
+
+
+def text_only_batches() -> list[dict[str, Any]]:
+    """2 global batches of 4 text-only rows and no image slot at all (``pixel_values [4, 0,
+    C, H, W]``: no ``max_images_per_row``)."""
+    g = torch.Generator().manual_seed(1)
+    collate = MultimodalCollator(max_tokens=TOKENS, image_token_id=IMG, pad_to_max_tokens=True)
+    out = []
+    for step in range(2):
+        rows = [collate([_sample(g, f"t{step}.{r}", 0, 6 + 2 * r)]) for r in range(4)]
+        out.append({key: torch.cat([p[key] for p in rows]) for key in rows[0]})
+    assert out[0]["pixel_values"].shape[1] == 0
+    return out
+
+
+def no_image_slot(rank: int) -> dict[str, Any]:
+    """tp 2 on :func:`text_only_batches` (the adapter's cross-attention over zero image
+    tokens raised ``integer modulo by zero`` in DTensor's view before): losses, gradients."""
+    module = pm.build(VOCAB, None)
+    module.text_length = TOKENS
+    strategy = MultimodalParallelStrategy(tensor_parallel=2)
+    rec = rw.fit(module, text_only_batches(), strategy=strategy, devices=2)
+    return {"losses": rec.losses, "grads": rec.grads}
 
 
 def shape_mismatch(rank: int) -> str:
@@ -119,5 +149,9 @@ def world(rank: int, world_size: int) -> dict[str, Any]:
     """Every ragged layout of this world size on this rank: ``{layout name: result}``."""
     out = {x.name: pm.named(x.name, rank, run_layout, x, rank) for x in selected(world_size)}
     if world_size == 2 and not pm.only():
+        out["no image slot"] = pm.named("tp2, no image slot", rank, no_image_slot, rank)
+        out["skipped tower"] = pm.named(
+            "own module, skipped tower", rank, skipped_tower.world, rank
+        )
         out["shape mismatch"] = pm.named("shape mismatch", rank, shape_mismatch, rank)
     return out

@@ -1,7 +1,10 @@
-"""Ragged batches through the layouts (issue 28 items 3, 5): one spawned world per size runs
-every ragged layout of :data:`ragged_parity_worker.LAYOUTS`; each layout's losses and
-first-step gradients equal one process within a relative 1e-5, and a data-parallel rank with
-a text-only batch beside one with images completes (the world's timeout is the failure)."""
+"""Ragged batches through the layouts (issue 28 items 3, 5): one spawned world per size (2, 4
+and 8 processes) runs every ragged layout of :data:`ragged_parity_worker.LAYOUTS`; each
+layout's losses and first-step gradients equal one process within a relative 1e-5, and a
+data-parallel rank with a text-only batch beside one with images completes (the world's timeout
+is the failure). The 2-process world also runs tp 2 on batches with no image slot at all, and
+a user's own module that skips its vision tower on a text-only rank
+(:mod:`skipped_tower_worker`)."""
 
 from __future__ import annotations
 
@@ -10,8 +13,10 @@ from typing import Any
 import pytest
 
 from lightning_mmpar.testing import spawn
+from tests.recipes import parity_matrix_worker as pm
 from tests.recipes import ragged_parity_worker as rp
 from tests.recipes import recipe_faults_worker as rw
+from tests.recipes import skipped_tower_worker as sw
 
 RTOL = 1e-5
 _WORLDS: dict[int, Any] = {}
@@ -69,3 +74,35 @@ def test_pipeline_ranks_with_different_batch_shapes_stop_with_one_clear_error() 
     messages = [r["shape mismatch"] for r in _world(2)]
     assert all("pipeline ranks got batches of different shapes" in m for m in messages), messages
     assert f"(4, {rp.TOKENS + 2})" in messages[0] and f"(4, {rp.TOKENS})" in messages[0]
+
+
+@pytest.mark.distributed
+def test_tp2_batch_with_no_image_slot_matches_one_process() -> None:
+    ref = rw.fit(pm.build(rp.VOCAB, None), rp.text_only_batches())
+    results = [r["no image slot"] for r in _world(2)]
+    for got in results:
+        for a, b in zip(got["losses"], ref.losses, strict=True):
+            assert abs(a - b) <= RTOL * abs(b), (got["losses"], ref.losses)
+    grads = {k: v for got in results for k, v in got["grads"].items()}
+    name, ratio = rw.worst_gradient(grads, ref.grads)
+    assert grads.keys() == ref.grads.keys() and ratio <= RTOL, (name, ratio)
+
+
+@pytest.mark.distributed
+def test_own_module_that_skips_its_tower_on_one_rank_trains_or_stops_clearly() -> None:
+    """FSDP2: every rank raises the same error naming each rank's next unit and the fix,
+    within seconds; DDP, and FSDP2 with the documented dummy-image fix: trains, equal to one
+    process (rank 1 never ran the tower, yet its tower weights moved as rank 0's did)."""
+    runs = [r["skipped tower"] for r in _world(2)]
+    ref = sw.reference()
+    for name in ("ddp skipped", "fsdp dummy"):
+        for rank, run in enumerate(runs):
+            assert "error" not in run[name], (name, rank, run[name].get("error"))
+            got = run[name]["weights"]
+            worst = max(float((got[n] - w).norm() / w.norm()) for n, w in ref.items())
+            assert worst <= RTOL, (name, rank, worst)
+    messages = [run["fsdp skipped"].get("error", "no error") for run in runs]
+    assert len(set(messages)) == 1, messages
+    assert "rank 0: 'vision'; rank 1: 'layers.0'" in messages[0], messages[0]
+    assert "dummy input" in messages[0] and "data_parallel='ddp'" in messages[0], messages[0]
+    assert max(run["fsdp skipped"]["seconds"] for run in runs) < 30, runs
