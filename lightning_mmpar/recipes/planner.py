@@ -10,7 +10,9 @@ and the recipe's pre-launch check refuse (:func:`lightning_mmpar.layout.validate
 model's facts, :func:`layout_facts`: the same check, the same message), predicts the rest
 (:func:`lightning_mmpar.layout.cost.predict`) and prints the
 best, the rejected ones with their reasons, and the YAML fragment of the best
-(``--write-yaml``). ``--topo`` (``nvidia-smi topo -m`` text or a YAML description) places the
+(``--write-yaml``). The workload is the YAML's (text length, ViT grid, one image per sample, or
+the data module's ``images_per_sample``) unless ``--text-length``, ``--image-tokens`` or
+``--images-per-sample`` say otherwise. ``--topo`` (``nvidia-smi topo -m`` text or a YAML description) places the
 ranks (:func:`lightning_mmpar.layout.placement.place`) and prints the predicted communication
 time of that order next to Megatron's. Invalid arguments exit with status 2 and the reason.
 """
