@@ -156,7 +156,8 @@ def _boundaries(
             block.training = True
             state = block(*state)
             floats = [i for i, t in enumerate(state) if t.is_floating_point()]
-            image = floats if block.kind == "vision" else _IMAGE_STREAM * (block.kind != "head")
+            kind = block.kind
+            image = floats if kind == "vision" else () if kind == "head" else _IMAGE_STREAM
             out.append(
                 tuple(
                     Boundary(

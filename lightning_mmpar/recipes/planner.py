@@ -12,9 +12,10 @@ model's facts, :func:`layout_facts`: the same check, the same message), predicts
 best, the rejected ones with their reasons, and the YAML fragment of the best
 (``--write-yaml``). The workload is the YAML's (text length, ViT grid, one image per sample, or
 the data module's ``images_per_sample``) unless ``--text-length``, ``--image-tokens`` or
-``--images-per-sample`` say otherwise. ``--topo`` (``nvidia-smi topo -m`` text or a YAML description) places the
-ranks (:func:`lightning_mmpar.layout.placement.place`) and prints the predicted communication
-time of that order next to Megatron's. Invalid arguments exit with status 2 and the reason.
+``--images-per-sample`` say otherwise. ``--topo`` (``nvidia-smi topo -m`` text or a YAML
+description) places the ranks (:func:`lightning_mmpar.layout.placement.place`) and prints the
+predicted communication time of that order next to Megatron's. Invalid arguments exit with
+status 2 and the reason.
 """
 
 from __future__ import annotations
