@@ -132,6 +132,12 @@ class RaggedDataModule(pl.LightningDataModule):
         return int(self.collate_args["max_tokens"])
 
     @property
+    def images_per_sample(self) -> float | None:
+        """Mean images per sample, what the planner prices (``--images-per-sample``'s default);
+        ``None`` here: unknown without reading the data (the planner then assumes 1)."""
+        return None
+
+    @property
     def vocab_size(self) -> int:
         """Tokenizer vocabulary size (the LM head's output size), image token included."""
         if self.tokenizer is None:

@@ -151,6 +151,12 @@ class DigitsVQA(RaggedDataModule):
         self.encoder = ChatEncoder(self.tokenizer)
         self.image_token_id = self.encoder.image_token_id
 
+    @property
+    def images_per_sample(self) -> float:
+        """Mean images per sample: ``max_images / 2`` (each sample shows ``k`` uniform in
+        ``0..max_images``); the planner's default ``--images-per-sample``."""
+        return self.max_images / 2
+
     def setup(self, stage: str | None = None) -> None:
         """Load and split the digits and draw the questions (idempotent)."""
         if self.datasets:

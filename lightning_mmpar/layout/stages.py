@@ -46,38 +46,66 @@ def parameter_bytes(block: Any) -> tuple[float, float]:
 
 
 def measure_blocks(
-    blocks: Sequence[Any], image_tokens: int, text_length: int, names: Sequence[str]
+    blocks: Sequence[Any],
+    image_tokens: int,
+    text_length: int,
+    names: Sequence[str],
+    *,
+    images_per_sample: float = 1.0,
+    vision_images: float | None = None,
 ) -> list[BlockSpec]:
     """A :class:`BlockSpec` per block from its ``kind``, ``cost(image_tokens, text_length)``
     (``.flops``, ``.activation_bytes``; e.g. ``lightning_mmpar.models.blocks.FusionBlock``)
     and ``parameters()`` (``numel() * element_size()``: a DTensor's global size; meta tensors
     work; trainable: ``requires_grad``). Duck-typed: this package imports no model.
 
+    ``images_per_sample`` (``K >= 0``, a mean: fractions allowed) scales the image work per
+    sample: a ``vision`` block costs ``vision_images`` (default ``K``) times one image's cost
+    (the tower encodes each image on its own); every other block is priced at ``K *
+    image_tokens`` image tokens, interpolated linearly between ``cost(0, T)`` and
+    ``cost(image_tokens, T)`` (their image work, projections and attention keys, is linear in
+    the image tokens). ``K = 1`` gives ``cost(image_tokens, T)`` exactly.
+
     Raises:
-        ValueError: ``image_tokens`` or ``text_length`` < 1, or ``names`` not one per block.
+        ValueError: ``image_tokens`` or ``text_length`` < 1, ``images_per_sample`` or
+            ``vision_images`` negative or not finite, or ``names`` not one per block.
     """
     if not isinstance(text_length, int) or text_length < 1 or image_tokens < 1:
         raise ValueError(
             f"text_length ({text_length!r}) and image_tokens ({image_tokens!r}) must be >= 1; "
             "pass text_length, the caption length T (data.max_length), e.g. 32."
         )
+    vision = images_per_sample if vision_images is None else vision_images
+    for field, value in (("images_per_sample", images_per_sample), ("vision_images", vision)):
+        if not 0.0 <= value < float("inf"):  # NaN fails too
+            raise ValueError(
+                f"{field} ({value!r}) must be a finite number >= 0 (images per sample; 0: "
+                "text only)."
+            )
     if len(names) != len(blocks):
         raise ValueError(f"{len(names)} names for {len(blocks)} blocks; give one per block.")
     specs = []
     for name, block in zip(names, blocks, strict=True):
-        cost = block.cost(image_tokens, text_length)
+        flops, kept = _image_scaled(block, image_tokens, text_length, images_per_sample, vision)
         total, trainable = parameter_bytes(block)
-        specs.append(
-            BlockSpec(
-                name,
-                block.kind,
-                float(cost.flops),
-                float(cost.activation_bytes),
-                float(total),
-                float(trainable),
-            )
-        )
+        specs.append(BlockSpec(name, block.kind, flops, kept, float(total), float(trainable)))
     return specs
+
+
+def _image_scaled(
+    block: Any, image_tokens: int, text_length: int, images: float, vision: float
+) -> tuple[float, float]:
+    """``(flops, activation_bytes)`` per sample of ``block`` at ``images`` images per sample
+    (``vision`` for a ``vision`` block; :func:`measure_blocks`)."""
+    one = block.cost(image_tokens, text_length)
+    if block.kind == "vision":
+        return float(one.flops) * vision, float(one.activation_bytes) * vision
+    if images == 1.0:
+        return float(one.flops), float(one.activation_bytes)
+    none = block.cost(0, text_length)  # the text's part: image work is linear in the tokens
+    flops = none.flops + images * (one.flops - none.flops)
+    kept = none.activation_bytes + images * (one.activation_bytes - none.activation_bytes)
+    return float(flops), float(kept)
 
 
 @dataclass(frozen=True)

@@ -70,11 +70,12 @@ from lightning_mmpar.layout import ParallelLayout, validate
 from lightning_mmpar.layout.model import Boundary, Collective, LossSpec, ModelSpec
 from lightning_mmpar.layout.model import ParamSpec as Param
 from lightning_mmpar.layout.stages import measure_blocks
+from lightning_mmpar.models.blocks import Streams
 from lightning_mmpar.models.fusion import FusionModel
 from lightning_mmpar.parallel.tensor import FusedQKVColwiseParallel, HeadShardedReplicate
 from lightning_mmpar.plans.fusion import FusionPlanOptions, fusion_facts, fusion_plan
 
-__all__ = ["fusion_model_spec"]
+__all__ = ["fusion_model_spec", "vision_images"]
 
 _VISION_DP = (
     "vision.conv1.",
@@ -85,6 +86,10 @@ _VISION_DP = (
 )
 """Parameters ``vision_parallel="dp"`` marks ``PARTIAL_OVER_TP`` (the stem and the ViT blocks:
 ``lightning_mmpar.plans.fusion_vision.apply_vision_data_parallel``)."""
+
+_IMAGE_STREAM = (Streams._fields.index("img"), Streams._fields.index("pooled"))
+"""Outputs of the bridge, adapter and decoder blocks that carry the image stream (the head's
+outputs are never sent)."""
 
 
 def _meta_model(module: Any, layout: ParallelLayout) -> FusionModel:
@@ -126,9 +131,13 @@ def _tp_dims(model: FusionModel, options: FusionPlanOptions) -> dict[int, int]:
     return out
 
 
-def _boundaries(model: FusionModel, text_length: int, prompts: Any) -> list[tuple[Boundary, ...]]:
+def _boundaries(
+    model: FusionModel, text_length: int, prompts: Any, images: float = 1.0
+) -> list[tuple[Boundary, ...]]:
     """One meta forward of a one-sample batch; MoE FFNs swapped for dense ones (routing reads
-    values, which meta tensors lack; block outputs keep their shapes)."""
+    values, which meta tensors lack; block outputs keep their shapes). The image stream (every
+    floating-point output of a vision block, ``Streams.img`` and ``Streams.pooled`` after it)
+    is scaled by ``images`` per sample (:func:`fusion_model_spec`)."""
     config = model.config
     if config.adapter.moe is not None or config.language.moe is not None:
         language = type(config.language)(**{**vars(config.language), "moe": None})
@@ -138,16 +147,25 @@ def _boundaries(model: FusionModel, text_length: int, prompts: Any) -> list[tupl
             model = FusionModel(config)
     cfg = config.vision
     with torch.device("meta"):
-        images = torch.empty(1, 3, cfg.image_size, cfg.image_size)
+        images_in = torch.empty(1, 3, cfg.image_size, cfg.image_size)
         ids = torch.zeros(1, text_length, dtype=torch.long)
         p_ids = None if prompts is None else torch.zeros(*prompts, dtype=torch.long)
-        state = FusionModel.pipeline_inputs(images, ids, None, p_ids, None)
+        state = FusionModel.pipeline_inputs(images_in, ids, None, p_ids, None)
         out = []
         for block in model.pipeline_blocks():
             block.training = True
             state = block(*state)
+            floats = [i for i, t in enumerate(state) if t.is_floating_point()]
+            kind = block.kind
+            image = floats if kind == "vision" else () if kind == "head" else _IMAGE_STREAM
             out.append(
-                tuple(Boundary(t.numel() * t.element_size(), t.is_floating_point()) for t in state)
+                tuple(
+                    Boundary(
+                        round(t.numel() * t.element_size() * (images if i in image else 1.0)),
+                        t.is_floating_point(),
+                    )
+                    for i, t in enumerate(state)
+                )
             )
     return out
 
@@ -190,13 +208,17 @@ def _local_rows(
 
 
 def _ep_collectives(
-    model: FusionModel, layout: ParallelLayout, names: list[str], text_length: int
+    model: FusionModel,
+    layout: ParallelLayout,
+    names: list[str],
+    text_length: int,
+    images: float = 1.0,
 ) -> list[tuple[Collective, ...]]:
     """Per MoE layer call (``ep > 1``): the per-expert counts (``8 E`` bytes, equal splits) and
     the token dispatch + return (``all_to_all_v``), forward and backward. A layer routes ``N``
     tokens per sample (an adapter the fused stream: ``T``; a decoder layer both text streams in
-    one call: ``2 T``, plus the image tokens under joint attention with a ``vision`` router:
-    ``models.language.moe_streams``), each to ``k`` experts: a rank sends ``S <= N k`` rows
+    one call: ``2 T``, plus the ``images`` x image tokens under joint attention with a ``vision``
+    router: ``models.language.moe_streams``), each to ``k`` experts: a rank sends ``S <= N k`` rows
     (padding is not routed) and receives ``R`` (what its peers route to its experts,
     ``<= ep N k``); each direction moves ``S + R`` rows of ``D`` values. Expected (uniform
     routing, no padding): ``R = S = N k``; bounds ``[0, (1 + ep) N k]`` rows per direction."""
@@ -216,7 +238,7 @@ def _ep_collectives(
         tokens = text_length * (2 if name.startswith("decoder") else 1)
         layer = model.language.layers[int(name[7:])] if name.startswith("decoder") else None
         if layer is not None and layer.image_norm is not None and "vision" in moe.modalities:
-            tokens += (cfg.vision.image_size // cfg.vision.patch_size) ** 2  # [img; h; ht]
+            tokens += round(images * (cfg.vision.image_size // cfg.vision.patch_size) ** 2)
         n = tokens * moe.top_k
         row = d * e
         found = [Collective("ep", "all_to_all", 0, "forward", bytes_per_call=8 * moe.num_experts)]
@@ -234,23 +256,36 @@ def _ep_collectives(
     return out
 
 
+def _row_bytes(
+    model: FusionModel, layout: ParallelLayout, text_length: int, images: tuple[float, float]
+) -> tuple[int, int, int]:
+    """Bytes per sample of the tensor-parallel collectives' rows: the ViT's ``V W`` (times the
+    images it encodes, ``images[0]``), the text's ``T D`` and the image tokens' ``N D`` (times
+    ``images[1]``); 4 bytes per element in ``32-true``, else 2."""
+    cfg = model.config
+    e = 4 if layout.precision == "32-true" else 2
+    d = cfg.language.hidden_size
+    n_img = (cfg.vision.image_size // cfg.vision.patch_size) ** 2
+    vit = round((n_img + 1) * cfg.vision.width * e * images[0])
+    return vit, text_length * d * e, round(n_img * d * e * images[1])
+
+
 def _tp_collectives(
     model: FusionModel,
     layout: ParallelLayout,
     names: list[str],
     text_length: int,
     grads: list[bool],
+    images: tuple[float, float] = (1.0, 1.0),
 ) -> list[tuple[Collective, ...]]:
     """Per block: tensor parallelism's activation collectives (module docstring's table);
-    ``grads[i]``: block ``i`` or one before it trains (its backward runs)."""
+    ``grads[i]``: block ``i`` or one before it trains (its backward runs); ``images``: the
+    images per sample the ViT encodes and the image tokens' multiple (:func:`fusion_model_spec`:
+    the ViT rows scale with the first, the ``b N D`` rows with the second)."""
     if layout.tp == 1:
         return [() for _ in names]
-    cfg = model.config
-    e = 4 if layout.precision == "32-true" else 2
-    t, d = text_length, cfg.language.hidden_size
-    n_img = (cfg.vision.image_size // cfg.vision.patch_size) ** 2
-    vit = (n_img + 1) * cfg.vision.width * e
-    text, img, sp = t * d * e, n_img * d * e, layout.sequence_parallel
+    vit, text, img = _row_bytes(model, layout, text_length, images)
+    t, sp = text_length, layout.sequence_parallel
     joint = [getattr(x.self_attn, "temperature", None) is not None for x in model.language.layers]
     last_vit = f"vision.layer{len(model.vision.transformer.resblocks) - 1}"
     ar, ag, rs = "all_reduce", "all_gather", "reduce_scatter"
@@ -306,49 +341,28 @@ def _tp_collectives(
     return out
 
 
-def fusion_model_spec(
-    module: Any, layout: ParallelLayout, text_length: int, prompts: tuple[int, int] | None = None
-) -> ModelSpec:
-    """The :class:`ModelSpec` of ``module`` (a ``ClipLlamaModule``, built or not: its configs
-    are read and the model rebuilt on the meta device) under ``layout``.
+def vision_images(images_per_sample: float, micro_batch_size: int) -> float:
+    """Images the vision tower encodes per sample: ``K`` (``images_per_sample``), or, for a
+    micro-batch of ``b`` samples without any image, one: the tower then runs on a zero dummy
+    image (:func:`lightning_mmpar.models.ragged.occupied`, so that its collectives fire on every
+    rank), ``1 / b`` per sample. ``max(K, 1 / b)``: exact at ``K = 0`` and whenever every
+    micro-batch holds an image; a fractional ``K`` whose micro-batches are sometimes empty
+    costs a little more than this."""
+    return max(float(images_per_sample), 1.0 / max(1, micro_batch_size))
 
-    ``text_length``: caption tokens per sample (the data's ``max_length``). ``prompts``: the
-    class prompts' ``(K, T_p)`` the data module hands the model (None: none, the first caption
-    stands in, ``K = 1``).
 
-    Raises:
-        ValueError: ``text_length`` < 2, or a layout the strategy refuses for this model
-            (:func:`lightning_mmpar.layout.validate` with
-            :func:`~lightning_mmpar.plans.fusion.fusion_facts`: sizes not divisible by ``tp``,
-            ``ep`` without MoE layers or not dividing the experts, sequence parallelism with
-            MoE).
-    """
-    if not isinstance(text_length, int) or text_length < 2:
-        raise ValueError(f"text_length ({text_length!r}) must be an int >= 2 (caption tokens).")
-    model = _meta_model(module, layout)
-    validate(layout, fusion_facts(model.config))  # the strategy's own check
-    blocks = model.pipeline_blocks()
-    vl, de = len(model.vision.transformer.resblocks), len(model.language.layers)
-    names = ["vision.stem", *(f"vision.layer{i}" for i in range(vl)), "vision.pool", "bridge"]
-    names += [*(f"adapter{i}" for i in range(len(model.adapters)))]
-    names += [*(f"decoder{i}" for i in range(de)), "head"]
-    v = model.config.vision
-    specs = measure_blocks(blocks, (v.image_size // v.patch_size) ** 2, text_length, names)
-    opts = module.plan_options
-    options = FusionPlanOptions(
-        sequence_parallel=layout.sequence_parallel,
-        vision_parallel=layout.vision_parallel,  # type: ignore[arg-type]
-        vl_combine=opts.vl_combine,
-    )
+def _params(
+    model: FusionModel, blocks: list[Any], layout: ParallelLayout, options: FusionPlanOptions
+) -> tuple[list[Param], list[bool]]:
+    """Every parameter once (:class:`ParamSpec`) and, per block, whether it or a block before
+    it trains (its backward runs)."""
     tp_dims = _tp_dims(model, options) if layout.tp > 1 else {}
     experts = tuple(f"{p}.experts" for p in fusion_plan(model, options).expert_parallel)
     model_names = {id(p): n for n, p in model.named_parameters()}  # the plan's paths
     vision_dp = layout.vision_parallel == "dp" and layout.tp > 1
     size = 2 if layout.precision == "bf16-true" else 0  # bf16-true: parameters cast to bf16
     seen: set[int] = set()
-    params = []
-    trainable_before: list[bool] = []
-    upstream = False
+    params, trainable_before, upstream = [], [], False
     for b, block in enumerate(blocks):
         for name, p in block.named_parameters():
             if id(p) in seen:
@@ -373,21 +387,80 @@ def fusion_model_spec(
             )
         upstream = upstream or any(p.requires_grad for p in block.parameters())
         trainable_before.append(upstream)
+    return params, trainable_before
+
+
+def fusion_model_spec(
+    module: Any,
+    layout: ParallelLayout,
+    text_length: int,
+    prompts: tuple[int, int] | None = None,
+    images_per_sample: float = 1.0,
+) -> ModelSpec:
+    """The :class:`ModelSpec` of ``module`` (a ``ClipLlamaModule``, built or not: its configs
+    are read and the model rebuilt on the meta device) under ``layout``.
+
+    ``text_length``: caption tokens per sample (the data's ``max_length``). ``prompts``: the
+    class prompts' ``(K, T_p)`` the data module hands the model (None: none, the first caption
+    stands in, ``K = 1``).
+
+    ``images_per_sample`` (``K``, a mean: fractions allowed; 0: text only) prices ragged
+    batches (:class:`~lightning_mmpar.data.MultimodalCollator`) as the model runs them: the
+    vision blocks' FLOPs and kept activations, and the ViT rows of the tensor-parallel
+    collectives, scale with the images the tower encodes per sample, :func:`vision_images`
+    (``K``; a micro-batch with no image still encodes one zero dummy, so ``K = 0`` costs one
+    image per micro-batch); the image tokens' work in the bridge, adapters and decoder (joint
+    attention), their ``b N D`` collectives, the MoE routing of image tokens and the image
+    stream crossing pipeline boundaries scale with ``K`` (0 at ``K = 0``: a batch without
+    images has no image slot). Priced at the mean: a batch pads its rows to its most images
+    (``max_images_per_row``: a fixed slot count), whose empty slots cross the boundaries as
+    zeros and are not counted.
+
+    Raises:
+        ValueError: ``text_length`` < 2, ``images_per_sample`` negative or not finite, or a
+            layout the strategy refuses for this model
+            (:func:`lightning_mmpar.layout.validate` with
+            :func:`~lightning_mmpar.plans.fusion.fusion_facts`: sizes not divisible by ``tp``,
+            ``ep`` without MoE layers or not dividing the experts, sequence parallelism with
+            MoE).
+    """
+    if not isinstance(text_length, int) or text_length < 2:
+        raise ValueError(f"text_length ({text_length!r}) must be an int >= 2 (caption tokens).")
+    if not 0.0 <= images_per_sample < float("inf"):
+        raise ValueError(
+            f"images_per_sample ({images_per_sample!r}) must be a finite number >= 0 (0: text "
+            "only)."
+        )
+    model = _meta_model(module, layout)
+    validate(layout, fusion_facts(model.config))  # the strategy's own check
+    blocks = model.pipeline_blocks()
+    vl, de = len(model.vision.transformer.resblocks), len(model.language.layers)
+    names = ["vision.stem", *(f"vision.layer{i}" for i in range(vl)), "vision.pool", "bridge"]
+    names += [*(f"adapter{i}" for i in range(len(model.adapters)))]
+    names += [*(f"decoder{i}" for i in range(de)), "head"]
+    v, k = model.config.vision, float(images_per_sample)
+    images = (vision_images(k, layout.micro_batch_size), k)
+    n = (v.image_size // v.patch_size) ** 2
+    specs = measure_blocks(
+        blocks, n, text_length, names, images_per_sample=k, vision_images=images[0]
+    )
+    options = FusionPlanOptions(
+        sequence_parallel=layout.sequence_parallel,
+        vision_parallel=layout.vision_parallel,  # type: ignore[arg-type]
+        vl_combine=module.plan_options.vl_combine,
+    )
+    params, trainable_before = _params(model, blocks, layout, options)
     loss = LossSpec(
         feature_bytes=model.config.contrastive_dim * 4, caption_positions=text_length - 1
     )
+    boundaries = _local_rows(_boundaries(model, text_length, prompts, k), names, layout)
+    tp = _tp_collectives(model, layout, names, text_length, trainable_before, images)
+    ep = _ep_collectives(model, layout, names, text_length, k)
     return ModelSpec(
         blocks=tuple(specs),
         params=tuple(params),
-        boundaries=tuple(_local_rows(_boundaries(model, text_length, prompts), names, layout)),
-        collectives=tuple(
-            tp + ep
-            for tp, ep in zip(
-                _tp_collectives(model, layout, names, text_length, trainable_before),
-                _ep_collectives(model, layout, names, text_length),
-                strict=True,
-            )
-        ),
+        boundaries=tuple(boundaries),
+        collectives=tuple(a + b for a, b in zip(tp, ep, strict=True)),
         loss=loss,
-        extra={"text_length": text_length},
+        extra={"text_length": text_length, "images_per_sample": k},
     )

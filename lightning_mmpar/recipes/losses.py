@@ -10,6 +10,13 @@
   group, ``M`` the micro-batches of the batch: the pipeline schedule averages micro-batch
   gradients (``1 / M``) and data parallelism averages over ``dp``, so the gradient and the mean of
   the logged terms are those of one process on the whole batch.
+* Under gradient accumulation (``accumulate_grad_batches = A > 1``) the caption term of an
+  optimizer step is the mean of its ``A`` batches' token means, each exact over its
+  micro-batches and dp ranks: the global token mean would divide by the tokens of all ``A``
+  batches, known only after the last one, while the step's contrastive / MML terms share each
+  batch's backward (a division of the accumulated gradient, as ``mm_parallel`` does for a module
+  whose loss is ``caption_loss`` alone, would scale them too). :func:`accumulation_warning`
+  says so once per fit.
 * Contrastive and MML: negatives from the whole global batch (dp gather as in open_clip, and all
   micro-batches: the pipeline engine's gradient cache, Gao et al. 2021) with
   ``negatives="global_batch"``; per micro-batch with ``negatives="micro_batch"`` (no extra
@@ -38,7 +45,7 @@ from lightning_mmpar.parallel import comm
 from lightning_mmpar.recipes import parallel_env as penv
 from lightning_mmpar.recipes.options import LossConfig
 
-__all__ = ["TERMS", "RecipeLoss", "caption_tokens"]
+__all__ = ["TERMS", "RecipeLoss", "accumulation_warning", "caption_tokens"]
 
 TERMS: tuple[str, ...] = ("contrastive", "caption", "mml")
 """Loss terms logged as ``train/<term>`` and ``val/<term>``."""
@@ -48,6 +55,21 @@ def caption_tokens(target_ids: Tensor) -> Tensor:
     """Valid (scored) target tokens of ``target_ids [B, T]``: position ``t`` predicts token
     ``t + 1``, padding is ``IGNORE_INDEX``. A 0-dim int64 tensor on ``target_ids``' device."""
     return (target_ids[:, 1:] != IGNORE_INDEX).sum()
+
+
+def accumulation_warning(accumulate: int, config: LossConfig) -> str | None:
+    """The warning for a run that accumulates ``accumulate`` batches per optimizer step with a
+    caption term (module docstring), or ``None`` (no accumulation or no caption term)."""
+    if accumulate <= 1 or config.caption_weight == 0:
+        return None
+    return (
+        f"accumulate_grad_batches={accumulate}: the recipe's caption loss of each optimizer "
+        f"step is the mean of the {accumulate} batches' token means (each exact over its "
+        "micro-batches and data-parallel ranks), not the token mean over all accumulated "
+        "batches: a batch with few target tokens weighs as much as one with many. For the "
+        "global token mean raise data.batch_size (and micro_batches under a pipeline) instead "
+        "of accumulating (docs/ragged.md, 'Loss under gradient accumulation')."
+    )
 
 
 class RecipeLoss:

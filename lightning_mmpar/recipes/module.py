@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_mmpar.data.packing import contrastive_pairs
@@ -52,7 +53,7 @@ from lightning_mmpar.plans.fusion import fusion_plan
 from lightning_mmpar.recipes import pretrained as ptl
 from lightning_mmpar.recipes.evaluation import RecipeMetrics, digit_token_classes, eval_values
 from lightning_mmpar.recipes.generation import CaptionGeneration, next_tokens
-from lightning_mmpar.recipes.losses import TERMS, RecipeLoss
+from lightning_mmpar.recipes.losses import TERMS, RecipeLoss, accumulation_warning
 from lightning_mmpar.recipes.optim import recipe_optimizer
 from lightning_mmpar.recipes.options import (
     FinetuneConfig,
@@ -415,7 +416,12 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
     # ------------------------------------------------------------------ hooks
     def on_train_start(self) -> None:
         """A checkpoint written in a callback's ``on_train_batch_end`` (``ModelCheckpoint``)
-        precedes this module's hook: that step's clamp and EMA step are still due, do them now."""
+        precedes this module's hook: that step's clamp and EMA step are still due, do them now.
+        Warns (rank 0, once per fit) when the caption term is not the token mean over
+        accumulated batches (:func:`~lightning_mmpar.recipes.losses.accumulation_warning`)."""
+        note = accumulation_warning(self.trainer.accumulate_grad_batches, self.loss_config)
+        if note is not None:
+            rank_zero_warn(note)
         if self._stepped_at != self.trainer.global_step and self.head is not None:
             self.head.after_optimizer_step()
         self._stepped_at = self.trainer.global_step

@@ -10,9 +10,12 @@ and the recipe's pre-launch check refuse (:func:`lightning_mmpar.layout.validate
 model's facts, :func:`layout_facts`: the same check, the same message), predicts the rest
 (:func:`lightning_mmpar.layout.cost.predict`) and prints the
 best, the rejected ones with their reasons, and the YAML fragment of the best
-(``--write-yaml``). ``--topo`` (``nvidia-smi topo -m`` text or a YAML description) places the
-ranks (:func:`lightning_mmpar.layout.placement.place`) and prints the predicted communication
-time of that order next to Megatron's. Invalid arguments exit with status 2 and the reason.
+(``--write-yaml``). The workload is the YAML's (text length, ViT grid, one image per sample, or
+the data module's ``images_per_sample``) unless ``--text-length``, ``--image-tokens`` or
+``--images-per-sample`` say otherwise. ``--topo`` (``nvidia-smi topo -m`` text or a YAML
+description) places the ranks (:func:`lightning_mmpar.layout.placement.place`) and prints the
+predicted communication time of that order next to Megatron's. Invalid arguments exit with
+status 2 and the reason.
 """
 
 from __future__ import annotations
@@ -81,15 +84,21 @@ def accept_layout(module: ClipLlamaModule, text_length: int, tp_sizes: Sequence[
     return lambda layout: refusal(layout, facts)
 
 
-def spec_cache(module: ClipLlamaModule, text_length: int) -> Any:
-    """``layout -> ModelSpec`` of ``module`` (:func:`fusion_model_spec`), one per distinct tp,
-    ep, sequence parallelism and vision mode (what the spec depends on)."""
+def spec_cache(module: ClipLlamaModule, text_length: int, images_per_sample: float = 1.0) -> Any:
+    """``layout -> ModelSpec`` of ``module`` (:func:`fusion_model_spec` at
+    ``images_per_sample``), one per distinct tp, ep, sequence parallelism and vision mode (what
+    the spec depends on) and, below one image per sample, micro-batch size (a micro-batch
+    without an image encodes one dummy: :func:`~lightning_mmpar.plans.fusion_cost.
+    vision_images`)."""
     cache: dict[tuple[Any, ...], Any] = {}
 
     def spec(layout: ParallelLayout) -> Any:
-        key = (layout.tp, layout.ep, layout.sequence_parallel, layout.vision_parallel)
+        mbs = layout.micro_batch_size if images_per_sample < 1 else 0
+        key = (layout.tp, layout.ep, layout.sequence_parallel, layout.vision_parallel, mbs)
         if key not in cache:
-            cache[key] = fusion_model_spec(module, layout, text_length)
+            cache[key] = fusion_model_spec(
+                module, layout, text_length, images_per_sample=images_per_sample
+            )
         return cache[key]
 
     return spec
@@ -182,6 +191,12 @@ def _parser() -> argparse.ArgumentParser:
         help="patch tokens per image (a square number; default: the YAML's ViT, "
         "(image_size / patch_size)^2); the ViT's image_size is set to match",
     )
+    p.add_argument(
+        "--images-per-sample",
+        type=float,
+        help="images per sample, a mean (fractions allowed; 0: text only); default: the YAML's "
+        "data module's images_per_sample when it has one (DigitsVQA: max_images / 2), else 1",
+    )
     p.add_argument("--max-tp", type=int, default=8, help="largest tensor-parallel size")
     p.add_argument("--top", type=int, default=10, help="layouts shown")
     p.add_argument("--write-yaml", help="write the best layout's YAML fragment here")
@@ -261,6 +276,12 @@ def _check_numbers(args: argparse.Namespace) -> None:
     ):
         if value is not None and value < 1:
             raise ValueError(f"{flag} ({value}) must be >= 1.")
+    images = args.images_per_sample
+    if images is not None and not 0 <= images < float("inf"):  # nan too
+        raise ValueError(
+            f"--images-per-sample ({images}) must be a finite number >= 0 (a mean over the "
+            "samples; 0: text only)."
+        )
     if args.memory_gib is not None and not 0 < args.memory_gib < float("inf"):  # nan too
         raise ValueError(f"--memory-gib ({args.memory_gib}) must be a finite number > 0.")
     if args.device not in DEVICES:
@@ -297,19 +318,35 @@ def _prepare(args: argparse.Namespace) -> _Planning:
     text_note = "--text-length" if args.text_length else "the YAML's data.max_length"
     vision = module.fusion_config.vision
     patches = (vision.image_size // vision.patch_size) ** 2
+    images, images_note = _images_per_sample(args, data)
     workload = (
         f"workload: {text_length} text tokens per sample ({text_note}), {patches} image tokens "
-        f"per image ({image_note}), 1 image per sample"
+        f"per image ({image_note}), {images:g} image{'' if images == 1 else 's'} per sample "
+        f"({images_note})"
     )
     base = base_layout(config, module, precision)
     graph, place = None, None
     topo = f"{_graph_text(default_graph(args.gpus))} (assumed; pass --topo)"
     if args.topo:
         graph, place, topo = _topology(args.topo, args.gpus)
-    model, facts = spec_cache(module, text_length), layout_facts(module, text_length)
+    model = spec_cache(module, text_length, images)
+    facts = layout_facts(module, text_length)
     return _Planning(
         config, module, device, precision, base, model, facts, graph, place, topo, workload
     )
+
+
+def _images_per_sample(args: argparse.Namespace, data: Any) -> tuple[float, str]:
+    """Images per sample the layouts are priced on, and where the figure comes from:
+    ``--images-per-sample``, else the data module's ``images_per_sample`` (a ragged module that
+    knows its mean, e.g. :class:`~lightning_mmpar.data.DigitsVQA`), else 1 (a caption data
+    module: one image per sample)."""
+    if args.images_per_sample is not None:
+        return float(args.images_per_sample), "--images-per-sample"
+    known = getattr(data, "images_per_sample", None)
+    if known is not None:
+        return float(known), f"the YAML's {type(data).__name__}.images_per_sample"
+    return 1.0, "the default"
 
 
 def _with_image_tokens(config: dict[str, Any], tokens: int | None) -> tuple[dict[str, Any], str]:

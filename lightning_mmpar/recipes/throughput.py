@@ -7,15 +7,20 @@ replicas as the world: ``train/samples_per_sec`` and ``train/items_per_sec`` (to
 whole run's, ``train/device/mfu`` is the model FLOPs utilisation (PaLM, Chowdhery et al. 2022,
 App. B): model FLOPs of the training steps (forward + backward, counted from the block shapes by
 :meth:`~lightning_mmpar.recipes.module.ClipLlamaModule.pipeline_block_specs`, the pipeline
-planner's cost model; recomputation not counted) / elapsed time / (``tp * pp`` x the peak FLOP/s
+planner's cost model, one sample of ``data.max_length`` tokens: a ragged batch is priced per
+row, its row budget; recomputation not counted) / elapsed time / (``tp * pp`` x the peak FLOP/s
 of one device). The peak is ``peak_flops_per_device`` when given, else Lightning's table for the
 GPU and dtype in use (``get_available_flops``); a CPU has no table entry: there MFU is logged
 only with a configured peak, and it is then relative to that stated figure.
 
 Samples and tokens are counted over the whole data-parallel world (each dp rank sees its own
 batch; tp/pp peers share one): ``samples/s = dp * B / step time``; tokens are the text tokens
-(attention mask) plus the image tokens (patches + class token) of every sample. Recipe-only: it
-reads the recipe's batch keys (``images``, ``attention_mask``) and the module's ``fusion_config``.
+(attention mask) plus the image tokens (patches + class token) of every sample. A ragged batch
+(:class:`~lightning_mmpar.data.MultimodalCollator`: ``sample_ids``, ``image_mask``) counts its
+samples, packed ones included (``max(sample_ids) + 1`` per row; empty rows none), and its tokens
+as the rows' non-pad positions plus, under cross-attention fusion, each image's patches + class
+token (under spliced fusion an image's tokens are the row positions it occupies, already
+counted). Recipe-only: it reads the recipe's batch keys and the module's ``fusion_config``.
 """
 
 from __future__ import annotations
@@ -37,13 +42,33 @@ from lightning_mmpar.topology import ParallelDims
 __all__ = ["RecipeThroughput", "ThroughputProgressBar", "batch_counts", "flops_per_sample"]
 
 
-def batch_counts(batch: Any, image_tokens: int) -> tuple[int, int]:
-    """``(samples, tokens)`` of one rank's batch (dicts with ``images``/``attention_mask``)."""
-    if not isinstance(batch, dict) or "images" not in batch:
+def batch_counts(batch: Any, image_tokens: int, *, spliced: bool = False) -> tuple[int, int]:
+    """``(samples, tokens)`` of one rank's batch: a one-image batch (``images``,
+    ``attention_mask``) or a ragged one (``sample_ids [B, T]``, ``image_mask [B, I]``; module
+    docstring). ``image_tokens``: tokens per image beside the text (ViT patches + class token);
+    ``spliced``: images are spliced into the rows (their tokens are row positions). ``(0, 0)``
+    for any other batch."""
+    if not isinstance(batch, dict):
+        return 0, 0
+    if "sample_ids" in batch:
+        return _ragged_counts(batch, image_tokens, spliced)
+    if "images" not in batch:
         return 0, 0
     samples = int(batch["images"].shape[0])
     text = int(batch["attention_mask"].sum()) if "attention_mask" in batch else 0
     return samples, text + samples * image_tokens
+
+
+def _ragged_counts(batch: dict[str, Any], image_tokens: int, spliced: bool) -> tuple[int, int]:
+    """Samples (``max(sample_ids) + 1`` per row: packed samples are numbered from 0 in their
+    row, pad is -1) and tokens (non-pad positions, plus ``image_tokens`` per image unless
+    spliced) of a ragged batch."""
+    ids = batch["sample_ids"]
+    if ids.numel() == 0:
+        return 0, 0
+    samples = int((ids.max(dim=1).values + 1).clamp(min=0).sum())
+    images = int(batch["image_mask"].sum()) if "image_mask" in batch else 0
+    return samples, int((ids >= 0).sum()) + (0 if spliced else images * image_tokens)
 
 
 class ThroughputProgressBar(TQDMProgressBar):
@@ -65,6 +90,11 @@ class ThroughputProgressBar(TQDMProgressBar):
         vision = getattr(getattr(module, "fusion_config", None), "vision", None)
         return int(vision.grid**2 + 1) if vision is not None else 0
 
+    @staticmethod
+    def _spliced(module: LightningModule) -> bool:
+        """The module splices images into its rows (``FusionConfig.fusion == "spliced"``)."""
+        return getattr(getattr(module, "fusion_config", None), "fusion", None) == "spliced"
+
     @override
     def on_train_batch_end(
         self,
@@ -74,7 +104,8 @@ class ThroughputProgressBar(TQDMProgressBar):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        samples, tokens = batch_counts(batch, self._image_tokens(pl_module))
+        spliced = self._spliced(pl_module)
+        samples, tokens = batch_counts(batch, self._image_tokens(pl_module), spliced=spliced)
         dp = ParallelDims.of(trainer).dp
         total_s, total_t = (self._times[-1][1], self._times[-1][2]) if self._times else (0, 0)
         self._times.append((time.perf_counter(), total_s + samples * dp, total_t + tokens * dp))
@@ -102,6 +133,15 @@ def flops_per_sample(trainer: Trainer, module: LightningModule) -> float | None:
         return float(sum(b.flops for b in plan.blocks))
     specs = getattr(module, "pipeline_block_specs", None)
     return float(sum(b.flops for b in specs())) if callable(specs) else None
+
+
+def _priced_units(batch: Any) -> int:
+    """What :func:`flops_per_sample` prices one of: a sample of a one-image batch; a row of a
+    ragged batch (the block costs price ``data.max_length`` tokens, a ragged module's row budget,
+    however many samples are packed in it)."""
+    if isinstance(batch, dict) and "sample_ids" in batch:
+        return int(batch["sample_ids"].shape[0])
+    return batch_counts(batch, 0)[0]
 
 
 def _compute_dtype(precision: str) -> torch.dtype:
@@ -133,14 +173,15 @@ class RecipeThroughput(ThroughputMonitor):
         super().__init__(self._count_samples, self._count_tokens, window_size=window_size)
         self.peak_flops_per_device = peak_flops_per_device
         self._image_tokens = 0
+        self._spliced = False
         self._flops_per_sample: float | None = None
         self._dp = 1
 
     def _count_samples(self, batch: Any) -> int:
-        return batch_counts(batch, self._image_tokens)[0] * self._dp
+        return batch_counts(batch, self._image_tokens, spliced=self._spliced)[0] * self._dp
 
     def _count_tokens(self, batch: Any) -> int:
-        return batch_counts(batch, self._image_tokens)[1] * self._dp
+        return batch_counts(batch, self._image_tokens, spliced=self._spliced)[1] * self._dp
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -164,6 +205,7 @@ class RecipeThroughput(ThroughputMonitor):
                 available_flops=self.available_flops, world_size=self._dp, **self.kwargs
             )
         self._image_tokens = ThroughputProgressBar._image_tokens(pl_module)
+        self._spliced = ThroughputProgressBar._spliced(pl_module)
         if stage != TrainerFn.FITTING:  # training FLOPs only: no MFU (nor warning) elsewhere
             setattr(pl_module, "flops_per_batch", None)  # noqa: B010
 
@@ -174,5 +216,5 @@ class RecipeThroughput(ThroughputMonitor):
         if self._flops_per_sample is None:
             self._flops_per_sample = flops_per_sample(trainer, pl_module) or 0.0
         if self._flops_per_sample:  # Lightning's monitor reads this attribute every batch
-            flops = self._flops_per_sample * self._count_samples(batch)
+            flops = self._flops_per_sample * _priced_units(batch) * self._dp
             setattr(pl_module, "flops_per_batch", flops)  # noqa: B010 (a float, not a Module)

@@ -88,19 +88,22 @@ def test_plan_cpu_recipe_table_rejections_placement_and_yaml(
 def test_workload_options_price_the_users_text_and_images(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """--text-length and --image-tokens replace the YAML's caption length and ViT grid: the
-    workload line says so and the checks see them (sequence parallelism at tp 2 refuses an odd
-    text length: 9 tokens in the YAML, accepted at 10)."""
+    """--text-length, --image-tokens and --images-per-sample replace the YAML's caption length,
+    ViT grid and one image per sample: the workload line says so and the checks see them
+    (sequence parallelism at tp 2 refuses an odd text length: 9 tokens in the YAML, accepted at
+    10)."""
     base = ["--config", CPU, "--gpus", "4", "--device", "cpu", "--top", "3"]
     assert cli.main(base) == 0
     before = capsys.readouterr().out
     assert "shards the text (9 tokens)" in before
-    assert cli.main([*base, "--text-length", "10", "--image-tokens", "64"]) == 0
+    assert ", 1 image per sample (the default)\n" in before
+    options = ["--text-length", "10", "--image-tokens", "64", "--images-per-sample", "2.5"]
+    assert cli.main([*base, *options]) == 0
     after = capsys.readouterr().out
     assert (
         "workload: 10 text tokens per sample (--text-length), 64 image tokens per image " in after
     )
-    assert "(--image-tokens: image_size 64)" in after
+    assert "(--image-tokens: image_size 64), 2.5 images per sample (--images-per-sample)" in after
     assert "shards the text" not in after
 
 
@@ -155,6 +158,10 @@ def test_plan_rejects_layouts_over_the_memory_limit_with_the_reason(
         (["--config", CPU, "--gpus", "4", "--top", "0"], "--top (0) must be >= 1"),
         (["--config", CPU, "--gpus", "4", "--global-batch", "-3"], "--global-batch (-3) must be"),
         (["--config", CPU, "--gpus", "4", "--text-length", "0"], "--text-length (0) must be"),
+        (
+            ["--config", CPU, "--gpus", "4", "--images-per-sample", "-1"],
+            "--images-per-sample (-1.0) must be a finite number >= 0",
+        ),
         (
             ["--config", CPU, "--gpus", "4", "--image-tokens", "10"],
             "--image-tokens (10) must be a square number of patches",

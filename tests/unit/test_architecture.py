@@ -68,9 +68,8 @@ MAX_FUNCTION_LINES = 60
 
 LONG_FUNCTIONS: dict[str, tuple[int, str]] = {
     "layout/comm.py:_count": (158, "the collective byte table: one add() per collective, in order"),
-    "plans/fusion_cost.py:fusion_model_spec": (71, "one ModelSpec field per block kind"),
     "callbacks/pipeline_timeline.py:draw_timeline": (68, "one matplotlib figure, drawn top down"),
-    "plans/fusion_cost.py:_tp_collectives": (68, "one collective per tensor-parallel style"),
+    "plans/fusion_cost.py:_tp_collectives": (65, "one collective per tensor-parallel style"),
 }
 """``path:Class.function`` -> (lines allowed, why it is one unit); may not grow."""
 
