@@ -357,22 +357,107 @@ def render(results: Path = RESULTS) -> str:
         png = results / f"{name}.png"
         if png.exists():
             lines += [f"![{name}]({png.relative_to(ROOT / 'docs').as_posix()})", ""]
-    lines += ["## gpu_check: the product's model on one GPU (BF16, FP8, forced FP8 fallback)", ""]
-    gpu = results / "gpu_check.json"
-    if gpu.exists():
-        r = json.loads(gpu.read_text())
-        lines += [f"`{r.get('command')}` on {r.get('device', '?')}.", "", *_generic(r), ""]
-    else:
+    lines += _gpu_sections(results)
+    return "\n".join(lines)
+
+
+def _gpu_runs(runs: dict[str, Any]) -> list[str]:
+    """One table row per GPU run: step seconds, tokens/s, TFLOP/s, MFU, peak memory."""
+    rows = ["| run | step s | tokens/s | TFLOP/s | MFU | peak GiB |", "|---|---|---|---|---|---|"]
+    for kind, r in runs.items():
+        if "step_s" not in r:
+            rows.append(f"| {kind} | {r.get('skipped') or r.get('error')} | | | | |")
+            continue
+        mfu = "-" if r.get("mfu") is None else f"{r['mfu']:.1%}"
+        mem = "-" if r.get("peak_memory_gib") is None else f"{r['peak_memory_gib']:.1f}"
+        rows.append(
+            f"| {kind} | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | "
+            f"{r['achieved_tflops']:.1f} | {mfu} | {mem} |"
+        )
+    return rows
+
+
+def _gpu_check(r: dict[str, Any]) -> list[str]:
+    """gpu_check.json: the runs, the FP8 speed-up rounds, the forced fallback, the collectives."""
+    fb, col = r["runs"]["fp8_fallback"]["fallback"], r["runs"]["bf16"]["collectives"]
+    rounds = ", ".join(f"{x:.2f}" for x in r["fp8_speedup_rounds"])
+    return [
+        *_gpu_runs(r["runs"]),
+        "",
+        f"FP8 ({r['runs']['fp8']['fp8_backend']}) vs BF16: {r['fp8_speedup']:.2f}x "
+        f"(rounds {rounds}). Forced FP8 -> BF16 fallback at step {fb['outlier_at_step']} on "
+        f"`{fb['forced_module']}`: {'OK' if fb['ok'] else 'FAILED'} "
+        f"({fb['counters']['redone_steps']} steps redone). Collectives ({col['backend']}, groups "
+        f"{', '.join(col['groups'])}): {len(col['helpers'])} helper checks and {len(col['raw'])} "
+        f"raw collectives, failed: {col['failed'] or 'none'}.",
+    ]
+
+
+def _gpu_llava(r: dict[str, Any]) -> list[str]:
+    """gpu_llava.json: the runs and the packed / FP8 ratios."""
+
+    def fmt(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}x"
+
+    runs = r["runs"]
+    fill = {k: runs[k]["batches"]["non_pad_fraction"] for k in ("bf16_packed", "bf16_padded")}
+    return [
+        *_gpu_runs(runs),
+        "",
+        f"Packed vs padded tokens/s (BF16, eager): {fmt(r['packed_vs_padded_tokens_per_s'])} "
+        f"(non-pad fraction {fill['bf16_packed']:.2f} vs {fill['bf16_padded']:.2f}). FP8 "
+        f"(torchao) vs BF16: {fmt(r['fp8_speedup_eager'])} eager, "
+        f"{fmt(r['fp8_speedup_compiled'])} with `compile_blocks` (one run each).",
+    ]
+
+
+def _gpu_sections(results: Path) -> list[str]:
+    """The GPU checks' sections (``gpu_check.json``, ``gpu_llava.json``), or how to run them;
+    and the host-CPU DDP pair measured on the GPU machine (``gpu_host_overhead.json``)."""
+    lines: list[str] = []
+    sections = {
+        "gpu_check": (
+            "the product's model on one GPU (BF16, FP8, forced FP8 fallback)",
+            _gpu_check,
+        ),
+        "gpu_llava": (
+            "a LLaVA-1.5-7B-shaped model on ragged batches (MFU, packing, torchao FP8)",
+            _gpu_llava,
+        ),
+    }
+    for name, (title, summary) in sections.items():
+        lines += [f"## {name}: {title}", ""]
+        path = results / f"{name}.json"
+        if not path.exists():
+            lines += [
+                f"Not run on a GPU yet: `bash benchmarks/gpu_check.sh` on a CUDA machine writes "
+                f"`docs/results/{name}.json`; its code path runs on CPU at tiny sizes in the "
+                f"tests (`python benchmarks/{name}.py --smoke`).",
+                "",
+            ]
+            continue
+        r = json.loads(path.read_text())
+        m = r.get("machine", {})
         lines += [
-            "Not run on a GPU yet (none was lent to the sessions so far): "
-            "`bash benchmarks/gpu_check.sh` on a CUDA machine writes "
-            "`docs/results/gpu_check.json` (ViT-B/16 + a 1B-class LLaMA: tokens/s, MFU "
-            "against the device's peak, peak memory, every collective helper on NCCL). "
-            "Its code path runs on CPU at tiny sizes in the tests "
-            "(`python benchmarks/gpu_check.py --smoke`).",
+            f"`{r.get('command')}` on {r.get('device', '?')} (torch {m.get('torch', '?')}, "
+            f"{r['warmup']} warm-up + {r['steps']} timed steps a run).",
+            "",
+            *summary(r),
             "",
         ]
-    return "\n".join(lines)
+    host = results / "gpu_host_overhead.json"
+    if host.exists():
+        r = json.loads(host.read_text())
+        lines += [
+            "## gpu_host_overhead: ours vs Lightning ddp on the GPU machine's 16 host cores",
+            "",
+            f"`{r.get('command')}` ({r['machine'].get('cpus', '?')} CPUs: each process has its "
+            "own cores, unlike the 2-core machine above).",
+            "",
+            *SUMMARIES["overhead"](r),
+            "",
+        ]
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:
