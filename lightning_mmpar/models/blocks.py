@@ -39,6 +39,7 @@ from lightning_mmpar.models.adapter import AdapterMLP, CrossModalAdapter
 from lightning_mmpar.models.block_cost import BlockCost, CostTally, linear_weight
 from lightning_mmpar.models.heads import MomentumHeads, TextPooler
 from lightning_mmpar.models.language import LanguageModel, LlamaDecoderLayer, LlamaMLP
+from lightning_mmpar.models.projector import projector_linears
 from lightning_mmpar.models.ragged import (
     block_causal_mask,
     image_cross_mask,
@@ -276,7 +277,7 @@ class Bridge(FusionBlock):
 
     def __init__(
         self,
-        projector: nn.Linear,
+        projector: nn.Module,
         embed_tokens: nn.Embedding,
         *,
         image_token_id: int | None = None,
@@ -338,7 +339,10 @@ class Bridge(FusionBlock):
         return tuple(Streams(self.projector(tokens), pooled, h, h.clone(), last, hp, p_last))
 
     def _tally(self, tally: CostTally, n: int, t: int) -> None:
-        tally.linear(n, self.projector)  # the embedding is a gather: no FLOPs counted
+        for i, layer in enumerate(projector_linears(self.projector)):  # embedding: a gather
+            if i:
+                tally.keep(n * linear_weight(layer).shape[1])  # the MLP's activation
+            tally.linear(n, layer)
 
 
 class AdapterLayer(FusionBlock):

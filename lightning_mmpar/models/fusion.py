@@ -48,6 +48,7 @@ from lightning_mmpar.models.language import (
     ModalityTemperature,
     RMSNorm,
 )
+from lightning_mmpar.models.projector import ProjectorAct, ProjectorKind, build_projector
 from lightning_mmpar.models.vision import LayerScale, VisionBlock, VisionConfig, VisionTower
 
 __all__ = [
@@ -84,6 +85,13 @@ class FusionConfig:
     LLaVA)."""
     image_token_id: int | None = None
     """The image marker / image token id; required with ``fusion="spliced"``."""
+    projector: ProjectorKind = "linear"
+    """Vision-to-language projector: ``linear`` or LLaVA-1.5's two-layer ``mlp2x``
+    (:mod:`lightning_mmpar.models.projector`)."""
+    projector_act: ProjectorAct = "gelu"
+    """Activation between the ``mlp2x`` projector's layers."""
+    projector_bias: bool = True
+    """Biases on the projector's linear layers."""
 
     def __post_init__(self) -> None:
         if self.fusion not in ("cross_attention", "spliced"):
@@ -123,7 +131,9 @@ class FusionModel(nn.Module):
         self.config = config
         dim = config.language.hidden_size
         self.vision = VisionTower(config.vision)
-        self.projector = nn.Linear(config.vision.width, dim)
+        self.projector = build_projector(
+            config.vision.width, dim, config.projector, config.projector_act, config.projector_bias
+        )
         self.adapters = nn.ModuleList(
             CrossModalAdapter(dim, config.adapter) for _ in range(config.adapter.num_blocks)
         )

@@ -56,6 +56,9 @@ class VisionConfig:
     """LayerScale init value; ``None`` disables LayerScale."""
     act: Literal["gelu", "quick_gelu"] = "gelu"
     """FFN activation: ``gelu`` (open_clip default) or ``quick_gelu`` (OpenAI weights)."""
+    keep_class_token: bool = False
+    """The token output keeps the class token first (``1 + grid**2`` tokens: LLaVA's
+    ``vision_feature_select_strategy="full"``); default: the ``grid**2`` patch tokens."""
 
     def __post_init__(self) -> None:
         if self.width % self.heads != 0:
@@ -72,6 +75,11 @@ class VisionConfig:
     def grid(self) -> int:
         """Patches per side."""
         return self.image_size // self.patch_size
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per image in the token output (:attr:`keep_class_token`)."""
+        return self.grid**2 + int(self.keep_class_token)
 
     @property
     def mlp_width(self) -> int:
@@ -277,11 +285,13 @@ def pool_tokens(
 ) -> tuple[Tensor, Tensor]:
     """open_clip ``_pool``: ``(ln_post(pooled) @ proj, tokens)``, pooled = class token or mean.
 
-    Tokens are ``ln_post``-normalised unless ``final_ln_after_pool``.
+    Tokens are ``ln_post``-normalised unless ``final_ln_after_pool``; the patch tokens, or with
+    ``keep_class_token`` the class token and the patch tokens.
     """
+    first = 0 if config.keep_class_token else 1
     if config.final_ln_after_pool:
         pooled = x[:, 1:].mean(1) if config.pool_type == "avg" else x[:, 0]
-        return ln_post(pooled) @ proj, x[:, 1:]
+        return ln_post(pooled) @ proj, x[:, first:]
     x = ln_post(x)
     pooled = x[:, 1:].mean(1) if config.pool_type == "avg" else x[:, 0]
-    return pooled @ proj, x[:, 1:]
+    return pooled @ proj, x[:, first:]

@@ -1,0 +1,101 @@
+"""transformers vision-language checkpoints as :class:`FusionModel` s, and back.
+
+:func:`from_hf` reads a local ``save_pretrained`` directory (``config.json`` + safetensors),
+dispatching on ``config.json``'s ``model_type`` through :data:`FAMILIES`; :func:`save_hf` writes
+one back. A family (:class:`HFFamily`) maps the architecture onto the package's own pipeline
+blocks, so every per-tower plan (TP, PP, DP, FSDP2) applies unchanged (Megatron-Bridge's
+``AutoBridge.from_hf_pretrained`` and torchtitan's ``state_dict_adapter`` do the same for
+their model classes). The recipe reads the same checkpoints per rank, slice by slice
+(``model.pretrained.hf``, :mod:`lightning_mmpar.recipes.pretrained`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor, nn
+
+from lightning_mmpar.models.fusion import FusionConfig, FusionModel
+from lightning_mmpar.models.hf.checkpoint import hf_config, read_state, write_hf
+from lightning_mmpar.models.hf.family import HFFamily
+from lightning_mmpar.models.hf.llava import LLAVA
+
+__all__ = ["FAMILIES", "HFFamily", "family_of", "from_hf", "hf_fusion_config", "save_hf"]
+
+FAMILIES: dict[str, HFFamily] = {"llava": LLAVA}
+"""``model_type`` (``config.json``) -> its family. Register a family by adding it here."""
+
+
+def family_of(config: Any) -> HFFamily:
+    """The family of a transformers config object.
+
+    Raises:
+        ValueError: its ``model_type`` has no family, naming it and the supported ones.
+    """
+    family = FAMILIES.get(config.model_type)
+    if family is None:
+        raise ValueError(
+            f"config.json model_type {config.model_type!r} is not supported; supported: "
+            f"{sorted(FAMILIES)}."
+        )
+    return family
+
+
+def hf_fusion_config(path: str | Path, **overrides: Any) -> FusionConfig:
+    """The :class:`FusionConfig` of the checkpoint directory ``path``, with ``overrides``
+    (:class:`FusionConfig` fields, e.g. ``contrastive_dim``) replaced. Reads config.json only.
+
+    Raises:
+        ValueError: no config.json, an unsupported ``model_type`` or config value (naming it),
+            an unknown override.
+    """
+    config = hf_config(path)
+    fusion = family_of(config).fusion_config(config)
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(FusionConfig)})
+    if unknown:
+        raise ValueError(f"from_hf overrides {unknown} are not FusionConfig fields.")
+    return dataclasses.replace(fusion, **overrides)
+
+
+def from_hf(path: str | Path, **overrides: Any) -> FusionModel:
+    """A :class:`FusionModel` holding the weights of the transformers checkpoint directory
+    ``path`` (``config.json`` + ``model.safetensors`` or an index), on the CPU.
+
+    Parts the checkpoint lacks (the contrastive heads) start fresh from the current RNG;
+    ``overrides`` as in :func:`hf_fusion_config`. Logits on a ragged batch
+    (:meth:`FusionModel.forward_ragged`) equal transformers' forward (docs/hf_models.md).
+
+    Raises:
+        ValueError: as :func:`hf_fusion_config`; a checkpoint whose tensors do not fit.
+    """
+    config = hf_config(path)
+    family = family_of(config)
+    model = FusionModel(hf_fusion_config(path, **overrides))
+    ours = model.state_dict()
+    state = read_state(path, family, list(ours), tied=bool(config.tie_word_embeddings))
+    for key, value in state.items():
+        if value.shape != ours[key].shape:
+            raise ValueError(
+                f"{path}: {key} has shape {list(value.shape)}, the model {list(ours[key].shape)}."
+            )
+    model.load_state_dict(state, strict=False)
+    model.reset_momentum()
+    return model
+
+
+def save_hf(
+    source: FusionModel | Mapping[str, Tensor], original: str | Path, path: str | Path
+) -> dict[str, Tensor]:
+    """Write a full state dict of ours (or a model) as a transformers directory at ``path``
+    that ``from_pretrained`` loads, for the architecture of the checkpoint directory
+    ``original`` (:func:`~lightning_mmpar.models.hf.checkpoint.write_hf`). Returns the
+    written tensors.
+
+    Raises:
+        ValueError: an unsupported ``model_type``; a tensor missing (nothing written).
+    """
+    state = source.state_dict() if isinstance(source, nn.Module) else source
+    return write_hf(family_of(hf_config(original)), state, original, path)

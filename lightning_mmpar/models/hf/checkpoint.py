@@ -1,0 +1,178 @@
+"""Read and write transformers checkpoint directories (``config.json`` + safetensors).
+
+Local directories only (``local_files_only=True``), never the network. Reading follows a
+family's key table (:class:`~lightning_mmpar.models.hf.family.HFFamily`); writing inverts it
+and lets transformers' own ``save_pretrained`` lay the directory out.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_mmpar.models.hf.family import HFFamily
+
+__all__ = ["checkpoint_files", "hf_config", "read_state", "to_hf_state", "write_hf"]
+
+INDEX = "model.safetensors.index.json"
+WEIGHTS = "model.safetensors"
+_OURS = ("config.json", "generation_config.json", INDEX)
+"""Files ``write_hf`` writes itself (the rest of the source directory is copied)."""
+
+
+def hf_config(path: str | Path) -> Any:
+    """The transformers config object of a local directory (``AutoConfig``).
+
+    Raises:
+        ValueError: no ``config.json`` in ``path``.
+    """
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"{str(path)!r} has no config.json: pass a directory written by transformers' "
+            "save_pretrained."
+        )
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+
+
+def checkpoint_files(path: str | Path) -> dict[str, Path]:
+    """``{checkpoint key: safetensors file}`` of a directory (one file or an index).
+
+    Raises:
+        ValueError: neither ``model.safetensors`` nor ``model.safetensors.index.json``.
+    """
+    path = Path(path)
+    if (path / INDEX).is_file():
+        weight_map = json.loads((path / INDEX).read_text())["weight_map"]
+        return {k: path / f for k, f in weight_map.items()}
+    if not (path / WEIGHTS).is_file():
+        raise ValueError(
+            f"{str(path)!r} has no {WEIGHTS} (or {INDEX}); re-save it with "
+            "save_pretrained(..., safe_serialization=True)."
+        )
+    from safetensors import safe_open
+
+    with safe_open(str(path / WEIGHTS), framework="pt", device="cpu") as handle:
+        return dict.fromkeys(handle.keys(), path / WEIGHTS)
+
+
+def read_state(
+    path: str | Path, family: HFFamily, keys: list[str], *, tied: bool = False
+) -> dict[str, Tensor]:
+    """Our state dict for ``keys`` from the checkpoint in ``path`` (whole tensors; the recipe
+    reads per-rank slices instead, :mod:`lightning_mmpar.recipes.pretrained`). A tied
+    checkpoint's missing ``lm_head.weight`` reads the input embedding.
+
+    Raises:
+        ValueError: a checkpoint key missing, or checkpoint tensors that map to no key of ours
+            and that the family does not mark unused (naming them).
+    """
+    from safetensors import safe_open
+
+    files = {family.normalize_key(k): (k, f) for k, f in checkpoint_files(path).items()}
+    table = family.table(keys)
+    wanted = {hf for hfs in table.values() for hf in hfs}
+    if tied and "lm_head.weight" in wanted and "lm_head.weight" not in files:
+        files["lm_head.weight"] = files["model.language_model.embed_tokens.weight"]
+    missing = sorted(wanted - files.keys())
+    unused = family.unused_keys(hf_config(path))
+    stray = sorted(k for k in files.keys() - wanted if not unused(k))
+    if missing or stray:
+        raise ValueError(
+            f"{path}: the checkpoint does not fit the model: missing {missing[:8]}, "
+            f"unexpected {stray[:8]}."
+        )
+
+    def load(hf: str) -> Tensor:
+        key, file = files[hf]
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            return handle.get_tensor(key)
+
+    return {k: _join([load(h) for h in hfs]) for k, hfs in table.items()}
+
+
+def _join(parts: list[Tensor]) -> Tensor:
+    return parts[0] if len(parts) == 1 else torch.stack(parts)
+
+
+def to_hf_state(family: HFFamily, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """A full state dict of ours as checkpoint tensors (the key table inverted: stacked
+    tensors split on dim 0); keys without a counterpart are left out."""
+    out: dict[str, Tensor] = {}
+    for key, hfs in family.table(list(state)).items():
+        value = state[key]
+        parts = [value] if len(hfs) == 1 else list(value.unbind(0))
+        out.update({h: p.detach().contiguous() for h, p in zip(hfs, parts, strict=True)})
+    return out
+
+
+def write_hf(
+    family: HFFamily, state: Mapping[str, Tensor], source: str | Path, path: str | Path
+) -> dict[str, Tensor]:
+    """Write ``state`` (a full state dict of ours) as a ``save_pretrained`` directory at
+    ``path`` for the architecture of ``source`` (its config; the checkpoint tensors the model
+    does not hold copied from it; its tokenizer / processor files copied). Returns the
+    written tensors.
+
+    A tied source whose ``lm_head`` no longer equals the input embedding (trained apart: our
+    language model keeps them separate) is written untied (``tie_word_embeddings=False``), so
+    both are kept exactly.
+
+    Raises:
+        ValueError: a tensor of the architecture neither in ``state`` nor unused (naming it).
+    """
+    import transformers
+
+    config = hf_config(source)
+    tensors = to_hf_state(family, state)
+    tensors |= _unused_tensors(family, config, source)
+    if _tied(config) and not torch.equal(
+        tensors.get("lm_head.weight", torch.empty(0)),
+        tensors["model.language_model.embed_tokens.weight"],
+    ):
+        config.tie_word_embeddings = config.get_text_config().tie_word_embeddings = False
+    with torch.device("meta"):
+        model = getattr(transformers, family.model_class)(config)
+    expected = set(model.state_dict())
+    if _tied(config):
+        tensors.pop("lm_head.weight", None)
+        expected.discard("lm_head.weight")
+    if missing := sorted(expected - tensors.keys()):
+        raise ValueError(f"export to {path}: no value for {missing[:8]}; nothing written.")
+    model.load_state_dict(tensors, strict=False, assign=True)
+    model.tie_weights()
+    model.save_pretrained(str(path))
+    _copy_side_files(Path(source), Path(path))
+    return tensors
+
+
+def _tied(config: Any) -> bool:
+    return bool(getattr(config, "tie_word_embeddings", False))
+
+
+def _unused_tensors(family: HFFamily, config: Any, source: str | Path) -> dict[str, Tensor]:
+    from safetensors import safe_open
+
+    unused = family.unused_keys(config)
+    out = {}
+    for key, file in checkpoint_files(source).items():
+        name = family.normalize_key(key)
+        if unused(name):
+            with safe_open(str(file), framework="pt", device="cpu") as handle:
+                out[name] = handle.get_tensor(key)
+    return out
+
+
+def _copy_side_files(source: Path, path: Path) -> None:
+    """Tokenizer, processor and chat-template files of ``source`` into ``path``."""
+    for file in source.iterdir():
+        if file.is_file() and file.name not in _OURS and not file.name.endswith(".safetensors"):
+            shutil.copy2(file, path / file.name)
