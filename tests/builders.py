@@ -146,3 +146,65 @@ def fake_trainer(root: Any, **fields: Any) -> Any:
         "strategy": SimpleNamespace(),
     }
     return SimpleNamespace(**{**base, **fields})
+
+
+LLAVA_IMAGE_TOKEN = 63
+"""The tiny LLaVA's image token (the last id of its 64-token vocabulary)."""
+
+
+def tiny_llava_dir(path: Any, *, seed: int = 0, **changes: Any) -> Any:
+    """A transformers ``LlavaForConditionalGeneration`` directory written offline at ``path``
+    (``save_pretrained``: config.json + model.safetensors, a ``CLIPImageProcessor``): a CLIP
+    ViT of 16 px images in 4 px patches (16 patch tokens), 3 layers of width 32, quick_gelu;
+    a Llama of 2 layers, 4 query / 2 key-value heads, rope_theta 5000, 64 tokens. ``changes``
+    set ``LlavaConfig`` fields; ``vision__<field>`` / ``text__<field>`` the sub-configs'."""
+    from pathlib import Path
+
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+    )
+
+    sub: dict[str, dict[str, Any]] = {"vision": {}, "text": {}}
+    for key in [k for k in changes if "__" in k]:
+        part, name = key.split("__")
+        sub[part][name] = changes.pop(key)
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3}
+    vision |= {"num_attention_heads": 4, "image_size": 16, "patch_size": 4}
+    text = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64}
+    text |= {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    text |= {"rope_theta": 5000.0}
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig(**(vision | sub["vision"])),
+        text_config=LlamaConfig(**(text | sub["text"])),
+        image_token_index=LLAVA_IMAGE_TOKEN,
+        **({"image_seq_length": 16} | changes),
+    )
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():  # transformers' init zeroes biases and sets norms to 1: vary them
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.add_(0.1 * torch.randn_like(param))
+    path = Path(path)
+    model.save_pretrained(str(path))
+    CLIPImageProcessor(size={"shortest_edge": 16}, crop_size=16).save_pretrained(str(path))
+    return path
+
+
+def llava_samples(images: tuple[int, ...], *, seed: int = 0, length: int = 6) -> list[Any]:
+    """One ragged sample (one marker per image, each after two text tokens) per entry of
+    ``images`` (its image count), text ids in ``[4, 63)``, 16 px images."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, n in enumerate(images):
+        text = torch.randint(4, LLAVA_IMAGE_TOKEN, (length + i,), generator=g)
+        marker = torch.tensor([LLAVA_IMAGE_TOKEN])
+        parts = [text[:2]] + [torch.cat([marker, text[2 + 2 * j : 4 + 2 * j]]) for j in range(n)]
+        ids = torch.cat([*parts, text[2 + 2 * n :]])
+        pix = torch.randn(n, 3, 16, 16, generator=g)
+        out.append({"id": f"s{i}", "input_ids": ids, "labels": ids.clone(), "pixel_values": pix})
+    return out

@@ -1,5 +1,6 @@
 """Plain-torch models (no ``torch.distributed``): the CLIP-ViT + adapter + LLaMA fusion model,
-its towers, its pipeline blocks with their costs, open_clip / transformers converters, and the
+its towers, its pipeline blocks with their costs, open_clip / transformers converters,
+transformers vision-language checkpoints (``hf``: :func:`from_hf`, :func:`save_hf`), and the
 multimodal mixture-of-experts feed-forward layer (``moe``, ``moe_routing``)."""
 
 from lightning_mmpar.models.adapter import AdapterConfig, CrossModalAdapter
@@ -17,6 +18,7 @@ from lightning_mmpar.models.convert import (
 from lightning_mmpar.models.decoding import DecodeCache
 from lightning_mmpar.models.fusion import FusionConfig, FusionModel, freeze_for_finetuning
 from lightning_mmpar.models.heads import MomentumHeads, TextPooler, ema_update, momentum_copy
+from lightning_mmpar.models.hf import FAMILIES, HFFamily, from_hf, hf_fusion_config, save_hf
 from lightning_mmpar.models.language import LanguageConfig, LanguageModel, LlamaDecoderLayer
 from lightning_mmpar.models.moe import MoEFeedForward, MoEStats, RoutingPlan, TokenDensity
 from lightning_mmpar.models.moe_density import GradientDensity
@@ -35,6 +37,7 @@ from lightning_mmpar.models.moe_routing import (
 from lightning_mmpar.models.vision import VisionBlock, VisionConfig, VisionTower
 
 __all__ = [
+    "FAMILIES",
     "MAX_LOGIT_SCALE",
     "AdapterConfig",
     "BlockCost",
@@ -47,6 +50,7 @@ __all__ = [
     "FusionOutput",
     "GradientDensity",
     "GroupedExperts",
+    "HFFamily",
     "LanguageConfig",
     "LanguageModel",
     "LlamaDecoderLayer",
@@ -69,7 +73,9 @@ __all__ = [
     "export_llama",
     "export_open_clip_visual",
     "freeze_for_finetuning",
+    "from_hf",
     "grouped_mm_supported",
+    "hf_fusion_config",
     "import_llama",
     "import_open_clip_visual",
     "load_balancing_loss",
@@ -77,6 +83,7 @@ __all__ = [
     "open_clip_model_config",
     "route_tokens",
     "router_z_loss",
+    "save_hf",
     "save_llama_pretrained",
     "swiglu_experts",
     "updated_expert_bias",

@@ -1,0 +1,168 @@
+"""transformers' LLaVA through the package's blocks (issue 29): loading, logits parity with
+``LlavaForConditionalGeneration`` at one process (unpacked and packed ragged batches mixing
+text-only, one-image and two-image samples), refused config values, lossless export."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from lightning_mmpar.data import MultimodalCollator
+from lightning_mmpar.models import FusionModel
+from lightning_mmpar.models.hf import FAMILIES, from_hf, hf_fusion_config, save_hf
+from tests.builders import LLAVA_IMAGE_TOKEN, llava_samples, tiny_llava_dir
+
+RTOL = 1e-5
+VARIANTS = {
+    # LLaVA-1.5's choices: feature layer -2, class token dropped, quick_gelu ViT, gelu projector
+    "llava-1.5": {},
+    # the other branches: every ViT layer, class token kept, gelu ViT, tanh-gelu projector,
+    # tied embeddings, a projector without biases
+    "full, tied": {
+        "vision_feature_layer": -1,
+        "vision_feature_select_strategy": "full",
+        "vision__hidden_act": "gelu",
+        "projector_hidden_act": "gelu_pytorch_tanh",
+        "multimodal_projector_bias": False,
+        "tie_word_embeddings": True,
+        "text__tie_word_embeddings": True,
+    },
+}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def checkpoint(request: Any, tmp_path_factory: Any) -> Path:
+    return tiny_llava_dir(tmp_path_factory.mktemp("llava"), **VARIANTS[request.param])
+
+
+def _oracle(path: Path) -> Any:
+    from transformers import LlavaForConditionalGeneration
+
+    return LlavaForConditionalGeneration.from_pretrained(str(path), local_files_only=True).eval()
+
+
+def _rel(got: Tensor, want: Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max())
+
+
+def _check_rows(model: FusionModel, oracle: Any, samples: list[Any], pack: bool) -> float:
+    """Our logits on the collated batch against transformers' per sample (its own format:
+    each marker expanded to the image's tokens, ``pixel_values [n_img, 3, H, W]``)."""
+    n = model.config.vision.tokens
+    collate = MultimodalCollator(
+        max_tokens=64, image_token_id=LLAVA_IMAGE_TOKEN, image_seq_length=n, pack=pack
+    )
+    batch = collate(samples)
+    worst, seen = 0.0, set()
+    with torch.no_grad():
+        logits = model.forward_ragged(batch).logits
+        for row in range(batch["input_ids"].shape[0]):
+            for sid in range(int(batch["sample_ids"][row].max()) + 1):
+                where = batch["sample_ids"][row] == sid
+                ids = batch["input_ids"][row][where]
+                index = _which(samples, ids, n)
+                pixels = samples[index]["pixel_values"]
+                want = oracle(input_ids=ids[None], pixel_values=pixels if len(pixels) else None)
+                worst = max(worst, _rel(logits[row][where], want.logits[0]))
+                seen.add(index)
+    assert seen == set(range(len(samples)))
+    return worst
+
+
+def _which(samples: list[Any], ids: Tensor, n: int) -> int:
+    """The sample whose ids, each marker expanded to ``n`` image tokens, are ``ids``."""
+    for i, s in enumerate(samples):
+        expanded = torch.cat([x.repeat(n if x == LLAVA_IMAGE_TOKEN else 1) for x in s["input_ids"]])
+        if torch.equal(expanded, ids):
+            return i
+    raise AssertionError("a packed segment matches no sample")
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["unpacked", "packed"])
+def test_logits_match_transformers(checkpoint: Path, pack: bool) -> None:
+    model, oracle = from_hf(checkpoint).eval(), _oracle(checkpoint)
+    samples = llava_samples((0, 1, 2, 1, 0))
+    worst = _check_rows(model, oracle, samples, pack)
+    print(f"llava logits vs transformers ({'packed' if pack else 'unpacked'}): {worst:.1e}")
+    assert worst <= RTOL
+
+
+def test_config_maps_the_math(checkpoint: Path) -> None:
+    cfg = hf_fusion_config(checkpoint)
+    full = cfg.vision.keep_class_token
+    assert cfg.vision.layers == (3 if full else 2)  # -1: every layer; -2: one dropped
+    assert cfg.vision.tokens == 16 + full and cfg.vision.act == ("gelu" if full else "quick_gelu")
+    assert (cfg.fusion, cfg.image_token_id, cfg.adapter.num_blocks) == ("spliced", 63, 0)
+    assert cfg.language.rope_theta == 5000.0 and cfg.language.num_key_value_heads == 2
+    assert cfg.projector == "mlp2x" and cfg.projector_bias is not full
+
+
+def test_export_is_lossless(checkpoint: Path, tmp_path: Path) -> None:
+    """Exported weights load into transformers bit-identical to the original, the ViT layers
+    the model never runs included; a trained (changed) model exports its own values."""
+    model = from_hf(checkpoint)
+    save_hf(model, checkpoint, tmp_path / "same")
+    want = _oracle(checkpoint).state_dict()
+    got = _oracle(tmp_path / "same").state_dict()
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert (tmp_path / "same" / "preprocessor_config.json").is_file()
+    with torch.no_grad():
+        model.language.lm_head.weight.add_(1.0)
+        model.vision.transformer.resblocks[0].attn.in_proj.weight[1].add_(1.0)  # the k rows
+    save_hf(model, checkpoint, tmp_path / "trained")
+    got = _oracle(tmp_path / "trained").state_dict()
+    key = "model.vision_tower.encoder.layers.0.self_attn."
+    assert torch.equal(got[key + "k_proj.weight"], want[key + "k_proj.weight"] + 1.0)
+    assert torch.equal(got[key + "q_proj.weight"], want[key + "q_proj.weight"])
+    assert torch.equal(got["lm_head.weight"], model.language.lm_head.weight)
+    assert torch.equal(
+        got["model.language_model.embed_tokens.weight"],
+        want["model.language_model.embed_tokens.weight"],
+    )
+
+
+REFUSED = [
+    ({"text__rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope_type"),
+    ({"vision_feature_layer": [-2, -1]}, "vision_feature_layer"),
+    ({"vision_feature_layer": -14}, "vision_feature_layer"),
+    ({"projector_hidden_act": "tanh"}, "projector_hidden_act"),
+    ({"vision__layer_norm_eps": 1e-6}, "vision_config.layer_norm_eps"),
+    ({"vision__hidden_act": "relu"}, "vision_config.hidden_act"),
+    ({"text__attention_dropout": 0.1}, "text_config.attention_dropout"),
+    ({"text__hidden_act": "gelu"}, "hidden_act"),
+]
+
+
+@pytest.mark.parametrize(("changes", "field"), REFUSED, ids=[f for _, f in REFUSED])
+def test_unsupported_config_values_are_refused(
+    changes: dict[str, Any], field: str, tmp_path: Path
+) -> None:
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+
+    changes = dict(changes)
+    sub: dict[str, dict[str, Any]] = {"vision": {}, "text": {}}
+    for key in [k for k in changes if "__" in k]:
+        part, name = key.split("__")
+        sub[part][name] = changes.pop(key)
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig(**sub["vision"]),
+        text_config=LlamaConfig(**sub["text"]),
+        **changes,
+    )
+    config.save_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match=field):
+        hf_fusion_config(tmp_path)
+
+
+def test_unknown_model_type_names_the_supported_ones(tmp_path: Path) -> None:
+    from transformers import LlamaConfig
+
+    LlamaConfig(num_hidden_layers=1).save_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match=r"'llama' is not supported; supported: \['llava'"):
+        from_hf(tmp_path)
+    assert "llava" in FAMILIES
