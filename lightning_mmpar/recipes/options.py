@@ -34,11 +34,31 @@ class PretrainedConfig:
     state-dict file (``.safetensors`` / ``.pt`` / ``.bin``; the YAML's sizes are then checked)."""
     language: str | None = None
     """transformers Llama directory (``config.json`` + ``model.safetensors``)."""
+    hf: str | None = None
+    """A transformers vision-language checkpoint directory (``config.json`` + safetensors, e.g.
+    ``LlavaForConditionalGeneration.save_pretrained``; :mod:`lightning_mmpar.models.hf`): the
+    whole model (ViT, projector, decoder) and its sizes and fusion from it; only the
+    contrastive heads start fresh. Excludes ``vision`` and ``language``."""
+
+    def __post_init__(self) -> None:
+        if self.hf and (self.vision or self.language):
+            raise ValueError(
+                f"model.pretrained.hf ({self.hf!r}) holds the whole model: leave "
+                f"model.pretrained.vision ({self.vision!r}) and language ({self.language!r}) "
+                "unset."
+            )
 
     @property
     def used(self) -> bool:
-        """Whether any tower is pretrained."""
-        return bool(self.vision or self.language)
+        """Whether any part is pretrained."""
+        return bool(self.vision or self.language or self.hf)
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """The fusion model's children read from checkpoints (the rest start fresh)."""
+        if self.hf:
+            return ("vision", "projector", "language")
+        return tuple(t for t in ("vision", "language") if getattr(self, t))
 
 
 @dataclass(kw_only=True)

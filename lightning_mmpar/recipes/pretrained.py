@@ -47,6 +47,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from lightning_mmpar.models.fusion import FusionConfig, FusionModel
+from lightning_mmpar.models.hf import hf_fusion_config
 from lightning_mmpar.parallel.deferred import assign
 from lightning_mmpar.recipes.options import PretrainedConfig
 from lightning_mmpar.recipes.pretrained_files import (
@@ -55,6 +56,7 @@ from lightning_mmpar.recipes.pretrained_files import (
     TensorFile,
     open_clip_vision,
     transformers_llama,
+    transformers_vlm,
 )
 from lightning_mmpar.trainer_topology import TrainerTopology
 
@@ -107,7 +109,10 @@ class LoadReport:
     """``(open files, {parameter: (key, meta parameter, [(module, name) registering it])})``."""
 
 
-def _open(pretrained: PretrainedConfig) -> dict[str, tuple[Any, TensorFile]]:
+def _open(pretrained: PretrainedConfig, model: nn.Module) -> dict[str, tuple[Any, TensorFile]]:
+    if pretrained.hf:
+        keys = [_vision_key(n) for n, _ in model.named_parameters()]
+        return {p: (None, t) for p, t in transformers_vlm(pretrained.hf, keys).items()}
     out: dict[str, tuple[Any, TensorFile]] = {}
     if pretrained.vision:
         out["vision"] = open_clip_vision(pretrained.vision)
@@ -122,6 +127,14 @@ def resolve_fusion_config(fusion: FusionConfig, pretrained: PretrainedConfig) ->
     Reads config files only. Raises ``ValueError`` for an unreadable path (naming the field)
     or ``model.fusion.language.moe`` set together with a pretrained decoder.
     """
+    if pretrained.hf:
+        if fusion.language.moe is not None:
+            raise ValueError(
+                "model.fusion.language.moe is set with model.pretrained.hf: the checkpoint's "
+                "decoder has dense FFNs; set moe: null."
+            )
+        keep = {"contrastive_dim": fusion.contrastive_dim}
+        return hf_fusion_config(pretrained.hf, **keep, logit_scale_init=fusion.logit_scale_init)
     vision, language = fusion.vision, fusion.language
     if pretrained.vision:
         vision = open_clip_vision(pretrained.vision)[0] or vision
@@ -140,9 +153,9 @@ def _shell_config(config: FusionConfig, pretrained: PretrainedConfig) -> FusionC
     """``config`` with the pretrained towers shrunk to what the fresh parts need (their widths;
     one decoder layer for the joint-attention extras; an 8-token vocabulary)."""
     vision, language = config.vision, config.language
-    if pretrained.vision:
+    if pretrained.vision or pretrained.hf:
         vision = dataclasses.replace(vision, layers=0)
-    if pretrained.language:
+    if pretrained.language or pretrained.hf:
         language = dataclasses.replace(language, num_hidden_layers=1, vocab_size=8)
     return dataclasses.replace(config, vision=vision, language=language)
 
@@ -160,16 +173,15 @@ def build_meta_fusion(
     with torch.device("meta"):
         model = FusionModel(config, momentum=momentum)
     for name, child in shell.named_children():
-        if name not in TOWERS or not getattr(pretrained, name):
+        if name not in pretrained.parts:
             setattr(model, name, child)
     for name, param in shell.named_parameters(recurse=False):
         setattr(model, name, param)
     model._momentum = shell._momentum  # EMA copies of the shell's (now the model's) heads
     fresh = {
-        f"{tower}.{n}": p.detach()
-        for tower in TOWERS
-        if getattr(pretrained, tower)
-        for n, p in getattr(shell, tower).named_parameters()
+        f"{part}.{n}": p.detach()
+        for part in pretrained.parts
+        for n, p in getattr(shell, part).named_parameters()
     }
     return model, fresh
 
@@ -184,6 +196,14 @@ def _language_key(name: str, tensors: TensorFile) -> str:
     if name == "lm_head.weight" and name not in tensors.shapes:  # tied checkpoints omit it
         return "model.embed_tokens.weight"
     return name if name.startswith("lm_head.") else f"model.{name}"
+
+
+def _key(part: str, name: str, tensors: TensorFile, hf: bool) -> str:
+    """The checkpoint key of our parameter ``name`` of ``part`` (``hf``: our state-dict key,
+    :func:`~lightning_mmpar.recipes.pretrained_files.transformers_vlm`)."""
+    if hf or part == "vision":
+        return _vision_key(name)
+    return _language_key(name, tensors)
 
 
 def _read(tensors: TensorFile, key: str, shape: tuple[int, ...], index: Index) -> Tensor:
@@ -294,7 +314,7 @@ def load_towers(
             tensors the tower has no parameter for (naming the keys and the file).
     """
     owned, report = owned_parameters(module, list(module.blocks))
-    files = _open(pretrained)
+    files = _open(pretrained, model)
     new: dict[int, nn.Parameter] = {}
     defer, later = _defers(module), {}  # deferred: {id: name}, their reads in `keys`
     keys: dict[str, tuple[str, Tensor, list[tuple[nn.Module, str]]]] = {}
@@ -302,7 +322,7 @@ def load_towers(
         used: set[str] = set()
         for pname, param in getattr(model, tower).named_parameters():
             name = f"{tower}.{pname}"
-            key = _vision_key(pname) if tower == "vision" else _language_key(pname, tensors)
+            key = _key(tower, pname, tensors, bool(pretrained.hf))
             shape, index = _local_index(param)
             used.add(key)
             if id(param) not in owned:
@@ -405,7 +425,7 @@ def vocab_rows(module: Any, tp: int) -> int:
     padded to ``lcm(plan.vocab_multiple, tp)``."""
     multiple = math.lcm(module.plan_options.vocab_multiple, tp)
     rows = module.vocab_size
-    if module.pretrained.language:
+    if module.pretrained.language or module.pretrained.hf:
         rows = max(rows, module.fusion_config.language.vocab_size)
     return -(-rows // multiple) * multiple
 

@@ -6,6 +6,9 @@
   / ``.bin`` read with ``torch.load(mmap=True, weights_only=True)``) of a whole CLIP model
   (``visual.*`` keys, a ``state_dict`` wrapper and DDP's ``module.`` prefix allowed) or of its
   ``.visual`` alone. Only a directory carries the tower's config.
+* **transformers vision-language model** (``model.pretrained.hf``): a ``save_pretrained``
+  directory of a family of :mod:`lightning_mmpar.models.hf` (LLaVA), one view per part of
+  ours through the family's key table (:func:`transformers_vlm`).
 * **transformers Llama** (``model.pretrained.language``): a ``save_pretrained`` directory with
   ``config.json`` and ``model.safetensors`` (or sharded, with ``model.safetensors.index.json``),
   read with ``safetensors.safe_open(...).get_slice`` per key.
@@ -29,7 +32,7 @@ from lightning_mmpar.models.convert import language_config_from_llama, vision_co
 from lightning_mmpar.models.language import LanguageConfig
 from lightning_mmpar.models.vision import VisionConfig
 
-__all__ = ["TensorFile", "open_clip_vision", "transformers_llama"]
+__all__ = ["TensorFile", "open_clip_vision", "transformers_llama", "transformers_vlm"]
 
 OPEN_CLIP_CONFIG = "open_clip_config.json"
 OPEN_CLIP_WEIGHTS = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin")
@@ -39,6 +42,8 @@ IGNORED_KEYS = ("rotary_emb.inv_freq",)
 """Checkpoint keys with no parameter (buffers some transformers versions saved)."""
 
 Index = tuple[slice, ...]
+Spot = tuple[str, Path]
+"""A checkpoint tensor: ``(key in the file, safetensors file)``."""
 
 
 class TensorFile:
@@ -220,3 +225,47 @@ def transformers_llama(directory: str | Path) -> tuple[LanguageConfig, TensorFil
             f"{LLAMA_INDEX}); re-save it with save_pretrained(..., safe_serialization=True)."
         )
     return language_config_from_llama(config), TensorFile.safetensors(path, files)
+
+
+def transformers_vlm(directory: str | Path, keys: list[str]) -> dict[str, TensorFile]:
+    """The parts of a transformers vision-language checkpoint (``model.pretrained.hf``) as one
+    :class:`TensorFile` per part of our model (``vision``, ``projector``, ``language``), keyed
+    by our state-dict keys within the part (``keys``: the model's full keys), through the
+    family's key table (:func:`lightning_mmpar.models.hf.checkpoint.locate`). A key stacked
+    from several checkpoint tensors (q/k/v into ``[3, D, D]``) reads each one's slice.
+
+    Raises:
+        ValueError: as :func:`~lightning_mmpar.models.hf.hf_fusion_config` and
+            :func:`~lightning_mmpar.models.hf.checkpoint.locate` (naming the tensors).
+    """
+    from lightning_mmpar.models.hf import family_of
+    from lightning_mmpar.models.hf.checkpoint import hf_config, locate
+
+    path = Path(directory)
+    by_part: dict[str, dict[str, tuple[Spot, ...]]] = {}
+    for key, spots in locate(path, family_of(hf_config(path)), keys).items():
+        part, _, local = key.partition(".")
+        by_part.setdefault(part, {})[local] = spots
+    return {part: _stacked_file(path, spots) for part, spots in by_part.items()}
+
+
+def _stacked_file(path: Path, spots: dict[str, tuple[Spot, ...]]) -> TensorFile:
+    """A :class:`TensorFile` whose key ``k`` is the checkpoint tensor ``spots[k][0]``, or the
+    tensors ``spots[k]`` stacked on a new dim 0."""
+    from safetensors import safe_open
+
+    from lightning_mmpar.models.hf.checkpoint import read_slice
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for key, where in spots.items():
+        with safe_open(str(where[0][1]), framework="pt", device="cpu") as handle:
+            one = tuple(handle.get_slice(where[0][0]).get_shape())
+        shapes[key] = one if len(where) == 1 else (len(where), *one)
+
+    def fetch(key: str, index: Index) -> Tensor:
+        where = spots[key]
+        if len(where) == 1:
+            return read_slice(where[0], index)
+        return torch.stack([read_slice(where[c], index[1:]) for c in range(len(where))[index[0]]])
+
+    return TensorFile(path, shapes, fetch)

@@ -17,6 +17,7 @@ import torch
 
 from lightning_mmpar import MultimodalParallelStrategy
 from lightning_mmpar.data.packing import MultimodalCollator
+from tests.recipes import hf_llava_worker
 from tests.recipes import parity_matrix_worker as pm
 from tests.recipes import recipe_faults_worker as rw
 from tests.recipes import skipped_tower_worker as skipped_tower
@@ -148,6 +149,7 @@ def selected(world_size: int) -> list[pm.Layout]:
 def world(rank: int, world_size: int) -> dict[str, Any]:
     """Every ragged layout of this world size on this rank: ``{layout name: result}``."""
     out = {x.name: pm.named(x.name, rank, run_layout, x, rank) for x in selected(world_size)}
+    out |= hf_llava_worker.world(rank, world_size)  # transformers' LLaVA (issue 29)
     if world_size == 2 and not pm.only():
         out["no image slot"] = pm.named("tp2, no image slot", rank, no_image_slot, rank)
         out["skipped tower"] = pm.named(

@@ -4,15 +4,22 @@ layout's losses and first-step gradients equal one process within a relative 1e-
 data-parallel rank with a text-only batch beside one with images completes (the world's timeout
 is the failure). The 2-process world also runs tp 2 on batches with no image slot at all, and
 a user's own module that skips its vision tower on a text-only rank
-(:mod:`skipped_tower_worker`)."""
+(:mod:`skipped_tower_worker`).
+
+The 2- and 4-process worlds also train transformers' LLaVA (issue 29, :mod:`hf_llava_worker`):
+one process's logits equal ``LlavaForConditionalGeneration``'s per sample, and tp2, pp2,
+tp2 x pp2 and dp2 FSDP2 equal one process (first-step logits, losses, first-step gradients,
+1e-5); the tp2 and dp2 FSDP2 checkpoints export bit-exactly."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
+import torch
 
 from lightning_mmpar.testing import spawn
+from tests.recipes import hf_llava_worker as hw
 from tests.recipes import parity_matrix_worker as pm
 from tests.recipes import ragged_parity_worker as rp
 from tests.recipes import recipe_faults_worker as rw
@@ -106,3 +113,59 @@ def test_own_module_that_skips_its_tower_on_one_rank_trains_or_stops_clearly() -
     assert "rank 0: 'vision'; rank 1: 'layers.0'" in messages[0], messages[0]
     assert "dummy input" in messages[0] and "data_parallel='ddp'" in messages[0], messages[0]
     assert max(run["fsdp skipped"]["seconds"] for run in runs) < 30, runs
+
+
+@pytest.fixture(scope="module")
+def llava_reference() -> dict[str, Any]:
+    return hw.run(None)
+
+
+def test_llava_recipe_logits_match_transformers(llava_reference: dict[str, Any]) -> None:
+    """The recipe's model read from the LLaVA directory (``model.pretrained.hf``) gives
+    transformers' logits on every packed sample of the first batch (run per sample)."""
+    from transformers import LlavaForConditionalGeneration
+
+    path = hw.checkpoint()
+    oracle = LlavaForConditionalGeneration.from_pretrained(str(path), local_files_only=True)
+    batch, logits = hw.batches()[0], llava_reference["logits"]
+    worst, samples = 0.0, 0
+    for row, images in enumerate(hw.IMAGES):
+        for sid, count in enumerate(images):
+            where = batch["sample_ids"][row] == sid
+            mine = batch["image_mask"][row] & (batch["image_sample"][row] == sid)
+            pix = batch["pixel_values"][row][mine] if count else None
+            with torch.no_grad():
+                want = oracle(input_ids=batch["input_ids"][row][where][None], pixel_values=pix)
+            got = logits[row][where][:, : want.logits.shape[-1]]
+            worst = max(worst, float((got - want.logits[0]).abs().max() / want.logits.abs().max()))
+            samples += 1
+    print(f"llava | recipe vs transformers | logits {worst:.1e} | {samples} samples")
+    assert samples == 8 and worst <= RTOL
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", hw.LAYOUTS, ids=[x.name for x in hw.LAYOUTS])
+def test_llava_layout_matches_one_process(layout: Any, llava_reference: dict[str, Any]) -> None:
+    ref = llava_reference
+    results = [r[layout.name] for r in _world(layout.world)]
+    grads: dict[str, Any] = {}
+    loss_diff = logit_diff = 0.0
+    rows = [r["logits"] for r in results if r["logits"] is not None]
+    dp = layout.dims.dp
+    for got in results:
+        for a, b in zip(got["losses"], ref["losses"], strict=True):
+            loss_diff = max(loss_diff, abs(a - b) / abs(b))
+        grads.update(got["grads"])
+    assert len(results[0]["losses"]) == len(ref["losses"])
+    full = torch.cat(rows[:: max(1, len(rows) // dp)]) if dp > 1 else rows[0]
+    logit_diff = float((full - ref["logits"]).abs().max() / ref["logits"].abs().max())
+    assert grads.keys() == ref["grads"].keys(), grads.keys() ^ ref["grads"].keys()
+    name, ratio = rw.worst_gradient(grads, ref["grads"])
+    took = max(r["seconds"] for r in results)
+    print(
+        f"llava | {layout.name} | logits {logit_diff:.1e} | loss {loss_diff:.1e} | gradient "
+        f"{ratio:.1e} ({name}) | {took:.1f} s"
+    )
+    assert max(logit_diff, loss_diff, ratio) <= RTOL, (layout.name, logit_diff, loss_diff, ratio)
+    read = [r["bytes_read"] for r in results]  # each rank its shard, stage or slice only
+    assert all(0 < b < ref["bytes_read"] for b in read), (read, ref["bytes_read"])

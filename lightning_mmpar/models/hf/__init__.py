@@ -75,7 +75,7 @@ def from_hf(path: str | Path, **overrides: Any) -> FusionModel:
     family = family_of(config)
     model = FusionModel(hf_fusion_config(path, **overrides))
     ours = model.state_dict()
-    state = read_state(path, family, list(ours), tied=bool(config.tie_word_embeddings))
+    state = read_state(path, family, list(ours))
     for key, value in state.items():
         if value.shape != ours[key].shape:
             raise ValueError(

@@ -18,7 +18,16 @@ from torch import Tensor
 
 from lightning_mmpar.models.hf.family import HFFamily
 
-__all__ = ["checkpoint_files", "hf_config", "read_state", "to_hf_state", "write_hf"]
+__all__ = [
+    "Spot",
+    "checkpoint_files",
+    "hf_config",
+    "locate",
+    "read_slice",
+    "read_state",
+    "to_hf_state",
+    "write_hf",
+]
 
 INDEX = "model.safetensors.index.json"
 WEIGHTS = "model.safetensors"
@@ -64,39 +73,54 @@ def checkpoint_files(path: str | Path) -> dict[str, Path]:
         return dict.fromkeys(handle.keys(), path / WEIGHTS)
 
 
-def read_state(
-    path: str | Path, family: HFFamily, keys: list[str], *, tied: bool = False
-) -> dict[str, Tensor]:
-    """Our state dict for ``keys`` from the checkpoint in ``path`` (whole tensors; the recipe
-    reads per-rank slices instead, :mod:`lightning_mmpar.recipes.pretrained`). A tied
-    checkpoint's missing ``lm_head.weight`` reads the input embedding.
+Spot = tuple[str, Path]
+"""Where a checkpoint tensor lies: ``(key in the file, safetensors file)``."""
+
+
+def locate(path: str | Path, family: HFFamily, keys: list[str]) -> dict[str, tuple[Spot, ...]]:
+    """``{our key: checkpoint tensors}`` for ``keys`` (ours) that have a counterpart, through
+    the family's table (several: stacked on a new dim 0). A tied checkpoint's missing
+    ``lm_head.weight`` is the input embedding.
 
     Raises:
-        ValueError: a checkpoint key missing, or checkpoint tensors that map to no key of ours
-            and that the family does not mark unused (naming them).
+        ValueError: a checkpoint tensor the table needs is missing, or one neither mapped nor
+            unused by the family (naming them).
     """
-    from safetensors import safe_open
-
+    config = hf_config(path)
     files = {family.normalize_key(k): (k, f) for k, f in checkpoint_files(path).items()}
+    if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in files:
+        files["lm_head.weight"] = files["model.language_model.embed_tokens.weight"]
     table = family.table(keys)
     wanted = {hf for hfs in table.values() for hf in hfs}
-    if tied and "lm_head.weight" in wanted and "lm_head.weight" not in files:
-        files["lm_head.weight"] = files["model.language_model.embed_tokens.weight"]
     missing = sorted(wanted - files.keys())
-    unused = family.unused_keys(hf_config(path))
+    unused = family.unused_keys(config)
     stray = sorted(k for k in files.keys() - wanted if not unused(k))
     if missing or stray:
         raise ValueError(
             f"{path}: the checkpoint does not fit the model: missing {missing[:8]}, "
             f"unexpected {stray[:8]}."
         )
+    return {k: tuple(files[h] for h in hfs) for k, hfs in table.items()}
 
-    def load(hf: str) -> Tensor:
-        key, file = files[hf]
-        with safe_open(str(file), framework="pt", device="cpu") as handle:
-            return handle.get_tensor(key)
 
-    return {k: _join([load(h) for h in hfs]) for k, hfs in table.items()}
+def read_slice(spot: Spot, index: tuple[slice, ...] = ()) -> Tensor:
+    """``tensor[index]`` of one checkpoint tensor, reading only those bytes."""
+    from safetensors import safe_open
+
+    with safe_open(str(spot[1]), framework="pt", device="cpu") as handle:
+        return handle.get_slice(spot[0])[index] if index else handle.get_tensor(spot[0])
+
+
+def read_state(path: str | Path, family: HFFamily, keys: list[str]) -> dict[str, Tensor]:
+    """Our state dict for ``keys`` from the checkpoint in ``path`` (whole tensors; the recipe
+    reads per-rank slices instead, :mod:`lightning_mmpar.recipes.pretrained`).
+
+    Raises:
+        ValueError: as :func:`locate`.
+    """
+    return {
+        k: _join([read_slice(s) for s in spots]) for k, spots in locate(path, family, keys).items()
+    }
 
 
 def _join(parts: list[Tensor]) -> Tensor:
