@@ -24,6 +24,10 @@ tensors), and writes into ``--out``:
 ``tokenizer/``                               the checkpoint's word tokenizer
                                              (``WordTokenizer.save``), or ``--tokenizer``'s
                                              (a word tokenizer or a transformers tokenizer dir)
+``hf/``                                      a run from ``model.pretrained.hf``: the
+                                             transformers directory of its architecture
+                                             (``save_pretrained``, weights bit-exact, the
+                                             source's tokenizer / processor files)
 ``export.json``                              hparams summary, files, vocabulary, notes and,
                                              with ``--verify``, the round-trip differences
 ===========================================  =================================================
@@ -57,6 +61,8 @@ from lightning_mmpar.models.convert import (
     save_llama_pretrained,
 )
 from lightning_mmpar.models.fusion import FusionConfig, FusionModel
+from lightning_mmpar.models.hf import family_of, save_hf
+from lightning_mmpar.models.hf.checkpoint import hf_config
 from lightning_mmpar.parallel.checkpoint import (
     HPARAMS_KEY,
     complete_checkpoints,
@@ -65,10 +71,12 @@ from lightning_mmpar.parallel.checkpoint import (
 )
 from lightning_mmpar.recipes import module as _module  # noqa: F401 - allow-lists the hparams
 from lightning_mmpar.recipes.export_verify import verify_export
+from lightning_mmpar.recipes.options import PretrainedConfig
 
 __all__ = ["ExportResult", "export_checkpoint", "load_fusion_model", "main"]
 
 LLAMA_DIR = "llama"
+HF_DIR = "hf"
 OPEN_CLIP_DIR = "open_clip"
 VISUAL_FILE = "open_clip_visual.safetensors"
 ADAPTER_FILE = "adapter.safetensors"
@@ -243,6 +251,7 @@ def export_checkpoint(
     *,
     tokenizer: str | Path | None = None,
     verify: bool = False,
+    hf: str | Path | None = None,
 ) -> ExportResult:
     """Write the user formats of checkpoint ``ckpt`` into ``out`` (module docstring).
 
@@ -250,6 +259,8 @@ def export_checkpoint(
         ckpt: a checkpoint directory of the recipe (any layout).
         out: the output directory (created; files of the same names are replaced).
         tokenizer: a tokenizer directory to copy instead of the checkpoint's own.
+        hf: the transformers directory the run started from, for the ``hf/`` directory
+            (default: the checkpoint's ``model.pretrained.hf``; none: no ``hf/``).
         verify: reload every written format with its own library and record the max abs
             differences to this model (:func:`~lightning_mmpar.recipes.export_verify.verify_export`)
             in the result and ``export.json``.
@@ -297,8 +308,30 @@ def export_checkpoint(
     result = ExportResult(out, files, vocab, padded, notes, {})
     if verify:
         result.diffs = verify_export(model, out, vocab)
+    pretrained = _dataclass(PretrainedConfig, hparams.get("pretrained"))
+    _export_hf(result, state, hf or getattr(pretrained, "hf", None), verify)
     _write_manifest(result, model.config, ckpt)
     return result
+
+
+def _export_hf(
+    result: ExportResult, state: Mapping[str, Tensor], source: str | Path | None, verify: bool
+) -> None:
+    """``hf/``: :func:`~lightning_mmpar.models.hf.save_hf` of ``state`` for the architecture
+    of ``source`` (nothing without one); ``verify``: the max abs difference of what
+    ``from_pretrained`` loads to the written tensors (``diffs["hf"]``, 0 for a lossless
+    export)."""
+    if not source:
+        return
+    written = save_hf(state, source, result.out / HF_DIR)
+    result.files.append(HF_DIR)
+    if verify:
+        import transformers
+
+        cls = getattr(transformers, family_of(hf_config(source)).model_class)
+        loaded = cls.from_pretrained(str(result.out / HF_DIR), local_files_only=True).state_dict()
+        diffs = [float((loaded[k] - v).abs().max()) for k, v in written.items() if v.numel()]
+        result.diffs["hf"] = max(diffs)
 
 
 def _prefixed(state: Mapping[str, Tensor], prefixes: tuple[str, ...]) -> list[str]:
@@ -338,6 +371,12 @@ def main(args: Sequence[str] | None = None) -> ExportResult:
         "transformers)",
     )
     parser.add_argument(
+        "--hf",
+        default=None,
+        help="transformers directory the run started from (default: the checkpoint's "
+        "model.pretrained.hf): writes hf/ in its architecture",
+    )
+    parser.add_argument(
         "--verify",
         action="store_true",
         help="reload each format (transformers, open_clip, safetensors) and record the max abs "
@@ -345,7 +384,9 @@ def main(args: Sequence[str] | None = None) -> ExportResult:
     )
     ns = parser.parse_args(args)
     try:
-        result = export_checkpoint(ns.ckpt, ns.out, tokenizer=ns.tokenizer, verify=ns.verify)
+        result = export_checkpoint(
+            ns.ckpt, ns.out, tokenizer=ns.tokenizer, verify=ns.verify, hf=ns.hf
+        )
     except (FileNotFoundError, ValueError) as err:
         below = [p for *_, p in complete_checkpoints(ns.ckpt) if p != Path(ns.ckpt)]
         if below:  # a run directory, not a checkpoint: name the checkpoints in it

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch import Callback, Trainer
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
@@ -37,6 +39,8 @@ from tests.recipes import recipe_faults_worker as rw
 TOKENS, SLOTS, ROWS = 48, 2, 4
 IMAGES = ((1, 0), (2,), (0, 1), (0, 0, 0))  # images of each row's packed samples
 """Rows of a global batch: dp2 gives rank 1 a text-only row beside a one-image row."""
+SAVED = ("llava tp2", "llava dp2 fsdp")
+"""Layouts that write ``last.ckpt`` after training (the export test reads them)."""
 LAYOUTS: tuple[pm.Layout, ...] = (
     pm.Layout("llava tp2", 2, {"tensor_parallel": 2}),
     pm.Layout("llava pp2 1f1b", 2, pm._pp("1f1b", 2, 2, 1)),
@@ -48,14 +52,28 @@ LAYOUTS: tuple[pm.Layout, ...] = (
 def checkpoint() -> Path:
     """The tiny LLaVA directory, written by (global) rank 0 (transformers' ``save_pretrained``
     writes on rank 0 only once a process group exists) and shared."""
+    return _shared(lambda: tiny_llava_dir(Path(tempfile.mkdtemp(prefix="llava"))))
+
+
+def _shared(make: Callable[[], Path]) -> Path:
+    """``make()`` on (global) rank 0, its result on every rank."""
     if not dist.is_initialized():
-        return tiny_llava_dir(Path(tempfile.mkdtemp(prefix="llava")))
-    where = [
-        tiny_llava_dir(Path(tempfile.mkdtemp(prefix="llava"))) if dist.get_rank() == 0 else None
-    ]
+        return make()
+    where = [make() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(where, src=0)
     assert where[0] is not None
     return where[0]
+
+
+class SaveAtEnd(Callback):
+    """``trainer.save_checkpoint(path)`` (a sharded DCP directory under ``mm_parallel``) once
+    training ends."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
+        trainer.save_checkpoint(self.path)
 
 
 def batches(steps: int = 2) -> list[dict[str, Tensor]]:
@@ -114,7 +132,8 @@ def module(path: Path) -> LlavaModule:
 def run(layout: pm.Layout | None, rank: int = 0) -> dict[str, Any]:
     """Train ``layout`` (``None``: one process) on this rank: losses, first-step gradients,
     the first step's logits (this rank's rows, where computed), the checkpoint bytes this rank
-    read and the seconds taken."""
+    read, the seconds taken and, for :data:`SAVED` layouts, ``(last.ckpt, the LLaVA
+    directory)``."""
     start = time.perf_counter()
     data = batches()
     strategy: Any = "auto"
@@ -123,9 +142,13 @@ def run(layout: pm.Layout | None, rank: int = 0) -> dict[str, Any]:
         dp = layout.dims.dp
         data = [pm.dp_slice(b, dp, layout.dims.rank_coords(rank)["dp"]) for b in data]
         strategy, devices = MultimodalParallelStrategy(**layout.strategy), layout.world
-    m = module(checkpoint())
+    source = checkpoint()
+    m = module(source)
     m.text_length = TOKENS
-    rec = rw.fit(m, data, strategy=strategy, devices=devices)
+    saved = layout is not None and layout.name in SAVED
+    ckpt = _shared(lambda: Path(tempfile.mkdtemp(prefix="llava-run")) / "last.ckpt")
+    callbacks = [SaveAtEnd(ckpt)] if saved else []
+    rec = rw.fit(m, data, strategy=strategy, devices=devices, callbacks=callbacks)
     logits = torch.cat(m.first_logits) if m.first_logits else None
     took = time.perf_counter() - start
     read = m.load_report.bytes_read if m.load_report else 0
@@ -135,6 +158,7 @@ def run(layout: pm.Layout | None, rank: int = 0) -> dict[str, Any]:
         "logits": logits,
         "seconds": took,
         "bytes_read": read,
+        "checkpoint": (ckpt, source) if saved else None,
     }
 
 

@@ -169,3 +169,47 @@ def test_llava_layout_matches_one_process(layout: Any, llava_reference: dict[str
     assert max(logit_diff, loss_diff, ratio) <= RTOL, (layout.name, logit_diff, loss_diff, ratio)
     read = [r["bytes_read"] for r in results]  # each rank its shard, stage or slice only
     assert all(0 < b < ref["bytes_read"] for b in read), (read, ref["bytes_read"])
+
+
+def _tensors(directory: Any) -> dict[str, tuple[tuple[int, ...], int]]:
+    """``{key: (shape, bytes)}`` of a directory's safetensors files."""
+    from safetensors import safe_open
+
+    out = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():
+                t = handle.get_tensor(key)
+                out[key] = (tuple(t.shape), t.numel() * t.element_size())
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", hw.SAVED)
+def test_llava_export_from_sharded_checkpoint(name: str, tmp_path: Any) -> None:
+    """A checkpoint written in tp2 / dp2 FSDP2 exports (``export --verify``) to a transformers
+    directory: ``from_pretrained`` loads exactly the checkpoint's weights (max abs diff 0), the
+    same tensor names, shapes and bytes as the source checkpoint, and its logits are the
+    trained model's."""
+    from transformers import LlavaForConditionalGeneration
+
+    from lightning_mmpar.recipes.export import export_checkpoint, load_fusion_model
+
+    ckpt, source = _world(2)[0][name]["checkpoint"]
+    result = export_checkpoint(ckpt, tmp_path, verify=True)
+    assert "hf" in result.files and result.diffs["hf"] == 0.0, result.diffs
+    assert _tensors(tmp_path / "hf") == _tensors(source)
+    exported = LlavaForConditionalGeneration.from_pretrained(str(tmp_path / "hf")).eval()
+    original = LlavaForConditionalGeneration.from_pretrained(str(source)).eval()
+    key = "lm_head.weight"  # trained: not the source's
+    assert not torch.equal(exported.state_dict()[key], original.state_dict()[key])
+    model = load_fusion_model(ckpt)[0]
+    batch = hw.batches()[0]
+    row = batch["sample_ids"][1] == 0  # the two-image sample
+    with torch.no_grad():
+        ours = model.forward_ragged(batch).logits[1][row][:, :64]
+        pix = batch["pixel_values"][1][batch["image_mask"][1]]
+        want = exported(input_ids=batch["input_ids"][1][row][None], pixel_values=pix).logits[0]
+    diff = float((ours - want).abs().max() / want.abs().max())
+    print(f"llava | export of {name} | weights 0 | logits {diff:.1e}")
+    assert diff <= RTOL

@@ -144,38 +144,62 @@ def write_hf(
     """Write ``state`` (a full state dict of ours) as a ``save_pretrained`` directory at
     ``path`` for the architecture of ``source`` (its config; the checkpoint tensors the model
     does not hold copied from it; its tokenizer / processor files copied). Returns the
-    written tensors.
+    written tensors (the module layout of transformers).
 
-    A tied source whose ``lm_head`` no longer equals the input embedding (trained apart: our
-    language model keeps them separate) is written untied (``tie_word_embeddings=False``), so
-    both are kept exactly.
+    Vocabulary rows past the config's ``vocab_size`` (tensor-parallel padding) are dropped. A
+    tied source whose ``lm_head`` no longer equals the input embedding (our language model
+    keeps them apart, so training separates them) is written untied
+    (``tie_word_embeddings=False``), keeping both exactly.
 
     Raises:
-        ValueError: a tensor of the architecture neither in ``state`` nor unused (naming it).
+        ValueError: a tensor of the architecture missing, or of another shape (naming them);
+            nothing is written then.
     """
     import transformers
 
     config = hf_config(source)
-    tensors = to_hf_state(family, state)
-    tensors |= _unused_tensors(family, config, source)
-    if _tied(config) and not torch.equal(
-        tensors.get("lm_head.weight", torch.empty(0)),
-        tensors["model.language_model.embed_tokens.weight"],
-    ):
-        config.tie_word_embeddings = config.get_text_config().tie_word_embeddings = False
+    tensors = to_hf_state(family, state) | _unused_tensors(family, config, source)
     with torch.device("meta"):
         model = getattr(transformers, family.model_class)(config)
-    expected = set(model.state_dict())
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    tensors = _fit_rows(tensors, expected, path)
+    embed = tensors.get("model.language_model.embed_tokens.weight")
+    head = tensors.get("lm_head.weight", embed)
+    if _tied(config) and embed is not None and head is not None and not torch.equal(head, embed):
+        config.tie_word_embeddings = config.get_text_config().tie_word_embeddings = False
+        with torch.device("meta"):
+            model = getattr(transformers, family.model_class)(config)
     if _tied(config):
         tensors.pop("lm_head.weight", None)
-        expected.discard("lm_head.weight")
-    if missing := sorted(expected - tensors.keys()):
+        expected.pop("lm_head.weight", None)
+    if missing := sorted(expected.keys() - tensors.keys()):
         raise ValueError(f"export to {path}: no value for {missing[:8]}; nothing written.")
     model.load_state_dict(tensors, strict=False, assign=True)
     model.tie_weights()
     model.save_pretrained(str(path))
     _copy_side_files(Path(source), Path(path))
     return tensors
+
+
+def _fit_rows(
+    tensors: dict[str, Tensor], expected: Mapping[str, tuple[int, ...]], path: str | Path
+) -> dict[str, Tensor]:
+    """``tensors`` with padding rows (dim 0 beyond the architecture's) dropped.
+
+    Raises:
+        ValueError: a tensor the architecture lacks, or with another shape (naming them).
+    """
+    out, wrong = {}, []
+    for key, value in tensors.items():
+        want = expected.get(key)
+        if want is not None and value.ndim and value.shape[1:] == want[1:]:
+            value = value[: want[0]] if value.shape[0] > want[0] else value
+        if want is None or tuple(value.shape) != want:
+            wrong.append(f"{key}: {list(value.shape)} vs {list(want or ())}")
+        out[key] = value
+    if wrong:
+        raise ValueError(f"export to {path}: tensors do not fit the architecture: {wrong[:8]}.")
+    return out
 
 
 def _tied(config: Any) -> bool:
