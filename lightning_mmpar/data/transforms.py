@@ -48,9 +48,11 @@ class ImagePreprocess:
     """None: from ``from_pretrained``, else ``shortest`` (resize the short side, centre-crop)."""
     from_pretrained: str | None = None
     """Where the vision tower's preprocessing is read: an open_clip model directory (its
-    ``open_clip_config.json``), such a JSON file or a model config JSON (key
-    ``preprocess_cfg``), or ``"<model name>:<pretrained tag>"`` of open_clip's registry
-    (e.g. ``ViT-B-16-SigLIP:webli``: mean/std 0.5). A state-dict file carries none: defaults."""
+    ``open_clip_config.json``), a transformers checkpoint directory (its image processor's
+    ``preprocessor_config.json``: :func:`transformers_preprocess`), such a JSON file or a model
+    config JSON (key ``preprocess_cfg``), or ``"<model name>:<pretrained tag>"`` of open_clip's
+    registry (e.g. ``ViT-B-16-SigLIP:webli``: mean/std 0.5). A state-dict file carries none:
+    defaults."""
 
     def resolve(self, image_size: int) -> PreprocessCfg:
         """open_clip's ``PreprocessCfg`` for ``image_size``: defaults < ``from_pretrained`` <
@@ -103,10 +105,50 @@ def _side(size: Any) -> int:
     return int(size if isinstance(size, int) else max(size))
 
 
+HF_PROCESSOR = "preprocessor_config.json"
+"""A transformers checkpoint directory's image processor config (``CLIPImageProcessor``)."""
+_RESAMPLE = {2: "bilinear", 3: "bicubic"}
+"""PIL resampling ids of the image processors -> open_clip's interpolation names."""
+
+
+def transformers_preprocess(path: Path) -> dict[str, Any]:
+    """The preprocessing keys of a transformers ``CLIPImageProcessor`` config
+    (``preprocessor_config.json``): resize the shortest side to ``size.shortest_edge``, centre
+    crop ``crop_size`` (open_clip's ``shortest`` mode when the two are equal), ``image_mean``,
+    ``image_std``, ``resample`` (bicubic / bilinear).
+
+    Raises:
+        ValueError: a processor this transform does not reproduce (naming the field): a crop
+            other than the resized side, another resampling, no normalisation.
+    """
+    config = json.loads(path.read_text())
+    size = config.get("size") or {}
+    crop = config.get("crop_size") or {}
+    side = size.get("shortest_edge") if isinstance(size, dict) else size
+    crop_side = crop.get("height") if isinstance(crop, dict) else crop
+    resample = config.get("resample", 3)
+    bad = [
+        ("size.shortest_edge", side, crop_side is not None and side != crop_side),
+        ("resample", resample, resample not in _RESAMPLE),
+        ("do_normalize", config.get("do_normalize"), config.get("do_normalize") is False),
+    ]
+    for name, value, wrong in bad:
+        if wrong:
+            raise ValueError(
+                f"ImagePreprocess: {path} {name} = {value!r} is not supported (crop_size "
+                f"{crop_side!r}); set data.preprocess fields explicitly instead."
+            )
+    found: dict[str, Any] = {"resize_mode": "shortest", "interpolation": _RESAMPLE[resample]}
+    found |= {"mean": config.get("image_mean"), "std": config.get("image_std"), "size": side}
+    return {k: v for k, v in found.items() if v is not None}
+
+
 def _pretrained_preprocess(source: str) -> dict[str, Any]:
     """Preprocessing keys (``mean``, ``std``, ``interpolation``, ``resize_mode``, ``size``) of
     ``source`` (see :attr:`ImagePreprocess.from_pretrained`)."""
     path = Path(source)
+    if path.is_dir() and (path / HF_PROCESSOR).is_file():
+        return transformers_preprocess(path / HF_PROCESSOR)
     if path.is_dir():
         path = path / "open_clip_config.json"
         if not path.is_file():

@@ -301,7 +301,8 @@ class ClipLlamaCLI(LightningCLI):
 
 
 def link_vision_preprocess(cfg: Any) -> str | None:
-    """``model.pretrained.vision`` -> ``data.preprocess.from_pretrained`` when unset.
+    """``model.pretrained.vision`` (or ``model.pretrained.hf``: its image processor) ->
+    ``data.preprocess.from_pretrained`` when unset.
 
     A pretrained open_clip tower expects its own image normalisation and resize (its
     ``preprocess_cfg``); a data module with a ``preprocess``
@@ -311,7 +312,7 @@ def link_vision_preprocess(cfg: Any) -> str | None:
     digits demo) is left alone; explicit ``mean`` / ``std`` / resize fields still win over the
     tower's (:meth:`ImagePreprocess.resolve`). Returns the path linked, or None.
     """
-    vision = cfg.get("model.pretrained.vision")
+    vision = cfg.get("model.pretrained.vision") or cfg.get("model.pretrained.hf")
     init_args = cfg.get("data.init_args")
     if not vision or init_args is None or "preprocess" not in init_args:
         return None

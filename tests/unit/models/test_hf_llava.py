@@ -166,3 +166,72 @@ def test_unknown_model_type_names_the_supported_ones(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"'llama' is not supported; supported: \['llava'"):
         from_hf(tmp_path)
     assert "llava" in FAMILIES
+
+
+def test_image_processor_is_read_from_the_checkpoint(checkpoint: Path, tmp_path: Path) -> None:
+    """``data.preprocess.from_pretrained`` of a LLaVA directory (what ``model.pretrained.hf``
+    links) reads its ``CLIPImageProcessor``: size, mean, std, bicubic; a crop smaller than the
+    resized side (which open_clip's transform does not reproduce) is refused."""
+    import json
+
+    from jsonargparse import Namespace
+    from transformers import CLIPImageProcessor
+
+    from lightning_mmpar.data.transforms import ImagePreprocess
+    from lightning_mmpar.recipes.cli import link_vision_preprocess
+
+    cfg = ImagePreprocess(from_pretrained=str(checkpoint)).resolve(16)
+    processor = CLIPImageProcessor.from_pretrained(str(checkpoint), local_files_only=True)
+    assert tuple(cfg.mean) == tuple(processor.image_mean) != (0.5,) * 3
+    assert tuple(cfg.std) == tuple(processor.image_std)
+    assert (cfg.size, cfg.interpolation, cfg.resize_mode) == (16, "bicubic", "shortest")
+    with pytest.raises(ValueError, match="16-pixel images but image_size is 32"):
+        ImagePreprocess(from_pretrained=str(checkpoint)).resolve(32)
+    config = json.loads((checkpoint / "preprocessor_config.json").read_text())
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({**config, "crop_size": 12}))
+    with pytest.raises(ValueError, match=r"size\.shortest_edge = 16 is not supported"):
+        ImagePreprocess(from_pretrained=str(tmp_path)).resolve(12)
+    parsed = Namespace(
+        model=Namespace(pretrained=Namespace(vision=None, hf=str(checkpoint))),
+        data=Namespace(init_args=Namespace(preprocess=None)),
+    )
+    assert link_vision_preprocess(parsed) == str(checkpoint)
+
+
+def test_recipe_option_model_pretrained_hf(checkpoint: Path, tmp_path: Path) -> None:
+    """``--model.pretrained.hf <dir>``: the recipe's model takes the checkpoint's architecture
+    (its YAML sizes replaced), the data its image processor; ``hf`` excludes the towers'
+    own options."""
+    import json
+
+    from lightning.pytorch import LightningDataModule
+    from PIL import Image
+
+    from lightning_mmpar.recipes.cli import ClipLlamaCLI
+    from lightning_mmpar.recipes.module import ClipLlamaModule
+    from lightning_mmpar.recipes.options import PretrainedConfig
+
+    Image.new("RGB", (16, 16), (40, 90, 200)).save(tmp_path / "0.png")
+    (tmp_path / "train.jsonl").write_text(json.dumps({"filepath": "0.png", "title": "a"}) + "\n")
+    data = "lightning_mmpar.data.captions.CaptionsDataModule"
+    cli = ClipLlamaCLI(
+        ClipLlamaModule,
+        LightningDataModule,
+        subclass_mode_data=True,
+        run=False,
+        args=[
+            "--trainer.accelerator=cpu",
+            "--trainer.logger=false",
+            f"--model.pretrained.hf={checkpoint}",
+            "--model.fusion.vision.layers=7",
+            f"--data={data}",
+            f"--data.train_file={tmp_path / 'train.jsonl'}",
+            "--data.image_size=16",
+        ],
+    )
+    want = hf_fusion_config(checkpoint)
+    got = cli.model.fusion_config
+    assert (got.vision, got.language, got.projector) == (want.vision, want.language, "mlp2x")
+    assert cli.datamodule.preprocess.from_pretrained == str(checkpoint)
+    with pytest.raises(ValueError, match=r"model\.pretrained\.hf"):
+        PretrainedConfig(hf=str(checkpoint), vision="/towers/clip")
