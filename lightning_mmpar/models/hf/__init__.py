@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from lightning_mmpar.models.fusion import FusionConfig, FusionModel
 from lightning_mmpar.models.hf.checkpoint import hf_config, read_state, write_hf
 from lightning_mmpar.models.hf.family import HFFamily
-from lightning_mmpar.models.hf.llava import LLAVA
+from lightning_mmpar.models.hf.llava_family import LLAVA
 
 __all__ = ["FAMILIES", "HFFamily", "family_of", "from_hf", "hf_fusion_config", "save_hf"]
 
