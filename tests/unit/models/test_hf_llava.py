@@ -235,3 +235,47 @@ def test_recipe_option_model_pretrained_hf(checkpoint: Path, tmp_path: Path) -> 
     assert cli.datamodule.preprocess.from_pretrained == str(checkpoint)
     with pytest.raises(ValueError, match=r"model\.pretrained\.hf"):
         PretrainedConfig(hf=str(checkpoint), vision="/towers/clip")
+
+
+def test_llava_15_7b_config_maps_without_weights(tmp_path: Path) -> None:
+    """LLaVA-1.5-7B's config.json alone (CLIP ViT-L/14 at 336 px, Vicuna-7B): the ViT runs 23
+    of its 24 layers, 576 tokens per image, and the decoder is Llama-7B's."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+
+    vision = CLIPVisionConfig(
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        image_size=336,
+        patch_size=14,
+        projection_dim=768,
+    )
+    text = LlamaConfig(vocab_size=32064, max_position_embeddings=4096)
+    LlavaConfig(vision_config=vision, text_config=text, image_token_index=32000).save_pretrained(
+        str(tmp_path)
+    )
+    cfg = hf_fusion_config(tmp_path)
+    assert (cfg.vision.layers, cfg.vision.tokens, cfg.vision.width) == (23, 576, 1024)
+    assert (cfg.language.num_hidden_layers, cfg.language.hidden_size) == (32, 4096)
+    assert (cfg.language.vocab_size, cfg.image_token_id) == (32064, 32000)
+
+
+def test_incomplete_state_or_checkpoint_is_refused(checkpoint: Path, tmp_path: Path) -> None:
+    """Export of a state missing a tensor names it and writes nothing; a checkpoint missing
+    one names it too."""
+    from safetensors.torch import load_file, save_file
+
+    state = from_hf(checkpoint).state_dict()
+    del state["language.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.up_proj\.weight"):
+        save_hf(state, checkpoint, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((checkpoint / "config.json").read_text())
+    tensors = load_file(str(checkpoint / "model.safetensors"))
+    del tensors["multi_modal_projector.linear_2.weight"]
+    save_file(tensors, str(broken / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing \['model\.multi_modal_projector\.linear_2"):
+        from_hf(broken)
