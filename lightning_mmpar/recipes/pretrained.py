@@ -3,7 +3,11 @@
 ``model.pretrained.vision`` (open_clip) and ``model.pretrained.language`` (transformers Llama)
 name local checkpoints (:mod:`lightning_mmpar.recipes.pretrained_files`); the projector,
 adapters, heads and logit scale start fresh, as in :func:`~lightning_mmpar.models.convert.
-build_fusion_model` (same key mapping), but without a full model per rank:
+build_fusion_model` (same key mapping), but without a full model per rank. ``model.pretrained.
+hf`` names a whole transformers vision-language checkpoint (LLaVA): its architecture replaces
+``model.fusion`` (:func:`~lightning_mmpar.models.hf.hf_fusion_config`) and the ViT, projector
+and decoder are read the same way through the family's key table (only the contrastive heads
+start fresh):
 
 1. **Config** (:func:`resolve_fusion_config`): a pretrained tower's sizes come from its file and
    *replace* the YAML's ``model.fusion.vision`` (every field) or ``model.fusion.language``
