@@ -1,6 +1,6 @@
 """Data: the offline digits demo and question task, CSV/JSONL caption files, WebDataset shards,
-LLaVA-format conversations with 0..N images, ragged batches, tokenizers and image preprocessing
-from the vision tower's config."""
+LLaVA-format conversations with 0..N images, ragged batches (dynamic-resolution ones for
+Qwen-VL), tokenizers and image preprocessing from the vision tower's config."""
 
 from lightning_mmpar.data.caption_files import (
     CaptionRow,
@@ -17,6 +17,7 @@ from lightning_mmpar.data.digits_vqa import DigitsVQA
 from lightning_mmpar.data.hf_tokenizer import HFTokenizer, load_tokenizer
 from lightning_mmpar.data.llava import ConversationDataset, ConversationRecord, read_conversations
 from lightning_mmpar.data.packing import RAGGED_KEYS, MultimodalCollator
+from lightning_mmpar.data.qwen_packing import QWEN_VL_BATCH_KEYS, QwenVLCollator
 from lightning_mmpar.data.sampler import ResumableRandomSampler
 from lightning_mmpar.data.text import CaptionTokenizer
 from lightning_mmpar.data.tokenizer import IGNORE_INDEX, SPECIAL_TOKENS, WordTokenizer
@@ -29,6 +30,7 @@ __all__ = [
     "CLIP_STD",
     "IGNORE_INDEX",
     "IMAGE_MARKER",
+    "QWEN_VL_BATCH_KEYS",
     "RAGGED_KEYS",
     "SPECIAL_TOKENS",
     "TEMPLATES",
@@ -47,6 +49,7 @@ __all__ = [
     "HFTokenizer",
     "ImagePreprocess",
     "MultimodalCollator",
+    "QwenVLCollator",
     "RaggedDataModule",
     "ResumableRandomSampler",
     "ShardedConversations",

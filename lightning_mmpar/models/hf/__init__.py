@@ -7,6 +7,11 @@ blocks, so every per-tower plan (TP, PP, DP, FSDP2) applies unchanged (Megatron-
 ``AutoBridge.from_hf_pretrained`` and torchtitan's ``state_dict_adapter`` do the same for
 their model classes). The recipe reads the same checkpoints per rank, slice by slice
 (``model.pretrained.hf``, :mod:`lightning_mmpar.recipes.pretrained`).
+
+Qwen2-VL / Qwen2.5-VL are their own model (:class:`~lightning_mmpar.models.hf.qwen2_vl.
+QwenVLModel`: a dynamic-resolution ViT and M-RoPE do not fit :class:`FusionModel`), read and
+written by :mod:`~lightning_mmpar.models.hf.qwen_convert` (``qwen_vision``, ``mrope``,
+``qwen2_vl``).
 """
 
 from __future__ import annotations

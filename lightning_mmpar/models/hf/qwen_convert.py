@@ -1,0 +1,250 @@
+"""Qwen2-VL / Qwen2.5-VL configs and weights from and to transformers.
+
+Config: :func:`qwen_vl_config` reads a transformers ``Qwen2VLConfig`` / ``Qwen2_5_VLConfig``
+and refuses (``ValueError`` naming the field) every value that would change the math this
+package computes: a RoPE scaling type (``rope_parameters.rope_type`` other than ``default`` /
+``mrope``), sliding-window attention, attention dropout, a text activation other than SiLU, a
+vision activation it does not compute, a vision RoPE other than ``axial``.
+
+Weights: transformers 5 names (``model.visual.*``, ``model.language_model.*``, ``lm_head``) and
+the Hub checkpoints' names (``visual.*``, ``model.*``, ``lm_head``) are both read. The ViT's
+fused ``attn.qkv`` is split into ``q_proj / k_proj / v_proj`` (thirds of the output rows) and
+the Conv3d patch embedding flattened to a linear weight; the language keys are the same as
+:class:`~lightning_mmpar.models.language.LanguageModel`'s. A tied ``lm_head`` (absent from the
+state dict) is a copy of ``embed_tokens`` (ties do not survive vocab-parallel sharding).
+:func:`export_qwen_vl_state` inverts the mapping (transformers 5 names).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_mmpar.models.hf.qwen2_vl import QwenVLConfig, QwenVLModel
+from lightning_mmpar.models.hf.qwen_vision import ACTIVATIONS, QwenVisionConfig
+from lightning_mmpar.models.language import LanguageConfig
+
+__all__ = [
+    "QWEN_FAMILIES",
+    "export_qwen_vl_state",
+    "import_qwen_vl_state",
+    "qwen_vl_config",
+    "qwen_vl_from_transformers",
+]
+
+
+def _rope(text: Any) -> dict[str, Any]:
+    rope = dict(getattr(text, "rope_parameters", None) or {})
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", "mrope"):
+        raise ValueError(
+            f"text_config.rope_parameters.rope_type {kind!r} is not supported (RoPE scaling "
+            "changes the positions' math); only 'default' / 'mrope' are."
+        )
+    return rope
+
+
+def _check_text(text: Any) -> None:
+    if getattr(text, "hidden_act", "silu") != "silu":
+        raise ValueError(
+            f"text_config.hidden_act {text.hidden_act!r} is not supported; the decoder's "
+            "SwiGLU computes 'silu'."
+        )
+    if getattr(text, "use_sliding_window", False) or any(
+        kind != "full_attention" for kind in (getattr(text, "layer_types", None) or ())
+    ):
+        raise ValueError(
+            "text_config.use_sliding_window / layer_types: sliding-window attention is not "
+            "supported; set use_sliding_window=False (full attention in every layer)."
+        )
+    if float(getattr(text, "attention_dropout", 0.0) or 0.0) != 0.0:
+        raise ValueError(
+            f"text_config.attention_dropout ({text.attention_dropout}) is not supported; "
+            "set it to 0.0."
+        )
+
+
+def _language(text: Any) -> tuple[LanguageConfig, tuple[int, int, int]]:
+    _check_text(text)
+    rope = _rope(text)
+    language = LanguageConfig(
+        vocab_size=text.vocab_size,
+        hidden_size=text.hidden_size,
+        intermediate_size=text.intermediate_size,
+        num_hidden_layers=text.num_hidden_layers,
+        num_attention_heads=text.num_attention_heads,
+        num_key_value_heads=text.num_key_value_heads or text.num_attention_heads,
+        rms_norm_eps=text.rms_norm_eps,
+        rope_theta=float(rope.get("rope_theta", 1000000.0)),
+        attention_bias=True,
+    )
+    section = tuple(rope.get("mrope_section", (16, 24, 24)))
+    if len(section) != 3:
+        raise ValueError(
+            f"text_config.rope_parameters.mrope_section {list(section)} must have 3 entries."
+        )
+    return language, (int(section[0]), int(section[1]), int(section[2]))
+
+
+def _vision(vision: Any, qwen25: bool) -> QwenVisionConfig:
+    rope = dict(getattr(vision, "rope_parameters", None) or {})
+    if rope.get("rope_type", "axial") != "axial":
+        raise ValueError(
+            f"vision_config.rope_parameters.rope_type {rope['rope_type']!r} is not supported; "
+            "only 'axial' (2-D RoPE) is."
+        )
+    act = vision.hidden_act
+    if act not in ACTIVATIONS:
+        raise ValueError(
+            f"vision_config.hidden_act {act!r} is not supported; use one of {list(ACTIVATIONS)}."
+        )
+    common: dict[str, Any] = {
+        "depth": vision.depth,
+        "heads": vision.num_heads,
+        "in_channels": vision.in_channels,
+        "patch_size": int(vision.patch_size),
+        "temporal_patch_size": int(vision.temporal_patch_size),
+        "spatial_merge_size": vision.spatial_merge_size,
+        "rope_theta": float(rope.get("rope_theta", 10000.0)),
+        "hidden_act": act,
+    }
+    if qwen25:
+        return QwenVisionConfig(
+            width=vision.hidden_size,
+            mlp_width=vision.intermediate_size,
+            out_width=vision.out_hidden_size,
+            norm="rmsnorm",
+            mlp="swiglu",
+            window_size=vision.window_size,
+            fullatt_block_indexes=tuple(vision.fullatt_block_indexes),
+            **common,
+        )
+    return QwenVisionConfig(
+        width=vision.embed_dim,
+        mlp_width=int(vision.embed_dim * vision.mlp_ratio),
+        out_width=vision.hidden_size,
+        **common,
+    )
+
+
+def qwen_vl_config(config: Any) -> QwenVLConfig:
+    """:class:`QwenVLConfig` of a transformers ``Qwen2VLConfig`` (``model_type`` ``qwen2_vl``)
+    or ``Qwen2_5_VLConfig`` (``qwen2_5_vl``).
+
+    Raises:
+        ValueError: another model type, or a field whose value changes the math (module
+            docstring), naming the field.
+    """
+    kind = getattr(config, "model_type", None)
+    if kind not in QWEN_FAMILIES:
+        raise ValueError(
+            f"config.model_type {kind!r} is not a Qwen-VL family; expected one of "
+            f"{sorted(QWEN_FAMILIES)}."
+        )
+    language, section = _language(config.text_config)
+    return QwenVLConfig(
+        vision=_vision(config.vision_config, kind == "qwen2_5_vl"),
+        language=language,
+        mrope_section=section,
+        image_token_id=config.image_token_id,
+    )
+
+
+def _split_key(key: str) -> tuple[str, str] | None:
+    """``(tower, rest)`` of a transformers 5 or Hub key (``None``: not a model weight)."""
+    for prefix, tower in (
+        ("model.visual.", "vision"),
+        ("visual.", "vision"),
+        ("model.language_model.", "language"),
+        ("model.", "language"),
+    ):
+        if key.startswith(prefix):
+            return tower, key[len(prefix) :]
+    if key == "lm_head.weight":
+        return "language", "lm_head.weight"
+    return None
+
+
+def _vision_entries(rest: str, value: Tensor) -> dict[str, Tensor]:
+    if rest == "patch_embed.proj.weight":
+        return {"vision.patch_embed.weight": value.reshape(value.shape[0], -1)}
+    if ".attn.qkv." in rest:
+        q, k, v = value.chunk(3, dim=0)
+        head = rest.replace(".qkv.", ".{}.")
+        return {
+            f"vision.{head.format(n)}": t
+            for n, t in zip(("q_proj", "k_proj", "v_proj"), (q, k, v), strict=True)
+        }
+    return {f"vision.{rest}": value}
+
+
+def import_qwen_vl_state(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """This package's :class:`QwenVLModel` state dict from a transformers one
+    (``Qwen2VLForConditionalGeneration.state_dict()`` or a Hub checkpoint's tensors)."""
+    out: dict[str, Tensor] = {}
+    for key, value in state.items():
+        split = _split_key(key)
+        if split is None:
+            continue
+        tower, rest = split
+        if tower == "vision":
+            out.update(_vision_entries(rest, value))
+        else:
+            out[f"language.{rest}"] = value
+    if "language.lm_head.weight" not in out and "language.embed_tokens.weight" in out:
+        out["language.lm_head.weight"] = out["language.embed_tokens.weight"].clone()
+    return out
+
+
+def export_qwen_vl_state(state: Mapping[str, Tensor], config: QwenVLConfig) -> dict[str, Tensor]:
+    """transformers 5 names of a full :class:`QwenVLModel` state dict (q/k/v fused back into
+    ``qkv``, the patch embedding reshaped to its Conv3d weight)."""
+    v = config.vision
+    out: dict[str, Tensor] = {}
+    for key, value in state.items():
+        if key == "language.lm_head.weight":
+            out["lm_head.weight"] = value
+        elif key.startswith("language."):
+            out["model.language_model." + key[len("language.") :]] = value
+        elif key == "vision.patch_embed.weight":
+            shape = (v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
+            out["model.visual.patch_embed.proj.weight"] = value.reshape(value.shape[0], *shape)
+        elif ".attn.q_proj." in key:
+            parts = [
+                state[key.replace(".q_proj.", f".{n}.")] for n in ("q_proj", "k_proj", "v_proj")
+            ]
+            out["model.visual." + key[len("vision.") :].replace(".q_proj.", ".qkv.")] = torch.cat(
+                parts
+            )
+        elif ".attn.k_proj." in key or ".attn.v_proj." in key:
+            continue
+        else:
+            out["model.visual." + key[len("vision.") :]] = value
+    return out
+
+
+def qwen_vl_from_transformers(model: Any) -> QwenVLModel:
+    """A :class:`QwenVLModel` with the weights of a transformers
+    ``Qwen2VLForConditionalGeneration`` / ``Qwen2_5_VLForConditionalGeneration`` (its dtype).
+
+    Raises:
+        ValueError: an unsupported config value (:func:`qwen_vl_config`), or state-dict keys
+            that do not match.
+    """
+    config = qwen_vl_config(model.config)
+    dtype = next(model.parameters()).dtype
+    with torch.device("meta"):
+        ours = QwenVLModel(config)
+    ours.load_state_dict(import_qwen_vl_state(model.state_dict()), strict=True, assign=True)
+    return ours.to(dtype)
+
+
+QWEN_FAMILIES: dict[str, str] = {
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+}
+"""``config.model_type`` -> the transformers class this package matches (for ``from_hf``'s
+``FAMILIES``)."""
