@@ -1,0 +1,176 @@
+"""Qwen2-VL / Qwen2.5-VL through the layouts (issue 29 item 3): a LightningModule over the
+model's pipeline blocks and :func:`~lightning_mmpar.plans.qwen_vl.qwen_vl_plan`, trained two
+steps on batches mixing a text-only sample, one-image samples and a sample with two images of
+different resolutions, in one spawned 2-process world (tp2, pp2) against one process.
+
+The tiny models come from transformers' own classes (:mod:`tests.unit.models.qwen_vl_cases`)
+through :func:`~lightning_mmpar.models.hf.qwen_convert.qwen_vl_from_transformers`, so every
+layout starts from the same converted weights.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from lightning_mmpar import MultimodalParallelStrategy
+from lightning_mmpar.data.qwen_packing import QwenVLCollator
+from lightning_mmpar.losses import caption_loss
+from lightning_mmpar.models.hf.qwen2_vl import QwenVLModel
+from lightning_mmpar.models.hf.qwen_convert import qwen_vl_from_transformers
+from lightning_mmpar.parallel.parallelize import ParallelPlan
+from lightning_mmpar.parallel.pipeline import PipelineSteps
+from lightning_mmpar.plans.plan import apply_plan, tp_meshes
+from lightning_mmpar.plans.qwen_vl import qwen_vl_plan
+from lightning_mmpar.topology import ParallelDims
+from tests.recipes import parity_matrix_worker as pm
+from tests.recipes import recipe_faults_worker as rw
+from tests.unit.models import qwen_vl_cases as qc
+
+TOKENS, PATCHES, SLOTS = 40, 96, 2
+GRIDS: tuple[tuple[tuple[int, int, int], ...], ...] = (
+    (),
+    ((1, 4, 6),),
+    ((1, 4, 4), (1, 6, 8)),
+    ((1, 8, 4),),
+)
+"""Per row: text only; one image; two images of different sizes; one more size."""
+
+
+def batches(steps: int = 2) -> list[dict[str, Tensor]]:
+    """``steps`` batches of 4 rows with fixed shapes (a pipeline builds one schedule per
+    shape); step 2 puts the image rows first (micro-batch 2 of pp2 then has no image)."""
+    g = torch.Generator().manual_seed(3)
+    collate = QwenVLCollator(
+        max_tokens=TOKENS,
+        image_token_id=qc.IMG,
+        pack=False,
+        max_patches_per_row=PATCHES,
+        max_images_per_row=SLOTS,
+        pad_to_max_tokens=True,
+    )
+    out = []
+    for step in range(steps):
+        order = GRIDS if step % 2 == 0 else (GRIDS[2], GRIDS[1], (), ())
+        items = []
+        for k, grids in enumerate(order):
+            text = torch.randint(3, qc.IMG, (8 + k,), generator=g).tolist()
+            ids = text[:2]
+            for n, _ in enumerate(grids):
+                ids += [qc.START, qc.IMG, qc.END, text[2 + n]]
+            ids += text[2 + len(grids) :]
+            grid = torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
+            pix = torch.randn(int(grid.prod(-1).sum()), qc.PATCH_DIM, generator=g)
+            t = torch.tensor(ids)
+            items.append(
+                {
+                    "id": f"{step}.{k}",
+                    "input_ids": t,
+                    "labels": t,
+                    "pixel_values": pix,
+                    "image_grid_thw": grid,
+                }
+            )
+        out.append(collate(items))
+    return out
+
+
+class QwenVLModule(PipelineSteps, LightningModule):
+    """The converted model's blocks (registered as ``blocks``), its plan, the caption loss."""
+
+    def __init__(self, family: str, vision_parallel: str = "tp") -> None:
+        super().__init__()
+        self.family, self.vision_parallel = family, vision_parallel
+        self.blocks: nn.ModuleList | None = None
+        self._model: tuple[QwenVLModel, ...] = ()
+        self.head = None  # read by the recorder (the fusion recipe's head block)
+
+    def configure_model(self) -> None:
+        if self.blocks is not None:
+            return
+        model = qwen_vl_from_transformers(qc.hf_model(self.family)).train()
+        self._model = (model,)
+        self.blocks = nn.ModuleList(model.pipeline_blocks())
+
+    def parallel_plan(self, dims: ParallelDims) -> ParallelPlan:
+        model = self._model[0]
+        return qwen_vl_plan(
+            model,
+            vision_parallel=self.vision_parallel,  # type: ignore[arg-type]
+            dims=dims,
+            pipeline_blocks=self.pipeline_blocks,
+        )
+
+    def pipeline_blocks(self) -> list[nn.Module]:
+        assert self.blocks is not None
+        return list(self.blocks)
+
+    def pipeline_inputs(self, batch: dict[str, Tensor]) -> tuple[tuple[Tensor, ...], Tensor]:
+        return QwenVLModel.pipeline_inputs(batch), batch["labels"]
+
+    def pipeline_loss(self, logits: Tensor, labels: Tensor) -> Any:
+        return caption_loss(logits, labels, loss_parallel=isinstance(logits, DTensor))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+LAYOUTS: tuple[pm.Layout, ...] = (
+    pm.Layout("qwen2_vl tp2", 2, {"tensor_parallel": 2}),
+    pm.Layout(
+        "qwen2_vl tp2 vision replicate", 2, {"tensor_parallel": 2}, vision_parallel="replicate"
+    ),
+    pm.Layout("qwen2_vl pp2 1f1b", 2, pm._pp("1f1b", 2, 2, 1)),
+    pm.Layout("qwen2_5_vl tp2", 2, {"tensor_parallel": 2}),
+    pm.Layout("qwen2_5_vl pp2 1f1b", 2, pm._pp("1f1b", 2, 2, 1)),
+)
+
+
+def family(layout: pm.Layout) -> str:
+    return layout.name.split()[0]
+
+
+def reference(name: str) -> rw.Recorder:
+    """One process on the same batches."""
+    return rw.fit(QwenVLModule(name), batches())  # type: ignore[arg-type]
+
+
+def run_layout(layout: pm.Layout) -> dict[str, Any]:
+    start = time.perf_counter()
+    module = QwenVLModule(family(layout), layout.vision_parallel)
+    strategy = MultimodalParallelStrategy(**layout.strategy)
+    rec = rw.fit(module, batches(), strategy=strategy, devices=layout.world)  # type: ignore[arg-type]
+    return {"losses": rec.losses, "grads": rec.grads, "seconds": time.perf_counter() - start}
+
+
+def tp_logits(name: str, world_size: int) -> dict[str, Tensor]:
+    """Eval logits of the tensor-parallel model (plan applied on a tp mesh of the world) and of
+    the same model unsharded, on the first batch."""
+    model = qwen_vl_from_transformers(qc.hf_model(name)).eval()
+    batch = batches(1)[0]
+    with torch.no_grad():
+        want = model(batch)
+        mesh = init_device_mesh("cpu", (world_size,))
+        apply_plan(model, qwen_vl_plan(model), tp_meshes(mesh, None))
+        got = model(batch)
+    assert isinstance(got, DTensor)
+    return {"got": got.full_tensor(), "want": want}
+
+
+def world(rank: int, world_size: int) -> dict[str, Any]:
+    """Every layout on this rank (``{name: result}``), then the tp logits checks."""
+    names = pm.only()
+    out: dict[str, Any] = {
+        x.name: pm.named(x.name, rank, run_layout, x)
+        for x in LAYOUTS
+        if not names or x.name in names
+    }
+    for name in ("qwen2_vl", "qwen2_5_vl"):
+        out[f"{name} tp2 logits"] = pm.named(name, rank, tp_logits, name, world_size)
+    return out
