@@ -33,51 +33,48 @@ from tests.recipes import parity_matrix_worker as pm
 from tests.recipes import recipe_faults_worker as rw
 from tests.unit.models import qwen_vl_cases as qc
 
-TOKENS, PATCHES, SLOTS = 40, 96, 2
-GRIDS: tuple[tuple[tuple[int, int, int], ...], ...] = (
-    (),
-    ((1, 4, 6),),
-    ((1, 4, 4), (1, 6, 8)),
-    ((1, 8, 4),),
+TOKENS, PATCHES, SLOTS = 48, 96, 2
+ONE, TWO, OTHER = ((1, 4, 6),), ((1, 4, 4), (1, 6, 8)), ((1, 8, 4),)
+"""Image grids of a sample: one image; two images of different sizes; one more size."""
+ROWS: tuple[tuple[tuple[tuple[int, int, int], ...], ...], ...] = (
+    (((),), (ONE,), (TWO,), (OTHER,)),  # step 1: one sample per row
+    ((TWO, ()), (ONE, OTHER), ((), ()), ((),)),  # step 2: packed rows
 )
-"""Per row: text only; one image; two images of different sizes; one more size."""
+"""Per step, per row, the image grids of each sample of the row."""
+
+
+def _sample(g: torch.Generator, sid: str, grids: tuple[tuple[int, int, int], ...]) -> dict:
+    text = torch.randint(3, qc.IMG, (7 + len(sid),), generator=g).tolist()
+    ids = text[:2]
+    for n, _ in enumerate(grids):
+        ids += [qc.START, qc.IMG, qc.END, text[2 + n]]
+    ids += text[2 + len(grids) :]
+    grid = torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
+    pix = torch.randn(int(grid.prod(-1).sum()), qc.PATCH_DIM, generator=g)
+    t = torch.tensor(ids)
+    return {"id": sid, "input_ids": t, "labels": t, "pixel_values": pix, "image_grid_thw": grid}
 
 
 def batches(steps: int = 2) -> list[dict[str, Tensor]]:
     """``steps`` batches of 4 rows with fixed shapes (a pipeline builds one schedule per
-    shape); step 2 puts the image rows first (micro-batch 2 of pp2 then has no image)."""
+    shape): step 1 one sample per row, step 2 packed rows with the image rows first (pp2's
+    second micro-batch then holds no image)."""
     g = torch.Generator().manual_seed(3)
     collate = QwenVLCollator(
         max_tokens=TOKENS,
         image_token_id=qc.IMG,
-        pack=False,
         max_patches_per_row=PATCHES,
-        max_images_per_row=SLOTS,
+        max_images_per_row=SLOTS + 1,
         pad_to_max_tokens=True,
     )
     out = []
     for step in range(steps):
-        order = GRIDS if step % 2 == 0 else (GRIDS[2], GRIDS[1], (), ())
-        items = []
-        for k, grids in enumerate(order):
-            text = torch.randint(3, qc.IMG, (8 + k,), generator=g).tolist()
-            ids = text[:2]
-            for n, _ in enumerate(grids):
-                ids += [qc.START, qc.IMG, qc.END, text[2 + n]]
-            ids += text[2 + len(grids) :]
-            grid = torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
-            pix = torch.randn(int(grid.prod(-1).sum()), qc.PATCH_DIM, generator=g)
-            t = torch.tensor(ids)
-            items.append(
-                {
-                    "id": f"{step}.{k}",
-                    "input_ids": t,
-                    "labels": t,
-                    "pixel_values": pix,
-                    "image_grid_thw": grid,
-                }
-            )
-        out.append(collate(items))
+        rows = [
+            collate([_sample(g, f"{step}.{r}.{k}", grids) for k, grids in enumerate(row)])
+            for r, row in enumerate(ROWS[step % 2])
+        ]
+        assert all(row["input_ids"].shape[0] == 1 for row in rows)  # each row packed as one
+        out.append({key: torch.cat([row[key] for row in rows]) for key in rows[0]})
     return out
 
 

@@ -38,7 +38,8 @@ def _world() -> list[dict[str, Any]]:
 def test_batches_mix_text_only_one_and_two_image_rows() -> None:
     first, second = qw.batches()
     assert first["image_mask"].sum(1).tolist() == [0, 1, 2, 1]
-    assert second["image_mask"].sum(1).tolist() == [2, 1, 0, 0]  # pp2's 2nd micro-batch: none
+    assert second["image_mask"].sum(1).tolist() == [2, 2, 0, 0]  # pp2's 2nd micro-batch: none
+    assert second["sample_ids"].amax(1).tolist() == [1, 1, 1, 0]  # packed rows
     assert first["pixel_values"].shape == second["pixel_values"].shape
 
 
