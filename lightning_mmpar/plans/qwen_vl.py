@@ -71,23 +71,24 @@ def check_qwen_vl_layout(
         )
     lang, vision = model.config.language, model.config.vision
     sizes = [
-        ("LanguageConfig.num_attention_heads", lang.num_attention_heads),
-        ("LanguageConfig.num_key_value_heads", lang.num_key_value_heads),
-        ("LanguageConfig.intermediate_size", lang.intermediate_size),
-        ("LanguageConfig.vocab_size", lang.vocab_size),
+        ("LanguageConfig.num_attention_heads", lang.num_attention_heads, ""),
+        ("LanguageConfig.num_key_value_heads", lang.num_key_value_heads, ""),
+        ("LanguageConfig.intermediate_size", lang.intermediate_size, ""),
+        ("LanguageConfig.vocab_size", lang.vocab_size, ""),
     ]
     if vision_parallel == "tp":
         wide = vision.width * vision.spatial_merge_size**2
+        other = " or vision_parallel='replicate'"
         sizes += [
-            ("QwenVisionConfig.heads", vision.heads),
-            ("QwenVisionConfig.mlp_width", vision.mlp_width),
-            ("QwenVisionConfig.width * spatial_merge_size^2", wide),
+            ("QwenVisionConfig.heads", vision.heads, other),
+            ("QwenVisionConfig.mlp_width", vision.mlp_width, other),
+            ("QwenVisionConfig.width * spatial_merge_size^2", wide, other),
         ]
-    for field, size in sizes:
+    for name, size, fix in sizes:
         if size % tp:
             raise ValueError(
-                f"{field} ({size}) must be divisible by tensor_parallel ({tp}); choose a "
-                f"tensor_parallel that divides it or vision_parallel='replicate' for the ViT."
+                f"{name} ({size}) must be divisible by tensor_parallel ({tp}); choose a "
+                f"tensor_parallel that divides it{fix}."
             )
 
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_mmpar.data.qwen_packing import mrope_positions
+from lightning_mmpar.data.qwen_packing import QwenVLCollator, mrope_positions
+from lightning_mmpar.losses import caption_loss
 from lightning_mmpar.models.hf.qwen_convert import (
     export_qwen_vl_state,
+    import_qwen_vl_state,
     qwen_vl_config,
     qwen_vl_from_transformers,
 )
@@ -121,3 +123,69 @@ def test_unsupported_vision_activation_is_refused() -> None:
     config.vision_config.hidden_act = "relu"
     with pytest.raises(ValueError, match=r"vision_config\.hidden_act"):
         qwen_vl_config(config)
+
+
+def test_training_step_matches_transformers(pair: tuple[object, object]) -> None:
+    """Loss and every gradient of one step (the gradient of transformers' fused ``qkv`` split
+    as the weights are) within 1e-5 relative."""
+    hf, ours = pair
+    inputs = qc.hf_inputs()
+    batch = qc.collate(pack=False)
+    hf.zero_grad()  # type: ignore[attr-defined]
+    want = hf(**inputs, labels=batch["labels"]).loss  # type: ignore[operator]
+    want.backward()
+    got = caption_loss(ours(batch), batch["labels"])  # type: ignore[operator]
+    ours.zero_grad()  # type: ignore[attr-defined]
+    got.backward()
+    assert abs(got.item() - want.item()) <= RTOL * abs(want.item())
+    hf_grads = {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}  # type: ignore[attr-defined]
+    want_grads = import_qwen_vl_state(hf_grads)
+    got_grads = {n: p.grad for n, p in ours.named_parameters()}  # type: ignore[attr-defined]
+    assert got_grads.keys() == want_grads.keys()
+    # a gradient that is zero in exact arithmetic (the key bias under softmax) is rounding
+    # noise: floor the scale at 1e-6 of the largest gradient
+    floor = 1e-6 * max(float(g.abs().max()) for g in want_grads.values())
+    worst = max(
+        float((got_grads[n] - g).abs().max()) / max(float(g.abs().max()), floor)
+        for n, g in want_grads.items()
+    )
+    assert worst <= RTOL, worst
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"vision_parallel": "dp", "sequence_parallel": False}, "vision_parallel"),
+        ({"vision_parallel": "tp", "sequence_parallel": True}, "sequence_parallel"),
+    ],
+)
+def test_plan_refuses_unsupported_layouts(kwargs: dict[str, object], field: str) -> None:
+    from lightning_mmpar.plans.qwen_vl import check_qwen_vl_layout
+
+    model = qwen_vl_from_transformers(qc.hf_model("qwen2_vl"))
+    with pytest.raises(ValueError, match=field):
+        check_qwen_vl_layout(model, 2, **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"LanguageConfig\.num_attention_heads \(4\)"):
+        check_qwen_vl_layout(model, 8, vision_parallel="tp", sequence_parallel=False)
+
+
+def test_collator_refuses_markers_that_do_not_match_the_grids() -> None:
+    sample = qc.samples()[1]
+    sample["image_grid_thw"] = torch.cat([sample["image_grid_thw"]] * 2)
+    sample["pixel_values"] = torch.cat([sample["pixel_values"]] * 2)
+    collator = QwenVLCollator(max_tokens=64, image_token_id=qc.IMG)
+    with pytest.raises(ValueError, match="'s1' has 1 image marker"):
+        collator([sample])
+
+
+def test_collator_drops_or_refuses_oversize_samples() -> None:
+    items = qc.samples()
+    strict = QwenVLCollator(max_tokens=64, image_token_id=qc.IMG, max_patches_per_row=32)
+    with pytest.raises(ValueError, match="64 patches > max_patches_per_row"):
+        strict(items)
+    lenient = QwenVLCollator(
+        max_tokens=64, image_token_id=qc.IMG, max_patches_per_row=32, overflow="drop"
+    )
+    batch = lenient(items)
+    assert lenient.stats["dropped"] == 1
+    assert batch["image_mask"].sum().item() == 1
