@@ -17,7 +17,9 @@ state dict) is a copy of ``embed_tokens`` (ties do not survive vocab-parallel sh
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,7 +34,9 @@ __all__ = [
     "export_qwen_vl_state",
     "import_qwen_vl_state",
     "qwen_vl_config",
+    "qwen_vl_from_hf",
     "qwen_vl_from_transformers",
+    "save_qwen_vl_hf",
 ]
 
 
@@ -240,6 +244,88 @@ def qwen_vl_from_transformers(model: Any) -> QwenVLModel:
         ours = QwenVLModel(config)
     ours.load_state_dict(import_qwen_vl_state(model.state_dict()), strict=True, assign=True)
     return ours.to(dtype)
+
+
+def _hf_config(path: Path) -> Any:
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"{str(path)!r} has no config.json: pass a directory written by transformers' "
+            "save_pretrained."
+        )
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+
+
+def _read_tensors(path: Path) -> dict[str, Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(
+            f"{str(path)!r} has no *.safetensors; re-save it with save_pretrained(..., "
+            "safe_serialization=True)."
+        )
+    state: dict[str, Tensor] = {}
+    for file in files:
+        state.update(load_file(str(file), device="cpu"))
+    return state
+
+
+def qwen_vl_from_hf(path: str | Path) -> QwenVLModel:
+    """A :class:`QwenVLModel` of the local transformers directory ``path`` (``config.json`` +
+    safetensors, never the network), on the CPU in the checkpoint's dtype.
+
+    Raises:
+        ValueError: no config.json / safetensors, an unsupported config value (naming the
+            field, :func:`qwen_vl_config`), or tensors that do not fit the model (naming them).
+    """
+    path = Path(path)
+    config = qwen_vl_config(_hf_config(path))
+    state = import_qwen_vl_state(_read_tensors(path))
+    with torch.device("meta"):
+        model = QwenVLModel(config)
+    ours = model.state_dict()
+    missing, stray = sorted(ours.keys() - state.keys()), sorted(state.keys() - ours.keys())
+    bad = [k for k in ours.keys() & state.keys() if ours[k].shape != state[k].shape]
+    if missing or stray or bad:
+        raise ValueError(
+            f"{path}: the checkpoint does not fit the model: missing {missing[:8]}, "
+            f"unexpected {stray[:8]}, other shapes {sorted(bad)[:8]}."
+        )
+    model.load_state_dict(state, strict=True, assign=True)
+    return model
+
+
+def save_qwen_vl_hf(
+    source: QwenVLModel | Mapping[str, Tensor], original: str | Path, path: str | Path
+) -> dict[str, Tensor]:
+    """Write a full state dict of ours (or the model) as a transformers directory at ``path``
+    for the architecture of the directory ``original`` (its config; its tokenizer / processor
+    files copied), through transformers' own ``save_pretrained``; returns the written tensors.
+    A tied source is written untied (our ``lm_head`` is a separate parameter).
+
+    Raises:
+        ValueError: a tensor of the architecture without a value (nothing written).
+    """
+    import transformers
+
+    original, path = Path(original), Path(path)
+    config = _hf_config(original)
+    state = source.state_dict() if isinstance(source, torch.nn.Module) else source
+    tensors = export_qwen_vl_state(state, qwen_vl_config(config))
+    config.tie_word_embeddings = config.get_text_config().tie_word_embeddings = False
+    with torch.device("meta"):
+        model = getattr(transformers, QWEN_FAMILIES[config.model_type])(config)
+    if missing := sorted(model.state_dict().keys() - tensors.keys()):
+        raise ValueError(f"export to {path}: no value for {missing[:8]}; nothing written.")
+    model.load_state_dict(tensors, strict=True, assign=True)
+    model.save_pretrained(str(path))
+    for file in original.iterdir():
+        keep = file.is_file() and not file.name.endswith(".safetensors")
+        if keep and file.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy2(file, path / file.name)
+    return tensors
 
 
 QWEN_FAMILIES: dict[str, str] = {

@@ -5,6 +5,8 @@ and packed rows; logits within 1e-5 relative."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -14,7 +16,9 @@ from lightning_mmpar.models.hf.qwen_convert import (
     export_qwen_vl_state,
     import_qwen_vl_state,
     qwen_vl_config,
+    qwen_vl_from_hf,
     qwen_vl_from_transformers,
+    save_qwen_vl_hf,
 )
 from tests.unit.models import qwen_vl_cases as qc
 
@@ -189,3 +193,32 @@ def test_collator_drops_or_refuses_oversize_samples() -> None:
     batch = lenient(items)
     assert lenient.stats["dropped"] == 1
     assert batch["image_mask"].sum().item() == 1
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_directory_round_trip_is_lossless(family: str, tmp_path: Path) -> None:
+    """save_pretrained -> qwen_vl_from_hf -> save_qwen_vl_hf -> from_pretrained: the same
+    tensor names, shapes and bytes, and the same logits."""
+    hf = qc.hf_model(family)
+    hf.save_pretrained(tmp_path / "original")
+    (tmp_path / "original" / "tokenizer_config.json").write_text("{}")
+    ours = qwen_vl_from_hf(tmp_path / "original").eval()
+    batch = qc.collate(pack=False)
+    keep = batch["sample_ids"] >= 0
+    with torch.no_grad():
+        assert qc.relative(ours(batch)[keep], qc.hf_logits(hf)[keep]) <= RTOL
+    written = save_qwen_vl_hf(ours, tmp_path / "original", tmp_path / "exported")
+    back = type(hf).from_pretrained(tmp_path / "exported").eval()
+    original, exported = hf.state_dict(), back.state_dict()
+    assert {k: v.shape for k, v in exported.items()} == {k: v.shape for k, v in original.items()}
+    assert sum(v.numel() * v.element_size() for v in written.values()) == sum(
+        v.numel() * v.element_size() for v in original.values()
+    )
+    assert all(torch.equal(exported[k], original[k]) for k in original)
+    assert (tmp_path / "exported" / "tokenizer_config.json").is_file()
+    assert torch.equal(qc.hf_logits(back), qc.hf_logits(hf))
+
+
+def test_a_directory_without_config_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"has no config\.json"):
+        qwen_vl_from_hf(tmp_path)
