@@ -26,6 +26,7 @@ from lightning_mmpar.plans.plan import (
     plan_meshes,
     tp_meshes,
 )
+from lightning_mmpar.plans.qwen_vl import check_qwen_vl_layout, qwen_vl_plan
 from lightning_mmpar.plans.toy import parallelize_toy, toy_plan
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "apply_tensor_parallel",
     "apply_vision_data_parallel",
     "check_fusion_layout",
+    "check_qwen_vl_layout",
     "check_vision_batch",
     "checkpoint_activations",
     "fusion_facts",
@@ -45,6 +47,7 @@ __all__ = [
     "parallelize_fusion",
     "parallelize_toy",
     "plan_meshes",
+    "qwen_vl_plan",
     "toy_plan",
     "tp_meshes",
     "validate_tensor_parallel",

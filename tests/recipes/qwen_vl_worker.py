@@ -124,6 +124,7 @@ LAYOUTS: tuple[pm.Layout, ...] = (
         "qwen2_vl tp2 vision replicate", 2, {"tensor_parallel": 2}, vision_parallel="replicate"
     ),
     pm.Layout("qwen2_vl pp2 1f1b", 2, pm._pp("1f1b", 2, 2, 1)),
+    pm.Layout("qwen2_vl dp2 fsdp", 2, {"data_parallel": "fsdp"}),
     pm.Layout("qwen2_5_vl tp2", 2, {"tensor_parallel": 2}),
     pm.Layout("qwen2_5_vl pp2 1f1b", 2, pm._pp("1f1b", 2, 2, 1)),
 )
@@ -138,11 +139,14 @@ def reference(name: str) -> rw.Recorder:
     return rw.fit(QwenVLModule(name), batches())  # type: ignore[arg-type]
 
 
-def run_layout(layout: pm.Layout) -> dict[str, Any]:
+def run_layout(layout: pm.Layout, rank: int) -> dict[str, Any]:
+    """Train ``layout`` on this rank (its dp share of every batch)."""
     start = time.perf_counter()
+    coords = layout.dims.rank_coords(rank)
+    local = [pm.dp_slice(b, layout.dims.dp, coords["dp"]) for b in batches()]
     module = QwenVLModule(family(layout), layout.vision_parallel)
     strategy = MultimodalParallelStrategy(**layout.strategy)
-    rec = rw.fit(module, batches(), strategy=strategy, devices=layout.world)  # type: ignore[arg-type]
+    rec = rw.fit(module, local, strategy=strategy, devices=layout.world)  # type: ignore[arg-type]
     return {"losses": rec.losses, "grads": rec.grads, "seconds": time.perf_counter() - start}
 
 
@@ -164,7 +168,7 @@ def world(rank: int, world_size: int) -> dict[str, Any]:
     """Every layout on this rank (``{name: result}``), then the tp logits checks."""
     names = pm.only()
     out: dict[str, Any] = {
-        x.name: pm.named(x.name, rank, run_layout, x)
+        x.name: pm.named(x.name, rank, run_layout, x, rank)
         for x in LAYOUTS
         if not names or x.name in names
     }

@@ -68,6 +68,9 @@ def test_layout_matches_one_process(layout: Any, references: Any) -> None:
 @pytest.mark.distributed
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
 def test_tp2_logits_match_the_unsharded_model(family: str) -> None:
+    worst = 0.0
     for rank in _world():
         got = rank[f"{family} tp2 logits"]
-        assert qc.relative(got["got"], got["want"]) <= RTOL
+        worst = max(worst, qc.relative(got["got"], got["want"]))
+    print(f"qwen-vl | {family} tp2 eval logits | {worst:.1e}")
+    assert worst <= RTOL
