@@ -21,20 +21,31 @@ FSDP units: ``model.pipeline_blocks()``. Megatron's column / row patterns (Shoey
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Literal
+from functools import partial
+from typing import Any, Literal
 
-from torch import nn
+import torch.distributed as dist
+from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from lightning_mmpar.layout import check_vision_batch
 from lightning_mmpar.models.hf.qwen2_vl import QwenVLModel
+from lightning_mmpar.models.hf.qwen_vision import QwenVisionTower
+from lightning_mmpar.parallel import comm
+from lightning_mmpar.parallel.data import PARTIAL_OVER_TP
 from lightning_mmpar.parallel.parallelize import ParallelPlan
-from lightning_mmpar.parallel.tensor import StyleGroup
+from lightning_mmpar.parallel.tensor import StyleGroup, gather_rows, local_rows
 from lightning_mmpar.plans.fusion import language_plan
 from lightning_mmpar.topology import ParallelDims
 
-__all__ = ["check_qwen_vl_layout", "qwen_vision_plan", "qwen_vl_plan"]
+__all__ = [
+    "apply_qwen_vision_data_parallel",
+    "check_qwen_vl_layout",
+    "qwen_vision_plan",
+    "qwen_vl_plan",
+]
 
-QwenVisionParallel = Literal["tp", "replicate"]
+QwenVisionParallel = Literal["tp", "replicate", "dp"]
 
 
 def qwen_vision_plan(model: QwenVLModel) -> dict[str, ParallelStyle]:
@@ -60,9 +71,9 @@ def check_qwen_vl_layout(
 ) -> None:
     """``ValueError`` naming the field, value and fix: an unknown ``vision_parallel``, sequence
     parallelism, or a size tensor parallelism must split that ``tp`` does not divide."""
-    if vision_parallel not in ("tp", "replicate"):
+    if vision_parallel not in ("tp", "replicate", "dp"):
         raise ValueError(
-            f"vision_parallel ({vision_parallel!r}) must be 'tp' or 'replicate' for Qwen-VL."
+            f"vision_parallel ({vision_parallel!r}) must be 'tp', 'replicate' or 'dp'."
         )
     if sequence_parallel and tp > 1:
         raise ValueError(
@@ -117,7 +128,46 @@ def qwen_vl_plan(
     layers = [f"language.layers.{i}" for i in range(len(model.language.layers))]
     return ParallelPlan(
         tensor_parallel=tuple(groups),
+        after_model_parallel=(partial(_vision_hooks, model, vision_parallel),),
         layers=(*vision, *layers),
         pipeline_blocks=pipeline_blocks or model.pipeline_blocks,
         root=model,
     )
+
+
+def apply_qwen_vision_data_parallel(
+    vision: QwenVisionTower, group: dist.ProcessGroup | None
+) -> None:
+    """Run ``vision`` data-parallel over ``group`` (the tp group; module docstring): slice the
+    rows at the patch embedding, gather the merger's output, mark every ViT parameter
+    :data:`~lightning_mmpar.parallel.data.PARTIAL_OVER_TP`. Nothing when the group has one
+    rank. Raises ``ValueError`` at forward time for rows not divisible by the group size."""
+    tp = comm.group_size(group)
+    if tp == 1:
+        return
+
+    def split(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        pixel_values, grid = args[0], args[1]
+        check_vision_batch(pixel_values.shape[0], tp)
+        return (local_rows(pixel_values, group), local_rows(grid, group), *args[2:])
+
+    def gather(_module: nn.Module, _args: tuple[Any, ...], out: tuple[Tensor, Tensor]) -> Any:
+        tokens, valid = out
+        return gather_rows(tokens, group), gather_rows(valid.long(), group).bool()
+
+    vision.patch_embed.register_forward_pre_hook(split)
+    vision.merger.register_forward_hook(gather)
+    for p in vision.parameters():
+        setattr(p, PARTIAL_OVER_TP, True)
+
+
+def _vision_hooks(model: QwenVLModel, vision_parallel: str, dims: ParallelDims) -> None:
+    if vision_parallel != "dp" or dims.tp == 1:
+        return
+    if not dims.is_built:
+        raise ValueError(
+            "vision_parallel='dp' needs the mm_parallel strategy (MultimodalParallelStrategy), "
+            "which sums the ViT's gradients over the tensor-parallel group; use "
+            "vision_parallel='replicate' or 'tp' here."
+        )
+    apply_qwen_vision_data_parallel(model.vision, dims.get_group("tp"))

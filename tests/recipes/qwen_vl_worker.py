@@ -123,6 +123,7 @@ LAYOUTS: tuple[pm.Layout, ...] = (
     pm.Layout(
         "qwen2_vl tp2 vision replicate", 2, {"tensor_parallel": 2}, vision_parallel="replicate"
     ),
+    pm.Layout("qwen2_vl tp2 vision dp", 2, {"tensor_parallel": 2}, vision_parallel="dp"),
     pm.Layout("qwen2_vl pp2 1f1b", 2, pm._pp("1f1b", 2, 2, 1)),
     pm.Layout("qwen2_vl dp2 fsdp", 2, {"data_parallel": "fsdp"}),
     pm.Layout("qwen2_5_vl tp2", 2, {"tensor_parallel": 2}),

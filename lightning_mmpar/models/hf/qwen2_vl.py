@@ -37,7 +37,6 @@ from lightning_mmpar.models.hf.qwen_vision import (
     QwenVisionBlock,
     QwenVisionConfig,
     QwenVisionTower,
-    patch_layout,
     segment_mask,
     vision_cos_sin,
 )
@@ -105,15 +104,13 @@ class QwenVisionStem(FusionBlock):
 
     def __init__(self, vision: QwenVisionTower) -> None:
         super().__init__()
-        self.patch_embed, self.config = vision.patch_embed, vision.config
+        self.patch_embed = vision.patch_embed
 
     def forward(self, pixel_values: Tensor, grid_thw: Tensor, *rest: Tensor) -> tuple[Tensor, ...]:
-        layout = patch_layout(grid_thw, pixel_values.shape[1], self.config)
-        x = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype))
-        return (x, layout.position, layout.frame, layout.window, *rest)
+        return (*self.patch_embed(pixel_values, grid_thw), *rest)
 
     def _tally(self, tally: CostTally, n: int, t: int) -> None:
-        tally.linear(4 * n, self.patch_embed)
+        tally.linear(4 * n, self.patch_embed.proj)
 
 
 class QwenVisionLayer(FusionBlock):
@@ -157,7 +154,7 @@ class QwenMergerBlock(FusionBlock):
     def forward(
         self, x: Tensor, position: Tensor, frame: Tensor, window: Tensor, *rest: Tensor
     ) -> tuple[Tensor, ...]:
-        return (self.merger(x), frame[:, :: self.merger.unit] >= 0, *rest)
+        return (*self.merger(x, frame), *rest)
 
     def _tally(self, tally: CostTally, n: int, t: int) -> None:
         tally.linear(n, self.merger.mlp[0])

@@ -174,7 +174,7 @@ def _split_key(key: str) -> tuple[str, str] | None:
 
 def _vision_entries(rest: str, value: Tensor) -> dict[str, Tensor]:
     if rest == "patch_embed.proj.weight":
-        return {"vision.patch_embed.weight": value.reshape(value.shape[0], -1)}
+        return {"vision.patch_embed.proj.weight": value.reshape(value.shape[0], -1)}
     if ".attn.qkv." in rest:
         q, k, v = value.chunk(3, dim=0)
         head = rest.replace(".qkv.", ".{}.")
@@ -213,7 +213,7 @@ def export_qwen_vl_state(state: Mapping[str, Tensor], config: QwenVLConfig) -> d
             out["lm_head.weight"] = value
         elif key.startswith("language."):
             out["model.language_model." + key[len("language.") :]] = value
-        elif key == "vision.patch_embed.weight":
+        elif key == "vision.patch_embed.proj.weight":
             shape = (v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
             out["model.visual.patch_embed.proj.weight"] = value.reshape(value.shape[0], *shape)
         elif ".attn.q_proj." in key:

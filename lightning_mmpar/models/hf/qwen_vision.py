@@ -29,6 +29,7 @@ from lightning_mmpar.models.language import RMSNorm, apply_rope
 
 __all__ = [
     "PatchLayout",
+    "QwenPatchEmbed",
     "QwenPatchMerger",
     "QwenVisionBlock",
     "QwenVisionConfig",
@@ -289,31 +290,49 @@ class QwenPatchMerger(nn.Module):
             nn.Linear(wide, wide), nn.GELU(), nn.Linear(wide, config.out_width)
         )
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, frame: Tensor) -> tuple[Tensor, Tensor]:
+        """``(tokens [B, P / merge^2, D_out], valid [B, P / merge^2])``: ``valid`` marks the
+        merged tokens of images (``frame [B, P]`` >= 0), not of padding."""
         h = self.ln_q(x)
-        return self.mlp(h.reshape(h.shape[0], h.shape[1] // self.unit, -1))
+        tokens = self.mlp(h.reshape(h.shape[0], h.shape[1] // self.unit, -1))
+        return tokens, frame[:, :: self.unit] >= 0
 
 
-class QwenVisionTower(nn.Module):
-    """Patch embedding (a linear map of the flattened ``C T p p`` patch: transformers' Conv3d
-    with kernel = stride, its weight flattened), the blocks and the merger."""
+class QwenPatchEmbed(nn.Module):
+    """The patch embedding (``proj``: transformers' Conv3d with kernel = stride is a linear map
+    of the flattened ``C T p p`` patch; its weight flattened) and the batch's
+    :class:`PatchLayout` from the image grids."""
 
     def __init__(self, config: QwenVisionConfig) -> None:
         super().__init__()
         self.config = config
-        self.patch_embed = nn.Linear(config.patch_dim, config.width, bias=False)
+        self.proj = nn.Linear(config.patch_dim, config.width, bias=False)
+
+    def forward(self, pixel_values: Tensor, grid_thw: Tensor) -> tuple[Tensor, ...]:
+        """``pixel_values [B, P, C T p p]``, ``grid_thw [B, I, 3]`` -> ``(x [B, P, D],
+        position [B, P, 2], frame [B, P], window [B, P])``."""
+        layout = patch_layout(grid_thw, pixel_values.shape[1], self.config)
+        x = self.proj(pixel_values.to(self.proj.weight.dtype))
+        return x, layout.position, layout.frame, layout.window
+
+
+class QwenVisionTower(nn.Module):
+    """Patch embedding, the blocks and the merger."""
+
+    def __init__(self, config: QwenVisionConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.patch_embed = QwenPatchEmbed(config)
         self.blocks = nn.ModuleList(QwenVisionBlock(config) for _ in range(config.depth))
         self.merger = QwenPatchMerger(config)
 
-    def forward(self, pixel_values: Tensor, grid_thw: Tensor) -> Tensor:
+    def forward(self, pixel_values: Tensor, grid_thw: Tensor) -> tuple[Tensor, Tensor]:
         """``pixel_values [B, P, C T p p]``, ``grid_thw [B, I, 3]`` -> merged tokens
-        ``[B, P / merge^2, D_out]`` (padding positions hold garbage: select by the layout)."""
-        layout = patch_layout(grid_thw, pixel_values.shape[1], self.config)
-        x = self.patch_embed(pixel_values)
-        cos, sin = vision_cos_sin(
-            layout.position, self.config.width // self.config.heads, self.config.rope_theta
-        )
-        full, windows = segment_mask(layout.frame), segment_mask(layout.window)
+        ``[B, P / merge^2, D_out]`` and which of them are images (``[B, P / merge^2]``)."""
+        x, position, frame, window = self.patch_embed(pixel_values, grid_thw)
+        head_dim = self.config.width // self.config.heads
+        cos, sin = vision_cos_sin(position, head_dim, self.config.rope_theta)
+        full, windows = segment_mask(frame), segment_mask(window)
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, windows if self.config.windowed(i) else full)
-        return self.merger(x)
+        return self.merger(x, frame)

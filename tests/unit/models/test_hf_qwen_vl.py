@@ -159,7 +159,7 @@ def test_training_step_matches_transformers(pair: tuple[object, object]) -> None
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
-        ({"vision_parallel": "dp", "sequence_parallel": False}, "vision_parallel"),
+        ({"vision_parallel": "bogus", "sequence_parallel": False}, "vision_parallel"),
         ({"vision_parallel": "tp", "sequence_parallel": True}, "sequence_parallel"),
     ],
 )
