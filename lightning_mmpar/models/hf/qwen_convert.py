@@ -3,8 +3,9 @@
 Config: :func:`qwen_vl_config` reads a transformers ``Qwen2VLConfig`` / ``Qwen2_5_VLConfig``
 and refuses (``ValueError`` naming the field) every value that would change the math this
 package computes: a RoPE scaling type (``rope_parameters.rope_type`` other than ``default`` /
-``mrope``), sliding-window attention, attention dropout, a text activation other than SiLU, a
-vision activation it does not compute, a vision RoPE other than ``axial``.
+``mrope``) or any other ``rope_parameters`` key (:data:`ROPE_KEYS`), sliding-window
+attention, attention dropout, a text activation other than SiLU, a vision activation it does
+not compute, a vision RoPE other than ``axial``.
 
 Weights: transformers 5 names (``model.visual.*``, ``model.language_model.*``, ``lm_head``) and
 the Hub checkpoints' names (``visual.*``, ``model.*``, ``lm_head``) are both read. The ViT's
@@ -40,6 +41,10 @@ __all__ = [
 ]
 
 
+ROPE_KEYS = frozenset({"rope_type", "type", "rope_theta", "mrope_section"})
+"""The text ``rope_parameters`` keys this package computes; any other is refused."""
+
+
 def _rope(text: Any) -> dict[str, Any]:
     rope = dict(getattr(text, "rope_parameters", None) or {})
     kind = rope.get("rope_type", rope.get("type", "default"))
@@ -48,7 +53,20 @@ def _rope(text: Any) -> dict[str, Any]:
             f"text_config.rope_parameters.rope_type {kind!r} is not supported (RoPE scaling "
             "changes the positions' math); only 'default' / 'mrope' are."
         )
+    if extra := sorted(rope.keys() - ROPE_KEYS):
+        raise ValueError(
+            f"text_config.rope_parameters {extra} are not supported (only {sorted(ROPE_KEYS)} "
+            "are computed); remove them or use transformers' model."
+        )
     return rope
+
+
+def _side(name: str, value: Any) -> int:
+    """A patch size given as an int or as equal sides."""
+    sides = {int(v) for v in value} if isinstance(value, list | tuple) else {int(value)}
+    if len(sides) != 1:
+        raise ValueError(f"vision_config.{name} {value!r} must have equal sides.")
+    return sides.pop()
 
 
 def _check_text(text: Any) -> None:
@@ -109,8 +127,8 @@ def _vision(vision: Any, qwen25: bool) -> QwenVisionConfig:
         "depth": vision.depth,
         "heads": vision.num_heads,
         "in_channels": vision.in_channels,
-        "patch_size": int(vision.patch_size),
-        "temporal_patch_size": int(vision.temporal_patch_size),
+        "patch_size": _side("patch_size", vision.patch_size),
+        "temporal_patch_size": _side("temporal_patch_size", vision.temporal_patch_size),
         "spatial_merge_size": vision.spatial_merge_size,
         "rope_theta": float(rope.get("rope_theta", 10000.0)),
         "hidden_act": act,

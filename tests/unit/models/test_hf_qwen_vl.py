@@ -109,6 +109,17 @@ def test_mrope_positions_of_an_image_between_text() -> None:
                 }
             },
         ),
+        (
+            r"rope_parameters \['mrope_interleaved'\]",
+            {
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": 1e4,
+                    "mrope_section": [2, 3, 3],
+                    "mrope_interleaved": True,
+                }
+            },
+        ),
         ("use_sliding_window", {"use_sliding_window": True}),
         ("attention_dropout", {"attention_dropout": 0.1}),
         ("hidden_act", {"hidden_act": "gelu"}),
