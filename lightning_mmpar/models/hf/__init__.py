@@ -8,10 +8,11 @@ blocks, so every per-tower plan (TP, PP, DP, FSDP2) applies unchanged (Megatron-
 their model classes). The recipe reads the same checkpoints per rank, slice by slice
 (``model.pretrained.hf``, :mod:`lightning_mmpar.recipes.pretrained`).
 
-Qwen2-VL / Qwen2.5-VL are their own model (:class:`~lightning_mmpar.models.hf.qwen2_vl.
-QwenVLModel`: a dynamic-resolution ViT and M-RoPE do not fit :class:`FusionModel`), read and
-written by :mod:`~lightning_mmpar.models.hf.qwen_convert` (``qwen_vision``, ``mrope``,
-``qwen2_vl``).
+Qwen2-VL / Qwen2.5-VL (``model_type`` in :data:`~lightning_mmpar.models.hf.qwen_convert.
+QWEN_FAMILIES`) are their own model, :class:`~lightning_mmpar.models.hf.qwen2_vl.QwenVLModel`
+(a dynamic-resolution ViT and M-RoPE do not fit :class:`FusionModel`): :func:`from_hf` and
+:func:`save_hf` dispatch them to :mod:`~lightning_mmpar.models.hf.qwen_convert`; the recipe's
+``model.pretrained.hf`` (a :class:`FusionModel`) refuses them.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from lightning_mmpar.models.fusion import FusionConfig, FusionModel
 from lightning_mmpar.models.hf.checkpoint import hf_config, read_state, write_hf
 from lightning_mmpar.models.hf.family import HFFamily
 from lightning_mmpar.models.hf.llava_family import LLAVA
+from lightning_mmpar.models.hf.qwen2_vl import QwenVLModel
+from lightning_mmpar.models.hf.qwen_convert import QWEN_FAMILIES, qwen_vl_from_hf, save_qwen_vl_hf
 
 __all__ = ["FAMILIES", "HFFamily", "family_of", "from_hf", "hf_fusion_config", "save_hf"]
 
@@ -41,6 +44,12 @@ def family_of(config: Any) -> HFFamily:
         ValueError: its ``model_type`` has no family, naming it and the supported ones.
     """
     family = FAMILIES.get(config.model_type)
+    if config.model_type in QWEN_FAMILIES:
+        raise ValueError(
+            f"config.json model_type {config.model_type!r} is a Qwen-VL model (QwenVLModel), "
+            "not a FusionModel: load it with lightning_mmpar.models.from_hf; the recipe's "
+            "model.pretrained.hf does not train it yet."
+        )
     if family is None:
         raise ValueError(
             f"config.json model_type {config.model_type!r} is not supported; supported: "
@@ -65,9 +74,11 @@ def hf_fusion_config(path: str | Path, **overrides: Any) -> FusionConfig:
     return dataclasses.replace(fusion, **overrides)
 
 
-def from_hf(path: str | Path, **overrides: Any) -> FusionModel:
+def from_hf(path: str | Path, **overrides: Any) -> FusionModel | QwenVLModel:
     """A :class:`FusionModel` holding the weights of the transformers checkpoint directory
-    ``path`` (``config.json`` + ``model.safetensors`` or an index), on the CPU.
+    ``path`` (``config.json`` + ``model.safetensors`` or an index), on the CPU; a
+    :class:`QwenVLModel` for a Qwen2-VL / Qwen2.5-VL directory
+    (:func:`~lightning_mmpar.models.hf.qwen_convert.qwen_vl_from_hf`, no overrides).
 
     Parts the checkpoint lacks (the contrastive heads) start fresh from the current RNG;
     ``overrides`` as in :func:`hf_fusion_config`. Logits on a ragged batch
@@ -77,6 +88,10 @@ def from_hf(path: str | Path, **overrides: Any) -> FusionModel:
         ValueError: as :func:`hf_fusion_config`; a checkpoint whose tensors do not fit.
     """
     config = hf_config(path)
+    if config.model_type in QWEN_FAMILIES:
+        if overrides:
+            raise ValueError(f"from_hf overrides {sorted(overrides)} are not for Qwen-VL.")
+        return qwen_vl_from_hf(path)
     family = family_of(config)
     model = FusionModel(hf_fusion_config(path, **overrides))
     ours = model.state_dict()
@@ -92,7 +107,9 @@ def from_hf(path: str | Path, **overrides: Any) -> FusionModel:
 
 
 def save_hf(
-    source: FusionModel | Mapping[str, Tensor], original: str | Path, path: str | Path
+    source: FusionModel | QwenVLModel | Mapping[str, Tensor],
+    original: str | Path,
+    path: str | Path,
 ) -> dict[str, Tensor]:
     """Write a full state dict of ours (or a model) as a transformers directory at ``path``
     that ``from_pretrained`` loads, for the architecture of the checkpoint directory
@@ -103,4 +120,7 @@ def save_hf(
         ValueError: an unsupported ``model_type``; a tensor missing (nothing written).
     """
     state = source.state_dict() if isinstance(source, nn.Module) else source
-    return write_hf(family_of(hf_config(original)), state, original, path)
+    config = hf_config(original)
+    if config.model_type in QWEN_FAMILIES:
+        return save_qwen_vl_hf(state, original, path)
+    return write_hf(family_of(config), state, original, path)

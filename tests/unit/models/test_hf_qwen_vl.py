@@ -12,13 +12,15 @@ import torch
 
 from lightning_mmpar.data.qwen_packing import QwenVLCollator, mrope_positions
 from lightning_mmpar.losses import caption_loss
+from lightning_mmpar.models import from_hf, save_hf
+from lightning_mmpar.models.hf import hf_fusion_config
+from lightning_mmpar.models.hf.qwen2_vl import QwenVLModel
 from lightning_mmpar.models.hf.qwen_convert import (
     export_qwen_vl_state,
     import_qwen_vl_state,
     qwen_vl_config,
     qwen_vl_from_hf,
     qwen_vl_from_transformers,
-    save_qwen_vl_hf,
 )
 from tests.unit.models import qwen_vl_cases as qc
 
@@ -208,17 +210,19 @@ def test_collator_drops_or_refuses_oversize_samples() -> None:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_directory_round_trip_is_lossless(family: str, tmp_path: Path) -> None:
-    """save_pretrained -> qwen_vl_from_hf -> save_qwen_vl_hf -> from_pretrained: the same
+    """save_pretrained -> from_hf -> save_hf -> from_pretrained (the package's dispatchers,
+    through qwen_vl_from_hf / save_qwen_vl_hf): the same
     tensor names, shapes and bytes, and the same logits."""
     hf = qc.hf_model(family)
     hf.save_pretrained(tmp_path / "original")
     (tmp_path / "original" / "tokenizer_config.json").write_text("{}")
-    ours = qwen_vl_from_hf(tmp_path / "original").eval()
+    ours = from_hf(tmp_path / "original").eval()
+    assert isinstance(ours, QwenVLModel)
     batch = qc.collate(pack=False)
     keep = batch["sample_ids"] >= 0
     with torch.no_grad():
         assert qc.relative(ours(batch)[keep], qc.hf_logits(hf)[keep]) <= RTOL
-    written = save_qwen_vl_hf(ours, tmp_path / "original", tmp_path / "exported")
+    written = save_hf(ours, tmp_path / "original", tmp_path / "exported")
     back = type(hf).from_pretrained(tmp_path / "exported").eval()
     original, exported = hf.state_dict(), back.state_dict()
     assert {k: v.shape for k, v in exported.items()} == {k: v.shape for k, v in original.items()}
@@ -233,3 +237,9 @@ def test_directory_round_trip_is_lossless(family: str, tmp_path: Path) -> None:
 def test_a_directory_without_config_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"has no config\.json"):
         qwen_vl_from_hf(tmp_path)
+
+
+def test_the_fusion_path_refuses_a_qwen_directory_by_name(tmp_path: Path) -> None:
+    qc.hf_model("qwen2_vl").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="'qwen2_vl' is a Qwen-VL model"):
+        hf_fusion_config(tmp_path)
