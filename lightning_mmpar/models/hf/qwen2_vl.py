@@ -19,7 +19,9 @@ language modules are :class:`~lightning_mmpar.models.language.LanguageModel`'s (
 its tensor-parallel plan applies unchanged; the ViT's q/k/v, ``proj``, MLP and merger layers
 are plain ``nn.Linear`` s (column / row parallel). Sources: transformers'
 ``Qwen2VLForConditionalGeneration`` / ``Qwen2_5_VLForConditionalGeneration`` (the logits this
-model matches) and torchtitan's VLM blocks.
+model matches) and torchtitan's VLM blocks. A block's ``cost(image_tokens, text_length)``
+reads ``image_tokens`` as the merged (language) tokens per sample; the ViT runs
+``merge^2`` patches per merged token.
 """
 
 from __future__ import annotations
@@ -110,7 +112,7 @@ class QwenVisionStem(FusionBlock):
         return (*self.patch_embed(pixel_values, grid_thw), *rest)
 
     def _tally(self, tally: CostTally, n: int, t: int) -> None:
-        tally.linear(4 * n, self.patch_embed.proj)
+        tally.linear(self.patch_embed.config.spatial_merge_size**2 * n, self.patch_embed.proj)
 
 
 class QwenVisionLayer(FusionBlock):
@@ -122,6 +124,7 @@ class QwenVisionLayer(FusionBlock):
         super().__init__()
         self.block, self.windowed = block, windowed
         self.head_dim, self.theta = config.width // config.heads, config.rope_theta
+        self.unit = config.spatial_merge_size**2
 
     def forward(
         self, x: Tensor, position: Tensor, frame: Tensor, window: Tensor, *rest: Tensor
@@ -131,7 +134,7 @@ class QwenVisionLayer(FusionBlock):
         return (self.block(x, cos, sin, mask), position, frame, window, *rest)
 
     def _tally(self, tally: CostTally, n: int, t: int) -> None:
-        b, v = self.block, 4 * n
+        b, v = self.block, self.unit * n
         for proj in (b.attn.q_proj, b.attn.k_proj, b.attn.v_proj, b.attn.proj):
             tally.linear(v, proj)
         tally.attention(v, v, b.attn.q_proj.weight.shape[0])

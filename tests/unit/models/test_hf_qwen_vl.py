@@ -243,3 +243,20 @@ def test_the_fusion_path_refuses_a_qwen_directory_by_name(tmp_path: Path) -> Non
     qc.hf_model("qwen2_vl").save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="'qwen2_vl' is a Qwen-VL model"):
         hf_fusion_config(tmp_path)
+
+
+def test_block_costs_grow_with_the_tokens_they_run_on() -> None:
+    """The partitioner's per-block FLOPs: vision blocks scale with the image tokens, decoder
+    layers and the head with the text, the bridge (a gather) costs nothing."""
+    blocks = qwen_vl_from_transformers(qc.hf_model("qwen2_5_vl")).pipeline_blocks()
+    kinds = [b.kind for b in blocks]
+    assert kinds[0] == "vision" and kinds[-1] == "head" and "aligner" in kinds
+    for block in blocks:
+        base = block.cost(8, 16).flops
+        more_images, more_text = block.cost(16, 16).flops, block.cost(8, 32).flops
+        if block.kind == "vision":
+            assert more_images > base > 0 and more_text == base
+        elif block.kind == "aligner":
+            assert base == more_images == more_text == 0
+        else:
+            assert more_text > base > 0 and more_images == base
