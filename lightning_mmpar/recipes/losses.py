@@ -11,12 +11,14 @@
   gradients (``1 / M``) and data parallelism averages over ``dp``, so the gradient and the mean of
   the logged terms are those of one process on the whole batch.
 * Under gradient accumulation (``accumulate_grad_batches = A > 1``) the caption term of an
-  optimizer step is the mean of its ``A`` batches' token means, each exact over its
-  micro-batches and dp ranks: the global token mean would divide by the tokens of all ``A``
-  batches, known only after the last one, while the step's contrastive / MML terms share each
-  batch's backward (a division of the accumulated gradient, as ``mm_parallel`` does for a module
-  whose loss is ``caption_loss`` alone, would scale them too). :func:`accumulation_warning`
-  says so once per fit.
+  optimizer step is the mean over the target tokens of all its batches: under ``mm_parallel``
+  the strategy counts each accumulation window's tokens before its first batch (summed over the
+  dp group: :mod:`lightning_mmpar.parallel.token_windows`, Hugging Face's
+  ``num_items_in_batch``) and a batch contributes ``sum_CE_m / N_w * (M * dp * A)``, ``N_w``
+  the window's tokens (Lightning divides every batch's loss by ``A``); the contrastive / MML
+  terms stay each batch's own, averaged over the ``A`` batches by Lightning. Under another
+  strategy the window's tokens are not known beforehand, the caption term is then the mean of
+  the ``A`` batches' token means and :func:`accumulation_warning` says so once per fit.
 * Contrastive and MML: negatives from the whole global batch (dp gather as in open_clip, and all
   micro-batches: the pipeline engine's gradient cache, Gao et al. 2021) with
   ``negatives="global_batch"``; per micro-batch with ``negatives="micro_batch"`` (no extra
@@ -57,18 +59,20 @@ def caption_tokens(target_ids: Tensor) -> Tensor:
     return (target_ids[:, 1:] != IGNORE_INDEX).sum()
 
 
-def accumulation_warning(accumulate: int, config: LossConfig) -> str | None:
+def accumulation_warning(accumulate: int, config: LossConfig, windows: bool = False) -> str | None:
     """The warning for a run that accumulates ``accumulate`` batches per optimizer step with a
-    caption term (module docstring), or ``None`` (no accumulation or no caption term)."""
-    if accumulate <= 1 or config.caption_weight == 0:
+    caption term under a strategy that does not count accumulation windows (``windows``
+    False: any strategy but ``mm_parallel``; module docstring), or ``None``."""
+    if accumulate <= 1 or config.caption_weight == 0 or windows:
         return None
     return (
         f"accumulate_grad_batches={accumulate}: the recipe's caption loss of each optimizer "
         f"step is the mean of the {accumulate} batches' token means (each exact over its "
         "micro-batches and data-parallel ranks), not the token mean over all accumulated "
-        "batches: a batch with few target tokens weighs as much as one with many. For the "
-        "global token mean raise data.batch_size (and micro_batches under a pipeline) instead "
-        "of accumulating (docs/ragged.md, 'Loss under gradient accumulation')."
+        "batches: a batch with few target tokens weighs as much as one with many. Train under "
+        "strategy='mm_parallel' (it counts each accumulation window's tokens first), or raise "
+        "data.batch_size instead of accumulating (docs/ragged.md, 'Loss under gradient "
+        "accumulation')."
     )
 
 
@@ -96,12 +100,15 @@ class RecipeLoss:
         self._local_tokens: Tensor | None = None
         self._tokens: float | None = None
 
-    def start_batch(self, target_ids: Tensor) -> None:
+    def start_batch(self, target_ids: Tensor, window: tuple[int, int] | None = None) -> None:
         """Remember the full local batch ``target_ids [B, T]`` (rows and valid tokens); the dp
-        sum of the tokens is taken by the first caption term that needs it."""
+        sum of the tokens is taken by the first caption term that needs it. ``window``:
+        ``(N_w, A)`` for a training batch of an accumulation window of ``N_w`` target tokens
+        (summed over the dp group) under ``accumulate_grad_batches = A``: the caption term is
+        then the batch's share of the window's token mean, ``N_w / A`` standing for ``N``."""
         self._rows = target_ids.shape[0]
         self._local_tokens = caption_tokens(target_ids)
-        self._tokens = None
+        self._tokens = None if window is None else window[0] / window[1]
 
     def _global_tokens(self, target_ids: Tensor) -> tuple[float, int]:
         """``(N, M)``: valid tokens of the whole step batch and micro-batches per batch."""
@@ -118,7 +125,8 @@ class RecipeLoss:
 
     def caption(self, logits: Any, target_ids: Tensor) -> Tensor:
         """This (micro-)batch's share of the global token-mean caption CE, unweighted:
-        ``sum_CE / N * (M * dp)`` (0-dim float32; vocab-parallel for DTensor logits)."""
+        ``sum_CE / N * (M * dp)``, ``N`` the window's ``N_w / A`` for a batch started with a
+        window (0-dim float32; vocab-parallel for DTensor logits)."""
         tokens, micro = self._global_tokens(target_ids)
         n = int(caption_tokens(target_ids))
         if n == 0:  # no scored token: zero, still on the graph (the stage back-propagates it)

@@ -53,7 +53,7 @@ from lightning_mmpar.plans.fusion import fusion_plan
 from lightning_mmpar.recipes import pretrained as ptl
 from lightning_mmpar.recipes.evaluation import RecipeMetrics, digit_token_classes, eval_values
 from lightning_mmpar.recipes.generation import CaptionGeneration, next_tokens
-from lightning_mmpar.recipes.losses import TERMS, RecipeLoss, accumulation_warning
+from lightning_mmpar.recipes.losses import TERMS, RecipeLoss, accumulation_warning, caption_tokens
 from lightning_mmpar.recipes.optim import recipe_optimizer
 from lightning_mmpar.recipes.options import (
     FinetuneConfig,
@@ -160,6 +160,7 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         self._decode_position: int | None = None
         self._decoded: list[Tensor] = []
         self._stepped_at = 0  # trainer.global_step when the last optimizer step was followed up
+        self._window_tokens: int | None = None  # target tokens of the accumulation window
         self.text_length: int | None = None  # block costs' caption length without a datamodule
 
     # ------------------------------------------------------------------ model
@@ -324,7 +325,7 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
             prompts.get("attention_mask"),
         )
         if self._loss is not None:
-            self._loss.start_batch(batch["target_ids"])
+            self._loss.start_batch(batch["target_ids"], self._window())
         b = ids.shape[0]
         labels = batch.get("labels", torch.full((b,), -1, dtype=torch.long, device=ids.device))
         return inputs, torch.cat([batch["target_ids"], labels[:, None]], dim=1)
@@ -334,8 +335,29 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         block-0 inputs and ``[labels [B, T] | contrastive pair slots [B, I]]``."""
         inputs = FusionModel.ragged_inputs(batch)
         if self._loss is not None:
-            self._loss.start_batch(batch["labels"])
+            self._loss.start_batch(batch["labels"], self._window())
         return inputs, torch.cat([batch["labels"], contrastive_pairs(batch).long()], dim=1)
+
+    # ------------------------------------------------------------------ accumulation windows
+    def target_tokens(self, batch: Mapping[str, Tensor]) -> Tensor:
+        """Target tokens of a batch as the caption term counts them (``labels`` of a ragged
+        batch, else ``target_ids``; position ``t`` predicts ``t + 1``): 0-dim int64. Under
+        ``mm_parallel`` with ``accumulate_grad_batches > 1`` the strategy counts every
+        accumulation window with it before the window's first batch."""
+        return caption_tokens(batch["labels"] if "pixel_values" in batch else batch["target_ids"])
+
+    def on_accumulation_window(self, tokens: int) -> None:
+        """The strategy's count of the coming accumulation window's target tokens, summed over
+        the data-parallel group: the caption term of its batches is their share of the
+        window's token mean (:meth:`~lightning_mmpar.recipes.losses.RecipeLoss.start_batch`)."""
+        self._window_tokens = tokens
+
+    def _window(self) -> tuple[int, int] | None:
+        """``(window tokens, accumulate_grad_batches)`` for a training batch counted by the
+        strategy, else ``None`` (the batch's own tokens)."""
+        if not self.training or self._window_tokens is None or self._trainer is None:
+            return None
+        return self._window_tokens, self._trainer.accumulate_grad_batches
 
     def pipeline_loss(self, output: tuple[Tensor, ...], target: Tensor) -> Tensor:
         """All three terms of one (micro-)batch; metrics in eval mode."""
@@ -418,8 +440,13 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         """A checkpoint written in a callback's ``on_train_batch_end`` (``ModelCheckpoint``)
         precedes this module's hook: that step's clamp and EMA step are still due, do them now.
         Warns (rank 0, once per fit) when the caption term is not the token mean over
-        accumulated batches (:func:`~lightning_mmpar.recipes.losses.accumulation_warning`)."""
-        note = accumulation_warning(self.trainer.accumulate_grad_batches, self.loss_config)
+        accumulated batches: a strategy other than ``mm_parallel``
+        (:func:`~lightning_mmpar.recipes.losses.accumulation_warning`)."""
+        self._window_tokens = None  # until the strategy counts this fit's first window
+        windows = getattr(
+            getattr(self.trainer, "strategy", None), "counts_accumulation_windows", False
+        )
+        note = accumulation_warning(self.trainer.accumulate_grad_batches, self.loss_config, windows)
         if note is not None:
             rank_zero_warn(note)
         if self._stepped_at != self.trainer.global_step and self.head is not None:

@@ -253,7 +253,9 @@ class MultimodalParallelStrategy(
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
         """Key DataLoader worker seeds on the data-parallel rank, not the global rank, and set
-        the sampler's epoch before Lightning restores a mid-epoch position into the loader.
+        the sampler's epoch before Lightning restores a mid-epoch position into the loader;
+        under ``accumulate_grad_batches > 1`` the training loader of a module that counts its
+        target tokens is read one accumulation window at a time (:meth:`_windowed`).
 
         With ``seed_everything(..., workers=True)`` Lightning seeds each worker from the global
         rank, so two tensor/pipeline peers of one dp replica would draw different random
@@ -261,7 +263,8 @@ class MultimodalParallelStrategy(
         A train loader with 0 batches on every rank raises ``ValueError`` (check_train_batches).
         """
         dataloader = super().process_dataloader(dataloader)
-        if (trainer := getattr(self.lightning_module, "_trainer", None)) is not None:
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None:
             ckpt.set_sampler_epoch(dataloader, trainer.fit_loop.epoch_progress)
             if trainer.training and (n := sized_len(dataloader)) is not None:
                 total = self.reduce(torch.tensor(n, device=self.root_device), reduce_op="sum")
@@ -270,6 +273,8 @@ class MultimodalParallelStrategy(
         if seeded and getattr(dataloader, "worker_init_fn", False) is None:
             dp_rank = self.parallel_dims.rank_coords(self.global_rank)["dp"]
             dataloader.worker_init_fn = partial(pl_worker_init_function, rank=dp_rank)
+        if trainer is not None and trainer.training:  # accumulation windows (pipelined_steps)
+            dataloader = self._windowed(dataloader, trainer)
         return dataloader
 
     def _launch_rank(self) -> int:

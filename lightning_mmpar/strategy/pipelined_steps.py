@@ -16,6 +16,15 @@ Token losses, from a pipelined module or from any module's own ``training_step``
 ``"loss"``), are recorded in the strategy's
 :class:`~lightning_mmpar.parallel.token_loss.TokenCount` and back-propagated as sums; the
 strategy divides the gradients by the step's target tokens after the last backward.
+
+A module whose loss adds other terms to a token mean (the recipe's caption, contrastive and MML
+terms) needs the step's target tokens before its first backward. It defines
+``target_tokens(batch)`` (a batch's target tokens, counted as its loss counts them) and
+``on_accumulation_window(tokens)``; under ``accumulate_grad_batches > 1`` the strategy then reads
+the training loader one accumulation window at a time
+(:class:`~lightning_mmpar.parallel.token_windows.WindowLoader`), sums each window's tokens over
+the data-parallel group once and hands the sum to ``on_accumulation_window`` before the window's
+first batch (Hugging Face transformers' ``num_items_in_batch``).
 """
 
 from __future__ import annotations
@@ -32,10 +41,13 @@ from lightning_mmpar.parallel import comm
 from lightning_mmpar.parallel.finite import NonFiniteGuard
 from lightning_mmpar.parallel.pipeline import PipelineChunk, PipelineEngine
 from lightning_mmpar.parallel.token_loss import TokenCount, TokenMean, as_token_mean
+from lightning_mmpar.parallel.token_windows import WindowLoader, window_loader
 from lightning_mmpar.strategy.gradient_stash import GradientStash
 from lightning_mmpar.topology import ParallelDims
 
 __all__ = ["PipelinedSteps"]
+
+_WINDOW_HOOKS = ("target_tokens", "on_accumulation_window")
 
 
 class PipelinedSteps(Strategy):
@@ -46,6 +58,10 @@ class PipelinedSteps(Strategy):
     _stash: GradientStash
     nonfinite: NonFiniteGuard | None
     _step_tokens: TokenCount
+    _windows: WindowLoader | None = None
+    counts_accumulation_windows = True
+    """A module with ``target_tokens`` and ``on_accumulation_window`` gets each accumulation
+    window's target tokens before the window's first batch (module docstring)."""
 
     @property
     def parallel_dims(self) -> ParallelDims:
@@ -105,8 +121,38 @@ class PipelinedSteps(Strategy):
             return {**out, "loss": self._step_tokens.add(out["loss"])}
         return self._step_tokens.add(out) if isinstance(out, Tensor) else out
 
+    def _windowed(self, dataloader: Any, trainer: Any) -> Any:
+        """The training loader, read one accumulation window at a time for a module that
+        counts its target tokens (module docstring); unchanged otherwise."""
+        module = self._module
+        self._windows = None
+        wants = all(callable(getattr(module, n, None)) for n in _WINDOW_HOOKS)
+        if not wants or trainer.accumulate_grad_batches <= 1:
+            return dataloader
+        loop = trainer.fit_loop
+
+        def position() -> tuple[int, float]:
+            return loop.epoch_loop.batch_progress.current.ready, trainer.num_training_batches
+
+        self._windows = window_loader(
+            dataloader, trainer.accumulate_grad_batches, module.target_tokens, position
+        )
+        return self._windows
+
+    def _start_window(self) -> None:
+        """Before a training batch: at a window's first batch, its target tokens summed over
+        the dp group (one all-reduce per window) go to the module's ``on_accumulation_window``."""
+        if self._windows is None:
+            return
+        tokens, first = self._windows.pop()
+        if first:
+            total = torch.tensor(float(tokens), dtype=torch.float64, device=self.root_device)
+            total = comm.all_reduce(total, "sum", self.parallel_dims.get_group("dp"))
+            self._module.on_accumulation_window(int(total))
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._start_window()
         if self.nonfinite is not None and args:
             idx = args[1] if len(args) > 1 else self._module.trainer.fit_loop.batch_idx
             self.nonfinite.observe_batch(args[0], idx)

@@ -1,6 +1,8 @@
-"""Issue 28: the recipe's caption term under ``accumulate_grad_batches`` is the mean of the
+"""Issue 28: without an accumulation window's token count (a strategy other than
+``mm_parallel``) the recipe's caption term under ``accumulate_grad_batches`` is the mean of the
 batches' token means (the global token mean would need the tokens of batches not yet seen);
-the recipe says so once per fit instead of training a different loss silently."""
+the recipe says so once per fit instead of training a different loss silently. Under
+``mm_parallel`` it is exact (tests/unit/recipes/test_accumulation_windows.py) and silent."""
 
 from __future__ import annotations
 
@@ -40,11 +42,17 @@ def test_accumulating_with_a_caption_term_warns_once_per_fit() -> None:
     assert "mean of the 2 batches' token means" in note and "raise data.batch_size" in note
     assert accumulation_warning(1, LossConfig()) is None
     assert accumulation_warning(4, LossConfig(caption_weight=0.0)) is None
+    assert accumulation_warning(2, LossConfig(), windows=True) is None
     module = ClipLlamaModule(fusion=tiny_fusion_config(), vocab_size=32)
     module._trainer = SimpleNamespace(accumulate_grad_batches=2, global_step=0)  # type: ignore[assignment]
     with pytest.warns(UserWarning, match=r"accumulate_grad_batches=2: the recipe's caption"):
         module.on_train_start()
     module._trainer = SimpleNamespace(accumulate_grad_batches=1, global_step=0)  # type: ignore[assignment]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        module.on_train_start()
+    counts = SimpleNamespace(counts_accumulation_windows=True)  # mm_parallel's
+    module._trainer = SimpleNamespace(accumulate_grad_batches=2, global_step=0, strategy=counts)  # type: ignore[assignment]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         module.on_train_start()
