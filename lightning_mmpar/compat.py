@@ -51,6 +51,20 @@ def _keep_rank_order(new_group: Any, args: tuple[Any, ...], kwargs: dict[str, An
         )
 
 
+def new_group_in_order(ranks: Sequence[int], backend: str) -> Any:
+    """``torch.distributed.new_group`` over ``ranks`` in their given order (``sort_ranks=False``
+    where torch has it: :func:`_keep_rank_order`) on ``backend``, with the timeout of
+    :func:`set_group_timeout`. Collective over the world: every rank calls it with the same
+    ``ranks``, member or not. Raises ``RuntimeError`` as :func:`_keep_rank_order`."""
+    import torch.distributed as dist
+
+    kwargs: dict[str, Any] = {"ranks": list(ranks), "backend": backend}
+    if _GROUP_TIMEOUT[0] is not None:
+        kwargs["timeout"] = _GROUP_TIMEOUT[0]
+    _keep_rank_order(dist.new_group, (), kwargs)
+    return dist.new_group(**kwargs)
+
+
 @contextmanager
 def _ordered_groups(ordered: bool = True) -> Iterator[None]:
     """While set, the groups ``DeviceMesh`` creates keep its rank order (``sort_ranks=False``)

@@ -157,6 +157,10 @@ class ParallelizeOptions:
     (:mod:`lightning_mmpar.recipes.dryrun`): every step runs on meta parameters, except the
     module's ``load_sharded_parameters`` hook and the replicas' broadcast, which need storage
     (skipped)."""
+    check_unit_order: bool = True
+    """Guard the FSDP2 units of a module without ``pipeline_blocks`` against ranks entering
+    different units (:class:`~lightning_mmpar.parallel.unit_order.UnitOrderGuard`); ``False``:
+    no guard (a module that never skips a unit)."""
 
 
 @dataclass
@@ -446,8 +450,9 @@ def split_pipeline(
     if shard is None:
         return Parallelized()
     shard(module)
-    dry = device.type == "meta"
-    return Parallelized(unit_order=None if dry else UnitOrderGuard.of(module, dims.get_group("dp")))
+    if device.type == "meta" or not options.check_unit_order:  # a dry run, or opted out
+        return Parallelized()
+    return Parallelized(unit_order=UnitOrderGuard.of(module, dims.get_group("dp")))
 
 
 def parallelize(

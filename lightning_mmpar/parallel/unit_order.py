@@ -22,6 +22,12 @@ all-gather. :func:`~lightning_mmpar.parallel.data.sync_gradients` with ``fill_mi
 gradient all-reduce impossible to mismatch instead: a gradient missing on a rank but present on a
 peer is reduced as zeros, a gradient missing everywhere stays ``None`` (torch DDP's
 ``find_unused_parameters``, which all-reduces a used-parameter map for the same reason).
+
+The integers travel on the CPU: over the data-parallel group itself when its backend has gloo,
+else over a gloo group of the same ranks created once (:func:`cpu_group`), so no exchange waits
+for the GPU's queue (an NCCL collective read back on the host would stall the CPU's run-ahead of
+kernel launches once per unit). The strategy's ``check_unit_order=False`` leaves the guard out
+for a module that never skips a unit.
 """
 
 from __future__ import annotations
@@ -35,9 +41,10 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
 
+from lightning_mmpar.compat import new_group_in_order
 from lightning_mmpar.parallel import comm
 
-__all__ = ["UnitOrderGuard"]
+__all__ = ["UnitOrderGuard", "cpu_group"]
 
 FIX = (
     "run the module on every rank, e.g. on a zero dummy input whose output is multiplied by 0 "
@@ -50,14 +57,33 @@ def _is_unit(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
+def _backend(group: dist.ProcessGroup | None) -> str:
+    return str(dist.get_backend(group))
+
+
+def cpu_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """A group over ``group``'s ranks (same order) whose collectives take CPU tensors through
+    gloo: ``group`` itself when its backend has gloo (``gloo``, ``cpu:gloo,cuda:nccl``), else a
+    new gloo group. Collective over the world when it creates one (``new_group`` is): every rank
+    calls it with its own group, the groups of all ranks being disjoint (a mesh dimension's)."""
+    if "gloo" in _backend(group):
+        return group
+    ranks = range(dist.get_world_size()) if group is None else dist.get_process_group_ranks(group)
+    mine = tuple(ranks)
+    every = sorted({tuple(r) for r in comm.all_gather_objects(mine)})
+    made = {ranks: new_group_in_order(ranks, "gloo") for ranks in every}  # the same order
+    return made[mine]
+
+
 class UnitOrderGuard:
     """Before each FSDP2 unit's forward (and at the end of forward, :meth:`end_of_forward`),
     every rank of ``group`` says which unit it enters; all must agree.
 
     ``units``: ``(qualified name, FSDP2 module)`` pairs, the same list in the same order on every
-    rank. Costs one all-gather of one integer per unit and forward over ``group`` (a host sync
-    on NCCL): the strategy installs it only for modules whose parts it cannot tell always run
-    (no ``pipeline_blocks``).
+    rank; ``group``: a group whose collectives take CPU tensors (:func:`cpu_group`). Costs one
+    CPU all-gather of one integer per unit and forward over ``group`` (no GPU sync): the
+    strategy installs it only for modules whose parts it cannot tell always run (no
+    ``pipeline_blocks``), unless ``check_unit_order=False``.
     """
 
     def __init__(
@@ -74,11 +100,12 @@ class UnitOrderGuard:
     @classmethod
     def of(cls, module: nn.Module, group: dist.ProcessGroup | None) -> UnitOrderGuard | None:
         """The guard over every FSDP2 unit of ``module`` (``None`` without one, or on a
-        one-rank ``group``)."""
+        one-rank ``group``), exchanging over :func:`cpu_group` of ``group`` (collective over
+        the world when that creates a group)."""
         units = [(n or "<root>", m) for n, m in module.named_modules() if _is_unit(m)]
         if not units or comm.group_size(group) == 1:
             return None
-        return cls(units, group)
+        return cls(units, cpu_group(group))
 
     def _hook(self, index: int) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
@@ -99,8 +126,10 @@ class UnitOrderGuard:
             RuntimeError: on every rank, when the ranks are about to enter different units;
                 names each rank's unit and the fix.
         """
-        mine = torch.tensor([index], dtype=torch.int64, device=comm.group_device(self.group))
-        got = [int(t) for t in comm.all_gather(mine, self.group)]
+        mine = torch.tensor([index], dtype=torch.int64)  # on the CPU: gloo, no GPU sync
+        parts = [torch.empty_like(mine) for _ in range(comm.group_size(self.group))]
+        dist.all_gather(parts, mine, group=self.group)
+        got = [int(t) for t in parts]
         if len(set(got)) == 1:
             return
         where = "; ".join(f"rank {r}: {self._name(i)}" for r, i in enumerate(got))

@@ -121,6 +121,12 @@ class MultimodalParallelStrategy(
             repeated layers, as its plan names them), every ``k``-th block (``int``) or block
             kinds; compile_blocks: ``torch.compile`` each block (``True`` or a backend).
             All four: :class:`~lightning_mmpar.parallel.fsdp_options.MemoryOptions`.
+        check_unit_order: for a module with its own steps under ``data_parallel="fsdp"``, every
+            dp rank says which FSDP2 unit it enters next (one CPU all-gather of one integer per
+            unit and forward, over gloo) and all raise one clear ``RuntimeError`` when a rank
+            skipped a unit, instead of a hang (:mod:`~lightning_mmpar.parallel.unit_order`).
+            ``False`` leaves the check out, for a module that runs every unit on every rank.
+            Raises ``ValueError`` for anything but a bool.
 
     Data parallelism is ``world_size / (tensor_parallel * pipeline_parallel)``. A LightningModule
     that implements ``PipelineModule`` has its steps run by the strategy (any pp, 1 included) and
@@ -159,6 +165,7 @@ class MultimodalParallelStrategy(
         offload_optimizer: bool = False,
         activation_checkpointing: str | int | list[str] | None = None,
         compile_blocks: bool | str | None = None,
+        check_unit_order: bool = True,
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         try:  # under torchrun / SLURM every rank builds the strategy: one message, rank 0's
@@ -177,6 +184,11 @@ class MultimodalParallelStrategy(
                 mixed_precision, offload_optimizer, activation_checkpointing, compile_blocks
             )
             self.memory.check(self.config.data_parallel, self.config.expert_parallel)
+            if not isinstance(check_unit_order, bool):
+                raise ValueError(
+                    f"check_unit_order={check_unit_order!r}: give True (check that every "
+                    "data-parallel rank enters the same FSDP2 unit) or False (no check)."
+                )
         except ValueError as err:
             refuse_once(err, rank_zero_only.rank)  # type: ignore[attr-defined]
         self._dims: ParallelDims | None = None
@@ -184,6 +196,7 @@ class MultimodalParallelStrategy(
         self.stage_plan: StagePlan | None = None  # the partition in use (pp > 1, after setup)
         self._chunk: PipelineChunk | None = None
         self._grad_sync = GradientSync()  # gradients no FSDP unit or DDP reduces, after backward
+        self.check_unit_order = check_unit_order
         self._unit_order: UnitOrderGuard | None = None  # same FSDP2 unit next on every dp rank
         self._replicated: torch.nn.Module | None = None  # what torch's DDP reduces (ddp)
         self._stash = GradientStash()  # the pipeline schedule's gradients until backward()
@@ -354,7 +367,9 @@ class MultimodalParallelStrategy(
         if self._pipelined():
             return  # already set up by an earlier fit/validate call on this strategy
         dims = self.parallel_dims
-        options = ParallelizeOptions(self.config, self.memory, device or self.root_device)
+        options = ParallelizeOptions(
+            self.config, self.memory, device or self.root_device, self.check_unit_order
+        )
         try:
             done = parallelize(module, dims, module_plan(module, dims), options)
         except UnappliedDegreeError as err:  # every rank finds it: rank 0 says it

@@ -358,13 +358,15 @@ def build(
 
 def reference(key: tuple[int, float | None, str | None, int], digits: Any) -> rw.Recorder:
     """The one-process run of :attr:`Layout.reference`; aux-only runs accumulate over every
-    (dp rank, micro-batch) chunk of the first step's batches, aux gradient scaled by 1/chunks."""
+    (dp rank, micro-batch) chunk of the first step's batches, aux gradient scaled by 1/chunks.
+    An accumulating run trains under ``mm_parallel`` (one process), whose caption term is the
+    token mean of each accumulation window (the layouts' too), not of each batch."""
     accumulate, clip, moe, chunks = key
     module = build(digits.vocab_size, moe)
     if moe != "aux":
-        return rw.fit(
-            module, rw.batches(digits, STEPS * accumulate), accumulate=accumulate, clip=clip
-        )
+        strategy = MultimodalParallelStrategy() if accumulate > 1 else "auto"
+        data = rw.batches(digits, STEPS * accumulate)
+        return rw.fit(module, data, strategy=strategy, accumulate=accumulate, clip=clip)
     data = [dp_slice(b, chunks, c) for b in rw.batches(digits, accumulate) for c in range(chunks)]
     n = accumulate * chunks
     return rw.fit(module, data, accumulate=n, clip=clip, callbacks=[AuxScale(1.0 / n)])

@@ -6,22 +6,28 @@ item 3), on 2 data-parallel ranks: rank 0's batches have images, rank 1's none.
 * DDP, tower skipped: trains (rank 1 reduces the tower's gradients as zeros) and equals one
   process;
 * FSDP2, the documented fix (the tower on a zero dummy image, output times 0): trains and
-  equals one process.
+  equals one process; also with ``check_unit_order=False`` (no guard, no hook);
+* the gloo group the guard uses over an NCCL dp group (``cpu_group``, the backend read as
+  NCCL): a new gloo group over the same ranks whose all-gather works.
 """
 
 from __future__ import annotations
 
 import time
 from typing import Any
+from unittest import mock
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from lightning_mmpar import MultimodalParallelStrategy
+from lightning_mmpar.parallel import unit_order
 from lightning_mmpar.testing import quiet_trainer
 
 LR, STEPS = 0.1, 2
@@ -94,11 +100,12 @@ def reference() -> dict[str, Tensor]:
     return {n: p.detach().clone() for n, p in module.named_parameters()}
 
 
-def _fit(rank: int, data_parallel: str, dummy: bool) -> dict[str, Any]:
+def _fit(rank: int, data_parallel: str, dummy: bool, check: bool = True) -> dict[str, Any]:
     start = time.perf_counter()
     module = OwnVLM(dummy)
+    strategy = MultimodalParallelStrategy(data_parallel=data_parallel, check_unit_order=check)
     trainer = quiet_trainer(
-        strategy=MultimodalParallelStrategy(data_parallel=data_parallel),
+        strategy=strategy,
         devices=2,
         max_epochs=1,
         use_distributed_sampler=False,
@@ -112,13 +119,35 @@ def _fit(rank: int, data_parallel: str, dummy: bool) -> dict[str, Any]:
         n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
         for n, p in module.named_parameters()
     }
-    return {"weights": weights, "seconds": time.perf_counter() - start}
+    guarded = strategy._unit_order is not None
+    hooks = sum(len(m._forward_pre_hooks) for m in module.modules())  # FSDP2's and the guard's
+    units = sum(isinstance(m, FSDPModule) for m in module.modules())
+    out = {"weights": weights, "seconds": time.perf_counter() - start}
+    return {**out, "guarded": guarded, "hooks": hooks, "units": units}
+
+
+def nccl_group(rank: int) -> dict[str, Any]:
+    """``cpu_group`` of the world group read as NCCL: a new gloo group, same ranks; the
+    ranks' all-gather over it."""
+    world = dist.group.WORLD
+    with mock.patch.object(unit_order, "_backend", return_value="nccl"):
+        group = unit_order.cpu_group(world)
+    parts = [torch.zeros(1, dtype=torch.int64) for _ in range(2)]
+    dist.all_gather(parts, torch.tensor([10 + rank]), group=group)
+    return {
+        "new": group is not world,
+        "backend": str(dist.get_backend(group)),
+        "ranks": dist.get_process_group_ranks(group),
+        "gathered": [int(p) for p in parts],
+    }
 
 
 def world(rank: int) -> dict[str, Any]:
-    """The three runs on this rank, by name."""
+    """The runs on this rank, by name."""
     return {  # the run that raises last
+        "nccl group": nccl_group(rank),
         "ddp skipped": _fit(rank, "ddp", dummy=False),
         "fsdp dummy": _fit(rank, "fsdp", dummy=True),
+        "fsdp dummy, unchecked": _fit(rank, "fsdp", dummy=True, check=False),
         "fsdp skipped": _fit(rank, "fsdp", dummy=False),
     }

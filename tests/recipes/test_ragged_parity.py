@@ -102,12 +102,21 @@ def test_own_module_that_skips_its_tower_on_one_rank_trains_or_stops_clearly() -
     process (rank 1 never ran the tower, yet its tower weights moved as rank 0's did)."""
     runs = [r["skipped tower"] for r in _world(2)]
     ref = sw.reference()
-    for name in ("ddp skipped", "fsdp dummy"):
+    for name in ("ddp skipped", "fsdp dummy", "fsdp dummy, unchecked"):
         for rank, run in enumerate(runs):
             assert "error" not in run[name], (name, rank, run[name].get("error"))
             got = run[name]["weights"]
             worst = max(float((got[n] - w).norm() / w.norm()) for n, w in ref.items())
             assert worst <= RTOL, (name, rank, worst)
+    for run in runs:  # check_unit_order=False: no guard, none of its pre-hooks (one per unit)
+        checked, unchecked = run["fsdp dummy"], run["fsdp dummy, unchecked"]
+        assert checked["guarded"] and not unchecked["guarded"], run
+        assert checked["units"] == unchecked["units"] > 0, run
+        assert checked["hooks"] == unchecked["hooks"] + checked["units"], run
+    for rank, run in enumerate(runs):  # the guard's gloo group beside an NCCL dp group
+        got = run["nccl group"]
+        assert got["new"] and got["backend"] == "gloo" and got["ranks"] == [0, 1], (rank, got)
+        assert got["gathered"] == [10, 11], (rank, got)
     messages = [run["fsdp skipped"].get("error", "no error") for run in runs]
     assert len(set(messages)) == 1, messages
     assert "rank 0: 'vision'; rank 1: 'layers.0'" in messages[0], messages[0]
