@@ -37,7 +37,9 @@ What runs, per batch (``accumulate`` batches per optimizer step; a dp rank's bat
   pass (two per micro-batch: the gradient cache's forward-only pass and the schedule's) and
   receives the gradient of every floating-point one once; the loss (24 bytes) and the logged
   terms (48 bytes) are broadcast from the last stage;
-* **loss** (``dp > 1``, on the last stage): the caption token count (8-byte all-reduce), three
+* **loss** (``dp > 1``, on the last stage): the caption token count (8-byte all-reduce; under
+  accumulation instead one per optimizer step on every rank: the window's count,
+  ``lightning_mmpar.parallel.token_windows``), three
   dp gathers of the image / text features (row counts: ``8 dp`` bytes; each tensor ``b dp``
   rows) whose two differentiable ones all-reduce their gradient in backward; every rank
   all-reduces the logged loss pair (8 bytes) and the term sums (48 bytes);
@@ -89,7 +91,7 @@ LOG_PAIR_BYTES = 8
 TERM_BYTES = 48
 """The recipe's ``[2, 3]`` float64 term sums."""
 TOKEN_BYTES = 8
-"""The caption's int64 token count."""
+"""The caption's token count (int64 per batch; float64 per accumulation window)."""
 LOSS_BYTES = 24
 """The pipeline's loss broadcast from the last stage: 3 float64 (the mean loss, a token loss's
 sum and its token count; ``PipelineEngine._broadcast_loss``)."""
@@ -349,9 +351,10 @@ def _count(
     # the loss and its logging
     if layout.dp_size > 1:
         loss = model.loss
+        if loss is not None and (acc > 1 or last in held):  # caption tokens: the accumulation
+            add("dp.all_reduce", TOKEN_BYTES, 1)  # window's on every rank, else the last stage's
         if loss is not None and last in held:
             rows = b * layout.dp_size * loss.feature_bytes
-            add("dp.all_reduce", acc * TOKEN_BYTES, acc)
             # per gather: the row counts, then the image and the text features
             add(
                 "dp.all_gather",

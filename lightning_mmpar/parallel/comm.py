@@ -22,6 +22,7 @@ from torch import Tensor
 __all__ = [
     "ReduceOp",
     "all_gather",
+    "all_gather_cpu",
     "all_gather_objects",
     "all_reduce",
     "all_to_all_counts",
@@ -115,6 +116,18 @@ def all_gather(t: Tensor, group: dist.ProcessGroup | None = None) -> list[Tensor
     parts = [torch.empty_like(work) for _ in range(size)]
     dist.all_gather(parts, work, group=group)
     return [p.to(t.device) for p in parts]
+
+
+def all_gather_cpu(t: Tensor, group: dist.ProcessGroup | None = None) -> list[Tensor]:
+    """Every rank's CPU tensor ``t`` (equal shapes), in group-rank order, exchanged as it is:
+    for a group whose backend takes CPU tensors (gloo, or ``cpu:gloo,cuda:nccl``), so the
+    exchange never waits on a GPU stream. ``[t]`` on one rank."""
+    size = group_size(group)
+    if size == 1:
+        return [t]
+    parts = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(parts, t, group=group)
+    return parts
 
 
 def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:

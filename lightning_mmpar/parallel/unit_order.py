@@ -127,9 +127,7 @@ class UnitOrderGuard:
                 names each rank's unit and the fix.
         """
         mine = torch.tensor([index], dtype=torch.int64)  # on the CPU: gloo, no GPU sync
-        parts = [torch.empty_like(mine) for _ in range(comm.group_size(self.group))]
-        dist.all_gather(parts, mine, group=self.group)
-        got = [int(t) for t in parts]
+        got = [int(t) for t in comm.all_gather_cpu(mine, self.group)]
         if len(set(got)) == 1:
             return
         where = "; ".join(f"rank {r}: {self._name(i)}" for r, i in enumerate(got))

@@ -63,6 +63,9 @@ def batches(steps: int = 2) -> list[dict[str, Any]]:
 LAYOUTS: tuple[pm.Layout, ...] = (
     pm.Layout("ragged dp2 fsdp", 2, {"data_parallel": "fsdp"}),
     pm.Layout("ragged dp2 ddp", 2, {"data_parallel": "ddp"}),
+    # one optimizer step over both batches: the caption term is the token mean of the window
+    # (its tokens summed over the dp ranks before its first batch), as on one process
+    pm.Layout("ragged dp2 fsdp, accumulate 2", 2, {"data_parallel": "fsdp"}, accumulate=2),
     pm.Layout("ragged tp2 + sp", 2, {"tensor_parallel": 2}, sequence_parallel=True),
     pm.Layout("ragged pp2 1f1b", 2, pm._pp("1f1b", 2, 2, 1)),
     pm.Layout("ragged pp2 x v2 interleaved", 2, pm._pp("interleaved_1f1b", 2, 2)),
@@ -78,9 +81,11 @@ LAYOUTS: tuple[pm.Layout, ...] = (
 )
 
 
-def reference(moe: str | None) -> rw.Recorder:
-    """One process on the same batches."""
-    return rw.fit(pm.build(VOCAB, moe), batches())
+def reference(moe: str | None, accumulate: int = 1) -> rw.Recorder:
+    """One process on the same batches (accumulating: under ``mm_parallel``, which counts
+    each accumulation window's tokens first)."""
+    strategy = MultimodalParallelStrategy() if accumulate > 1 else "auto"
+    return rw.fit(pm.build(VOCAB, moe), batches(), strategy=strategy, accumulate=accumulate)
 
 
 def run_layout(layout: pm.Layout, rank: int) -> dict[str, Any]:
@@ -90,7 +95,8 @@ def run_layout(layout: pm.Layout, rank: int) -> dict[str, Any]:
     module = pm.build(VOCAB, layout.moe, layout.sequence_parallel)
     module.text_length = TOKENS
     strategy = MultimodalParallelStrategy(**layout.strategy)
-    rec = rw.fit(module, local, strategy=strategy, devices=layout.world)
+    accumulate = layout.accumulate
+    rec = rw.fit(module, local, strategy=strategy, devices=layout.world, accumulate=accumulate)
     return {"losses": rec.losses, "grads": rec.grads, "seconds": time.perf_counter() - start}
 
 

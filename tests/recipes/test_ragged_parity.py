@@ -30,8 +30,9 @@ _WORLDS: dict[int, Any] = {}
 
 
 @pytest.fixture(scope="module")
-def references() -> dict[str | None, rw.Recorder]:
-    return {moe: rp.reference(moe) for moe in sorted({x.moe for x in rp.LAYOUTS}, key=str)}
+def references() -> dict[tuple[str | None, int], rw.Recorder]:
+    keys = sorted({(x.moe, x.accumulate) for x in rp.LAYOUTS}, key=str)
+    return {key: rp.reference(*key) for key in keys}
 
 
 def _world(size: int) -> list[dict[str, Any]]:
@@ -57,7 +58,7 @@ def test_batches_mix_text_only_one_and_three_image_samples() -> None:
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", rp.LAYOUTS, ids=[x.name for x in rp.LAYOUTS])
 def test_ragged_layout_matches_one_process(layout: Any, references: Any) -> None:
-    ref = references[layout.moe]
+    ref = references[layout.moe, layout.accumulate]
     results = [r[layout.name] for r in _world(layout.world)]
     grads: dict[str, Any] = {}
     loss_diff = 0.0

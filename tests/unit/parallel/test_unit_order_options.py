@@ -13,7 +13,7 @@ from torch import nn
 
 from lightning_mmpar import MultimodalParallelStrategy
 from lightning_mmpar.config import ParallelConfig
-from lightning_mmpar.parallel import unit_order
+from lightning_mmpar.parallel import comm, unit_order
 from lightning_mmpar.parallel.parallelize import ParallelizeOptions, split_pipeline
 
 
@@ -21,7 +21,7 @@ def test_check_unit_order_false_installs_no_guard(monkeypatch: pytest.MonkeyPatc
     """A module with its own steps and 2 units on 2 dp ranks (faked): guarded by default, one
     pre-hook per unit; with ``check_unit_order=False`` no guard and no hook."""
     monkeypatch.setattr(unit_order, "_is_unit", lambda m: isinstance(m, nn.Linear))
-    monkeypatch.setattr(unit_order.comm, "group_size", lambda group=None: 2)
+    monkeypatch.setattr(comm, "group_size", lambda group=None: 2)
     monkeypatch.setattr(unit_order, "cpu_group", lambda group: group)
     dims = SimpleNamespace(get_group=lambda name: None)
     for check in (True, False):
@@ -39,8 +39,11 @@ def test_check_unit_order_is_a_validated_strategy_argument() -> None:
         MultimodalParallelStrategy(check_unit_order="no")  # type: ignore[arg-type]
 
 
-def test_the_guard_exchanges_on_the_cpu_without_a_gpu_sync() -> None:
-    """One rank (no process group): the exchange is a CPU tensor's, whatever the device."""
+def test_the_guard_exchanges_on_the_cpu_without_a_gpu_sync(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two ranks (faked): the integer goes through the group as a CPU tensor, whatever the
+    device of the group's collectives (``comm.group_device`` would pick CUDA for NCCL)."""
     guard = unit_order.UnitOrderGuard([("a", nn.Linear(1, 1))], None)
     sent: list[torch.Tensor] = []
 
@@ -49,7 +52,8 @@ def test_the_guard_exchanges_on_the_cpu_without_a_gpu_sync() -> None:
         for p in parts:
             p.copy_(mine)
 
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(unit_order.dist, "all_gather", gather)
-        guard.check(0)
-    assert sent and sent[0].device.type == "cpu"
+    monkeypatch.setattr(comm, "group_size", lambda group=None: 2)
+    monkeypatch.setattr(comm, "group_device", lambda group=None: torch.device("cuda", 0))
+    monkeypatch.setattr(comm.dist, "all_gather", gather)
+    guard.check(0)
+    assert len(sent) == 1 and sent[0].device.type == "cpu"
