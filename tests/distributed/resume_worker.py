@@ -116,9 +116,13 @@ def train(
     save: bool = False,
     fp8: bool = False,
     dropout: float = 0.0,
+    accumulate: int = 1,
+    epoch: int = EPOCH,
+    save_every: int = SAVE_AT,
 ) -> dict[str, Any]:
-    """One run (adapter ``dropout``); returns the recorder's batches, losses, worker seeds and
-    callback states and the final weights."""
+    """One run (adapter ``dropout``; ``layout`` None: Lightning's own strategy, else
+    ``mm_parallel`` with it, ``{}`` on one process); returns the recorder's batches, losses,
+    worker seeds and callback states and the final weights."""
     seed_everything(0, workers=True)
     data = DigitsCaptions(
         image_size=16, batch_size=BATCH, max_length=rw.TEXT_LENGTH, num_workers=num_workers
@@ -132,12 +136,14 @@ def train(
     if fp8:
         callbacks.append(FP8FallbackCallback())
     if save:
-        callbacks.append(ModelCheckpoint(dirpath=root, filename="mid", every_n_train_steps=SAVE_AT))
+        every = save_every
+        callbacks.append(ModelCheckpoint(dirpath=root, filename="mid", every_n_train_steps=every))
     trainer = quiet_trainer(
-        strategy=MultimodalParallelStrategy(**layout) if layout else "auto",
+        strategy=MultimodalParallelStrategy(**layout) if layout is not None else "auto",
         devices=devices,
         max_steps=steps,
-        limit_train_batches=EPOCH,
+        accumulate_grad_batches=accumulate,
+        limit_train_batches=epoch,
         limit_val_batches=0,
         enable_checkpointing=save,
         default_root_dir=root,
@@ -161,6 +167,18 @@ def resume_runs(root: Path, rank: int, **kwargs: Any) -> dict[str, Any]:
     part = train(root / "part", rank, steps=SAVE_AT, save=True, **kwargs)
     ckpt = str(root / "part" / "mid.ckpt")
     resumed = train(root / "resumed", rank, steps=STEPS, ckpt_path=ckpt, **kwargs)
+    return {"full": full, "part": part, "resumed": resumed}
+
+
+def accumulation_runs(root: Path) -> dict[str, Any]:
+    """``mm_parallel`` on one process, ``accumulate_grad_batches=2``, 5 batches per epoch
+    (accumulation windows of 2, 2 and 1 batches, each fetched whole before its first batch):
+    4 steps uninterrupted, 2 steps and a checkpoint (mid-epoch, after batch 3), a resume to 4."""
+    kwargs: dict[str, Any] = {"layout": {}, "accumulate": 2, "epoch": 5, "save_every": 2}
+    full = train(root / "full", 0, steps=4, **kwargs)
+    part = train(root / "part", 0, steps=2, save=True, **kwargs)
+    saved = str(root / "part" / "mid.ckpt")
+    resumed = train(root / "resumed", 0, steps=4, ckpt_path=saved, **kwargs)
     return {"full": full, "part": part, "resumed": resumed}
 
 
