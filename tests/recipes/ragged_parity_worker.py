@@ -81,17 +81,31 @@ LAYOUTS: tuple[pm.Layout, ...] = (
 )
 
 
+def accumulation_batches() -> list[dict[str, Any]]:
+    """:func:`batches` with the second batch's targets cut after token 12 (its rows hold as
+    many target tokens as the first's otherwise: the window's token mean would equal the mean
+    of the two batches' token means, and accumulating would test nothing)."""
+    out = batches()
+    out[1]["labels"][:, 12:] = -100
+    return out
+
+
+def _data(accumulate: int) -> list[dict[str, Any]]:
+    return accumulation_batches() if accumulate > 1 else batches()
+
+
 def reference(moe: str | None, accumulate: int = 1) -> rw.Recorder:
     """One process on the same batches (accumulating: under ``mm_parallel``, which counts
     each accumulation window's tokens first)."""
     strategy = MultimodalParallelStrategy() if accumulate > 1 else "auto"
-    return rw.fit(pm.build(VOCAB, moe), batches(), strategy=strategy, accumulate=accumulate)
+    data = _data(accumulate)
+    return rw.fit(pm.build(VOCAB, moe), data, strategy=strategy, accumulate=accumulate)
 
 
 def run_layout(layout: pm.Layout, rank: int) -> dict[str, Any]:
     start = time.perf_counter()
     coords = layout.dims.rank_coords(rank)
-    local = [pm.dp_slice(b, layout.dims.dp, coords["dp"]) for b in batches()]
+    local = [pm.dp_slice(b, layout.dims.dp, coords["dp"]) for b in _data(layout.accumulate)]
     module = pm.build(VOCAB, layout.moe, layout.sequence_parallel)
     module.text_length = TOKENS
     strategy = MultimodalParallelStrategy(**layout.strategy)
