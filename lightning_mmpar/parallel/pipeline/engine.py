@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -139,7 +140,10 @@ class PipelineEngine:
         """This rank's stage indices, ascending."""
         self._unsplit: set[int] = set()  # stages whose zero-bubble split misses parameters
         self.observers: list[ps.StageObserver] = []
-        """Called after each stage action with ``(stage, action, micro_batch, start, end)``."""
+        """Called after each stage action with ``(stage, action, micro_batch, start, end)``,
+        and after each loss on the last stage (action ``"loss"``; micro-batch ``-1``: a
+        gradient-cache module's coupled loss of the whole batch)."""
+        self._losses_run = 0  # loss calls in the running schedule pass: the micro-batch index
         self.wait_observers: list[ps.WaitObserver] = []
         """Called after each point-to-point wait of the schedule with ``(start, end)``."""
         stage_of = [s for s, r in enumerate(ranges) for _ in r]
@@ -266,7 +270,7 @@ class PipelineEngine:
 
     def _build_schedule(self, stages: list[Any]) -> Any:
         n = self.config.num_micro_batches
-        return ps.build_schedule(self.config.schedule, stages, n, self._loss_fn)
+        return ps.build_schedule(self.config.schedule, stages, n, self._timed_loss)
 
     def stage_rank(self, stage: int) -> int:
         """Pipeline rank (in the pp group) that runs ``stage`` (loop or V layout)."""
@@ -309,6 +313,22 @@ class PipelineEngine:
     def _coupled(self) -> bool:
         module = self.module
         return isinstance(module, gc.BatchLossModule) and module.pipeline_batch_coupled()
+
+    def _observe(self, action: str, mb: int, start: float) -> None:
+        end = time.perf_counter()
+        for observer in list(self.observers):
+            observer(self.num_stages - 1, action, mb, start, end)
+
+    def _timed_loss(self, output: Any, target: Any) -> Tensor:
+        """:meth:`_loss_fn`, timed for the observers as the last stage's ``"loss"`` action (the
+        loss is that stage's work: torch's schedules run it between its actions)."""
+        if not self.observers:
+            return self._loss_fn(output, target)
+        start, mb = time.perf_counter(), self._losses_run
+        self._losses_run += 1
+        loss = self._loss_fn(output, target)
+        self._observe("loss", mb, start)
+        return loss
 
     def _loss_fn(self, output: Any, target: Any) -> Tensor:
         """The schedules' loss of one micro-batch on the last stage, by pass (``self._mode``):
@@ -393,6 +413,7 @@ class PipelineEngine:
                 self.rng.replay()
             else:
                 self._mode = "eval" if coupled else "plain"
+            self._losses_run = 0
             with ps.observing_waits(self.wait_observers):
                 if train:
                     schedule.step(*args, target=tgt, losses=losses, return_outputs=False)
@@ -414,12 +435,15 @@ class PipelineEngine:
         """Gradient cache, steps 1 and 2: a forward-only pass recording the RNG state of every
         forward and collecting the features on the last stage; there, the coupled loss of the
         whole batch and its gradient on each micro-batch's features."""
-        self._mode, self._features = "collect", []
+        self._mode, self._features, self._losses_run = "collect", [], 0
         self.rng.record()
         with torch.no_grad(), ps.observing_waits(self.wait_observers):
             schedule.eval(*args, target=target, losses=[])
         if self.has_last:
+            start = time.perf_counter()
             loss, self._grads = gc.batch_gradients(self.module, self._features)  # type: ignore[arg-type]
+            if self.observers:
+                self._observe("loss", -1, start)
             self._batch_loss = loss
             self._cached = self._features
         self._features = []
