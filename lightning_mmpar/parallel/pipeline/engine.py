@@ -95,7 +95,9 @@ class PipelineEngine:
 
     ``stage_ranges`` gives each stage's blocks (``pp * v`` contiguous non-empty ranges covering
     every block); ``None`` is :func:`partition`'s equal split. ``observers`` receive the timing
-    of every stage action (:data:`~lightning_mmpar.parallel.pipeline.schedules.StageObserver`),
+    of every stage action (:data:`~lightning_mmpar.parallel.pipeline.schedules.StageObserver`)
+    and of each loss on the last stage (action ``"loss"``, micro-batch ``-1`` for a
+    gradient-cache module's coupled loss of the whole batch: the loss is that stage's work),
     ``wait_observers`` of every point-to-point wait (:data:`~.schedules.WaitObserver`);
     :meth:`set_micro_batches` changes the micro-batch count between steps.
 
@@ -104,6 +106,9 @@ class PipelineEngine:
         ValueError: a trainable parameter of ``module`` is in no block (:func:`check_ownership`),
             or bad ``stage_ranges`` (:func:`~.schedules.check_stage_ranges`).
     """
+
+    _losses_run = 0
+    """Loss calls in the running schedule pass: the next loss's micro-batch index."""
 
     def __init__(
         self,
@@ -140,10 +145,7 @@ class PipelineEngine:
         """This rank's stage indices, ascending."""
         self._unsplit: set[int] = set()  # stages whose zero-bubble split misses parameters
         self.observers: list[ps.StageObserver] = []
-        """Called after each stage action with ``(stage, action, micro_batch, start, end)``,
-        and after each loss on the last stage (action ``"loss"``; micro-batch ``-1``: a
-        gradient-cache module's coupled loss of the whole batch)."""
-        self._losses_run = 0  # loss calls in the running schedule pass: the micro-batch index
+        """Called after each stage action and loss (see the class docstring)."""
         self.wait_observers: list[ps.WaitObserver] = []
         """Called after each point-to-point wait of the schedule with ``(start, end)``."""
         stage_of = [s for s, r in enumerate(ranges) for _ in r]
