@@ -1,5 +1,5 @@
-"""Cut an ordered list of costed blocks into pipeline stages: equal, ratio, balanced, memory,
-explicit boundaries; ``pp * v`` stages (virtual / interleaved stages in every mode).
+"""Cut an ordered list of costed blocks into pipeline stages: equal, ratio, balanced, measured,
+memory, explicit boundaries; ``pp * v`` stages (virtual / interleaved stages in every mode).
 
 Pure Python, model-agnostic: a :class:`BlockSpec` is a name, a kind and four numbers per block
 (a fusion model's come from ``FusionBlock.cost``, see ``ClipLlamaModule.pipeline_block_specs``).
