@@ -18,14 +18,20 @@ Within a world the configurations run round-robin (A B C A B C ...), so machine 
 alike. A step's time is the slowest rank's (``on_train_batch_start`` to ``_end``), medians over
 the measured steps of all rounds (the first steps build schedules and are skipped); the spread is
 the range of the per-round medians. The measured bubble comes from
-:class:`~lightning_mmpar.callbacks.PipelineTimeline` on one step per round (split into send/recv
-waits and host work between actions), next to the schedule's formula. Stage imbalance (max /
-mean stage FLOPs) is the partition's own figure.
+:class:`~lightning_mmpar.callbacks.PipelineTimeline` on every step after the first two of each
+run (medians over all of them; split into send/recv waits and host work between actions), next
+to the schedule's formula and the bubble at the measured stage costs (``stage_cost``: torch's
+action order simulated with each stage's median action times, the loss in the last stage's
+forward, free communication: what unequal stages alone leave). ``imbalance`` is max / mean
+stage FLOPs; ``measured_imbalance`` max / mean of the times ``partition="measured"`` took at
+set-up. ``--worlds pp2`` re-measures one world and keeps the others' rows from the existing
+JSON (``kept`` names their run).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -64,9 +70,14 @@ WORLDS: dict[str, tuple[int, list[Spec]]] = {
         [
             _pp(2, "1f1b", "equal"),
             _pp(2, "1f1b", "balanced"),
+            _pp(2, "1f1b", "measured"),
             _pp(2, "gpipe", "balanced"),
             *(_pp(2, s, "balanced", 2) for s in MULTI),
             _pp(2, "interleaved_1f1b", "ratio:2:1:1", 2),
+            *(
+                _pp(2, s, "measured", 2)
+                for s in ("interleaved_1f1b", "zbv_zero_bubble", "dualpipev")
+            ),
         ],
     ),
     "pp4": (
@@ -92,7 +103,7 @@ def run_one(
     world: str,
     spec: tuple[str, dict[str, Any], str],
     steps: int,
-    measure_step: int,
+    measure_steps: list[int],
     root: str,
 ) -> dict[str, Any]:
     from lightning_mmpar import MultimodalParallelStrategy
@@ -112,7 +123,7 @@ def run_one(
     timeline = None
     if args.get("pipeline_parallel", 1) > 1:
         path = Path(root) / f"{world}-{name.replace(' ', '_').replace(':', '-')}.png"
-        timeline = PipelineTimeline(steps=[measure_step], path=path)
+        timeline = PipelineTimeline(steps=measure_steps, path=path)
         callbacks.append(timeline)
     strategy_obj = MultimodalParallelStrategy(**args)
     trainer = quiet_trainer(
@@ -126,13 +137,28 @@ def run_one(
     out: dict[str, Any] = {"times": timer.times}
     plan = getattr(strategy_obj, "stage_plan", None)
     if plan is not None:
-        out["imbalance"] = plan.imbalance
+        out["imbalance"] = _flops_imbalance(plan)
         out["boundaries"] = list(plan.boundaries)
+        if plan.measured_imbalance is not None:
+            out["measured_imbalance"] = plan.measured_imbalance
     if timeline is not None and timeline.results:
-        r = timeline.results[-1]
-        out.update(measured=r["measured"], formula=r["formula"], measured_step=r["measured_step"])
-        out.update(wait=r["split"]["wait"], host=r["split"]["host"])
+        out["bubbles"] = [
+            {
+                "measured": r["measured"],
+                "formula": r["formula"],
+                "stage_cost": r["stage_cost"],
+                "wait": r["split"]["wait"],
+                "host": r["split"]["host"],
+            }
+            for r in timeline.results
+        ]
     return out
+
+
+def _flops_imbalance(plan: Any) -> float:
+    """max / mean stage FLOPs, whatever the plan balanced."""
+    flops = plan.stage_flops
+    return max(flops) / (sum(flops) / len(flops))
 
 
 def worker(
@@ -144,8 +170,9 @@ def worker(
     with tempfile.TemporaryDirectory() as root:
         for _ in range(rounds):
             for spec in specs:
+                measured = list(range(2, steps))  # steps 0 and 1 build the schedules
                 results[spec[0]].append(
-                    run_one(rank, world_size, world, spec, steps, steps - 2, root)
+                    run_one(rank, world_size, world, spec, steps, measured, root)
                 )
     return results
 
@@ -164,16 +191,17 @@ def summarise(per_rank: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
             "step_s": statistics.median(all_steps),
             "spread_s": [min(medians), max(medians)],
         }
-        runs0 = [run for r in per_rank for run in r[name]]
-        for key in ("imbalance", "boundaries"):
+        runs0 = per_rank[0][name]  # the timeline's results are the same on every rank
+        for key in ("imbalance", "boundaries", "measured_imbalance"):
             if key in runs0[0]:
                 row[key] = runs0[0][key]
-        bubbles = [run["measured"] for run in runs0 if "measured" in run]
+        bubbles = [b for run in runs0 for b in run.get("bubbles", [])]
         if bubbles:
-            row["bubble_measured"] = statistics.median(bubbles)
-            row["bubble_formula"] = next(run["formula"] for run in runs0 if "formula" in run)
-            row["bubble_wait"] = statistics.median(run["wait"] for run in runs0 if "wait" in run)
-            row["bubble_host"] = statistics.median(run["host"] for run in runs0 if "host" in run)
+            for key in ("measured", "formula", "stage_cost", "wait", "host"):
+                row[f"bubble_{key}"] = statistics.median(b[key] for b in bubbles)
+            row["bubble_steps"] = len(bubbles)
+            per_round = [statistics.median(b["measured"] for b in run["bubbles"]) for run in runs0]
+            row["bubble_spread"] = [min(per_round), max(per_round)]
         out[name] = row
     return out
 
@@ -203,6 +231,21 @@ def plot(results: dict[str, dict[str, Any]], out_dir: Path | None) -> Path:
     return path
 
 
+def _kept(results: dict[str, Any], out_dir: Path | None) -> dict[str, Any]:
+    """The worlds this run skipped (``--worlds``), from the existing JSON (under ``kept``: the
+    command and date of their run), so that one world can be re-measured alone."""
+    path = (out_dir or ROOT / "docs" / "results") / "pipeline.json"
+    if not path.exists():
+        return {}
+    old = json.loads(path.read_text())
+    kept = {w: rows for w, rows in old.get("results", {}).items() if w not in results}
+    if not kept:
+        return {}
+    results.update(kept)
+    when = old.get("date", "an earlier run")
+    return {"kept": {w: f"{old.get('command', '')}, {when}" for w in kept}}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from lightning_mmpar.testing import spawn
 
@@ -224,13 +267,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results[world] = summarise(per_rank, warmup=2)
         for name, row in results[world].items():
             extra = "".join(
-                f"  {k} {row[k]:.3f}"
+                f"  {k.removeprefix('bubble_')} {row[k]:.3f}"
                 for k in (
                     "imbalance",
+                    "measured_imbalance",
                     "bubble_measured",
+                    "bubble_stage_cost",
+                    "bubble_formula",
                     "bubble_wait",
                     "bubble_host",
-                    "bubble_formula",
                 )
                 if k in row
             )
@@ -243,8 +288,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "micro_batches": MICRO_BATCHES,
         },
         "wall_s": round(time.perf_counter() - started, 1),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "results": results,
     }
+    report.update(_kept(results, args.out_dir))
     write_result("pipeline", report, args.out_dir)
     plot(results, args.out_dir)
     return report

@@ -4,11 +4,11 @@
     python benchmarks/profile_pipeline.py --schedules 1f1b --steps 8 --repeats 3
 
 The model and data of ``benchmarks/bench_pipeline.py`` (``recipes/clip_llama_cpu.yaml``, batch
-72, 4 micro-batches, ``partition="balanced"``), one spawned 2-process gloo world per schedule
-and repeat, one thread per process. On every step after the first two, each rank splits the
-span of the training schedule (first action start to last action end over both ranks, clocks
-aligned by a barrier at the batch start: what :class:`~lightning_mmpar.callbacks.PipelineTimeline`
-measures) into:
+72, 4 micro-batches, ``partition="measured"`` unless ``--partition`` says otherwise), one
+spawned 2-process gloo world per schedule and repeat, one thread per process. On every step
+after the first two, each rank splits the span of the training schedule (first action start
+to last action end over both ranks, clocks aligned by a barrier at the batch start: what
+:class:`~lightning_mmpar.callbacks.PipelineTimeline` measures) into:
 
 * ``compute``: the stage actions (forward, backward, input / weight backward);
 * ``wait``: torch's point-to-point waits (the engine's ``wait_observers``): the peer's lateness
@@ -17,6 +17,10 @@ measures) into:
 * ``loss``: the loss on the last stage (torch's ``_maybe_compute_loss``, the engine's
   ``_loss_fn``);
 * ``host``: the rest (the schedule's bookkeeping between actions).
+
+The bubble is ``wait + post + host`` (what :class:`~lightning_mmpar.callbacks.PipelineTimeline`
+reports as its ``wait`` and ``host``): the loss and the tail of the gradient cache's
+forward-only pass (``earlier_pass``) are the ranks' work.
 
 Each as a share of the span (wall clock) and as CPU milliseconds of the process
 (``time.thread_time``): on a shared machine a descheduled process stretches every wall figure,
@@ -99,7 +103,7 @@ def _patch(rec: Recorder) -> None:
         setattr(base, name, _timed(getattr(base, name), None, rec))
 
 
-def run(rank: int, size: int, schedule: str, steps: int) -> list[list[Event]]:
+def run(rank: int, size: int, schedule: str, steps: int, partition: str) -> list[list[Event]]:
     from lightning_mmpar import MultimodalParallelStrategy
     from lightning_mmpar.recipes.partition import build_module
     from lightning_mmpar.testing import quiet_trainer
@@ -112,7 +116,7 @@ def run(rank: int, size: int, schedule: str, steps: int) -> list[list[Event]]:
         pipeline_parallel=2,
         virtual_pipeline=SCHEDULES[schedule],
         schedule=schedule,
-        partition="balanced",
+        partition=partition,
         micro_batches=4,
     )
     rec = Recorder(warmup=2)
@@ -189,7 +193,8 @@ def decompose(per_rank: list[list[Event]]) -> dict[str, Any]:
             actions=len(acts),
         )
         rows.append(row)
-    bubble = sum(1 - r["compute"] for r in rows) / len(rows)
+    work = ("compute", "earlier_pass", "loss")  # as PipelineTimeline: the loss is work
+    bubble = sum(1 - sum(r[k] for k in work) for r in rows) / len(rows)
     return {"bubble": bubble, "span_ms": 1e3 * span, "ranks": rows}
 
 
@@ -201,12 +206,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--schedules", default=",".join(SCHEDULES))
     p.add_argument("--steps", type=int, default=8, help="steps per run (2 warm-up)")
     p.add_argument("--repeats", type=int, default=1, help="runs per schedule (round-robin)")
+    p.add_argument("--partition", default="measured", help="the strategy's partition=")
     args = p.parse_args(argv)
     names = args.schedules.split(",")
     steps: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     for _ in range(args.repeats):
         for name in names:
-            out = spawn(run, 2, name, args.steps, timeout=900)
+            out = spawn(run, 2, name, args.steps, args.partition, timeout=900)
             steps[name] += [decompose([out[0][i], out[1][i]]) for i in range(len(out[0]))]
     report: dict[str, Any] = {}
     for name in names:

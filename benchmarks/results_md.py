@@ -27,16 +27,25 @@ def _ms(s: float) -> str:
 
 def _pipeline(r: dict[str, Any]) -> list[str]:
     out = [
-        "| world | configuration | step ms | bubble measured | bubble formula | imbalance |",
-        "|---|---|---|---|---|---|",
+        "| world | configuration | step ms | bubble measured | at the stage costs | formula | "
+        "wait | host | imbalance (FLOPs) | imbalance (timed) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    keys = (
+        "bubble_measured",
+        "bubble_stage_cost",
+        "bubble_formula",
+        "bubble_wait",
+        "bubble_host",
+        "imbalance",
+        "measured_imbalance",
+    )
     for world, rows in r["results"].items():
         for name, row in rows.items():
-            cells = [
-                f"{row[k]:.2f}" if k in row else ""
-                for k in ("bubble_measured", "bubble_formula", "imbalance")
-            ]
+            cells = [f"{row[k]:.2f}" if k in row else "" for k in keys]
             out.append(f"| {world} | {name} | {_ms(row['step_s'])} | " + " | ".join(cells) + " |")
+    for world, run in r.get("kept", {}).items():
+        out.append(f"\n{world}: kept from `{run}` (this run re-measured the other worlds).")
     return out
 
 

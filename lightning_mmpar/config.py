@@ -62,7 +62,9 @@ class ParallelConfig:
     partition: str | list[int] = "equal"
     """How the pipeline blocks are cut into ``pp * v`` stages
     (:func:`lightning_mmpar.layout.plan_stages`): ``equal``, ``balanced`` (least maximum stage
-    FLOPs), ``memory`` (least maximum stage bytes), ``ratio:V:A:D`` (vision : aligner : decoder
+    FLOPs), ``measured`` (least maximum stage time, each block's forward + backward timed at
+    set-up: :mod:`lightning_mmpar.parallel.pipeline.block_timing`), ``memory`` (least maximum
+    stage bytes), ``ratio:V:A:D`` (vision : aligner : decoder
     stage counts) or explicit boundaries (first block of stages 1 .. S-1)."""
     placement: str | list[int] | None = None
     """Global rank of each mesh position (topology-aware, :meth:`resolve_placement`): ``None`` /

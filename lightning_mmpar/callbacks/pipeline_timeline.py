@@ -42,6 +42,7 @@ one row per pipeline rank, a numbered box per action and micro-batch). Without a
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -52,8 +53,13 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_mmpar.layout.schedules import SCHEDULE_SOURCES, bubble_fraction
+from lightning_mmpar.layout.schedules import (
+    SCHEDULE_SOURCES,
+    SPLIT_BACKWARD_SCHEDULES,
+    bubble_fraction,
+)
 from lightning_mmpar.parallel import comm
+from lightning_mmpar.parallel.pipeline.simulation import stage_cost_bubble
 from lightning_mmpar.trainer_topology import TrainerTopology
 
 Interval = tuple[int, str, int, float, float]
@@ -64,6 +70,7 @@ ACTIONS = {
     "backward": ("B", "#55a868"),
     "backward_input": ("B", "#dd8452"),
     "backward_weight": ("W", "#8172b3"),
+    "loss": ("L", "#c44e52"),
 }
 """Engine action -> (label, colour) of the timeline."""
 
@@ -94,21 +101,32 @@ def _union_length(spans: list[tuple[float, float]]) -> float:
     return total
 
 
-def measured_bubble(per_rank: Sequence[Sequence[Interval]]) -> tuple[float, float]:
+def _busy(rank: Sequence[Interval], start: float, end: float) -> float:
+    """Union length of ``rank``'s intervals clipped to ``[start, end]``."""
+    return _union_length(_spans(rank, start, end))
+
+
+def measured_bubble(
+    per_rank: Sequence[Sequence[Interval]], busy: Sequence[Sequence[Interval]] | None = None
+) -> tuple[float, float]:
     """``(bubble, span)`` of one step from every pipeline rank's intervals (rank order).
 
-    ``bubble = sum_r (span - busy_r) / (span * ranks)``, ``busy_r`` the union length of rank
-    ``r``'s intervals, ``span`` from the first start to the last end over all ranks (seconds).
-    A rank without intervals counts as idle throughout. Raises ``ValueError`` when no rank has
-    an interval.
+    ``bubble = sum_r (span - busy_r) / (span * ranks)``, ``span`` from the first start to the
+    last end of ``per_rank`` over all ranks (seconds), ``busy_r`` the union length of rank
+    ``r``'s intervals in ``busy`` (default ``per_rank``) inside the span: the training pass's
+    span (:func:`last_pass`) with every action of the step counted as work (a rank still
+    finishing an earlier pass inside the span is busy, not idle). A rank without intervals
+    counts as idle throughout. Raises ``ValueError`` when no rank has an interval.
     """
     starts = [i[3] for rank in per_rank for i in rank]
     if not starts:
         raise ValueError("measured_bubble needs at least one interval; none was recorded.")
-    span = max(i[4] for rank in per_rank for i in rank) - min(starts)
+    start = min(starts)
+    span = max(i[4] for rank in per_rank for i in rank) - start
     if span <= 0:
         return 0.0, 0.0
-    idle = sum(span - _union_length([(i[3], i[4]) for i in rank]) for rank in per_rank)
+    work = per_rank if busy is None else busy
+    idle = sum(span - _busy(rank, start, start + span) for rank in work)
     return idle / (span * len(per_rank)), span
 
 
@@ -117,26 +135,35 @@ Wait = tuple[float, float]
 
 
 def bubble_split(
-    per_rank: Sequence[Sequence[Interval]], waits: Sequence[Sequence[Wait]]
+    per_rank: Sequence[Sequence[Interval]],
+    waits: Sequence[Sequence[Wait]],
+    busy: Sequence[Sequence[Interval]] | None = None,
 ) -> dict[str, Any]:
     """Where the step span goes, per pipeline rank (rank order) and in the mean over ranks:
-    ``compute`` (union of the rank's actions), ``wait`` (its point-to-point waits inside the
-    span) and ``host`` (the rest: the loss, the schedule's bookkeeping, posting sends and
-    receives), each a fraction of the span of ``per_rank`` (:func:`measured_bubble`), so
-    ``wait + host`` is the measured bubble. Raises ``ValueError`` as :func:`measured_bubble`.
+    ``compute`` (union of the rank's actions in ``busy``, default ``per_rank``: stage actions
+    and the loss), ``wait`` (its point-to-point waits inside the span, outside compute) and
+    ``host`` (the rest: the schedule's bookkeeping, posting sends and receives), each a fraction
+    of the span of ``per_rank`` (:func:`measured_bubble`), so ``wait + host`` is the measured
+    bubble. Raises ``ValueError`` as :func:`measured_bubble`.
     """
     _, span = measured_bubble(per_rank)
     start = min(i[3] for rank in per_rank for i in rank)
     end = start + span
     rows = []
-    for rank, rank_waits in zip(per_rank, waits, strict=True):
-        busy = _union_length([(i[3], i[4]) for i in rank])
+    for rank, rank_waits in zip(busy or per_rank, waits, strict=True):
+        work = _busy(rank, start, end)
         clipped = [(max(a, start), min(b, end)) for a, b in rank_waits]
-        wait = _union_length([(a, b) for a, b in clipped if b > a])
-        compute, wait = (busy / span, wait / span) if span > 0 else (0.0, 0.0)
+        both = _union_length([(a, b) for a, b in clipped if b > a] + _spans(rank, start, end))
+        wait = both - work  # a wait inside a loss or an action (none in torch's order) is work
+        compute, wait = (work / span, wait / span) if span > 0 else (0.0, 0.0)
         rows.append({"compute": compute, "wait": wait, "host": max(0.0, 1.0 - compute - wait)})
     mean = {k: sum(r[k] for r in rows) / len(rows) for k in ("compute", "wait", "host")}
     return {**mean, "ranks": rows}
+
+
+def _spans(rank: Sequence[Interval], start: float, end: float) -> list[tuple[float, float]]:
+    clipped = [(max(i[3], start), min(i[4], end)) for i in rank]
+    return [(a, b) for a, b in clipped if b > a]
 
 
 def last_pass(intervals: Sequence[Interval]) -> list[Interval]:
@@ -157,6 +184,32 @@ def last_pass(intervals: Sequence[Interval]) -> list[Interval]:
         seen.add(key)
         passes[-1].append(item)
     return passes[-1]
+
+
+_KIND = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W"}
+
+
+def stage_costs(
+    per_rank: Sequence[Sequence[Interval]], schedule: str
+) -> dict[int, dict[str, float]]:
+    """Each stage's median action durations in one training pass (:func:`last_pass` of every
+    rank), as :func:`~lightning_mmpar.parallel.pipeline.simulation.stage_cost_bubble` takes
+    them: ``F`` (plus the median loss on the stage that computes it), ``B``, or ``I`` and ``W``
+    under the zero-bubble schedules (a stage whose whole backward runs in the input step,
+    ``backward``, is its ``I``). Seconds."""
+    split = schedule in SPLIT_BACKWARD_SCHEDULES
+    times: dict[int, dict[str, list[float]]] = {}
+    for rank in per_rank:
+        for stage, action, mb, start, end in rank:
+            kind = "L" if action == "loss" else _KIND.get(action)
+            if kind is None or mb < 0:
+                continue
+            kind = "I" if split and kind == "B" else kind
+            times.setdefault(stage, {}).setdefault(kind, []).append(end - start)
+    costs = {s: {k: statistics.median(v) for k, v in kinds.items()} for s, kinds in times.items()}
+    for cost in costs.values():
+        cost["F"] = cost.get("F", 0.0) + cost.pop("L", 0.0)
+    return costs
 
 
 def draw_timeline(result: dict[str, Any], path: str | Path) -> Path | None:
@@ -365,6 +418,7 @@ class PipelineTimeline(Callback):
         for key, value in (
             ("measured", result["measured"]),
             ("formula", result["formula"]),
+            ("stage_cost", result["stage_cost"]),
             ("wait", result["split"]["wait"]),
             ("host", result["split"]["host"]),
         ):
@@ -381,8 +435,14 @@ class PipelineTimeline(Callback):
         pp, stages = int(engine.pp), int(engine.num_stages)
         m, schedule = self._m, str(engine.schedule_name)
         passes = [last_pass(rank) for rank in per_rank]
-        measured, span = measured_bubble(passes)
+        measured, span = measured_bubble(passes, per_rank)
         whole, step_span = measured_bubble(per_rank)
+        try:
+            at_costs = stage_cost_bubble(
+                schedule, pp, stages // pp, m, stage_costs(passes, schedule)
+            )
+        except ValueError:  # a stage without a recorded action (an aborted step)
+            at_costs = float("nan")
         return {
             "step": step,
             "schedule": schedule,
@@ -392,9 +452,10 @@ class PipelineTimeline(Callback):
             "micro_batches": m,
             "measured": measured,
             "formula": formula_bubble(schedule, pp, m, stages // pp),
+            "stage_cost": at_costs,
             "source": FORMULA_SOURCES.get(schedule, ""),
             "span_s": span,
-            "split": bubble_split(passes, waits),
+            "split": bubble_split(passes, waits, per_rank),
             "measured_step": whole,
             "step_span_s": step_span,
             "intervals": [[list(i) for i in rank] for rank in per_rank],

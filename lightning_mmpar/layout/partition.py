@@ -1,5 +1,5 @@
-"""Cut an ordered list of costed blocks into pipeline stages: equal, ratio, balanced, memory,
-explicit boundaries; ``pp * v`` stages (virtual / interleaved stages in every mode).
+"""Cut an ordered list of costed blocks into pipeline stages: equal, ratio, balanced, measured,
+memory, explicit boundaries; ``pp * v`` stages (virtual / interleaved stages in every mode).
 
 Pure Python, model-agnostic: a :class:`BlockSpec` is a name, a kind and four numbers per block
 (a fusion model's come from ``FusionBlock.cost``, see ``ClipLlamaModule.pipeline_block_specs``).
@@ -17,6 +17,11 @@ Modes (``partition=``):
   splits, the linear-partition problem; DeepSpeed's ``partition_method="parameters"`` balances a
   proxy instead). Among optimal plans the one with the least sum of squared stage costs wins,
   then the earliest cuts: deterministic.
+* ``measured``: the same minimisation on measured seconds (:attr:`BlockSpec.seconds`: each
+  block's forward + backward of one micro-batch, timed by the strategy at set-up); where
+  per-operator overhead, not FLOPs, sets a block's time (small blocks, CPUs), FLOPs mis-price
+  the stages. Blocks without times (the planner, a dry run, a preview: nothing was timed) are
+  cut as ``balanced``.
 * ``memory``: the same minimisation on stage bytes (below), optionally under a limit.
 * explicit boundaries ``[b1, ..., b_{S-1}]``: the first block of stages ``1 .. S-1``.
 
@@ -52,8 +57,8 @@ _TOWER_OF_KIND = {
     "head": "decoder",
 }
 _FIX = (
-    "use 'equal', 'balanced', 'memory', 'ratio:V:A:D' (vision:aligner:decoder stage counts) or "
-    "a list of stage boundaries such as [4, 9, 14]"
+    "use 'equal', 'balanced', 'measured', 'memory', 'ratio:V:A:D' (vision:aligner:decoder "
+    "stage counts) or a list of stage boundaries such as [4, 9, 14]"
 )
 
 
@@ -62,7 +67,7 @@ class Partition:
     """A parsed ``partition=`` value (:func:`parse_partition`)."""
 
     mode: str
-    """One of ``equal``, ``ratio``, ``balanced``, ``memory``, ``explicit``."""
+    """One of ``equal``, ``ratio``, ``balanced``, ``measured``, ``memory``, ``explicit``."""
     ratio: tuple[int, ...] = ()
     """``ratio``: stage counts of vision, aligner, decoder."""
     boundaries: tuple[int, ...] = ()
@@ -81,9 +86,9 @@ def parse_partition(
 ) -> Partition:
     """Validate a ``partition=`` value without a model (config time).
 
-    Accepts ``"equal"``, ``"balanced"``, ``"memory"``, ``"ratio:2:3:3"``, boundaries as a list
-    of ints or a string ``"4,9,14"``. ``num_stages`` (``pp * v``), when known, also checks the
-    ratio's sum and the number of boundaries.
+    Accepts ``"equal"``, ``"balanced"``, ``"measured"``, ``"memory"``, ``"ratio:2:3:3"``,
+    boundaries as a list of ints or a string ``"4,9,14"``. ``num_stages`` (``pp * v``), when
+    known, also checks the ratio's sum and the number of boundaries.
 
     Raises:
         ValueError: unknown mode, malformed ratio (three non-negative ints, not all zero),
@@ -111,7 +116,7 @@ def parse_partition(
 
 
 def _parse_text(text: str) -> Partition:
-    if text in ("equal", "balanced", "memory"):
+    if text in ("equal", "balanced", "measured", "memory"):
         return Partition(text)
     if text.startswith("ratio:"):
         fields = text.split(":")[1:]
@@ -273,9 +278,10 @@ def _ranges(
         return [range(bounds[s], bounds[s + 1]) for s in range(stages)]
     if part.mode == "ratio":
         return _ratio_ranges(part, blocks)
-    if part.mode == "balanced":
-        flops = _prefix([b.flops for b in blocks])
-        return _minimax(n, stages, lambda s, i, j: flops[j] - flops[i])
+    if part.mode in ("balanced", "measured"):
+        timed = part.mode == "measured" and all(b.seconds is not None for b in blocks)
+        cost = _prefix([float(b.seconds or 0.0) if timed else b.flops for b in blocks])
+        return _minimax(n, stages, lambda s, i, j: cost[j] - cost[i])
     # memory
     fixed = _prefix([b.parameter_bytes + 3 * b.trainable_bytes for b in blocks])
     act = _prefix([b.activation_bytes * mbs for b in blocks])

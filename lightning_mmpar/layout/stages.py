@@ -36,6 +36,9 @@ class BlockSpec:
     """Bytes of all of the block's parameters (global shapes)."""
     trainable_bytes: float
     """Bytes of its trainable parameters (gradient and two AdamW moments apply)."""
+    seconds: float | None = None
+    """Measured forward + backward seconds of one micro-batch (the last block's with the
+    loss); ``None``: not measured. The cost of ``partition="measured"``."""
 
 
 def parameter_bytes(block: Any) -> tuple[float, float]:
@@ -179,9 +182,31 @@ class StagePlan:
         return [tuple(dict.fromkeys(self.blocks[i].kind for i in r)) for r in self.ranges]
 
     @property
+    def stage_seconds(self) -> list[float] | None:
+        """Measured forward + backward seconds of one micro-batch per stage (``None`` unless
+        every block has :attr:`BlockSpec.seconds`)."""
+        if any(b.seconds is None for b in self.blocks):
+            return None
+        return self._sum("seconds")
+
+    @property
+    def stage_cost(self) -> list[float]:
+        """What the plan balanced: :attr:`stage_seconds` under ``partition="measured"``, else
+        :attr:`stage_flops`."""
+        seconds = self.stage_seconds
+        return seconds if self.mode == "measured" and seconds is not None else self.stage_flops
+
+    @property
     def imbalance(self) -> float:
-        """``max / mean`` stage FLOPs (1.0 = perfectly balanced; the pipeline runs at the max)."""
-        return _ratio(self.stage_flops)
+        """``max / mean`` of :attr:`stage_cost` (FLOPs, measured seconds under ``measured``;
+        1.0 = perfectly balanced; the pipeline runs at the max)."""
+        return _ratio(self.stage_cost)
+
+    @property
+    def measured_imbalance(self) -> float | None:
+        """``max / mean`` of :attr:`stage_seconds` (``None`` when the blocks were not timed)."""
+        seconds = self.stage_seconds
+        return None if seconds is None else _ratio(seconds)
 
     @property
     def memory_imbalance(self) -> float:
@@ -198,7 +223,7 @@ class StagePlan:
 
     def table(self) -> str:
         """Per stage: rank, blocks, kinds, cost share, parameters, activations, total bytes."""
-        total, flops, kinds = sum(self.stage_flops) or 1.0, self.stage_flops, self.stage_kinds
+        total, flops, kinds = sum(self.stage_cost) or 1.0, self.stage_cost, self.stage_kinds
         params, acts, mem = (
             self.stage_parameter_bytes,
             self.stage_activation_bytes,

@@ -98,8 +98,10 @@ class MultimodalParallelStrategy(
             ``looped_bfs``, ``interleaved_zero_bubble``, ``zbv_zero_bubble``, ``dualpipev``).
         data_parallel: ``"fsdp"`` (FSDP2 on the dp axis), ``"ddp"`` or ``"none"`` (only with a
             single data-parallel replica; refused otherwise).
-        partition: how blocks become stages: ``equal``, ``balanced``, ``memory``,
-            ``ratio:V:A:D`` or boundaries (:class:`ParallelConfig`); the plan is logged.
+        partition: how blocks become stages: ``equal``, ``balanced`` (FLOPs), ``measured``
+            (each block timed at set-up on one micro-batch of the first training batch),
+            ``memory``, ``ratio:V:A:D`` or boundaries (:class:`ParallelConfig`); the plan is
+            logged.
         placement: which global rank runs each mesh position (topology-aware placement,
             :mod:`lightning_mmpar.layout.placement`): ``None`` /
             ``"auto"`` (topology-aware from ``nvidia-smi topo -m`` on a CUDA machine, else

@@ -126,12 +126,15 @@ def check_timeline(results: list[dict[str, Any]], root: Path) -> None:
             assert abs(split["wait"] + split["host"] - t["measured"]) < 1e-9, (split, t)
             for stage, rank in enumerate(t["intervals"]):
                 seen = {(i[0], i[1], i[2]) for i in last_pass([tuple(i) for i in rank])}
-                want = {(stage, a, mb) for a in ("forward", "backward") for mb in range(m)}
+                acts = ("forward", "backward", "loss") if stage == 1 else ("forward", "backward")
+                want = {(stage, a, mb) for a in acts for mb in range(m)}  # the loss: stage 1's
                 assert seen == want, (name, t["step"], stage, seen)
+            assert 0.0 <= t["stage_cost"] < 1.0, t  # the bubble at these stage costs
             print(
                 f"{name} step {t['step']} m={m}: bubble measured {t['measured']:.3f} (whole "
                 f"step {t['measured_step']:.3f}; wait {split['wait']:.3f}, host "
-                f"{split['host']:.3f}), formula {t['formula']:.3f}, span {1e3 * t['span_s']:.1f} ms"
+                f"{split['host']:.3f}), formula {t['formula']:.3f}, at the stage costs "
+                f"{t['stage_cost']:.3f}, span {1e3 * t['span_s']:.1f} ms"
             )
         png = root / f"{name}.png"
         assert png.stat().st_size > 1000

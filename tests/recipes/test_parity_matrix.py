@@ -223,7 +223,8 @@ def _check_measured(layout: pm.Layout, results: list[dict[str, Any]]) -> None:
 def _check_engine(ranks: list[dict[str, dict[str, Any]]]) -> None:
     """:func:`parity_matrix_worker.engine_checks`: every schedule's loss, gradients (also after
     ``set_micro_batches(4)``) and eval loss equal autograd's; stages on the loop / V layout;
-    every stage reports its actions (split backward for the zero-bubble schedules)."""
+    every stage reports its actions (split backward for the zero-bubble schedules) and the last
+    stage its loss (action ``loss``)."""
     for name in ranks[0]:
         got = [r[name] for r in ranks]
         print(
@@ -236,7 +237,7 @@ def _check_engine(ranks: list[dict[str, dict[str, Any]]]) -> None:
             assert g["stages"] == g["owned"] and g["micro"] == [0, 1, 2, 3], (name, g)
         actions = {a for g in got for a in g["actions"]}
         split = {"backward_input", "backward_weight"}  # zero-bubble: dW deferred
-        assert "forward" in actions and actions <= split | {"forward", "backward"}, actions
+        assert {"forward", "loss"} <= actions <= split | {"forward", "backward", "loss"}, actions
         zero_bubble = "zero_bubble" in name or name == "dualpipev"
         assert split <= actions if zero_bubble else not split & actions, (name, actions)
         if name in ("gpipe", "1f1b"):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -94,7 +95,9 @@ class PipelineEngine:
 
     ``stage_ranges`` gives each stage's blocks (``pp * v`` contiguous non-empty ranges covering
     every block); ``None`` is :func:`partition`'s equal split. ``observers`` receive the timing
-    of every stage action (:data:`~lightning_mmpar.parallel.pipeline.schedules.StageObserver`),
+    of every stage action (:data:`~lightning_mmpar.parallel.pipeline.schedules.StageObserver`)
+    and of each loss on the last stage (action ``"loss"``, micro-batch ``-1`` for a
+    gradient-cache module's coupled loss of the whole batch: the loss is that stage's work),
     ``wait_observers`` of every point-to-point wait (:data:`~.schedules.WaitObserver`);
     :meth:`set_micro_batches` changes the micro-batch count between steps.
 
@@ -103,6 +106,9 @@ class PipelineEngine:
         ValueError: a trainable parameter of ``module`` is in no block (:func:`check_ownership`),
             or bad ``stage_ranges`` (:func:`~.schedules.check_stage_ranges`).
     """
+
+    _losses_run = 0
+    """Loss calls in the running schedule pass: the next loss's micro-batch index."""
 
     def __init__(
         self,
@@ -139,7 +145,7 @@ class PipelineEngine:
         """This rank's stage indices, ascending."""
         self._unsplit: set[int] = set()  # stages whose zero-bubble split misses parameters
         self.observers: list[ps.StageObserver] = []
-        """Called after each stage action with ``(stage, action, micro_batch, start, end)``."""
+        """Called after each stage action and loss (see the class docstring)."""
         self.wait_observers: list[ps.WaitObserver] = []
         """Called after each point-to-point wait of the schedule with ``(start, end)``."""
         stage_of = [s for s, r in enumerate(ranges) for _ in r]
@@ -266,7 +272,7 @@ class PipelineEngine:
 
     def _build_schedule(self, stages: list[Any]) -> Any:
         n = self.config.num_micro_batches
-        return ps.build_schedule(self.config.schedule, stages, n, self._loss_fn)
+        return ps.build_schedule(self.config.schedule, stages, n, self._timed_loss)
 
     def stage_rank(self, stage: int) -> int:
         """Pipeline rank (in the pp group) that runs ``stage`` (loop or V layout)."""
@@ -309,6 +315,22 @@ class PipelineEngine:
     def _coupled(self) -> bool:
         module = self.module
         return isinstance(module, gc.BatchLossModule) and module.pipeline_batch_coupled()
+
+    def _observe(self, action: str, mb: int, start: float) -> None:
+        end = time.perf_counter()
+        for observer in list(self.observers):
+            observer(self.num_stages - 1, action, mb, start, end)
+
+    def _timed_loss(self, output: Any, target: Any) -> Tensor:
+        """:meth:`_loss_fn`, timed for the observers as the last stage's ``"loss"`` action (the
+        loss is that stage's work: torch's schedules run it between its actions)."""
+        if not self.observers:
+            return self._loss_fn(output, target)
+        start, mb = time.perf_counter(), self._losses_run
+        self._losses_run += 1
+        loss = self._loss_fn(output, target)
+        self._observe("loss", mb, start)
+        return loss
 
     def _loss_fn(self, output: Any, target: Any) -> Tensor:
         """The schedules' loss of one micro-batch on the last stage, by pass (``self._mode``):
@@ -393,6 +415,7 @@ class PipelineEngine:
                 self.rng.replay()
             else:
                 self._mode = "eval" if coupled else "plain"
+            self._losses_run = 0
             with ps.observing_waits(self.wait_observers):
                 if train:
                     schedule.step(*args, target=tgt, losses=losses, return_outputs=False)
@@ -414,12 +437,15 @@ class PipelineEngine:
         """Gradient cache, steps 1 and 2: a forward-only pass recording the RNG state of every
         forward and collecting the features on the last stage; there, the coupled loss of the
         whole batch and its gradient on each micro-batch's features."""
-        self._mode, self._features = "collect", []
+        self._mode, self._features, self._losses_run = "collect", [], 0
         self.rng.record()
         with torch.no_grad(), ps.observing_waits(self.wait_observers):
             schedule.eval(*args, target=target, losses=[])
         if self.has_last:
+            start = time.perf_counter()
             loss, self._grads = gc.batch_gradients(self.module, self._features)  # type: ignore[arg-type]
+            if self.observers:
+                self._observe("loss", -1, start)
             self._batch_loss = loss
             self._cached = self._features
         self._features = []

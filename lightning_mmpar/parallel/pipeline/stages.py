@@ -8,8 +8,11 @@ explicit boundaries; ``balanced`` and ``memory`` need real costs and are refused
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
+
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_mmpar.config import ParallelConfig
 from lightning_mmpar.layout import (
@@ -37,7 +40,8 @@ def _unit_specs(blocks: Sequence[Any]) -> list[BlockSpec]:
 
 def _block_specs(module: Any, part: Partition) -> list[BlockSpec]:
     """One :class:`BlockSpec` per pipeline block: the module's own (``pipeline_block_specs()``)
-    or :func:`_unit_specs`; the costed modes (``balanced``, ``memory``) need the module's."""
+    or :func:`_unit_specs`; the costed modes (``balanced``, ``memory``) need the module's
+    (``measured`` works with either: it times the blocks)."""
     blocks = list(module.pipeline_blocks())
     specs_of = getattr(module, "pipeline_block_specs", None)
     costed = part.mode in ("balanced", "memory")
@@ -74,18 +78,33 @@ def module_stage_plan(
     micro_batch_size: int = 1,
     schedule: str = "1f1b",
     micro_batches: int | None = None,
+    block_seconds: Sequence[float] | None = None,
 ) -> StagePlan:
     """Cut ``module.pipeline_blocks()`` into ``pipeline_parallel * virtual_pipeline`` stages by
-    ``partition`` (``equal``, ``balanced``, ``memory``, ``ratio:V:A:D`` or boundaries).
+    ``partition`` (``equal``, ``balanced``, ``measured``, ``memory``, ``ratio:V:A:D`` or
+    boundaries). ``block_seconds``: each block's measured forward + backward seconds
+    (:func:`~lightning_mmpar.parallel.pipeline.block_timing.time_blocks`; what ``measured``
+    balances, shown by the plan of any mode).
 
     Call before the pipeline drops other stages' parameters (the specs count them all).
 
     Raises:
         ValueError: ``balanced`` / ``memory`` for a module without ``pipeline_block_specs()``,
-            specs not one per block, or any error of :func:`~lightning_mmpar.layout.plan_stages`.
+            ``measured`` without ``block_seconds``, specs or times not one per block, or any
+            error of :func:`~lightning_mmpar.layout.plan_stages`.
     """
     part = parse_partition(partition, pipeline_parallel * virtual_pipeline)
     specs = _block_specs(module, part)
+    if block_seconds is not None:
+        if len(block_seconds) != len(specs):
+            raise ValueError(
+                f"block_seconds has {len(block_seconds)} times for {len(specs)} pipeline "
+                "blocks; give one per block, in order (time_blocks does)."
+            )
+        specs = [
+            dataclasses.replace(b, seconds=float(t))
+            for b, t in zip(specs, block_seconds, strict=True)
+        ]
     m = micro_batches or pipeline_parallel
     return plan_stages(
         specs,
@@ -98,12 +117,34 @@ def module_stage_plan(
     )
 
 
+def _measured_seconds(module: Any, config: ParallelConfig) -> list[float] | None:
+    """Each block's measured seconds for ``partition="measured"`` (:mod:`.block_timing`: one
+    micro-batch of the first training batch, collective over every rank); ``None`` on the meta
+    device (a dry run: nothing to time, ``balanced``'s FLOPs instead, with a warning)."""
+    if str(config.partition) != "measured":
+        return None
+    if any(p.is_meta for p in module.parameters()):
+        rank_zero_warn(
+            "partition='measured': the parameters are on the meta device (a dry run), nothing "
+            "can be timed; the plan balances FLOPs ('balanced') instead."
+        )
+        return None
+    from lightning_mmpar.parallel.pipeline import block_timing
+
+    inputs, target = block_timing.first_batch(module, config.num_micro_batches)
+    blocks = list(module.pipeline_blocks())
+    return block_timing.time_blocks(blocks, inputs, target, module.pipeline_loss)
+
+
 def stage_plan_for(module: Any, config: ParallelConfig) -> StagePlan:
     """:func:`module_stage_plan` of a LightningModule for ``config`` (its ``partition``);
-    activation memory at its data module's ``batch_size / micro_batches`` when it has one."""
+    activation memory at its data module's ``batch_size / micro_batches`` when it has one.
+    ``partition="measured"`` times the blocks first (:func:`_measured_seconds`: collective
+    over every rank)."""
     data = getattr(getattr(module, "_trainer", None), "datamodule", None)
     batch = getattr(data, "batch_size", None)
     mbs = max(1, batch // config.num_micro_batches) if isinstance(batch, int) else 1
+    seconds = _measured_seconds(module, config)
     return module_stage_plan(
         module,
         config.pipeline_parallel,
@@ -112,4 +153,5 @@ def stage_plan_for(module: Any, config: ParallelConfig) -> StagePlan:
         micro_batch_size=mbs,
         schedule=config.schedule,
         micro_batches=config.num_micro_batches,
+        block_seconds=seconds,
     )

@@ -6,6 +6,7 @@ tests/recipes/pipeline_callbacks_worker.py (the 2-rank parity-matrix world)."""
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,6 +24,7 @@ from lightning_mmpar.callbacks.pipeline_timeline import (
     draw_timeline,
     last_pass,
     measured_bubble,
+    stage_costs,
 )
 from lightning_mmpar.testing import quiet_trainer
 
@@ -98,6 +100,29 @@ def test_bubble_split_charges_waits_and_host() -> None:
     assert split["compute"] == pytest.approx(0.5) and split["wait"] == pytest.approx(0.25)
 
 
+def test_earlier_pass_and_loss_are_work_not_bubble() -> None:
+    """A rank still finishing a forward-only pass inside the training span, or computing the
+    loss, is busy: with the whole step as ``busy`` only the true gaps are bubble."""
+    rank0 = [(0, "forward", 0, 0.0, 1.0), (0, "backward", 0, 3.0, 4.0)]
+    rank1 = [(1, "forward", 0, 1.0, 2.0), (1, "loss", 0, 2.0, 2.5), (1, "backward", 0, 2.5, 3.0)]
+    earlier = [(1, "forward", 0, -1.0, 0.5)]  # the cache pass's tail: 0.5 inside the span
+    training = [rank0, [rank1[0], rank1[2]]]
+    assert measured_bubble(training)[0] == pytest.approx(4.5 / 8)
+    assert measured_bubble(training, [rank0, earlier + rank1])[0] == pytest.approx(3.5 / 8)
+    split = bubble_split(training, [[(1.0, 3.0)], [(0.0, 1.0)]], [rank0, earlier + rank1])
+    assert split["ranks"][1] == pytest.approx({"compute": 0.625, "wait": 0.125, "host": 0.25})
+    assert split["ranks"][0] == pytest.approx({"compute": 0.5, "wait": 0.5, "host": 0.0})
+
+
+def test_stage_costs_add_the_loss_to_its_stage() -> None:
+    rank0 = [(0, "forward", i, 2.0 * i, 2.0 * i + 1) for i in range(3)]
+    rank1 = [(1, "forward", 0, 0.0, 2.0), (1, "loss", 0, 2.0, 2.5), (1, "backward", 0, 3.0, 7.0)]
+    rank1 += [(1, "loss", -1, 8.0, 9.0)]  # the coupled loss of the whole batch: not per mb
+    assert stage_costs([rank0, rank1], "1f1b") == {0: {"F": 1.0}, 1: {"F": 2.5, "B": 4.0}}
+    zb = stage_costs([[(0, "backward", 0, 0.0, 3.0), (0, "forward", 0, 0.0, 1.0)]], "dualpipev")
+    assert zb == {0: {"F": 1.0, "I": 3.0}}  # a whole backward in the input step is its I
+
+
 class FakeEngine:
     """The engine API the callbacks read."""
 
@@ -160,6 +185,8 @@ def test_callback_records_chosen_steps_logs_and_draws(tmp_path: Path) -> None:
         "host": 0.0,
         "ranks": [{"compute": 1.0, "wait": 0.0, "host": 0.0}],
     }
+    assert math.isnan(result["stage_cost"])  # pp 2 but one rank's intervals: stage 1 unknown
+    assert math.isnan(module.logged.pop("pipeline_bubble_stage_cost"))
     assert module.logged == {
         "pipeline_bubble_measured": result["measured"],
         "pipeline_bubble_formula": result["formula"],

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import random
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -260,3 +261,24 @@ def test_block_specs_of_the_cpu_recipe() -> None:
     assert sum(s.parameter_bytes for s in specs) == sum(p.numel() * 4 for p in params)
     trainable = sum(p.numel() * 4 for p in params if p.requires_grad)
     assert sum(s.trainable_bytes for s in specs) == trainable
+
+
+def test_measured_balances_seconds_not_flops() -> None:
+    """``measured`` cuts by :attr:`BlockSpec.seconds` (here the FLOPs say the opposite), reports
+    its imbalance in seconds, and without times (planner, dry run) cuts as ``balanced``."""
+    flops, seconds = (1.0, 1.0, 4.0, 4.0), (4.0, 4.0, 1.0, 1.0)
+    timed = [
+        BlockSpec(f"b{i}", "language", f, 0.0, 0.0, 0.0, seconds=t)
+        for i, (f, t) in enumerate(zip(flops, seconds, strict=True))
+    ]
+    plan = plan_stages(timed, 2, 1, "measured")
+    assert plan.boundaries == [1] and plan.stage_seconds == [4.0, 6.0]
+    assert plan.imbalance == pytest.approx(6 / 5) and plan.measured_imbalance == plan.imbalance
+    balanced = plan_stages(timed, 2, 1, "balanced")
+    assert balanced.boundaries == [3] and balanced.imbalance == pytest.approx(6 / 5)
+    assert balanced.measured_imbalance == pytest.approx(9 / 5)  # what the FLOPs cut costs
+    untimed = [replace(b, seconds=None) for b in timed]
+    assert plan_stages(untimed, 2, 1, "measured").boundaries == [3]
+    assert plan_stages(untimed, 2, 1, "measured").measured_imbalance is None
+    assert parse_partition("measured") == Partition("measured")
+    assert "measured" in plan.table()
