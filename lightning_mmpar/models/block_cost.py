@@ -87,10 +87,13 @@ class CostTally:
 
     def moe(self, routed: int, dim: int, config: Any, *, train: bool) -> None:
         """A mixture-of-experts FFN (``config``: an ``MoEConfig``) on ``routed`` tokens: the
-        router (``dim -> router_dim -> E``), then ``top_k`` routed plus the shared SwiGLU
-        experts per token (``train``: the experts take weight gradients)."""
-        self.matmul(routed, dim, config.router_dim, train=True)
-        self.matmul(routed, config.router_dim, config.num_experts, train=True)
+        router (``dim -> router_dim -> E``; ``dim -> E`` without a projection), then ``top_k``
+        routed plus the shared SwiGLU experts per token (``train``: the experts take weight
+        gradients)."""
+        router_dim = dim if config.router_dim is None else config.router_dim
+        if config.router_dim is not None:
+            self.matmul(routed, dim, router_dim, train=True)
+        self.matmul(routed, router_dim, config.num_experts, train=True)
         width = config.ffn_width * (config.top_k + config.num_shared_experts)
         for d_in, d_out in ((dim, width), (dim, width), (width, dim)):
             self.matmul(routed, d_in, d_out, train=train)

@@ -141,7 +141,8 @@ class MoEFeedForward(nn.Module):
     """Dual-channel top-k MoE replacing a SwiGLU FFN: ``[B, S, D] -> [B, S, D]``.
 
     ``y_t = sum_{e in kept routes of t} g_{t,e} FFN_e(x_t) + sum_s FFN_shared_s(x_t)``, and
-    ``y_t = 0`` for padded tokens. Parameters: ``router_proj`` (``D -> router_dim``, shared),
+    ``y_t = 0`` for padded tokens. Parameters: ``router_proj`` (``D -> router_dim``, shared;
+    an identity without parameters when ``router_dim`` is ``None``),
     ``router_gate [M, E, router_dim]`` (one head per modality), ``w_gate, w_up [E, D, F]``,
     ``w_down [E, F, D]``, optional ``shared`` SwiGLU of width ``num_shared_experts * F``. Buffers:
     ``expert_bias [M, E]`` (aux-loss-free selection bias, saved in checkpoints) and
@@ -164,8 +165,13 @@ class MoEFeedForward(nn.Module):
             raise ValueError(f"MoEFeedForward dim ({dim}) must be >= 1; pass the hidden size.")
         self.config = config
         n_mod, n_exp, width = len(config.modalities), config.num_experts, config.ffn_width
-        self.router_proj = nn.Linear(dim, config.router_dim, bias=False)
-        self.router_gate = nn.Parameter(torch.empty(n_mod, n_exp, config.router_dim))
+        router_dim = dim if config.router_dim is None else config.router_dim
+        self.router_proj: nn.Module = (
+            nn.Identity()
+            if config.router_dim is None
+            else nn.Linear(dim, config.router_dim, bias=False)
+        )
+        self.router_gate = nn.Parameter(torch.empty(n_mod, n_exp, router_dim))
         self.experts = GroupedExperts(n_exp, dim, width)
         self.shared: nn.ModuleDict | None = None
         if config.num_shared_experts:

@@ -54,8 +54,10 @@ class MoEConfig:
     temperature: float = 1.0
     """Router softmax temperature ``tau``: ``p = softmax(logits / tau)``; 1.0 is the plain
     softmax, below 1 sharpens and above 1 flattens the routing (any ``tau > 0`` is accepted)."""
-    router_dim: int = 64
-    """Width of the router's shared input projection ``x W_r`` (``D -> router_dim``)."""
+    router_dim: int | None = 64
+    """Width of the router's shared input projection ``x W_r`` (``D -> router_dim``);
+    ``None``: no projection, each router head reads ``x`` itself (``G_m [E, D]``, the plain
+    linear router of Mixtral / Qwen-MoE)."""
     modalities: tuple[str, ...] = ("text", "vision")
     """One router (channel) per modality; modality id ``i`` in the forward's ``modality``
     tensor selects channel ``i``. The default gives the dual-channel text/vision gate."""
@@ -91,7 +93,10 @@ class MoEConfig:
                 "lower top_k or add experts."
             )
         _positive_int("ffn_width", self.ffn_width, "give the experts an inner width")
-        _positive_int("router_dim", self.router_dim, "give the router projection a width")
+        if self.router_dim is not None:
+            _positive_int(
+                "router_dim", self.router_dim, "give the router projection a width, or None"
+            )
         if self.capacity_factor is not None and not self.capacity_factor > 0.0:
             raise ValueError(
                 f"MoEConfig.capacity_factor ({self.capacity_factor!r}) must be > 0; use e.g. "

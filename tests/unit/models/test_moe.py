@@ -445,3 +445,29 @@ def test_adapter_ffn_as_moe_routes_text_only_and_never_padding() -> None:
     assert int(adapter.moe.last_stats["text"].tokens) == 8
     with pytest.raises(ValueError, match=r"AdapterConfig.moe.modalities .*'vision'.* must include"):
         AdapterConfig(moe=MoEConfig(modalities=("vision",)))
+
+
+def test_router_without_projection_is_a_plain_linear_router() -> None:
+    """``router_dim=None``: no ``router_proj`` parameter, one head ``[E, D]`` read from ``x``
+    (Mixtral / Qwen-MoE's router); the gates are the renormalised top-k softmax of ``x G^T``."""
+    torch.manual_seed(0)
+    config = MoEConfig(
+        num_experts=4,
+        top_k=2,
+        ffn_width=8,
+        router_dim=None,
+        modalities=("text",),
+        capacity_factor=None,
+    )
+    layer = MoEFeedForward(16, config)
+    assert not any(n.startswith("router_proj") for n, _ in layer.named_parameters())
+    assert layer.router_gate.shape == (1, 4, 16)
+    x = torch.randn(2, 5, 16)
+    plan = layer.route(x, None, None)
+    probs = torch.softmax(x.reshape(-1, 16) @ layer.router_gate[0].t(), -1)
+    top = probs.topk(2, -1)
+    want = (top.values / top.values.sum(-1, keepdim=True)).t().reshape(-1)
+    order = torch.sort(top.indices.t().reshape(-1), stable=True).indices
+    assert torch.allclose(plan.gates, want[order])
+    with pytest.raises(ValueError, match="router_dim"):
+        MoEConfig(router_dim=0)

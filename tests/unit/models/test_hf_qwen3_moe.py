@@ -1,0 +1,205 @@
+"""Qwen3-VL-MoE through this package's blocks against transformers' own forward: a tiny model
+built offline from ``Qwen3VLMoeConfig`` (DeepStack, interpolated position grid, q/k norms,
+interleaved M-RoPE, top-2 of 4 experts, one dense layer); a batch with a text-only sample, a
+one-image sample and a sample with two images of different resolutions; unpacked and packed
+rows; logits, loss and gradients within 1e-5 relative; export refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_mmpar.losses import caption_loss
+from lightning_mmpar.models.hf.qwen3_convert import (
+    check_export,
+    export_qwen3_moe_vl_state,
+    qwen3_moe_vl_config,
+    qwen3_moe_vl_from_hf,
+    qwen3_moe_vl_from_transformers,
+    save_qwen3_moe_vl_hf,
+)
+from lightning_mmpar.models.moe import MoEFeedForward
+from tests.unit.models import qwen3_moe_cases as mc
+from tests.unit.models import qwen_vl_cases as qc
+
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[object, object]:
+    hf = mc.hf_model()
+    return hf, qwen3_moe_vl_from_transformers(hf).eval()
+
+
+def test_blocks_are_moe_with_one_dense_layer(pair: tuple[object, object]) -> None:
+    _, ours = pair
+    kinds = [isinstance(x.mlp, MoEFeedForward) for x in ours.language.layers]  # type: ignore[attr-defined]
+    assert kinds == [True, False, True]
+    assert ours.moe_layers() == ("language.layers.0.mlp", "language.layers.2.mlp")  # type: ignore[attr-defined]
+
+
+def test_positions_match_transformers_get_rope_index(pair: tuple[object, object]) -> None:
+    hf, _ = pair
+    inputs = qc.hf_inputs()
+    want, _ = hf.model.get_rope_index(  # type: ignore[attr-defined]
+        inputs["input_ids"],
+        inputs["mm_token_type_ids"],
+        image_grid_thw=inputs["image_grid_thw"],
+        attention_mask=inputs["attention_mask"],
+    )
+    got = qc.collate(pack=False)["position_ids"]
+    mask = inputs["attention_mask"].bool()
+    assert torch.equal(got.transpose(0, 1)[:, mask], want[:, mask])
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["one sample per row", "packed rows"])
+def test_logits_match_transformers(pair: tuple[object, object], pack: bool) -> None:
+    hf, ours = pair
+    want = mc.hf_logits(hf)
+    batch = qc.collate(pack=pack)
+    assert (batch["input_ids"].shape[0] < 3) == pack
+    with torch.no_grad():
+        got = ours(batch)  # type: ignore[operator]
+    unpacked = qc.collate(pack=False)
+    flat_got, flat_want = got[batch["sample_ids"] >= 0], want[unpacked["sample_ids"] >= 0]
+    assert qc.relative(flat_got, flat_want) <= RTOL
+
+
+def test_deepstack_and_position_grid_reach_the_logits(pair: tuple[object, object]) -> None:
+    """The parity above is not blind to the Qwen3-VL parts: zeroing a DeepStack merger or the
+    position grid changes the image samples' logits."""
+    _, ours = pair
+    batch = qc.collate(pack=False)
+    with torch.no_grad():
+        base = ours(batch)  # type: ignore[operator]
+        for param in (
+            ours.vision.deepstack_merger_list[1].mlp[2].weight,  # type: ignore[attr-defined]
+            ours.vision.patch_embed.pos_embed.weight,  # type: ignore[attr-defined]
+        ):
+            saved = param.clone()
+            param.zero_()
+            changed = ours(batch)  # type: ignore[operator]
+            param.copy_(saved)
+            assert qc.relative(changed[1:], base[1:]) > 1e-3
+            assert torch.equal(changed[0], base[0])  # the text-only row sees no image
+
+
+def test_training_step_matches_transformers(pair: tuple[object, object]) -> None:
+    """Loss and every gradient of one step (ours mapped to transformers' names: q/k/v and
+    the experts' gate/up fused) within 1e-5 relative."""
+    hf, ours = pair
+    inputs, batch = qc.hf_inputs(), qc.collate(pack=False)
+    hf.zero_grad()  # type: ignore[attr-defined]
+    want = hf(**inputs, labels=batch["labels"]).loss  # type: ignore[operator]
+    want.backward()
+    ours.zero_grad()  # type: ignore[attr-defined]
+    got = caption_loss(ours(batch), batch["labels"])  # type: ignore[operator]
+    got.backward()
+    assert abs(got.item() - want.item()) <= RTOL * abs(want.item())
+    want_grads = {n: p.grad for n, p in hf.named_parameters()}  # type: ignore[attr-defined]
+    ours_grads = {n: p.grad for n, p in ours.named_parameters()}  # type: ignore[attr-defined]
+    got_grads = export_qwen3_moe_vl_state(ours_grads, ours.config)  # type: ignore[attr-defined]
+    assert got_grads.keys() == want_grads.keys()
+    floor = 1e-6 * max(float(g.abs().max()) for g in want_grads.values())
+    worst = max(
+        float((got_grads[n] - g).abs().max()) / max(float(g.abs().max()), floor)
+        for n, g in want_grads.items()
+    )
+    assert worst <= RTOL, worst
+
+
+def test_export_gives_back_transformers_state_dict(pair: tuple[object, object]) -> None:
+    hf, ours = pair
+    exported = export_qwen3_moe_vl_state(ours.state_dict(), ours.config)  # type: ignore[attr-defined]
+    original = hf.state_dict()  # type: ignore[attr-defined]
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[k], original[k]) for k in original)
+
+
+@pytest.mark.parametrize(
+    ("field", "change"),
+    [
+        (
+            "rope_type",
+            {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}},
+        ),
+        ("attention_dropout", {"attention_dropout": 0.1}),
+        ("hidden_act", {"hidden_act": "gelu"}),
+        ("output_router_logits", {"output_router_logits": True}),
+        ("norm_topk_prob", {"norm_topk_prob": False}),
+        ("num_experts", {"num_experts": 0}),
+    ],
+)
+def test_unsupported_text_config_values_are_refused(field: str, change: dict[str, object]) -> None:
+    config = mc.hf_config()
+    for key, value in change.items():
+        setattr(config.text_config, key, value)
+    with pytest.raises(ValueError, match=field):
+        qwen3_moe_vl_config(config)
+
+
+def test_unsupported_vision_values_are_refused() -> None:
+    config = mc.hf_config()
+    config.vision_config.hidden_act = "relu"
+    with pytest.raises(ValueError, match=r"vision_config\.hidden_act"):
+        qwen3_moe_vl_config(config)
+    config = mc.hf_config()
+    config.vision_config.deepstack_visual_indexes = [0, 5]
+    with pytest.raises(ValueError, match=r"deepstack_visual_indexes"):
+        qwen3_moe_vl_config(config)
+
+
+def test_export_check_refuses_one_ep_ranks_experts_and_missing_tensors(
+    pair: tuple[object, object],
+) -> None:
+    """An expert tensor holding one ep rank's block ([E / 2, ...]) or a layer's experts left
+    out is refused with the tensor names and the byte totals (Megatron-Bridge #2300)."""
+    hf, ours = pair
+    expected = {k: (v.shape, v.dtype) for k, v in hf.state_dict().items()}  # type: ignore[attr-defined]
+    full = export_qwen3_moe_vl_state(ours.state_dict(), ours.config)  # type: ignore[attr-defined]
+    total = check_export(full, expected)
+    assert total == sum(v.numel() * v.element_size() for v in full.values())
+    key = "model.language_model.layers.2.mlp.experts.down_proj"
+    short = {**full, key: full[key][: mc.EXPERTS // 2]}
+    half = full[key].nbytes // 2
+    with pytest.raises(ValueError, match=rf"{total - half} of {total} bytes.*{key} \[2, 64, 48\]"):
+        check_export(short, expected)
+    gone = {k: v for k, v in full.items() if ".layers.0.mlp.experts." not in k}
+    with pytest.raises(ValueError, match=r"missing \[.*layers\.0\.mlp\.experts\.down_proj"):
+        check_export(gone, expected)
+
+
+def test_directory_round_trip_is_lossless(tmp_path: Path) -> None:
+    """save_pretrained -> qwen3_moe_vl_from_hf -> save_qwen3_moe_vl_hf -> from_pretrained: the
+    same tensor names, shapes, bytes and values (every expert), and the same logits."""
+    hf = mc.hf_model()
+    hf.save_pretrained(tmp_path / "original")
+    (tmp_path / "original" / "tokenizer_config.json").write_text("{}")
+    ours = qwen3_moe_vl_from_hf(tmp_path / "original").eval()
+    batch = qc.collate(pack=False)
+    keep = batch["sample_ids"] >= 0
+    with torch.no_grad():
+        assert qc.relative(ours(batch)[keep], mc.hf_logits(hf)[keep]) <= RTOL
+    written = save_qwen3_moe_vl_hf(ours, tmp_path / "original", tmp_path / "exported")
+    back = type(hf).from_pretrained(tmp_path / "exported").eval()
+    original, exported = hf.state_dict(), back.state_dict()
+    assert {k: v.shape for k, v in exported.items()} == {k: v.shape for k, v in original.items()}
+    assert sum(v.nbytes for v in written.values()) == sum(v.nbytes for v in original.values())
+    assert all(torch.equal(exported[k], original[k]) for k in original)
+    assert (tmp_path / "exported" / "tokenizer_config.json").is_file()
+    assert torch.equal(mc.hf_logits(back), mc.hf_logits(hf))
+
+
+def test_hub_layout_experts_are_read_transposed(pair: tuple[object, object]) -> None:
+    """Hub checkpoints store ``gate_up_proj [E, D, 2F]`` / ``down_proj [E, F, D]``: read to the
+    same weights as transformers' in-memory layout."""
+    from lightning_mmpar.models.hf.qwen3_convert import import_qwen3_moe_vl_state
+
+    hf, ours = pair
+    state = dict(hf.state_dict())  # type: ignore[attr-defined]
+    hub = {k: v.transpose(1, 2) if ".experts." in k else v for k, v in state.items()}
+    a = import_qwen3_moe_vl_state(state, ours.config)  # type: ignore[attr-defined]
+    b = import_qwen3_moe_vl_state(hub, ours.config)  # type: ignore[attr-defined]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
