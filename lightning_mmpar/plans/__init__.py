@@ -26,6 +26,7 @@ from lightning_mmpar.plans.plan import (
     plan_meshes,
     tp_meshes,
 )
+from lightning_mmpar.plans.qwen3_vl_moe import check_qwen3_moe_vl_layout, qwen3_moe_vl_plan
 from lightning_mmpar.plans.qwen_vl import check_qwen_vl_layout, qwen_vl_plan
 from lightning_mmpar.plans.toy import parallelize_toy, toy_plan
 
@@ -38,6 +39,7 @@ __all__ = [
     "apply_tensor_parallel",
     "apply_vision_data_parallel",
     "check_fusion_layout",
+    "check_qwen3_moe_vl_layout",
     "check_qwen_vl_layout",
     "check_vision_batch",
     "checkpoint_activations",
@@ -47,6 +49,7 @@ __all__ = [
     "parallelize_fusion",
     "parallelize_toy",
     "plan_meshes",
+    "qwen3_moe_vl_plan",
     "qwen_vl_plan",
     "toy_plan",
     "tp_meshes",

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from lightning_mmpar.models.hf.qwen3_vision import Qwen3VisionConfig
@@ -423,7 +424,9 @@ def save_qwen3_moe_vl_hf(
     for the architecture of the directory ``original`` (its config; its tokenizer / processor
     files copied), through transformers' ``save_pretrained``; then read the written files back
     and check them (:func:`check_export`). Returns the tensors written. A tied source is
-    written untied.
+    written untied. Under ``torch.distributed`` every rank may call it with the gathered state
+    (:func:`lightning_mmpar.parallel.tensor.full_state_dict`): global rank 0 writes and checks
+    (transformers' rule), the others check the state only; barrier before reading it back.
 
     Raises:
         ValueError: a sharded ``DTensor`` in ``source``; tensors missing or short (experts of
@@ -438,6 +441,8 @@ def save_qwen3_moe_vl_hf(
     check_export(tensors, expected)
     model.load_state_dict(tensors, strict=True, assign=True)
     model.save_pretrained(str(path))
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return tensors  # transformers writes on global rank 0 only
     for file in original.iterdir():
         keep = file.is_file() and not file.name.endswith(".safetensors")
         if keep and file.name not in ("config.json", "model.safetensors.index.json"):

@@ -1,0 +1,135 @@
+"""Qwen3-VL-MoE through the layouts (issue 29 items 3 and 5): the model's pipeline blocks under
+:func:`~lightning_mmpar.plans.qwen3_vl_moe.qwen3_moe_vl_plan`, trained two steps on the batches
+of :mod:`qwen_vl_worker` (a text-only sample, one-image samples, a sample with two images of
+different resolutions; step 2 packed) in one spawned 2-process world (ep2, tp2, pp2) against
+one process; then the export of an ep2 model (experts sharded) back to a transformers
+directory, and the refusal of an export holding one rank's experts only.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from lightning_mmpar import MultimodalParallelStrategy
+from lightning_mmpar.models.hf.qwen3_convert import (
+    qwen3_moe_vl_from_transformers,
+    save_qwen3_moe_vl_hf,
+)
+from lightning_mmpar.models.hf.qwen3_vl_moe import Qwen3MoeVLModel
+from lightning_mmpar.parallel.experts import apply_expert_parallel
+from lightning_mmpar.parallel.parallelize import ParallelPlan
+from lightning_mmpar.parallel.tensor import full_state_dict
+from lightning_mmpar.plans.qwen3_vl_moe import qwen3_moe_vl_plan
+from lightning_mmpar.topology import ParallelDims
+from tests.recipes import parity_matrix_worker as pm
+from tests.recipes import qwen_vl_worker as qw
+from tests.recipes import recipe_faults_worker as rw
+from tests.unit.models import qwen3_moe_cases as mc
+
+
+class Qwen3MoeModule(qw.QwenVLModule):
+    """:class:`qwen_vl_worker.QwenVLModule` over the converted Qwen3-VL-MoE and its plan."""
+
+    def configure_model(self) -> None:
+        if self.blocks is not None:
+            return
+        model = qwen3_moe_vl_from_transformers(mc.hf_model()).train()
+        self._model = (model,)  # type: ignore[assignment]
+        self.blocks = nn.ModuleList(model.pipeline_blocks())
+
+    def parallel_plan(self, dims: ParallelDims) -> ParallelPlan:
+        model = self._model[0]
+        assert isinstance(model, Qwen3MoeVLModel)
+        return qwen3_moe_vl_plan(
+            model,
+            vision_parallel=self.vision_parallel,  # type: ignore[arg-type]
+            dims=dims,
+            pipeline_blocks=self.pipeline_blocks,
+        )
+
+
+LAYOUTS: tuple[pm.Layout, ...] = (
+    pm.Layout("qwen3_vl_moe ep2 fsdp", 2, {"expert_parallel": 2}),
+    pm.Layout("qwen3_vl_moe ep2 ddp", 2, {"expert_parallel": 2, "data_parallel": "ddp"}),
+    pm.Layout("qwen3_vl_moe tp2", 2, {"tensor_parallel": 2}),
+    pm.Layout("qwen3_vl_moe pp2 1f1b", 2, pm._pp("1f1b", 2, 2, 1)),
+)
+
+
+def reference() -> rw.Recorder:
+    """One process on the same batches."""
+    return rw.fit(Qwen3MoeModule("qwen3_vl_moe"), qw.batches())  # type: ignore[arg-type]
+
+
+def run_layout(layout: pm.Layout, rank: int) -> dict[str, Any]:
+    """Train ``layout`` on this rank (its dp share of every batch)."""
+    start = time.perf_counter()
+    coords = layout.dims.rank_coords(rank)
+    local = [pm.dp_slice(b, layout.dims.dp, coords["dp"]) for b in qw.batches()]
+    module = Qwen3MoeModule("qwen3_vl_moe", layout.vision_parallel)
+    strategy = MultimodalParallelStrategy(**layout.strategy)
+    rec = rw.fit(module, local, strategy=strategy, devices=layout.world)  # type: ignore[arg-type]
+    return {"losses": rec.losses, "grads": rec.grads, "seconds": time.perf_counter() - start}
+
+
+def ep_export(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """The converted model with its experts sharded over an ep mesh of the world (each rank
+    holds ``E / ep`` experts of every MoE layer), exported: first this rank's local tensors
+    (refused), then the gathered full state; the written directory loaded back by
+    ``from_pretrained`` and compared tensor by tensor with the original model."""
+    start = time.perf_counter()
+    hf = mc.hf_model()
+    original, out, short = (Path(root) / name for name in ("original", "out", "short"))
+    hf.save_pretrained(original)  # transformers writes on rank 0 only
+    dist.barrier()
+    model = qwen3_moe_vl_from_transformers(hf)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
+    for path in model.moe_layers():
+        apply_expert_parallel(model.get_submodule(path), mesh)
+    state = model.state_dict()
+    local_experts = [tuple(v.to_local().shape) for v in state.values() if isinstance(v, DTensor)]
+    local = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in state.items()}
+    refused = ""
+    try:
+        save_qwen3_moe_vl_hf(local, original, short)
+    except ValueError as err:
+        refused = str(err)
+    written = save_qwen3_moe_vl_hf(full_state_dict(model), original, out)
+    dist.barrier()
+    back = type(hf).from_pretrained(out).eval()
+    want, got = hf.state_dict(), back.state_dict()
+    return {
+        "local_experts": local_experts,
+        "refused": refused,
+        "short_written": short.exists(),
+        "names": sorted(got) == sorted(want),
+        "diff": max(float((got[k] - want[k]).abs().max()) for k in want),
+        "bytes": (sum(v.nbytes for v in written.values()), sum(v.nbytes for v in want.values())),
+        "experts": [tuple(v.shape) for k, v in got.items() if ".experts." in k],
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def world(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Every layout on this rank (``{name: result}``), then the ep2 export."""
+    names = pm.only()
+    out: dict[str, Any] = {
+        x.name: pm.named(x.name, rank, run_layout, x, rank)
+        for x in LAYOUTS
+        if not names or x.name in names
+    }
+    out["ep2 export"] = pm.named("ep2 export", rank, ep_export, rank, world_size, root)
+    return out
+
+
+def one_process_weights() -> dict[str, torch.Tensor]:
+    """The transformers model's state dict (what every export must give back)."""
+    return dict(mc.hf_model().state_dict())
