@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from lightning_mmpar.models.hf.qwen3_vision import Qwen3VisionConfig
@@ -441,7 +440,7 @@ def save_qwen3_moe_vl_hf(
     check_export(tensors, expected)
     model.load_state_dict(tensors, strict=True, assign=True)
     model.save_pretrained(str(path))
-    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+    if not getattr(model, "should_save_on_this_rank", lambda main: main)(True):
         return tensors  # transformers writes on global rank 0 only
     for file in original.iterdir():
         keep = file.is_file() and not file.name.endswith(".safetensors")
