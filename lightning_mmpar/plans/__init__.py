@@ -26,7 +26,7 @@ from lightning_mmpar.plans.plan import (
     plan_meshes,
     tp_meshes,
 )
-from lightning_mmpar.plans.qwen3_vl_moe import check_qwen3_moe_vl_layout, qwen3_moe_vl_plan
+from lightning_mmpar.plans.qwen3_moe_vl import check_qwen3_moe_vl_layout, qwen3_moe_vl_plan
 from lightning_mmpar.plans.qwen_vl import check_qwen_vl_layout, qwen_vl_plan
 from lightning_mmpar.plans.toy import parallelize_toy, toy_plan
 

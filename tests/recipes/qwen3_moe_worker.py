@@ -1,5 +1,5 @@
 """Qwen3-VL-MoE through the layouts (issue 29 items 3 and 5): the model's pipeline blocks under
-:func:`~lightning_mmpar.plans.qwen3_vl_moe.qwen3_moe_vl_plan`, trained two steps on the batches
+:func:`~lightning_mmpar.plans.qwen3_moe_vl.qwen3_moe_vl_plan`, trained two steps on the batches
 of :mod:`qwen_vl_worker` (a text-only sample, one-image samples, a sample with two images of
 different resolutions; step 2 packed) in one spawned 2-process world (ep2, tp2, pp2) against
 one process; then the export of an ep2 model (experts sharded) back to a transformers
@@ -27,7 +27,7 @@ from lightning_mmpar.models.hf.qwen3_vl_moe import Qwen3MoeVLModel
 from lightning_mmpar.parallel.experts import apply_expert_parallel
 from lightning_mmpar.parallel.parallelize import ParallelPlan
 from lightning_mmpar.parallel.tensor import full_state_dict
-from lightning_mmpar.plans.qwen3_vl_moe import qwen3_moe_vl_plan
+from lightning_mmpar.plans.qwen3_moe_vl import qwen3_moe_vl_plan
 from lightning_mmpar.topology import ParallelDims
 from tests.recipes import parity_matrix_worker as pm
 from tests.recipes import qwen_vl_worker as qw

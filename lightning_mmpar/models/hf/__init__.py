@@ -12,7 +12,10 @@ Qwen2-VL / Qwen2.5-VL (``model_type`` in :data:`~lightning_mmpar.models.hf.qwen_
 QWEN_FAMILIES`) are their own model, :class:`~lightning_mmpar.models.hf.qwen2_vl.QwenVLModel`
 (a dynamic-resolution ViT and M-RoPE do not fit :class:`FusionModel`): :func:`from_hf` and
 :func:`save_hf` dispatch them to :mod:`~lightning_mmpar.models.hf.qwen_convert`; the recipe's
-``model.pretrained.hf`` (a :class:`FusionModel`) refuses them.
+``model.pretrained.hf`` (a :class:`FusionModel`) refuses them. Qwen3-VL-MoE (``model_type``
+in :data:`~lightning_mmpar.models.hf.qwen3_convert.QWEN3_MOE_FAMILIES`) likewise is
+:class:`~lightning_mmpar.models.hf.qwen3_vl_moe.Qwen3MoeVLModel`, dispatched to
+:mod:`~lightning_mmpar.models.hf.qwen3_convert`.
 """
 
 from __future__ import annotations
@@ -29,6 +32,12 @@ from lightning_mmpar.models.hf.checkpoint import hf_config, read_state, write_hf
 from lightning_mmpar.models.hf.family import HFFamily
 from lightning_mmpar.models.hf.llava_family import LLAVA
 from lightning_mmpar.models.hf.qwen2_vl import QwenVLModel
+from lightning_mmpar.models.hf.qwen3_convert import (
+    QWEN3_MOE_FAMILIES,
+    qwen3_moe_vl_from_hf,
+    save_qwen3_moe_vl_hf,
+)
+from lightning_mmpar.models.hf.qwen3_vl_moe import Qwen3MoeVLModel
 from lightning_mmpar.models.hf.qwen_convert import QWEN_FAMILIES, qwen_vl_from_hf, save_qwen_vl_hf
 
 __all__ = ["FAMILIES", "HFFamily", "family_of", "from_hf", "hf_fusion_config", "save_hf"]
@@ -44,7 +53,7 @@ def family_of(config: Any) -> HFFamily:
         ValueError: its ``model_type`` has no family, naming it and the supported ones.
     """
     family = FAMILIES.get(config.model_type)
-    if config.model_type in QWEN_FAMILIES:
+    if config.model_type in QWEN_FAMILIES or config.model_type in QWEN3_MOE_FAMILIES:
         raise ValueError(
             f"config.json model_type {config.model_type!r} is a Qwen-VL model (QwenVLModel), "
             "not a FusionModel: load it with lightning_mmpar.models.from_hf; the recipe's "
@@ -74,11 +83,13 @@ def hf_fusion_config(path: str | Path, **overrides: Any) -> FusionConfig:
     return dataclasses.replace(fusion, **overrides)
 
 
-def from_hf(path: str | Path, **overrides: Any) -> FusionModel | QwenVLModel:
+def from_hf(path: str | Path, **overrides: Any) -> FusionModel | QwenVLModel | Qwen3MoeVLModel:
     """A :class:`FusionModel` holding the weights of the transformers checkpoint directory
     ``path`` (``config.json`` + ``model.safetensors`` or an index), on the CPU; a
     :class:`QwenVLModel` for a Qwen2-VL / Qwen2.5-VL directory
-    (:func:`~lightning_mmpar.models.hf.qwen_convert.qwen_vl_from_hf`, no overrides).
+    (:func:`~lightning_mmpar.models.hf.qwen_convert.qwen_vl_from_hf`, no overrides); a
+    :class:`Qwen3MoeVLModel` for a Qwen3-VL-MoE directory
+    (:func:`~lightning_mmpar.models.hf.qwen3_convert.qwen3_moe_vl_from_hf`, no overrides).
 
     Parts the checkpoint lacks (the contrastive heads) start fresh from the current RNG;
     ``overrides`` as in :func:`hf_fusion_config`. Logits on a ragged batch
@@ -92,6 +103,10 @@ def from_hf(path: str | Path, **overrides: Any) -> FusionModel | QwenVLModel:
         if overrides:
             raise ValueError(f"from_hf overrides {sorted(overrides)} are not for Qwen-VL.")
         return qwen_vl_from_hf(path)
+    if config.model_type in QWEN3_MOE_FAMILIES:
+        if overrides:
+            raise ValueError(f"from_hf overrides {sorted(overrides)} are not for Qwen3-VL-MoE.")
+        return qwen3_moe_vl_from_hf(path)
     family = family_of(config)
     model = FusionModel(hf_fusion_config(path, **overrides))
     ours = model.state_dict()
@@ -107,7 +122,7 @@ def from_hf(path: str | Path, **overrides: Any) -> FusionModel | QwenVLModel:
 
 
 def save_hf(
-    source: FusionModel | QwenVLModel | Mapping[str, Tensor],
+    source: FusionModel | QwenVLModel | Qwen3MoeVLModel | Mapping[str, Tensor],
     original: str | Path,
     path: str | Path,
 ) -> dict[str, Tensor]:
@@ -123,4 +138,6 @@ def save_hf(
     config = hf_config(original)
     if config.model_type in QWEN_FAMILIES:
         return save_qwen_vl_hf(state, original, path)
+    if config.model_type in QWEN3_MOE_FAMILIES:
+        return save_qwen3_moe_vl_hf(state, original, path)
     return write_hf(family_of(config), state, original, path)

@@ -37,7 +37,13 @@ from torch import Tensor
 
 from lightning_mmpar.models.hf.qwen3_vision import Qwen3VisionConfig
 from lightning_mmpar.models.hf.qwen3_vl_moe import Qwen3MoeVLConfig, Qwen3MoeVLModel
-from lightning_mmpar.models.hf.qwen_convert import _check_text, _hf_config, _read_tensors, _rope
+from lightning_mmpar.models.hf.qwen_convert import (
+    ROPE_KEYS,
+    _check_text,
+    _hf_config,
+    _read_tensors,
+    _side,
+)
 from lightning_mmpar.models.hf.qwen_vision import ACTIVATIONS
 from lightning_mmpar.models.language import LanguageConfig
 from lightning_mmpar.models.moe import MoEFeedForward
@@ -57,6 +63,25 @@ __all__ = [
 QWEN3_MOE_FAMILIES: dict[str, str] = {"qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}
 """``config.model_type`` -> the transformers class this package matches (for ``from_hf``'s
 ``FAMILIES``)."""
+
+
+def _rope(text: Any) -> dict[str, Any]:
+    """``rope_parameters`` of the text config; ``mrope_interleaved`` is accepted with any value
+    (transformers' Qwen3-VL always interleaves, as this model does)."""
+    rope = dict(getattr(text, "rope_parameters", None) or {})
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", "mrope"):
+        raise ValueError(
+            f"text_config.rope_parameters.rope_type {kind!r} is not supported (RoPE scaling "
+            "changes the positions' math); only 'default' / 'mrope' are."
+        )
+    known = ROPE_KEYS | {"mrope_interleaved"}
+    if extra := sorted(rope.keys() - known):
+        raise ValueError(
+            f"text_config.rope_parameters {extra} are not supported (only {sorted(known)} are "
+            "computed); remove them or use transformers' model."
+        )
+    return rope
 
 
 def _check_moe_text(text: Any) -> None:
@@ -138,8 +163,8 @@ def _vision(vision: Any) -> Qwen3VisionConfig:
         mlp_width=vision.intermediate_size,
         out_width=vision.out_hidden_size,
         in_channels=vision.in_channels,
-        patch_size=int(vision.patch_size),
-        temporal_patch_size=int(vision.temporal_patch_size),
+        patch_size=_side("patch_size", vision.patch_size),
+        temporal_patch_size=_side("temporal_patch_size", vision.temporal_patch_size),
         spatial_merge_size=vision.spatial_merge_size,
         rope_theta=float(rope.get("rope_theta", 10000.0)),
         hidden_act=vision.hidden_act,

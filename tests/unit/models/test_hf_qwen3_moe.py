@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from lightning_mmpar.losses import caption_loss
+from lightning_mmpar.models import save_hf
 from lightning_mmpar.models.hf.qwen3_convert import (
     check_export,
     export_qwen3_moe_vl_state,
@@ -20,6 +21,7 @@ from lightning_mmpar.models.hf.qwen3_convert import (
     qwen3_moe_vl_from_transformers,
     save_qwen3_moe_vl_hf,
 )
+from lightning_mmpar.models.hf.qwen3_vl_moe import Qwen3MoeVLModel
 from lightning_mmpar.models.moe import MoEFeedForward
 from tests.unit.models import qwen3_moe_cases as mc
 from tests.unit.models import qwen_vl_cases as qc
@@ -172,17 +174,22 @@ def test_export_check_refuses_one_ep_ranks_experts_and_missing_tensors(
 
 
 def test_directory_round_trip_is_lossless(tmp_path: Path) -> None:
-    """save_pretrained -> qwen3_moe_vl_from_hf -> save_qwen3_moe_vl_hf -> from_pretrained: the
-    same tensor names, shapes, bytes and values (every expert), and the same logits."""
+    """save_pretrained -> from_hf (the dispatcher) -> save_qwen3_moe_vl_hf -> from_pretrained:
+    the same tensor names, shapes, bytes and values (every expert), and the same logits."""
+    from lightning_mmpar.models import from_hf
+
     hf = mc.hf_model()
     hf.save_pretrained(tmp_path / "original")
     (tmp_path / "original" / "tokenizer_config.json").write_text("{}")
-    ours = qwen3_moe_vl_from_hf(tmp_path / "original").eval()
+    ours = from_hf(tmp_path / "original").eval()
+    assert isinstance(ours, Qwen3MoeVLModel)
     batch = qc.collate(pack=False)
     keep = batch["sample_ids"] >= 0
     with torch.no_grad():
         assert qc.relative(ours(batch)[keep], mc.hf_logits(hf)[keep]) <= RTOL
     written = save_qwen3_moe_vl_hf(ours, tmp_path / "original", tmp_path / "exported")
+    save_hf(ours, tmp_path / "original", tmp_path / "dispatched")
+    assert (tmp_path / "dispatched" / "config.json").is_file()
     back = type(hf).from_pretrained(tmp_path / "exported").eval()
     original, exported = hf.state_dict(), back.state_dict()
     assert {k: v.shape for k, v in exported.items()} == {k: v.shape for k, v in original.items()}
@@ -203,3 +210,17 @@ def test_hub_layout_experts_are_read_transposed(pair: tuple[object, object]) -> 
     a = import_qwen3_moe_vl_state(state, ours.config)  # type: ignore[attr-defined]
     b = import_qwen3_moe_vl_state(hub, ours.config)  # type: ignore[attr-defined]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_directory_without_config_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"has no config\.json"):
+        qwen3_moe_vl_from_hf(tmp_path)
+
+
+def test_interleaved_flag_is_accepted_and_unknown_rope_keys_refused() -> None:
+    config = mc.hf_config()
+    assert config.text_config.rope_parameters["mrope_interleaved"] is True
+    qwen3_moe_vl_config(config)  # accepted: transformers always interleaves for Qwen3-VL
+    config.text_config.rope_parameters["factor"] = 4.0
+    with pytest.raises(ValueError, match=r"rope_parameters \['factor'\]"):
+        qwen3_moe_vl_config(config)
