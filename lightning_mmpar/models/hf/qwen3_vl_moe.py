@@ -20,7 +20,9 @@ projection, dropless, ``top_k`` gates renormalised: Qwen3-MoE's ``norm_topk_prob
 package's expert parallelism (all-to-all over ``ep``) applies unchanged; attention and dense
 FFNs keep :class:`~lightning_mmpar.models.language.LanguageModel`'s module names, so its tensor-
 parallel plan applies. Sources: transformers' ``modeling_qwen3_vl_moe.py`` (the logits this
-model matches), torchtitan's Qwen3 MoE blocks.
+model matches), torchtitan's Qwen3 MoE blocks. A block's ``cost(image_tokens, text_length)``
+reads ``image_tokens`` as the merged (language) tokens per sample; the ViT runs ``merge^2``
+patches per merged token; an MoE layer counts its router and ``top_k`` experts per token.
 """
 
 from __future__ import annotations
@@ -212,7 +214,7 @@ class Qwen3VisionStem(FusionBlock):
         return (x, position, frame, deep, *rest)
 
     def _tally(self, tally: CostTally, n: int, t: int) -> None:
-        tally.linear(4 * n, self.patch_embed.proj)
+        tally.linear(self.unit * n, self.patch_embed.proj)
 
 
 class Qwen3VisionLayer(FusionBlock):
@@ -227,6 +229,7 @@ class Qwen3VisionLayer(FusionBlock):
         super().__init__()
         self.block = block
         self.head_dim, self.theta = config.width // config.heads, config.rope_theta
+        self.unit = config.spatial_merge_size**2
         self.level: int | None = None
         self.deepstack: Qwen3DeepstackMerger | None = None
         if index in config.deepstack_indexes:
@@ -245,7 +248,7 @@ class Qwen3VisionLayer(FusionBlock):
         return (x, position, frame, deep, *rest)
 
     def _tally(self, tally: CostTally, n: int, t: int) -> None:
-        b, v = self.block, 4 * n
+        b, v = self.block, self.unit * n
         for proj in (b.attn.q_proj, b.attn.k_proj, b.attn.v_proj, b.attn.proj):
             tally.linear(v, proj)
         tally.attention(v, v, b.attn.q_proj.weight.shape[0])

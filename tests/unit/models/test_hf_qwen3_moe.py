@@ -224,3 +224,22 @@ def test_interleaved_flag_is_accepted_and_unknown_rope_keys_refused() -> None:
     config.text_config.rope_parameters["factor"] = 4.0
     with pytest.raises(ValueError, match=r"rope_parameters \['factor'\]"):
         qwen3_moe_vl_config(config)
+
+
+def test_block_costs_grow_with_the_tokens_they_run_on(pair: tuple[object, object]) -> None:
+    """The partitioner's per-block FLOPs: vision blocks scale with the image tokens (a
+    DeepStack block costs more than a plain one), decoder layers and the head with the text,
+    the bridge costs nothing."""
+    _, ours = pair
+    blocks = ours.pipeline_blocks()  # type: ignore[attr-defined]
+    for block in blocks:
+        base = block.cost(8, 16).flops
+        more_images, more_text = block.cost(16, 16).flops, block.cost(8, 32).flops
+        if block.kind == "vision":
+            assert more_images > base > 0 and more_text == base
+        elif block.kind == "aligner":
+            assert base == more_images == more_text == 0
+        else:
+            assert more_text > base > 0 and more_images == base
+    deep, plain = blocks[1].cost(8, 16).flops, blocks[3].cost(8, 16).flops  # ViT blocks 0, 2
+    assert deep > plain
