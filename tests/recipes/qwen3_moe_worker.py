@@ -12,14 +12,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
-from torch import nn
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from lightning_mmpar import MultimodalParallelStrategy
 from lightning_mmpar.models.hf.qwen3_convert import (
+    export_qwen3_moe_vl_state,
     qwen3_moe_vl_from_transformers,
     save_qwen3_moe_vl_hf,
 )
@@ -64,20 +65,61 @@ LAYOUTS: tuple[pm.Layout, ...] = (
 )
 
 
-def reference() -> rw.Recorder:
-    """One process on the same batches."""
-    return rw.fit(Qwen3MoeModule("qwen3_vl_moe"), qw.batches())  # type: ignore[arg-type]
+EXPORTED = "qwen3_vl_moe ep2 fsdp"
+"""The layout whose trained weights are exported (experts sharded over ep, FSDP2 on top)."""
 
 
-def run_layout(layout: pm.Layout, rank: int) -> dict[str, Any]:
-    """Train ``layout`` on this rank (its dp share of every batch)."""
+class FinalState(Callback):
+    """The model's full state dict (our names, every DTensor gathered: collective) at the end
+    of training."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, Tensor] = {}
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.state = full_state_dict(pl_module._model[0])  # type: ignore[index]
+
+
+def reference() -> tuple[rw.Recorder, dict[str, Tensor]]:
+    """One process on the same batches: its recorder and its trained weights (transformers'
+    names)."""
+    final = FinalState()
+    module = Qwen3MoeModule("qwen3_vl_moe")
+    rec = rw.fit(module, qw.batches(), callbacks=[final])  # type: ignore[arg-type]
+    model = module._model[0]
+    assert isinstance(model, Qwen3MoeVLModel)
+    return rec, export_qwen3_moe_vl_state(final.state, model.config)
+
+
+def _export_trained(state: dict[str, Tensor], root: str) -> dict[str, Tensor]:
+    """``state`` (gathered on every rank) exported (rank 0 writes), loaded back by
+    ``from_pretrained``."""
+    hf = mc.hf_model()
+    original, out = Path(root) / "trained_original", Path(root) / "trained"
+    hf.save_pretrained(original)
+    dist.barrier()
+    save_qwen3_moe_vl_hf(state, original, out)
+    dist.barrier()
+    return dict(type(hf).from_pretrained(out).state_dict())
+
+
+def run_layout(layout: pm.Layout, rank: int, root: str) -> dict[str, Any]:
+    """Train ``layout`` on this rank (its dp share of every batch); :data:`EXPORTED` also
+    exports its trained weights."""
     start = time.perf_counter()
     coords = layout.dims.rank_coords(rank)
     local = [pm.dp_slice(b, layout.dims.dp, coords["dp"]) for b in qw.batches()]
     module = Qwen3MoeModule("qwen3_vl_moe", layout.vision_parallel)
     strategy = MultimodalParallelStrategy(**layout.strategy)
-    rec = rw.fit(module, local, strategy=strategy, devices=layout.world)  # type: ignore[arg-type]
-    return {"losses": rec.losses, "grads": rec.grads, "seconds": time.perf_counter() - start}
+    final = FinalState()
+    rec = rw.fit(module, local, strategy=strategy, devices=layout.world, callbacks=[final])  # type: ignore[arg-type]
+    out = {"losses": rec.losses, "grads": rec.grads, "seconds": time.perf_counter() - start}
+    if layout.name == EXPORTED:
+        model = module._model[0]
+        assert isinstance(model, Qwen3MoeVLModel)
+        out["trained"] = export_qwen3_moe_vl_state(final.state, model.config)
+        out["exported"] = _export_trained(final.state, root)
+    return out
 
 
 def ep_export(rank: int, world_size: int, root: str) -> dict[str, Any]:
@@ -122,14 +164,9 @@ def world(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """Every layout on this rank (``{name: result}``), then the ep2 export."""
     names = pm.only()
     out: dict[str, Any] = {
-        x.name: pm.named(x.name, rank, run_layout, x, rank)
+        x.name: pm.named(x.name, rank, run_layout, x, rank, root)
         for x in LAYOUTS
         if not names or x.name in names
     }
     out["ep2 export"] = pm.named("ep2 export", rank, ep_export, rank, world_size, root)
     return out
-
-
-def one_process_weights() -> dict[str, torch.Tensor]:
-    """The transformers model's state dict (what every export must give back)."""
-    return dict(mc.hf_model().state_dict())
