@@ -55,9 +55,9 @@ def family_of(config: Any) -> HFFamily:
     family = FAMILIES.get(config.model_type)
     if config.model_type in QWEN_FAMILIES or config.model_type in QWEN3_MOE_FAMILIES:
         raise ValueError(
-            f"config.json model_type {config.model_type!r} is a Qwen-VL model (QwenVLModel), "
-            "not a FusionModel: load it with lightning_mmpar.models.from_hf; the recipe's "
-            "model.pretrained.hf does not train it yet."
+            f"config.json model_type {config.model_type!r} is a Qwen-VL model (QwenVLModel / "
+            "Qwen3MoeVLModel), not a FusionModel: load it with lightning_mmpar.models.from_hf; "
+            "the recipe's model.pretrained.hf does not train it yet."
         )
     if family is None:
         raise ValueError(

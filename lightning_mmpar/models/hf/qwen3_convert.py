@@ -132,7 +132,7 @@ def _language(text: Any) -> tuple[LanguageConfig, tuple[int, int, int]]:
         num_key_value_heads=text.num_key_value_heads or text.num_attention_heads,
         head_dim=getattr(text, "head_dim", None),
         rms_norm_eps=text.rms_norm_eps,
-        rope_theta=float(rope.get("rope_theta", 5000000.0)),
+        rope_theta=float(rope.get("rope_theta", 500000.0)),
         attention_bias=bool(getattr(text, "attention_bias", False)),
         moe=moe,
     )

@@ -243,3 +243,11 @@ def test_block_costs_grow_with_the_tokens_they_run_on(pair: tuple[object, object
             assert more_text > base > 0 and more_images == base
     deep, plain = blocks[1].cost(8, 16).flops, blocks[3].cost(8, 16).flops  # ViT blocks 0, 2
     assert deep > plain
+
+
+def test_the_fusion_path_refuses_a_qwen3_moe_directory_by_name(tmp_path: Path) -> None:
+    from lightning_mmpar.models.hf import hf_fusion_config
+
+    mc.hf_model().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="'qwen3_vl_moe' is a Qwen-VL model"):
+        hf_fusion_config(tmp_path)
