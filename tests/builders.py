@@ -208,3 +208,53 @@ def llava_samples(images: tuple[int, ...], *, seed: int = 0, length: int = 6) ->
         pix = torch.randn(n, 3, 16, 16, generator=g)
         out.append({"id": f"s{i}", "input_ids": ids, "labels": ids.clone(), "pixel_values": pix})
     return out
+
+
+QWEN_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> "
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
+)
+"""A Qwen-style chat template (``<|im_start|>role text<|im_end|>``) for the tiny tokenizer."""
+
+
+def tiny_qwen_vl_dir(path: Any, words: list[str], family: str = "qwen2_vl", seed: int = 0) -> Any:
+    """A transformers Qwen2-VL (or ``family="qwen2_5_vl"``) directory written offline at
+    ``path``: the tiny model of :func:`tests.unit.models.qwen_vl_cases.hf_model` (128 tokens,
+    4 px patches, merge 2), a word-level tokenizer whose ids 100 / 101 / 102 are
+    ``<|image_pad|>`` / ``<|vision_start|>`` / ``<|vision_end|>`` (the config's), with
+    ``words`` and a chat template, and a ``Qwen2VLImageProcessor`` of 4 px patches (images
+    between 8 x 8 and 32 x 32 pixels after its resize)."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2VLImageProcessor
+
+    from tests.unit.models import qwen_vl_cases as qc
+
+    path = Path(path)
+    qc.hf_model(family, seed=seed).save_pretrained(str(path))
+    special = ["<pad>", "<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>"]
+    vocab = [*special, *words]
+    vocab += [f"w{i}" for i in range(qc.IMG - len(vocab))]
+    vocab += ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>"]
+    assert vocab.index("<|image_pad|>") == qc.IMG and len(vocab) <= qc.VOCAB
+    raw = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=raw,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        additional_special_tokens=[*special[4:], *vocab[qc.IMG :]],
+    )
+    tok.chat_template = QWEN_CHAT_TEMPLATE
+    tok.save_pretrained(str(path))
+    Qwen2VLImageProcessor(
+        patch_size=qc.PATCH,
+        temporal_patch_size=qc.TEMPORAL,
+        merge_size=qc.MERGE,
+        min_pixels=8 * 8,
+        max_pixels=32 * 32,
+    ).save_pretrained(str(path))
+    return path

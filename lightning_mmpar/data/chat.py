@@ -77,14 +77,26 @@ class ChatEncoder:
         image_token: the marker's token (default ``<image>``); its id is ``image_token_id``.
         use_template: apply the tokenizer's chat template when it has one (default); False:
             the plain format even so.
+        marker_ids: the ids one marker becomes, the image token in the middle (Qwen-VL:
+            vision start, image pad, vision end; ``image_token`` is then the marker text
+            only); default: the image token alone.
     """
 
     def __init__(
-        self, tokenizer: Any, *, image_token: str = IMAGE_MARKER, use_template: bool = True
+        self,
+        tokenizer: Any,
+        *,
+        image_token: str = IMAGE_MARKER,
+        use_template: bool = True,
+        marker_ids: Sequence[int] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.image_token = image_token
-        self.image_token_id = image_token_id(tokenizer, image_token)
+        self.marker_ids = tuple(marker_ids or ())
+        if self.marker_ids:  # Qwen-VL: vision start, image token, vision end
+            self.image_token_id = self.marker_ids[len(self.marker_ids) // 2]
+        else:
+            self.image_token_id = image_token_id(tokenizer, image_token)
         hf = getattr(tokenizer, "tokenizer", None)
         self.template = hf if use_template and getattr(hf, "chat_template", None) else None
 
@@ -93,7 +105,7 @@ class ChatEncoder:
         out: list[int] = []
         for n, part in enumerate(text.split(self.image_token)):
             if n:
-                out.append(self.image_token_id)
+                out.extend(self.marker_ids or (self.image_token_id,))
             if part:
                 out.extend(self.tokenizer.encode(part)[1:-1])
         return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -26,13 +27,21 @@ from lightning_mmpar.data.conversation_shards import ShardedConversations
 from lightning_mmpar.data.hf_tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 from lightning_mmpar.data.llava import ConversationDataset, ConversationRecord, read_conversations
 from lightning_mmpar.data.packing import MultimodalCollator, Overflow
+from lightning_mmpar.data.qwen_images import QwenImages
+from lightning_mmpar.data.qwen_packing import QwenVLCollator
 from lightning_mmpar.data.sampler import ResumableRandomSampler
 from lightning_mmpar.data.shards import expand_shards, shard_sizes
 from lightning_mmpar.data.tokenizer import IGNORE_INDEX, WordTokenizer
 from lightning_mmpar.data.transforms import ImagePreprocess
 from lightning_mmpar.data.webdataset import _EpochLoader
 
-__all__ = ["ConversationDataModule", "RaggedDataModule", "RowsCollator", "word_tokenizer_for"]
+__all__ = [
+    "ConversationDataModule",
+    "QwenRowsCollator",
+    "RaggedDataModule",
+    "RowsCollator",
+    "word_tokenizer_for",
+]
 
 
 def word_tokenizer_for(texts: list[str], image_token: str = IMAGE_MARKER) -> WordTokenizer:
@@ -61,16 +70,42 @@ class RowsCollator(MultimodalCollator):
     rows_multiple: int = 1
 
     def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
-        batch = super().__call__(samples)
-        extra = -batch["input_ids"].shape[0] % self.rows_multiple
-        if not extra:
-            return batch
-        out = {}
-        for key, value in batch.items():
-            fill = self.pad_token_id if key == "input_ids" else ROW_FILL.get(key, 0)
-            rows = value.new_full((extra, *value.shape[1:]), fill)
-            out[key] = torch.cat([value, rows])
-        return out
+        return _pad_rows(super().__call__(samples), self.rows_multiple, self.pad_token_id)
+
+
+def _pad_rows(batch: dict[str, torch.Tensor], multiple: int, pad_id: int) -> dict[str, Any]:
+    """``batch`` with empty rows (:data:`ROW_FILL`) up to a multiple of ``multiple`` rows."""
+    extra = -batch["input_ids"].shape[0] % multiple
+    if not extra:
+        return batch
+    out = {}
+    for key, value in batch.items():
+        fill = pad_id if key == "input_ids" else ROW_FILL.get(key, 0)
+        out[key] = torch.cat([value, value.new_full((extra, *value.shape[1:]), fill)])
+    return out
+
+
+@dataclass(kw_only=True)
+class QwenRowsCollator(QwenVLCollator):
+    """:class:`~lightning_mmpar.data.qwen_packing.QwenVLCollator` with :class:`RowsCollator`'s
+    ``rows_multiple``; a text-only sample of the conversation data (``pixel_values [0, 3, S,
+    S]``, no grid) gets ``pixel_values [0, patch_dim]`` and ``image_grid_thw [0, 3]``."""
+
+    rows_multiple: int = 1
+    patch_dim: int = 0
+
+    def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        fixed = [
+            s
+            if "image_grid_thw" in s
+            else {
+                **s,
+                "pixel_values": torch.zeros(0, self.patch_dim),
+                "image_grid_thw": torch.zeros(0, 3, dtype=torch.long),
+            }
+            for s in samples
+        ]
+        return _pad_rows(super().__call__(fixed), self.rows_multiple, self.pad_token_id)
 
 
 class RaggedDataModule(pl.LightningDataModule):
@@ -122,7 +157,7 @@ class RaggedDataModule(pl.LightningDataModule):
         self.tokenizer: Tokenizer | None = None
         self.image_token_id = -1
         self.datasets: dict[str, Any] = {}
-        self.collators: dict[str, RowsCollator] = {}
+        self.collators: dict[str, Any] = {}
 
     @property
     def max_length(self) -> int:
@@ -152,23 +187,20 @@ class RaggedDataModule(pl.LightningDataModule):
             self.setup("fit")
         return int(self.tokenizer.pad_id)  # type: ignore[union-attr]
 
-    def collator(self, split: str = "train") -> RowsCollator:
+    def collator(self, split: str = "train") -> Any:
         """The split's collator (one per split: its ``stats`` count truncations there)."""
         if split not in self.collators:
-            self.collators[split] = RowsCollator(
-                image_token_id=self.image_token_id,
-                pad_token_id=self.pad_token_id,
-                **self.collate_args,
-            )
+            self.collators[split] = self._make_collator(self.collate_args)
         return self.collators[split]
 
-    def unpacked_collator(self) -> RowsCollator:
+    def unpacked_collator(self) -> Any:
         """A collator of one sample per row, right-padded (greedy decoding reads every row at
         one position), with this module's other arguments (fixed shapes kept)."""
+        return self._make_collator({**self.collate_args, "pack": False})
+
+    def _make_collator(self, args: dict[str, Any]) -> Any:
         return RowsCollator(
-            image_token_id=self.image_token_id,
-            pad_token_id=self.pad_token_id,
-            **{**self.collate_args, "pack": False},
+            image_token_id=self.image_token_id, pad_token_id=self.pad_token_id, **args
         )
 
     def _loader(self, split: str, train: bool) -> DataLoader[dict[str, torch.Tensor]]:
@@ -225,6 +257,15 @@ class ConversationDataModule(RaggedDataModule):
         use_chat_template: False: the plain format even with a template.
         image_size, preprocess: images become ``[3, S, S]`` (``ImagePreprocess``).
         on_error: shards only: ``"raise"`` or ``"skip"`` a bad sample.
+        image_processor: a Qwen2-VL / Qwen2.5-VL directory (:class:`~lightning_mmpar.data.
+            qwen_images.QwenImages`; the recipe links ``model.pretrained.hf`` here): images
+            become its image processor's patches and grids, markers its vision tokens,
+            batches a :class:`QwenRowsCollator`'s; the tokenizer defaults to the directory's.
+            ``image_size`` / ``preprocess`` then do not apply, ``overflow`` must be ``"drop"``
+            or ``"error"`` (an image is not cut), ``image_seq_length`` 0.
+        max_patches_per_row: with ``image_processor``: a row's patch budget (fixed ``P``,
+            what pipeline parallelism needs with ``pad_to_max_tokens`` and
+            ``max_images_per_row``).
         Others: as in :class:`RaggedDataModule`.
 
     Raises:
@@ -248,9 +289,19 @@ class ConversationDataModule(RaggedDataModule):
         image_size: int = 224,
         preprocess: ImagePreprocess | None = None,
         on_error: str = "raise",
+        image_processor: str | None = None,
+        max_patches_per_row: int | None = None,
         **ragged: Any,
     ) -> None:
         super().__init__(**ragged)
+        self.images = QwenImages(image_processor) if image_processor else None
+        self.max_patches_per_row = max_patches_per_row
+        if self.images is not None:
+            _check_qwen_args(self.collate_args)
+            self.image_token_id = self.images.image_token_id
+            has_tokenizer = (Path(str(image_processor)) / "tokenizer_config.json").is_file()
+            if tokenizer is None and tokenizer_dir is None and has_tokenizer:
+                tokenizer = image_processor
         if (train_file is None) == (train_shards is None):
             raise ValueError(
                 "ConversationDataModule: give train_file (LLaVA JSON) or train_shards "
@@ -269,7 +320,7 @@ class ConversationDataModule(RaggedDataModule):
             use_chat_template,
             on_error,
         )
-        self.transform = (preprocess or ImagePreprocess()).transform(image_size)
+        self.transform: Any = self.images or (preprocess or ImagePreprocess()).transform(image_size)
         if tokenizer is not None:
             self.tokenizer = HFTokenizer(tokenizer)
         elif tokenizer_dir is not None:
@@ -303,7 +354,10 @@ class ConversationDataModule(RaggedDataModule):
             texts += self._shard_texts()
             self.tokenizer = word_tokenizer_for(texts, self.image_token)
         encoder = ChatEncoder(
-            self.tokenizer, image_token=self.image_token, use_template=self.use_chat_template
+            self.tokenizer,
+            image_token=self.image_token,
+            use_template=self.use_chat_template,
+            marker_ids=self.images.marker_ids if self.images else None,
         )
         self.image_token_id = encoder.image_token_id
         common: dict[str, Any] = {
@@ -327,6 +381,18 @@ class ConversationDataModule(RaggedDataModule):
                     on_error=self.on_error,
                     **common,
                 )
+
+    def _make_collator(self, args: dict[str, Any]) -> Any:
+        if self.images is None:
+            return super()._make_collator(args)
+        return QwenRowsCollator(
+            image_token_id=self.image_token_id,
+            pad_token_id=self.pad_token_id,
+            spatial_merge_size=self.images.merge_size,
+            max_patches_per_row=self.max_patches_per_row,
+            patch_dim=self.images.patch_dim,
+            **{k: v for k, v in args.items() if k != "image_seq_length"},
+        )
 
     def _shard_texts(self, limit: int = 10000) -> list[str]:
         """Turn texts of the first ``limit`` training shard samples (vocabulary building)."""
@@ -355,3 +421,17 @@ class ConversationDataModule(RaggedDataModule):
         """The split's dataset (after :meth:`setup`)."""
         self.setup("fit")
         return self.datasets[split]  # type: ignore[no-any-return]
+
+
+def _check_qwen_args(args: Mapping[str, Any]) -> None:
+    """``ValueError`` for collator arguments a Qwen-VL image processor cannot honour."""
+    if args["overflow"] not in ("drop", "error"):
+        raise ValueError(
+            f"data.overflow ({args['overflow']!r}) with data.image_processor: a dynamic-"
+            "resolution image is not cut; set overflow to 'drop' or 'error'."
+        )
+    if args["image_seq_length"]:
+        raise ValueError(
+            f"data.image_seq_length ({args['image_seq_length']}) with data.image_processor: "
+            "each image's tokens come from its grid (t h w / merge^2); set it to 0."
+        )

@@ -133,10 +133,18 @@ def load_image(
 
 
 def make_sample(
-    record: ConversationRecord, pixels: Sequence[torch.Tensor], encoder: ChatEncoder, size: int
+    record: ConversationRecord, pixels: Sequence[Any], encoder: ChatEncoder, size: int
 ) -> Sample:
-    """The contract's sample of ``record`` with its images already as ``[3, S, S]`` tensors."""
+    """The contract's sample of ``record`` with its images already as ``[3, S, S]`` tensors;
+    images given as ``(patches [N, F], grid [3])`` pairs (a Qwen-VL image processor,
+    :class:`~lightning_mmpar.data.qwen_images.QwenImages`) give ``pixel_values`` (the patches
+    one after another) and ``image_grid_thw [I, 3]`` instead."""
     input_ids, labels = encoder(record.turns, record.id)
+    if pixels and isinstance(pixels[0], tuple):
+        patches = torch.cat([p[0] for p in pixels])
+        grids = torch.stack([p[1] for p in pixels])
+        sample = {"id": record.id, "input_ids": input_ids, "labels": labels}
+        return sample | {"pixel_values": patches, "image_grid_thw": grids}
     stacked = torch.stack(list(pixels)) if pixels else torch.zeros(0, 3, size, size)
     return {"id": record.id, "input_ids": input_ids, "labels": labels, "pixel_values": stacked}
 

@@ -27,7 +27,10 @@ tensors), and writes into ``--out``:
 ``hf/``                                      a run from ``model.pretrained.hf``: the
                                              transformers directory of its architecture
                                              (``save_pretrained``, weights bit-exact, the
-                                             source's tokenizer / processor files)
+                                             source's tokenizer / processor files); a
+                                             Qwen-VL run writes ``hf/`` and ``export.json``
+                                             only (:mod:`~lightning_mmpar.recipes.
+                                             export_qwen`)
 ``export.json``                              hparams summary, files, vocabulary, notes and,
                                              with ``--verify``, the round-trip differences
 ===========================================  =================================================
@@ -63,6 +66,7 @@ from lightning_mmpar.models.convert import (
 from lightning_mmpar.models.fusion import FusionConfig, FusionModel
 from lightning_mmpar.models.hf import family_of, save_hf
 from lightning_mmpar.models.hf.checkpoint import hf_config
+from lightning_mmpar.models.hf.qwen_convert import is_qwen_vl_dir
 from lightning_mmpar.parallel.checkpoint import (
     HPARAMS_KEY,
     complete_checkpoints,
@@ -70,6 +74,7 @@ from lightning_mmpar.parallel.checkpoint import (
     resolve,
 )
 from lightning_mmpar.recipes import module as _module  # noqa: F401 - allow-lists the hparams
+from lightning_mmpar.recipes.export_qwen import export_qwen_checkpoint
 from lightning_mmpar.recipes.export_verify import verify_export
 from lightning_mmpar.recipes.options import PretrainedConfig
 
@@ -270,6 +275,10 @@ def export_checkpoint(
             ``tokenizer`` directory without a tokenizer, or a tokenizer whose size is not the
             model's vocabulary (``hyper_parameters.vocab_size``); nothing is written then.
     """
+    qwen = _qwen_source(ckpt, hf)
+    if qwen is not None:  # a QwenVLModel: hf/ alone (lightning_mmpar.recipes.export_qwen)
+        files, diffs = export_qwen_checkpoint(ckpt, out, qwen, verify=verify)
+        return ExportResult(Path(out), files, hf_config(qwen).text_config.vocab_size, 0, [], diffs)
     model, hparams, meta = load_fusion_model(ckpt)
     fusion: FusionConfig = hparams["fusion"]
     vocab = int(hparams.get("vocab_size", fusion.language.vocab_size))
@@ -312,6 +321,17 @@ def export_checkpoint(
     _export_hf(result, state, hf or getattr(pretrained, "hf", None), verify)
     _write_manifest(result, model.config, ckpt)
     return result
+
+
+def _qwen_source(ckpt: str | Path, hf: str | Path | None) -> str | Path | None:
+    """The Qwen-VL directory of a checkpoint (``hf``, else its ``model.pretrained.hf``), or
+    ``None`` for a fusion-model checkpoint. Raises as :func:`inspect_checkpoint`."""
+    if hf is not None:
+        return hf if is_qwen_vl_dir(hf) else None
+    hparams = inspect_checkpoint(resolve(Path(ckpt))).meta.get(HPARAMS_KEY)
+    pretrained = hparams.get("pretrained") if isinstance(hparams, Mapping) else None
+    source = _dataclass(PretrainedConfig, pretrained).hf if pretrained is not None else None
+    return source if is_qwen_vl_dir(source) else None
 
 
 def _export_hf(

@@ -41,6 +41,7 @@ from lightning_mmpar.models.fusion import (
     FusionOutput,
     freeze_for_finetuning,
 )
+from lightning_mmpar.models.hf.qwen_convert import is_qwen_vl_dir
 from lightning_mmpar.parallel import deferred
 from lightning_mmpar.parallel.moe_state import average_density_estimates, update_expert_biases
 from lightning_mmpar.parallel.parallelize import (
@@ -118,6 +119,19 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
     another strategy :meth:`configure_model` applies the plan's model-parallel part itself.
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """A :class:`~lightning_mmpar.recipes.qwen_module.QwenVLRecipeModule` when
+        ``pretrained.hf`` names a Qwen2-VL / Qwen2.5-VL directory (same arguments; its
+        ``config.json`` read), else this class."""
+        pretrained = kwargs.get("pretrained")
+        hf = pretrained.get("hf") if isinstance(pretrained, Mapping) else None
+        hf = getattr(pretrained, "hf", hf)
+        if cls is ClipLlamaModule and is_qwen_vl_dir(hf):
+            from lightning_mmpar.recipes.qwen_module import QwenVLRecipeModule
+
+            cls = QwenVLRecipeModule
+        return super().__new__(cls)
+
     def __init__(
         self,
         *,
@@ -136,7 +150,7 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         self.save_hyperparameters()
         self.plan_options = _plan_options(plan, tensor_parallel, self.hparams)
         self.pretrained = pretrained
-        self.fusion_config = ptl.resolve_fusion_config(fusion, pretrained)
+        self.fusion_config = self._fusion_config(fusion, pretrained)
         # the sizes the towers' files gave, so a checkpoint describes its model (export); in the
         # form given: LightningCLI saves plain dicts, which instantiate_module (and so
         # load_from_checkpoint) parses back - a dataclass there is not parsed
@@ -164,6 +178,11 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         self.text_length: int | None = None  # block costs' caption length without a datamodule
 
     # ------------------------------------------------------------------ model
+    def _fusion_config(self, fusion: FusionConfig, pretrained: PretrainedConfig) -> FusionConfig:
+        """``fusion`` with the pretrained towers' sizes
+        (:func:`~lightning_mmpar.recipes.pretrained.resolve_fusion_config`)."""
+        return ptl.resolve_fusion_config(fusion, pretrained)
+
     def _resolved_config(self, tp: int) -> FusionConfig:
         multiple = math.lcm(self.plan_options.vocab_multiple, tp)
         vocab = -(-self.vocab_size // multiple) * multiple

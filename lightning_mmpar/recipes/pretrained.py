@@ -52,6 +52,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from lightning_mmpar.models.fusion import FusionConfig, FusionModel
 from lightning_mmpar.models.hf import hf_fusion_config
+from lightning_mmpar.models.hf.qwen_convert import is_qwen_vl_dir
 from lightning_mmpar.parallel.deferred import assign
 from lightning_mmpar.recipes.options import PretrainedConfig
 from lightning_mmpar.recipes.pretrained_files import (
@@ -60,6 +61,7 @@ from lightning_mmpar.recipes.pretrained_files import (
     TensorFile,
     open_clip_vision,
     transformers_llama,
+    transformers_qwen_vl,
     transformers_vlm,
 )
 from lightning_mmpar.trainer_topology import TrainerTopology
@@ -113,7 +115,9 @@ class LoadReport:
     """``(open files, {parameter: (key, meta parameter, [(module, name) registering it])})``."""
 
 
-def _open(pretrained: PretrainedConfig, model: nn.Module) -> dict[str, tuple[Any, TensorFile]]:
+def _open(pretrained: PretrainedConfig, model: Any) -> dict[str, tuple[Any, TensorFile]]:
+    if pretrained.hf and is_qwen_vl_dir(pretrained.hf):  # a QwenVLModel: its own key mapping
+        return {p: (None, t) for p, t in transformers_qwen_vl(pretrained.hf).items()}
     if pretrained.hf:
         keys = [_vision_key(n) for n, _ in model.named_parameters()]
         return {p: (None, t) for p, t in transformers_vlm(pretrained.hf, keys).items()}
@@ -305,7 +309,7 @@ def owned_parameters(module: Any, blocks: list[nn.Module]) -> tuple[set[int], Lo
 
 def load_towers(
     module: Any,
-    model: FusionModel,
+    model: nn.Module,
     pretrained: PretrainedConfig,
     fresh: dict[str, Tensor],
 ) -> LoadReport:
@@ -347,7 +351,9 @@ def load_towers(
                     )
                 local = value[index].clone()
                 report.fresh.append(name)
-            new[id(param)] = _as_param(param, local)
+            value = _as_param(param, local)  # the plan's marks (e.g. PARTIAL_OVER_TP) kept
+            vars(value).update({k: v for k, v in vars(param).items() if k not in vars(value)})
+            new[id(param)] = value
         stray = [k for k in tensors.shapes if k not in used and not k.endswith(IGNORED_KEYS)]
         if stray:
             raise ValueError(

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +34,13 @@ from lightning_mmpar.models.convert import language_config_from_llama, vision_co
 from lightning_mmpar.models.language import LanguageConfig
 from lightning_mmpar.models.vision import VisionConfig
 
-__all__ = ["TensorFile", "open_clip_vision", "transformers_llama", "transformers_vlm"]
+__all__ = [
+    "TensorFile",
+    "open_clip_vision",
+    "transformers_llama",
+    "transformers_qwen_vl",
+    "transformers_vlm",
+]
 
 OPEN_CLIP_CONFIG = "open_clip_config.json"
 OPEN_CLIP_WEIGHTS = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin")
@@ -269,3 +277,66 @@ def _stacked_file(path: Path, spots: dict[str, tuple[Spot, ...]]) -> TensorFile:
         return torch.stack([read_slice(where[c], index[1:]) for c in range(len(where))[index[0]]])
 
     return TensorFile(path, shapes, fetch)
+
+
+def transformers_qwen_vl(directory: str | Path) -> dict[str, TensorFile]:
+    """The towers of a Qwen2-VL / Qwen2.5-VL directory (``model.pretrained.hf``) as one
+    :class:`TensorFile` per part of :class:`~lightning_mmpar.models.hf.qwen2_vl.QwenVLModel`
+    (``vision``, ``language``), keyed by our names within the part, through the same key
+    mapping as :func:`~lightning_mmpar.models.hf.qwen_convert.import_qwen_vl_state`: the ViT's
+    fused ``attn.qkv`` read as ``q_proj / k_proj / v_proj`` (a slice of a third of its rows
+    reads only those rows), the Conv3d patch embedding as its flattened linear weight, a tied
+    checkpoint's ``lm_head`` as the input embedding. Keys the mapping does not know stay under
+    their own name (the loader then refuses them as stray).
+
+    Raises:
+        ValueError: no safetensors weights in the directory.
+    """
+    from safetensors import safe_open
+
+    from lightning_mmpar.models.hf.checkpoint import checkpoint_files
+    from lightning_mmpar.models.hf.qwen_convert import qwen_checkpoint_key
+
+    path = Path(directory)
+    shapes: dict[str, dict[str, tuple[int, ...]]] = {"vision": {}, "language": {}}
+    fetch: dict[str, dict[str, Callable[[Index], Tensor]]] = {"vision": {}, "language": {}}
+    for key, file in checkpoint_files(path).items():
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            shape = tuple(handle.get_slice(key).get_shape())
+        for ours, (offset, rows, flat) in qwen_checkpoint_key(key, shape).items():
+            part, _, local = ours.partition(".")
+            part = part if part in shapes else "language"
+            spot = (key, file)
+            if flat:  # the Conv3d weight: small and replicated, read whole
+                shapes[part][local] = (shape[0], math.prod(shape[1:]))
+                fetch[part][local] = partial(_flat_read, spot)
+            else:
+                shapes[part][local] = (rows, *shape[1:])
+                fetch[part][local] = partial(_row_read, spot, offset)
+    if "lm_head.weight" not in shapes["language"] and "embed_tokens.weight" in shapes["language"]:
+        shapes["language"]["lm_head.weight"] = shapes["language"]["embed_tokens.weight"]
+        fetch["language"]["lm_head.weight"] = fetch["language"]["embed_tokens.weight"]
+    return {
+        part: TensorFile(path, shapes[part], partial(_dispatch, fetch[part]))
+        for part in ("vision", "language")
+    }
+
+
+def _dispatch(table: dict[str, Callable[[Index], Tensor]], key: str, index: Index) -> Tensor:
+    return table[key](index)
+
+
+def _row_read(spot: Spot, offset: int, index: Index) -> Tensor:
+    """Rows ``offset + index[0]`` (and the rest of ``index``: explicit bounds, as the loader
+    gives) of one checkpoint tensor, reading only those bytes."""
+    from lightning_mmpar.models.hf.checkpoint import read_slice
+
+    rows = index[0]
+    return read_slice(spot, (slice(offset + rows.start, offset + rows.stop), *index[1:]))
+
+
+def _flat_read(spot: Spot, index: Index) -> Tensor:
+    from lightning_mmpar.models.hf.checkpoint import read_slice
+
+    whole = read_slice(spot)
+    return whole.reshape(whole.shape[0], -1)[index]

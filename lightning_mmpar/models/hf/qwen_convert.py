@@ -34,6 +34,8 @@ __all__ = [
     "QWEN_FAMILIES",
     "export_qwen_vl_state",
     "import_qwen_vl_state",
+    "is_qwen_vl_dir",
+    "qwen_checkpoint_key",
     "qwen_vl_config",
     "qwen_vl_from_hf",
     "qwen_vl_from_transformers",
@@ -203,6 +205,31 @@ def _vision_entries(rest: str, value: Tensor) -> dict[str, Tensor]:
     return {f"vision.{rest}": value}
 
 
+def qwen_checkpoint_key(key: str, shape: tuple[int, ...]) -> dict[str, tuple[int, int, bool]]:
+    """Where the checkpoint tensor ``key`` of ``shape`` goes in :class:`QwenVLModel`, without
+    reading it (the recipe's per-rank loader): ``{our key: (first row, rows, flat)}``, the
+    rows of the tensor that are ours (the fused ``attn.qkv`` is three keys of a third of the
+    rows each), ``flat``: the Conv3d patch embedding flattened to ``[D, C T p p]``. A key that
+    is no model weight keeps its own name (the loader refuses it as unexpected); the same
+    mapping as :func:`import_qwen_vl_state`."""
+    split = _split_key(key)
+    if split is None:
+        return {key: (0, shape[0] if shape else 0, False)}
+    tower, rest = split
+    if tower == "language":
+        return {f"language.{rest}": (0, shape[0] if shape else 0, False)}
+    if rest == "patch_embed.proj.weight":
+        return {"vision.patch_embed.proj.weight": (0, shape[0], True)}
+    if ".attn.qkv." in rest:
+        third = shape[0] // 3
+        head = rest.replace(".qkv.", ".{}.")
+        return {
+            f"vision.{head.format(n)}": (c * third, third, False)
+            for c, n in enumerate(("q_proj", "k_proj", "v_proj"))
+        }
+    return {f"vision.{rest}": (0, shape[0], False)}
+
+
 def import_qwen_vl_state(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """This package's :class:`QwenVLModel` state dict from a transformers one
     (``Qwen2VLForConditionalGeneration.state_dict()`` or a Hub checkpoint's tensors)."""
@@ -352,3 +379,17 @@ QWEN_FAMILIES: dict[str, str] = {
 }
 """``config.model_type`` -> the transformers class this package matches (for ``from_hf``'s
 ``FAMILIES``)."""
+
+
+def is_qwen_vl_dir(path: str | Path | None) -> bool:
+    """Whether ``path`` is a directory whose ``config.json`` ``model_type`` is a Qwen-VL family
+    (:data:`QWEN_FAMILIES`); reads that file only (``False`` without one)."""
+    import json
+
+    if not path or not (Path(path) / "config.json").is_file():
+        return False
+    try:
+        kind = json.loads((Path(path) / "config.json").read_text()).get("model_type")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return False
+    return kind in QWEN_FAMILIES

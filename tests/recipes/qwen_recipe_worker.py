@@ -1,0 +1,182 @@
+"""Qwen2-VL trained through the recipe (issue 29 items 1-3): ``ClipLlamaModule`` with
+``model.pretrained.hf`` a tiny Qwen2-VL directory written offline (a
+:class:`~lightning_mmpar.recipes.qwen_module.QwenVLRecipeModule`, each rank reading only its
+slices, stages or FSDP shards), on batches of the conversation data module with the
+directory's own image processor (images of three sizes, a text-only and a two-image sample;
+fixed shapes for the pipeline), in tp2, tp2 with the ViT data-parallel, pp2, dp2 FSDP2 (the
+2-process world of :mod:`qwen_vl_worker`) and tp2 x pp2 (the 4-process ragged world); each
+layout's losses and first-step gradients equal one process. The tp2 and dp2 FSDP2 runs save
+their checkpoint for the export test.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import Tensor
+
+from lightning_mmpar import MultimodalParallelStrategy
+from lightning_mmpar.data import ConversationDataModule
+from lightning_mmpar.losses.mml import MMLConfig
+from lightning_mmpar.recipes.module import ClipLlamaModule
+from lightning_mmpar.recipes.options import (
+    FinetuneConfig,
+    FusionPlanOptions,
+    LossConfig,
+    OptimConfig,
+    PretrainedConfig,
+)
+from tests.builders import tiny_qwen_vl_dir
+from tests.recipes import parity_matrix_worker as pm
+from tests.recipes import recipe_faults_worker as rw
+from tests.recipes.hf_llava_worker import SaveAtEnd, _shared
+
+WORDS = "user assistant what is in the picture a red square blue circle and two shapes yes no"
+IMAGES = {"a.png": (16, 24), "b.png": (32, 16), "c.png": (16, 16)}
+"""Image files and their (height, width): grids (1, 4, 6), (1, 8, 4), (1, 4, 4)."""
+RECORDS: list[dict[str, Any]] = [
+    {
+        "id": "one",
+        "image": "a.png",
+        "conversations": [
+            {"from": "human", "value": "<image> what is in the picture"},
+            {"from": "gpt", "value": "a red square"},
+        ],
+    },
+    {
+        "id": "two",
+        "image": ["b.png", "c.png"],
+        "conversations": [
+            {"from": "human", "value": "<image> and <image> what is in the picture"},
+            {"from": "gpt", "value": "two shapes"},
+            {"from": "human", "value": "blue circle"},
+            {"from": "gpt", "value": "yes"},
+        ],
+    },
+    {
+        "id": "text",
+        "conversations": [
+            {"from": "human", "value": "red square"},
+            {"from": "gpt", "value": "no"},
+        ],
+    },
+    {
+        "id": "small",
+        "image": "c.png",
+        "conversations": [
+            {"from": "human", "value": "<image> blue"},
+            {"from": "gpt", "value": "a blue circle"},
+        ],
+    },
+]
+ANSWERS = ("a red square", "two shapes", "yes", "no", "a blue circle")
+TOKENS, PATCHES, SLOTS = 48, 48, 2
+DATA = {
+    "max_tokens": TOKENS,
+    "pad_to_max_tokens": True,
+    "max_images_per_row": SLOTS,
+    "max_patches_per_row": PATCHES,
+    "overflow": "error",
+    "batch_size": 4,
+}
+"""The data module's collation: one sample per row, fixed shapes (pipeline-ready)."""
+SAVED = ("qwen recipe tp2", "qwen recipe dp2 fsdp")
+LAYOUTS: tuple[pm.Layout, ...] = (
+    pm.Layout("qwen recipe tp2", 2, {"tensor_parallel": 2}),
+    pm.Layout("qwen recipe tp2 vision dp", 2, {"tensor_parallel": 2}, vision_parallel="dp"),
+    pm.Layout("qwen recipe pp2 1f1b", 2, pm._pp("1f1b", 2, 2, 1)),
+    pm.Layout("qwen recipe dp2 fsdp", 2, {"data_parallel": "fsdp"}),
+    pm.Layout("qwen recipe tp2 x pp2", 4, pm._pp("1f1b", 2, 2, 1, tensor_parallel=2)),
+)
+
+
+def write_data(root: Path) -> Path:
+    """The images and the LLaVA-format JSON of :data:`RECORDS` under ``root``."""
+    rng = np.random.default_rng(0)
+    for name, (h, w) in IMAGES.items():
+        Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8")).save(root / name)
+    (root / "data.json").write_text(json.dumps(RECORDS))
+    return root / "data.json"
+
+
+def files() -> tuple[Path, Path]:
+    """``(Qwen2-VL directory, data JSON)``, written once by (global) rank 0 and shared."""
+
+    def make() -> Path:
+        root = Path(tempfile.mkdtemp(prefix="qwen-recipe"))
+        tiny_qwen_vl_dir(root / "qwen2_vl", WORDS.split())
+        write_data(root)
+        return root
+
+    root = _shared(make)
+    return root / "qwen2_vl", root / "data.json"
+
+
+def data_module(source: Path, data: Path, **changes: Any) -> ConversationDataModule:
+    """The conversation data with the directory's tokenizer and image processor."""
+    args = {**DATA, **changes}
+    return ConversationDataModule(
+        train_file=str(data), image_root=str(data.parent), image_processor=str(source), **args
+    )
+
+
+def batches(steps: int = 2) -> list[dict[str, Tensor]]:
+    """``steps`` copies of the one 4-row batch of the four records, in order."""
+    source, data = files()
+    module = data_module(source, data)
+    batch = module.collator()([module.dataset()[i] for i in range(len(RECORDS))])
+    return [batch for _ in range(steps)]
+
+
+def module(source: Path, vocab_size: int, vision_parallel: str = "tp") -> ClipLlamaModule:
+    """Every part trainable, caption loss only, a per-tower learning rate."""
+    return ClipLlamaModule(
+        pretrained=PretrainedConfig(hf=str(source)),
+        finetune=FinetuneConfig(train_vision=True, train_decoder_layers=-1, train_embeddings=True),
+        loss=LossConfig(contrastive_weight=0.0, mml=MMLConfig(weight=0.0), negatives="micro_batch"),
+        optim=OptimConfig(lr=1e-3, lr_vision=5e-4, warmup_steps=1, min_lr_ratio=1.0),
+        plan=FusionPlanOptions(vision_parallel=vision_parallel),  # type: ignore[arg-type]
+        vocab_size=vocab_size,
+    )
+
+
+def run(layout: pm.Layout | None, rank: int = 0) -> dict[str, Any]:
+    """Train ``layout`` (``None``: one process) on this rank: losses, first-step gradients,
+    checkpoint bytes read, seconds and, for :data:`SAVED`, ``(last.ckpt, the directory)``."""
+    start = time.perf_counter()
+    source, _ = files()
+    data = batches()
+    strategy: Any = "auto"
+    devices = 1
+    if layout is not None:
+        dp = layout.dims.dp
+        data = [pm.dp_slice(b, dp, layout.dims.rank_coords(rank)["dp"]) for b in data]
+        strategy, devices = MultimodalParallelStrategy(**layout.strategy), layout.world
+    m = module(source, 128, layout.vision_parallel if layout else "tp")
+    m.text_length = TOKENS
+    saved = layout is not None and layout.name in SAVED
+    ckpt = _shared(lambda: Path(tempfile.mkdtemp(prefix="qwen-run")) / "last.ckpt")
+    callbacks = [SaveAtEnd(ckpt)] if saved else []
+    torch.manual_seed(0)
+    rec = rw.fit(m, data, strategy=strategy, devices=devices, callbacks=callbacks)
+    return {
+        "losses": rec.losses,
+        "grads": rec.grads,
+        "seconds": time.perf_counter() - start,
+        "bytes_read": m.load_report.bytes_read if m.load_report else 0,
+        "checkpoint": (ckpt, source) if saved else None,
+    }
+
+
+def world(rank: int, world_size: int) -> dict[str, Any]:
+    """Every recipe layout of this world size: ``{layout name: result}``."""
+    names = pm.only()
+    chosen = [x for x in LAYOUTS if x.world == world_size and (not names or x.name in names)]
+    return {x.name: pm.named(x.name, rank, run, x, rank) for x in chosen}
