@@ -25,7 +25,7 @@ import dataclasses
 import math
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from lightning.pytorch import LightningModule
@@ -41,7 +41,6 @@ from lightning_mmpar.models.fusion import (
     FusionOutput,
     freeze_for_finetuning,
 )
-from lightning_mmpar.models.hf.qwen_convert import is_qwen_vl_dir
 from lightning_mmpar.parallel import deferred
 from lightning_mmpar.parallel.moe_state import average_density_estimates, update_expert_biases
 from lightning_mmpar.parallel.parallelize import (
@@ -119,17 +118,30 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
     another strategy :meth:`configure_model` applies the plan's model-parallel part itself.
     """
 
+    _hf_modules: ClassVar[list[type[ClipLlamaModule]]] = []
+    """Subclasses that train a transformers directory of their own kind (:meth:`handles_hf`),
+    registered by defining ``handles_hf``."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "handles_hf" in vars(cls):
+            ClipLlamaModule._hf_modules.append(cls)
+
+    @classmethod
+    def handles_hf(cls, path: str | None) -> bool:
+        """Whether this class trains the ``model.pretrained.hf`` directory ``path`` instead of
+        :class:`ClipLlamaModule` (a subclass that defines it is chosen by :meth:`__new__`)."""
+        return False
+
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        """A :class:`~lightning_mmpar.recipes.qwen_module.QwenVLRecipeModule` when
-        ``pretrained.hf`` names a Qwen2-VL / Qwen2.5-VL directory (same arguments; its
-        ``config.json`` read), else this class."""
+        """The registered subclass whose :meth:`handles_hf` accepts ``pretrained.hf`` (a
+        Qwen2-VL / Qwen2.5-VL directory: :class:`~lightning_mmpar.recipes.qwen_module.
+        QwenVLRecipeModule`, same arguments), else this class."""
         pretrained = kwargs.get("pretrained")
         hf = pretrained.get("hf") if isinstance(pretrained, Mapping) else None
         hf = getattr(pretrained, "hf", hf)
-        if cls is ClipLlamaModule and is_qwen_vl_dir(hf):
-            from lightning_mmpar.recipes.qwen_module import QwenVLRecipeModule
-
-            cls = QwenVLRecipeModule
+        if cls is ClipLlamaModule and hf:
+            cls = next((sub for sub in cls._hf_modules if sub.handles_hf(hf)), cls)
         return super().__new__(cls)
 
     def __init__(

@@ -39,7 +39,7 @@ from lightning_mmpar.layout import BlockSpec, measure_blocks
 from lightning_mmpar.models.fusion import FusionConfig
 from lightning_mmpar.models.hf.checkpoint import hf_config
 from lightning_mmpar.models.hf.qwen2_vl import QwenVLConfig, QwenVLModel
-from lightning_mmpar.models.hf.qwen_convert import qwen_vl_config
+from lightning_mmpar.models.hf.qwen_convert import is_qwen_vl_dir, qwen_vl_config
 from lightning_mmpar.parallel.activation import LAYERS
 from lightning_mmpar.parallel.parallelize import (
     ParallelPlan,
@@ -66,6 +66,11 @@ class QwenVLRecipeModule(ClipLlamaModule):
             model does not compute (:func:`~lightning_mmpar.models.hf.qwen_convert.
             qwen_vl_config`, naming the field).
     """
+
+    @classmethod
+    def handles_hf(cls, path: str | None) -> bool:
+        """A Qwen2-VL / Qwen2.5-VL directory (``config.json``'s ``model_type``)."""
+        return is_qwen_vl_dir(path)
 
     def _fusion_config(self, fusion: FusionConfig, pretrained: PretrainedConfig) -> FusionConfig:
         """The Qwen model's config (:attr:`qwen_config`) from the directory; ``fusion`` is
