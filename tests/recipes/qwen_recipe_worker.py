@@ -180,3 +180,42 @@ def world(rank: int, world_size: int) -> dict[str, Any]:
     names = pm.only()
     chosen = [x for x in LAYOUTS if x.world == world_size and (not names or x.name in names)]
     return {x.name: pm.named(x.name, rank, run, x, rank) for x in chosen}
+
+
+def check_layout(layout: pm.Layout, results: list[dict[str, Any]], ref: dict[str, Any]) -> None:
+    """Assert ``layout``'s per-rank ``results`` equal the one-process ``ref`` (losses and
+    first-step gradients within 1e-5) and that every rank read less than the whole
+    checkpoint; print the figures."""
+    grads: dict[str, Tensor] = {}
+    loss_diff = 0.0
+    for got in results:
+        assert len(got["losses"]) == len(ref["losses"]) == 2, layout.name
+        for a, b in zip(got["losses"], ref["losses"], strict=True):
+            loss_diff = max(loss_diff, abs(a - b) / abs(b))
+        grads.update(got["grads"])
+    assert grads.keys() == ref["grads"].keys(), grads.keys() ^ ref["grads"].keys()
+    name, ratio = rw.worst_gradient(grads, ref["grads"])
+    read = [r["bytes_read"] for r in results]
+    took = max(r["seconds"] for r in results)
+    print(
+        f"qwen recipe | {layout.name} | loss {loss_diff:.1e} | gradient {ratio:.1e} ({name}) | "
+        f"read {read} of {ref['bytes_read']} | {took:.1f} s"
+    )
+    assert loss_diff <= 1e-5 and ratio <= 1e-5, (layout.name, loss_diff, name, ratio)
+    assert all(0 < b < ref["bytes_read"] for b in read), (read, ref["bytes_read"])
+
+
+def hf_inputs(batch: dict[str, Tensor]) -> dict[str, Tensor]:
+    """transformers' inputs for a one-sample-per-row batch of the data module: the ids,
+    right padding as the attention mask, each row's patches and grids flattened."""
+    grids = batch["image_grid_thw"][batch["image_mask"]]
+    rows = batch["image_grid_thw"].prod(-1).sum(-1).tolist()
+    pixels = torch.cat([batch["pixel_values"][r, :n] for r, n in enumerate(rows)])
+    ids = batch["input_ids"]
+    return {
+        "input_ids": ids,
+        "attention_mask": (batch["sample_ids"] >= 0).long(),
+        "mm_token_type_ids": (ids == 100).int(),
+        "pixel_values": pixels,
+        "image_grid_thw": grids,
+    }

@@ -1,7 +1,8 @@
 """Qwen2-VL / Qwen2.5-VL through the layouts (issue 29 item 3): a LightningModule over the
 model's pipeline blocks and :func:`~lightning_mmpar.plans.qwen_vl.qwen_vl_plan`, trained two
 steps on batches mixing a text-only sample, one-image samples and a sample with two images of
-different resolutions, in one spawned 2-process world (tp2, pp2) against one process.
+different resolutions, in one spawned 2-process world (tp2, pp2) against one process. The
+same world runs the recipe's 2-process Qwen layouts (:mod:`qwen_recipe_worker`).
 
 The tiny models come from transformers' own classes (:mod:`tests.unit.models.qwen_vl_cases`)
 through :func:`~lightning_mmpar.models.hf.qwen_convert.qwen_vl_from_transformers`, so every
@@ -30,6 +31,7 @@ from lightning_mmpar.plans.plan import apply_plan, tp_meshes
 from lightning_mmpar.plans.qwen_vl import qwen_vl_plan
 from lightning_mmpar.topology import ParallelDims
 from tests.recipes import parity_matrix_worker as pm
+from tests.recipes import qwen_recipe_worker
 from tests.recipes import recipe_faults_worker as rw
 from tests.unit.models import qwen_vl_cases as qc
 
@@ -175,4 +177,4 @@ def world(rank: int, world_size: int) -> dict[str, Any]:
     }
     for name in ("qwen2_vl", "qwen2_5_vl"):
         out[f"{name} tp2 logits"] = pm.named(name, rank, tp_logits, name, world_size)
-    return out
+    return out | qwen_recipe_worker.world(rank, world_size)  # through the recipe

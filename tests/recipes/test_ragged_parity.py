@@ -21,6 +21,7 @@ import torch
 from lightning_mmpar.testing import spawn
 from tests.recipes import hf_llava_worker as hw
 from tests.recipes import parity_matrix_worker as pm
+from tests.recipes import qwen_recipe_worker as qr
 from tests.recipes import ragged_parity_worker as rp
 from tests.recipes import recipe_faults_worker as rw
 from tests.recipes import skipped_tower_worker as sw
@@ -223,3 +224,18 @@ def test_llava_export_from_sharded_checkpoint(name: str, tmp_path: Any) -> None:
     diff = float((ours - want).abs().max() / want.abs().max())
     print(f"llava | export of {name} | weights 0 | logits {diff:.1e}")
     assert diff <= RTOL
+
+
+@pytest.fixture(scope="module")
+def qwen_reference() -> dict[str, Any]:
+    return qr.run(None)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", [x for x in qr.LAYOUTS if x.world == 4], ids=lambda x: x.name)
+def test_qwen_recipe_tp2_x_pp2_matches_one_process(
+    layout: Any, qwen_reference: dict[str, Any]
+) -> None:
+    """Qwen2-VL through the recipe (``model.pretrained.hf``) in tp2 x pp2: losses and
+    first-step gradients equal one process (1e-5), each rank reading only its slices."""
+    qr.check_layout(layout, [r[layout.name] for r in _world(4)], qwen_reference)
