@@ -118,6 +118,9 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
     another strategy :meth:`configure_model` applies the plan's model-parallel part itself.
     """
 
+    fixed_image_size: ClassVar[bool] = True
+    """The ViT takes images of ``fusion.vision.image_size`` only (the data's must match);
+    ``False`` for a dynamic-resolution model."""
     _hf_modules: ClassVar[list[type[ClipLlamaModule]]] = []
     """Subclasses that train a transformers directory of their own kind (:meth:`handles_hf`),
     registered by defining ``handles_hf``."""
@@ -130,19 +133,9 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
     @classmethod
     def handles_hf(cls, path: str | None) -> bool:
         """Whether this class trains the ``model.pretrained.hf`` directory ``path`` instead of
-        :class:`ClipLlamaModule` (a subclass that defines it is chosen by :meth:`__new__`)."""
+        :class:`ClipLlamaModule` (a registered subclass that accepts it becomes the class of
+        a ``ClipLlamaModule(...)`` built for that directory)."""
         return False
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        """The registered subclass whose :meth:`handles_hf` accepts ``pretrained.hf`` (a
-        Qwen2-VL / Qwen2.5-VL directory: :class:`~lightning_mmpar.recipes.qwen_module.
-        QwenVLRecipeModule`, same arguments), else this class."""
-        pretrained = kwargs.get("pretrained")
-        hf = pretrained.get("hf") if isinstance(pretrained, Mapping) else None
-        hf = getattr(pretrained, "hf", hf)
-        if cls is ClipLlamaModule and hf:
-            cls = next((sub for sub in cls._hf_modules if sub.handles_hf(hf)), cls)
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -157,6 +150,9 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         tensor_parallel: FusionPlanOptions | None = None,
     ) -> None:
         super().__init__()
+        if type(self) is ClipLlamaModule and pretrained.hf:  # e.g. a Qwen-VL directory
+            chosen = (sub for sub in self._hf_modules if sub.handles_hf(pretrained.hf))
+            self.__class__ = next(chosen, ClipLlamaModule)  # same arguments, same attributes
         # hparams (the dataclass configs) go into every checkpoint's meta.pt, where
         # validate_checkpoint / load_sharded name the fields a resumed run changed
         self.save_hyperparameters()

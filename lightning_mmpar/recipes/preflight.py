@@ -119,7 +119,7 @@ def preflight(
     validate(layout, facts)
     if fit and isinstance(datamodule, DigitsCaptions):
         check_training_batches(datamodule, _dp_size(layout, facts.world_size))
-    if isinstance(model, ClipLlamaModule):
+    if isinstance(model, ClipLlamaModule) and model.fixed_image_size:
         image_size = getattr(datamodule, "image_size", None)
         if isinstance(image_size, int):
             check_image_size(image_size, model.fusion_config.vision.image_size)

@@ -1,10 +1,11 @@
 """The recipe's LightningModule for a Qwen2-VL / Qwen2.5-VL directory (``model.pretrained.hf``).
 
-:class:`~lightning_mmpar.recipes.module.ClipLlamaModule` builds this subclass when
+:class:`~lightning_mmpar.recipes.module.ClipLlamaModule` becomes this subclass when
 ``model.pretrained.hf`` names a directory whose ``config.json`` is a Qwen-VL family
-(``ClipLlamaModule(pretrained=PretrainedConfig(hf=<qwen dir>))`` returns a
-:class:`QwenVLRecipeModule`; ``load_from_checkpoint`` does the same from the saved
-hyper-parameters). Same options and YAML; what differs:
+(``ClipLlamaModule(pretrained=PretrainedConfig(hf=<qwen dir>))`` is a
+:class:`QwenVLRecipeModule`: it registers for such directories with :meth:`handles_hf`;
+``load_from_checkpoint`` does the same from the saved hyper-parameters). Same options and
+YAML; what differs:
 
 * **model**: :class:`~lightning_mmpar.models.hf.qwen2_vl.QwenVLModel` (sizes from the
   directory's ``config.json``, ``model.fusion`` ignored) built on the meta device, cut into its
@@ -66,6 +67,8 @@ class QwenVLRecipeModule(ClipLlamaModule):
             model does not compute (:func:`~lightning_mmpar.models.hf.qwen_convert.
             qwen_vl_config`, naming the field).
     """
+
+    fixed_image_size = False  # dynamic resolution: the image processor sizes each image
 
     @classmethod
     def handles_hf(cls, path: str | None) -> bool:
