@@ -4,7 +4,8 @@ Parameter groups: ``{vision, language, adapter} x {decay, no decay}`` (empty gro
 Decay by role is :func:`~lightning_mmpar.models.fusion.weight_decay_split` (none on biases,
 norms, positional / class embeddings, gates and the logit scale); the tower of a parameter is
 the fusion model's submodule that holds it (``model.vision``, ``model.language``, anything else
-is the fresh "adapter" part: projector, adapters, heads, logit scale). Each group's peak rate is
+is the fresh "adapter" part: projector, adapters, heads, logit scale; a Qwen-VL model's patch
+merger). Each group's peak rate is
 ``optim.lr_<tower>`` (``None``: ``optim.lr``), every rate follows the same linear warm-up and
 cosine decay (separate rates for a pretrained backbone and new layers, as LLaVA (Liu et al.
 2023) / Flamingo (Alayrac et al. 2022) fine-tuning does).
@@ -25,9 +26,15 @@ __all__ = ["StepLambdaLR", "parameter_groups", "recipe_optimizer"]
 
 
 def tower_of(model: FusionModel) -> dict[int, str]:
-    """``{id(parameter): "vision" | "language"}`` for the towers' parameters."""
+    """``{id(parameter): "vision" | "language"}`` for the towers' parameters; a Qwen-VL
+    model's patch merger (``model.vision.merger``, the projector's role) is left to the
+    adapter part."""
     towers = ("vision", "language")
-    return {id(p): name for name in towers for p in getattr(model, name).parameters()}
+    out = {id(p): name for name in towers for p in getattr(model, name).parameters()}
+    merger = getattr(model.vision, "merger", None)
+    for p in merger.parameters() if isinstance(merger, nn.Module) else ():
+        out.pop(id(p), None)
+    return out
 
 
 def parameter_groups(

@@ -38,7 +38,8 @@ class PretrainedConfig:
     """A transformers vision-language checkpoint directory (``config.json`` + safetensors, e.g.
     ``LlavaForConditionalGeneration.save_pretrained``; :mod:`lightning_mmpar.models.hf`): the
     whole model (ViT, projector, decoder) and its sizes and fusion from it; only the
-    contrastive heads start fresh. Excludes ``vision`` and ``language``."""
+    contrastive heads start fresh. A Qwen2-VL / Qwen2.5-VL directory trains as its own model
+    (:mod:`lightning_mmpar.recipes.qwen_module`). Excludes ``vision`` and ``language``."""
 
     def __post_init__(self) -> None:
         if self.hf and (self.vision or self.language):

@@ -280,6 +280,13 @@ def _as_param(param: Tensor, local: Tensor, device: torch.device | None = None) 
     return nn.Parameter(value, requires_grad=param.requires_grad)
 
 
+def _marked(param: Tensor, value: nn.Parameter) -> nn.Parameter:
+    """``value`` with the attributes the plan set on ``param`` (e.g. ``PARTIAL_OVER_TP`` of a
+    data-parallel ViT: the strategy sums its gradients over tp)."""
+    vars(value).update({k: v for k, v in vars(param).items() if k not in vars(value)})
+    return value
+
+
 def _defers(module: Any) -> bool:
     """Whether the reads wait for FSDP (``mm_parallel``, ``"fsdp"``, dp > 1; docstring, 3.)."""
     s: Any = getattr(getattr(module, "_trainer", None), "strategy", None)  # duck-typed
@@ -351,9 +358,7 @@ def load_towers(
                     )
                 local = value[index].clone()
                 report.fresh.append(name)
-            value = _as_param(param, local)  # the plan's marks (e.g. PARTIAL_OVER_TP) kept
-            vars(value).update({k: v for k, v in vars(param).items() if k not in vars(value)})
-            new[id(param)] = value
+            new[id(param)] = _marked(param, _as_param(param, local))
         stray = [k for k in tensors.shapes if k not in used and not k.endswith(IGNORED_KEYS)]
         if stray:
             raise ValueError(
@@ -398,8 +403,7 @@ def load_deferred(module: Any, device: torch.device) -> None:
         param = next((p for p in held if p is not meta), meta)
         index = _local_index(param)[1]
         local = _read(tensors, key, tuple(param.shape), index).to(param.dtype)
-        value = _as_param(param, local, device)
-        vars(value).update({k: v for k, v in vars(param).items() if k not in vars(value)})
+        value = _marked(param, _as_param(param, local, device))
         assign(spots, value)
         report.read[name] = (tuple(param.shape), index)
     report.bytes_read += sum(t.bytes_read for _, t in files.values()) - start

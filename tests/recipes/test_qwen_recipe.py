@@ -89,7 +89,8 @@ def test_recipe_fit_trains_a_qwen_directory(files: Any, tmp_path: Path) -> None:
     """``fit --model.pretrained.hf <qwen dir>`` with the conversation data module: the module
     is a :class:`QwenVLRecipeModule`, the data gets the directory's image processor linked,
     3 steps run, and the first step's loss (assistant tokens only) equals transformers' loss
-    of the same batch (1e-5); the frozen ViT does not move."""
+    of the same batch (1e-5); the frozen ViT does not move, the merger is the adapter's
+    parameter group (``optim.lr_adapter``)."""
     from transformers import Qwen2VLForConditionalGeneration
 
     source, data = files
@@ -112,7 +113,7 @@ def test_recipe_fit_trains_a_qwen_directory(files: Any, tmp_path: Path) -> None:
             "pretrained": {"hf": str(source)},
             "loss": {"contrastive_weight": 0.0, "mml": {"weight": 0.0}},
             "finetune": {"train_decoder_layers": -1, "train_embeddings": True},
-            "optim": {"lr": 1e-3, "warmup_steps": 1},
+            "optim": {"lr": 1e-3, "lr_adapter": 2e-3, "warmup_steps": 1},
         },
         "data": {
             "class_path": "lightning_mmpar.data.ConversationDataModule",
@@ -139,6 +140,10 @@ def test_recipe_fit_trains_a_qwen_directory(files: Any, tmp_path: Path) -> None:
     diff = abs(loss - want) / abs(want)
     print(f"qwen recipe | fit, 1 process | step-1 loss {loss:.6f}, transformers' {diff:.1e} off")
     assert diff <= 1e-5
+    groups = {g["name"]: g for g in cli.trainer.optimizers[0].param_groups}
+    merger = {id(p) for p in cli.model.qwen_model.vision.merger.parameters()}
+    assert {id(p) for n in ("adapter", "adapter.no_decay") for p in groups[n]["params"]} == merger
+    assert "vision" not in groups  # train_vision: false (the merger still trains)
     original = hf.state_dict()["model.visual.blocks.0.attn.qkv.weight"]
     trained = cli.model.qwen_model.vision.blocks[0].attn.q_proj.weight
     assert torch.equal(trained.detach(), original[: trained.shape[0]])  # train_vision: false

@@ -11,11 +11,12 @@ their model classes). The recipe reads the same checkpoints per rank, slice by s
 Qwen2-VL / Qwen2.5-VL (``model_type`` in :data:`~lightning_mmpar.models.hf.qwen_convert.
 QWEN_FAMILIES`) are their own model, :class:`~lightning_mmpar.models.hf.qwen2_vl.QwenVLModel`
 (a dynamic-resolution ViT and M-RoPE do not fit :class:`FusionModel`): :func:`from_hf` and
-:func:`save_hf` dispatch them to :mod:`~lightning_mmpar.models.hf.qwen_convert`; the recipe's
-``model.pretrained.hf`` (a :class:`FusionModel`) refuses them. Qwen3-VL-MoE (``model_type``
-in :data:`~lightning_mmpar.models.hf.qwen3_convert.QWEN3_MOE_FAMILIES`) likewise is
-:class:`~lightning_mmpar.models.hf.qwen3_vl_moe.Qwen3MoeVLModel`, dispatched to
-:mod:`~lightning_mmpar.models.hf.qwen3_convert`.
+:func:`save_hf` dispatch them to :mod:`~lightning_mmpar.models.hf.qwen_convert`; the fusion
+path (:func:`family_of`, :func:`hf_fusion_config`) refuses them, and the recipe's
+``model.pretrained.hf`` trains them as their own model (``lightning_mmpar.recipes.qwen_module``).
+Qwen3-VL-MoE (``model_type`` in :data:`~lightning_mmpar.models.hf.qwen3_convert.
+QWEN3_MOE_FAMILIES`) likewise is :class:`~lightning_mmpar.models.hf.qwen3_vl_moe.
+Qwen3MoeVLModel`, dispatched to :mod:`~lightning_mmpar.models.hf.qwen3_convert`.
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ def family_of(config: Any) -> HFFamily:
     if config.model_type in QWEN_FAMILIES or config.model_type in QWEN3_MOE_FAMILIES:
         raise ValueError(
             f"config.json model_type {config.model_type!r} is a Qwen-VL model (QwenVLModel / "
-            "Qwen3MoeVLModel), not a FusionModel: load it with lightning_mmpar.models.from_hf; "
-            "the recipe's model.pretrained.hf does not train it yet."
+            "Qwen3MoeVLModel), not a FusionModel: load it with lightning_mmpar.models.from_hf "
+            "(the recipe's model.pretrained.hf trains Qwen2-VL / Qwen2.5-VL as a "
+            "QwenVLRecipeModule)."
         )
     if family is None:
         raise ValueError(
