@@ -274,10 +274,10 @@ def _instant(spec: Any, layout: Any, *args: Any) -> Any:
     )
 
 
-def _one_spec(module: Any, text_length: int) -> Any:
+def _one_spec(module: Any, text_length: int, images_per_sample: float = 1.0) -> Any:
     """The model spec of the first layout asked for every layout (the layouts are not priced,
     :func:`_instant`; a spec per tp and ep takes seconds to build)."""
-    spec, built = SPEC_CACHE(module, text_length), []
+    spec, built = SPEC_CACHE(module, text_length, images_per_sample), []
 
     def model(layout: Any) -> Any:
         if not built:
