@@ -204,6 +204,8 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         self._fusion = (model,)
         self._fresh = meta[1] if meta else None
         self.blocks = nn.ModuleList(model.pipeline_blocks())
+        if self._tower_role is not None:  # non-colocated: both sides must know, now, whether
+            self._freeze(model)  # the tower trains (vision ranks apply no plan)
         plan = self.parallel_plan(dims)  # the sizes against the layout, checked now
         if not applies_plans(self._trainer):
             apply_model_parallel(model, dims, plan)
@@ -565,6 +567,11 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         """AdamW, weight decay by role and a peak learning rate per tower
         (:mod:`~lightning_mmpar.recipes.optim`), linear warm-up and cosine decay per step."""
         ptl.check_stage_guess(self, self.load_report)
+        if self._tower_role == "vision" and not any(p.requires_grad for p in self.parameters()):
+            # a frozen tower's rank steps nothing, but joins every collective of the others:
+            # recipe_optimizer's estimated_stepping_batches (the loader's length, summed) too
+            self.trainer.estimated_stepping_batches  # noqa: B018
+            return torch.optim.SGD([nn.Parameter(torch.zeros(0, device=self.device))], lr=0.0)
         return recipe_optimizer(self)
 
 

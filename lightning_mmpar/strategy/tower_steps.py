@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.strategies import ParallelStrategy
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -41,7 +41,7 @@ def _params(optimizer: Optimizer) -> list[Any]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-class TowerSteps(Strategy):
+class TowerSteps(ParallelStrategy):
     """Mixin: non-colocated towers (module docstring)."""
 
     config: ParallelConfig
@@ -55,6 +55,12 @@ class TowerSteps(Strategy):
     def parallel_dims(self) -> ParallelDims:
         raise NotImplementedError
 
+    @property
+    def _lm(self) -> Any:
+        """The LightningModule (typed ``Any``: it also implements the tower methods)."""
+        assert self.lightning_module is not None
+        return self.lightning_module
+
     def _tower_setup_environment(self, dims: ParallelDims) -> bool:
         """After the default group exists, before ``configure_model``: give the module its
         role, create the vision ranks' group; on a vision rank every group of ``dims`` is a
@@ -63,7 +69,7 @@ class TowerSteps(Strategy):
             self._towers = None
             return False
         towers = self._towers = TowerRanks(dims=dims, vision_ranks=self.config.vision_ranks)
-        module = self.lightning_module
+        module = self._lm
         missing = [m for m in _TOWER_METHODS if not callable(getattr(module, m, None))]
         if missing:
             raise TypeError(
@@ -74,7 +80,7 @@ class TowerSteps(Strategy):
         self._vision_group = dist.new_group(towers.vision_group_ranks)
         vision = towers.is_vision(self.global_rank)
         self._inlet = None if vision else TowerInlet()
-        module.use_tower_role("vision" if vision else "language", self._inlet)  # type: ignore[union-attr]
+        module.use_tower_role("vision" if vision else "language", self._inlet)
         if vision:
             solo = dist.new_group([self.global_rank], use_local_synchronization=True)
             dims._groups = dict.fromkeys(("pp", "dp", "edp", "ep", "tp"), solo)
@@ -107,7 +113,7 @@ class TowerSteps(Strategy):
         if ex is None or ex.is_vision or not ex.links:
             return
         assert self._inlet is not None
-        parts = ex.receive(self.lightning_module.tower_inputs(batch))  # type: ignore[operator]
+        parts = ex.receive(self._lm.tower_inputs(batch))
         if not grad:
             parts = tuple(p.detach() for p in parts)
         self._inlet.parts = parts
@@ -116,7 +122,7 @@ class TowerSteps(Strategy):
         """A vision rank's step: encode what its links sent, send the outputs; returns a zero
         loss on the tower's graph (its backward: :meth:`_tower_backward`)."""
         assert self._exchange is not None
-        blocks = self.lightning_module.tower_blocks()  # type: ignore[operator]
+        blocks = self._lm.tower_blocks()
 
         def tower(x: Tensor) -> tuple[Tensor, ...]:
             state: tuple[Tensor, ...] = (x,)
@@ -166,7 +172,7 @@ class TowerSteps(Strategy):
             return
         scale = 1.0
         if piped:
-            accumulate = self.lightning_module.trainer.accumulate_grad_batches
+            accumulate = self._lm.trainer.accumulate_grad_batches
             scale = 1.0 / (self.pipeline.num_micro_batches * accumulate)
         ex.send_gradients(scale)
 
@@ -187,7 +193,7 @@ class TowerSteps(Strategy):
         tokens = ex.receive_tokens()
         dims, c = self.parallel_dims, self.config
         micro = c.layout.num_micro_batches if c.pipeline_parallel > 1 else 1
-        accumulate = self.lightning_module.trainer.accumulate_grad_batches
+        accumulate = self._lm.trainer.accumulate_grad_batches
         factor = micro * accumulate / max(tokens, 1.0) if tokens >= 0 else 1.0 / dims.dp
         for p in _params(optimizer):
             if not p.requires_grad:

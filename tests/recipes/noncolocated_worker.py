@@ -1,61 +1,116 @@
-"""Non-colocated towers (issue 30): the vision tower on its own ranks against one process, on
-the ragged batches of :mod:`ragged_parity_worker` (text-only, one- and three-image samples),
-one spawned world per size."""
+"""Non-colocated towers (issue 30): the vision tower on ranks of its own against one process,
+on the ragged batches of :mod:`ragged_parity_worker` (text-only, one- and three-image samples;
+a first-stage rank with no image in a micro-batch), one spawned world per size."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from lightning.pytorch import Trainer
+from torch import Tensor
+from torch.utils.data import DataLoader
 
 from lightning_mmpar import MultimodalParallelStrategy
+from lightning_mmpar.parallel.tensor import full_gradients
+from lightning_mmpar.recipes.options import FinetuneConfig
 from tests.recipes import parity_matrix_worker as pm
 from tests.recipes import ragged_parity_worker as rp
 from tests.recipes import recipe_faults_worker as rw
 
 
 class Recorder(rw.Recorder):
-    """Losses where a rank logs them (the language ranks), gradients everywhere."""
+    """Losses where a rank logs them (the language ranks), first-step gradients everywhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stepped: dict[str, Tensor] = {}
+        """Gradients as the first optimizer step used them (clipped)."""
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, *args: Any) -> None:
         if "train_loss" in trainer.callback_metrics:
             self.losses.append(float(trainer.callback_metrics["train_loss"]))
+        if not self.stepped:
+            grads = full_gradients(pl_module)
+            self.stepped = {name: g.detach().clone() for name, g in grads.items()}
 
 
-LAYOUTS: tuple[tuple[str, int, dict[str, Any]], ...] = (
-    ("1 vision + tp2", 3, {"vision_ranks": 1, "tensor_parallel": 2}),
-    ("2 vision (dp) + pp2", 4, {"vision_ranks": 2, **pm._pp("1f1b", 2, 2, 1)}),
-    ("1 vision + tp2 x pp2", 5, {"vision_ranks": 1, **pm._pp("1f1b", 2, 2, 1, tensor_parallel=2)}),
+@dataclass(frozen=True)
+class Case:
+    """One run: strategy arguments and training options."""
+
+    name: str
+    world: int
+    strategy: dict[str, Any] = field(default_factory=dict)
+    clip: float | None = None
+    frozen: bool = False
+    """The vision tower frozen (``finetune.train_vision=False``)."""
+    vision_parallel: str = "tp"
+
+    @property
+    def vision_ranks(self) -> int:
+        return int(self.strategy.get("vision_ranks", 0))
+
+    @property
+    def reference(self) -> tuple[float | None, bool]:
+        """The one-process run it is compared with: ``(clip, frozen)``."""
+        return self.clip, self.frozen
+
+
+PP2 = pm._pp("1f1b", 2, 2, 1)
+CASES: tuple[Case, ...] = (
+    Case("1 vision + tp2", 3, {"vision_ranks": 1, "tensor_parallel": 2}),
+    Case("2 vision (dp) + pp2", 4, {"vision_ranks": 2, **PP2}),
+    Case("2 vision (dp) + pp2, clip 0.5", 4, {"vision_ranks": 2, **PP2}, clip=0.5),
+    Case("2 vision (dp) + pp2, frozen tower", 4, {"vision_ranks": 2, **PP2}, frozen=True),
+    Case(
+        "1 vision + tp2 x pp2", 5, {"vision_ranks": 1, **pm._pp("1f1b", 2, 2, 1, tensor_parallel=2)}
+    ),
 )
+COLOCATED = Case(
+    "colocated tp2, vision replicate", 2, {"tensor_parallel": 2}, vision_parallel="replicate"
+)
+"""The colocated layout whose arithmetic ``1 vision + tp2`` repeats on the language ranks."""
 
 
-def run(name: str, world: int, strategy: dict[str, Any], rank: int) -> dict[str, Any]:
-    start = time.perf_counter()
-    module = pm.build(rp.VOCAB, None)
+def fit(strategy: Any, world: int, case: Case) -> Recorder:
+    """Two steps on the ragged batches (every rank the whole batch: one language replica)."""
+    module = pm.build(rp.VOCAB, None, vision_parallel=case.vision_parallel)
     module.text_length = rp.TOKENS
+    if case.frozen:
+        module.finetune = FinetuneConfig(train_decoder_layers=-1, train_embeddings=True)
     recorder = Recorder()
     trainer = rw.quiet_trainer(
-        strategy=MultimodalParallelStrategy(**strategy),
+        strategy=strategy,
         devices=world,
         max_epochs=1,
+        gradient_clip_val=case.clip,
         use_distributed_sampler=False,
         limit_val_batches=0,
         callbacks=[recorder],
     )
-    from torch.utils.data import DataLoader
+    trainer.fit(module, DataLoader(rp.batches(), batch_size=None))  # type: ignore[arg-type]
+    return recorder
 
-    trainer.fit(module, DataLoader(rp.batches(), batch_size=None))
+
+def reference(clip: float | None, frozen: bool) -> Recorder:
+    """One process, the same batches and options."""
+    return fit("auto", 1, Case("one process", 1, clip=clip, frozen=frozen))
+
+
+def run(case: Case) -> dict[str, Any]:
+    start = time.perf_counter()
+    rec = fit(MultimodalParallelStrategy(**case.strategy), case.world, case)
     return {
-        "losses": recorder.losses,
-        "grads": recorder.grads,
+        "losses": rec.losses,
+        "grads": rec.grads,
+        "stepped": rec.stepped,
         "seconds": time.perf_counter() - start,
     }
 
 
 def world(rank: int, world_size: int) -> dict[str, Any]:
-    return {
-        name: pm.named(name, rank, run, name, size, strategy, rank)
-        for name, size, strategy in LAYOUTS
-        if size == world_size
-    }
+    """The cases of this size on this rank: ``{case name: result}``."""
+    cases = [*CASES, COLOCATED]
+    return {c.name: pm.named(c.name, rank, run, c) for c in cases if c.world == world_size}
