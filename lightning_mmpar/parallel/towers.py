@@ -32,12 +32,26 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_mmpar.parallel import comm
 from lightning_mmpar.topology import TowerLink, TowerRanks, chunk_sizes
 
-__all__ = ["TowerExchange", "TowerInlet", "image_index", "tower_block_count"]
+__all__ = ["TowerExchange", "TowerInlet", "image_index", "tower_block_count", "tower_group"]
+
+_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def tower_group(ranks: Sequence[int]) -> dist.ProcessGroup:
+    """A process group of ``ranks`` (the vision ranks, or one rank), created by its members
+    only (``use_local_synchronization``: the language ranks never call it, so no rank waits on
+    a group-creation barrier of the whole world) and once per default group (a later
+    ``Trainer`` in the same processes reuses it: a second creation would take the same name)."""
+    key = (id(dist.group.WORLD), *ranks)
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(list(ranks), use_local_synchronization=True)
+    return _GROUPS[key]
 
 
 def tower_block_count(blocks: Sequence[nn.Module]) -> int:

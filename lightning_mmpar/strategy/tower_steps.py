@@ -20,7 +20,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch.strategies import ParallelStrategy
 from torch import Tensor
 from torch.optim import Optimizer
@@ -29,7 +28,7 @@ from lightning_mmpar.config import ParallelConfig
 from lightning_mmpar.parallel import comm
 from lightning_mmpar.parallel.numerics import clip_grad_norm_, shard_count
 from lightning_mmpar.parallel.pipeline.schedules import _drop_parameters
-from lightning_mmpar.parallel.towers import TowerExchange, TowerInlet
+from lightning_mmpar.parallel.towers import TowerExchange, TowerInlet, tower_group
 from lightning_mmpar.topology import ParallelDims, TowerRanks
 
 __all__ = ["TowerSteps"]
@@ -77,12 +76,12 @@ class TowerSteps(ParallelStrategy):
                 f"{', '.join(_TOWER_METHODS)} (missing {', '.join(missing)}; see "
                 "ClipLlamaModule); or set vision_ranks=0."
             )
-        self._vision_group = dist.new_group(towers.vision_group_ranks)
         vision = towers.is_vision(self.global_rank)
         self._inlet = None if vision else TowerInlet()
         module.use_tower_role("vision" if vision else "language", self._inlet)
-        if vision:
-            solo = dist.new_group([self.global_rank], use_local_synchronization=True)
+        if vision:  # its own groups: the vision ranks', and one-rank groups for every dim
+            self._vision_group = tower_group(towers.vision_group_ranks)
+            solo = tower_group([self.global_rank])
             dims._groups = dict.fromkeys(("pp", "dp", "edp", "ep", "tp"), solo)
         return vision
 
