@@ -50,7 +50,9 @@ def tower_group(ranks: Sequence[int]) -> dist.ProcessGroup:
     ``Trainer`` in the same processes reuses it: a second creation would take the same name)."""
     key = (id(dist.group.WORLD), *ranks)
     if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(list(ranks), use_local_synchronization=True)
+        group = dist.new_group(list(ranks), use_local_synchronization=True)
+        assert isinstance(group, dist.ProcessGroup), "only members create it"
+        _GROUPS[key] = group
     return _GROUPS[key]
 
 
