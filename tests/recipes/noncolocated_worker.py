@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch.distributed as dist
 from lightning.pytorch import Trainer
 from torch import Tensor
 from torch.utils.data import DataLoader
@@ -15,6 +16,7 @@ from torch.utils.data import DataLoader
 from lightning_mmpar import MultimodalParallelStrategy
 from lightning_mmpar.parallel.tensor import full_gradients
 from lightning_mmpar.recipes.options import FinetuneConfig
+from lightning_mmpar.topology import ParallelDims
 from tests.recipes import parity_matrix_worker as pm
 from tests.recipes import ragged_parity_worker as rp
 from tests.recipes import recipe_faults_worker as rw
@@ -64,6 +66,7 @@ CASES: tuple[Case, ...] = (
     Case("2 vision (dp) + pp2", 4, {"vision_ranks": 2, **PP2}),
     Case("2 vision (dp) + pp2, clip 0.5", 4, {"vision_ranks": 2, **PP2}, clip=0.5),
     Case("2 vision (dp) + pp2, frozen tower", 4, {"vision_ranks": 2, **PP2}, frozen=True),
+    Case("2 vision + dp2 (text-only replica)", 4, {"vision_ranks": 2}),
     Case(
         "1 vision + tp2 x pp2", 5, {"vision_ranks": 1, **pm._pp("1f1b", 2, 2, 1, tensor_parallel=2)}
     ),
@@ -90,8 +93,26 @@ def fit(strategy: Any, world: int, case: Case) -> Recorder:
         limit_val_batches=0,
         callbacks=[recorder],
     )
-    trainer.fit(module, DataLoader(rp.batches(), batch_size=None))  # type: ignore[arg-type]
+    data = _local(rp.batches(), case)
+    trainer.fit(module, DataLoader(data, batch_size=None))  # type: ignore[arg-type]
     return recorder
+
+
+def _local(batches: list[dict[str, Any]], case: Case) -> list[dict[str, Any]]:
+    """A language rank's dp slice (rows 0-1 / 2-3: step 1's second replica is text-only, so
+    its vision rank encodes no image); a vision rank's loader only counts steps."""
+    if case.world == 1:
+        return batches
+    s = case.strategy
+    dims = ParallelDims(
+        world_size=case.world - case.vision_ranks,
+        tp=s.get("tensor_parallel", 1),
+        pp=s.get("pipeline_parallel", 1),
+    )
+    rank = dist.get_rank()
+    if rank >= dims.world_size:
+        return batches
+    return [pm.dp_slice(b, dims.dp, dims.rank_coords(rank)["dp"]) for b in batches]
 
 
 def reference(clip: float | None, frozen: bool) -> Recorder:
