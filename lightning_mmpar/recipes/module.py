@@ -309,7 +309,13 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
     def use_tower_role(self, role: str, inlet: TowerInlet | None = None) -> None:
         """Non-colocated towers (the strategy's ``vision_ranks``, :mod:`lightning_mmpar.
         parallel.towers`), called before :meth:`configure_model`: this rank runs the vision
-        tower (``"vision"``) or the rest behind ``inlet`` (``"language"``)."""
+        tower (``"vision"``) or the rest behind ``inlet`` (``"language"``). Raises
+        ``ValueError`` with pretrained towers (read by the plan, which vision ranks skip)."""
+        if self.pretrained.used:
+            raise ValueError(
+                "vision_ranks (non-colocated towers) does not read pretrained towers yet "
+                "(model.pretrained); train from scratch or set vision_ranks=0."
+            )
         self._tower_role, self._inlet = role, inlet
 
     def tower_blocks(self) -> list[nn.Module]:

@@ -104,3 +104,19 @@ def test_tower_block_count_needs_leading_vision_blocks() -> None:
     assert tower_block_count([Block("vision"), Block("vision"), Block("language")]) == 2
     with pytest.raises(ValueError, match="vision_ranks"):
         tower_block_count([Block("language"), Block("vision")])
+
+
+def test_yaml_strategy_section_takes_vision_ranks() -> None:
+    """The recipe YAML's strategy section (what LightningCLI instantiates)."""
+    import yaml
+    from lightning.pytorch.cli import instantiate_class
+
+    section = yaml.safe_load(
+        """
+        class_path: lightning_mmpar.strategy.MultimodalParallelStrategy
+        init_args: {tensor_parallel: 2, pipeline_parallel: 2, vision_ranks: 1}
+        """
+    )
+    strategy = instantiate_class((), section)
+    assert strategy.config.vision_ranks == 1
+    assert strategy.config.layout.strategy_args()["vision_ranks"] == 1
