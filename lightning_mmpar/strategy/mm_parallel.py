@@ -498,4 +498,10 @@ class MultimodalParallelStrategy(
     # save/load/remove: ShardedCheckpointHooks (DCP shards, guarded against non-finite weights)
     def _rank_layout(self) -> dict[str, int]:
         dims = self.parallel_dims  # keyed by mesh position: resumable under another placement
-        return ckpt.rank_layout(dims, self.config.virtual_pipeline, dims.position(self.global_rank))
+        if self._towers is None:
+            position = dims.position(self.global_rank)
+            return ckpt.rank_layout(dims, self.config.virtual_pipeline, position)
+        vision = self._towers.is_vision(self.global_rank)  # vision ranks: after the mesh's
+        position = self.global_rank if vision else dims.position(self.global_rank)
+        layout = ckpt.rank_layout(dims, self.config.virtual_pipeline, position)
+        return {**layout, "vision_ranks": self._towers.vision_ranks}

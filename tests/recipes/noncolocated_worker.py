@@ -135,3 +135,31 @@ def world(rank: int, world_size: int) -> dict[str, Any]:
     """The cases of this size on this rank: ``{case name: result}``."""
     cases = [*CASES, COLOCATED]
     return {c.name: pm.named(c.name, rank, run, c) for c in cases if c.world == world_size}
+
+
+def state_after(strategy: Any, world: int, resume: str | None, save: str | None) -> dict:
+    """Fit (or resume from ``resume`` at the end of its epoch: no further step) and save at
+    ``save``; this rank's module state."""
+    module = pm.build(rp.VOCAB, None)
+    module.text_length = rp.TOKENS
+    trainer = rw.quiet_trainer(
+        strategy=strategy,
+        devices=world,
+        max_epochs=1,
+        use_distributed_sampler=False,
+        limit_val_batches=0,
+    )
+    data = DataLoader(rp.batches(), batch_size=None)  # type: ignore[arg-type]
+    trainer.fit(module, data, ckpt_path=resume)
+    if save is not None:
+        trainer.save_checkpoint(save)
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def checkpoints(rank: int, world_size: int, colocated: str, noncolocated: str) -> dict:
+    """1 vision + 1 language rank: resume the colocated checkpoint, then train afresh and save
+    a non-colocated one; this rank's states."""
+    return {
+        "resumed": state_after(MultimodalParallelStrategy(vision_ranks=1), 2, colocated, None),
+        "saved": state_after(MultimodalParallelStrategy(vision_ranks=1), 2, None, noncolocated),
+    }

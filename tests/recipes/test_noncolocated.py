@@ -94,3 +94,22 @@ def test_tp2_language_ranks_repeat_the_colocated_layout_bit_for_bit() -> None:
     assert mine.keys() == theirs.keys()
     unequal = [k for k in mine if not torch.equal(mine[k], theirs[k])]
     assert not unequal, unequal
+
+
+@pytest.mark.distributed
+def test_checkpoints_move_between_colocated_and_noncolocated(tmp_path: Any) -> None:
+    """A DCP checkpoint of a colocated run resumes on 1 vision + 1 language rank and one of the
+    non-colocated run resumes colocated, with the same weights (every key on some rank)."""
+    from lightning_mmpar import MultimodalParallelStrategy
+
+    colocated, noncolocated = str(tmp_path / "colocated"), str(tmp_path / "noncolocated")
+    written = nw.state_after(MultimodalParallelStrategy(), 1, None, colocated)
+    ranks = spawn(nw.checkpoints, 2, colocated, noncolocated, timeout=120)
+    for key in ("resumed", "saved"):
+        assert set(ranks[0][key]) | set(ranks[1][key]) == set(written), key
+        assert not set(ranks[0][key]) & set(ranks[1][key]), key  # each weight on one side
+    resumed = {k: v for r in ranks for k, v in r["resumed"].items()}
+    assert [k for k in written if not torch.equal(written[k], resumed[k])] == []
+    saved = {k: v for r in ranks for k, v in r["saved"].items()}
+    back = nw.state_after(MultimodalParallelStrategy(), 1, noncolocated, None)
+    assert [k for k in saved if not torch.equal(saved[k], back[k])] == []
