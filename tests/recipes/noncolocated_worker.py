@@ -15,6 +15,8 @@ from torch.utils.data import DataLoader
 
 from lightning_mmpar import MultimodalParallelStrategy
 from lightning_mmpar.parallel.tensor import full_gradients
+from lightning_mmpar.parallel.towers import TowerExchange
+from lightning_mmpar.recipes.faults import is_collective_failure
 from lightning_mmpar.recipes.options import FinetuneConfig
 from lightning_mmpar.topology import ParallelDims
 from tests.recipes import parity_matrix_worker as pm
@@ -163,3 +165,41 @@ def checkpoints(rank: int, world_size: int, colocated: str, noncolocated: str) -
         "resumed": state_after(MultimodalParallelStrategy(vision_ranks=1), 2, colocated, None),
         "saved": state_after(MultimodalParallelStrategy(vision_ranks=1), 2, None, noncolocated),
     }
+
+
+class _Died(Exception):
+    """The vision rank's simulated death."""
+
+
+def dead_vision_rank(rank: int, world_size: int) -> dict[str, Any]:
+    """1 vision + 1 language rank; the vision rank dies at its second step (it raises before
+    receiving the pixels and closes its connections, as a killed process's close). Returns the
+    vision rank's time of death, or the language rank's error, whether the fault report counts
+    it as a failed collective, and its time."""
+    strategy = MultimodalParallelStrategy(vision_ranks=1)
+    if rank == 1:
+        encode, calls = TowerExchange.encode, []
+
+        def dying(self: TowerExchange, tower: Any) -> Any:
+            calls.append(1)
+            if len(calls) == 2:
+                raise _Died
+            return encode(self, tower)
+
+        TowerExchange.encode = dying  # type: ignore[method-assign]
+        try:
+            fit(strategy, 2, Case("dead vision rank", 2, strategy={"vision_ranks": 1}))
+        except _Died:
+            died = time.time()
+            dist.destroy_process_group()
+            return {"died": died}
+        return {"died": None}
+    try:
+        fit(strategy, 2, Case("dead vision rank", 2, strategy={"vision_ranks": 1}))
+    except Exception as err:
+        return {
+            "error": repr(err)[:300],
+            "collective": is_collective_failure(err),
+            "at": time.time(),
+        }
+    return {"error": None}

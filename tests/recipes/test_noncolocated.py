@@ -113,3 +113,14 @@ def test_checkpoints_move_between_colocated_and_noncolocated(tmp_path: Any) -> N
     saved = {k: v for r in ranks for k, v in r["saved"].items()}
     back = nw.state_after(MultimodalParallelStrategy(), 1, noncolocated, None)
     assert [k for k in saved if not torch.equal(saved[k], back[k])] == []
+
+
+@pytest.mark.distributed
+def test_a_dead_vision_rank_ends_the_language_ranks_step_in_seconds() -> None:
+    """The language rank waiting for the tower's outputs fails at once with an error the fault
+    report (``recipes.faults``) counts as a failed collective: no hang."""
+    vision_gone = spawn(nw.dead_vision_rank, 2, timeout=120)
+    language, vision = vision_gone
+    assert vision["died"] is not None and language["error"] is not None, vision_gone
+    assert language["collective"], language["error"]
+    assert language["at"] - vision["died"] < 10.0, language["at"] - vision["died"]
