@@ -511,7 +511,8 @@ def _check_model(layout: ParallelLayout, facts: LayoutFacts) -> None:
             f"vision_parallel='dp' gathers the images after the last ViT block, but "
             f"VisionConfig.layers is {layers}; use layers >= 1 or vision_parallel='replicate'."
         )
-    vision = facts.vision_tp_sizes if layout.vision_parallel == "tp" else ()
+    sharded = layout.vision_parallel == "tp" and not layout.vision_ranks  # own ranks: whole
+    vision = facts.vision_tp_sizes if sharded else ()
     for module, name, value in (*vision, *facts.tp_sizes):
         if value % tp != 0:
             raise ValueError(
@@ -573,7 +574,7 @@ def _check_batch(layout: ParallelLayout, facts: LayoutFacts) -> None:
             f"parallelism; use a multiple of {n}, e.g. {max(n, batch // n * n)} "
             "(drop_last=True avoids a short last batch)."
         )
-    if layout.vision_parallel != "dp" or layout.tp == 1:
+    if layout.vision_parallel != "dp" or layout.tp == 1 or layout.vision_ranks:
         return
     if piped:
         check_vision_batch(

@@ -120,3 +120,14 @@ def test_yaml_strategy_section_takes_vision_ranks() -> None:
     strategy = instantiate_class((), section)
     assert strategy.config.vision_ranks == 1
     assert strategy.config.layout.strategy_args()["vision_ranks"] == 1
+
+
+def test_vision_ranks_skip_the_colocated_tower_rules() -> None:
+    """The tower is whole on its own ranks: its sizes are not checked against tp."""
+    heads = (("vision", "VisionConfig.heads", 3),)
+    with pytest.raises(ValueError, match=r"VisionConfig\.heads"):
+        validate(ParallelLayout(dp=None, tp=2), LayoutFacts(world_size=2, vision_tp_sizes=heads))
+    validate(
+        ParallelLayout(dp=None, tp=2, vision_ranks=1),
+        LayoutFacts(world_size=3, vision_tp_sizes=heads),
+    )
