@@ -214,10 +214,6 @@ class MultimodalParallelStrategy(
         self._stash = GradientStash()  # the pipeline schedule's gradients until backward()
         self._step_tokens = TokenCount()  # target tokens of the step's token losses
         self._warned_aux = False
-        self._towers = None  # vision_ranks > 0: the non-colocated layout (TowerSteps)
-        self._exchange = None
-        self._inlet = None
-        self._vision_group = None
         mode = finite.check_mode(on_nonfinite)
         self.nonfinite = None if mode == "off" else finite.NonFiniteGuard(mode)
 

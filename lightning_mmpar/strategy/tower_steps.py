@@ -44,11 +44,13 @@ class TowerSteps(ParallelStrategy):
     """Mixin: non-colocated towers (module docstring)."""
 
     config: ParallelConfig
-    _towers: TowerRanks | None
-    _exchange: TowerExchange | None
-    _inlet: TowerInlet | None
-    _vision_group: Any
     pipeline: Any
+    _towers: TowerRanks | None = None
+    """``vision_ranks > 0``: the non-colocated layout (set in ``setup_environment``)."""
+    _exchange: TowerExchange | None = None
+    """This rank's side of the data flow (set in ``setup``)."""
+    _inlet: TowerInlet | None = None
+    _vision_group: Any = None
 
     @property
     def parallel_dims(self) -> ParallelDims:
