@@ -317,6 +317,20 @@ def _packing(r: dict[str, Any]) -> list[str]:
     return out
 
 
+def _noncolocated(r: dict[str, Any]) -> list[str]:
+    n = r["processes"]
+    return [
+        "| side | processes | median step s |",
+        "|---|---|---|",
+        f"| colocated (tp2) | {n['colocated']} | {r['theirs_s']:.3f} |",
+        f"| non-colocated (1 vision + tp2) | {n['noncolocated']} | {r['ours_s']:.3f} |",
+        f"\nStep time non-colocated / colocated: {r['ratio']:.2f} (spread {r['spread']:.2f} "
+        f"over {r['repeats']} repeats); device-seconds per step: "
+        f"{r['device_seconds_ratio']:.2f}. The ranks share 2 cores here: this is what the data "
+        "flow costs on this machine, not what separate GPUs would give.",
+    ]
+
+
 SUMMARIES: dict[str, Summary] = {
     "pipeline": _pipeline,
     "planner": _planner,
@@ -328,6 +342,7 @@ SUMMARIES: dict[str, Summary] = {
     "scaling": _scaling,
     "learning": _learning,
     "packing": _packing,
+    "noncolocated": _noncolocated,
 }
 """Per benchmark: its key figures as markdown lines (others: :func:`_generic`)."""
 

@@ -40,6 +40,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "bench_packing.py",
         "ragged data: non-pad fraction and target tokens/s, packed vs padded",
     ),
+    "noncolocated": (
+        "bench_noncolocated.py",
+        "the vision tower on its own rank vs colocated: step time on the same work",
+    ),
 }
 """Benchmark name -> (script, what it measures: the issue's item numbers)."""
 

@@ -70,6 +70,10 @@ class ParallelConfig:
     """Global rank of each mesh position (topology-aware, :meth:`resolve_placement`): ``None`` /
     ``"auto"``, ``"megatron"`` (identity), a list (``list[i]`` = rank at Megatron position
     ``i``) or a topology file (nvidia-smi text or YAML)."""
+    vision_ranks: int = 0
+    """Ranks that run the vision tower alone (non-colocated, :mod:`lightning_mmpar.parallel.
+    towers`): the last ``vision_ranks`` global ranks; the others are the language ranks, laid
+    out by the sizes above. ``0``: colocated (every rank holds its share of every tower)."""
 
     def __post_init__(self) -> None:
         validate(self.layout)
@@ -89,6 +93,7 @@ class ParallelConfig:
             schedule=self.schedule,
             data_parallel=self.data_parallel,
             partition=tuple(part) if isinstance(part, list) else part,
+            vision_ranks=self.vision_ranks,
         )
 
     def check_world(self, world_size: int) -> None:

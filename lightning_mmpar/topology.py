@@ -305,3 +305,84 @@ def check_placement(placement: Any, world_size: int) -> tuple[int, ...]:
             "a permutation of range(world_size), or None for Megatron's order."
         )
     return tuple(values)
+
+
+@dataclass(frozen=True)
+class TowerLink:
+    """One path of a non-colocated step: the images of language replica ``replica`` (or its
+    ``chunk``-th of ``chunks`` contiguous parts) go to vision rank ``vision`` (global rank) and
+    come back as embeddings to the replica's first-stage ranks ``stage0`` (by tp rank)."""
+
+    replica: int
+    vision: int
+    chunk: int
+    chunks: int
+    stage0: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TowerRanks:
+    """The non-colocated layout (Megatron-Bridge MIMO): the language ranks ``0 .. L - 1`` laid
+    out by ``dims`` (``L = dims.world_size``), then ``vision_ranks`` ranks ``L .. L + V - 1``
+    that run the vision tower alone, each with a full copy.
+
+    Each step vision rank ``L + v`` encodes the images of ``dp / V`` whole replicas (``V <=
+    dp``: replicas ``v * dp / V ..``) or one ``V / dp``-th of one replica's images (``V >
+    dp``). Raises ``ValueError`` when ``V < 1`` or ``V`` and ``dp`` do not divide one another
+    (:func:`lightning_mmpar.layout.validate`'s rule).
+    """
+
+    dims: ParallelDims
+    vision_ranks: int
+
+    def __post_init__(self) -> None:
+        v, dp = self.vision_ranks, self.dims.dp
+        if not isinstance(v, int) or v < 1 or (dp % v and v % dp):
+            raise ValueError(
+                f"vision_ranks ({v!r}) must be a positive integer dividing, or divided by, the "
+                f"language data-parallel size ({dp}); choose another vision_ranks."
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Language ranks plus vision ranks."""
+        return self.dims.world_size + self.vision_ranks
+
+    def is_vision(self, rank: int) -> bool:
+        """Whether global ``rank`` is a vision rank."""
+        return self.dims.world_size <= rank < self.world_size
+
+    @property
+    def vision_group_ranks(self) -> list[int]:
+        """The vision ranks' global ranks, ascending (their data-parallel group)."""
+        return list(range(self.dims.world_size, self.world_size))
+
+    def stage0(self, replica: int) -> tuple[int, ...]:
+        """Global ranks of language replica ``replica``'s first pipeline stage, by tp rank."""
+        found = []
+        for rank in range(self.dims.world_size):
+            c = self.dims.rank_coords(rank)
+            if c["pp"] == 0 and c["dp"] == replica:
+                found.append((c["tp"], rank))
+        return tuple(r for _, r in sorted(found))
+
+    def links(self) -> list[TowerLink]:
+        """Every (replica, vision rank) path, by replica then chunk."""
+        dp, v, base = self.dims.dp, self.vision_ranks, self.dims.world_size
+        if v >= dp:
+            f = v // dp
+            pairs = [(r, base + r * f + j, j, f) for r in range(dp) for j in range(f)]
+        else:
+            k = dp // v
+            pairs = [(r, base + r // k, 0, 1) for r in range(dp)]
+        return [TowerLink(r, vis, j, n, self.stage0(r)) for r, vis, j, n in pairs]
+
+    def links_of(self, rank: int) -> list[TowerLink]:
+        """The paths global ``rank`` takes part in: a vision rank's (its replicas in order) or
+        a first-stage language rank's (its replica's chunks in order); empty for others."""
+        return [x for x in self.links() if rank == x.vision or rank in x.stage0]
+
+
+def chunk_sizes(n: int, chunks: int) -> list[int]:
+    """``n`` items in ``chunks`` contiguous parts, the first ``n % chunks`` one larger."""
+    return [n // chunks + (j < n % chunks) for j in range(chunks)]

@@ -115,6 +115,10 @@ class ParallelLayout:
     """The strategy's FSDP2 ``mixed_precision`` policy (``None``: off)."""
     offload_optimizer: bool = False
     """The strategy's FSDP2 CPU offload of parameters, gradients and optimizer state."""
+    vision_ranks: int = 0
+    """Ranks that run the vision tower alone (the strategy's ``vision_ranks``, Megatron-Bridge
+    MIMO's non-colocated encoder); ``0``: colocated, every rank holds its share of every tower.
+    Not counted in :attr:`world` (the language ranks)."""
 
     @property
     def num_micro_batches(self) -> int:
@@ -171,6 +175,7 @@ class ParallelLayout:
             ("expert_parallel", self.ep, 1),
             ("virtual_pipeline", self.virtual, 1),
             ("data_parallel", self.data_parallel, "fsdp"),
+            ("vision_ranks", self.vision_ranks, 0),
         ):
             if value != default:
                 out[key] = value
@@ -245,6 +250,7 @@ def validate(layout: ParallelLayout, facts: LayoutFacts | None = None) -> None:
     _check_pipeline(layout)
     _check_partition(layout)
     _check_fsdp_policies(layout)
+    _check_towers(layout)
     _check_world(layout, facts.world_size)
     _check_model(layout, facts)
     _check_batch(layout, facts)
@@ -379,10 +385,69 @@ def _check_fsdp_policies(layout: ParallelLayout) -> None:
         )
 
 
+def _check_towers(layout: ParallelLayout) -> None:
+    """``vision_ranks``: a non-negative int; above 0 only with what the non-colocated data flow
+    supports (no expert parallelism, no split weight-gradient schedule, no sequence
+    parallelism)."""
+    v = layout.vision_ranks
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise ValueError(
+            f"vision_ranks ({v!r}) must be a non-negative integer: the ranks that run the "
+            "vision tower alone; use 0 to keep it on every rank (colocated)."
+        )
+    if v == 0:
+        return
+    if layout.ep > 1:
+        raise ValueError(
+            f"vision_ranks ({v}) with expert_parallel ({layout.ep}) is not supported: set "
+            "expert_parallel=1 or vision_ranks=0 (colocated)."
+        )
+    if layout.schedule in _SPLIT_BACKWARD and layout.pp > 1:
+        raise ValueError(
+            f"vision_ranks ({v}) with schedule={layout.schedule!r} is not supported: its split "
+            "weight-gradient backward never computes the gradient of the received image "
+            "embeddings; choose schedule='1f1b', 'gpipe', 'interleaved_1f1b' or 'looped_bfs', "
+            "or vision_ranks=0."
+        )
+    if layout.sequence_parallel and layout.tp > 1:
+        raise ValueError(
+            f"vision_ranks ({v}) with sequence_parallel (True) is not supported: the received "
+            "image embeddings' gradient would be a sequence shard; set sequence_parallel "
+            "false or vision_ranks=0."
+        )
+
+
+def _check_vision_world(layout: ParallelLayout, world: int) -> int:
+    """The language ranks of ``world`` (``world - vision_ranks``), checked: at least one
+    model-parallel group, and the language data-parallel replicas and the vision ranks
+    dividing one another (each vision rank serves ``dp / vision_ranks`` replicas, or each
+    replica's images split over ``vision_ranks / dp`` vision ranks)."""
+    v, model = layout.vision_ranks, layout.tp * layout.pp
+    language = world - v
+    if language < model or language % model:
+        raise ValueError(
+            f"world_size ({world}) minus vision_ranks ({v}) leaves {language} language ranks, "
+            f"which must be a positive multiple of tensor_parallel * pipeline_parallel "
+            f"({layout.tp} * {layout.pp} = {model}); run on {v + model} (or {v} + a multiple "
+            f"of {model}) processes, or change vision_ranks."
+        )
+    dp = language // model
+    if dp % v and v % dp:
+        fits = sorted({d for d in range(1, dp + 1) if dp % d == 0} | {dp * 2, dp * 4})
+        raise ValueError(
+            f"vision_ranks ({v}) and the language data-parallel replicas ({dp} = {language} "
+            f"language ranks / (tensor_parallel * pipeline_parallel {model})) must divide one "
+            f"another; use vision_ranks in {fits}."
+        )
+    return language
+
+
 def _check_world(layout: ParallelLayout, world: int | None) -> None:
     """The world vs the degrees (``dp`` from the world size, or the layout's)."""
     tp, pp, model = layout.tp, layout.pp, layout.tp * layout.pp
     dp = layout.dp
+    if world is not None and layout.vision_ranks:
+        world = _check_vision_world(layout, world)
     if world is not None:
         if world % model != 0:
             raise ValueError(
@@ -446,7 +511,8 @@ def _check_model(layout: ParallelLayout, facts: LayoutFacts) -> None:
             f"vision_parallel='dp' gathers the images after the last ViT block, but "
             f"VisionConfig.layers is {layers}; use layers >= 1 or vision_parallel='replicate'."
         )
-    vision = facts.vision_tp_sizes if layout.vision_parallel == "tp" else ()
+    sharded = layout.vision_parallel == "tp" and not layout.vision_ranks  # own ranks: whole
+    vision = facts.vision_tp_sizes if sharded else ()
     for module, name, value in (*vision, *facts.tp_sizes):
         if value % tp != 0:
             raise ValueError(
@@ -508,7 +574,7 @@ def _check_batch(layout: ParallelLayout, facts: LayoutFacts) -> None:
             f"parallelism; use a multiple of {n}, e.g. {max(n, batch // n * n)} "
             "(drop_last=True avoids a short last batch)."
         )
-    if layout.vision_parallel != "dp" or layout.tp == 1:
+    if layout.vision_parallel != "dp" or layout.tp == 1 or layout.vision_ranks:
         return
     if piped:
         check_vision_batch(

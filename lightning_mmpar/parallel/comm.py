@@ -34,8 +34,10 @@ __all__ = [
     "group_size",
     "is_distributed",
     "recv_object",
+    "recv_tensor",
     "recv_tensors",
     "send_object",
+    "send_tensor",
     "send_tensors",
     "to_local",
 ]
@@ -181,6 +183,43 @@ def recv_tensors(
 ) -> tuple[Tensor, ...]:
     """Receive the tuple :func:`send_tensors` sent from group rank ``src``, on ``device``."""
     return tuple(t.to(device) for t in recv_object(src, group))
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.bool)
+_HEADER = 10  # dtype code, ndim, then up to 8 sizes
+
+
+def send_tensor(t: Tensor, dst: int, group: dist.ProcessGroup | None = None) -> None:
+    """Send one tensor of any shape (up to 8 dims, zero-size included) to group rank ``dst``:
+    an int64 header ``[dtype code, ndim, *shape, 0...]`` of 10 values, then the data (nothing
+    when empty), on the group's device; blocking. The receiver needs no shape
+    (:func:`recv_tensor`): ragged counts travel in the header. Raises ``ValueError`` for more
+    than 8 dims or a dtype outside float32/bfloat16/float16/float64/int64/bool."""
+    if t.ndim > _HEADER - 2 or t.dtype not in _DTYPES:
+        raise ValueError(
+            f"send_tensor: a {t.ndim}-dim {t.dtype} tensor; at most {_HEADER - 2} dims of "
+            f"{', '.join(map(str, _DTYPES))} travel."
+        )
+    device = group_device(group)
+    header = torch.zeros(_HEADER, dtype=torch.int64)
+    header[0], header[1] = _DTYPES.index(t.dtype), t.ndim
+    header[2 : 2 + t.ndim] = torch.tensor(t.shape, dtype=torch.int64)
+    dist.send(header.to(device), group=group, group_dst=dst)
+    if t.numel():
+        dist.send(t.detach().to(device).contiguous(), group=group, group_dst=dst)
+
+
+def recv_tensor(src: int, device: torch.device, group: dist.ProcessGroup | None = None) -> Tensor:
+    """Receive the tensor group rank ``src`` sent with :func:`send_tensor` (dtype and shape
+    from its header), on ``device``."""
+    header = torch.empty(_HEADER, dtype=torch.int64, device=group_device(group))
+    dist.recv(header, group=group, group_src=src)
+    values = header.tolist()
+    shape = tuple(values[2 : 2 + values[1]])
+    out = torch.empty(shape, dtype=_DTYPES[values[0]], device=group_device(group))
+    if out.numel():
+        dist.recv(out, group=group, group_src=src)
+    return out.to(device)
 
 
 def barrier(group: dist.ProcessGroup | None = None) -> None:

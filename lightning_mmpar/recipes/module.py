@@ -49,6 +49,7 @@ from lightning_mmpar.parallel.parallelize import (
     apply_model_parallel,
     checkpoint_and_compile,
 )
+from lightning_mmpar.parallel.towers import TowerInlet, image_index, tower_block_count
 from lightning_mmpar.plans.fusion import fusion_plan
 from lightning_mmpar.recipes import pretrained as ptl
 from lightning_mmpar.recipes.evaluation import RecipeMetrics, digit_token_classes, eval_values
@@ -184,6 +185,8 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         self._stepped_at = 0  # trainer.global_step when the last optimizer step was followed up
         self._window_tokens: int | None = None  # target tokens of the accumulation window
         self.text_length: int | None = None  # block costs' caption length without a datamodule
+        self._tower_role: str | None = None  # non-colocated towers: "vision" or "language"
+        self._inlet: TowerInlet | None = None
 
     # ------------------------------------------------------------------ model
     def _fusion_config(self, fusion: FusionConfig, pretrained: PretrainedConfig) -> FusionConfig:
@@ -228,6 +231,8 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         self._fusion = (model,)
         self._fresh = meta[1] if meta else None
         self.blocks = nn.ModuleList(model.pipeline_blocks())
+        if self._tower_role is not None:  # non-colocated: both sides must know, now, whether
+            self._freeze(model)  # the tower trains (vision ranks apply no plan)
         plan = self.parallel_plan(dims)  # the sizes against the layout, checked now
         if not applies_plans(self._trainer):
             apply_model_parallel(model, dims, plan)
@@ -239,7 +244,10 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         TP and EP: freezing per :attr:`finetune` (after TP: sequence parallelism's norms are
         new parameters) and reading the pretrained towers (:meth:`load_towers`). Raises
         ``ValueError`` as ``fusion_plan``."""
-        plan = fusion_plan(self.fusion_model, self.plan_options, dims)
+        options = self.plan_options
+        if self._tower_role == "language":  # the tower runs on the vision ranks: no styles
+            options = dataclasses.replace(options, vision_parallel="replicate")
+        plan = fusion_plan(self.fusion_model, options, dims)
         steps = (*plan.after_model_parallel, self._freeze_step, self.load_towers)
         return dataclasses.replace(plan, after_model_parallel=steps)
 
@@ -287,6 +295,8 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
     def head(self) -> Head | None:
         """The last block when this rank owns it (always, without pipeline parallelism)."""
         last = self.blocks[-1] if self.blocks is not None else None
+        if self._tower_role == "vision":
+            return None
         if not isinstance(last, Head) or not TrainerTopology.of(self._trainer).owns_last_stage:
             return None
         return last
@@ -311,9 +321,48 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
 
     # ------------------------------------------------------------------ PipelineModule
     def pipeline_blocks(self) -> list[nn.Module]:
-        """The fusion model's blocks (vision, aligner, language, head)."""
+        """The fusion model's blocks (vision, aligner, language, head); under non-colocated
+        towers (:meth:`use_tower_role`) a vision rank's are the tower's, a language rank's the
+        inlet and the rest."""
         assert self.blocks is not None, "configure_model() builds the blocks"
+        if self._tower_role == "vision":
+            return self.tower_blocks()
+        if self._tower_role == "language":
+            assert self._inlet is not None
+            return [self._inlet, *list(self.blocks)[len(self.tower_blocks()) :]]
         return list(self.blocks)
+
+    # ------------------------------------------------------------------ TowerModule
+    def use_tower_role(self, role: str, inlet: TowerInlet | None = None) -> None:
+        """Non-colocated towers (the strategy's ``vision_ranks``, :mod:`lightning_mmpar.
+        parallel.towers`), called before :meth:`configure_model`: this rank runs the vision
+        tower (``"vision"``) or the rest behind ``inlet`` (``"language"``). Raises
+        ``ValueError`` with pretrained towers (read by the plan, which vision ranks skip)."""
+        if self.pretrained.used:
+            raise ValueError(
+                "vision_ranks (non-colocated towers) does not read pretrained towers yet "
+                "(model.pretrained); train from scratch or set vision_ranks=0."
+            )
+        self._tower_role, self._inlet = role, inlet
+
+    def tower_blocks(self) -> list[nn.Module]:
+        """The vision tower's blocks (the leading ``vision`` ones), on any rank."""
+        assert self.blocks is not None, "configure_model() builds the blocks"
+        blocks = list(self.blocks)
+        return blocks[: tower_block_count(blocks)]
+
+    def tower_inputs(self, batch: Mapping[str, Tensor]) -> Tensor:
+        """The images a ragged batch gives the tower: ``pixel_values[image_mask]`` ``[n, C, H,
+        W]`` in (row, slot) order. Raises ``ValueError`` for a batch without ``pixel_values``
+        (non-colocated towers take ragged batches, :class:`~lightning_mmpar.data.
+        MultimodalCollator`)."""
+        if "pixel_values" not in batch or "image_mask" not in batch:
+            raise ValueError(
+                "vision_ranks (non-colocated towers) takes ragged batches (pixel_values, "
+                "image_mask: lightning_mmpar.data.MultimodalCollator); got keys "
+                f"{sorted(batch)}. Use a ragged data module or vision_ranks=0."
+            )
+        return batch["pixel_values"][batch["image_mask"]]
 
     def pipeline_block_specs(self, text_length: int | None = None) -> list[BlockSpec]:
         """Each block's name (``vision.stem``, ``vision.layer0``, .., ``vision.pool``, ``bridge``,
@@ -334,6 +383,10 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         names += ["bridge", *(f"adapter{i}" for i in range(ad))]
         names += [*(f"decoder{i}" for i in range(de)), "head"]
         n = (v.image_size // v.patch_size) ** 2
+        if self._tower_role == "language":  # the inlet (no cost) and the blocks after the tower
+            k = len(self.tower_blocks())
+            rest = measure_blocks(list(self.blocks or [])[k:], n, t, names[k:])
+            return [BlockSpec("tower.inlet", "aligner", 0.0, 0.0, 0.0, 0.0), *rest]
         return measure_blocks(self.pipeline_blocks(), n, t, names)
 
     def pipeline_inputs(self, batch: dict[str, Tensor]) -> tuple[tuple[Tensor, ...], Tensor]:
@@ -361,6 +414,8 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         """A ragged batch (:class:`~lightning_mmpar.data.MultimodalCollator`): the model's
         block-0 inputs and ``[labels [B, T] | contrastive pair slots [B, I]]``."""
         inputs = FusionModel.ragged_inputs(batch)
+        if self._tower_role == "language":  # the inlet's slot index instead of the pixels
+            inputs = (image_index(batch["image_mask"]), *inputs[1:])
         if self._loss is not None:
             self._loss.start_batch(batch["labels"], self._window())
         return inputs, torch.cat([batch["labels"], contrastive_pairs(batch).long()], dim=1)
@@ -545,6 +600,11 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         """AdamW, weight decay by role and a peak learning rate per tower
         (:mod:`~lightning_mmpar.recipes.optim`), linear warm-up and cosine decay per step."""
         ptl.check_stage_guess(self, self.load_report)
+        if self._tower_role == "vision" and not any(p.requires_grad for p in self.parameters()):
+            # a frozen tower's rank steps nothing, but joins every collective of the others:
+            # recipe_optimizer's estimated_stepping_batches (the loader's length, summed) too
+            self.trainer.estimated_stepping_batches  # noqa: B018
+            return torch.optim.SGD([nn.Parameter(torch.zeros(0, device=self.device))], lr=0.0)
         return recipe_optimizer(self)
 
 

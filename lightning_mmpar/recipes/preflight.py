@@ -161,7 +161,7 @@ def _dp_size(layout: ParallelLayout, world_size: int | None) -> int:
     """Data-parallel ranks: the layout's ``dp``, else ``world / (tp * pp)``."""
     if layout.dp is not None:
         return layout.dp
-    return max(1, (world_size or 1) // (layout.tp * layout.pp))
+    return max(1, ((world_size or 1) - layout.vision_ranks) // (layout.tp * layout.pp))
 
 
 def _as_saved(path: str, hparams: Any) -> tuple[Any, tuple[str, ...]]:

@@ -79,11 +79,12 @@ from lightning_mmpar.strategy.setup_checks import (
     check_module_before_launch,
     refuse_once,
 )
+from lightning_mmpar.strategy.tower_steps import TowerSteps
 from lightning_mmpar.topology import ParallelDims
 
 
 class MultimodalParallelStrategy(
-    NumericsHooks, ShardedCheckpointHooks, PipelinedSteps, ModelParallelStrategy
+    TowerSteps, NumericsHooks, ShardedCheckpointHooks, PipelinedSteps, ModelParallelStrategy
 ):
     """Tensor x pipeline x expert x data parallelism in one Lightning strategy.
 
@@ -129,6 +130,13 @@ class MultimodalParallelStrategy(
             skipped a unit, instead of a hang (:mod:`~lightning_mmpar.parallel.unit_order`).
             ``False`` leaves the check out, for a module that runs every unit on every rank.
             Raises ``ValueError`` for anything but a bool.
+        vision_ranks: ranks that run the vision tower alone (non-colocated towers,
+            Megatron-Bridge MIMO's layout; :mod:`lightning_mmpar.parallel.towers`): the last
+            ``vision_ranks`` global ranks, each with a full copy of the tower, gradients summed
+            over them; the other ranks are laid out by the sizes above. ``0`` (default):
+            colocated. Needs ragged batches and a module with ``use_tower_role``,
+            ``tower_blocks`` and ``tower_inputs`` (``ClipLlamaModule``); refused with
+            ``expert_parallel > 1``, zero-bubble schedules and sequence parallelism.
 
     Data parallelism is ``world_size / (tensor_parallel * pipeline_parallel)``. A LightningModule
     that implements ``PipelineModule`` has its steps run by the strategy (any pp, 1 included) and
@@ -168,6 +176,7 @@ class MultimodalParallelStrategy(
         activation_checkpointing: str | int | list[str] | None = None,
         compile_blocks: bool | str | None = None,
         check_unit_order: bool = True,
+        vision_ranks: int = 0,
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         try:  # under torchrun / SLURM every rank builds the strategy: one message, rank 0's
@@ -181,6 +190,7 @@ class MultimodalParallelStrategy(
                 data_parallel=data_parallel,
                 partition=partition,
                 placement=placement,
+                vision_ranks=vision_ranks,
             )
             self.memory = MemoryOptions(
                 mixed_precision, offload_optimizer, activation_checkpointing, compile_blocks
@@ -243,15 +253,16 @@ class MultimodalParallelStrategy(
 
     def _make_dims(self) -> ParallelDims:
         c, world = self.config, self.num_nodes * self.num_processes
-        placement = c.resolve_placement(world)[0]  # cached: a file or nvidia-smi is read once
+        c.check_world(world)
+        language = world - c.vision_ranks  # the last vision_ranks ranks run the vision tower
+        placement = c.resolve_placement(language)[0]  # cached: a file or nvidia-smi read once
         dims = ParallelDims(
-            world_size=world,
+            world_size=language,
             tp=c.tensor_parallel,
             pp=c.pipeline_parallel,
             ep=c.expert_parallel,
             placement=placement,
         )
-        c.check_world(dims.world_size)
         return dims
 
     @property
@@ -262,6 +273,8 @@ class MultimodalParallelStrategy(
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        if (served := self._tower_data_rank()) is not None:
+            return {"num_replicas": served[0], "rank": served[1]}
         dp = self.parallel_dims.get_mesh("dp")
         return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
 
@@ -286,7 +299,10 @@ class MultimodalParallelStrategy(
                 check_train_batches(int(total), dataloader)
         seeded = int(os.environ.get("PL_SEED_WORKERS", 0))
         if seeded and getattr(dataloader, "worker_init_fn", False) is None:
-            dp_rank = self.parallel_dims.rank_coords(self.global_rank)["dp"]
+            served = self._tower_data_rank()
+            dp_rank = (
+                served[1] if served else self.parallel_dims.rank_coords(self.global_rank)["dp"]
+            )
             dataloader.worker_init_fn = partial(pl_worker_init_function, rank=dp_rank)
         if trainer is not None and trainer.training:  # accumulation windows (pipelined_steps)
             dataloader = self._windowed(dataloader, trainer)
@@ -335,6 +351,10 @@ class MultimodalParallelStrategy(
                 self._dims.check_agreed(comm.all_gather_objects(placement))
             if placement is not None:
                 rank_zero_info(f"rank placement ({source}): {placement}")
+            if self._tower_setup_environment(self._dims):
+                return  # a vision rank: no mesh (its groups are its own, TowerSteps)
+        elif self._towers is not None and self._towers.is_vision(self.global_rank):
+            return
         mesh = self._dims.build_mesh(self.root_device.type, self._timeout)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = mesh
@@ -349,7 +369,8 @@ class MultimodalParallelStrategy(
         self.model = self.precision_plugin.convert_module(self.model)
         if any(p.device != self.root_device and not p.is_meta for p in self.model.parameters()):
             deferred.move(self.model, self.root_device)  # .to() would refuse meta parameters
-        self._parallelize(self._module)
+        if not self._tower_split(self._module):  # a vision rank runs the tower alone
+            self._parallelize(self._module)
         # MoE aux-loss gradients follow the main loss: Lightning divides it by the accumulation,
         # the pipeline engine's gradients are divided afterwards (aux included)
         accumulate = 1 if self.pipeline is not None else trainer.accumulate_grad_batches
@@ -409,11 +430,13 @@ class MultimodalParallelStrategy(
         if self._unit_order is not None:  # a rank that skipped the last FSDP2 unit: raise
             self._unit_order.end_of_forward()
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        if self._stash.pending:
+        piped = self._stash.pending
+        if piped:
             scale = 1.0 / module.trainer.accumulate_grad_batches
             self._stash.restore(list(module.parameters()), scale)
-        else:
+        elif self._exchange is None or not self._exchange.is_vision:
             self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+        self._tower_backward(piped)  # non-colocated towers: the embeddings' gradients
         self._grad_sync.sync(self.parallel_dims)  # what no FSDP unit reduced: tp, dp, edp
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
@@ -449,11 +472,14 @@ class MultimodalParallelStrategy(
         per optimizer step by :meth:`optimizer_step`; a callback that recomputes a step's
         gradients calls it again afterwards. Collective over the dp group for token losses.
         """
+        if self._exchange is not None and self._exchange.is_vision:
+            return self._normalise_vision(optimizer)
         module = self._module
         micro = self.pipeline.num_micro_batches if self.pipeline is not None else 1
         scale = float(module.trainer.accumulate_grad_batches * micro * self.parallel_dims.dp)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         total = self._step_tokens.finish(params, self.parallel_dims.get_group("dp"), scale)
+        self._tower_tokens(total)  # non-colocated towers: the vision ranks scale by it too
         if total is not None and not self._warned_aux:
             self._warned_aux = True
             if any(hasattr(m, "aux_loss_scale") for m in module.modules()):
@@ -468,4 +494,10 @@ class MultimodalParallelStrategy(
     # save/load/remove: ShardedCheckpointHooks (DCP shards, guarded against non-finite weights)
     def _rank_layout(self) -> dict[str, int]:
         dims = self.parallel_dims  # keyed by mesh position: resumable under another placement
-        return ckpt.rank_layout(dims, self.config.virtual_pipeline, dims.position(self.global_rank))
+        if self._towers is None:
+            position = dims.position(self.global_rank)
+            return ckpt.rank_layout(dims, self.config.virtual_pipeline, position)
+        vision = self._towers.is_vision(self.global_rank)  # vision ranks: after the mesh's
+        position = self.global_rank if vision else dims.position(self.global_rank)
+        layout = ckpt.rank_layout(dims, self.config.virtual_pipeline, position)
+        return {**layout, "vision_ranks": self._towers.vision_ranks}

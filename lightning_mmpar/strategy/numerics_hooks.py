@@ -44,7 +44,11 @@ class NumericsHooks:
             rank_zero_warn(note)
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
-        """Clip by the norm over every tp/dp shard and pp stage (one all-reduce)."""
+        """Clip by the norm over every tp/dp shard and pp stage (one all-reduce); under
+        non-colocated towers over both sides (``_tower_clip``)."""
+        tower_clip = getattr(self, "_tower_clip", None)
+        if tower_clip is not None and tower_clip(optimizer, clip_val):
+            return
         clip_grad_norm_(_params(optimizer), clip_val, pp=self.parallel_dims.pp)
 
     def _check_finite(self, optimizer: Optimizer, check_grads: bool) -> None:

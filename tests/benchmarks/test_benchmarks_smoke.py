@@ -88,6 +88,12 @@ def _packing(r: dict[str, Any]) -> None:
         assert padded["target_tokens_per_s"] > 0 and packed["target_tokens_per_s"] > 0
 
 
+def _noncolocated(r: dict[str, Any]) -> None:
+    assert r["processes"] == {"colocated": 2, "noncolocated": 3}
+    assert all(t > 0 for side in r["step_seconds"].values() for run in side for t in run)
+    assert r["ratio"] > 0 and r["device_seconds_ratio"] == pytest.approx(r["ratio"] * 1.5)
+
+
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "overhead": _overhead,
     "planner": _planner,
@@ -97,6 +103,7 @@ CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "scaling": _scaling,
     "learning": _learning,
     "packing": _packing,
+    "noncolocated": _noncolocated,
 }
 
 

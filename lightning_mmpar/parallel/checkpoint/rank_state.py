@@ -31,6 +31,7 @@ __all__ = [
     "PER_RANK_KEYS",
     "RANKS_DIR",
     "check_layout",
+    "layout_key",
     "rank_file",
     "rank_layout",
     "restore_rank_state",
@@ -104,6 +105,12 @@ def check_layout(layout: Any) -> None:
         )
 
 
+def layout_key(layout: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``layout`` that must match for a rank's own state: :data:`LAYOUT_KEYS`
+    and ``vision_ranks`` (non-colocated towers; 0, colocated, when absent)."""
+    return {k: layout[k] for k in LAYOUT_KEYS} | {"vision_ranks": layout.get("vision_ranks", 0)}
+
+
 def _dims(layout: dict[str, Any]) -> ParallelDims:
     return ParallelDims(
         world_size=int(layout["world_size"]),
@@ -125,7 +132,7 @@ def restore_rank_state(path: Path, metadata: dict[str, Any], layout: dict[str, A
     own = rank_file(path, int(layout["rank"]))
     if own.exists():
         saved: dict[str, Any] = torch.load(own, weights_only=False)
-        if all(saved["layout"][k] == layout[k] for k in LAYOUT_KEYS):
+        if layout_key(saved["layout"]) == layout_key(layout):
             metadata.update({k: saved[k] for k in PER_RANK_KEYS if k in saved})
             return []
     first = rank_file(path, 0)
@@ -137,8 +144,7 @@ def restore_rank_state(path: Path, metadata: dict[str, Any], layout: dict[str, A
             "rank restores rank 0's callback and loop state."
         ]
     saved_layout = torch.load(first, weights_only=False)["layout"]
-    was = {k: saved_layout[k] for k in LAYOUT_KEYS}
-    now = {k: layout[k] for k in LAYOUT_KEYS}
+    was, now = layout_key(saved_layout), layout_key(layout)
     if was == now:
         raise FileNotFoundError(f"{own} is missing: copy the whole checkpoint directory.")
     notes = [
@@ -146,7 +152,7 @@ def restore_rank_state(path: Path, metadata: dict[str, Any], layout: dict[str, A
         "rank 0's callback state (per-rank statistics and decisions start from rank 0's)."
     ]
     was_dims, now_dims = _dims(saved_layout), _dims(layout)
-    if was_dims.dp == now_dims.dp:
+    if was_dims.dp == now_dims.dp and int(layout["rank"]) < now_dims.world_size:
         dp_rank = now_dims.rank_coords(int(layout["rank"]))["dp"]
         twin = next(
             r for r in range(was_dims.world_size) if was_dims.rank_coords(r)["dp"] == dp_rank

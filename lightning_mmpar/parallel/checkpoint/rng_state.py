@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_mmpar.parallel.checkpoint.rank_state import LAYOUT_KEYS, rank_file
+from lightning_mmpar.parallel.checkpoint.rank_state import layout_key, rank_file
 from lightning_mmpar.parallel.random import get_rng_tracker
 
 __all__ = [
@@ -110,6 +110,6 @@ def saved_rng_state(path: Path, layout: dict[str, Any]) -> dict[str, Any] | None
     if not file.exists():
         return None
     saved: dict[str, Any] = torch.load(file, weights_only=False)
-    if any(saved["layout"][k] != layout[k] for k in LAYOUT_KEYS):
+    if layout_key(saved["layout"]) != layout_key(layout):
         return None
     return saved.get(RNG_KEY)

@@ -1,0 +1,205 @@
+"""Non-colocated towers (issue 30): the vision tower on ranks of its own against one process,
+on the ragged batches of :mod:`ragged_parity_worker` (text-only, one- and three-image samples;
+a first-stage rank with no image in a micro-batch), one spawned world per size."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+from lightning.pytorch import Trainer
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from lightning_mmpar import MultimodalParallelStrategy
+from lightning_mmpar.parallel.tensor import full_gradients
+from lightning_mmpar.parallel.towers import TowerExchange
+from lightning_mmpar.recipes.faults import is_collective_failure
+from lightning_mmpar.recipes.options import FinetuneConfig
+from lightning_mmpar.topology import ParallelDims
+from tests.recipes import parity_matrix_worker as pm
+from tests.recipes import ragged_parity_worker as rp
+from tests.recipes import recipe_faults_worker as rw
+
+
+class Recorder(rw.Recorder):
+    """Losses where a rank logs them (the language ranks), first-step gradients everywhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stepped: dict[str, Tensor] = {}
+        """Gradients as the first optimizer step used them (clipped)."""
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, *args: Any) -> None:
+        if "train_loss" in trainer.callback_metrics:
+            self.losses.append(float(trainer.callback_metrics["train_loss"]))
+        if not self.stepped:
+            grads = full_gradients(pl_module)
+            self.stepped = {name: g.detach().clone() for name, g in grads.items()}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One run: strategy arguments and training options."""
+
+    name: str
+    world: int
+    strategy: dict[str, Any] = field(default_factory=dict)
+    clip: float | None = None
+    frozen: bool = False
+    """The vision tower frozen (``finetune.train_vision=False``)."""
+    vision_parallel: str = "tp"
+
+    @property
+    def vision_ranks(self) -> int:
+        return int(self.strategy.get("vision_ranks", 0))
+
+    @property
+    def reference(self) -> tuple[float | None, bool]:
+        """The one-process run it is compared with: ``(clip, frozen)``."""
+        return self.clip, self.frozen
+
+
+PP2 = pm._pp("1f1b", 2, 2, 1)
+CASES: tuple[Case, ...] = (
+    Case("1 vision + tp2", 3, {"vision_ranks": 1, "tensor_parallel": 2}),
+    Case("2 vision (dp) + pp2", 4, {"vision_ranks": 2, **PP2}),
+    Case("2 vision (dp) + pp2, clip 0.5", 4, {"vision_ranks": 2, **PP2}, clip=0.5),
+    Case("2 vision (dp) + pp2, frozen tower", 4, {"vision_ranks": 2, **PP2}, frozen=True),
+    Case("2 vision + dp2 (text-only replica)", 4, {"vision_ranks": 2}),
+    Case(
+        "1 vision + tp2 x pp2", 5, {"vision_ranks": 1, **pm._pp("1f1b", 2, 2, 1, tensor_parallel=2)}
+    ),
+)
+COLOCATED = Case(
+    "colocated tp2, vision replicate", 2, {"tensor_parallel": 2}, vision_parallel="replicate"
+)
+"""The colocated layout whose arithmetic ``1 vision + tp2`` repeats on the language ranks."""
+
+
+def fit(strategy: Any, world: int, case: Case) -> Recorder:
+    """Two steps on the ragged batches (every rank the whole batch: one language replica)."""
+    module = pm.build(rp.VOCAB, None, vision_parallel=case.vision_parallel)
+    module.text_length = rp.TOKENS
+    if case.frozen:
+        module.finetune = FinetuneConfig(train_decoder_layers=-1, train_embeddings=True)
+    recorder = Recorder()
+    trainer = rw.quiet_trainer(
+        strategy=strategy,
+        devices=world,
+        max_epochs=1,
+        gradient_clip_val=case.clip,
+        use_distributed_sampler=False,
+        limit_val_batches=0,
+        callbacks=[recorder],
+    )
+    data = _local(rp.batches(), case)
+    trainer.fit(module, DataLoader(data, batch_size=None))  # type: ignore[arg-type]
+    return recorder
+
+
+def _local(batches: list[dict[str, Any]], case: Case) -> list[dict[str, Any]]:
+    """A language rank's dp slice (rows 0-1 / 2-3: step 1's second replica is text-only, so
+    its vision rank encodes no image); a vision rank's loader only counts steps."""
+    if case.world == 1:
+        return batches
+    s = case.strategy
+    dims = ParallelDims(
+        world_size=case.world - case.vision_ranks,
+        tp=s.get("tensor_parallel", 1),
+        pp=s.get("pipeline_parallel", 1),
+    )
+    rank = dist.get_rank()
+    if rank >= dims.world_size:
+        return batches
+    return [pm.dp_slice(b, dims.dp, dims.rank_coords(rank)["dp"]) for b in batches]
+
+
+def reference(clip: float | None, frozen: bool) -> Recorder:
+    """One process, the same batches and options."""
+    return fit("auto", 1, Case("one process", 1, clip=clip, frozen=frozen))
+
+
+def run(case: Case) -> dict[str, Any]:
+    start = time.perf_counter()
+    rec = fit(MultimodalParallelStrategy(**case.strategy), case.world, case)
+    return {
+        "losses": rec.losses,
+        "grads": rec.grads,
+        "stepped": rec.stepped,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def world(rank: int, world_size: int) -> dict[str, Any]:
+    """The cases of this size on this rank: ``{case name: result}``."""
+    cases = [*CASES, COLOCATED]
+    return {c.name: pm.named(c.name, rank, run, c) for c in cases if c.world == world_size}
+
+
+def state_after(strategy: Any, world: int, resume: str | None, save: str | None) -> dict:
+    """Fit (or resume from ``resume`` at the end of its epoch: no further step) and save at
+    ``save``; this rank's module state."""
+    module = pm.build(rp.VOCAB, None)
+    module.text_length = rp.TOKENS
+    trainer = rw.quiet_trainer(
+        strategy=strategy,
+        devices=world,
+        max_epochs=1,
+        use_distributed_sampler=False,
+        limit_val_batches=0,
+    )
+    data = DataLoader(rp.batches(), batch_size=None)  # type: ignore[arg-type]
+    trainer.fit(module, data, ckpt_path=resume)
+    if save is not None:
+        trainer.save_checkpoint(save)
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def checkpoints(rank: int, world_size: int, colocated: str, noncolocated: str) -> dict:
+    """1 vision + 1 language rank: resume the colocated checkpoint, then train afresh and save
+    a non-colocated one; this rank's states."""
+    return {
+        "resumed": state_after(MultimodalParallelStrategy(vision_ranks=1), 2, colocated, None),
+        "saved": state_after(MultimodalParallelStrategy(vision_ranks=1), 2, None, noncolocated),
+    }
+
+
+class _Died(Exception):
+    """The vision rank's simulated death."""
+
+
+def dead_vision_rank(rank: int, world_size: int) -> dict[str, Any]:
+    """1 vision + 1 language rank; the vision rank dies at its second step (it raises before
+    receiving the pixels and closes its connections, as a killed process's close). Returns the
+    vision rank's time of death, or the language rank's error, whether the fault report counts
+    it as a failed collective, and its time."""
+    strategy = MultimodalParallelStrategy(vision_ranks=1)
+    if rank == 1:
+        encode, calls = TowerExchange.encode, []
+
+        def dying(self: TowerExchange, tower: Any) -> Any:
+            calls.append(1)
+            if len(calls) == 2:
+                raise _Died
+            return encode(self, tower)
+
+        TowerExchange.encode = dying  # type: ignore[method-assign]
+        try:
+            fit(strategy, 2, Case("dead vision rank", 2, strategy={"vision_ranks": 1}))
+        except _Died:
+            died = time.time()
+            dist.destroy_process_group()
+            return {"died": died}
+        return {"died": None}
+    try:
+        fit(strategy, 2, Case("dead vision rank", 2, strategy={"vision_ranks": 1}))
+    except Exception as err:
+        return {
+            "error": repr(err)[:300],
+            "collective": is_collective_failure(err),
+            "at": time.time(),
+        }
+    return {"error": None}
