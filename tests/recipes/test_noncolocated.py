@@ -19,12 +19,12 @@ from tests.recipes import recipe_faults_worker as rw
 RTOL = 1e-5
 _WORLDS: dict[int, Any] = {}
 _REFERENCES: dict[tuple[float | None, bool], nw.Recorder] = {}
-XFAIL = {
-    "1 vision + tp2": "fp32 summation noise of the colocated tp2 layout it repeats bit for bit "
-    "(test_tp2_language_ranks_repeat_the_colocated_layout_bit_for_bit): the decoder's image-key "
-    "temperature (gradient norm 1.4e-3, 100x below the others) lands at 1.14e-5; every other "
-    "gradient <= 2.2e-6"
-}
+SCALAR_NOISE = {"1 vision + tp2": ("temperature", 2e-5)}
+"""Case -> (parameter name suffix, its relative bound): the gradients allowed past RTOL, and
+why. ``1 vision + tp2`` repeats colocated tp2 with a replicated tower bit for bit
+(test_tp2_language_ranks_repeat_the_colocated_layout_bit_for_bit), whose fp32 summation order puts
+the decoder layers' attention temperatures (scalars, gradient norm 1.4e-3, 100x below the others) at
+1.14e-5 from one process; every other gradient of the case stays within RTOL (<= 2.2e-6)."""
 
 
 def _reference(key: tuple[float | None, bool]) -> nw.Recorder:
@@ -48,8 +48,23 @@ def _world(size: int) -> list[dict[str, Any]]:
 
 
 def _param(case: nw.Case) -> Any:
-    marks = [pytest.mark.xfail(strict=True, reason=XFAIL[case.name])] if case.name in XFAIL else []
-    return pytest.param(case, id=case.name, marks=marks)
+    return pytest.param(case, id=case.name)
+
+
+def _worst(case: nw.Case, got: dict[str, Any], want: dict[str, Any]) -> tuple[str, float]:
+    """:func:`recipe_faults_worker.worst_gradient`; the case's :data:`SCALAR_NOISE` parameter
+    checked against its own bound here and left out of the worst."""
+    suffix, bound = SCALAR_NOISE.get(case.name, ("", RTOL))
+    if not suffix:
+        return rw.worst_gradient(got, want)
+    noisy = [k for k in want if k.endswith(suffix)]
+    assert noisy, (case.name, suffix)
+    floor = 1e-6 * max(float(g.norm()) for g in want.values())  # worst_gradient's, over all
+    for name in noisy:
+        ratio = float((got[name] - want[name]).norm()) / max(float(want[name].norm()), floor)
+        assert ratio <= bound, (case.name, name, ratio, bound)
+    rest = [k for k in want if k not in noisy]
+    return rw.worst_gradient({k: got[k] for k in rest}, {k: want[k] for k in rest})
 
 
 @pytest.mark.distributed
@@ -72,7 +87,7 @@ def test_noncolocated_case_matches_one_process(case: nw.Case) -> None:
         grads = {k: v for got in results for k, v in got[key].items()}
         assert grads.keys() == want.keys(), (case.name, key, grads.keys() ^ want.keys())
         assert case.frozen == (not any(k.startswith("blocks.1.") for k in grads)), case.name
-        name, r = rw.worst_gradient(grads, want)
+        name, r = _worst(case, grads, want)
         ratio, worst = max((ratio, worst), (r, f"{key} {name}"))
     took = max(r["seconds"] for r in results)
     print(
