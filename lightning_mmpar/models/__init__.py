@@ -18,7 +18,14 @@ from lightning_mmpar.models.convert import (
 from lightning_mmpar.models.decoding import DecodeCache
 from lightning_mmpar.models.fusion import FusionConfig, FusionModel, freeze_for_finetuning
 from lightning_mmpar.models.heads import MomentumHeads, TextPooler, ema_update, momentum_copy
-from lightning_mmpar.models.hf import FAMILIES, HFFamily, from_hf, hf_fusion_config, save_hf
+from lightning_mmpar.models.hf import (
+    FAMILIES,
+    HFFamily,
+    from_hf,
+    hf_data_args,
+    hf_fusion_config,
+    save_hf,
+)
 from lightning_mmpar.models.language import LanguageConfig, LanguageModel, LlamaDecoderLayer
 from lightning_mmpar.models.moe import MoEFeedForward, MoEStats, RoutingPlan, TokenDensity
 from lightning_mmpar.models.moe_density import GradientDensity
@@ -75,6 +82,7 @@ __all__ = [
     "freeze_for_finetuning",
     "from_hf",
     "grouped_mm_supported",
+    "hf_data_args",
     "hf_fusion_config",
     "import_llama",
     "import_open_clip_visual",

@@ -58,8 +58,11 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_mmpar.callbacks.fp8_training import FP8Training
+from lightning_mmpar.data.conversations import RaggedDataModule
 from lightning_mmpar.data.digits import DigitsCaptions
 from lightning_mmpar.data.transforms import ImagePreprocess
+from lightning_mmpar.models.hf import FAMILIES, hf_data_args
+from lightning_mmpar.models.hf.checkpoint import hf_config
 from lightning_mmpar.models.hf.qwen_convert import is_qwen_vl_dir
 from lightning_mmpar.parallel.deepspeed_mapping import DeepSpeedPlan
 from lightning_mmpar.recipes import faults
@@ -247,7 +250,9 @@ class ClipLlamaCLI(LightningCLI):
         cfg = self.config[self.subcommand] if self.subcommand else self.config
         link_vision_preprocess(cfg)
         with _setup_errors():  # nothing printed before a refusal: the lines come at the end
+            linked = link_hf_data(cfg)
             lines, fixed = apply_megatron_flags(cfg)
+            lines = linked + lines
             path = deepspeed_path(cfg.get("deepspeed"), cfg.get("deepspeed_config"))
             if path:
                 ds = _read_deepspeed_json(Path(path))
@@ -334,6 +339,47 @@ def link_vision_preprocess(cfg: Any) -> str | None:
         return None
     preprocess["from_pretrained"] = str(vision)
     return str(vision)
+
+
+def link_hf_data(cfg: Any) -> list[str]:
+    """``model.pretrained.hf`` -> the data module's ``tokenizer`` (the checkpoint directory:
+    its tokenizer and chat template; when neither ``tokenizer`` nor ``tokenizer_dir`` is set),
+    ``image_size`` and ``image_seq_length`` (the ViT's tokens per image), from
+    :func:`~lightning_mmpar.models.hf.hf_data_args`, where the data module takes them
+    (a :class:`~lightning_mmpar.data.RaggedDataModule`: :class:`~lightning_mmpar.data.
+    ConversationDataModule`; other data modules, and checkpoints of a model of their own such as
+    Qwen-VL, are left alone). The checkpoint fixes the last two
+    (its position embedding, its projector's token count): another value cannot train, so the
+    checkpoint's replaces it. Returns one line per value changed (printed on rank 0).
+    """
+    hf, init_args = cfg.get("model.pretrained.hf"), cfg.get("data.init_args")
+    if not hf or init_args is None or not _is_ragged(cfg.get("data.class_path")):
+        return []
+    if hf_config(hf).model_type not in FAMILIES:  # a model of its own (Qwen-VL): not linked
+        return []
+    lines = []
+    for key, want in hf_data_args(hf).items():
+        if key not in init_args or init_args.get(key) == want:
+            continue
+        if key == "tokenizer" and (init_args.get("tokenizer") or init_args.get("tokenizer_dir")):
+            continue
+        lines.append(
+            f"data.init_args.{key}: {init_args.get(key)!r} -> {want!r} (model.pretrained.hf)"
+        )
+        init_args[key] = want
+    return lines
+
+
+def _is_ragged(class_path: Any) -> bool:
+    """Whether ``data.class_path`` names a :class:`RaggedDataModule` (subclass)."""
+    if not isinstance(class_path, str) or "." not in class_path:
+        return False
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return False
+    return isinstance(cls, type) and issubclass(cls, RaggedDataModule)
 
 
 def data_vocab_size(data: Any) -> int:

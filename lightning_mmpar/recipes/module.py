@@ -280,6 +280,8 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         if f.train_embeddings:
             for m in (model.language.embed_tokens, model.language.norm, model.language.lm_head):
                 m.requires_grad_(True)
+        if not f.train_projector:
+            model.projector.requires_grad_(False)
 
     @property
     def fusion_model(self) -> FusionModel:

@@ -1,11 +1,14 @@
 """The recipe's optimizer: AdamW, weight decay by role, a learning rate per tower.
 
-Parameter groups: ``{vision, language, adapter} x {decay, no decay}`` (empty groups left out).
+Parameter groups: ``{vision, language, projector, adapter} x {decay, no decay}`` (empty groups
+left out; ``projector`` only when ``optim.lr_projector`` is set, else the projector is in
+``adapter``).
 Decay by role is :func:`~lightning_mmpar.models.fusion.weight_decay_split` (none on biases,
 norms, positional / class embeddings, gates and the logit scale); the tower of a parameter is
 the fusion model's submodule that holds it (``model.vision``, ``model.language``, anything else
 is the fresh "adapter" part: projector, adapters, heads, logit scale; a Qwen-VL model's patch
-merger). Each group's peak rate is
+merger). With ``optim.lr_projector`` set, ``model.projector`` (a Qwen-VL model: its patch
+merger, the projector's role) is its own ``projector`` part. Each group's peak rate is
 ``optim.lr_<tower>`` (``None``: ``optim.lr``), every rate follows the same linear warm-up and
 cosine decay (separate rates for a pretrained backbone and new layers, as LLaVA (Liu et al.
 2023) / Flamingo (Alayrac et al. 2022) fine-tuning does).
@@ -25,15 +28,21 @@ from lightning_mmpar.recipes.options import OptimConfig
 __all__ = ["StepLambdaLR", "parameter_groups", "recipe_optimizer"]
 
 
-def tower_of(model: FusionModel) -> dict[int, str]:
+def tower_of(model: FusionModel, *, projector: bool = False) -> dict[int, str]:
     """``{id(parameter): "vision" | "language"}`` for the towers' parameters; a Qwen-VL
     model's patch merger (``model.vision.merger``, the projector's role) is left to the
-    adapter part."""
+    adapter part. With ``projector``: ``"projector"`` for ``model.projector``'s parameters
+    (else the merger's)."""
     towers = ("vision", "language")
     out = {id(p): name for name in towers for p in getattr(model, name).parameters()}
     merger = getattr(model.vision, "merger", None)
-    for p in merger.parameters() if isinstance(merger, nn.Module) else ():
+    merged = list(merger.parameters()) if isinstance(merger, nn.Module) else []
+    for p in merged:
         out.pop(id(p), None)
+    if projector:
+        part = getattr(model, "projector", None)
+        chosen = list(part.parameters()) if isinstance(part, nn.Module) else merged
+        out.update({id(p): "projector" for p in chosen})
     return out
 
 
@@ -47,10 +56,10 @@ def parameter_groups(
     of sharded parameters are those ``model`` holds then).
     """
     params = dict(module.named_parameters())
-    towers = tower_of(model)
+    towers = tower_of(model, projector=optim.lr_projector is not None)
     decay, no_decay = weight_decay_split(module)
     groups: list[dict[str, Any]] = []
-    for tower in ("vision", "language", "adapter"):
+    for tower in ("vision", "language", "projector", "adapter"):
         lr = getattr(optim, f"lr_{tower}")
         for names, wd, suffix in ((decay, optim.weight_decay, ""), (no_decay, 0.0, ".no_decay")):
             chosen = [params[n] for n in names if towers.get(id(params[n]), "adapter") == tower]

@@ -77,6 +77,9 @@ class FinetuneConfig:
     """Train the first N LLaMA decoder layers (the rest are frozen); -1 trains all."""
     train_embeddings: bool = False
     """Train ``embed_tokens``, the final norm and ``lm_head`` (frozen by the default policy)."""
+    train_projector: bool = True
+    """Train the projector (vision tokens -> decoder width; LLaVA's ``multi_modal_projector``).
+    False freezes it (e.g. LLaVA-style decoder-only tuning)."""
 
     def __post_init__(self) -> None:
         if self.train_decoder_layers < -1:
@@ -134,9 +137,13 @@ class OptimConfig:
     lr_adapter: float | None = None
     """Peak learning rate of the fresh parts: projector, adapters, contrastive heads, logit
     scale; ``None``: ``lr``."""
+    lr_projector: float | None = None
+    """Peak learning rate of the projector alone (its own ``projector`` parameter groups; LLaVA
+    trains it above the decoder's rate); ``None``: the projector is in the adapter groups
+    (``lr_adapter``)."""
 
     def __post_init__(self) -> None:
-        for name in ("lr", "lr_vision", "lr_language", "lr_adapter"):
+        for name in ("lr", "lr_vision", "lr_language", "lr_adapter", "lr_projector"):
             value = getattr(self, name)
             if value is not None and not value >= 0:
                 raise ValueError(f"optim.{name} ({value}) must be >= 0 (None: optim.lr).")

@@ -126,7 +126,7 @@ class QwenVLRecipeModule(ClipLlamaModule):
     def _freeze(self, model: Any) -> None:
         f, m = self.finetune, cast(QwenVLModel, model)
         m.vision.requires_grad_(f.train_vision)
-        m.vision.merger.requires_grad_(True)
+        m.vision.merger.requires_grad_(f.train_projector)  # the projector's role
         m.language.requires_grad_(False)
         n = len(m.language.layers) if f.train_decoder_layers < 0 else f.train_decoder_layers
         for layer in m.language.layers[:n]:

@@ -41,7 +41,15 @@ from lightning_mmpar.models.hf.qwen3_convert import (
 from lightning_mmpar.models.hf.qwen3_vl_moe import Qwen3MoeVLModel
 from lightning_mmpar.models.hf.qwen_convert import QWEN_FAMILIES, qwen_vl_from_hf, save_qwen_vl_hf
 
-__all__ = ["FAMILIES", "HFFamily", "family_of", "from_hf", "hf_fusion_config", "save_hf"]
+__all__ = [
+    "FAMILIES",
+    "HFFamily",
+    "family_of",
+    "from_hf",
+    "hf_data_args",
+    "hf_fusion_config",
+    "save_hf",
+]
 
 FAMILIES: dict[str, HFFamily] = {"llava": LLAVA}
 """``model_type`` (``config.json``) -> its family. Register a family by adding it here."""
@@ -83,6 +91,29 @@ def hf_fusion_config(path: str | Path, **overrides: Any) -> FusionConfig:
     if unknown:
         raise ValueError(f"from_hf overrides {unknown} are not FusionConfig fields.")
     return dataclasses.replace(fusion, **overrides)
+
+
+def hf_data_args(path: str | Path) -> dict[str, Any]:
+    """The data module arguments the checkpoint directory ``path`` fixes: ``tokenizer`` (the
+    directory: its tokenizer and chat template), ``image_size`` (the ViT's input side) and
+    ``image_seq_length`` (tokens one image occupies in the decoder's sequence: the ViT's
+    ``vision.tokens``, 576 for LLaVA-1.5 at 336 px), unless the family's
+    :attr:`HFFamily.data_args` says otherwise. Reads config.json only.
+
+    Raises:
+        ValueError: as :func:`hf_fusion_config`.
+    """
+    config = hf_config(path)
+    family = family_of(config)
+    fusion = family.fusion_config(config)
+    args: dict[str, Any] = {
+        "tokenizer": str(path),
+        "image_size": fusion.vision.image_size,
+        "image_seq_length": fusion.vision.tokens,
+    }
+    if family.data_args is not None:
+        args |= family.data_args(config, fusion)
+    return args
 
 
 def from_hf(path: str | Path, **overrides: Any) -> FusionModel | QwenVLModel | Qwen3MoeVLModel:

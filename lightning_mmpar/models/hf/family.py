@@ -36,6 +36,11 @@ class HFFamily:
     the source checkpoint unchanged."""
     normalize_key: Callable[[str], str] = str
     """Checkpoint key in an older layout -> the current transformers layout."""
+    data_args: Callable[[Any, FusionConfig], dict[str, Any]] | None = None
+    """``(transformers config, its FusionConfig) ->`` the data module arguments the checkpoint
+    fixes (``image_size``, ``image_seq_length``), replacing the defaults
+    :func:`~lightning_mmpar.models.hf.hf_data_args` derives from the ViT (one fixed image size,
+    ``vision.tokens`` tokens per image); ``None``: those defaults."""
 
     def table(self, keys: Mapping[str, Any] | list[str]) -> dict[str, tuple[str, ...]]:
         """``{our key: checkpoint keys}`` for ``keys`` (ours) that have a counterpart."""
