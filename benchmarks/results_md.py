@@ -331,6 +331,29 @@ def _noncolocated(r: dict[str, Any]) -> list[str]:
     ]
 
 
+def _hf_tax(r: dict[str, Any]) -> list[str]:
+    out = [
+        "| side | step (ms) | transformers (ms) | ratio | spread | first-step loss |",
+        "|---|---|---|---|---|---|",
+    ]
+    names = {"ours": "our blocks (caption-only: no text-only stream)"}
+    names["ours_text_stream"] = "our blocks with the text-only stream"
+    for side, label in names.items():
+        x = r[side]
+        out.append(
+            f"| {label} | {x['ours_s'] * 1e3:.1f} | {x['theirs_s'] * 1e3:.1f} | "
+            f"{x['ratio']:.3f} | {x['spread']:.3f} | {r['first_loss'][side]:.6f} |"
+        )
+    verdict = "met" if r["met"] else "NOT met"
+    out.append(
+        f"\nTarget: ratio <= {r['target']:.2f} ({verdict}); transformers' first-step loss "
+        f"{r['first_loss']['theirs']:.6f} (same loss on every side: {r['same_loss']}). "
+        f"Batch: {r['batch']['rows']} rows x {r['batch']['tokens']} tokens, "
+        f"{r['image_tokens']} image tokens per image."
+    )
+    return out
+
+
 SUMMARIES: dict[str, Summary] = {
     "pipeline": _pipeline,
     "planner": _planner,
@@ -343,6 +366,7 @@ SUMMARIES: dict[str, Summary] = {
     "learning": _learning,
     "packing": _packing,
     "noncolocated": _noncolocated,
+    "hf_tax": _hf_tax,
 }
 """Per benchmark: its key figures as markdown lines (others: :func:`_generic`)."""
 

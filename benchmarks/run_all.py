@@ -44,6 +44,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "bench_noncolocated.py",
         "the vision tower on its own rank vs colocated: step time on the same work",
     ),
+    "hf_tax": (
+        "bench_hf_tax.py",
+        "LLaVA training step: our blocks vs transformers' own model (CPU, fp32)",
+    ),
 }
 """Benchmark name -> (script, what it measures: the issue's item numbers)."""
 

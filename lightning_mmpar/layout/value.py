@@ -230,6 +230,9 @@ class LayoutFacts:
     """Text tokens per sample (what sequence parallelism splits)."""
     sequence_name: str = "data.max_length"
     """What the user sets the text length with."""
+    no_sequence_parallel: str | None = None
+    """Why the model refuses sequence parallelism (``None``: it does not), e.g. spliced image
+    tokens, which replace embedding rows a sequence shard does not hold."""
 
 
 def validate(layout: ParallelLayout, facts: LayoutFacts | None = None) -> None:
@@ -527,6 +530,11 @@ def _check_model(layout: ParallelLayout, facts: LayoutFacts) -> None:
             f"sequence_parallel (True) shards the text ({length} tokens) over tp ({tp}), "
             f"which does not divide it; set {facts.sequence_name} to a multiple of {tp} "
             f"(e.g. {-(-length // tp) * tp}) or "
+            "sequence_parallel false."
+        )
+    if layout.sequence_parallel and tp > 1 and facts.no_sequence_parallel:
+        raise ValueError(
+            f"sequence_parallel (True) is not supported: {facts.no_sequence_parallel}; set "
             "sequence_parallel false."
         )
     blocks, stages = facts.pipeline_blocks, layout.num_stages

@@ -28,6 +28,7 @@ parallelism has been applied to the model. Each has a ``kind`` (``vision``, ``al
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -175,7 +176,8 @@ class FusionBlock(nn.Module):
 
         ``image_tokens`` is the number of patch tokens ``N`` (the ViT adds its class token),
         ``text_length`` the caption length ``T``; training runs the fused and the text-only
-        stream (the prompt stream is eval-only and not counted).
+        stream (a decoder layer with ``text_stream`` off: the fused one; the prompt stream is
+        eval-only and not counted).
         """
         tally = CostTally()
         self._tally(tally, image_tokens, text_length)
@@ -389,13 +391,19 @@ class AdapterLayer(FusionBlock):
 
 class DecoderLayer(FusionBlock):
     """One LLaMA layer on every stream: fused (with ``img`` under joint attention), text-only,
-    and in eval mode the class prompts."""
+    and in eval mode the class prompts. ``text_stream=False`` passes the text-only stream
+    through unchanged (a dense layer; :attr:`FusionModel.text_stream`)."""
 
     kind = "language"
 
-    def __init__(self, layer: LlamaDecoderLayer) -> None:
+    def __init__(self, layer: LlamaDecoderLayer, *, text_stream: bool = True) -> None:
         super().__init__()
         self.layer = layer
+        self.text_stream = text_stream
+
+    def _text(self, ht: Tensor, run: Callable[[], Tensor]) -> Tensor:
+        """The text-only stream after this layer: ``run()``, or ``ht`` when it is off."""
+        return run() if self.text_stream else ht
 
     def forward(self, *state: Tensor) -> tuple[Tensor, ...]:
         if _ragged(state[0], 3):
@@ -411,7 +419,8 @@ class DecoderLayer(FusionBlock):
             img, h, ht = llama.moe_streams(self.layer, s.img, s.h, s.ht, pad)
             return tuple(s._replace(img=img, h=h, ht=ht, hp=hp))
         fused = self.layer(s.h, s.img)
-        return tuple(s._replace(h=fused, ht=self.layer(s.ht, _no_image(s.ht, s.img)), hp=hp))
+        ht = self._text(s.ht, lambda: self.layer(s.ht, _no_image(s.ht, s.img)))
+        return tuple(s._replace(h=fused, ht=ht, hp=hp))
 
     def _ragged(self, s: RaggedStreams) -> tuple[Tensor, ...]:
         """Block-diagonal causal attention over the packed samples, per-sample positions.
@@ -449,11 +458,13 @@ class DecoderLayer(FusionBlock):
             return tuple(s._replace(img=img.unflatten(1, (i, n)), h=h, ht=ht))
         h = self.layer(s.h, img, None, **fused_kw)
         none = img.new_zeros(b, 0, img.shape[-1])
-        return tuple(s._replace(h=h, ht=self.layer(s.ht, none, None, **text_kw)))
+        ht = self._text(s.ht, lambda: self.layer(s.ht, none, None, **text_kw))
+        return tuple(s._replace(h=h, ht=ht))
 
     def _tally(self, tally: CostTally, n: int, t: int) -> None:
         joint = self.layer.image_norm is not None
-        for image_tokens in (n if joint else 0, 0):  # fused stream, text-only stream
+        text = self.text_stream or self.layer.moe is not None
+        for image_tokens in (n if joint else 0, 0)[: 2 if text else 1]:  # fused, text-only
             self._stream(tally, t, image_tokens)
 
     def _stream(self, tally: CostTally, t: int, n: int) -> None:

@@ -145,6 +145,12 @@ class FusionModel(nn.Module):
             image_head=self.image_head, text_head=self.text_head.proj, momentum=momentum
         )
         self._momentum = (heads,)  # a tuple: not registered (see the class docstring)
+        self.text_stream = True
+        """The decoder layers also run the text-only stream (the text features the contrastive
+        and MML terms read). False (the recipe, when both weights are 0: LLaVA's caption-only
+        objective) passes the embeddings through instead: the logits are unchanged, the text
+        features pool the embeddings, the decoder's work halves. Read when
+        :meth:`pipeline_blocks` builds the blocks. A mixture-of-experts decoder always runs it."""
 
     @property
     def momentum_heads(self) -> MomentumHeads:
@@ -242,7 +248,10 @@ class FusionModel(nn.Module):
         bridge = Bridge(self.projector, self.language.embed_tokens, image_token_id=spliced)
         blocks += [VisionPool(self.vision), bridge]
         blocks += [AdapterLayer(cast(CrossModalAdapter, a)) for a in self.adapters]
-        blocks += [DecoderLayer(cast(LlamaDecoderLayer, d)) for d in self.language.layers]
+        blocks += [
+            DecoderLayer(cast(LlamaDecoderLayer, d), text_stream=self.text_stream)
+            for d in self.language.layers
+        ]
         blocks.append(
             Head(
                 language=self.language,

@@ -164,12 +164,18 @@ def fusion_facts(config: FusionConfig, *, count_blocks: bool = False) -> LayoutF
     """What the fusion model tells :func:`lightning_mmpar.layout.validate`: the sizes tensor
     parallelism splits (ViT heads and MLP width under ``vision_parallel='tp'``; adapter heads
     and FFN width; LLM query and key-value heads, intermediate size, vocabulary), the ViT's
-    blocks, the experts of each MoE part; with ``count_blocks`` the pipeline blocks too
-    (counted on a meta-device build).
+    blocks, the experts of each MoE part, whether sequence parallelism is refused (spliced
+    fusion); with ``count_blocks`` the pipeline blocks too (counted on a meta-device build).
     """
     v, a, lang = config.vision, config.adapter, config.language
     attn = "language.layers.*.self_attn"
     parts = {"language": lang.moe, "adapter": a.moe}
+    adapter_sizes: tuple[tuple[str, str, int], ...] = ()
+    if a.num_blocks:  # no adapter: nothing to split
+        adapter_sizes = (
+            ("adapters.*.attn", "AdapterConfig.heads", a.heads),
+            ("adapters.*.mlp", "AdapterConfig.ffn_width", a.ffn_width),
+        )
     blocks = None
     if count_blocks:
         with torch.device("meta"):
@@ -177,8 +183,7 @@ def fusion_facts(config: FusionConfig, *, count_blocks: bool = False) -> LayoutF
     return LayoutFacts(
         vision_tp_sizes=vision_tp_sizes(v),
         tp_sizes=(
-            ("adapters.*.attn", "AdapterConfig.heads", a.heads),
-            ("adapters.*.mlp", "AdapterConfig.ffn_width", a.ffn_width),
+            *adapter_sizes,
             (attn, "LanguageConfig.num_attention_heads", lang.num_attention_heads),
             (attn, "LanguageConfig.num_key_value_heads", lang.num_key_value_heads),
             ("language.layers.*.mlp", "LanguageConfig.intermediate_size", lang.intermediate_size),
@@ -195,6 +200,12 @@ def fusion_facts(config: FusionConfig, *, count_blocks: bool = False) -> LayoutF
             "(recipes/clip_llama_moe_cpu.yaml)"
         ),
         pipeline_blocks=blocks,
+        no_sequence_parallel=(
+            "spliced image tokens (model.fusion.fusion='spliced', a Hugging Face LLaVA) replace "
+            "embedding rows, and a sequence shard holds only its own"
+            if config.fusion == "spliced"
+            else None
+        ),
     )
 
 

@@ -175,6 +175,7 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         self.blocks: nn.ModuleList | None = None
         self._fusion: tuple[FusionModel, ...] = ()  # a tuple: the blocks hold the parameters
         self._fresh: dict[str, Tensor] | None = None  # pretrained: fresh values, until read
+        self.read_checkpoints = True  # False: pretrained towers stay on meta (shapes only)
         self._metrics: RecipeMetrics | None = None
         self._loss: RecipeLoss | None = None
         self._prompts: dict[str, Tensor] = {}
@@ -228,6 +229,7 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         cfg = self._resolved_config(dims.tp)
         meta = ptl.meta_fusion(self, cfg, dims.tp) if self.pretrained.used else None  # towers
         model = meta[0] if meta else FusionModel(cfg, momentum=self.loss_config.mml.momentum)
+        model.text_stream = self.text_stream
         self._fusion = (model,)
         self._fresh = meta[1] if meta else None
         self.blocks = nn.ModuleList(model.pipeline_blocks())
@@ -237,6 +239,16 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         if not applies_plans(self._trainer):
             apply_model_parallel(model, dims, plan)
             checkpoint_and_compile(self, plan)  # the deprecated model-side choice, if any
+
+    @property
+    def text_stream(self) -> bool:
+        """Whether the decoder runs the text-only stream (:attr:`FusionModel.text_stream`): the
+        contrastive or MML term reads it (weight > 0), or a mixture-of-experts decoder routes
+        it. Off for a caption-only objective on a dense decoder (LLaVA's): half the decoder's
+        work, the same logits, losses and gradients."""
+        loss = self.loss_config
+        moe = self.fusion_config.language.moe is not None
+        return loss.contrastive_weight > 0 or loss.mml.weight > 0 or moe
 
     def parallel_plan(self, dims: ParallelDims) -> ParallelPlan:
         """The fusion model's plan (:func:`~lightning_mmpar.plans.fusion.fusion_plan`, checked
@@ -255,8 +267,9 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         """Fill the pretrained towers' meta parameters with this rank's tensor-parallel slices,
         or defer them until FSDP sharded them (:func:`~lightning_mmpar.recipes.pretrained.
         load_towers`): a step of :meth:`parallel_plan`, after the plan's sharding and freezing,
-        before the pipeline cut. Sets :attr:`load_report`; nothing without pretrained towers."""
-        if self._fresh is None:
+        before the pipeline cut. Sets :attr:`load_report`; nothing without pretrained towers or
+        with ``read_checkpoints`` False (a meta-device build for shapes: planner, partitioner)."""
+        if self._fresh is None or not self.read_checkpoints:
             return
         self.load_report = ptl.load_towers(self, self.fusion_model, self.pretrained, self._fresh)
         self._fresh = None

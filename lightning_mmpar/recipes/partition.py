@@ -35,6 +35,7 @@ from lightning_mmpar.layout import (
 )
 from lightning_mmpar.layout.schedules import MULTI_STAGE_SCHEDULES
 from lightning_mmpar.recipes.cli import RecipeDigitsCaptions
+from lightning_mmpar.recipes.hf_plan import with_checkpoint
 from lightning_mmpar.recipes.module import ClipLlamaModule
 
 __all__ = ["build_module", "build_specs", "data_args", "load_recipe", "main"]
@@ -91,6 +92,7 @@ def build_module(config: dict[str, Any], meta: bool = True) -> tuple[ClipLlamaMo
         raise ValueError(f"the YAML's model/data sections do not build: {err}") from None
     module, data = init["model"], init["data"]
     if meta:
+        module.read_checkpoints = False  # shapes only: pretrained towers stay on meta
         with torch.device("meta"):
             module.configure_model()
     return module, data
@@ -128,6 +130,11 @@ def _parser() -> argparse.ArgumentParser:
         "share, parameters and activation memory; every mode's imbalance side by side.",
     )
     p.add_argument("--config", required=True, help="recipe YAML (the LightningCLI config)")
+    p.add_argument(
+        "--hf-config",
+        help="a transformers checkpoint's config.json (or its directory): the model partitioned "
+        "(model.pretrained.hf; no weights, tokenizer or data read)",
+    )
     p.add_argument("--pp", type=int, help="pipeline_parallel (default: the YAML's)")
     p.add_argument("--virtual", type=int, help="virtual_pipeline (default: the YAML's or 1)")
     p.add_argument(
@@ -170,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        path, config = args.config, load_recipe(args.config)
+        path, config = args.config, with_checkpoint(load_recipe(args.config), args.hf_config)
         strategy = _strategy_args(config)
         parallel = _parallel_config(args, strategy)
         pp, v = parallel.pipeline_parallel, parallel.virtual_pipeline

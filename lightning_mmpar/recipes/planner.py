@@ -38,6 +38,7 @@ from lightning_mmpar.layout.planner import Rejected, _predict, describe, plan, r
 from lightning_mmpar.parallel.activation import LAYERS
 from lightning_mmpar.plans.fusion import fusion_facts
 from lightning_mmpar.plans.fusion_cost import fusion_model_spec
+from lightning_mmpar.recipes.hf_plan import with_checkpoint
 from lightning_mmpar.recipes.module import ClipLlamaModule
 from lightning_mmpar.recipes.partition import _strategy_args, build_module, data_args, load_recipe
 from lightning_mmpar.recipes.yaml_layout import report, yaml_layout
@@ -170,6 +171,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", required=True, help="recipe YAML (the LightningCLI config)")
     p.add_argument("--gpus", type=int, required=True, help="devices of the job (world size)")
+    p.add_argument(
+        "--hf-config",
+        help="a transformers checkpoint's config.json (or its directory): the model priced "
+        "(model.pretrained.hf; no weights, tokenizer or data read)",
+    )
     p.add_argument("--topo", help="nvidia-smi topo -m output or a topology YAML (placement)")
     p.add_argument("--memory-gib", type=float, help="memory per device (default: the device's)")
     p.add_argument("--device", default="h100", help=f"one of {', '.join(DEVICES)}")
@@ -308,7 +314,7 @@ class _Planning:
 def _prepare(args: argparse.Namespace) -> _Planning:
     """Read ``--config`` and ``--topo``; build the model on the meta device."""
     _check_numbers(args)
-    config = load_recipe(args.config)
+    config = with_checkpoint(load_recipe(args.config), args.hf_config)
     device = DEVICES[args.device]
     precision = args.precision or str((config.get("trainer") or {}).get("precision", "32-true"))
     device.peak(precision)

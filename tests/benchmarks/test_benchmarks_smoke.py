@@ -94,6 +94,12 @@ def _noncolocated(r: dict[str, Any]) -> None:
     assert r["ratio"] > 0 and r["device_seconds_ratio"] == pytest.approx(r["ratio"] * 1.5)
 
 
+def _hf_tax(r: dict[str, Any]) -> None:
+    assert r["same_loss"], r["first_loss"]  # the same model and batch on every side
+    assert set(r["first_loss"]) == {"theirs", "ours", "ours_text_stream"}
+    assert r["ours"]["ratio"] > 0 and r["ours_text_stream"]["ratio"] > 0
+
+
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "overhead": _overhead,
     "planner": _planner,
@@ -104,6 +110,7 @@ CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "learning": _learning,
     "packing": _packing,
     "noncolocated": _noncolocated,
+    "hf_tax": _hf_tax,
 }
 
 

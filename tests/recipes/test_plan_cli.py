@@ -296,3 +296,45 @@ def test_old_module_name_runs_the_planner_with_a_deprecation_warning(
     ):
         runpy.run_module("lightning_mmpar.recipes.plan", run_name="__main__")
     assert end.value.code == 0 and "1 x cpu" in capsys.readouterr().out
+
+
+LLAVA_YAML = str(ROOT / "recipes" / "llava_7b_16gpu.yaml")
+LLAVA_13B = ROOT / "recipes" / "hf" / "llava-1.5-13b" / "config.json"
+
+
+def test_llava_from_config_json_alone(capsys: pytest.CaptureFixture[str]) -> None:
+    """LLaVA-1.5-7B priced from its config.json alone (no weights, tokenizer or data), beside
+    the YAML's tp4 x pp2 x dp2 launch; sequence parallelism refused (spliced image tokens),
+    tp 8 not (no adapter to split); ``--hf-config`` swaps in the 13B; the partitioner too."""
+    from lightning_mmpar.recipes import partition
+    from lightning_mmpar.recipes.hf_plan import CheckpointShapes, with_checkpoint
+
+    assert cli.main(["--config", LLAVA_YAML, "--gpus", "16", "--device", "h200"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "59 blocks, 16 x h200 (bf16-mixed" in lines[0]
+    assert "2048 text tokens per sample" in lines[2] and "576 image tokens per image" in lines[2]
+    header = next(i for i, ln in enumerate(lines) if ln.startswith("#") and "layout (" in ln)
+    ranked = [ln for ln in lines[header + 1 :] if ln[:1].isdigit()]
+    assert ranked and not any(" sp " in ln for ln in ranked)
+    assert any(
+        ln.startswith("the YAML's layout: tp 4 pp 2 v 1 dp 2 ep 1 mb 4x8 fsdp") for ln in lines
+    )
+    assert any(
+        "sequence_parallel (True) is not supported: spliced image tokens" in ln for ln in lines
+    )
+    assert not any("AdapterConfig" in ln for ln in lines)
+    config = with_checkpoint(partition.load_recipe(LLAVA_YAML), LLAVA_13B)
+    module, data = build_module(config)
+    assert isinstance(data, CheckpointShapes) and data.vocab_size == 32064
+    assert module.load_report is None  # nothing read
+    params = sum(p.numel() for p in module.fusion_model.parameters())
+    assert module.fusion_config.language.num_hidden_layers == 40
+    # LLaVA-1.5-13B's 13.35 B, less the last ViT layer (never run), plus the contrastive heads
+    assert abs(params / 13.35e9 - 1) < 2e-3, params
+    argv = ["--config", LLAVA_YAML, "--hf-config", str(LLAVA_13B.parent), "--pp", "4"]
+    assert partition.main(argv) == 0
+    assert (
+        "67 blocks, pp 4" in capsys.readouterr().out
+    )  # stem, 23 ViT layers, pool, bridge, 40, head
+    with pytest.raises(ValueError, match=r"not a config\.json"):
+        with_checkpoint({}, ROOT / "recipes")

@@ -279,3 +279,42 @@ def test_incomplete_state_or_checkpoint_is_refused(checkpoint: Path, tmp_path: P
     save_file(tensors, str(broken / "model.safetensors"))
     with pytest.raises(ValueError, match=r"missing \['model\.multi_modal_projector\.linear_2"):
         from_hf(broken)
+
+
+def test_text_stream_off_keeps_logits_and_gradients(checkpoint: Path) -> None:
+    """``FusionModel.text_stream = False`` (the recipe's caption-only objective on a dense
+    decoder) skips the text-only stream: the same logits and caption-loss gradients, the
+    decoder blocks' counted work halved; the recipe turns it off only without a contrastive
+    or MML term."""
+    from lightning_mmpar.losses.mml import MMLConfig
+    from lightning_mmpar.models.blocks import DecoderLayer
+    from lightning_mmpar.recipes.module import ClipLlamaModule
+    from lightning_mmpar.recipes.options import LossConfig
+
+    tokens = hf_fusion_config(checkpoint).vision.tokens
+    batch = MultimodalCollator(
+        max_tokens=80, image_token_id=LLAVA_IMAGE_TOKEN, image_seq_length=tokens, pack=True
+    )(llava_samples((1, 0, 2)))
+    grads, logits, flops = [], [], []
+    for text_stream in (True, False):
+        model = from_hf(checkpoint)
+        model.text_stream = text_stream
+        out = model.forward_ragged(batch).logits
+        labels = batch["labels"][:, 1:]
+        loss = torch.nn.functional.cross_entropy(
+            out[:, :-1].flatten(0, 1), labels.flatten(), ignore_index=-100
+        )
+        loss.backward()
+        logits.append(out.detach())
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+        decoder = [b for b in model.pipeline_blocks() if isinstance(b, DecoderLayer)]
+        assert decoder and all(b.text_stream is text_stream for b in decoder)
+        flops.append(sum(b.cost(16, 40).flops for b in decoder))
+    assert torch.equal(logits[0], logits[1])
+    assert grads[0].keys() == grads[1].keys()
+    assert all(torch.allclose(grads[0][k], grads[1][k], rtol=1e-6, atol=1e-7) for k in grads[0])
+    assert flops[1] * 2 == flops[0]
+    caption_only = LossConfig(contrastive_weight=0.0, mml=MMLConfig(weight=0.0))
+    module = ClipLlamaModule(loss=caption_only)
+    assert not module.text_stream
+    assert ClipLlamaModule(loss=LossConfig(mml=MMLConfig(weight=0.0))).text_stream
