@@ -18,13 +18,17 @@ text token but the image tokens and the first token.
 
 **Step.** Forward, the token-mean next-token loss over the labels, backward, AdamW
 (``foreach`` default) and ``zero_grad``: transformers' ``model(..., labels=...).loss``; ours
-``FusionModel.forward_ragged`` and the same cross-entropy. Sides, interleaved A B C, C B A
-(:func:`report.interleaved`), ``--repeats`` times, ``--steps`` steps each: ``theirs``
-(transformers), ``ours`` (the blocks as the recipe runs LLaVA's caption-only objective:
-``FusionModel.text_stream`` off), ``ours_text_stream`` (the blocks also running the text-only
-stream that the contrastive and MML terms read: what the same model cost before). Ratios are
-ours over theirs (below 1: ours faster), median over the repeats with their spread
-(:func:`report.ratio_stats`). The first step's losses of the three sides must agree (1e-5).
+``FusionModel.forward_ragged`` and the recipe's ``caption_loss`` (the same cross-entropy).
+Ours runs ``vision_feature_layer`` (-2) layers of the ViT, transformers all of them (its
+last layer's output is unused): one ViT layer of the step's work less.
+
+**Sides**, interleaved A B C, C B A (:func:`report.interleaved`), ``--repeats`` times,
+``--steps`` steps each: ``theirs`` (transformers); ``ours`` (the blocks as the recipe runs
+LLaVA's caption-only objective: ``FusionModel.text_stream`` off); ``ours_text_stream`` (the
+blocks also running the text-only stream that the contrastive and MML terms read: what the
+same model cost before). Ratios are ours over theirs (below 1: ours faster), median over the
+repeats with their spread (:func:`report.ratio_stats`). The first step's losses of the three
+sides must agree (1e-5).
 """
 
 from __future__ import annotations
@@ -37,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 from report import interleaved, ratio_stats, write_result
@@ -116,10 +119,10 @@ def theirs_step(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def ours_step(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Our blocks' forward and the same next-token loss."""
-    logits = model.forward_ragged(batch).logits
-    labels = batch["labels"][:, 1:]
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels.flatten(), ignore_index=-100)
+    """Our blocks' forward and the recipe's next-token loss (``caption_loss``)."""
+    from lightning_mmpar.losses.caption import caption_loss
+
+    return caption_loss(model.forward_ragged(batch).logits, batch["labels"])
 
 
 def timed(model: Any, step: Any, batch: dict[str, torch.Tensor], steps: int) -> Any:

@@ -74,7 +74,9 @@ def plain_caption_loss(
     :class:`~lightning_mmpar.parallel.token_loss.TokenMean` (NaN mean, zero ``token_sum`` when
     no target is scored).
     """
-    logits, targets = _shift(logits, target_ids, shift)
+    logits, targets = _shift(logits, target_ids, False)
+    if shift:  # the targets move left (last position unscored): no copy of the logits
+        targets = F.pad(target_ids[:, 1:], (0, 1), value=ignore_index)
     flat = logits.reshape(-1, logits.shape[-1]).float()
     mean = F.cross_entropy(flat, targets.reshape(-1), ignore_index=ignore_index)
     return _with_tokens(mean, logits, targets, ignore_index)
