@@ -217,3 +217,29 @@ def test_plan_options_and_their_deprecated_name(data: DigitsCaptions) -> None:
     units = [asked.fusion_model.get_submodule(p) for p in checkpoint_units(asked.fusion_model)]
     assert all(getattr(u, "_mmpar_block_options", False) for u in units)
     assert asked.parallel_plan(ParallelDims(world_size=1)).checkpointing == "layers"
+
+
+def test_projector_freezing_and_its_own_rate() -> None:
+    """``finetune.train_projector`` freezes the projector; ``optim.lr_projector`` gives it its
+    own parameter groups (unset: it stays in the adapter groups at ``lr_adapter``)."""
+    from lightning_mmpar.recipes.optim import parameter_groups
+    from lightning_mmpar.recipes.options import OptimConfig
+    from tests.builders import tiny_fusion_config
+
+    for train, lr in ((False, 0.5), (True, None), (True, 0.5)):
+        module = ClipLlamaModule(
+            fusion=tiny_fusion_config("recipe"),
+            finetune=FinetuneConfig(train_projector=train),
+            optim=OptimConfig(lr=1e-3, lr_adapter=2e-3, lr_projector=lr),
+            vocab_size=64,
+        )
+        module._trainer = SimpleNamespace()  # type: ignore[assignment]
+        module.configure_model()
+        projector = list(module.fusion_model.projector.parameters())
+        assert projector and all(p.requires_grad is train for p in projector)
+        groups = parameter_groups(module, module.fusion_model, module.optim)
+        held = {id(p): g["name"].split(".")[0] for g in groups for p in g["params"]}
+        rates = {g["name"]: g["lr"] for g in groups}
+        want = None if not train else "projector" if lr is not None else "adapter"
+        assert {held.get(id(p)) for p in projector} == {want}
+        assert rates.get("projector", lr) == lr and rates["adapter"] == 2e-3
