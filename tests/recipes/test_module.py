@@ -217,3 +217,19 @@ def test_plan_options_and_their_deprecated_name(data: DigitsCaptions) -> None:
     units = [asked.fusion_model.get_submodule(p) for p in checkpoint_units(asked.fusion_model)]
     assert all(getattr(u, "_mmpar_block_options", False) for u in units)
     assert asked.parallel_plan(ParallelDims(world_size=1)).checkpointing == "layers"
+
+
+def test_overflow_counts_are_logged_cumulatively() -> None:
+    """A ragged batch's ``overflow [B, 2]`` (the collator's truncated / dropped samples, which
+    travel with the batch from DataLoader workers) is logged as cumulative ``data/truncated``
+    and ``data/dropped`` (summed over the dp group: one process here); batches without it
+    log nothing."""
+    module = rw.tiny_module(rw.digits().vocab_size)
+    module._trainer = SimpleNamespace(world_size=1, strategy=SimpleNamespace())  # type: ignore[assignment]
+    logged: dict[str, float] = {}
+    module.log = lambda name, value, **kw: logged.__setitem__(name, value)  # type: ignore[method-assign]
+    module.on_train_batch_start({"input_ids": torch.zeros(2, 3)}, 0)
+    assert logged == {}
+    module.on_train_batch_start({"overflow": torch.tensor([[1, 2], [3, 0]])}, 0)
+    module.on_train_batch_start({"overflow": torch.tensor([[0, 1]])}, 1)
+    assert logged == {"data/truncated": 4.0, "data/dropped": 3.0}
