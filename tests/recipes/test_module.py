@@ -233,3 +233,27 @@ def test_overflow_counts_are_logged_cumulatively() -> None:
     module.on_train_batch_start({"overflow": torch.tensor([[1, 2], [3, 0]])}, 0)
     module.on_train_batch_start({"overflow": torch.tensor([[0, 1]])}, 1)
     assert logged == {"data/truncated": 4.0, "data/dropped": 3.0}
+
+
+@pytest.mark.parametrize("kind", ["ragged", "ragged moe", "one image"])
+def test_blocks_return_no_views(kind: str) -> None:
+    """No block returns a grad-requiring view (a linear layer over 4-d image slots, the
+    logit scale's ``expand``, the MoE stream's ``unflatten``): FSDP2 warns on each such output
+    that backward may "fail or produce wrong gradients" (8 warnings a dp2 ragged run)."""
+    from tests.recipes import parity_matrix_worker as pm
+    from tests.recipes import ragged_parity_worker as rp
+
+    if kind == "one image":
+        data = rw.digits()
+        module, batch = rw.tiny_module(data.vocab_size), rw.batches(data, 1)[0]
+    else:
+        module = pm.build(rp.VOCAB, "moe" if "moe" in kind else None)
+        batch = rp.batches(1)[0]
+    module.configure_model()
+    module.setup("fit")
+    module.train()
+    state, _ = module.pipeline_inputs(batch)
+    for block in module.pipeline_blocks():
+        state = block(*state)
+        views = [i for i, t in enumerate(state) if t.requires_grad and t._base is not None]
+        assert not views, (type(block).__name__, views)
