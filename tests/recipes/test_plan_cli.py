@@ -296,3 +296,16 @@ def test_old_module_name_runs_the_planner_with_a_deprecation_warning(
     ):
         runpy.run_module("lightning_mmpar.recipes.plan", run_name="__main__")
     assert end.value.code == 0 and "1 x cpu" in capsys.readouterr().out
+
+
+def test_ragged_yaml_prices_the_row_budget_and_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    """A ragged YAML's ``data.max_tokens`` is a packed row's budget (an upper bound), not a
+    sample's text length: the workload line says so and how to give the samples' mean."""
+    argv = ["--config", str(ROOT / "recipes" / "digits_vqa_cpu.yaml"), "--gpus", "4"]
+    assert cli.main([*argv, "--device", "cpu", "--top", "1"]) == 0
+    workload = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("workload"))
+    assert workload.startswith(
+        "workload: 64 tokens per row (the YAML's data.max_tokens: a packed row's budget, an "
+        "upper bound of the work; pass --text-length for your samples' mean)"
+    ), workload
+    assert "data.max_length" not in workload
