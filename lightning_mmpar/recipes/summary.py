@@ -194,7 +194,8 @@ class RunSummary(Callback):
                         *zip(*pts, strict=True), label=key, marker="." if rows is self.val else None
                     )
             ax.set_xlabel("step")
-            ax.legend()
+            if ax.get_legend_handles_labels()[1]:  # no validation yet: no lines, no legend
+                ax.legend()
             fig.tight_layout()
             fig.savefig(out / name)
             plt.close(fig)

@@ -308,3 +308,19 @@ def test_truncated_and_dropped_samples_reported(
         assert summary.summary["data"] == {"truncated": int(counts[0]), "dropped": int(counts[1])}
         assert ("data  3 sample(s) truncated, 1 dropped" in printed[-1]) is line
         assert ("sample(s) truncated" in printed[-1]) is line
+
+
+def test_plots_without_validation_warn_nothing(tmp_path: Path) -> None:
+    """A run without validation metrics draws an empty accuracy plot without matplotlib's "No
+    artists with labels found to put in legend" (printed at the end of every such run)."""
+    import warnings
+
+    trainer: Any = fake_trainer(tmp_path, callback_metrics={"train_loss": 1.0})
+    summary = RunSummary(plots=True)
+    summary.on_fit_start(trainer, _Module())  # type: ignore[arg-type]
+    summary.on_train_batch_end(trainer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        summary.on_fit_end(trainer, _Module())  # type: ignore[arg-type]
+    assert not [str(w.message) for w in caught], [str(w.message) for w in caught]
+    assert (tmp_path / "loss.png").exists() and (tmp_path / "accuracy.png").exists()
