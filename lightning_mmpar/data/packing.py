@@ -50,6 +50,21 @@ RAGGED_KEYS: tuple[str, ...] = (
     "image_position",
 )
 """The keys of a collated ragged batch, in the order the fusion model takes them."""
+OVERFLOW_KEY = "overflow"
+"""Batch key of the collator's per-batch counts ``[B, 2]`` long: column 0 the samples of each
+row that were truncated, column 1 the samples dropped (all charged to row 0). The counts travel
+with the batch, so they reach the training process whatever the DataLoader's ``num_workers``
+(a worker process's :attr:`MultimodalCollator.stats` never does)."""
+
+
+def overflow_counts(truncated: Sequence[int], dropped: int) -> Tensor:
+    """``[B, 2]`` long (:data:`OVERFLOW_KEY`): ``truncated[r]`` samples cut in row ``r``;
+    ``dropped`` samples left out of the batch, charged to row 0."""
+    out = torch.zeros(len(truncated), 2, dtype=torch.long)
+    out[:, 0] = torch.tensor(list(truncated), dtype=torch.long)
+    if len(truncated):
+        out[0, 1] = dropped
+    return out
 
 
 @dataclass
@@ -61,6 +76,7 @@ class _Item:
     labels: Tensor
     pixel_values: Tensor
     image_starts: list[int]
+    truncated: bool = False
 
 
 @dataclass
@@ -133,7 +149,9 @@ class MultimodalCollator:
     the sample within its row, -1 on pad) all ``[B, T]`` long; ``pixel_values [B, I, C, H, W]``
     (empty slots zero), ``image_mask [B, I]`` bool, ``image_sample [B, I]`` and
     ``image_position [B, I]`` long (the image's sample and the token index of its marker, spliced:
-    of its first image token; -1 on empty slots).
+    of its first image token; -1 on empty slots); ``overflow [B, 2]`` long
+    (:data:`OVERFLOW_KEY`: this batch's truncated samples per row and dropped samples, which
+    the recipe module logs as ``data/truncated`` / ``data/dropped``).
 
     Raises:
         ValueError: a bad argument; a sample whose markers do not match its image count (naming
@@ -183,7 +201,10 @@ class MultimodalCollator:
             )
         rows = self._rows(items)
         self.stats["rows"] += len(rows)
-        return self._tensors(rows, items[0].pixel_values)
+        out = self._tensors(rows, items[0].pixel_values)
+        cut = [sum(it.truncated for it in row.items) for row in rows]
+        out[OVERFLOW_KEY] = overflow_counts(cut, len(samples) - len(items))
+        return out
 
     def _expand(self, sid: str, ids: Tensor, labels: Tensor, pix: Tensor) -> _Item:
         """Expand each marker to ``image_seq_length`` image tokens (spliced style); markers and
@@ -238,6 +259,7 @@ class MultimodalCollator:
             item.labels[:cut],
             item.pixel_values[: len(keep)],
             keep,
+            truncated=True,
         )
 
     def _rows(self, items: list[_Item]) -> list[_Row]:

@@ -34,7 +34,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from lightning_mmpar.data.packing import IGNORE_INDEX
+from lightning_mmpar.data.packing import IGNORE_INDEX, OVERFLOW_KEY, overflow_counts
 
 __all__ = ["QWEN_VL_BATCH_KEYS", "QwenVLCollator", "mrope_positions"]
 
@@ -179,7 +179,9 @@ class QwenVLCollator:
             )
         rows = self._rows(items)
         self.stats["rows"] += len(rows)
-        return self._tensors(rows, items[0].pixel_values)
+        out = self._tensors(rows, items[0].pixel_values)
+        out[OVERFLOW_KEY] = overflow_counts([0] * len(rows), len(samples) - len(items))
+        return out
 
     def _expand(self, sid: str, ids: Tensor, labels: Tensor, grid: Tensor) -> tuple[Tensor, ...]:
         markers = int((ids == self.image_token_id).sum())

@@ -158,6 +158,14 @@ def _broadcast_rows(x: Tensor, rows: int) -> Tensor:
     return x.unsqueeze(0).expand(rows, *x.shape).contiguous()
 
 
+def _owned(x: Tensor) -> Tensor:
+    """``x``, copied when it is a view (a linear layer over a 4-d input, ``expand``,
+    ``unflatten``): a block returns no view of another tensor, which FSDP2 warns "can cause
+    backward to fail or produce wrong gradients" (its pre-backward hooks go on the outputs).
+    The values are unchanged."""
+    return x.clone() if x._base is not None else x
+
+
 def _no_image(x: Tensor, img: Tensor) -> Tensor:
     """Zero image tokens ``[B, 0, D]`` for a text-only stream: the layer attends to text only
     (as without an image) and keeps its two-input signature, which sequence-parallel plans
@@ -263,7 +271,7 @@ class VisionPool(FusionBlock):
             pooled, tokens = pool_tokens(sel, self.ln_post, self.proj, self.config)
             return (scatter_slots(tokens, mask, dummy), scatter_slots(pooled, mask, dummy), *rest)
         pooled, tokens = pool_tokens(x, self.ln_post, self.proj, self.config)
-        return (tokens, pooled, *rest)
+        return (_owned(tokens), _owned(pooled), *rest)
 
     def _tally(self, tally: CostTally, n: int, t: int) -> None:
         width, out = self.proj.shape
@@ -306,7 +314,7 @@ class Bridge(FusionBlock):
         image_sample: Tensor,
         image_position: Tensor,
     ) -> tuple[Tensor, ...]:
-        img = self.projector(tokens)
+        img = _owned(self.projector(tokens))
         ht = self.embed_tokens(ids)
         h = ht
         if self.image_token_id is not None:
@@ -338,7 +346,8 @@ class Bridge(FusionBlock):
             hp = h.new_zeros(*p_ids.shape, h.shape[-1])
         else:
             hp = _broadcast_rows(self.embed_tokens(p_ids[0]), p_ids.shape[0])
-        return tuple(Streams(self.projector(tokens), pooled, h, h.clone(), last, hp, p_last))
+        img = _owned(self.projector(tokens))
+        return tuple(Streams(img, pooled, h, h.clone(), last, hp, p_last))
 
     def _tally(self, tally: CostTally, n: int, t: int) -> None:
         for i, layer in enumerate(projector_linears(self.projector)):  # embedding: a gather
@@ -455,7 +464,7 @@ class DecoderLayer(FusionBlock):
                 text_packed=text_kw,
                 image_padding=image_pad,
             )
-            return tuple(s._replace(img=img.unflatten(1, (i, n)), h=h, ht=ht))
+            return tuple(s._replace(img=_owned(img.unflatten(1, (i, n))), h=h, ht=ht))
         h = self.layer(s.h, img, None, **fused_kw)
         none = img.new_zeros(b, 0, img.shape[-1])
         ht = self._text(s.ht, lambda: self.layer(s.ht, none, None, **text_kw))
@@ -550,7 +559,7 @@ class Head(FusionBlock):
                 logits=self.lm_head(self.norm(h)),
                 image_features=F.normalize(self.image_head(pooled), dim=-1),
                 text_features=F.normalize(text, dim=-1),
-                logit_scale=scale.expand(h.shape[0]),
+                logit_scale=_owned(scale.expand(h.shape[0])),
                 momentum_image=momentum[0],
                 momentum_text=momentum[1],
                 class_features=classes,

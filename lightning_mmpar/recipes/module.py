@@ -32,7 +32,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
-from lightning_mmpar.data.packing import contrastive_pairs
+from lightning_mmpar.data.packing import OVERFLOW_KEY, contrastive_pairs
 from lightning_mmpar.layout import BlockSpec, measure_blocks
 from lightning_mmpar.models.blocks import Head
 from lightning_mmpar.models.fusion import (
@@ -51,6 +51,7 @@ from lightning_mmpar.parallel.parallelize import (
 )
 from lightning_mmpar.parallel.towers import TowerInlet, image_index, tower_block_count
 from lightning_mmpar.plans.fusion import fusion_plan
+from lightning_mmpar.recipes import parallel_env as penv
 from lightning_mmpar.recipes import pretrained as ptl
 from lightning_mmpar.recipes.evaluation import RecipeMetrics, digit_token_classes, eval_values
 from lightning_mmpar.recipes.generation import CaptionGeneration, next_tokens
@@ -185,6 +186,7 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         self._decoded: list[Tensor] = []
         self._stepped_at = 0  # trainer.global_step when the last optimizer step was followed up
         self._window_tokens: int | None = None  # target tokens of the accumulation window
+        self._overflow = torch.zeros(2, dtype=torch.long)  # truncated, dropped (dp sum, this fit)
         self.text_length: int | None = None  # block costs' caption length without a datamodule
         self._tower_role: str | None = None  # non-colocated towers: "vision" or "language"
         self._inlet: TowerInlet | None = None
@@ -540,6 +542,7 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         accumulated batches: a strategy other than ``mm_parallel``
         (:func:`~lightning_mmpar.recipes.losses.accumulation_warning`)."""
         self._window_tokens = None  # until the strategy counts this fit's first window
+        self._overflow.zero_()
         windows = getattr(
             getattr(self.trainer, "strategy", None), "counts_accumulation_windows", False
         )
@@ -549,6 +552,19 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         if self._stepped_at != self.trainer.global_step and self.head is not None:
             self.head.after_optimizer_step()
         self._stepped_at = self.trainer.global_step
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Log ``data/truncated`` and ``data/dropped``: samples the collator cut or left out
+        since this fit started, summed over the data-parallel group (a ragged batch's
+        :data:`~lightning_mmpar.data.packing.OVERFLOW_KEY` counts, which travel with the batch
+        and so count whatever the DataLoader's ``num_workers``)."""
+        counts = batch.get(OVERFLOW_KEY) if isinstance(batch, Mapping) else None
+        if counts is None:
+            return
+        local = counts.to(self.device).sum(0)
+        self._overflow += penv.dp_sum(self.trainer, local).cpu()
+        for i, name in enumerate(("truncated", "dropped")):
+            self.log(f"data/{name}", float(self._overflow[i]), batch_size=1)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["recipe_stepped_at"] = self._stepped_at

@@ -189,7 +189,8 @@ def _parser() -> argparse.ArgumentParser:
         "--text-length",
         type=int,
         help="text tokens per sample the layouts are priced on (default: the YAML's "
-        "data.max_length; give your data's length for a real run)",
+        "data.max_length, or a ragged YAML's data.max_tokens, a packed row's budget: an upper "
+        "bound; give your data's mean length for a real run)",
     )
     p.add_argument(
         "--image-tokens",
@@ -320,13 +321,12 @@ def _prepare(args: argparse.Namespace) -> _Planning:
     device.peak(precision)
     config, image_note = _with_image_tokens(config, args.image_tokens)
     module, data = build_module(config)
-    text_length = int(args.text_length or data.max_length)
-    text_note = "--text-length" if args.text_length else "the YAML's data.max_length"
+    text_length, text_note = _text_length(args, data)
     vision = module.fusion_config.vision
     patches = (vision.image_size // vision.patch_size) ** 2
     images, images_note = _images_per_sample(args, data)
     workload = (
-        f"workload: {text_length} text tokens per sample ({text_note}), {patches} image tokens "
+        f"workload: {text_length} {text_note}, {patches} image tokens "
         f"per image ({image_note}), {images:g} image{'' if images == 1 else 's'} per sample "
         f"({images_note})"
     )
@@ -340,6 +340,22 @@ def _prepare(args: argparse.Namespace) -> _Planning:
     return _Planning(
         config, module, device, precision, base, model, facts, graph, place, topo, workload
     )
+
+
+def _text_length(args: argparse.Namespace, data: Any) -> tuple[int, str]:
+    """Text tokens the layouts are priced on and what they are: ``--text-length``; a ragged
+    data module's ``max_tokens`` (its ``max_length``: a packed row's budget, an upper bound of
+    the work, since real samples are often far shorter); else the YAML's ``data.max_length``
+    (a caption module: every sample padded to it)."""
+    if args.text_length:
+        return int(args.text_length), "text tokens per sample (--text-length)"
+    collate = getattr(data, "collate_args", None)
+    if isinstance(collate, dict) and "max_tokens" in collate:
+        return int(data.max_length), (
+            "tokens per row (the YAML's data.max_tokens: a packed row's budget, an upper bound "
+            "of the work; pass --text-length for your samples' mean)"
+        )
+    return int(data.max_length), "text tokens per sample (the YAML's data.max_length)"
 
 
 def _images_per_sample(args: argparse.Namespace, data: Any) -> tuple[float, str]:

@@ -81,7 +81,7 @@ class RunSummary(Callback):
 
     @override
     def on_train_batch_end(self, trainer: Trainer, *args: Any, **kwargs: Any) -> None:
-        row = self._scalars(trainer, ("train", "nonfinite"))
+        row = self._scalars(trainer, ("train", "nonfinite", "data/"))
         self.train.append({"step": trainer.global_step, **row})
 
     @override
@@ -143,6 +143,7 @@ class RunSummary(Callback):
             "caption_acc_teacher_forced": last_val.get("val/caption_acc_tf"),
             "retrieval": {k.removeprefix("val/"): v for k, v in last_val.items() if "recall" in k},
             "final_train": self.train[-1] if self.train else {},
+            "data": _overflow(self.train),
             "checkpoint": ckpt,
             **_router(trainer),
         }
@@ -193,7 +194,8 @@ class RunSummary(Callback):
                         *zip(*pts, strict=True), label=key, marker="." if rows is self.val else None
                     )
             ax.set_xlabel("step")
-            ax.legend()
+            if ax.get_legend_handles_labels()[1]:  # no validation yet: no lines, no legend
+                ax.legend()
             fig.tight_layout()
             fig.savefig(out / name)
             plt.close(fig)
@@ -231,11 +233,26 @@ def _format(s: dict[str, Any], path: Path, plots: list[Path]) -> str:
             for m, r in s.get("router", {}).items()
         ),
         *([f"  expert load {s['expert_load_heatmap']}"] if s.get("expert_load_heatmap") else []),
+        *(
+            [
+                f"  data  {s['data']['truncated']} sample(s) truncated, "
+                f"{s['data']['dropped']} dropped"
+            ]
+            if any(s.get("data", {}).values())
+            else []
+        ),
         f"  checkpoint  {s['checkpoint']}",
         f"  summary     {path}" + "".join(f"\n  plot        {p}" for p in plots),
         "=" * 72,
     ]
     return "\n".join(lines)
+
+
+def _overflow(train: list[dict[str, float]]) -> dict[str, int]:
+    """The last logged ``data/truncated`` and ``data/dropped`` (cumulative; 0 when not
+    logged)."""
+    last = train[-1] if train else {}
+    return {k: int(last.get(f"data/{k}", 0)) for k in ("truncated", "dropped")}
 
 
 def summary_failure(err: BaseException, steps: int, checkpoint: str | None) -> str:

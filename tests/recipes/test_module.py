@@ -243,3 +243,43 @@ def test_projector_freezing_and_its_own_rate() -> None:
         want = None if not train else "projector" if lr is not None else "adapter"
         assert {held.get(id(p)) for p in projector} == {want}
         assert rates.get("projector", lr) == lr and rates["adapter"] == 2e-3
+
+
+def test_overflow_counts_are_logged_cumulatively() -> None:
+    """A ragged batch's ``overflow [B, 2]`` (the collator's truncated / dropped samples, which
+    travel with the batch from DataLoader workers) is logged as cumulative ``data/truncated``
+    and ``data/dropped`` (summed over the dp group: one process here); batches without it
+    log nothing."""
+    module = rw.tiny_module(rw.digits().vocab_size)
+    module._trainer = SimpleNamespace(world_size=1, strategy=SimpleNamespace())  # type: ignore[assignment]
+    logged: dict[str, float] = {}
+    module.log = lambda name, value, **kw: logged.__setitem__(name, value)  # type: ignore[method-assign]
+    module.on_train_batch_start({"input_ids": torch.zeros(2, 3)}, 0)
+    assert logged == {}
+    module.on_train_batch_start({"overflow": torch.tensor([[1, 2], [3, 0]])}, 0)
+    module.on_train_batch_start({"overflow": torch.tensor([[0, 1]])}, 1)
+    assert logged == {"data/truncated": 4.0, "data/dropped": 3.0}
+
+
+@pytest.mark.parametrize("kind", ["ragged", "ragged moe", "one image"])
+def test_blocks_return_no_views(kind: str) -> None:
+    """No block returns a grad-requiring view (a linear layer over 4-d image slots, the
+    logit scale's ``expand``, the MoE stream's ``unflatten``): FSDP2 warns on each such output
+    that backward may "fail or produce wrong gradients" (8 warnings a dp2 ragged run)."""
+    from tests.recipes import parity_matrix_worker as pm
+    from tests.recipes import ragged_parity_worker as rp
+
+    if kind == "one image":
+        data = rw.digits()
+        module, batch = rw.tiny_module(data.vocab_size), rw.batches(data, 1)[0]
+    else:
+        module = pm.build(rp.VOCAB, "moe" if "moe" in kind else None)
+        batch = rp.batches(1)[0]
+    module.configure_model()
+    module.setup("fit")
+    module.train()
+    state, _ = module.pipeline_inputs(batch)
+    for block in module.pipeline_blocks():
+        state = block(*state)
+        views = [i for i, t in enumerate(state) if t.requires_grad and t._base is not None]
+        assert not views, (type(block).__name__, views)

@@ -338,3 +338,16 @@ def test_llava_from_config_json_alone(capsys: pytest.CaptureFixture[str]) -> Non
     )  # stem, 23 ViT layers, pool, bridge, 40, head
     with pytest.raises(ValueError, match=r"not a config\.json"):
         with_checkpoint({}, ROOT / "recipes")
+
+
+def test_ragged_yaml_prices_the_row_budget_and_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    """A ragged YAML's ``data.max_tokens`` is a packed row's budget (an upper bound), not a
+    sample's text length: the workload line says so and how to give the samples' mean."""
+    argv = ["--config", str(ROOT / "recipes" / "digits_vqa_cpu.yaml"), "--gpus", "4"]
+    assert cli.main([*argv, "--device", "cpu", "--top", "1"]) == 0
+    workload = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("workload"))
+    assert workload.startswith(
+        "workload: 64 tokens per row (the YAML's data.max_tokens: a packed row's budget, an "
+        "upper bound of the work; pass --text-length for your samples' mean)"
+    ), workload
+    assert "data.max_length" not in workload

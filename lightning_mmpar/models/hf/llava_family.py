@@ -142,6 +142,25 @@ def _vision(config: Any) -> VisionConfig:
     )
 
 
+def _check_text(text: Any) -> None:
+    """Refuse a text config this decoder cannot express, naming the field's full path."""
+    if text.model_type != "llama":
+        raise _refuse("text_config.model_type", text.model_type, "only 'llama'")
+    if getattr(text, "attention_dropout", 0.0):
+        raise _refuse("text_config.attention_dropout", text.attention_dropout, "set 0.0")
+    rope = getattr(text, "rope_parameters", None) or {}
+    kind = rope.get("rope_type", "default")
+    if kind != "default":
+        raise _refuse(
+            "text_config.rope_parameters.rope_type (config.json: text_config.rope_scaling)",
+            kind,
+            "only 'default' (RoPE frequency scaling, e.g. Llama 3's 'llama3', is not "
+            "implemented); use a checkpoint with default RoPE",
+        )
+    if text.hidden_act != "silu":
+        raise _refuse("text_config.hidden_act", text.hidden_act, "only 'silu'")
+
+
 def llava_fusion_config(config: Any) -> FusionConfig:
     """A transformers ``LlavaConfig`` as a :class:`FusionConfig` (module docstring).
 
@@ -152,10 +171,7 @@ def llava_fusion_config(config: Any) -> FusionConfig:
             other than Llama or its rope types (:func:`language_config_from_llama`).
     """
     text = config.text_config
-    if text.model_type != "llama":
-        raise _refuse("text_config.model_type", text.model_type, "only 'llama'")
-    if getattr(text, "attention_dropout", 0.0):
-        raise _refuse("text_config.attention_dropout", text.attention_dropout, "set 0.0")
+    _check_text(text)
     if config.projector_hidden_act not in _ACTS:
         raise _refuse("projector_hidden_act", config.projector_hidden_act, f"one of {_ACTS}")
     vision = _vision(config)

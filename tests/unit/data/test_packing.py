@@ -157,3 +157,22 @@ def test_contrastive_pairs_are_single_image_samples_with_a_caption() -> None:
     )
     assert batch["image_mask"].sum() == 6
     assert contrastive_pairs(batch).tolist() == [[True, False, False, False, False, True]]
+
+
+def test_overflow_counts_travel_with_the_batch_from_worker_processes() -> None:
+    """Truncated samples per row and dropped samples (charged to row 0) are the batch's
+    ``overflow [B, 2]``, so they reach the training process under ``num_workers=2``, where
+    a worker's ``collator.stats`` never does."""
+    from torch.utils.data import DataLoader
+
+    long = _sample("long", [1, 4, 5, 6, 7, 2], 0)
+    short = _sample("short", [1, 4, 2], 0)
+    c = MultimodalCollator(max_tokens=5, image_token_id=IMG, pack=False)
+    assert c([long, short, long])["overflow"].tolist() == [[1, 0], [0, 0], [1, 0]]
+    drop = MultimodalCollator(max_tokens=5, image_token_id=IMG, overflow="drop")
+    assert drop([long, short, long])["overflow"].tolist() == [[0, 2]]
+    data = [long, short] * 6
+    loader = DataLoader(data, batch_size=4, collate_fn=c, num_workers=2)  # type: ignore[arg-type]
+    total = sum(batch["overflow"].sum(0) for batch in loader)
+    assert total.tolist() == [6, 0]
+    assert c.stats["truncated"] == 2  # the two direct calls: the workers counted in copies

@@ -127,14 +127,14 @@ def test_export_is_lossless(checkpoint: Path, tmp_path: Path) -> None:
 
 
 REFUSED = [
-    ({"text__rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope_type"),
+    ({"text__rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "text_config.rope_"),
     ({"vision_feature_layer": [-2, -1]}, "vision_feature_layer"),
     ({"vision_feature_layer": -14}, "vision_feature_layer"),
     ({"projector_hidden_act": "tanh"}, "projector_hidden_act"),
     ({"vision__layer_norm_eps": 1e-6}, "vision_config.layer_norm_eps"),
     ({"vision__hidden_act": "relu"}, "vision_config.hidden_act"),
     ({"text__attention_dropout": 0.1}, "text_config.attention_dropout"),
-    ({"text__hidden_act": "gelu"}, "hidden_act"),
+    ({"text__hidden_act": "gelu"}, "text_config.hidden_act"),
 ]
 
 

@@ -206,6 +206,9 @@ def test_collator_drops_or_refuses_oversize_samples() -> None:
     batch = lenient(items)
     assert lenient.stats["dropped"] == 1
     assert batch["image_mask"].sum().item() == 1
+    # the batch carries its counts (truncated per row, dropped on row 0) for the training log
+    rows = batch["input_ids"].shape[0]
+    assert batch["overflow"].tolist() == [[0, 1]] + [[0, 0]] * (rows - 1)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -289,3 +289,39 @@ def test_question_task_reports_answer_accuracy(
     assert summary.summary["answer_acc_greedy"] == 0.75
     assert summary.summary["caption_acc_greedy"] is None and module.seen == []
     assert "answer exact match (held-out questions, greedy)  75.0%" in printed[0]
+
+
+def test_truncated_and_dropped_samples_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The recipe module's cumulative ``data/truncated`` / ``data/dropped`` (issue 28 item 7)
+    are in the summary and its printed line when non-zero; no line when both are 0."""
+    printed: list[str] = []
+    monkeypatch.setattr("lightning_mmpar.recipes.summary.rank_zero_info", printed.append)
+    for counts, line in (((3.0, 1.0), True), ((0.0, 0.0), False)):
+        metrics = {"train_loss": 1.0, "data/truncated": counts[0], "data/dropped": counts[1]}
+        trainer: Any = fake_trainer(tmp_path, callback_metrics=metrics)
+        summary = RunSummary(plots=False)
+        summary.on_fit_start(trainer, _Module())  # type: ignore[arg-type]
+        summary.on_train_batch_end(trainer)
+        summary.on_fit_end(trainer, _Module())  # type: ignore[arg-type]
+        assert summary.summary["data"] == {"truncated": int(counts[0]), "dropped": int(counts[1])}
+        assert ("data  3 sample(s) truncated, 1 dropped" in printed[-1]) is line
+        assert ("sample(s) truncated" in printed[-1]) is line
+
+
+def test_plots_without_validation_warn_nothing(tmp_path: Path) -> None:
+    """A run without validation metrics draws an empty accuracy plot without matplotlib's "No
+    artists with labels found to put in legend" (printed at the end of every such run)."""
+    import warnings
+
+    trainer: Any = fake_trainer(tmp_path, callback_metrics={"train_loss": 1.0})
+    summary = RunSummary(plots=True)
+    summary.on_fit_start(trainer, _Module())  # type: ignore[arg-type]
+    summary.on_train_batch_end(trainer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        summary.on_fit_end(trainer, _Module())  # type: ignore[arg-type]
+    legend = [str(w.message) for w in caught if "legend" in str(w.message)]
+    assert not legend, legend  # (other tests' unclosed files may warn here when collected)
+    assert (tmp_path / "loss.png").exists() and (tmp_path / "accuracy.png").exists()
