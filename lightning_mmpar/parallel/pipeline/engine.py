@@ -197,7 +197,10 @@ class PipelineEngine:
         torch's shape inference, which runs stages on uninitialised tensors: integer inputs
         (token ids, indices) would be garbage there. One schedule per input shape, so evaluation
         batches of another size work too; forward-only passes get their own schedule, so
-        switching between them and training does not re-initialise stages. The example run
+        switching between them and training does not re-initialise stages; and one per autocast
+        state (``bf16-mixed`` steps run in the precision plugin's autocast, a greedy decode after
+        ``fit`` may not: the stages' output dtypes, so their send and receive buffers, differ).
+        The example run
         leaves every generator (default ones, the model-parallel tracker) where it was: its
         dropout draws would otherwise shift the masks of whichever step builds the schedule
         (the first one, or the first after a resume).
@@ -205,7 +208,9 @@ class PipelineEngine:
         n = self.config.num_micro_batches
         for t in inputs:
             self.config.check_batch_size(int(t.shape[0]), name="batch size")
-        key = (train, n, *((tuple(t.shape), t.dtype) for t in inputs))
+        kind = self.device.type
+        autocast = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+        key = (train, n, autocast, *((tuple(t.shape), t.dtype) for t in inputs))
         if key not in self._schedules:
             with _rng_untouched(self.device):  # built lazily: a resumed run builds it later
                 io = self._example_io(tuple(t.tensor_split(n)[0] for t in inputs))
