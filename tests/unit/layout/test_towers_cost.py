@@ -11,6 +11,7 @@ import pytest
 from lightning_mmpar.layout.cost import DEVICES, default_graph, predict
 from lightning_mmpar.layout.devices import collective_seconds
 from lightning_mmpar.layout.model import Boundary, ModelSpec, ParamSpec
+from lightning_mmpar.layout.planner import candidate_layouts, describe, plan
 from lightning_mmpar.layout.stages import BlockSpec
 from lightning_mmpar.layout.towers_cost import split_towers, tower_cost
 from lightning_mmpar.layout.value import ParallelLayout
@@ -125,3 +126,24 @@ def test_vision_memory_is_full_copies_and_step_modes() -> None:
     assert piped.step_seconds < serial.step_seconds
     assert piped.step_seconds == pytest.approx(sum(piped.breakdown.values()))
     assert serial.comm_bytes["towers.send"] == cost.embedding_bytes
+
+
+def test_planner_ranks_noncolocated_beside_colocated() -> None:
+    both = candidate_layouts(
+        12, 12, global_batch=16, vision_ranks=(0, 2, 4), checkpointing=(False,)
+    )
+    counts = {x.vision_ranks for x in both}
+    assert counts == {0, 2, 4}
+    for x in both:
+        assert x.world + x.vision_ranks == 12
+        assert not x.vision_ranks or (not x.sequence_parallel and x.ep == 1)
+    assert "+ 2 vision" in describe(next(x for x in both if x.vision_ranks == 2))
+    ranked, _ = plan(vlm(3.0), 12, H100, candidates=both)
+    assert {p.layout.vision_ranks for p in ranked} == {0, 2, 4}
+    steps = [p.step_seconds for p in ranked]
+    assert steps == sorted(steps)
+    assert all(p.idle for p in ranked if p.layout.vision_ranks)
+    assert not any(p.idle for p in ranked if not p.layout.vision_ranks)
+    odd = replace(both[0], tp=1, pp=1, dp=3, vision_ranks=2, micro_batches=1, micro_batch_size=1)
+    _, refused = plan(vlm(), 5, H100, candidates=[odd])  # 3 replicas, 2 vision ranks
+    assert "must divide one" in refused[0].reason
