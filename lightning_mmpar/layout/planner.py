@@ -69,33 +69,17 @@ def candidate_layouts(
     ``micro_batch_counts(pp, per_dp_batch)`` (default: ``pp``, ``2 pp``, ``4 pp`` and the whole
     per-rank batch, those dividing it; 1 without a pipeline), sequence parallelism only with
     ``tp > 1``, ``ddp`` only with ``dp > 1``. ``base``: a ``ParallelLayout`` whose other fields
-    (precision, vision mode, partition) every candidate keeps. ``vision_ranks``: for each
-    ``V > 0`` the same enumeration on ``world - V`` language ranks with the vision tower on
-    ``V`` ranks of its own (non-colocated; without sequence or expert parallelism, which it
-    does not support), after the colocated ones (``0``).
+    (precision, vision mode, partition) every candidate keeps. ``vision_ranks``: per ``V > 0``
+    the same on ``world - V`` language ranks, the vision tower on ``V`` ranks of its own
+    (non-colocated; no sequence or expert parallelism: unsupported there); ``0``: colocated.
 
     Raises:
         ValueError: ``world``, ``num_blocks``, ``global_batch`` or ``max_tp`` < 1.
     """
     if tuple(vision_ranks) != (0,):
-        args = dict(global_batch=global_batch, max_tp=max_tp, experts=experts, virtual=virtual)
-        args |= dict(micro_batch_counts=micro_batch_counts, data_parallel=data_parallel)
-        args |= dict(sequence_parallel=sequence_parallel, checkpointing=checkpointing, base=base)
-        return [
-            replace(x, vision_ranks=v)
-            for v in vision_ranks
-            if 0 <= v < world
-            for x in candidate_layouts(world - v, num_blocks, **args)  # type: ignore[arg-type]
-            if not v or (not x.sequence_parallel and x.ep == 1)
-        ]
-    for name, value in (
-        ("world", world),
-        ("num_blocks", num_blocks),
-        ("global_batch", global_batch),
-        ("max_tp", max_tp),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} ({value!r}) must be an int >= 1.")
+        args = {k: a for k, a in locals().items() if k not in ("world", "vision_ranks")}
+        return _with_vision_ranks(world, vision_ranks, args)
+    _check_counts(world=world, num_blocks=num_blocks, global_batch=global_batch, max_tp=max_tp)
     base = base if base is not None else ParallelLayout()
     counts = micro_batch_counts or _micro_batch_counts
     out = []
@@ -132,6 +116,25 @@ def candidate_layouts(
                                 )
                             )
     return out
+
+
+def _with_vision_ranks(world: int, counts: Sequence[int], args: dict[str, Any]) -> list[Any]:
+    """:func:`candidate_layouts` (``args``) on ``world - V`` ranks for each ``V`` in
+    ``counts``, with ``vision_ranks=V``; non-colocated ones without sequence or expert
+    parallelism."""
+    found = [(v, x) for v in counts if 0 <= v < world for x in candidate_layouts(world - v, **args)]
+    return [
+        replace(x, vision_ranks=v)
+        for v, x in found
+        if not v or not (x.sequence_parallel or x.ep > 1)
+    ]
+
+
+def _check_counts(**values: int) -> None:
+    """``ValueError`` naming the first value that is not an int >= 1."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} ({value!r}) must be an int >= 1.")
 
 
 def _micro_batch_counts(pp: int, per_dp: int) -> list[int]:
