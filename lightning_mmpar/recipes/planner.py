@@ -217,7 +217,7 @@ def _parser() -> argparse.ArgumentParser:
         "--vision-ranks",
         type=int,
         help="only layouts with the vision tower on this many ranks of its own (0: colocated "
-        "only); default: colocated and 1 .. gpus / 4 vision ranks (non-colocated)",
+        "only); default: colocated and 1 .. gpus / 2 vision ranks (non-colocated)",
     )
     p.add_argument(
         "--no-noncolocated",
@@ -444,8 +444,8 @@ def _rank(args: argparse.Namespace, run: _Planning) -> tuple[list[Prediction], l
 
 def vision_counts(gpus: int, forced: int | None = None, colocated: bool = False) -> list[int]:
     """The ``vision_ranks`` the planner enumerates on ``gpus`` devices: ``[forced]`` when
-    given, ``[0]`` with ``colocated``, else ``0`` (colocated) and ``1 .. gpus // 4`` (at least
-    1 on 2 or more devices); the validation then refuses those whose vision ranks and language
+    given, ``[0]`` with ``colocated``, else ``0`` (colocated) and ``1 .. gpus // 2`` (up to
+    half the devices on the vision tower); the validation then refuses those whose vision ranks and language
     replicas do not divide one another.
 
     Raises:
@@ -460,7 +460,7 @@ def vision_counts(gpus: int, forced: int | None = None, colocated: bool = False)
         return [forced]
     if colocated or gpus < 2:
         return [0]
-    return list(range(0, max(1, gpus // 4) + 1))
+    return list(range(0, gpus // 2 + 1))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
