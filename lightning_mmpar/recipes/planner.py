@@ -445,8 +445,8 @@ def _rank(args: argparse.Namespace, run: _Planning) -> tuple[list[Prediction], l
 def vision_counts(gpus: int, forced: int | None = None, colocated: bool = False) -> list[int]:
     """The ``vision_ranks`` the planner enumerates on ``gpus`` devices: ``[forced]`` when
     given, ``[0]`` with ``colocated``, else ``0`` (colocated) and ``1 .. gpus // 2`` (up to
-    half the devices on the vision tower); the validation then refuses those whose vision ranks and language
-    replicas do not divide one another.
+    half the devices on the vision tower); the validation then refuses those whose vision
+    ranks and language replicas do not divide one another.
 
     Raises:
         ValueError: ``forced`` outside ``0 .. gpus - 1``.
