@@ -219,11 +219,7 @@ def _parser() -> argparse.ArgumentParser:
         help="only layouts with the vision tower on this many ranks of its own (0: colocated "
         "only); default: colocated and 1 .. gpus / 2 vision ranks (non-colocated)",
     )
-    p.add_argument(
-        "--no-noncolocated",
-        action="store_true",
-        help="colocated layouts only (same as --vision-ranks 0)",
-    )
+    p.add_argument("--no-noncolocated", action="store_true", help="= --vision-ranks 0")
     p.add_argument(
         "--tower-overlap",
         action="store_true",
