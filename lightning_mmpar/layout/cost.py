@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lightning_mmpar.layout.comm import comm_profile
@@ -27,6 +27,12 @@ from lightning_mmpar.layout.memory import layout_stage_plan, state_bytes
 from lightning_mmpar.layout.placement import group_positions
 from lightning_mmpar.layout.schedules import bubble_fraction, in_flight, stage_ranks
 from lightning_mmpar.layout.stages import BlockSpec
+from lightning_mmpar.layout.towers_cost import (
+    TowerCost,
+    split_towers,
+    tower_cost,
+    vision_gradient_bytes,
+)
 from lightning_mmpar.layout.value import validate
 
 __all__ = [
@@ -240,7 +246,8 @@ def compute_seconds(model: Any, layout: Any, device: DeviceSpec) -> list[float]:
 
 @dataclass(frozen=True)
 class RankMemory:
-    """Bytes on the fullest rank: exact state (parameters, gradients, optimizer) + activations."""
+    """Bytes on the fullest rank: exact state (parameters, gradients, optimizer) + activations;
+    ``pp_rank`` -1: a vision rank of a non-colocated layout."""
 
     parameters: int
     gradients: int
@@ -256,7 +263,8 @@ class RankMemory:
         """``93.1 GiB (pipeline rank 0: parameters 41.2 + gradients ... + activations 21.0)``."""
         parts = ("parameters", "gradients", "optimizer", "activations")
         terms = " + ".join(f"{p} {getattr(self, p) / GIB:.1f}" for p in parts)
-        return f"{self.total / GIB:.1f} GiB (pipeline rank {self.pp_rank}: {terms})"
+        where = "a vision rank" if self.pp_rank < 0 else f"pipeline rank {self.pp_rank}"
+        return f"{self.total / GIB:.1f} GiB ({where}: {terms})"
 
 
 @dataclass(frozen=True)
@@ -276,6 +284,9 @@ class Prediction:
     placement: Any = None  # the rank order predicted (None: Megatron's)
     breakdown: dict[str, float] = field(default_factory=dict)
     """``step_seconds`` in parts that add up to it (:func:`step_breakdown`)."""
+    idle: dict[str, float] = field(default_factory=dict)
+    """Non-colocated layouts: seconds per step each side (``language ranks``, ``vision
+    ranks``) waits for the other (:mod:`lightning_mmpar.layout.towers_cost`); empty otherwise."""
 
     @property
     def comm_total_bytes(self) -> int:
@@ -301,8 +312,11 @@ def predict(
     placement: Any = None,
     *,
     memory_gib: float | None = None,
+    tower_overlap: bool = False,
 ) -> Prediction:
     """Predict one layout's step time, memory per rank, communication and MFU (module doc).
+    A layout with ``vision_ranks``: :func:`_noncolocated` (``tower_overlap``: its pipelined
+    variant).
 
     ``model``: a ``ModelSpec``; ``layout``: a ``ParallelLayout``; ``graph``: a ``DeviceGraph`` of
     ``>= layout.world`` devices (None: :func:`default_graph`); ``placement``: a ``Placement``
@@ -314,13 +328,10 @@ def predict(
             for, or a pipeline the model's blocks cannot fill.
     """
     validate(layout)
+    if layout.vision_ranks:
+        return _noncolocated(model, layout, device, graph, placement, memory_gib, tower_overlap)
     world = layout.world
-    graph = graph if graph is not None else default_graph(world)
-    if graph.num_devices < world:
-        raise ValueError(
-            f"the topology has {graph.num_devices} devices, the layout needs {world} "
-            "(tp * pp * dp); give a topology of the whole job or a smaller layout."
-        )
+    graph = _graph_of(layout, graph)
     order = tuple(placement.devices) if placement is not None else tuple(range(world))
     bubble = bubble_fraction(layout.schedule, layout.pp, layout.virtual, layout.num_micro_batches)
     compute = compute_seconds(model, layout, device)
@@ -364,6 +375,106 @@ def predict(
         reason=reason,
         breakdown=parts,
     )
+
+
+def _noncolocated(
+    model: Any,
+    layout: Any,
+    device: DeviceSpec,
+    graph: Any = None,
+    placement: Any = None,
+    memory_gib: float | None = None,
+    overlap: bool = False,
+) -> Prediction:
+    """:func:`predict` for ``layout.vision_ranks > 0``
+    (:mod:`lightning_mmpar.layout.towers_cost`): the language ranks' prediction on the
+    language blocks (``placement`` orders them), the vision side's (``tower_cost``), the step
+    serial (``overlap=False``, as run) or pipelined (``True``). ``breakdown`` adds up to the
+    step; ``idle`` gives each side's wait;
+    ``memory`` is the fuller of a language and a vision rank; ``comm_bytes`` adds
+    ``towers.send`` / ``towers.recv`` (vision rank 0's embeddings out, gradients and pixels
+    in) and ``vision.all_reduce``.
+
+    Raises:
+        ValueError: as :func:`predict`, or from ``split_towers``.
+    """
+    v = layout.vision_ranks
+    graph = graph if graph is not None else default_graph(layout.world + v)
+    _, language = split_towers(model)
+    lang = predict(
+        language, replace(layout, vision_ranks=0), device, graph, placement, memory_gib=memory_gib
+    )
+    rate = (device.peak(layout.precision) * device.efficiency, device.overhead)
+    element = ACTIVATION_ELEMENT_BYTES.get(layout.precision, 4)
+    tower = tower_cost(model, layout, rate, graph, element)
+    vision_memory = RankMemory(*tower.state, tower.activations, -1)
+    side = tower.busy
+    if overlap:
+        step = max(side, lang.step_seconds) + tower.transfer
+        parts = _overlapped_parts(lang, tower)
+        idle = {"language ranks": step - lang.step_seconds, "vision ranks": step - side}
+    else:
+        step = side + tower.transfer + lang.step_seconds
+        parts = {f"vision {k}": s for k, s in _vision_parts(tower).items()}
+        parts.update(lang.breakdown)
+        wait = tower.transfer
+        idle = {"language ranks": side + wait, "vision ranks": lang.step_seconds + wait}
+    memory = max(lang.memory, vision_memory, key=lambda m: m.total)
+    limit = device.memory_gib if memory_gib is None else memory_gib
+    fits = memory.total <= limit * GIB
+    flops = sum(b.flops for b in model.blocks) * layout.global_batch
+    peak = device.peak(layout.precision) * (layout.world + v)
+    comm = dict(lang.comm_bytes)
+    comm["towers.send"] = tower.embedding_bytes
+    comm["towers.recv"] = tower.gradient_bytes + tower.pixel_bytes
+    comm["vision.all_reduce"] = vision_gradient_bytes(model) if tower.sync else 0
+    seconds = dict(lang.comm_seconds) | {"towers": tower.transfer, "vision dp": tower.sync}
+    return replace(
+        lang,
+        layout=layout,
+        memory=memory,
+        comm_bytes=comm,
+        comm_seconds=seconds,
+        compute_seconds=max(lang.compute_seconds, tower.forward + tower.backward),
+        step_seconds=step,
+        mfu=flops / (step * peak) if step > 0 else 0.0,
+        fits=fits,
+        reason="" if fits else f"needs {memory.describe()} > {limit:g} GiB",
+        breakdown=parts,
+        idle=idle,
+    )
+
+
+def _vision_parts(tower: TowerCost) -> dict[str, float]:
+    return {
+        "forward": tower.forward,
+        "backward": tower.backward,
+        "dp communication": tower.sync,
+        "embedding transfer": tower.transfer,
+    }
+
+
+def _overlapped_parts(lang: Prediction, tower: TowerCost) -> dict[str, float]:
+    """The critical side's parts, then the exposed transfer."""
+    if tower.busy > lang.step_seconds:
+        parts = {f"vision {k}": s for k, s in _vision_parts(tower).items()}
+    else:
+        parts = dict(lang.breakdown)
+        parts["vision embedding transfer"] = tower.transfer
+    return parts
+
+
+def _graph_of(layout: Any, graph: Any) -> Any:
+    """``graph``, or :func:`default_graph` of the layout's world; ``ValueError`` when it has
+    fewer devices than the layout's world."""
+    world = layout.world
+    graph = graph if graph is not None else default_graph(world)
+    if graph.num_devices < world:
+        raise ValueError(
+            f"the topology has {graph.num_devices} devices, the layout needs {world} "
+            "(tp * pp * dp); give a topology of the whole job or a smaller layout."
+        )
+    return graph
 
 
 def _shared_cores(

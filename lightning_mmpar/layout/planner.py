@@ -59,6 +59,7 @@ def candidate_layouts(
     data_parallel: Sequence[str] = ("fsdp", "ddp"),
     checkpointing: Sequence[bool] = (False, True),
     base: Any = None,
+    vision_ranks: Sequence[int] = (0,),
 ) -> list[Any]:
     """Every ``ParallelLayout`` of ``world`` devices at a fixed ``global_batch`` (samples per
     optimizer step): ``tp`` a divisor of ``world`` up to ``max_tp`` (a node's NVLink island),
@@ -68,19 +69,17 @@ def candidate_layouts(
     ``micro_batch_counts(pp, per_dp_batch)`` (default: ``pp``, ``2 pp``, ``4 pp`` and the whole
     per-rank batch, those dividing it; 1 without a pipeline), sequence parallelism only with
     ``tp > 1``, ``ddp`` only with ``dp > 1``. ``base``: a ``ParallelLayout`` whose other fields
-    (precision, vision mode, partition) every candidate keeps.
+    (precision, vision mode, partition) every candidate keeps. ``vision_ranks``: per ``V > 0``
+    the same on ``world - V`` language ranks, the vision tower on ``V`` ranks of its own
+    (non-colocated; no sequence or expert parallelism: unsupported there); ``0``: colocated.
 
     Raises:
         ValueError: ``world``, ``num_blocks``, ``global_batch`` or ``max_tp`` < 1.
     """
-    for name, value in (
-        ("world", world),
-        ("num_blocks", num_blocks),
-        ("global_batch", global_batch),
-        ("max_tp", max_tp),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} ({value!r}) must be an int >= 1.")
+    if tuple(vision_ranks) != (0,):
+        args = {k: a for k, a in locals().items() if k not in ("world", "vision_ranks")}
+        return _with_vision_ranks(world, vision_ranks, args)
+    _check_counts(world=world, num_blocks=num_blocks, global_batch=global_batch, max_tp=max_tp)
     base = base if base is not None else ParallelLayout()
     counts = micro_batch_counts or _micro_batch_counts
     out = []
@@ -119,6 +118,25 @@ def candidate_layouts(
     return out
 
 
+def _with_vision_ranks(world: int, counts: Sequence[int], args: dict[str, Any]) -> list[Any]:
+    """:func:`candidate_layouts` (``args``) on ``world - V`` ranks for each ``V`` in
+    ``counts``, with ``vision_ranks=V``; non-colocated ones without sequence or expert
+    parallelism."""
+    found = [(v, x) for v in counts if 0 <= v < world for x in candidate_layouts(world - v, **args)]
+    return [
+        replace(x, vision_ranks=v)
+        for v, x in found
+        if not v or not (x.sequence_parallel or x.ep > 1)
+    ]
+
+
+def _check_counts(**values: int) -> None:
+    """``ValueError`` naming the first value that is not an int >= 1."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} ({value!r}) must be an int >= 1.")
+
+
 def _micro_batch_counts(pp: int, per_dp: int) -> list[int]:
     if pp == 1:
         return [1]
@@ -150,6 +168,7 @@ def plan(
     facts: Facts = None,
     accept: Callable[[Any], str | None] | None = None,
     placement: Callable[[Any], Any] | None = None,
+    tower_overlap: bool = False,
     **enumerate_args: Any,
 ) -> tuple[list[Prediction], list[Rejected]]:
     """Predict every candidate and rank them: ``(ranked, rejected)``.
@@ -165,7 +184,8 @@ def plan(
     activations 21.0) > 80 GiB"``: :meth:`RankMemory.describe`), in candidate order.
     ``candidates`` default to :func:`candidate_layouts` (``world``, the model's block count and
     ``enumerate_args``); ``placement(layout)`` gives each layout's ``Placement`` (None:
-    Megatron's order).
+    Megatron's order); ``tower_overlap``: non-colocated layouts priced with a pipelined
+    encoder (:func:`~lightning_mmpar.layout.cost.predict`), not as run.
 
     Raises:
         ValueError: bad enumeration arguments (see :func:`candidate_layouts`).
@@ -185,7 +205,9 @@ def plan(
         if layout.dp is None:
             layout = replace(layout, dp=world // (layout.tp * layout.pp))
         try:
-            pred = _predict(spec_of(layout), layout, device, graph, memory_gib, placement)
+            pred = _predict(
+                spec_of(layout), layout, device, graph, memory_gib, placement, tower_overlap
+            )
         except ValueError as err:
             rejected.append(Rejected(layout, str(err)))
             continue
@@ -204,17 +226,22 @@ def _predict(
     graph: Any,
     memory_gib: float | None,
     placement: Callable[[Any], Any] | None,
+    overlap: bool = False,
 ) -> Prediction:
     """Megatron's order, or the placed one when ``placement`` is given and it is faster."""
-    pred = predict(spec, layout, device, graph, None, memory_gib=memory_gib)
+    pred = predict(spec, layout, device, graph, None, memory_gib=memory_gib, tower_overlap=overlap)
     if placement is None:
         return pred
-    placed = predict(spec, layout, device, graph, placement(layout), memory_gib=memory_gib)
+    where = placement(layout)
+    placed = predict(
+        spec, layout, device, graph, where, memory_gib=memory_gib, tower_overlap=overlap
+    )
     return placed if placed.step_seconds <= pred.step_seconds else pred
 
 
 def describe(layout: Any) -> str:
-    """``tp 4 pp 2 v 2 dp 2 ep 1 mb 8x4 sp fsdp ckpt`` for tables and logs."""
+    """``tp 4 pp 2 v 2 dp 2 ep 1 mb 8x4 sp fsdp ckpt`` for tables and logs (``+ V vision``: a
+    non-colocated layout's vision ranks)."""
     flags = " ".join(
         f
         for f, on in (("sp", layout.sequence_parallel), ("ckpt", layout.activation_checkpointing))
@@ -224,4 +251,5 @@ def describe(layout: Any) -> str:
         f"tp {layout.tp} pp {layout.pp} v {layout.virtual} dp {layout.dp} ep {layout.ep} "
         f"mb {layout.num_micro_batches}x{layout.micro_batch_size} {layout.data_parallel}"
         + (f" {flags}" if flags else "")
+        + (f" + {layout.vision_ranks} vision" if layout.vision_ranks else "")
     )

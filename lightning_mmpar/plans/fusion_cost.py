@@ -462,5 +462,9 @@ def fusion_model_spec(
         boundaries=tuple(boundaries),
         collectives=tuple(a + b for a, b in zip(tp, ep, strict=True)),
         loss=loss,
-        extra={"text_length": text_length, "images_per_sample": k},
+        extra={
+            "text_length": text_length,
+            "images_per_sample": k,
+            "pixel_bytes_per_sample": round(3 * v.image_size**2 * 4 * k),  # fp32 pixels
+        },
     )

@@ -44,7 +44,15 @@ from lightning_mmpar.recipes.partition import _strategy_args, build_module, data
 from lightning_mmpar.recipes.yaml_layout import report, yaml_layout
 from lightning_mmpar.strategy import MultimodalParallelStrategy
 
-__all__ = ["accept_layout", "base_layout", "fragment", "layout_facts", "main", "spec_cache"]
+__all__ = [
+    "accept_layout",
+    "base_layout",
+    "fragment",
+    "layout_facts",
+    "main",
+    "spec_cache",
+    "vision_counts",
+]
 
 _STRATEGY = "lightning_mmpar.strategy.MultimodalParallelStrategy"
 
@@ -136,6 +144,7 @@ def fragment(layout: ParallelLayout, placement: Sequence[int] | None = None) -> 
         "schedule": layout.schedule,
         "data_parallel": layout.data_parallel,
         "partition": list(part) if isinstance(part, tuple) else part,
+        "vision_ranks": layout.vision_ranks,
     }
     if "placement" in inspect.signature(MultimodalParallelStrategy.__init__).parameters:
         moved = placement is not None and tuple(placement) != tuple(range(len(placement)))
@@ -203,6 +212,19 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         help="images per sample, a mean (fractions allowed; 0: text only); default: the YAML's "
         "data module's images_per_sample when it has one (DigitsVQA: max_images / 2), else 1",
+    )
+    p.add_argument(
+        "--vision-ranks",
+        type=int,
+        help="only layouts with the vision tower on this many ranks of its own (0: colocated "
+        "only); default: colocated and 1 .. gpus / 2 vision ranks (non-colocated)",
+    )
+    p.add_argument("--no-noncolocated", action="store_true", help="= --vision-ranks 0")
+    p.add_argument(
+        "--tower-overlap",
+        action="store_true",
+        help="price non-colocated layouts with a pipelined encoder (max of the two sides + "
+        "the transfer; not how the strategy runs them: its exchange is serial)",
     )
     p.add_argument("--max-tp", type=int, default=8, help="largest tensor-parallel size")
     p.add_argument("--top", type=int, default=10, help="layouts shown")
@@ -411,7 +433,30 @@ def _rank(args: argparse.Namespace, run: _Planning) -> tuple[list[Prediction], l
         max_tp=args.max_tp,
         experts=moe.num_experts if moe is not None else 0,
         base=run.base,
+        vision_ranks=vision_counts(args.gpus, args.vision_ranks, args.no_noncolocated),
+        tower_overlap=args.tower_overlap,
     )
+
+
+def vision_counts(gpus: int, forced: int | None = None, colocated: bool = False) -> list[int]:
+    """The ``vision_ranks`` the planner enumerates on ``gpus`` devices: ``[forced]`` when
+    given, ``[0]`` with ``colocated``, else ``0`` (colocated) and ``1 .. gpus // 2`` (up to
+    half the devices on the vision tower); the validation then refuses those whose vision
+    ranks and language replicas do not divide one another.
+
+    Raises:
+        ValueError: ``forced`` outside ``0 .. gpus - 1``.
+    """
+    if forced is not None:
+        if not 0 <= forced < gpus:
+            raise ValueError(
+                f"--vision-ranks ({forced}) must be in 0 .. {gpus - 1} (--gpus {gpus} leaves "
+                "the language model at least one rank)."
+            )
+        return [forced]
+    if colocated or gpus < 2:
+        return [0]
+    return list(range(0, gpus // 2 + 1))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -453,7 +498,8 @@ def _own_layout(args: argparse.Namespace, run: _Planning, ranked: list[Predictio
 
     def price(layout: ParallelLayout) -> Prediction:
         spec = run.model(layout)
-        return _predict(spec, layout, run.device, run.graph, args.memory_gib, run.place)
+        graph, overlap = run.graph, args.tower_overlap
+        return _predict(spec, layout, run.device, graph, args.memory_gib, run.place, overlap)
 
     return report(own, ranked, price, run.facts, args.gpus)
 

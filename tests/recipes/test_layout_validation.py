@@ -57,7 +57,7 @@ def strategy_refusal(layout: ParallelLayout, world: int, module: Any) -> str | N
     try:
         config = MultimodalParallelStrategy(**_strategy_args(layout)).config
         dims = ParallelDims(
-            world_size=world,
+            world_size=world - config.vision_ranks,  # the language ranks (non-colocated)
             tp=config.tensor_parallel,
             pp=config.pipeline_parallel,
             ep=config.expert_parallel,

@@ -130,11 +130,11 @@ def test_plan_rejects_layouts_over_the_memory_limit_with_the_reason(
     text = capsys.readouterr().out
     assert "0 layouts fit" in text and "\nno layout fits\n" in text and "#  layout" not in text
     assert "topology: 1 node x 2 GPUs, NVSWITCH (assumed; pass --topo)" in text
-    assert "rejected: 32 layouts, 2 reasons" in text
+    assert "rejected: 34 layouts, 2 reasons" in text  # 2 of them: 1 language + 1 vision rank
     memory = [ln for ln in text.splitlines() if "> 0.0001 GiB" in ln]
     assert len(memory) == 1 and "needs " in memory[0] and "parameters" in memory[0]
     # the example is the layout closest to fitting: pp 2 with checkpointing holds the least
-    assert "pp 2 " in memory[0] and memory[0].split(":")[0].endswith("ckpt (and 29 more)")
+    assert "pp 2 " in memory[0] and memory[0].split(":")[0].endswith("ckpt (and 31 more)")
     assert not (tmp_path / "x.yaml").exists() and "--write-yaml" in text and "not written" in text
 
 
@@ -249,6 +249,7 @@ def test_fragment_merged_over_a_recipe_overrides_every_layout_field(recipe: Path
         "partition": layout.partition,
         "placement": order,
         "activation_checkpointing": "layers" if layout.activation_checkpointing else None,
+        "vision_ranks": layout.vision_ranks,
     }
     assert {k: args.get(k) for k in expected} == expected
     assert set(args) - set(expected) <= set(old) - set(expected)  # nothing else added

@@ -1,0 +1,165 @@
+"""Predicted step of a non-colocated layout (``vision_ranks``, pure Python).
+
+The vision tower (the model's leading blocks of kind ``vision``) runs on ``V`` ranks of its own,
+each a full copy, data-parallel (DDP arithmetic: whole parameters, gradients and AdamW moments,
+gradients all-reduced over the ``V`` ranks); the language ranks run the remaining blocks with
+the layout's tp x pp x dp, priced by :func:`lightning_mmpar.layout.cost.predict` on the
+language blocks alone (``predict`` combines both sides; this module prices the vision
+side). Per optimizer step, with ``S`` samples per step, ``F_v`` the vision blocks' forward +
+backward FLOPs per sample (they scale with the images per sample)::
+
+    vision compute  = F_v * S / V / (peak x efficiency)  (+ block overhead per batch)
+                      forward 1/3, backward 2/3; a frozen tower: the forward only
+    transfer        per vision rank: its samples' embeddings (the floating-point tensors
+                      after the last vision block: image tokens x width x bytes, and the pooled
+                      vector) to every tp rank of the replica's first stage, their gradient
+                      back from tp rank 0 (a trained tower), the pixels from tp rank 0
+                      (``ModelSpec.extra["pixel_bytes_per_sample"]``), point-to-point
+    serial step     = vision forward + transfer forward + language step + gradient transfer
+                      + vision backward + vision gradient all-reduce     (overlap=False)
+    pipelined step  = max(vision side, language step) + transfer          (overlap=True)
+
+``overlap=False`` is what :mod:`lightning_mmpar.parallel.towers` runs (one blocking exchange
+per batch: the language ranks wait for the embeddings, the vision ranks for their gradients);
+``overlap=True`` is the bound of a pipelined encoder (Megatron-Bridge MIMO's, which overlaps
+the encoder with the language model across micro-batches), not implemented here. The idle
+seconds of each side are :attr:`Prediction.idle`. Model FLOPs for the MFU count both towers
+on ``world + V`` ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from lightning_mmpar.layout.devices import collective_seconds
+from lightning_mmpar.layout.memory import state_bytes
+from lightning_mmpar.layout.model import ModelSpec
+from lightning_mmpar.layout.value import ParallelLayout
+
+__all__ = ["TowerCost", "split_towers", "tower_cost", "vision_gradient_bytes"]
+
+
+def split_towers(model: ModelSpec) -> tuple[ModelSpec, ModelSpec]:
+    """``(vision, language)``: the leading blocks of kind ``vision`` and the others, each a
+    ``ModelSpec`` with its parameters (blocks renumbered), boundaries and collectives; the
+    language one keeps the loss and ``extra``.
+
+    Raises:
+        ValueError: the model does not start with a vision block, or has only vision blocks.
+    """
+    k = 0
+    while k < len(model.blocks) and model.blocks[k].kind == "vision":
+        k += 1
+    if k == 0 or k == len(model.blocks):
+        raise ValueError(
+            f"vision_ranks needs a model whose first blocks, not all, are of kind 'vision' "
+            f"(found {k} of {len(model.blocks)}); use such a model or vision_ranks=0."
+        )
+
+    def part(lo: int, hi: int, **kw: Any) -> ModelSpec:
+        return ModelSpec(
+            blocks=model.blocks[lo:hi],
+            params=tuple(
+                replace(p, block=p.block - lo) for p in model.params if lo <= p.block < hi
+            ),
+            boundaries=model.boundaries[lo:hi],
+            collectives=model.collectives[lo:hi],
+            **kw,
+        )
+
+    return part(0, k), part(k, len(model.blocks), loss=model.loss, extra=model.extra)
+
+
+@dataclass(frozen=True)
+class TowerCost:
+    """One vision rank's work per optimizer step (seconds, bytes); ``samples`` it encodes."""
+
+    samples: float
+    forward: float
+    backward: float
+    sync: float  # the gradient all-reduce over the vision ranks
+    transfer: float  # the embeddings, their gradients and the pixels, on its links
+    embedding_bytes: int  # sent: embeddings to every tp rank of its replicas' first stage
+    gradient_bytes: int  # received: the embeddings' gradients (0: frozen tower)
+    pixel_bytes: int  # received: the pixels
+    state: tuple[int, int, int]  # parameters, gradients, optimizer bytes (full copies)
+    activations: int  # kept activation bytes of one batch
+
+    @property
+    def busy(self) -> float:
+        return self.forward + self.backward + self.sync
+
+
+def tower_cost(
+    model: ModelSpec,
+    layout: ParallelLayout,
+    rate: tuple[float, float],
+    graph: Any,
+    element_bytes: int = 4,
+) -> TowerCost:
+    """The vision side of ``layout`` (module doc): vision rank 0's compute, gradient sync,
+    transfer on its links and memory. ``rate``: the device's ``(FLOP/s achieved, overhead
+    seconds per block per batch)``; ``graph``: a ``DeviceGraph`` whose devices ``0 .. world -
+    1`` are the language ranks (Megatron's order), ``world .. world + V - 1`` the vision ranks;
+    ``element_bytes``: bytes per kept activation element (the specs count 4).
+
+    Raises:
+        ValueError: from :func:`split_towers`.
+    """
+    vision, _ = split_towers(model)
+    v, world = layout.vision_ranks, layout.world
+    samples = layout.global_batch / v
+    batches = layout.accumulate
+    trains = any(p.trainable for p in vision.params)
+    flops = sum(b.flops for b in vision.blocks) * samples / rate[0]
+    overhead = rate[1] * len(vision.blocks) * batches
+    forward = flops / 3 + overhead / 3
+    backward = (flops + overhead) * 2 / 3 if trains else 0.0
+    own = ParallelLayout(dp=v, data_parallel="ddp", precision=layout.precision)
+    state = state_bytes(vision, own, {})
+    grads = sum(p.numel * p.element_size for p in vision.params if p.trainable)
+    ranks = [world + r for r in range(v)]
+    sync = collective_seconds(graph, "all_reduce", ranks, grads) if trains and v > 1 else 0.0
+    per_sample = sum(x.bytes_per_sample for x in vision.boundaries[-1] if x.requires_grad)
+    emb = round(per_sample * samples * layout.tp)
+    back = round(per_sample * samples) if trains else 0
+    pixel = float(model.extra.get("pixel_bytes_per_sample", 0))
+    pixels = round(pixel * samples)
+    transfer = _transfer_seconds(
+        graph, layout, samples, (per_sample, per_sample if trains else 0.0, pixel)
+    )
+    scale = element_bytes / 4
+    acts = round(sum(b.activation_bytes for b in vision.blocks) * samples / batches * scale)
+    kept = (state.parameters, state.gradients, state.optimizer)
+    return TowerCost(samples, forward, backward, sync, transfer, emb, back, pixels, kept, acts)
+
+
+def _transfer_seconds(
+    graph: Any, layout: ParallelLayout, samples: float, per_sample: tuple[float, float, float]
+) -> float:
+    """Seconds vision rank 0 (device ``world``) spends on its links per optimizer step: to each
+    of its replicas (fan-in: ``dp / V`` of them, the first ones; fan-out: a chunk of replica
+    0) the embeddings to every tp rank of the first stage (devices ``r * tp + t``), the
+    gradient and the pixels with tp rank 0; one message each per batch (``per_sample``:
+    embedding, gradient and pixel bytes per sample)."""
+    world, tp, batches = layout.world, layout.tp, layout.accumulate
+    replicas = max(1, layout.dp_size // layout.vision_ranks)
+    share = samples / replicas / batches
+    total = 0.0
+    for r in range(replicas):
+        for t in range(tp):
+            sizes = per_sample if t == 0 else per_sample[:1]
+            total += sum(
+                collective_seconds(graph, "send_recv", [world, r * tp + t], n * share)
+                for n in sizes
+                if n
+            )
+    return total * batches
+
+
+def vision_gradient_bytes(model: ModelSpec) -> int:
+    """Bytes of the trainable parameters of ``model``'s vision blocks (what the vision ranks
+    all-reduce; 0: a frozen tower)."""
+    vision, _ = split_towers(model)
+    return sum(p.numel * p.element_size for p in vision.params if p.trainable)

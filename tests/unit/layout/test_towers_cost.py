@@ -1,0 +1,149 @@
+"""The cost of non-colocated layouts (lightning_mmpar.layout.towers_cost) on a small synthetic
+vision + language ModelSpec (pure Python, no model, no process)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from lightning_mmpar.layout.cost import DEVICES, default_graph, predict
+from lightning_mmpar.layout.devices import collective_seconds
+from lightning_mmpar.layout.model import Boundary, ModelSpec, ParamSpec
+from lightning_mmpar.layout.planner import candidate_layouts, describe, plan
+from lightning_mmpar.layout.stages import BlockSpec
+from lightning_mmpar.layout.towers_cost import split_towers, tower_cost
+from lightning_mmpar.layout.value import ParallelLayout
+
+H100 = DEVICES["h100"]
+TOKENS, VIT, WIDTH = 577, 1024, 4096
+PIXELS = 3 * 336 * 336 * 4
+
+
+def vlm(images: float = 1.0, vision: int = 4, language: int = 8, train_vision: bool = True):
+    """``vision`` ViT-L-sized blocks (cost x ``images``) then ``language`` decoder blocks."""
+    nv, nl = VIT * 4 * VIT, WIDTH * 4 * WIDTH
+    specs = [
+        BlockSpec(f"vision.layer{i}", "vision", 6.0 * nv * TOKENS * images, 1e7 * images, 4 * nv, 0)
+        for i in range(vision)
+    ] + [
+        BlockSpec(f"decoder{i}", "language", 6.0 * nl * 2048, 1e8, 4 * nl, 4 * nl)
+        for i in range(language)
+    ]
+    params = [ParamSpec(f"v{i}.w", (4 * VIT, VIT), i, 0, train_vision) for i in range(vision)]
+    params += [
+        ParamSpec(f"l{i}.w", (4 * WIDTH, WIDTH), vision + i, 0, True) for i in range(language)
+    ]
+    tokens = Boundary(round(TOKENS * VIT * 4 * images), True)
+    hidden = Boundary(2048 * WIDTH * 4, True)
+    bounds = [(tokens,)] * vision + [(hidden,)] * language
+    return ModelSpec(
+        blocks=tuple(specs),
+        params=tuple(params),
+        boundaries=tuple(bounds),
+        extra={"pixel_bytes_per_sample": PIXELS * images},
+    )
+
+
+def ARGS(lay: ParallelLayout) -> tuple[Any, ...]:
+    """``tower_cost``'s device rate and graph for ``lay`` on H100s (what ``predict`` passes)."""
+    return (H100.peak(lay.precision) * H100.efficiency, H100.overhead), default_graph(
+        lay.world + lay.vision_ranks
+    )
+
+
+LAYOUT = ParallelLayout(tp=2, pp=2, dp=2, micro_batches=4, micro_batch_size=2)
+
+
+def test_split_towers_renumbers_blocks_and_keeps_parameters() -> None:
+    vision, language = split_towers(vlm())
+    assert [b.kind for b in vision.blocks] == ["vision"] * 4
+    assert len(language.blocks) == 8 and {p.block for p in language.params} == set(range(8))
+    assert len(vision.params) + len(language.params) == 12
+    with pytest.raises(ValueError, match="first blocks"):
+        split_towers(ModelSpec(blocks=language.blocks, params=language.params))
+
+
+def test_language_ranks_price_less_compute_than_colocated() -> None:
+    spec = vlm()
+    colo = predict(spec, LAYOUT, H100)
+    nonco = predict(spec, replace(LAYOUT, vision_ranks=2), H100)
+    # the language ranks' compute lost the ViT (stage 0 held it colocated)
+    assert nonco.breakdown["compute"] < colo.breakdown["compute"]
+    assert nonco.step_seconds == pytest.approx(sum(nonco.breakdown.values()))
+    assert not colo.idle and set(nonco.idle) == {"language ranks", "vision ranks"}
+    assert nonco.idle["language ranks"] > 0 and nonco.idle["vision ranks"] > 0
+
+
+def test_vision_side_scales_with_images_per_sample() -> None:
+    lay = replace(LAYOUT, vision_ranks=2)
+    one, three = tower_cost(vlm(1.0), lay, *ARGS(lay)), tower_cost(vlm(3.0), lay, *ARGS(lay))
+    assert three.forward == pytest.approx(3 * one.forward)
+    assert three.backward == pytest.approx(3 * one.backward)
+    assert three.embedding_bytes == 3 * one.embedding_bytes
+    # twice the vision ranks: half the samples each
+    assert tower_cost(
+        vlm(), replace(lay, vision_ranks=1), *ARGS(replace(lay, vision_ranks=1))
+    ).forward == pytest.approx(2 * one.forward)
+
+
+def test_transfer_bytes_and_seconds_by_hand() -> None:
+    lay = replace(LAYOUT, vision_ranks=1)  # fan-in: vision rank 0 serves both replicas
+    cost = tower_cost(vlm(), lay, *ARGS(lay))
+    samples = lay.global_batch  # 16, all on the one vision rank
+    per = TOKENS * VIT * 4
+    assert cost.samples == samples
+    assert cost.embedding_bytes == per * samples * lay.tp  # to both tp ranks of stage 0
+    assert cost.gradient_bytes == per * samples  # back from tp rank 0
+    assert cost.pixel_bytes == PIXELS * samples
+    graph = default_graph(lay.world + 1)
+    half = samples // 2  # per replica; first stage tp ranks: devices 0, 1 (replica 0), 2, 3
+    want = sum(
+        collective_seconds(graph, "send_recv", [8, d], n * half)
+        for d in (0, 1, 2, 3)
+        for n in ((per, per, PIXELS) if d % 2 == 0 else (per,))
+    )
+    assert cost.transfer == pytest.approx(want)
+    frozen = tower_cost(vlm(train_vision=False), lay, *ARGS(lay))
+    assert frozen.gradient_bytes == 0 and frozen.backward == 0 and frozen.sync == 0
+
+
+def test_vision_memory_is_full_copies_and_step_modes() -> None:
+    lay = replace(LAYOUT, vision_ranks=2)
+    cost = tower_cost(vlm(), lay, *ARGS(lay))
+    vit = 4 * (4 * VIT * VIT * 4)
+    assert cost.state[:2] == (vit, vit)  # DDP: whole parameters and gradients
+    serial = predict(vlm(), lay, H100)
+    spec = vlm()
+    heavy = [replace(b, activation_bytes=1e10) if b.kind == "vision" else b for b in spec.blocks]
+    full = predict(replace(spec, blocks=tuple(heavy)), lay, H100)  # 8 samples x 4 x 10 GB
+    assert not full.fits and "a vision rank" in full.reason
+    assert full.memory.activations == 8 * 4 * 10**10
+    piped = predict(vlm(), lay, H100, tower_overlap=True)
+    lang = serial.step_seconds - cost.busy - cost.transfer
+    assert piped.step_seconds == pytest.approx(max(cost.busy, lang) + cost.transfer)
+    assert piped.step_seconds < serial.step_seconds
+    assert piped.step_seconds == pytest.approx(sum(piped.breakdown.values()))
+    assert serial.comm_bytes["towers.send"] == cost.embedding_bytes
+
+
+def test_planner_ranks_noncolocated_beside_colocated() -> None:
+    both = candidate_layouts(
+        12, 12, global_batch=16, vision_ranks=(0, 2, 4), checkpointing=(False,)
+    )
+    counts = {x.vision_ranks for x in both}
+    assert counts == {0, 2, 4}
+    for x in both:
+        assert x.world + x.vision_ranks == 12
+        assert not x.vision_ranks or (not x.sequence_parallel and x.ep == 1)
+    assert "+ 2 vision" in describe(next(x for x in both if x.vision_ranks == 2))
+    ranked, _ = plan(vlm(3.0), 12, H100, candidates=both)
+    assert {p.layout.vision_ranks for p in ranked} == {0, 2, 4}
+    steps = [p.step_seconds for p in ranked]
+    assert steps == sorted(steps)
+    assert all(p.idle for p in ranked if p.layout.vision_ranks)
+    assert not any(p.idle for p in ranked if not p.layout.vision_ranks)
+    odd = replace(both[0], tp=1, pp=1, dp=3, vision_ranks=2, micro_batches=1, micro_batch_size=1)
+    _, refused = plan(vlm(), 5, H100, candidates=[odd])  # 3 replicas, 2 vision ranks
+    assert "must divide one" in refused[0].reason
