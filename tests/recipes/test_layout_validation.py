@@ -287,9 +287,31 @@ def _one_spec(module: Any, text_length: int, images_per_sample: float = 1.0) -> 
     return model
 
 
+def _with_local_files(recipe: Path, root: Path) -> Path:
+    """A LLaVA YAML names files a user brings (a checkpoint directory, a conversation JSON):
+    a copy of it on the offline tiny LLaVA's files (``examples.tiny_llava``; a config-only
+    checkpoint directory the YAML names is kept), other YAMLs as they are."""
+    if not recipe.name.startswith("llava"):
+        return recipe
+    from lightning_mmpar.examples.tiny_llava import write_tiny_llava
+
+    files, config = write_tiny_llava(root / "tiny"), _config(recipe)
+    pretrained = config["model"].setdefault("pretrained", {})
+    if not (ROOT / str(pretrained.get("hf", "")) / "config.json").exists():
+        pretrained["hf"] = str(files["model"])
+    data = config["data"]["init_args"]
+    data.update(train_file=str(files["train_file"]), image_root=str(files["image_root"]))
+    copy = root / recipe.name
+    copy.write_text(yaml.safe_dump(config))
+    return copy
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=[p.name for p in RECIPES])
 def test_every_layout_the_planner_ranks_the_strategy_accepts(
-    recipe: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    recipe: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
 ) -> None:
     """The CPU recipes are priced for real; the GPU ones with every layout fitting (a superset
     of what the planner ranks on a device of any memory size)."""
@@ -302,6 +324,7 @@ def test_every_layout_the_planner_ranks_the_strategy_accepts(
         return out
 
     monkeypatch.setattr(planner, "plan", recording)
+    recipe = _with_local_files(recipe, tmp_path)
     priced = "cpu" in recipe.name
     if not priced:
         monkeypatch.setattr(layout_planner, "_predict", _instant)
