@@ -296,20 +296,29 @@ def run(kind: str, args: argparse.Namespace, sizes: dict[str, Any], root: str) -
     return out
 
 
+def print_runs(runs: dict[str, Any], width: int) -> None:
+    """One line per run (``width``: the name column): step seconds, tokens/s, TFLOP/s, MFU, peak
+    memory; a run without figures prints why (``skipped`` / ``error``)."""
+    print(f"{'run':<{width}}{'step s':>9}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU':>7}{'peak GiB':>10}")
+    for kind, r in runs.items():
+        if "step_s" not in r:
+            print(f"{kind:<{width}}{r.get('skipped') or r.get('error')}")
+            continue
+        mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
+        mem = "-" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.1f}"
+        print(
+            f"{kind:<{width}}{r['step_s']:>9.4f}{r['tokens_per_s']:>11.0f}"
+            f"{r['achieved_tflops']:>9.2f}{mfu:>7}{mem:>10}"
+        )
+
+
 def print_table(result: dict[str, Any]) -> None:
     """The runs' figures and the collective checks' summary, as a text table."""
     print(
         f"gpu_check on {result['device']} ({result['sizes']} sizes, {result['warmup']} warm-up "
         f"+ {result['steps']} timed steps)"
     )
-    print(f"{'run':<13}{'step s':>9}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU':>7}{'peak GiB':>10}")
-    for kind, r in result["runs"].items():
-        mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
-        mem = "-" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.1f}"
-        print(
-            f"{kind:<13}{r['step_s']:>9.4f}{r['tokens_per_s']:>11.0f}"
-            f"{r['achieved_tflops']:>9.2f}{mfu:>7}{mem:>10}"
-        )
+    print_runs(result["runs"], width=13)
     bf, fb = result["runs"]["bf16"], result["runs"]["fp8_fallback"]
     cpu, f, col = bf["peak_memory_gib"] is None, fb["fallback"], bf["collectives"]
     print(

@@ -51,7 +51,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_packing import batch_stats
-from gpu_check import Timer, peak_of
+from gpu_check import Timer, peak_of, print_runs
 from report import write_result
 
 LLAVA_DEPTH = 8
@@ -294,17 +294,7 @@ def summarise(result: dict[str, Any]) -> None:
     result["fp8_speedup_eager"] = ratio(runs, "bf16_packed", "fp8_torchao", "step_s")
     result["fp8_speedup_compiled"] = ratio(runs, "bf16_compiled", "fp8_torchao_compiled", "step_s")
     print(f"gpu_llava on {result['device']} ({result['sizes']} sizes)")
-    print(f"{'run':<22}{'step s':>9}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU':>7}{'peak GiB':>10}")
-    for kind, r in runs.items():
-        if "step_s" not in r:
-            print(f"{kind:<22}{r.get('skipped') or r.get('error')}")
-            continue
-        mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
-        mem = "-" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.1f}"
-        print(
-            f"{kind:<22}{r['step_s']:>9.4f}{r['tokens_per_s']:>11.0f}"
-            f"{r['achieved_tflops']:>9.2f}{mfu:>7}{mem:>10}"
-        )
+    print_runs(runs, width=22)
     for key in ("packed_vs_padded_tokens_per_s", "fp8_speedup_eager", "fp8_speedup_compiled"):
         value = result[key]
         print(f"{key}: {'-' if value is None else f'{value:.3f}'}")
