@@ -42,6 +42,7 @@ import pickle
 import re
 import sys
 import warnings
+from argparse import ArgumentError
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -51,7 +52,7 @@ import torch
 from jsonargparse import Namespace
 from jsonargparse._common import debug_mode_active
 from lightning.pytorch import LightningDataModule, Trainer
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
@@ -171,6 +172,22 @@ class RecipeArgumentParser(LightningArgumentParser):
         self.exit(2)
 
 
+DEFAULT_DATA = f"{__name__}.RecipeDigitsCaptions"
+"""The data class of a command that names none (a bare ``data:`` section holds its arguments)."""
+
+
+def _names_default_data(config: Namespace) -> bool:
+    """Whether a parsed LightningCLI config (of its subcommand, if any) has the digits demo as
+    its data class (jsonargparse writes the shortest import path of a class)."""
+    sub = config.get("subcommand")
+    data = (config[sub] if sub else config).get("data")
+    path = data.get("class_path") if isinstance(data, Namespace) else None
+    if not isinstance(path, str) or "." not in path:
+        return False
+    module, name = path.rsplit(".", 1)
+    return getattr(importlib.import_module(module), name, None) is RecipeDigitsCaptions
+
+
 class ClipLlamaCLI(LightningCLI):
     """LightningCLI with ``data.vocab_size -> model.vocab_size``, ``--deepspeed`` and checks of
     the layout against model and data before any process is launched."""
@@ -193,6 +210,42 @@ class ClipLlamaCLI(LightningCLI):
                     "(e.g. .../checkpoints/last.ckpt), a Lightning .ckpt file, or auto."
                 ) from err
 
+    def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
+        """LightningCLI's, with the digits demo as the data default only where the command
+        names no other data class.
+
+        jsonargparse carries a default class's init arguments over to another ``class_path``
+        whenever the new class takes the same names (jsonargparse issue #460): with the digits
+        default, ``--data.class_path ...CaptionsDataModule`` got the digits' ``image_size=32``
+        instead of its own 224, silently. A first parse (without ``--print_config``) reads the
+        data class the command names; when it is another class, the arguments are parsed
+        without the default, so that class gets its own defaults. A config whose bare
+        ``data:`` section is then overridden by a ``--data.class_path`` keeps jsonargparse's
+        behaviour (its values go to the named class where it takes them)."""
+        argv = sys.argv[1:] if args is None else args
+        if not isinstance(argv, (dict, Namespace)):
+            probe = [a for a in argv if not str(a).startswith("--print_config")]
+            if not _names_default_data(parser.parse_args(probe)):
+                self._drop_default_data(parser, probe)
+        super().parse_arguments(parser, args)
+
+    def _drop_default_data(self, parser: LightningArgumentParser, probe: list[Any]) -> None:
+        """Remove the digits default of ``data``, unless the arguments need it (a bare
+        ``data:`` section of init arguments only)."""
+        parsers = [parser, *self._subcommand_parsers.values()]
+        for each in parsers[1:]:
+            each.set_defaults({"data": None})
+        for each in parsers:  # raise, do not print and exit, while trying
+            each.exit_on_error = False
+        try:
+            parser.parse_args(probe)
+        except ArgumentError:
+            for each in parsers[1:]:
+                each.set_defaults({"data": {"class_path": DEFAULT_DATA}})
+        finally:
+            for each in parsers:
+                each.exit_on_error = True
+
     def instantiate_classes(self) -> None:
         """LightningCLI's; a :data:`SETUP_ERRORS` error (bad layout, missing file, contradicting
         Trainer arguments) is marked as a set-up error (:func:`main` prints it as a command-line
@@ -203,7 +256,7 @@ class ClipLlamaCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # Any LightningDataModule (--data.class_path); the digits demo when none is named, so a
         # YAML with a bare `data:` section (init arguments only) keeps working.
-        parser.set_defaults({"data": {"class_path": f"{__name__}.RecipeDigitsCaptions"}})
+        parser.set_defaults({"data": {"class_path": DEFAULT_DATA}})
         parser.link_arguments(
             "data", "model.vocab_size", compute_fn=data_vocab_size, apply_on="instantiate"
         )

@@ -275,3 +275,26 @@ def test_fit_with_unlabelled_caption_csv_ends_with_its_summary(
     assert summary["steps"] == 2 and Path(summary["checkpoint"]).is_dir(), summary
     assert summary["caption_acc_greedy"] is None and summary["zero_shot_acc"] is None
     assert math.isfinite(summary["history"]["val"][-1]["val_loss"])
+
+
+def test_a_named_data_class_gets_its_own_defaults(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The digits default's init arguments never reach another data class (jsonargparse #460:
+    ``CaptionsDataModule`` got the digits' ``image_size=32``, not its own 224); a value the
+    command gives is kept, and a bare ``data:`` section still configures the digits demo."""
+
+    def printed(*args: str) -> dict[str, Any]:
+        with pytest.raises(SystemExit) as done:
+            main(["fit", *args, "--print_config"])
+        assert done.value.code in (0, None)
+        return yaml.safe_load(capsys.readouterr().out)["data"]
+
+    captions = ["--data.class_path", "lightning_mmpar.data.CaptionsDataModule"]
+    train = ["--data.init_args.train_file", str(tmp_path / "train.csv")]
+    assert printed(*captions, *train)["init_args"]["image_size"] == 224
+    given = printed(*captions, *train, "--data.init_args.image_size", "32")
+    assert given["init_args"]["image_size"] == 32
+    digits = printed("--data.image_size", "16")
+    assert digits["class_path"].endswith("RecipeDigitsCaptions")
+    assert digits["init_args"]["image_size"] == 16
