@@ -132,14 +132,20 @@ def fault_block(
     checkpoint: tuple[int, Path] | None,
     command: str,
     log_dir: Path,
+    raised: Mapping[int, str] | None = None,
 ) -> str:
     """The block a surviving rank prints: ``dead`` maps a rank to how it ended ("killed by
     SIGKILL", "exited with code 1", "no longer running", ...; empty: every rank answered, so a
-    collective timed out or a rank hangs), ``table`` a rank to its ``(host, pid)``."""
+    collective timed out or a rank hangs), ``table`` a rank to its ``(host, pid)``, ``raised``
+    a dead rank to the error it raised (``"FileNotFoundError: ..."``: written by
+    :class:`RankFaults` before it exited), which resuming alone would raise again."""
+    raised = {r: e for r, e in (raised or {}).items() if r in dead}
     lines = ["", "=" * 78]
     for r, how in sorted(dead.items()):
         host, pid = table.get(r, ("?", -1))
         lines.append(f"lightning_mmpar: rank {r} (host {host}, pid {pid}) {how}.")
+        if r in raised:
+            lines.append(f"  rank {r} raised {raised[r]}")
     if not table:
         lines.append(
             "lightning_mmpar: the process group failed while it was being set up (a rank did "
@@ -158,7 +164,11 @@ def fault_block(
         lines.append("  last complete checkpoint: none (the run starts afresh when resumed)")
     else:
         lines.append(f"  last complete checkpoint: {checkpoint[1]} (global step {checkpoint[0]})")
-    lines.append(f"  resume: {command}")
+    if raised:
+        ranks = ", ".join(str(r) for r in sorted(raised))
+        lines.append(f"  resume, once what rank {ranks} raised is fixed: {command}")
+    else:
+        lines.append(f"  resume: {command}")
     lines.append(f"  tracebacks of every rank: {log_dir}/rank_<r>.log")
     lines.append("=" * 78)
     return "\n".join(lines)
@@ -187,7 +197,20 @@ class RankFaults(Callback):
             host, pid = store.get(f"{_KEY}/rank/{r}").decode().rsplit(" ", 1)
             _RUN.table[r] = (host, int(pid))
         _RUN.store = store
+        _error_file(_RUN.rank).unlink(missing_ok=True)  # a previous run's
         _observe_with_report(getattr(trainer.strategy, "launcher", None))
+
+    @override
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        """An error of this rank's own (not a failed collective: a missing file, a bad
+        batch, ...): its line to ``faults/rank_<r>.error`` and its traceback to
+        ``faults/rank_<r>.log``, so the rank that reports the job's end names it."""
+        if not dist.is_initialized() or is_collective_failure(exception):
+            return
+        _log_traceback(exception)
+        _error_file(_RUN.rank).write_text(_one_line(exception) + "\n")
 
 
 def _observe_with_report(launcher: Any) -> None:
@@ -314,6 +337,7 @@ def _report_once(error: str) -> None:
         checkpoint=_checkpoint(trainer),
         command=resume_command(sys.argv[1:]),
         log_dir=_log_dir(trainer),
+        raised=_raised(dead),
     )
     print(block, file=sys.stderr, flush=True)
 
@@ -327,17 +351,39 @@ def _log_dir(trainer: pl.Trainer | None) -> Path:
     return root / "faults"
 
 
-def report_failure(err: BaseException) -> int:
-    """Handle a collective failure in this rank (module docstring): the traceback to
-    ``<default_root_dir>/faults/rank_<r>.log``, the block on one surviving rank's stderr.
-    Returns the exit status (1)."""
+def _error_file(rank: int) -> Path:
+    """Where ``rank`` writes the error it raised (:meth:`RankFaults.on_exception`)."""
+    return _log_dir(_RUN.trainer) / f"rank_{rank}.error"
+
+
+def _raised(dead: Mapping[int, str]) -> dict[int, str]:
+    """The errors the ``dead`` ranks wrote before they exited (a rank on a host without the
+    shared ``default_root_dir`` wrote none here)."""
+    files = {r: _error_file(r) for r in dead}
+    return {r: f.read_text().strip() for r, f in files.items() if f.is_file()}
+
+
+def _one_line(err: BaseException) -> str:
+    """``"<Type>: <first line of the message>"``, at most 160 characters of message."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    first = re.sub(r"^\[[^\]]*:\d+\]\s*", "", first)  # gloo's "[.../pair.cc:561] " prefix
+    return f"{type(err).__name__}: {first[:160]}"
+
+
+def _log_traceback(err: BaseException) -> None:
+    """Append ``err``'s traceback to ``<default_root_dir>/faults/rank_<r>.log``."""
     log_dir = _log_dir(_RUN.trainer)
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"rank_{_RUN.rank}.log"
     with log.open("a") as f:
         f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} rank {_RUN.rank} pid {os.getpid()}\n")
         f.write("".join(traceback.format_exception(err)))
-    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    first = re.sub(r"^\[[^\]]*\]\s*", "", first)  # gloo's "[.../pair.cc:561] " source prefix
-    _report(f"{type(err).__name__}: {first[:160]}")
+
+
+def report_failure(err: BaseException) -> int:
+    """Handle a collective failure in this rank (module docstring): the traceback to
+    ``<default_root_dir>/faults/rank_<r>.log``, the block on one surviving rank's stderr.
+    Returns the exit status (1)."""
+    _log_traceback(err)
+    _report(_one_line(err))
     return 1

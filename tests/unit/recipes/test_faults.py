@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 import torch.distributed as dist
 
 from lightning_mmpar.recipes.faults import fault_block, is_collective_failure, resume_command
@@ -52,3 +54,40 @@ def test_fault_block_names_rank_host_checkpoint_and_command() -> None:
         {}, table, rank=1, step=None, error="x", checkpoint=None, command="c", log_dir=Path(".")
     )
     assert "every rank answered" in hung and "checkpoint: none" in hung
+
+
+def test_a_rank_that_raised_is_named_with_its_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank that ends on its own error (a missing image, not a failed collective) writes it
+    before it exits; the reporting rank's block names it and says to fix it before resuming."""
+    from types import SimpleNamespace
+
+    from lightning_mmpar.recipes import faults
+
+    trainer = SimpleNamespace(default_root_dir=str(tmp_path))
+    monkeypatch.setattr(faults, "_RUN", faults._Run(trainer=trainer, rank=1, world_size=2))
+    monkeypatch.setattr(faults.dist, "is_initialized", lambda: True)
+    callback = faults.RankFaults()
+    callback.on_exception(trainer, None, RuntimeError("gloo: Connection closed by peer"))
+    assert not (tmp_path / "faults").exists()  # a failed collective: report_failure's job
+    missing = FileNotFoundError(2, "No such file or directory", "images/cat.jpg")
+    callback.on_exception(trainer, None, missing)
+    assert "FileNotFoundError" in (tmp_path / "faults" / "rank_1.log").read_text()
+    raised = faults._raised({1: "exited with code 1"})
+    assert raised == {1: "FileNotFoundError: [Errno 2] No such file or directory: 'images/cat.jpg'"}
+    block = fault_block(
+        {1: "exited with code 1"},
+        {0: ("node0", 10), 1: ("node0", 11)},
+        rank=0,
+        step=3,
+        error="RuntimeError: Connection closed by peer",
+        checkpoint=None,
+        command="python -m lightning_mmpar.recipes.clip_llama fit --ckpt_path auto",
+        log_dir=tmp_path / "faults",
+        raised=raised,
+    )
+    assert "rank 1 (host node0, pid 11) exited with code 1." in block
+    assert f"rank 1 raised {raised[1]}" in block
+    assert "resume, once what rank 1 raised is fixed: python -m" in block
+    assert "  resume: " not in block
