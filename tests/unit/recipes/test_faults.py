@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 import torch.distributed as dist
 
 from lightning_mmpar.recipes.faults import fault_block, is_collective_failure, resume_command
