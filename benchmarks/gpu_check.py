@@ -335,18 +335,49 @@ def print_table(result: dict[str, Any]) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_run_args(p: argparse.ArgumentParser, steps: int, tiny_help: str) -> None:
+    """The options both GPU scripts take: device, tiny sizes, smoke, timed and untimed steps,
+    output folder (``steps``: the default number of timed steps)."""
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--tiny", action="store_true", help="the recipe tests' tiny sizes")
-    p.add_argument("--smoke", action="store_true", help="--device cpu --tiny, few steps")
-    p.add_argument("--steps", type=int, default=None, help="timed steps (default 10; smoke 2)")
+    p.add_argument("--tiny", action="store_true", help=tiny_help)
+    p.add_argument("--smoke", action="store_true", help="--device cpu --tiny, 2 + 2 steps")
+    p.add_argument(
+        "--steps", type=int, default=None, help=f"timed steps (default {steps}; smoke 2)"
+    )
     p.add_argument("--warmup", type=int, default=None, help="untimed steps (default 3; smoke 2)")
     p.add_argument("--out-dir", type=Path, default=None, help="default docs/results")
-    args = p.parse_args(argv)
+    p.set_defaults(default_steps=steps)
+
+
+def resolve_run_args(args: argparse.Namespace) -> None:
+    """``--smoke`` means CPU and tiny sizes; unset step counts take their defaults."""
     args.device, args.tiny = ("cpu", True) if args.smoke else (args.device, args.tiny)
-    args.steps = args.steps or (2 if args.smoke else 10)
+    args.steps = args.steps or (2 if args.smoke else args.default_steps)
     args.warmup = args.warmup or (2 if args.smoke else 3)
+
+
+def result_header(
+    args: argparse.Namespace, sizes_name: str, sizes: dict[str, Any]
+) -> dict[str, Any]:
+    """The JSON's first fields (device, sizes, steps) and an empty ``runs``; one thread per
+    process on CPU, as the CPU benchmarks run."""
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+    return {
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "sizes": sizes_name,
+        "model": sizes,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "runs": {},
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_run_args(p, steps=10, tiny_help="the recipe tests' tiny sizes")
+    args = p.parse_args(argv)
+    resolve_run_args(args)
     if args.warmup < 2:
         p.error("--warmup must be >= 2: the forced FP8 outlier needs an amax history")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -355,17 +386,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "runs on CPU: python benchmarks/gpu_check.py --device cpu --tiny"
         )
         return {"skipped": "no CUDA device"}
-    if args.device == "cpu":
-        torch.set_num_threads(1)
-    sizes = SIZES["tiny" if args.tiny else "realistic"]
-    result: dict[str, Any] = {
-        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-        "sizes": "tiny" if args.tiny else "realistic",
-        "model": sizes,
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "runs": {},
-    }
+    name = "tiny" if args.tiny else "realistic"
+    result = result_header(args, name, SIZES[name])
+    sizes = SIZES[name]
     with tempfile.TemporaryDirectory() as root:  # A B, then B A: the fp8 speed-up interleaved
         for kind in ("bf16", "fp8", "fp8_fallback", "fp8_2", "bf16_2"):
             result["runs"][kind] = run(kind.removesuffix("_2"), args, sizes, root)

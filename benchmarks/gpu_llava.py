@@ -51,7 +51,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_packing import batch_stats
-from gpu_check import Timer, peak_of, print_runs
+from gpu_check import (
+    Timer,
+    add_run_args,
+    peak_of,
+    print_runs,
+    resolve_run_args,
+    result_header,
+)
 from report import write_result
 
 LLAVA_DEPTH = 8
@@ -302,22 +309,15 @@ def summarise(result: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--tiny", action="store_true", help="tiny sizes")
-    p.add_argument("--smoke", action="store_true", help="--device cpu --tiny, 2 + 2 steps")
-    p.add_argument("--steps", type=int, default=None, help="timed steps (default 8; smoke 2)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps (default 3; smoke 2)")
+    add_run_args(p, steps=8, tiny_help="tiny sizes")
     p.add_argument(
         "--runs",
         default=None,
         help="comma-separated run names (default: all; smoke:"
         " the eager ones, compiling on CPU takes minutes)",
     )
-    p.add_argument("--out-dir", type=Path, default=None, help="default docs/results")
     args = p.parse_args(argv)
-    args.device, args.tiny = ("cpu", True) if args.smoke else (args.device, args.tiny)
-    args.steps = args.steps or (2 if args.smoke else 8)
-    args.warmup = args.warmup or (2 if args.smoke else 3)
+    resolve_run_args(args)
     default = [k for k in RUNS if not (args.smoke and k.endswith("compiled"))]
     kinds = [k for k in args.runs.split(",") if k] if args.runs else default
     if unknown := sorted(set(kinds) - set(RUNS)):
@@ -325,17 +325,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_llava: no CUDA device here; nothing measured (exit 0).")
         return {"skipped": "no CUDA device"}
-    if args.device == "cpu":
-        torch.set_num_threads(1)
-    sizes = SIZES["tiny" if args.tiny else "llava7b"]
-    result: dict[str, Any] = {
-        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-        "sizes": "tiny" if args.tiny else "llava7b",
-        "model": sizes,
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "runs": {},
-    }
+    name = "tiny" if args.tiny else "llava7b"
+    result = result_header(args, name, SIZES[name])
+    sizes = SIZES[name]
     with tempfile.TemporaryDirectory() as root:
         for kind in kinds:
             result["runs"][kind] = guarded(kind, args, sizes, root)
