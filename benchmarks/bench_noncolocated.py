@@ -1,118 +1,282 @@
-"""The vision tower on its own ranks against colocated: step time on the same work (one run).
+"""The vision tower on its own rank against the colocated layouts of the same 2 processes (one run).
 
     python benchmarks/bench_noncolocated.py            # docs/results/noncolocated.json
-    python benchmarks/bench_noncolocated.py --smoke --out-dir /tmp/r   # 1 repeat, 3 steps
+    python benchmarks/bench_noncolocated.py --smoke --out-dir /tmp/r   # 1 round, 3 steps
 
-**Work.** The ragged batches of the ragged-parity test (4 packed rows of 24 tokens mixing
-text-only, one- and three-image samples, 16 px images) and its tiny fusion model in the recipe's
-module, ``--steps`` steps per run (the first one builds the schedule and is not timed).
+**Work.** ``recipes/digits_vqa_cpu.yaml``'s ragged question-answering batches (0 to
+``MAX_IMAGES`` digit images per sample, one sample per row padded to ``MAX_TOKENS``: the
+planner's per-sample model applies as is) with a vision tower that does real work
+(:data:`MODEL`: 32 px images in 4 px patches, 64 tokens each, 2 ViT layers of width 96, 2.5
+images per sample on average: about 60% of the step's FLOPs) beside the recipe's 2-layer
+decoder; ``--global-batch`` samples per optimizer step on every layout (``data.batch_size =
+global / dp``).
 
-**Sides.** ``colocated``: ``tensor_parallel=2`` on 2 processes (the tower tp-sharded on both);
-``noncolocated``: ``vision_ranks=1, tensor_parallel=2`` on 3 processes (the tower alone on the
-third). Each repeat spawns one world per side, interleaved A B, B A (:func:`report.interleaved`).
-A step's time is the slowest rank's (``on_train_batch_start`` to ``_end``).
+**Layouts** (:data:`LAYOUTS`), all on the same 2 gloo processes, each with one core of a 2-core
+machine (``torch.set_num_threads(1)``): the colocated ``dp2`` (DDP and FSDP2), ``tp2`` and
+``pp2`` (1F1B, 2 micro-batches) against ``vision 1 + language 1`` (``vision_ranks=1``: the tower
+alone on rank 1, the language model on rank 0). One spawned world runs every layout in turn,
+``--rounds`` times, the order reversed every other round (A B C, C B A: machine load hits them
+alike). A step's time is the slowest rank's (``on_train_batch_start`` to ``_end``), the median
+over the steps after the first ``--warmup`` of each run.
 
-**Reported.** ``ratio``: non-colocated over colocated step time (below 1: faster), median over
-repeats, with its spread; ``device_seconds_ratio``: the same times the process counts (3 / 2):
-what the extra rank costs per step. On a CPU machine with fewer cores than processes the ranks
-share cores, so the figures say what the data flow costs here, not what separate GPUs would
-give (Megatron-Bridge's MIMO reports its gains on GPUs).
+**Reported.** Per layout: median step seconds, target tokens/s per process. ``ratio``:
+non-colocated over the best colocated layout's step time (below 1: faster), the median of the
+per-round ratios, with their spread (max - min); the same against every colocated layout.
+Both sides use the same 2 processes, so tokens/s per process is the inverse ratio.
+
+The engine's exchange is serial (``lightning_mmpar.parallel.towers``: the language rank waits
+for the embeddings, the vision rank for their gradients): on equal devices the non-colocated
+step is the tower's forward and backward plus the language step plus the transfers, where a
+colocated ``dp2`` halves both; docs/noncolocated.md discusses the figure.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import os
+import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch import Callback
+import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
-from report import interleaved, ratio_stats, write_result
+from bench_stability import StepTimer  # the same per-batch wall-time callback
+from lightning.pytorch import Callback
+from report import write_result
 
-SIDES: dict[str, tuple[int, dict[str, Any]]] = {
-    "colocated": (2, {"tensor_parallel": 2}),
-    "noncolocated": (3, {"tensor_parallel": 2, "vision_ranks": 1}),
+ROOT = Path(__file__).resolve().parents[1]
+YAML = ROOT / "recipes" / "digits_vqa_cpu.yaml"
+WORLD = 2
+MAX_IMAGES = 5
+MAX_TOKENS = 32
+MODEL: dict[str, Any] = {
+    "vision": {
+        "image_size": 32,
+        "patch_size": 4,
+        "width": 96,
+        "layers": 2,
+        "heads": 4,
+        "mlp_ratio": 2.0,
+        "output_dim": 64,
+        "pool_type": "tok",
+    },
 }
+"""What changes in the YAML's ``model.fusion`` (the language side stays the recipe's)."""
+
+NONCOLOCATED = "vision 1 + language 1"
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "dp2 ddp": {"data_parallel": "ddp"},
+    "dp2 fsdp": {"data_parallel": "fsdp"},
+    "tp2": {"tensor_parallel": 2},
+    "pp2": {"pipeline_parallel": 2, "micro_batches": 2},
+    NONCOLOCATED: {"vision_ranks": 1},
+}
+"""Strategy arguments per layout on :data:`WORLD` processes."""
 
 
-class StepTimes(Callback):
-    """Wall seconds of each training step on this rank."""
+def dp_of(args: dict[str, Any]) -> int:
+    """The language data-parallel degree of a layout on :data:`WORLD` processes."""
+    model = args.get("tensor_parallel", 1) * args.get("pipeline_parallel", 1)
+    return (WORLD - args.get("vision_ranks", 0)) // model
+
+
+def config(global_batch: int, args: dict[str, Any]) -> dict[str, Any]:
+    """The YAML with :data:`MODEL`'s tower, unpacked rows and ``global_batch / dp`` samples per
+    rank."""
+    cfg = copy.deepcopy(yaml.safe_load(YAML.read_text()))
+    cfg["model"]["fusion"].update(copy.deepcopy(MODEL))
+    init = cfg["data"]["init_args"]
+    init.update(
+        image_size=MODEL["vision"]["image_size"],
+        max_images=MAX_IMAGES,
+        max_images_per_row=MAX_IMAGES,
+        max_tokens=MAX_TOKENS,
+        pack=False,
+        pad_to_max_tokens=True,
+        batch_size=global_batch // dp_of(args),
+        train_samples=2000,
+    )
+    return cfg
+
+
+class Tokens(Callback):
+    """Target tokens (labels not ignored), rows and images of each training batch on this
+    rank."""
 
     def __init__(self) -> None:
-        self.seconds: list[float] = []
-        self._start = 0.0
+        self.tokens: list[int] = []
+        self.rows: list[int] = []
+        self.images: list[int] = []
 
-    def on_train_batch_start(self, *args: Any) -> None:
-        self._start = time.perf_counter()
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, *args: Any) -> None:
+        self.tokens.append(int((batch["labels"][:, 1:] != -100).sum()))
+        self.rows.append(int(batch["labels"].shape[0]))
+        self.images.append(int(batch["image_mask"].sum()))
 
-    def on_train_batch_end(self, *args: Any) -> None:
-        self.seconds.append(time.perf_counter() - self._start)
 
-
-def worker(rank: int, world: int, strategy: dict[str, Any], steps: int) -> list[float]:
-    """``steps`` steps of the ragged batches under ``strategy``; this rank's step seconds."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tests/
-    from torch.utils.data import DataLoader
+def run_one(args: dict[str, Any], global_batch: int, steps: int) -> dict[str, list[Any]]:
+    """One ``Trainer.fit`` of ``steps`` steps under ``args`` on this rank: its per-step seconds
+    and target tokens (a vision rank's batches are not its own: 0)."""
+    from lightning.pytorch import seed_everything
 
     from lightning_mmpar import MultimodalParallelStrategy
-    from tests.recipes import parity_matrix_worker as pm
-    from tests.recipes import ragged_parity_worker as rp
-    from tests.recipes import recipe_faults_worker as rw
+    from lightning_mmpar.recipes.partition import build_module
+    from lightning_mmpar.testing import quiet_trainer
 
-    module = pm.build(rp.VOCAB, None)
-    module.text_length = rp.TOKENS
-    times = StepTimes()
-    trainer = rw.quiet_trainer(
-        strategy=MultimodalParallelStrategy(**strategy),
-        devices=world,
-        max_epochs=1,
-        use_distributed_sampler=False,
+    seed_everything(0, verbose=False)
+    module, data = build_module(config(global_batch, args), meta=False)
+    timer, tokens = StepTimer(), Tokens()
+    strategy = MultimodalParallelStrategy(**args)
+    trainer = quiet_trainer(
+        devices=WORLD,
+        strategy=strategy,
+        max_steps=steps,
         limit_val_batches=0,
-        callbacks=[times],
+        callbacks=[timer, tokens],
     )
-    trainer.fit(module, DataLoader(rp.batches(steps), batch_size=None))  # type: ignore[arg-type]
-    return times.seconds
+    trainer.fit(module, datamodule=data)
+    if strategy._exchange is not None and strategy._exchange.is_vision:  # not its batches
+        return {"times": timer.times, "tokens": [0] * steps, "rows": [0] * steps, "images": []}
+    return {
+        "times": timer.times,
+        "tokens": tokens.tokens,
+        "rows": tokens.rows,
+        "images": tokens.images,
+    }
 
 
-def run_side(name: str, steps: int) -> list[float]:
-    """One world of ``name``: the slowest rank's seconds of each step but the first."""
+def worker(
+    rank: int, size: int, names: list[str], global_batch: int, steps: int, rounds: int
+) -> dict[str, list[dict[str, list[Any]]]]:
+    """Every layout of ``names`` in turn, ``rounds`` times (reversed every other round)."""
+    torch.set_num_threads(1)
+    out: dict[str, list[dict[str, list[Any]]]] = {n: [] for n in names}
+    for i in range(rounds):
+        for name in names if i % 2 == 0 else names[::-1]:
+            out[name].append(run_one(LAYOUTS[name], global_batch, steps))
+    return out
+
+
+def measure(names: list[str], global_batch: int, steps: int, rounds: int) -> dict[str, Any]:
+    """Spawn the world, run :func:`worker` and :func:`collect` its results."""
     from lightning_mmpar.testing import spawn
 
-    world, strategy = SIDES[name]
-    per_rank = spawn(worker, world, strategy, steps, timeout=600)
-    return [max(step) for step in zip(*per_rank, strict=True)][1:]
+    per_rank = spawn(worker, WORLD, names, global_batch, steps, rounds, timeout=3600)
+    return collect(per_rank, names, rounds)
+
+
+def collect(per_rank: list[Any], names: list[str], rounds: int) -> dict[str, Any]:
+    """Per layout and round (``per_rank``: :func:`worker`'s results): the steps' slowest-rank
+    seconds and global target tokens (the ranks of one tp x pp group counted once), and the
+    images per sample the language ranks saw."""
+    out: dict[str, Any] = {}
+    for name in names:
+        share = WORLD // dp_of(LAYOUTS[name]) - LAYOUTS[name].get("vision_ranks", 0)
+        times, tokens = [], []
+        for r in range(rounds):
+            runs = [rank[name][r] for rank in per_rank]
+            times.append([max(s) for s in zip(*(x["times"] for x in runs), strict=True)])
+            per_step = zip(*(x["tokens"] for x in runs), strict=True)
+            tokens.append([sum(t) / share for t in per_step])
+        rows = sum(sum(x["rows"]) for rank in per_rank for x in rank[name])
+        images = sum(sum(x["images"]) for rank in per_rank for x in rank[name])
+        out[name] = {"step_seconds": times, "tokens": tokens, "images_per_sample": images / rows}
+    return out
+
+
+def summarise(measured: dict[str, Any], warmup: int) -> dict[str, Any]:
+    """Median step seconds and tokens/s per process of each layout; the non-colocated
+    layout's ratio against the best colocated one and against each (median of the per-round
+    ratios, spread max - min)."""
+
+    def med(rounds: list[list[float]]) -> list[float]:
+        return [statistics.median(r[warmup:]) for r in rounds]
+
+    per_round = {n: med(m["step_seconds"]) for n, m in measured.items()}
+    layouts = {}
+    for name, m in measured.items():
+        step = statistics.median(t for r in m["step_seconds"] for t in r[warmup:])
+        tokens = statistics.median(t for r in m["tokens"] for t in r[warmup:])
+        layouts[name] = {
+            "step_s": step,
+            "tokens_per_step": tokens,
+            "tokens_per_s_per_process": tokens / step / WORLD,
+        }
+    out: dict[str, Any] = {"layouts": layouts}
+    colocated = [n for n in measured if n != NONCOLOCATED]
+    if NONCOLOCATED not in measured or not colocated:
+        return out
+    best = min(colocated, key=lambda n: layouts[n]["step_s"])
+    ours = per_round[NONCOLOCATED]
+    against = {}
+    for name in colocated:
+        ratios = [a / b for a, b in zip(ours, per_round[name], strict=True)]
+        against[name] = {
+            "ratio": statistics.median(ratios),
+            "spread": max(ratios) - min(ratios),
+            "ratios": ratios,
+        }
+    return out | {"best_colocated": best, **against[best], "against": against}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--smoke", action="store_true", help="1 repeat of 3 steps")
-    parser.add_argument("--out-dir", type=Path, default=None)
-    args = parser.parse_args(argv)
-    steps, repeats = (3, 1) if args.smoke else (args.steps, args.repeats)
-    torch.set_num_threads(1)
-    sides = {name: (lambda n=name: run_side(n, steps)) for name in SIDES}
-    times = interleaved(sides, repeats)
-    stats = ratio_stats(times["noncolocated"], times["colocated"])
-    processes = {name: SIDES[name][0] for name in SIDES}
-    payload = {
-        "steps": steps,
-        "repeats": repeats,
-        "processes": processes,
-        "step_seconds": times,
-        **stats,
-        "device_seconds_ratio": stats["ratio"] * processes["noncolocated"] / processes["colocated"],
-    }
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layouts", default=",".join(LAYOUTS))
+    p.add_argument("--global-batch", type=int, default=32, help="samples per optimizer step")
+    p.add_argument("--steps", type=int, default=10, help="steps per run")
+    p.add_argument("--warmup", type=int, default=3, help="first steps of a run not timed")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--smoke", action="store_true", help="dp2 ddp + non-colocated, 1 round")
+    p.add_argument("--out-dir", type=Path, default=None, help="default docs/results")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.layouts, args.steps, args.rounds = f"dp2 ddp,{NONCOLOCATED}", 3, 1
+    args.warmup = min(args.warmup, args.steps - 1)
+    names = [n.strip() for n in args.layouts.split(",")]
+    unknown = [n for n in names if n not in LAYOUTS]
+    if unknown:
+        raise SystemExit(f"unknown layouts {unknown}; choose from {list(LAYOUTS)}")
+    measured = measure(names, args.global_batch, args.steps, args.rounds)
+    payload = result(measured, args)
     path = write_result("noncolocated", payload, args.out_dir)
-    print(
-        f"non-colocated / colocated step time: {stats['ratio']:.2f} (spread {stats['spread']:.2f})"
-    )
     print(f"wrote {path}")
+    return payload
+
+
+def result(measured: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The JSON payload of a measurement (``args``: ``global_batch``, ``steps``, ``warmup``,
+    ``rounds``), its table printed."""
+    summary = summarise(measured, args.warmup)
+    payload = {
+        "config": {
+            "yaml": str(YAML.relative_to(ROOT)),
+            "model": MODEL,
+            "max_images": MAX_IMAGES,
+            "max_tokens": MAX_TOKENS,
+            "processes": WORLD,
+            "global_batch": args.global_batch,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "rounds": args.rounds,
+        },
+        "load_average": list(os.getloadavg()),
+        **summary,
+        "measured": measured,
+    }
+    for name, s in summary["layouts"].items():
+        print(
+            f"{name:22} {s['step_s'] * 1e3:8.1f} ms/step  "
+            f"{s['tokens_per_s_per_process']:8.1f} tokens/s per process"
+        )
+    if "ratio" in summary:
+        print(
+            f"non-colocated / best colocated ({summary['best_colocated']}) step time: "
+            f"{summary['ratio']:.2f} (spread {summary['spread']:.2f})"
+        )
     return payload
 
 

@@ -92,16 +92,18 @@ def matmul_flops(rows: int, width: int, seconds: float = 0.5) -> float:
     return 2.0 * rows * width * 2 * width * n / (time.perf_counter() - start)
 
 
-def block_overhead(repeats: int = 10) -> float:
+def block_overhead(repeats: int = 10, config: dict[str, Any] | None = None) -> float:
     """Fixed seconds per block per micro-batch (forward + backward) on this thread: the CPU
-    model's blocks timed at micro-batch 1 and 8, ``t(b) = n_blocks * overhead + b * c``."""
+    model's blocks (``config``'s, default :data:`YAML`'s) timed at micro-batch 1 and 8,
+    ``t(b) = n_blocks * overhead + b * c``."""
     from lightning.pytorch import seed_everything
 
     from lightning_mmpar.models.fusion import FusionModel
     from lightning_mmpar.recipes.partition import build_module
 
     seed_everything(0, verbose=False)
-    module, data = build_module(yaml.safe_load(YAML.read_text()), meta=False)
+    config = config if config is not None else yaml.safe_load(YAML.read_text())
+    module, data = build_module(config, meta=False)
     module.configure_model()
     blocks, size = module.pipeline_blocks(), module.fusion_config.vision.image_size
 
@@ -485,6 +487,162 @@ def fp8_anchor() -> list[str]:
     ]
 
 
+def towers_worker(
+    rank: int, size: int, names: list[str], global_batch: int, steps: int, rounds: int
+) -> dict[str, Any]:
+    """:mod:`bench_noncolocated`'s world (its layouts, interleaved rounds), then this machine's
+    figures as :func:`worker` measures them (the matmul rate at the tower's width, the block
+    overhead of its model)."""
+    import bench_noncolocated as nc
+
+    from lightning_mmpar.layout.devices import DeviceGraph
+
+    runs = nc.worker(rank, size, names, global_batch, steps, rounds)
+    alpha, beta = gloo_alpha_beta(size)
+    alpha = max(alpha, loaded_call_seconds() / (2 * (size - 1)))
+    graph = DeviceGraph.from_yaml(
+        {"nodes": 1, "gpus_per_node": size, "intra": {"bandwidth": beta, "latency": alpha}}
+    )
+    host = host_call_seconds(graph)
+    width = nc.MODEL["vision"]["width"]
+    flops = matmul_flops(global_batch * 16, width) if rank == 0 else 0.0
+    config = nc.config(global_batch, {})
+    overhead = block_overhead(config=config) if rank == 0 else 0.0
+    return {
+        "runs": runs,
+        "alpha": alpha,
+        "beta": beta,
+        "flops": flops,
+        "overhead": overhead,
+        "host_call_s": host,
+    }
+
+
+def towers_layout(args: dict[str, Any], global_batch: int, vision_parallel: str) -> Any:
+    """The ``ParallelLayout`` of a :mod:`bench_noncolocated` layout (2 processes)."""
+    import bench_noncolocated as nc
+
+    from lightning_mmpar.layout import ParallelLayout
+
+    pp, dp = args.get("pipeline_parallel", 1), nc.dp_of(args)
+    m = args.get("micro_batches", 1) if pp > 1 else 1
+    return ParallelLayout(
+        tp=args.get("tensor_parallel", 1),
+        pp=pp,
+        dp=dp,
+        micro_batches=m,
+        micro_batch_size=global_batch // dp // m,
+        schedule="1f1b",
+        data_parallel=args.get("data_parallel", "fsdp"),
+        vision_parallel=vision_parallel,
+        vision_ranks=args.get("vision_ranks", 0),
+    )
+
+
+def predict_towers(
+    names: list[str], global_batch: int, images: float, cal: dict[str, float]
+) -> dict[str, dict[str, Any]]:
+    """The cost model's step of each :mod:`bench_noncolocated` layout on ``cal`` (this
+    machine's ``flops``, ``overhead``, ``alpha``, ``beta``, ``call_s``), at ``images`` per
+    sample (as measured); ``shared = processes / cores`` when the processes outnumber the
+    cores."""
+    import bench_noncolocated as nc
+
+    from lightning_mmpar.layout.cost import DeviceSpec, predict
+    from lightning_mmpar.layout.devices import DeviceGraph
+    from lightning_mmpar.recipes.partition import build_module
+    from lightning_mmpar.recipes.planner import spec_cache
+
+    device = DeviceSpec(
+        "cpu",
+        {"fp32": cal["flops"] / 1e12},
+        16.0,
+        efficiency=1.0,
+        overhead=cal["overhead"],
+        call_overhead=cal["call_s"],
+        shared=max(1.0, nc.WORLD / (os.cpu_count() or 1)),
+    )
+    link = {"bandwidth": cal["beta"], "latency": cal["alpha"]}
+    graph = DeviceGraph.from_yaml({"nodes": 1, "gpus_per_node": nc.WORLD, "intra": link})
+    module, data = build_module(nc.config(global_batch, {}))
+    spec = spec_cache(module, int(data.max_length), images)
+    out = {}
+    for name in names:
+        layout = towers_layout(nc.LAYOUTS[name], global_batch, module.plan_options.vision_parallel)
+        p = predict(spec(layout), layout, device, graph)
+        out[name] = {"step_s": p.step_seconds, "breakdown": p.breakdown, "idle": p.idle}
+    return out
+
+
+def agreement(measured: dict[str, float], predicted: dict[str, float], ours: str) -> list[Any]:
+    """Per colocated layout: whether ``ours`` (the non-colocated layout) is faster, measured
+    and predicted, and whether the two agree."""
+    rows = []
+    for name in measured:
+        if name == ours:
+            continue
+        m, p = measured[ours] < measured[name], predicted[ours] < predicted[name]
+        rows.append({"against": name, "measured_faster": m, "predicted_faster": p, "agree": m == p})
+    return rows
+
+
+def measure_towers(args: argparse.Namespace) -> dict[str, Any]:
+    """Colocated against non-colocated on 2 processes (:mod:`bench_noncolocated`'s layouts and
+    world), measured and predicted with this machine's calibration; the order of each
+    colocated layout against the non-colocated one, measured vs predicted."""
+    import bench_noncolocated as nc
+
+    from lightning_mmpar.testing import spawn
+
+    names, gb = list(nc.LAYOUTS), args.global_batch
+    per_rank = spawn(towers_worker, nc.WORLD, names, gb, args.steps, args.rounds, timeout=3600)
+    collected = nc.collect([r["runs"] for r in per_rank], names, args.rounds)
+    write_result("noncolocated", nc.result(collected, args), args.out_dir)  # the same run
+    summary = nc.summarise(collected, args.warmup)
+    measured = {n: s["step_s"] for n, s in summary["layouts"].items()}
+    host = {k: statistics.median(r["host_call_s"][k] for r in per_rank) for k in ("fsdp", "tp")}
+    cal = {
+        "flops": per_rank[0]["flops"],
+        "overhead": per_rank[0]["overhead"],
+        "alpha": statistics.median(r["alpha"] for r in per_rank),
+        "beta": statistics.median(r["beta"] for r in per_rank),
+        "call_s": statistics.mean(host.values()),
+    }
+    images = statistics.mean(c["images_per_sample"] for c in collected.values())
+    predicted = predict_towers(names, gb, images, cal)
+    steps = {n: p["step_s"] for n, p in predicted.items()}
+    rows = agreement(measured, steps, nc.NONCOLOCATED)
+    rho = spearman([measured[n] for n in names], [steps[n] for n in names])
+    for n in names:
+        print(f"{n:22} measured {measured[n] * 1e3:8.1f} ms  predicted {steps[n] * 1e3:8.1f} ms")
+    for r in rows:
+        print(
+            f"{nc.NONCOLOCATED} faster than {r['against']}: measured {r['measured_faster']}, "
+            f"predicted {r['predicted_faster']} ({'agree' if r['agree'] else 'DISAGREE'})"
+        )
+    print(f"Spearman rank correlation: {rho:.3f}")
+    return {
+        "config": {
+            "global_batch": gb,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "rounds": args.rounds,
+            "processes": nc.WORLD,
+            "model": nc.MODEL,
+            "images_per_sample": images,
+        },
+        "load_average": list(os.getloadavg()),
+        "calibration": cal,
+        "measured_step_s": measured,
+        "ratio": summary.get("ratio"),
+        "spread": summary.get("spread"),
+        "predicted": predicted,
+        "agreement": rows,
+        "all_agree": all(r["agree"] for r in rows),
+        "spearman": rho,
+    }
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layouts", default=",".join(LAYOUTS))
@@ -496,6 +654,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--smoke", action="store_true", help='"dp4 ddp,tp2 pp2", 3 steps, 1 round')
     p.add_argument("--scale", action="store_true", help="print docs/planner.md's tables")
     p.add_argument("--measure-cpu", action="store_true", help="one-thread fp32 matmul rate")
+    p.add_argument(
+        "--noncolocated",
+        action="store_true",
+        help="bench_noncolocated's 2-process layouts, measured vs predicted "
+        "(docs/results/planner_noncolocated.json and noncolocated.json; --global-batch "
+        "default 32)",
+    )
     args = p.parse_args(argv)
     if args.measure_cpu:
         torch.set_num_threads(1)
@@ -508,6 +673,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.smoke:
         args.layouts, args.steps, args.rounds = "dp4 ddp,tp2 pp2", 3, 1
     args.warmup = min(args.warmup, args.steps - 1)
+    if args.noncolocated:
+        if args.global_batch == p.get_default("global_batch"):
+            args.global_batch = 32
+        report = measure_towers(args)
+        write_result("planner_noncolocated", report, args.out_dir)
+        return report
     report = measure(args)
     write_result("planner", report, args.out_dir)
     return report

@@ -35,15 +35,23 @@ from typing import Any
 from lightning_mmpar.layout.devices import collective_seconds
 from lightning_mmpar.layout.memory import state_bytes
 from lightning_mmpar.layout.model import ModelSpec
+from lightning_mmpar.layout.stages import BlockSpec
 from lightning_mmpar.layout.value import ParallelLayout
 
 __all__ = ["TowerCost", "split_towers", "tower_cost", "vision_gradient_bytes"]
+
+INLET = "tower.inlet"
+"""The name of the language side's first block (:func:`split_towers`; the strategy's
+``TowerInlet`` is ``tower.inlet`` in its stage plan)."""
 
 
 def split_towers(model: ModelSpec) -> tuple[ModelSpec, ModelSpec]:
     """``(vision, language)``: the leading blocks of kind ``vision`` and the others, each a
     ``ModelSpec`` with its parameters (blocks renumbered), boundaries and collectives; the
-    language one keeps the loss and ``extra``.
+    language one keeps the loss and ``extra`` and starts with a block (``INLET``) of no cost
+    and no parameter whose output is the tower's (the language ranks' pipeline runs the
+    strategy's ``TowerInlet`` as its block 0, and the partition counts it: ``pp`` stages cut
+    the same blocks in the planner and in the engine).
 
     Raises:
         ValueError: the model does not start with a vision block, or has only vision blocks.
@@ -57,18 +65,21 @@ def split_towers(model: ModelSpec) -> tuple[ModelSpec, ModelSpec]:
             f"(found {k} of {len(model.blocks)}); use such a model or vision_ranks=0."
         )
 
-    def part(lo: int, hi: int, **kw: Any) -> ModelSpec:
+    def part(lo: int, hi: int, inlet: tuple[BlockSpec, ...] = (), **kw: Any) -> ModelSpec:
+        shift, n = len(inlet) - lo, len(inlet)
+        bounds, colls = model.boundaries, model.collectives
         return ModelSpec(
-            blocks=model.blocks[lo:hi],
+            blocks=inlet + model.blocks[lo:hi],
             params=tuple(
-                replace(p, block=p.block - lo) for p in model.params if lo <= p.block < hi
+                replace(p, block=p.block + shift) for p in model.params if lo <= p.block < hi
             ),
-            boundaries=model.boundaries[lo:hi],
-            collectives=model.collectives[lo:hi],
+            boundaries=(bounds[lo - n : lo] + bounds[lo:hi]) if bounds else (),
+            collectives=(((),) * n + colls[lo:hi]) if colls else (),
             **kw,
         )
 
-    return part(0, k), part(k, len(model.blocks), loss=model.loss, extra=model.extra)
+    inlet = (BlockSpec(INLET, "aligner", 0.0, 0.0, 0.0, 0.0),)
+    return part(0, k), part(k, len(model.blocks), inlet, loss=model.loss, extra=model.extra)
 
 
 @dataclass(frozen=True)

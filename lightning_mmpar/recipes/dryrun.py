@@ -47,7 +47,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -58,7 +58,7 @@ from torch import nn
 
 from lightning_mmpar.layout import ParallelLayout, validate
 from lightning_mmpar.layout.comm import comm_bytes
-from lightning_mmpar.layout.cost import activation_bytes
+from lightning_mmpar.layout.cost import activation_bytes, default_graph
 from lightning_mmpar.layout.memory import (
     StateBytes,
     fsdp_group,
@@ -66,6 +66,7 @@ from lightning_mmpar.layout.memory import (
     stage_blocks,
     state_bytes,
 )
+from lightning_mmpar.layout.towers_cost import split_towers, tower_cost
 from lightning_mmpar.recipes.module import ClipLlamaModule
 from lightning_mmpar.recipes.partition import _strategy_args, build_module, load_recipe
 from lightning_mmpar.recipes.planner import base_layout, layout_facts, spec_cache
@@ -98,6 +99,11 @@ class Planned:
     """The planner's ``ModelSpec`` (:func:`~lightning_mmpar.recipes.planner.spec_cache`)."""
     text_length: int
 
+    @property
+    def gpus(self) -> int:
+        """Every rank of the launch: the layout's tp x pp x dp and its vision ranks."""
+        return self.layout.world + self.layout.vision_ranks
+
 
 @dataclass(frozen=True)
 class RankReport:
@@ -117,6 +123,10 @@ class RankReport:
     seconds: float
     stage_table: str | None = None
     """The strategy's stage plan (``StagePlan.table()``; ``None`` without a pipeline)."""
+    transfer: dict[str, int] = field(default_factory=dict)
+    """Non-colocated towers, a vision rank: the planner's bytes per step on its links
+    (``embeddings out``, ``gradients in``, ``pixels in``: ``layout.towers_cost.tower_cost``);
+    predicted only, as the collectives."""
 
     def mismatches(self) -> list[str]:
         """What differs beyond :attr:`full_grad_extra` (empty: the counts agree)."""
@@ -216,7 +226,8 @@ def build_rank(config: dict[str, Any], gpus: int, rank: int) -> tuple[Trainer, C
             _call_configure_model(trainer)
         trainer.precision_plugin.convert_module(module)  # in place (bf16-true: a cast)
         try:
-            strategy._parallelize(module, device=torch.device("meta"))
+            if not strategy._tower_split(module):  # a vision rank holds the tower, whole
+                strategy._parallelize(module, device=torch.device("meta"))
         except SystemExit:  # the strategy's refusal leaves ranks other than 0 quietly
             raise RuntimeError(
                 f"rank {rank}: the strategy refused this set-up; --ranks 0 raises its reason."
@@ -290,11 +301,11 @@ def held_blocks(strategy: MultimodalParallelStrategy) -> list[int]:
     return sorted(i for s in strategy.pipeline.stage_ids for i in ranges[s])
 
 
-def _full_grad_extra(planned: Planned, coords: dict[str, int]) -> int:
+def _full_grad_extra(spec: Any, layout: ParallelLayout, coords: dict[str, int]) -> int:
     """The predicted gradient bytes of vocab-parallel embeddings beyond their local shard."""
-    layout, blocks = planned.layout, set(stage_blocks(planned.spec, planned.layout, coords["pp"]))
+    blocks = set(stage_blocks(spec, layout, coords["pp"]))
     extra = 0
-    for p in planned.spec.params:
+    for p in spec.params:
         if p.block in blocks and p.trainable and p.full_grad and layout.tp > 1:
             if fsdp_group(p, layout) == 1:
                 n = 1
@@ -306,31 +317,85 @@ def _full_grad_extra(planned: Planned, coords: dict[str, int]) -> int:
 
 def report_rank(planned: Planned, rank: int) -> RankReport:
     """Set up ``rank`` (:func:`build_rank`), measure it and predict it; the process group is
-    destroyed afterwards."""
+    destroyed afterwards. Non-colocated towers (``vision_ranks``): :func:`_tower_report`."""
     start = time.perf_counter()
-    gpus = planned.layout.world
-    trainer, module = build_rank(planned.config, gpus, rank)
+    layout = planned.layout
+    trainer, module = build_rank(planned.config, planned.gpus, rank)
     try:
         strategy = trainer.strategy
         assert isinstance(strategy, MultimodalParallelStrategy)
-        coords = dict(strategy.parallel_dims.rank_coords(rank))
+        if rank >= layout.world:  # one of the last vision_ranks ranks
+            coords = {"vision": rank - layout.world}
+        else:
+            coords = dict(strategy.parallel_dims.rank_coords(rank))
         measured, blocks = measure(strategy, module), held_blocks(strategy)
         table = strategy.stage_plan.table() if strategy.stage_plan is not None else None
     finally:
         dist.destroy_process_group()
-    spec, layout = planned.spec, planned.layout
-    return RankReport(
+    report = RankReport(
         rank=rank,
         coords=coords,
         measured=measured,
-        predicted=state_bytes(spec, layout, coords),
+        predicted=measured,  # the planner's, below
         blocks=blocks,
-        predicted_blocks=sorted(stage_blocks(spec, layout, coords["pp"])),
-        full_grad_extra=_full_grad_extra(planned, coords),
-        activations=activation_bytes(spec, layout, coords["pp"]),
-        comm=comm_bytes(spec, layout, coords["pp"]),
+        predicted_blocks=[],
+        full_grad_extra=0,
+        activations=0,
+        comm={},
         seconds=time.perf_counter() - start,
         stage_table=table,
+    )
+    if layout.vision_ranks:
+        return _tower_report(planned, report)
+    spec, pp = planned.spec, coords["pp"]
+    return replace(
+        report,
+        predicted=state_bytes(spec, layout, coords),
+        predicted_blocks=sorted(stage_blocks(spec, layout, pp)),
+        full_grad_extra=_full_grad_extra(spec, layout, coords),
+        activations=activation_bytes(spec, layout, pp),
+        comm=comm_bytes(spec, layout, pp),
+    )
+
+
+def _tower_report(planned: Planned, report: RankReport) -> RankReport:
+    """A rank of a non-colocated layout, blocks numbered as in the whole model: a vision rank
+    (the tower, a full copy, DDP over the vision ranks: the planner's ``tower_cost``) or a
+    language rank (the other blocks under the layout's tp x pp x dp; its block 0, the
+    parameterless ``TowerInlet``, block 0 of the planner's language side too, not listed)."""
+    layout = planned.layout
+    vision, language = split_towers(planned.spec)
+    k = len(vision.blocks)
+    if "vision" in report.coords:
+        own = ParallelLayout(
+            dp=layout.vision_ranks, data_parallel="ddp", precision=layout.precision
+        )
+        # bytes only: any rate gives the same ones
+        tower = tower_cost(planned.spec, layout, (1.0, 0.0), default_graph(planned.gpus))
+        sync = sum(p.numel * p.element_size for p in vision.params if p.trainable)
+        return replace(
+            report,
+            predicted=state_bytes(vision, own, {}),
+            predicted_blocks=list(range(k)),
+            activations=tower.activations,
+            comm={"vision.all_reduce": sync} if layout.vision_ranks > 1 and sync else {},
+            transfer={
+                "embeddings out": tower.embedding_bytes,
+                "gradients in": tower.gradient_bytes,
+                "pixels in": tower.pixel_bytes,
+            },
+        )
+    lang, coords = replace(layout, vision_ranks=0), report.coords
+    return replace(
+        report,
+        blocks=[k + b - 1 for b in report.blocks if b > 0],
+        predicted=state_bytes(language, lang, coords),
+        predicted_blocks=sorted(
+            k + b - 1 for b in stage_blocks(language, lang, coords["pp"]) if b > 0
+        ),
+        full_grad_extra=_full_grad_extra(language, lang, coords),
+        activations=activation_bytes(language, lang, coords["pp"]),
+        comm=comm_bytes(language, lang, coords["pp"]),
     )
 
 
@@ -354,6 +419,9 @@ def format_rank(r: RankReport) -> list[str]:
     lines.append(f"  activations predicted {r.activations:,} B ({_mib(r.activations)}) at peak")
     comm = ", ".join(f"{k} {v:,}" for k, v in sorted(r.comm.items())) or "none"
     lines.append(f"  collectives of one step, predicted (bytes): {comm}")
+    if r.transfer:
+        moved = ", ".join(f"{k} {v:,}" for k, v in r.transfer.items())
+        lines.append(f"  tower transfer of one step, predicted (bytes): {moved}")
     lines += [f"  MISMATCH {m}" for m in r.mismatches()]
     return lines
 

@@ -29,13 +29,15 @@ _FIELDS = {
     "micro_batches": "micro_batches",
     "schedule": "schedule",
     "data_parallel": "data_parallel",
+    "vision_ranks": "vision_ranks",
 }
 
 
 def yaml_layout(config: dict[str, Any], base: ParallelLayout, gpus: int) -> ParallelLayout | str:
     """The layout the YAML launches on ``gpus`` devices (``base``: the planner's defaults:
     precision, partition, vision mode), or why it has none there (a string: the YAML's degrees
-    do not divide ``gpus``)."""
+    do not divide ``gpus``). With ``vision_ranks: V`` the layout's tp x pp x dp spans the
+    ``gpus - V`` language ranks."""
     args = _strategy_args(config)
     values = {
         ours: args[theirs] for theirs, ours in _FIELDS.items() if args.get(theirs) is not None
@@ -43,9 +45,13 @@ def yaml_layout(config: dict[str, Any], base: ParallelLayout, gpus: int) -> Para
     plan = (config.get("model") or {}).get("plan") or {}
     trainer = config.get("trainer") or {}
     tp, pp = int(values.get("tp", 1)), int(values.get("pp", 1))
-    if gpus % (tp * pp):
+    vision = int(values.get("vision_ranks", 0))
+    if vision:  # non-colocated towers: the language ranks are the others
+        if not 0 < vision < gpus or (gpus - vision) % (tp * pp):
+            return f"its vision_ranks {vision} + tp {tp} x pp {pp} x dp do not make --gpus {gpus}"
+    elif gpus % (tp * pp):
         return f"its tp {tp} x pp {pp} does not divide --gpus {gpus}"
-    dp = gpus // (tp * pp)
+    dp = (gpus - vision) // (tp * pp)
     batch = int(data_args(config).get("batch_size", 1) or 1)
     layout = replace(
         base,

@@ -102,7 +102,8 @@ class TowerSteps(ParallelStrategy):
         if exchange.is_vision:
             _drop_parameters(module, tower, [module])
             for t in (*module.parameters(), *module.buffers()):  # from the first vision rank
-                t.data.copy_(comm.broadcast(t.data, 0, self._vision_group))
+                if not t.is_meta:  # the dry run's meta tensors hold no values
+                    t.data.copy_(comm.broadcast(t.data, 0, self._vision_group))
             return True
         _drop_parameters(module, module.pipeline_blocks(), tower)
         return False
