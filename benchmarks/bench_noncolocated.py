@@ -19,10 +19,17 @@ alone on rank 1, the language model on rank 0). One spawned world runs every lay
 alike). A step's time is the slowest rank's (``on_train_batch_start`` to ``_end``), the median
 over the steps after the first ``--warmup`` of each run.
 
-**Reported.** Per layout: median step seconds, target tokens/s per process. ``ratio``:
-non-colocated over the best colocated layout's step time (below 1: faster), the median of the
-per-round ratios, with their spread (max - min); the same against every colocated layout.
-Both sides use the same 2 processes, so tokens/s per process is the inverse ratio.
+**Reported.** Per layout: median step seconds, target tokens/s per process, CPU seconds per
+step (``time.process_time`` of each rank: summed over the ranks, and on the *critical path*:
+the busiest rank's for a colocated layout, whose ranks compute at once, the sum for the
+non-colocated one, whose blocking exchange runs one side at a time). ``ratio``: non-colocated
+over the best colocated layout's step time (below 1: faster), the median of the per-round
+ratios, with their spread (max - min); the same against every colocated layout. Both sides use
+the same 2 processes, so tokens/s per process is the inverse ratio. ``cpu_critical_ratio``: the
+same on the critical path's CPU seconds, against the colocated layout lowest there: what the
+step ratio is on two cores of its own when the machine is shared (a loaded machine gives the
+job's processes less than a core each, which stretches layouts whose ranks compute at once
+and not a serial one: the wall-clock ratio then favours the non-colocated layout).
 
 The engine's exchange is serial (``lightning_mmpar.parallel.towers``: the language rank waits
 for the embeddings, the vision rank for their gradients): on equal devices the non-colocated
@@ -37,6 +44,7 @@ import copy
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -105,17 +113,24 @@ def config(global_batch: int, args: dict[str, Any]) -> dict[str, Any]:
 
 class Tokens(Callback):
     """Target tokens (labels not ignored), rows and images of each training batch on this
-    rank."""
+    rank, and the process's CPU seconds of each step (``time.process_time``: what the rank
+    computed, whatever else the machine runs; a rank blocked in a receive adds little)."""
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
         self.rows: list[int] = []
         self.images: list[int] = []
+        self.cpu: list[float] = []
+        self._cpu = 0.0
 
     def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, *args: Any) -> None:
         self.tokens.append(int((batch["labels"][:, 1:] != -100).sum()))
         self.rows.append(int(batch["labels"].shape[0]))
         self.images.append(int(batch["image_mask"].sum()))
+        self._cpu = time.process_time()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.cpu.append(time.process_time() - self._cpu)
 
 
 def run_one(args: dict[str, Any], global_batch: int, steps: int) -> dict[str, list[Any]]:
@@ -139,14 +154,10 @@ def run_one(args: dict[str, Any], global_batch: int, steps: int) -> dict[str, li
         callbacks=[timer, tokens],
     )
     trainer.fit(module, datamodule=data)
+    out = {"times": timer.times, "cpu": tokens.cpu, "tokens": tokens.tokens}
     if strategy._exchange is not None and strategy._exchange.is_vision:  # not its batches
-        return {"times": timer.times, "tokens": [0] * steps, "rows": [0] * steps, "images": []}
-    return {
-        "times": timer.times,
-        "tokens": tokens.tokens,
-        "rows": tokens.rows,
-        "images": tokens.images,
-    }
+        return out | {"tokens": [0] * steps, "rows": [0] * steps, "images": []}
+    return out | {"rows": tokens.rows, "images": tokens.images}
 
 
 def worker(
@@ -176,15 +187,25 @@ def collect(per_rank: list[Any], names: list[str], rounds: int) -> dict[str, Any
     out: dict[str, Any] = {}
     for name in names:
         share = WORLD // dp_of(LAYOUTS[name]) - LAYOUTS[name].get("vision_ranks", 0)
-        times, tokens = [], []
+        serial = LAYOUTS[name].get("vision_ranks", 0) > 0  # the exchange blocks: one side runs
+        times, tokens, cpu, critical = [], [], [], []
         for r in range(rounds):
             runs = [rank[name][r] for rank in per_rank]
             times.append([max(s) for s in zip(*(x["times"] for x in runs), strict=True)])
+            per_step = list(zip(*(x["cpu"] for x in runs), strict=True))
+            cpu.append([sum(s) for s in per_step])
+            critical.append([sum(s) if serial else max(s) for s in per_step])
             per_step = zip(*(x["tokens"] for x in runs), strict=True)
             tokens.append([sum(t) / share for t in per_step])
         rows = sum(sum(x["rows"]) for rank in per_rank for x in rank[name])
         images = sum(sum(x["images"]) for rank in per_rank for x in rank[name])
-        out[name] = {"step_seconds": times, "tokens": tokens, "images_per_sample": images / rows}
+        out[name] = {
+            "step_seconds": times,
+            "cpu_seconds": cpu,
+            "cpu_critical_seconds": critical,
+            "tokens": tokens,
+            "images_per_sample": images / rows,
+        }
     return out
 
 
@@ -201,8 +222,12 @@ def summarise(measured: dict[str, Any], warmup: int) -> dict[str, Any]:
     for name, m in measured.items():
         step = statistics.median(t for r in m["step_seconds"] for t in r[warmup:])
         tokens = statistics.median(t for r in m["tokens"] for t in r[warmup:])
+        cpu = statistics.median(t for r in m["cpu_seconds"] for t in r[warmup:])
+        critical = statistics.median(t for r in m["cpu_critical_seconds"] for t in r[warmup:])
         layouts[name] = {
             "step_s": step,
+            "cpu_s_all_ranks": cpu,
+            "cpu_critical_s": critical,
             "tokens_per_step": tokens,
             "tokens_per_s_per_process": tokens / step / WORLD,
         }
@@ -220,7 +245,14 @@ def summarise(measured: dict[str, Any], warmup: int) -> dict[str, Any]:
             "spread": max(ratios) - min(ratios),
             "ratios": ratios,
         }
-    return out | {"best_colocated": best, **against[best], "against": against}
+    by_cpu = min(colocated, key=lambda n: layouts[n]["cpu_critical_s"])
+    cpu_ratio = layouts[NONCOLOCATED]["cpu_critical_s"] / layouts[by_cpu]["cpu_critical_s"]
+    return out | {
+        "best_colocated": best,
+        **against[best],
+        "against": against,
+        "cpu_critical_ratio": {"against": by_cpu, "ratio": cpu_ratio},
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -270,13 +302,17 @@ def result(measured: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
     for name, s in summary["layouts"].items():
         print(
             f"{name:22} {s['step_s'] * 1e3:8.1f} ms/step  "
-            f"{s['tokens_per_s_per_process']:8.1f} tokens/s per process"
+            f"{s['tokens_per_s_per_process']:8.1f} tokens/s per process  "
+            f"{s['cpu_s_all_ranks'] * 1e3:8.1f} CPU ms/step (all ranks), "
+            f"{s['cpu_critical_s'] * 1e3:8.1f} on the critical path"
         )
     if "ratio" in summary:
         print(
             f"non-colocated / best colocated ({summary['best_colocated']}) step time: "
             f"{summary['ratio']:.2f} (spread {summary['spread']:.2f})"
         )
+        cpu = summary["cpu_critical_ratio"]
+        print(f"on the CPU critical path, against {cpu['against']}: {cpu['ratio']:.2f}")
     return payload
 
 

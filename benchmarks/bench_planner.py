@@ -612,15 +612,23 @@ def measure_towers(args: argparse.Namespace) -> dict[str, Any]:
     predicted = predict_towers(names, gb, images, cal)
     steps = {n: p["step_s"] for n, p in predicted.items()}
     rows = agreement(measured, steps, nc.NONCOLOCATED)
+    critical = {n: s["cpu_critical_s"] for n, s in summary["layouts"].items()}
+    rows_cpu = agreement(critical, steps, nc.NONCOLOCATED)
     rho = spearman([measured[n] for n in names], [steps[n] for n in names])
+    rho_cpu = spearman([critical[n] for n in names], [steps[n] for n in names])
     for n in names:
         print(f"{n:22} measured {measured[n] * 1e3:8.1f} ms  predicted {steps[n] * 1e3:8.1f} ms")
+    for r in rows_cpu:
+        print(
+            f"on the CPU critical path, against {r['against']}: measured faster "
+            f"{r['measured_faster']}, predicted {r['predicted_faster']}"
+        )
     for r in rows:
         print(
             f"{nc.NONCOLOCATED} faster than {r['against']}: measured {r['measured_faster']}, "
             f"predicted {r['predicted_faster']} ({'agree' if r['agree'] else 'DISAGREE'})"
         )
-    print(f"Spearman rank correlation: {rho:.3f}")
+    print(f"Spearman rank correlation: {rho:.3f} (CPU critical path: {rho_cpu:.3f})")
     return {
         "config": {
             "global_batch": gb,
@@ -634,12 +642,16 @@ def measure_towers(args: argparse.Namespace) -> dict[str, Any]:
         "load_average": list(os.getloadavg()),
         "calibration": cal,
         "measured_step_s": measured,
+        "measured_cpu_critical_s": critical,
         "ratio": summary.get("ratio"),
         "spread": summary.get("spread"),
         "predicted": predicted,
         "agreement": rows,
         "all_agree": all(r["agree"] for r in rows),
         "spearman": rho,
+        "agreement_cpu_critical": rows_cpu,
+        "all_agree_cpu_critical": all(r["agree"] for r in rows_cpu),
+        "spearman_cpu_critical": rho_cpu,
     }
 
 

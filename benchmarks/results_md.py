@@ -318,17 +318,52 @@ def _packing(r: dict[str, Any]) -> list[str]:
 
 
 def _noncolocated(r: dict[str, Any]) -> list[str]:
-    n = r["processes"]
-    return [
-        "| side | processes | median step s |",
-        "|---|---|---|",
-        f"| colocated (tp2) | {n['colocated']} | {r['theirs_s']:.3f} |",
-        f"| non-colocated (1 vision + tp2) | {n['noncolocated']} | {r['ours_s']:.3f} |",
-        f"\nStep time non-colocated / colocated: {r['ratio']:.2f} (spread {r['spread']:.2f} "
-        f"over {r['repeats']} repeats); device-seconds per step: "
-        f"{r['device_seconds_ratio']:.2f}. The ranks share 2 cores here: this is what the data "
-        "flow costs on this machine, not what separate GPUs would give.",
+    c = r["config"]
+    out = [
+        f"{c['processes']} processes, one core each; {c['global_batch']} samples per step, "
+        f"{r['measured'][r['best_colocated']]['images_per_sample']:.2f} images per sample; "
+        f"load average at the end {r['load_average'][0]:.1f} (1 min), "
+        f"{r['load_average'][1]:.1f} (5 min).",
+        "",
+        "| layout | median step ms | tokens/s per process | CPU ms per step (all ranks) "
+        "| non-colocated / this (spread) |",
+        "|---|---|---|---|---|",
     ]
+    for name, x in r["layouts"].items():
+        vs = r["against"].get(name)
+        ratio = f"{vs['ratio']:.2f} ({vs['spread']:.2f})" if vs else ""
+        out.append(
+            f"| {name} | {_ms(x['step_s'])} | {x['tokens_per_s_per_process']:.1f} | "
+            f"{_ms(x['cpu_s_all_ranks'])} | {ratio} |"
+        )
+    out.append(
+        f"\nStep time non-colocated / best colocated ({r['best_colocated']}): "
+        f"{r['ratio']:.2f} (spread {r['spread']:.2f} over {c['rounds']} rounds)."
+    )
+    planned = RESULTS / "planner_noncolocated.json"
+    if planned.exists():
+        out += ["", *_planner_noncolocated(json.loads(planned.read_text()))]
+    return out
+
+
+def _planner_noncolocated(r: dict[str, Any]) -> list[str]:
+    """``bench_planner.py --noncolocated``: predicted vs measured order of the same layouts."""
+    out = [
+        f"Planner vs measured (`{r.get('command', '')}`, load average "
+        f"{r['load_average'][0]:.1f}; Spearman {r['spearman']:.2f}):",
+        "",
+        "| layout | measured ms | predicted ms |",
+        "|---|---|---|",
+    ]
+    for name, m in r["measured_step_s"].items():
+        out.append(f"| {name} | {_ms(m)} | {_ms(r['predicted'][name]['step_s'])} |")
+    out += ["", "| non-colocated faster than | measured | predicted | agree |", "|---|---|---|---|"]
+    for a in r["agreement"]:
+        out.append(
+            f"| {a['against']} | {a['measured_faster']} | {a['predicted_faster']} | "
+            f"{'yes' if a['agree'] else 'NO'} |"
+        )
+    return out
 
 
 def _hf_tax(r: dict[str, Any]) -> list[str]:

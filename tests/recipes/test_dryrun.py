@@ -146,3 +146,56 @@ def test_real_size_recipe_ranks_match_the_planner_exactly(recipe: str) -> None:
         r = dryrun.report_rank(planned, rank)
         assert r.coords["pp"] == rank // 4 and r.mismatches() == [], (recipe, rank, r)
         assert r.measured == r.predicted and r.measured.parameters > 2**26
+
+
+def _noncolocated(tp: int, pp: int) -> dict[str, Any]:
+    """The CPU recipe with its vision tower on one rank of its own (``vision_ranks: 1``)
+    beside tp x pp language ranks."""
+    config = load_recipe(str(RECIPES / "clip_llama_cpu.yaml"))
+    args = config["trainer"]["strategy"]["init_args"]
+    args.update(tensor_parallel=tp, pipeline_parallel=pp, vision_ranks=1)
+    config["trainer"]["devices"] = tp * pp + 1
+    return config
+
+
+def test_vision_ranks_dry_run_agrees_with_the_planner(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """1 vision rank + tp 2 (3 ranks): the language ranks hold the blocks after the tower,
+    the vision rank a full copy of it, each count equal to the planner's; the vision rank's
+    transfer bytes per step are printed beside them (predicted)."""
+    assert dryrun.main(["--config", _write(tmp_path, _noncolocated(2, 1))]) == 0
+    out = capsys.readouterr().out
+    assert "+ 1 vision" in out and "3 of 3 ranks agree with the planner" in out
+    assert "rank 2 (vision 0)" in out and "  blocks: 0-3 (planner: 0-3)" in out
+    assert out.count("  blocks: 4-8 (planner: 4-8)") == 2  # both tp ranks: no tower block
+    assert "tower transfer of one step, predicted (bytes): embeddings out" in out
+
+
+def test_vision_ranks_pipeline_stages_and_bytes_match_the_planner() -> None:
+    """1 vision rank + pp 2: the language stages cut the blocks where the planner does (the
+    engine's parameterless ``TowerInlet`` is block 0 of both), a vision rank's parameter,
+    gradient and optimizer bytes are the whole tower's, and its transfer bytes are the
+    planner's ``tower_cost``: embeddings out to the one first-stage rank, their gradient and
+    the pixels in."""
+    from lightning_mmpar.layout.towers_cost import split_towers
+
+    planned = dryrun.plan_layout(_noncolocated(1, 2), 3)
+    assert planned.gpus == 3 and planned.layout.world == 2
+    reports = [dryrun.report_rank(planned, rank) for rank in range(3)]
+    assert [r.mismatches() for r in reports] == [[], [], []]
+    assert [r.blocks for r in reports] == [[4, 5], [6, 7, 8], [0, 1, 2, 3]]
+    vision = reports[2]
+    tower = sum(p.numel * p.element_size for p in split_towers(planned.spec)[0].params)
+    assert vision.coords == {"vision": 0}
+    assert vision.measured.parameters == vision.measured.gradients == tower
+    assert vision.measured.optimizer > 2 * tower  # AdamW: two moments and a step each
+    moved = vision.transfer
+    assert moved["embeddings out"] == moved["gradients in"] > 0  # tp 1: one receiver
+    assert moved["pixels in"] == 3 * 32 * 32 * 4 * planned.layout.global_batch
+    assert not dist.is_initialized()
+
+
+def test_vision_ranks_that_leave_no_whole_language_layout_are_refused() -> None:
+    with pytest.raises(ValueError, match="vision_ranks 1"):
+        dryrun.plan_layout(_noncolocated(2, 2), 4)  # 3 language ranks for tp 2 x pp 2

@@ -57,9 +57,21 @@ LAYOUT = ParallelLayout(tp=2, pp=2, dp=2, micro_batches=4, micro_batch_size=2)
 
 
 def test_split_towers_renumbers_blocks_and_keeps_parameters() -> None:
-    vision, language = split_towers(vlm())
+    spec = vlm()
+    vision, language = split_towers(spec)
     assert [b.kind for b in vision.blocks] == ["vision"] * 4
-    assert len(language.blocks) == 8 and {p.block for p in language.params} == set(range(8))
+    # the language side starts with the engine's TowerInlet: no cost, no parameter, the
+    # tower's output as its own; the decoder blocks follow, renumbered from 1
+    inlet = language.blocks[0]
+    assert (inlet.name, inlet.kind, inlet.flops, inlet.parameter_bytes) == (
+        "tower.inlet",
+        "aligner",
+        0.0,
+        0.0,
+    )
+    assert language.boundaries[0] == spec.boundaries[3] and language.collectives == ()
+    assert len(language.blocks) == 9 and {p.block for p in language.params} == set(range(1, 9))
+    assert language.boundaries[1:] == spec.boundaries[4:]
     assert len(vision.params) + len(language.params) == 12
     with pytest.raises(ValueError, match="first blocks"):
         split_towers(ModelSpec(blocks=language.blocks, params=language.params))
