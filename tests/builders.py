@@ -218,7 +218,8 @@ QWEN_CHAT_TEMPLATE = (
 
 
 def tiny_qwen_vl_dir(path: Any, words: list[str], family: str = "qwen2_vl", seed: int = 0) -> Any:
-    """A transformers Qwen2-VL (or ``family="qwen2_5_vl"``) directory written offline at
+    """A transformers Qwen2-VL (or ``family="qwen2_5_vl"``, ``"qwen3_vl_moe"``: the model of
+    :func:`tests.unit.models.qwen3_moe_cases.hf_model`) directory written offline at
     ``path``: the tiny model of :func:`tests.unit.models.qwen_vl_cases.hf_model` (128 tokens,
     4 px patches, merge 2), a word-level tokenizer whose ids 100 / 101 / 102 are
     ``<|image_pad|>`` / ``<|vision_start|>`` / ``<|vision_end|>`` (the config's), with
@@ -229,10 +230,12 @@ def tiny_qwen_vl_dir(path: Any, words: list[str], family: str = "qwen2_vl", seed
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2VLImageProcessor
 
+    from tests.unit.models import qwen3_moe_cases as mc
     from tests.unit.models import qwen_vl_cases as qc
 
     path = Path(path)
-    qc.hf_model(family, seed=seed).save_pretrained(str(path))
+    moe = family == "qwen3_vl_moe"
+    (mc.hf_model(seed) if moe else qc.hf_model(family, seed=seed)).save_pretrained(str(path))
     special = ["<pad>", "<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>"]
     vocab = [*special, *words]
     vocab += [f"w{i}" for i in range(qc.IMG - len(vocab))]

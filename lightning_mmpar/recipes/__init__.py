@@ -26,6 +26,7 @@ from lightning_mmpar.recipes.options import (
     check_image_size,
 )
 from lightning_mmpar.recipes.preflight import preflight
+from lightning_mmpar.recipes.qwen3_module import Qwen3MoeVLRecipeModule
 from lightning_mmpar.recipes.qwen_module import QwenVLRecipeModule
 from lightning_mmpar.recipes.summary import RunSummary
 from lightning_mmpar.recipes.throughput import RecipeThroughput, ThroughputProgressBar
@@ -41,6 +42,7 @@ __all__ = [
     "LossConfig",
     "OptimConfig",
     "PretrainedConfig",
+    "Qwen3MoeVLRecipeModule",
     "QwenVLRecipeModule",
     "RecipeDigitsCaptions",
     "RecipeMetrics",

@@ -64,6 +64,7 @@ from lightning_mmpar.data.digits import DigitsCaptions
 from lightning_mmpar.data.transforms import ImagePreprocess
 from lightning_mmpar.models.hf import FAMILIES, hf_data_args
 from lightning_mmpar.models.hf.checkpoint import hf_config
+from lightning_mmpar.models.hf.qwen3_convert import is_qwen3_moe_vl_dir
 from lightning_mmpar.models.hf.qwen_convert import is_qwen_vl_dir
 from lightning_mmpar.parallel.deepspeed_mapping import DeepSpeedPlan
 from lightning_mmpar.recipes import faults
@@ -369,13 +370,14 @@ def link_vision_preprocess(cfg: Any) -> str | None:
     ``from_pretrained`` is not set reads it from the same tower. An explicit
     ``data.preprocess.from_pretrained`` (or a data module without ``preprocess``, such as the
     digits demo) is left alone; explicit ``mean`` / ``std`` / resize fields still win over the
-    tower's (:meth:`ImagePreprocess.resolve`). A Qwen2-VL / Qwen2.5-VL ``model.pretrained.hf``
-    goes to ``data.image_processor`` instead (its dynamic-resolution processor, when the data
-    module takes one and it is unset). Returns the path linked, or None.
+    tower's (:meth:`ImagePreprocess.resolve`). A Qwen2-VL / Qwen2.5-VL / Qwen3-VL-MoE
+    ``model.pretrained.hf`` goes to ``data.image_processor`` instead (its dynamic-resolution
+    processor, when the data module takes one and it is unset). Returns the path linked, or None.
     """
     vision = cfg.get("model.pretrained.vision") or cfg.get("model.pretrained.hf")
     init_args = cfg.get("data.init_args")
-    if is_qwen_vl_dir(vision) and init_args is not None and "image_processor" in init_args:
+    qwen = is_qwen_vl_dir(vision) or is_qwen3_moe_vl_dir(vision)
+    if qwen and init_args is not None and "image_processor" in init_args:
         if init_args.get("image_processor"):  # a Qwen-VL directory: its own image processor
             return None
         init_args["image_processor"] = str(vision)

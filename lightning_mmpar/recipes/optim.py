@@ -30,13 +30,18 @@ __all__ = ["StepLambdaLR", "parameter_groups", "recipe_optimizer"]
 
 def tower_of(model: FusionModel, *, projector: bool = False) -> dict[int, str]:
     """``{id(parameter): "vision" | "language"}`` for the towers' parameters; a Qwen-VL
-    model's patch merger (``model.vision.merger``, the projector's role) is left to the
+    model's patch merger (``model.vision.merger``, the projector's role; Qwen3-VL's DeepStack
+    mergers ``model.vision.deepstack_merger_list`` too) is left to the
     adapter part. With ``projector``: ``"projector"`` for ``model.projector``'s parameters
     (else the merger's)."""
     towers = ("vision", "language")
     out = {id(p): name for name in towers for p in getattr(model, name).parameters()}
-    merger = getattr(model.vision, "merger", None)
-    merged = list(merger.parameters()) if isinstance(merger, nn.Module) else []
+    merged = [  # Qwen3-VL: the DeepStack mergers too
+        p
+        for name in ("merger", "deepstack_merger_list")
+        if isinstance(part := getattr(model.vision, name, None), nn.Module)
+        for p in part.parameters()
+    ]
     for p in merged:
         out.pop(id(p), None)
     if projector:

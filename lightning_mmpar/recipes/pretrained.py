@@ -52,6 +52,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from lightning_mmpar.models.fusion import FusionConfig, FusionModel
 from lightning_mmpar.models.hf import hf_fusion_config
+from lightning_mmpar.models.hf.qwen3_convert import is_qwen3_moe_vl_dir
 from lightning_mmpar.models.hf.qwen_convert import is_qwen_vl_dir
 from lightning_mmpar.parallel.deferred import assign
 from lightning_mmpar.recipes.options import PretrainedConfig
@@ -116,7 +117,7 @@ class LoadReport:
 
 
 def _open(pretrained: PretrainedConfig, model: Any) -> dict[str, tuple[Any, TensorFile]]:
-    if pretrained.hf and is_qwen_vl_dir(pretrained.hf):  # a QwenVLModel: its own key mapping
+    if pretrained.hf and (is_qwen_vl_dir(pretrained.hf) or is_qwen3_moe_vl_dir(pretrained.hf)):
         return {p: (None, t) for p, t in transformers_qwen_vl(pretrained.hf).items()}
     if pretrained.hf:
         keys = [_vision_key(n) for n, _ in model.named_parameters()]

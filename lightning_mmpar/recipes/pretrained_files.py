@@ -280,39 +280,37 @@ def _stacked_file(path: Path, spots: dict[str, tuple[Spot, ...]]) -> TensorFile:
 
 
 def transformers_qwen_vl(directory: str | Path) -> dict[str, TensorFile]:
-    """The towers of a Qwen2-VL / Qwen2.5-VL directory (``model.pretrained.hf``) as one
-    :class:`TensorFile` per part of :class:`~lightning_mmpar.models.hf.qwen2_vl.QwenVLModel`
-    (``vision``, ``language``), keyed by our names within the part, through the same key
-    mapping as :func:`~lightning_mmpar.models.hf.qwen_convert.import_qwen_vl_state`: the ViT's
-    fused ``attn.qkv`` read as ``q_proj / k_proj / v_proj`` (a slice of a third of its rows
-    reads only those rows), the Conv3d patch embedding as its flattened linear weight, a tied
-    checkpoint's ``lm_head`` as the input embedding. Keys the mapping does not know stay under
-    their own name (the loader then refuses them as stray).
+    """The towers of a Qwen2-VL / Qwen2.5-VL / Qwen3-VL-MoE directory (``model.pretrained.hf``)
+    as one :class:`TensorFile` per part of the model (``vision``, ``language``), keyed by our
+    names within the part, through the same key mapping as the family's import
+    (:func:`~lightning_mmpar.models.hf.qwen_convert.qwen_checkpoint_key`,
+    :func:`~lightning_mmpar.models.hf.qwen3_convert.qwen3_checkpoint_views`): each of our
+    tensors is a :class:`~lightning_mmpar.models.hf.checkpoint.View` of one checkpoint tensor,
+    so a rank's slice reads only its bytes (a third of the ViT's fused ``attn.qkv`` rows, an
+    expert-parallel rank's experts of the fused ``gate_up_proj`` / ``down_proj``, transposed
+    on the fly); the Conv3d patch embedding is read whole; a tied checkpoint's ``lm_head`` is
+    the input embedding. Keys the mapping does not know stay under their own name (the loader
+    then refuses them as stray).
 
     Raises:
-        ValueError: no safetensors weights in the directory.
+        ValueError: no safetensors weights in the directory; an unsupported config value.
     """
     from safetensors import safe_open
 
-    from lightning_mmpar.models.hf.checkpoint import checkpoint_files
-    from lightning_mmpar.models.hf.qwen_convert import qwen_checkpoint_key
+    from lightning_mmpar.models.hf.checkpoint import checkpoint_files, read_view
 
     path = Path(directory)
+    views = _qwen_views(path)
     shapes: dict[str, dict[str, tuple[int, ...]]] = {"vision": {}, "language": {}}
     fetch: dict[str, dict[str, Callable[[Index], Tensor]]] = {"vision": {}, "language": {}}
     for key, file in checkpoint_files(path).items():
         with safe_open(str(file), framework="pt", device="cpu") as handle:
             shape = tuple(handle.get_slice(key).get_shape())
-        for ours, (offset, rows, flat) in qwen_checkpoint_key(key, shape).items():
+        for ours, view in views(key, shape).items():
             part, _, local = ours.partition(".")
             part = part if part in shapes else "language"
-            spot = (key, file)
-            if flat:  # the Conv3d weight: small and replicated, read whole
-                shapes[part][local] = (shape[0], math.prod(shape[1:]))
-                fetch[part][local] = partial(_flat_read, spot)
-            else:
-                shapes[part][local] = (rows, *shape[1:])
-                fetch[part][local] = partial(_row_read, spot, offset)
+            shapes[part][local] = view.shape
+            fetch[part][local] = partial(read_view, (key, file), view)
     if "lm_head.weight" not in shapes["language"] and "embed_tokens.weight" in shapes["language"]:
         shapes["language"]["lm_head.weight"] = shapes["language"]["embed_tokens.weight"]
         fetch["language"]["lm_head.weight"] = fetch["language"]["embed_tokens.weight"]
@@ -322,21 +320,31 @@ def transformers_qwen_vl(directory: str | Path) -> dict[str, TensorFile]:
     }
 
 
+def _qwen_views(path: Path) -> Callable[[str, tuple[int, ...]], dict[str, Any]]:
+    """``(checkpoint key, shape) -> {our key: View}`` of the Qwen directory ``path``'s family."""
+    from lightning_mmpar.models.hf.checkpoint import View, hf_config
+    from lightning_mmpar.models.hf.qwen3_convert import (
+        QWEN3_MOE_FAMILIES,
+        qwen3_checkpoint_views,
+        qwen3_moe_vl_config,
+    )
+    from lightning_mmpar.models.hf.qwen_convert import qwen_checkpoint_key
+
+    config = hf_config(path)
+    if config.model_type in QWEN3_MOE_FAMILIES:
+        return partial(qwen3_checkpoint_views, config=qwen3_moe_vl_config(config))
+
+    def qwen2(key: str, shape: tuple[int, ...]) -> dict[str, Any]:
+        out = {}
+        for ours, (offset, rows, flat) in qwen_checkpoint_key(key, shape).items():
+            if flat:
+                out[ours] = View((shape[0], math.prod(shape[1:])), flat=True)
+            else:
+                out[ours] = View((rows, *shape[1:]), (offset, *(0,) * (len(shape) - 1)))
+        return out
+
+    return qwen2
+
+
 def _dispatch(table: dict[str, Callable[[Index], Tensor]], key: str, index: Index) -> Tensor:
     return table[key](index)
-
-
-def _row_read(spot: Spot, offset: int, index: Index) -> Tensor:
-    """Rows ``offset + index[0]`` (and the rest of ``index``: explicit bounds, as the loader
-    gives) of one checkpoint tensor, reading only those bytes."""
-    from lightning_mmpar.models.hf.checkpoint import read_slice
-
-    rows = index[0]
-    return read_slice(spot, (slice(offset + rows.start, offset + rows.stop), *index[1:]))
-
-
-def _flat_read(spot: Spot, index: Index) -> Tensor:
-    from lightning_mmpar.models.hf.checkpoint import read_slice
-
-    whole = read_slice(spot)
-    return whole.reshape(whole.shape[0], -1)[index]

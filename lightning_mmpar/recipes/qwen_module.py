@@ -79,9 +79,25 @@ class QwenVLRecipeModule(ClipLlamaModule):
         """The Qwen model's config (:attr:`qwen_config`) from the directory; ``fusion`` is
         kept as given (it does not describe this model)."""
         if not pretrained.hf:
-            raise ValueError("QwenVLRecipeModule needs model.pretrained.hf (a Qwen-VL directory).")
-        self.qwen_config: QwenVLConfig = qwen_vl_config(hf_config(pretrained.hf))
+            raise ValueError(
+                f"{type(self).__name__} needs model.pretrained.hf (a Qwen-VL directory)."
+            )
+        self.qwen_config: Any = self._model_config(hf_config(pretrained.hf))
         return fusion
+
+    # the family's parts (a subclass for another Qwen family replaces these three)
+    def _model_config(self, config: Any) -> QwenVLConfig:
+        """The model's config of a transformers config (:func:`qwen_vl_config`)."""
+        return qwen_vl_config(config)
+
+    def _meta_model(self) -> Any:
+        """The model of :attr:`qwen_config` on the meta device."""
+        with torch.device("meta"):
+            return QwenVLModel(self.qwen_config)
+
+    def _plan(self, **options: Any) -> ParallelPlan:
+        """The family's plan (:func:`~lightning_mmpar.plans.qwen_vl.qwen_vl_plan`)."""
+        return qwen_vl_plan(self.qwen_model, **options)
 
     # ------------------------------------------------------------------ model
     def configure_model(self) -> None:
@@ -91,8 +107,7 @@ class QwenVLRecipeModule(ClipLlamaModule):
         if self.blocks is not None:
             return
         dims = ParallelDims.of(self._trainer)
-        with torch.device("meta"):
-            model = QwenVLModel(self.qwen_config)
+        model = self._meta_model()
         self._fusion = (cast(Any, model),)
         self._fresh = {}
         self.blocks = nn.ModuleList(model.pipeline_blocks())
@@ -111,8 +126,7 @@ class QwenVLRecipeModule(ClipLlamaModule):
         ``vision_parallel``, ``sequence_parallel`` and ``activation_checkpointing``; checked
         against ``dims``), then freezing and the checkpoint read. Raises its ``ValueError``."""
         o = self.plan_options
-        plan = qwen_vl_plan(
-            self.qwen_model,
+        plan = self._plan(
             vision_parallel=cast(Any, o.vision_parallel),
             sequence_parallel=o.sequence_parallel,
             dims=dims,
@@ -126,7 +140,9 @@ class QwenVLRecipeModule(ClipLlamaModule):
     def _freeze(self, model: Any) -> None:
         f, m = self.finetune, cast(QwenVLModel, model)
         m.vision.requires_grad_(f.train_vision)
-        m.vision.merger.requires_grad_(f.train_projector)  # the projector's role
+        for name in ("merger", "deepstack_merger_list"):  # the projector's role
+            if isinstance(part := getattr(m.vision, name, None), nn.Module):
+                part.requires_grad_(f.train_projector)
         m.language.requires_grad_(False)
         n = len(m.language.layers) if f.train_decoder_layers < 0 else f.train_decoder_layers
         for layer in m.language.layers[:n]:

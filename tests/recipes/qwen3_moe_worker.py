@@ -62,7 +62,11 @@ LAYOUTS: tuple[pm.Layout, ...] = (
     pm.Layout("qwen3_vl_moe ep2 ddp", 2, {"expert_parallel": 2, "data_parallel": "ddp"}),
     pm.Layout("qwen3_vl_moe tp2", 2, {"tensor_parallel": 2}),
     pm.Layout("qwen3_vl_moe pp2 1f1b", 2, pm._pp("1f1b", 2, 2, 1)),
+    pm.Layout("qwen3_vl_moe ep2 x tp2", 4, {"expert_parallel": 2, "tensor_parallel": 2}),
+    pm.Layout("qwen3_vl_moe ep2 x pp2 1f1b", 4, pm._pp("1f1b", 2, 2, 1, expert_parallel=2)),
 )
+"""The layouts of a world size run in the spawned world of that size: the 2-process
+Qwen3-VL-MoE world, the 4-process ragged world (:mod:`ragged_parity_worker`)."""
 
 
 EXPORTED = "qwen3_vl_moe ep2 fsdp"
@@ -160,13 +164,15 @@ def ep_export(rank: int, world_size: int, root: str) -> dict[str, Any]:
     }
 
 
-def world(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    """Every layout on this rank (``{name: result}``), then the ep2 export."""
+def world(rank: int, world_size: int, root: str = "") -> dict[str, Any]:
+    """Every layout of this world size on this rank (``{name: result}``), then (2 processes)
+    the ep2 export; ``root``: a directory for the exports (2 processes only)."""
     names = pm.only()
     out: dict[str, Any] = {
         x.name: pm.named(x.name, rank, run_layout, x, rank, root)
         for x in LAYOUTS
-        if not names or x.name in names
+        if x.world == world_size and (not names or x.name in names)
     }
-    out["ep2 export"] = pm.named("ep2 export", rank, ep_export, rank, world_size, root)
+    if world_size == 2:
+        out["ep2 export"] = pm.named("ep2 export", rank, ep_export, rank, world_size, root)
     return out

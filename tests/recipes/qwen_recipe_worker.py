@@ -37,6 +37,7 @@ from tests.builders import tiny_qwen_vl_dir
 from tests.recipes import parity_matrix_worker as pm
 from tests.recipes import recipe_faults_worker as rw
 from tests.recipes.hf_llava_worker import SaveAtEnd, _shared
+from tests.unit.models.qwen3_moe_cases import EXPERTS
 
 WORDS = "user assistant what is in the picture a red square blue circle and two shapes yes no"
 IMAGES = {"a.png": (16, 24), "b.png": (32, 16), "c.png": (16, 16)}
@@ -87,14 +88,21 @@ DATA = {
     "batch_size": 4,
 }
 """The data module's collation: one sample per row, fixed shapes (pipeline-ready)."""
-SAVED = ("qwen recipe tp2", "qwen recipe dp2 fsdp")
+SAVED = ("qwen recipe tp2", "qwen recipe dp2 fsdp", "qwen recipe pp2 1f1b")
+"""The 2-process Qwen2-VL runs whose checkpoints the export tests read."""
+SAVED_4 = ("qwen3 recipe ep2 x tp2",)
+"""The 4-process runs whose checkpoints the export tests read (Qwen3-VL-MoE)."""
 LAYOUTS: tuple[pm.Layout, ...] = (
     pm.Layout("qwen recipe tp2", 2, {"tensor_parallel": 2}),
     pm.Layout("qwen recipe tp2 vision dp", 2, {"tensor_parallel": 2}, vision_parallel="dp"),
     pm.Layout("qwen recipe pp2 1f1b", 2, pm._pp("1f1b", 2, 2, 1)),
     pm.Layout("qwen recipe dp2 fsdp", 2, {"data_parallel": "fsdp"}),
+    pm.Layout("qwen3 recipe ep2 fsdp", 2, {"expert_parallel": 2}),
     pm.Layout("qwen recipe tp2 x pp2", 4, pm._pp("1f1b", 2, 2, 1, tensor_parallel=2)),
+    pm.Layout("qwen3 recipe ep2 x tp2", 4, {"expert_parallel": 2, "tensor_parallel": 2}),
 )
+FAMILIES = {"qwen": "qwen2_vl", "qwen2.5": "qwen2_5_vl", "qwen3": "qwen3_vl_moe"}
+"""A recipe layout's first word -> the family of the directory it trains."""
 
 
 def write_data(root: Path) -> Path:
@@ -106,17 +114,24 @@ def write_data(root: Path) -> Path:
     return root / "data.json"
 
 
-def files() -> tuple[Path, Path]:
-    """``(Qwen2-VL directory, data JSON)``, written once by (global) rank 0 and shared."""
+def files(family: str = "qwen2_vl") -> tuple[Path, Path]:
+    """``(the family's directory, data JSON)``, written once by (global) rank 0 and shared.
+    The families' tokenizers, image processors and image token ids are the same, so are
+    the batches."""
 
     def make() -> Path:
         root = Path(tempfile.mkdtemp(prefix="qwen-recipe"))
-        tiny_qwen_vl_dir(root / "qwen2_vl", WORDS.split())
+        tiny_qwen_vl_dir(root / family, WORDS.split(), family)
         write_data(root)
         return root
 
     root = _shared(make)
-    return root / "qwen2_vl", root / "data.json"
+    return root / family, root / "data.json"
+
+
+def family(layout: pm.Layout | None) -> str:
+    """The family a recipe layout trains (``None``: Qwen2-VL)."""
+    return FAMILIES[layout.name.split()[0]] if layout else "qwen2_vl"
 
 
 def data_module(source: Path, data: Path, **changes: Any) -> ConversationDataModule:
@@ -147,11 +162,13 @@ def module(source: Path, vocab_size: int, vision_parallel: str = "tp") -> ClipLl
     )
 
 
-def run(layout: pm.Layout | None, rank: int = 0) -> dict[str, Any]:
-    """Train ``layout`` (``None``: one process) on this rank: losses, first-step gradients,
-    checkpoint bytes read, seconds and, for :data:`SAVED`, ``(last.ckpt, the directory)``."""
+def run(layout: pm.Layout | None, rank: int = 0, name: str = "qwen2_vl") -> dict[str, Any]:
+    """Train ``layout`` (``None``: one process of the family ``name``) on this rank: losses,
+    first-step gradients, checkpoint bytes read, the experts read (``{parameter: (first,
+    last + 1)}`` on dim 0), seconds and, for :data:`SAVED` / :data:`SAVED_4`, ``(last.ckpt,
+    the directory)``."""
     start = time.perf_counter()
-    source, _ = files()
+    source, _ = files(family(layout) if layout else name)
     data = batches()
     strategy: Any = "auto"
     devices = 1
@@ -161,7 +178,7 @@ def run(layout: pm.Layout | None, rank: int = 0) -> dict[str, Any]:
         strategy, devices = MultimodalParallelStrategy(**layout.strategy), layout.world
     m = module(source, 128, layout.vision_parallel if layout else "tp")
     m.text_length = TOKENS
-    saved = layout is not None and layout.name in SAVED
+    saved = layout is not None and layout.name in (*SAVED, *SAVED_4)
     ckpt = _shared(lambda: Path(tempfile.mkdtemp(prefix="qwen-run")) / "last.ckpt")
     callbacks = [SaveAtEnd(ckpt)] if saved else []
     torch.manual_seed(0)
@@ -171,7 +188,19 @@ def run(layout: pm.Layout | None, rank: int = 0) -> dict[str, Any]:
         "grads": rec.grads,
         "seconds": time.perf_counter() - start,
         "bytes_read": m.load_report.bytes_read if m.load_report else 0,
+        "experts_read": _experts_read(m),
         "checkpoint": (ckpt, source) if saved else None,
+    }
+
+
+def _experts_read(module: ClipLlamaModule) -> dict[str, tuple[int, int]]:
+    """``{expert parameter: (first expert, last + 1)}`` this rank read from the directory."""
+    report = module.load_report
+    read = report.read if report else {}
+    return {
+        name: (index[0].start, index[0].stop)
+        for name, (_, index) in read.items()
+        if ".experts.w_" in name
     }
 
 
@@ -184,8 +213,9 @@ def world(rank: int, world_size: int) -> dict[str, Any]:
 
 def check_layout(layout: pm.Layout, results: list[dict[str, Any]], ref: dict[str, Any]) -> None:
     """Assert ``layout``'s per-rank ``results`` equal the one-process ``ref`` (losses and
-    first-step gradients within 1e-5) and that every rank read less than the whole
-    checkpoint; print the figures."""
+    first-step gradients within 1e-5), that every rank read less than the whole
+    checkpoint and, under expert parallelism, only its ``E / ep`` experts of every expert
+    tensor, the ep ranks together all of them; print the figures."""
     grads: dict[str, Tensor] = {}
     loss_diff = 0.0
     for got in results:
@@ -203,6 +233,14 @@ def check_layout(layout: pm.Layout, results: list[dict[str, Any]], ref: dict[str
     )
     assert loss_diff <= 1e-5 and ratio <= 1e-5, (layout.name, loss_diff, name, ratio)
     assert all(0 < b < ref["bytes_read"] for b in read), (read, ref["bytes_read"])
+    ep = layout.dims.ep
+    if ep > 1:
+        spans = [set(r["experts_read"].values()) for r in results]
+        assert all(len(s) == 1 and {b - a for a, b in s} == {EXPERTS // ep} for s in spans), spans
+        assert set().union(*spans) == {
+            (i * EXPERTS // ep, (i + 1) * EXPERTS // ep) for i in range(ep)
+        }
+        assert all(len(r["experts_read"]) == len(ref["experts_read"]) for r in results)
 
 
 def hf_inputs(batch: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -130,7 +130,11 @@ LAYOUTS: tuple[pm.Layout, ...] = (
     pm.Layout("qwen2_vl dp2 fsdp", 2, {"data_parallel": "fsdp"}),
     pm.Layout("qwen2_5_vl tp2", 2, {"tensor_parallel": 2}),
     pm.Layout("qwen2_5_vl pp2 1f1b", 2, pm._pp("1f1b", 2, 2, 1)),
+    pm.Layout("qwen2_5_vl dp2 fsdp", 2, {"data_parallel": "fsdp"}),
+    pm.Layout("qwen2_5_vl tp2 x pp2", 4, pm._pp("1f1b", 2, 2, 1, tensor_parallel=2)),
 )
+"""Per family, the layouts of a world size run in the spawned world of that size: the
+2-process Qwen-VL world, the 4-process ragged world (:mod:`ragged_parity_worker`)."""
 
 
 def family(layout: pm.Layout) -> str:
@@ -167,14 +171,38 @@ def tp_logits(name: str, world_size: int) -> dict[str, Tensor]:
     return {"got": got.full_tensor(), "want": want}
 
 
+def check_layout(
+    tag: str, layout: pm.Layout, results: list[dict[str, Any]], ref: rw.Recorder
+) -> None:
+    """Assert ``layout``'s per-rank ``results`` equal the one-process ``ref`` (both steps'
+    losses and the first step's gradients, the union over the ranks, within a relative 1e-5);
+    print the figures under ``tag`` (the family)."""
+    grads: dict[str, Any] = {}
+    loss_diff = 0.0
+    for got in results:
+        assert len(got["losses"]) == len(ref.losses) == 2, layout.name
+        for a, b in zip(got["losses"], ref.losses, strict=True):
+            loss_diff = max(loss_diff, abs(a - b) / abs(b))
+        grads.update(got["grads"])
+    assert grads.keys() == ref.grads.keys(), (layout.name, grads.keys() ^ ref.grads.keys())
+    name, ratio = rw.worst_gradient(grads, ref.grads)
+    took = max(r["seconds"] for r in results)
+    print(
+        f"{tag} | {layout.name} | loss {loss_diff:.1e} | gradient {ratio:.1e} ({name}) | "
+        f"{took:.1f} s"
+    )
+    assert loss_diff <= 1e-5 and ratio <= 1e-5, (layout.name, loss_diff, name, ratio)
+
+
 def world(rank: int, world_size: int) -> dict[str, Any]:
-    """Every layout on this rank (``{name: result}``), then the tp logits checks."""
+    """Every layout of this world size on this rank (``{name: result}``), then (2 processes)
+    the tp logits checks, then the recipe's layouts of this size."""
     names = pm.only()
     out: dict[str, Any] = {
         x.name: pm.named(x.name, rank, run_layout, x, rank)
         for x in LAYOUTS
-        if not names or x.name in names
+        if x.world == world_size and (not names or x.name in names)
     }
-    for name in ("qwen2_vl", "qwen2_5_vl"):
+    for name in ("qwen2_vl", "qwen2_5_vl") if world_size == 2 else ():
         out[f"{name} tp2 logits"] = pm.named(name, rank, tp_logits, name, world_size)
     return out | qwen_recipe_worker.world(rank, world_size)  # through the recipe

@@ -17,7 +17,7 @@ import torch
 
 from lightning_mmpar import MultimodalParallelStrategy
 from lightning_mmpar.data.packing import MultimodalCollator
-from tests.recipes import hf_llava_worker, qwen_recipe_worker
+from tests.recipes import hf_llava_worker, qwen3_moe_worker, qwen_vl_worker
 from tests.recipes import parity_matrix_worker as pm
 from tests.recipes import recipe_faults_worker as rw
 from tests.recipes import skipped_tower_worker as skipped_tower
@@ -170,8 +170,9 @@ def world(rank: int, world_size: int) -> dict[str, Any]:
     """Every ragged layout of this world size on this rank: ``{layout name: result}``."""
     out = {x.name: pm.named(x.name, rank, run_layout, x, rank) for x in selected(world_size)}
     out |= hf_llava_worker.world(rank, world_size)  # transformers' LLaVA (issue 29)
-    if world_size == 4:  # Qwen2-VL through the recipe, tp2 x pp2 (its 2-process layouts run
-        out |= qwen_recipe_worker.world(rank, world_size)  # in the Qwen-VL world)
+    if world_size == 4:  # Qwen-VL's 4-process layouts (the 2-process ones run in their worlds)
+        out |= qwen_vl_worker.world(rank, world_size)  # with the recipe's (Qwen2-VL tp2 x pp2)
+        out |= qwen3_moe_worker.world(rank, world_size)
     if world_size == 2 and not pm.only():
         out["no image slot"] = pm.named("tp2, no image slot", rank, no_image_slot, rank)
         out["skipped tower"] = pm.named(

@@ -13,6 +13,7 @@ import pytest
 
 from lightning_mmpar.testing import spawn
 from tests.recipes import qwen3_moe_worker as mw
+from tests.recipes import qwen_vl_worker as qw
 from tests.recipes import recipe_faults_worker as rw
 from tests.unit.models import qwen3_moe_cases as mc
 
@@ -48,24 +49,9 @@ def _world(root: Path) -> list[dict[str, Any]]:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", mw.LAYOUTS, ids=[x.name for x in mw.LAYOUTS])
+@pytest.mark.parametrize("layout", [x for x in mw.LAYOUTS if x.world == 2], ids=lambda x: x.name)
 def test_layout_matches_one_process(layout: Any, reference: Any, root: Path) -> None:
-    results = [r[layout.name] for r in _world(root)]
-    grads: dict[str, Any] = {}
-    loss_diff = 0.0
-    for got in results:
-        assert len(got["losses"]) == len(reference.losses) == 2, layout.name
-        for a, b in zip(got["losses"], reference.losses, strict=True):
-            loss_diff = max(loss_diff, abs(a - b) / abs(b))
-        grads.update(got["grads"])
-    assert grads.keys() == reference.grads.keys(), grads.keys() ^ reference.grads.keys()
-    name, ratio = rw.worst_gradient(grads, reference.grads)
-    took = max(r["seconds"] for r in results)
-    print(
-        f"qwen3-vl-moe | {layout.name} | loss {loss_diff:.1e} | gradient {ratio:.1e} ({name}) "
-        f"| {took:.1f} s"
-    )
-    assert loss_diff <= RTOL and ratio <= RTOL, (layout.name, loss_diff, name, ratio)
+    qw.check_layout("qwen3-vl-moe", layout, [r[layout.name] for r in _world(root)], reference)
 
 
 @pytest.mark.distributed

@@ -1,7 +1,8 @@
-"""Qwen2-VL through the recipe's command line (issue 29): ``fit --model.pretrained.hf <dir>``
-on a tiny Qwen2-VL directory written offline (model, tokenizer with a chat template, image
-processor) and LLaVA-format conversations, 3 steps at one process; the data side (assistant
-labels, the directory's image processor) and the refusals."""
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL-MoE through the recipe's command line (issue 29): ``fit
+--model.pretrained.hf <dir>`` on a tiny directory of each family written offline (model,
+tokenizer with a chat template, image processor) and LLaVA-format conversations, 3 steps at
+one process; the data side (assistant labels, the directory's image processor) and the
+refusals."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ from lightning.pytorch import Callback
 from lightning_mmpar.data import ConversationDataModule
 from lightning_mmpar.data.conversations import QwenRowsCollator
 from lightning_mmpar.data.tokenizer import IGNORE_INDEX
+from lightning_mmpar.models.hf.qwen3_convert import QWEN3_MOE_FAMILIES
+from lightning_mmpar.models.hf.qwen_convert import QWEN_FAMILIES
 from lightning_mmpar.recipes.cli import link_vision_preprocess, run_cli
+from lightning_mmpar.recipes.qwen3_module import Qwen3MoeVLRecipeModule
 from lightning_mmpar.recipes.qwen_module import QwenVLRecipeModule
 from tests.builders import tiny_qwen_vl_dir
 from tests.recipes import qwen_recipe_worker as qr
@@ -85,15 +89,26 @@ def test_data_refuses_what_a_qwen_processor_cannot_do(files: Any) -> None:
         ConversationDataModule(train_file=str(data), image_processor=str(data.parent))
 
 
-def test_recipe_fit_trains_a_qwen_directory(files: Any, tmp_path: Path) -> None:
-    """``fit --model.pretrained.hf <qwen dir>`` with the conversation data module: the module
-    is a :class:`QwenVLRecipeModule`, the data gets the directory's image processor linked,
-    3 steps run, and the first step's loss (assistant tokens only) equals transformers' loss
-    of the same batch (1e-5); the frozen ViT does not move, the merger is the adapter's
-    parameter group (``optim.lr_adapter``)."""
-    from transformers import Qwen2VLForConditionalGeneration
+RECIPE_MODULES = {
+    "qwen2_vl": QwenVLRecipeModule,
+    "qwen2_5_vl": QwenVLRecipeModule,
+    "qwen3_vl_moe": Qwen3MoeVLRecipeModule,
+}
 
-    source, data = files
+
+@pytest.mark.parametrize("family", list(RECIPE_MODULES))
+def test_recipe_fit_trains_a_qwen_directory(family: str, files: Any, tmp_path: Path) -> None:
+    """``fit --model.pretrained.hf <dir>`` of each Qwen family with the conversation data
+    module: the module is the family's recipe module, the data gets the directory's image
+    processor linked, 3 steps run, and the first step's loss (assistant tokens only) equals
+    transformers' loss of the same batch (1e-5); the frozen ViT does not move, the merger
+    (and Qwen3-VL's DeepStack mergers) is the adapter's parameter group
+    (``optim.lr_adapter``)."""
+    import transformers
+
+    _, data = files
+    source = tiny_qwen_vl_dir(tmp_path / family, qr.WORDS.split(), family)
+    cls = (QWEN_FAMILIES | QWEN3_MOE_FAMILIES)[family]
     config = {
         "seed_everything": 0,
         "trainer": {
@@ -129,19 +144,21 @@ def test_recipe_fit_trains_a_qwen_directory(files: Any, tmp_path: Path) -> None:
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     cli = run_cli(["fit", "--config", str(path)])
-    assert isinstance(cli.model, QwenVLRecipeModule)
+    assert type(cli.model) is RECIPE_MODULES[family]
     assert cli.datamodule.images is not None and cli.trainer.global_step == 3
     seen = next(c for c in cli.trainer.callbacks if isinstance(c, Batches)).seen
     assert len(seen) == 3 and all(torch.isfinite(torch.tensor(loss)) for _, loss in seen)
     batch, loss = seen[0]
-    hf = Qwen2VLForConditionalGeneration.from_pretrained(str(source), local_files_only=True)
+    hf = getattr(transformers, cls).from_pretrained(str(source), local_files_only=True)
     with torch.no_grad():
         want = float(hf(**qr.hf_inputs(batch), labels=batch["labels"]).loss)
     diff = abs(loss - want) / abs(want)
-    print(f"qwen recipe | fit, 1 process | step-1 loss {loss:.6f}, transformers' {diff:.1e} off")
+    print(f"qwen recipe | {family} fit | step-1 loss {loss:.6f}, transformers' {diff:.1e} off")
     assert diff <= 1e-5
     groups = {g["name"]: g for g in cli.trainer.optimizers[0].param_groups}
-    merger = {id(p) for p in cli.model.qwen_model.vision.merger.parameters()}
+    vision = cli.model.qwen_model.vision
+    mergers = [vision.merger, *getattr(vision, "deepstack_merger_list", [])]
+    merger = {id(p) for m in mergers for p in m.parameters()}
     assert {id(p) for n in ("adapter", "adapter.no_decay") for p in groups[n]["params"]} == merger
     assert "vision" not in groups  # train_vision: false (the merger still trains)
     original = hf.state_dict()["model.visual.blocks.0.attn.qkv.weight"]

@@ -21,7 +21,9 @@ import torch
 from lightning_mmpar.testing import spawn
 from tests.recipes import hf_llava_worker as hw
 from tests.recipes import parity_matrix_worker as pm
+from tests.recipes import qwen3_moe_worker as mw
 from tests.recipes import qwen_recipe_worker as qr
+from tests.recipes import qwen_vl_worker as qw
 from tests.recipes import ragged_parity_worker as rp
 from tests.recipes import recipe_faults_worker as rw
 from tests.recipes import skipped_tower_worker as sw
@@ -239,3 +241,29 @@ def test_qwen_recipe_tp2_x_pp2_matches_one_process(
     """Qwen2-VL through the recipe (``model.pretrained.hf``) in tp2 x pp2: losses and
     first-step gradients equal one process (1e-5), each rank reading only its slices."""
     qr.check_layout(layout, [r[layout.name] for r in _world(4)], qwen_reference)
+
+
+@pytest.fixture(scope="module")
+def qwen_family_references() -> dict[str, rw.Recorder]:
+    return {}
+
+
+QWEN_4 = [x for x in (*qw.LAYOUTS, *mw.LAYOUTS) if x.world == 4]
+"""Qwen2.5-VL tp2 x pp2, Qwen3-VL-MoE ep2 x tp2 and ep2 x pp2 (the models' own modules)."""
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", QWEN_4, ids=lambda x: x.name)
+def test_qwen_family_layout_matches_one_process(
+    layout: Any, qwen_family_references: dict[str, rw.Recorder]
+) -> None:
+    """Qwen2.5-VL in tp2 x pp2 and Qwen3-VL-MoE in ep2 x tp2 / ep2 x pp2 (FSDP2 over the
+    data-parallel ranks): both steps' losses and the first step's gradients equal one
+    process (1e-5) on batches mixing text-only, one-image and two-image samples of two
+    resolutions."""
+    family = qw.family(layout)
+    if family not in qwen_family_references:
+        moe = family == "qwen3_vl_moe"
+        qwen_family_references[family] = mw.reference()[0] if moe else qw.reference(family)
+    ref = qwen_family_references[family]
+    qw.check_layout(family, layout, [r[layout.name] for r in _world(4)], ref)

@@ -16,7 +16,8 @@ path (:func:`family_of`, :func:`hf_fusion_config`) refuses them, and the recipe'
 ``model.pretrained.hf`` trains them as their own model (``lightning_mmpar.recipes.qwen_module``).
 Qwen3-VL-MoE (``model_type`` in :data:`~lightning_mmpar.models.hf.qwen3_convert.
 QWEN3_MOE_FAMILIES`) likewise is :class:`~lightning_mmpar.models.hf.qwen3_vl_moe.
-Qwen3MoeVLModel`, dispatched to :mod:`~lightning_mmpar.models.hf.qwen3_convert`.
+Qwen3MoeVLModel`, dispatched to :mod:`~lightning_mmpar.models.hf.qwen3_convert` (the recipe:
+``lightning_mmpar.recipes.qwen3_module``).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def family_of(config: Any) -> HFFamily:
             f"config.json model_type {config.model_type!r} is a Qwen-VL model (QwenVLModel / "
             "Qwen3MoeVLModel), not a FusionModel: load it with lightning_mmpar.models.from_hf "
             "(the recipe's model.pretrained.hf trains Qwen2-VL / Qwen2.5-VL as a "
-            "QwenVLRecipeModule)."
+            "QwenVLRecipeModule, Qwen3-VL-MoE as a Qwen3MoeVLRecipeModule)."
         )
     if family is None:
         raise ValueError(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +21,13 @@ from lightning_mmpar.models.hf.family import HFFamily
 
 __all__ = [
     "Spot",
+    "View",
     "checkpoint_files",
     "hf_config",
     "locate",
     "read_slice",
     "read_state",
+    "read_view",
     "to_hf_state",
     "write_hf",
 ]
@@ -109,6 +112,39 @@ def read_slice(spot: Spot, index: tuple[slice, ...] = ()) -> Tensor:
 
     with safe_open(str(spot[1]), framework="pt", device="cpu") as handle:
         return handle.get_slice(spot[0])[index] if index else handle.get_tensor(spot[0])
+
+
+@dataclass(frozen=True)
+class View:
+    """How one tensor of ours lies in one checkpoint tensor, so that a rank reads only the
+    bytes of its slice: ours ``= ckpt[start + ...]``, then ``transpose(-2, -1)`` when
+    ``transposed``, then a new leading dim of 1 when ``unsqueezed``; ``flat``: ours is the
+    whole checkpoint tensor reshaped (read whole: a small replicated tensor)."""
+
+    shape: tuple[int, ...]
+    """Our tensor's (global) shape."""
+    start: tuple[int, ...] = ()
+    """Offset of ours in each checkpoint dim (empty: 0 everywhere)."""
+    transposed: bool = False
+    unsqueezed: bool = False
+    flat: bool = False
+
+
+def read_view(spot: Spot, view: View, index: tuple[slice, ...]) -> Tensor:
+    """``ours[index]`` of the checkpoint tensor at ``spot`` seen through ``view``, reading only
+    those bytes (``index``: one slice with explicit bounds per dim of ``view.shape``)."""
+    if view.flat:
+        return read_slice(spot).reshape(view.shape)[index]
+    where = list(index[1:] if view.unsqueezed else index)
+    if view.transposed:
+        where[-2], where[-1] = where[-1], where[-2]
+    start = view.start or (0,) * len(where)
+    out = read_slice(
+        spot, tuple(slice(s.start + o, s.stop + o) for s, o in zip(where, start, strict=True))
+    )
+    if view.transposed:
+        out = out.transpose(-2, -1)
+    return out[None] if view.unsqueezed else out
 
 
 def read_state(path: str | Path, family: HFFamily, keys: list[str]) -> dict[str, Tensor]:

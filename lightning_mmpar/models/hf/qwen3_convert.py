@@ -27,6 +27,7 @@ an EP export that silently kept one shard of the experts).
 
 from __future__ import annotations
 
+import math
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_mmpar.models.hf.checkpoint import View
 from lightning_mmpar.models.hf.qwen3_vision import Qwen3VisionConfig
 from lightning_mmpar.models.hf.qwen3_vl_moe import Qwen3MoeVLConfig, Qwen3MoeVLModel
 from lightning_mmpar.models.hf.qwen_convert import (
@@ -43,6 +45,7 @@ from lightning_mmpar.models.hf.qwen_convert import (
     _hf_config,
     _read_tensors,
     _side,
+    is_qwen_vl_dir,
 )
 from lightning_mmpar.models.hf.qwen_vision import ACTIVATIONS
 from lightning_mmpar.models.language import LanguageConfig
@@ -54,6 +57,9 @@ __all__ = [
     "check_export",
     "export_qwen3_moe_vl_state",
     "import_qwen3_moe_vl_state",
+    "init_moe_buffers",
+    "is_qwen3_moe_vl_dir",
+    "qwen3_checkpoint_views",
     "qwen3_moe_vl_config",
     "qwen3_moe_vl_from_hf",
     "qwen3_moe_vl_from_transformers",
@@ -253,6 +259,66 @@ def _language_entries(rest: str, value: Tensor, config: Qwen3MoeVLConfig) -> dic
     return {f"language.{rest}": value}
 
 
+def _expert_views(
+    prefix: str, name: str, shape: tuple[int, ...], config: Qwen3MoeVLConfig
+) -> dict[str, View]:
+    """:func:`_expert_entries` as views (either stored layout): ``w_gate`` / ``w_up`` halves
+    of ``gate_up_proj``, ``w_down`` of ``down_proj``, every one ``[E, ...]`` on dim 0."""
+    moe = config.language.moe
+    assert moe is not None
+    e, d, f = moe.num_experts, config.language.hidden_size, moe.ffn_width
+    if name == "gate_up_proj":
+        memory = shape == (e, 2 * f, d)  # transformers' in-memory layout: transposed
+        up = (0, f, 0) if memory else (0, 0, f)
+        return {
+            f"{prefix}.w_gate": View((e, d, f), transposed=memory),
+            f"{prefix}.w_up": View((e, d, f), up, transposed=memory),
+        }
+    memory = shape == (e, d, f)
+    return {f"{prefix}.w_down": View((e, f, d), transposed=memory)}
+
+
+def qwen3_checkpoint_views(
+    key: str, shape: tuple[int, ...], config: Qwen3MoeVLConfig
+) -> dict[str, View]:
+    """Where the checkpoint tensor ``key`` of ``shape`` goes in :class:`Qwen3MoeVLModel`,
+    without reading it (the recipe's per-rank loader): ``{our key: View}``, the mapping of
+    :func:`import_qwen3_moe_vl_state` (the ViT's q / k / v thirds of ``attn.qkv``; the router
+    ``[E, D]`` as ``[1, E, D]``; the fused experts' halves, transposed: an expert-parallel
+    rank's slice reads its experts only). A key that is no model weight keeps its own name
+    (the loader refuses it as unexpected)."""
+    if key.startswith("model.visual."):
+        rest = key[len("model.visual.") :]
+        if rest == "pos_embed.weight":
+            return {"vision.patch_embed.pos_embed.weight": View(shape)}
+        if rest == "patch_embed.proj.weight":
+            return {
+                "vision.patch_embed.proj.weight": View((shape[0], math.prod(shape[1:])), flat=True)
+            }
+        if ".attn.qkv." in rest:
+            third, head = shape[0] // 3, rest.replace(".qkv.", ".{}.")
+            return {
+                f"vision.{head.format(n)}": View(
+                    (third, *shape[1:]), (c * third,) + (0,) * (len(shape) - 1)
+                )
+                for c, n in enumerate(("q_proj", "k_proj", "v_proj"))
+            }
+        return {f"vision{_rename(rest, reverse=False)}": View(shape)}
+    if key == "lm_head.weight":
+        return {"language.lm_head.weight": View(shape)}
+    if not key.startswith("model.language_model."):
+        return {key: View(shape)}
+    rest = key[len("model.language_model.") :]
+    if rest.endswith(".mlp.gate.weight"):
+        return {
+            f"language.{rest[: -len('gate.weight')]}router_gate": View((1, *shape), unsqueezed=True)
+        }
+    for name in ("gate_up_proj", "down_proj"):
+        if rest.endswith(f".mlp.experts.{name}"):
+            return _expert_views(f"language.{rest[: -len(name) - 1]}", name, shape, config)
+    return {f"language.{rest}": View(shape)}
+
+
 def _buffers(config: Qwen3MoeVLConfig) -> dict[str, Tensor]:
     """The MoE layers' persistent buffers transformers has no value for (no selection bias,
     every expert routable)."""
@@ -344,14 +410,23 @@ def export_qwen3_moe_vl_state(
     return out
 
 
-def _materialize(model: Qwen3MoeVLModel) -> Qwen3MoeVLModel:
-    """Give the MoE layers' non-persistent buffers (left on the meta device by a state-dict
-    load with ``assign``) their initial values on the CPU."""
+def init_moe_buffers(model: Qwen3MoeVLModel) -> Qwen3MoeVLModel:
+    """Give the MoE layers' buffers (left on the meta device by a meta build or a state-dict
+    load with ``assign``) their initial values on the CPU: no selection bias, every expert
+    routable, no pending load (transformers has no value for them)."""
     for module in model.modules():
         if isinstance(module, MoEFeedForward):
-            module.pending_load = torch.zeros_like(module.pending_load, device="cpu")
-            module.locality_mask = torch.ones_like(module.locality_mask, device="cpu")
+            for name in ("expert_bias", "pending_load"):
+                setattr(module, name, torch.zeros_like(getattr(module, name), device="cpu"))
+            for name in ("expert_mask", "locality_mask"):
+                setattr(module, name, torch.ones_like(getattr(module, name), device="cpu"))
     return model
+
+
+def is_qwen3_moe_vl_dir(path: str | Path | None) -> bool:
+    """Whether ``path`` is a directory whose ``config.json`` ``model_type`` is a Qwen3-VL-MoE
+    family (:data:`QWEN3_MOE_FAMILIES`); reads that file only (``False`` without one)."""
+    return is_qwen_vl_dir(path, QWEN3_MOE_FAMILIES)
 
 
 def _architecture(config: Any) -> tuple[Any, dict[str, tuple[torch.Size, torch.dtype]]]:
@@ -413,7 +488,7 @@ def qwen3_moe_vl_from_transformers(model: Any) -> Qwen3MoeVLModel:
         ours = Qwen3MoeVLModel(config)
     state = import_qwen3_moe_vl_state(model.state_dict(), config)
     ours.load_state_dict(state, strict=True, assign=True)
-    return _materialize(ours).to(dtype)
+    return init_moe_buffers(ours).to(dtype)
 
 
 def qwen3_moe_vl_from_hf(path: str | Path) -> Qwen3MoeVLModel:
@@ -438,7 +513,7 @@ def qwen3_moe_vl_from_hf(path: str | Path) -> Qwen3MoeVLModel:
             f"unexpected {stray[:8]}, other shapes {bad[:8]}."
         )
     model.load_state_dict(state, strict=True, assign=True)
-    return _materialize(model)
+    return init_moe_buffers(model)
 
 
 def save_qwen3_moe_vl_hf(

@@ -381,9 +381,10 @@ QWEN_FAMILIES: dict[str, str] = {
 ``FAMILIES``)."""
 
 
-def is_qwen_vl_dir(path: str | Path | None) -> bool:
-    """Whether ``path`` is a directory whose ``config.json`` ``model_type`` is a Qwen-VL family
-    (:data:`QWEN_FAMILIES`); reads that file only (``False`` without one)."""
+def is_qwen_vl_dir(path: str | Path | None, families: Mapping[str, str] = QWEN_FAMILIES) -> bool:
+    """Whether ``path`` is a directory whose ``config.json`` ``model_type`` is one of
+    ``families`` (default the Qwen-VL ones, :data:`QWEN_FAMILIES`); reads that file only
+    (``False`` without one)."""
     import json
 
     if not path or not (Path(path) / "config.json").is_file():
@@ -392,4 +393,4 @@ def is_qwen_vl_dir(path: str | Path | None) -> bool:
         kind = json.loads((Path(path) / "config.json").read_text()).get("model_type")
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
         return False
-    return kind in QWEN_FAMILIES
+    return kind in families
