@@ -66,6 +66,7 @@ from lightning_mmpar.models.convert import (
 from lightning_mmpar.models.fusion import FusionConfig, FusionModel
 from lightning_mmpar.models.hf import family_of, save_hf
 from lightning_mmpar.models.hf.checkpoint import hf_config
+from lightning_mmpar.models.hf.qwen3_convert import is_qwen3_moe_vl_dir
 from lightning_mmpar.models.hf.qwen_convert import is_qwen_vl_dir
 from lightning_mmpar.parallel.checkpoint import (
     HPARAMS_KEY,
@@ -327,11 +328,15 @@ def _qwen_source(ckpt: str | Path, hf: str | Path | None) -> str | Path | None:
     """The Qwen-VL directory of a checkpoint (``hf``, else its ``model.pretrained.hf``), or
     ``None`` for a fusion-model checkpoint. Raises as :func:`inspect_checkpoint`."""
     if hf is not None:
-        return hf if is_qwen_vl_dir(hf) else None
+        return hf if _is_qwen(hf) else None
     hparams = inspect_checkpoint(resolve(Path(ckpt))).meta.get(HPARAMS_KEY)
     pretrained = hparams.get("pretrained") if isinstance(hparams, Mapping) else None
     source = _dataclass(PretrainedConfig, pretrained).hf if pretrained is not None else None
-    return source if is_qwen_vl_dir(source) else None
+    return source if _is_qwen(source) else None
+
+
+def _is_qwen(path: str | Path | None) -> bool:
+    return is_qwen_vl_dir(path) or is_qwen3_moe_vl_dir(path)
 
 
 def _export_hf(

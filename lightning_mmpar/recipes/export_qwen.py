@@ -1,14 +1,19 @@
-"""Export of a Qwen2-VL / Qwen2.5-VL recipe checkpoint (``model.pretrained.hf`` a Qwen-VL
-directory; :mod:`~lightning_mmpar.recipes.qwen_module`) to a transformers directory.
+"""Export of a Qwen2-VL / Qwen2.5-VL / Qwen3-VL-MoE recipe checkpoint (``model.pretrained.hf``
+a Qwen directory; :mod:`~lightning_mmpar.recipes.qwen_module`,
+:mod:`~lightning_mmpar.recipes.qwen3_module`) to a transformers directory.
 
 :func:`~lightning_mmpar.recipes.export.export_checkpoint` dispatches here. The sharded (DCP)
-checkpoint of any layout (tensor, pipeline, data parallel, FSDP2 shards) is read in one process
-into a full :class:`~lightning_mmpar.models.hf.qwen2_vl.QwenVLModel` (every tensor of the model
-must be in the checkpoint: one that is not is named and nothing is written), then written by
-:func:`~lightning_mmpar.models.hf.qwen_convert.save_qwen_vl_hf` into ``<out>/hf``: transformers'
-own ``save_pretrained`` (its tensor names; the ViT's q/k/v fused back into ``qkv``, the patch
-embedding its Conv3d shape) with the source directory's tokenizer, chat template and processor
-files. A tied source is written untied (training separates ``lm_head`` from the embedding).
+checkpoint of any layout (tensor, pipeline, data, expert parallel, FSDP2 shards) is read in one
+process into a full :class:`~lightning_mmpar.models.hf.qwen2_vl.QwenVLModel` /
+:class:`~lightning_mmpar.models.hf.qwen3_vl_moe.Qwen3MoeVLModel` (every tensor of the model must
+be in the checkpoint, every expert of every MoE layer: one that is not is named and nothing is
+written; a missing shard file is named with the tensors it held), then written by the family's
+``save_*_hf`` (:func:`~lightning_mmpar.models.hf.qwen_convert.save_qwen_vl_hf`,
+:func:`~lightning_mmpar.models.hf.qwen3_convert.save_qwen3_moe_vl_hf`: its completeness check)
+into ``<out>/hf``: transformers' own ``save_pretrained`` (its tensor names; the ViT's q/k/v
+fused back into ``qkv``, the patch embedding its Conv3d shape, the experts fused) with the
+source directory's tokenizer, chat template and processor files. A tied source is written
+untied (training separates ``lm_head`` from the embedding).
 """
 
 from __future__ import annotations
@@ -26,6 +31,13 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_mmpar.models.hf.checkpoint import hf_config
 from lightning_mmpar.models.hf.qwen2_vl import QwenVLModel
+from lightning_mmpar.models.hf.qwen3_convert import (
+    QWEN3_MOE_FAMILIES,
+    init_moe_buffers,
+    qwen3_moe_vl_config,
+    save_qwen3_moe_vl_hf,
+)
+from lightning_mmpar.models.hf.qwen3_vl_moe import Qwen3MoeVLModel
 from lightning_mmpar.models.hf.qwen_convert import (
     QWEN_FAMILIES,
     qwen_vl_config,
@@ -40,16 +52,30 @@ HF_DIR = "hf"
 MANIFEST = "export.json"
 
 
-def _key_map(model: QwenVLModel) -> dict[str, tuple[str, Tensor]]:
+def _empty_model(source: str | Path) -> QwenVLModel | Qwen3MoeVLModel:
+    """The model of the Qwen directory ``source``'s config, on the CPU, uninitialised (the
+    MoE layers' buffers at their initial values)."""
+    config = hf_config(source)
+    if config.model_type in QWEN3_MOE_FAMILIES:
+        with torch.device("meta"):
+            moe = Qwen3MoeVLModel(qwen3_moe_vl_config(config))
+        return init_moe_buffers(moe.to_empty(device="cpu"))
+    with torch.device("meta"):
+        model = QwenVLModel(qwen_vl_config(config))
+    return model.to_empty(device="cpu")
+
+
+def _key_map(model: QwenVLModel | Qwen3MoeVLModel) -> dict[str, tuple[str, Tensor]]:
     """``{checkpoint key: (model key, tensor)}`` over the recipe's blocks (``blocks.N.*``)."""
     names = {id(t): k for k, t in model.state_dict(keep_vars=True).items()}
     blocks = nn.ModuleList(model.pipeline_blocks()).state_dict(prefix="blocks.", keep_vars=True)
     return {STATE_PREFIX + k: (names[id(t)], t) for k, t in blocks.items()}
 
 
-def load_qwen_model(ckpt: str | Path, source: str | Path) -> QwenVLModel:
-    """The trained :class:`QwenVLModel` of the recipe checkpoint ``ckpt`` (any layout), built
-    from the Qwen-VL directory ``source``'s config, in one process, eval mode.
+def load_qwen_model(ckpt: str | Path, source: str | Path) -> QwenVLModel | Qwen3MoeVLModel:
+    """The trained :class:`QwenVLModel` (a :class:`Qwen3MoeVLModel` for a Qwen3-VL-MoE
+    ``source``) of the recipe checkpoint ``ckpt`` (any layout), built from the directory
+    ``source``'s config, in one process, eval mode.
 
     Raises:
         FileNotFoundError, ValueError: an incomplete or damaged checkpoint directory (as
@@ -59,9 +85,7 @@ def load_qwen_model(ckpt: str | Path, source: str | Path) -> QwenVLModel:
     """
     checked = inspect_checkpoint(resolve(Path(ckpt)))
     items = checked.dcp.state_dict_metadata
-    with torch.device("meta"):
-        model = QwenVLModel(qwen_vl_config(hf_config(source)))
-    model.to_empty(device="cpu")
+    model = _empty_model(source)
     keys = _key_map(model)
     missing = sorted(k.removeprefix(STATE_PREFIX) for k in keys if k not in items)
     if missing:
@@ -100,7 +124,8 @@ def export_qwen_checkpoint(
     model = load_qwen_model(ckpt, source)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    written = save_qwen_vl_hf(model.state_dict(), source, out / HF_DIR)
+    save = save_qwen3_moe_vl_hf if isinstance(model, Qwen3MoeVLModel) else save_qwen_vl_hf
+    written = save(model.state_dict(), source, out / HF_DIR)
     diffs: dict[str, float] = {}
     if verify:
         diffs["hf"] = _reload_diff(out / HF_DIR, source, written)
@@ -120,6 +145,6 @@ def export_qwen_checkpoint(
 def _reload_diff(path: Path, source: str | Path, written: Mapping[str, Tensor]) -> float:
     import transformers
 
-    cls = getattr(transformers, QWEN_FAMILIES[hf_config(source).model_type])
+    cls = getattr(transformers, (QWEN_FAMILIES | QWEN3_MOE_FAMILIES)[hf_config(source).model_type])
     loaded = cls.from_pretrained(str(path), local_files_only=True).state_dict()
     return max(float((loaded[k] - v).abs().max()) for k, v in written.items() if v.numel())

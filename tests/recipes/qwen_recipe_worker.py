@@ -193,6 +193,14 @@ def run(layout: pm.Layout | None, rank: int = 0, name: str = "qwen2_vl") -> dict
     }
 
 
+def reference(cache: dict[str, Any], layout: pm.Layout) -> dict[str, Any]:
+    """The one-process run of ``layout``'s family (run once per family, kept in ``cache``)."""
+    name = family(layout)
+    if name not in cache:
+        cache[name] = run(None, name=name)
+    return cache[name]
+
+
 def _experts_read(module: ClipLlamaModule) -> dict[str, tuple[int, int]]:
     """``{expert parameter: (first expert, last + 1)}`` this rank read from the directory."""
     report = module.load_report
@@ -257,3 +265,52 @@ def hf_inputs(batch: dict[str, Tensor]) -> dict[str, Tensor]:
         "pixel_values": pixels,
         "image_grid_thw": grids,
     }
+
+
+def _tensors(directory: Path) -> dict[str, tuple[tuple[int, ...], int]]:
+    """``{key: (shape, bytes)}`` of a directory's safetensors files."""
+    from safetensors import safe_open
+
+    out = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():
+                t = handle.get_tensor(key)
+                out[key] = (tuple(t.shape), t.numel() * t.element_size())
+    return out
+
+
+def check_export(name: str, ckpt: Path, source: Path, out: Path) -> None:
+    """Assert ``export --verify`` of the recipe checkpoint ``ckpt`` (trained from ``source``)
+    writes a transformers directory that ``from_pretrained`` loads exactly, with the source's
+    tensor names, shapes and total bytes (every expert of a MoE model), a trained ``lm_head``,
+    the source's tokenizer / processor files, and logits equal to the trained model's (1e-5).
+    """
+    import transformers
+
+    from lightning_mmpar.models.hf.qwen3_convert import QWEN3_MOE_FAMILIES
+    from lightning_mmpar.models.hf.qwen_convert import QWEN_FAMILIES
+    from lightning_mmpar.recipes.export import main
+    from lightning_mmpar.recipes.export_qwen import load_qwen_model
+
+    result = main(["--ckpt", str(ckpt), "--out", str(out), "--verify"])
+    assert result.files == ["hf", "export.json"] and result.diffs["hf"] == 0.0, result.diffs
+    got, want = _tensors(out / "hf"), _tensors(source)
+    assert got == want
+    total = sum(b for _, b in got.values())
+    cls = getattr(transformers, (QWEN_FAMILIES | QWEN3_MOE_FAMILIES)[source.name])
+    exported = cls.from_pretrained(str(out / "hf")).eval()
+    original = cls.from_pretrained(str(source)).eval()
+    key = "lm_head.weight"  # trained: not the source's
+    assert not torch.equal(exported.state_dict()[key], original.state_dict()[key])
+    for side in ("tokenizer.json", "preprocessor_config.json", "chat_template.jinja"):
+        assert (out / "hf" / side).is_file(), side
+    batch = batches(1)[0]
+    inputs = hf_inputs(batch)
+    with torch.no_grad():
+        ours = load_qwen_model(ckpt, source)(batch)
+        theirs = exported(**inputs).logits
+    keep = inputs["attention_mask"].bool()
+    diff = float((ours[keep] - theirs[keep]).abs().max() / theirs[keep].abs().max())
+    print(f"qwen recipe | export of {name} | {len(got)} tensors, {total} bytes | logits {diff:.1e}")
+    assert diff <= 1e-5

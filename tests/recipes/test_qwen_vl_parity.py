@@ -68,69 +68,34 @@ def test_tp2_logits_match_the_unsharded_model(family: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def recipe_reference() -> dict[str, Any]:
-    return qr.run(None)
+def recipe_references() -> dict[str, Any]:
+    return {}
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", [x for x in qr.LAYOUTS if x.world == 2], ids=lambda x: x.name)
-def test_recipe_layout_matches_one_process(layout: Any, recipe_reference: Any) -> None:
-    qr.check_layout(layout, [r[layout.name] for r in _world()], recipe_reference)
-
-
-def _tensors(directory: Path) -> dict[str, tuple[tuple[int, ...], int]]:
-    """``{key: (shape, bytes)}`` of a directory's safetensors files."""
-    from safetensors import safe_open
-
-    out = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as handle:
-            for key in handle.keys():
-                t = handle.get_tensor(key)
-                out[key] = (tuple(t.shape), t.numel() * t.element_size())
-    return out
+def test_recipe_layout_matches_one_process(layout: Any, recipe_references: Any) -> None:
+    """Qwen2-VL in tp2 (ViT tp / dp), pp2, dp2 FSDP2 and Qwen3-VL-MoE in ep2 (FSDP2) through
+    the recipe: equal to one process, each rank reading its slices (and experts) only."""
+    ref = qr.reference(recipe_references, layout)
+    qr.check_layout(layout, [r[layout.name] for r in _world()], ref)
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", qr.SAVED)
 def test_recipe_export_from_sharded_checkpoint(name: str, tmp_path: Path) -> None:
-    """A Qwen2-VL checkpoint written in tp2 / dp2 FSDP2 exports (``export --verify``) to a
-    transformers directory: ``from_pretrained`` loads the written tensors exactly, with the
+    """A Qwen2-VL checkpoint written in tp2 / dp2 FSDP2 / pp2 exports (``export --verify``) to
+    a transformers directory: ``from_pretrained`` loads the written tensors exactly, with the
     source directory's tensor names, shapes and total bytes, and its logits are the trained
     model's (1e-5); the source's tokenizer and processor files come along."""
-    import torch
-    from transformers import Qwen2VLForConditionalGeneration
-
-    from lightning_mmpar.recipes.export import main
-    from lightning_mmpar.recipes.export_qwen import load_qwen_model
-
     ckpt, source = _world()[0][name]["checkpoint"]
-    result = main(["--ckpt", str(ckpt), "--out", str(tmp_path), "--verify"])
-    assert result.files == ["hf", "export.json"] and result.diffs["hf"] == 0.0, result.diffs
-    got, want = _tensors(tmp_path / "hf"), _tensors(source)
-    assert got == want
-    total = sum(b for _, b in got.values())
-    exported = Qwen2VLForConditionalGeneration.from_pretrained(str(tmp_path / "hf")).eval()
-    original = Qwen2VLForConditionalGeneration.from_pretrained(str(source)).eval()
-    key = "lm_head.weight"  # trained: not the source's
-    assert not torch.equal(exported.state_dict()[key], original.state_dict()[key])
-    for side in ("tokenizer.json", "preprocessor_config.json", "chat_template.jinja"):
-        assert (tmp_path / "hf" / side).is_file(), side
-    batch = qr.batches(1)[0]
-    inputs = qr.hf_inputs(batch)
-    with torch.no_grad():
-        ours = load_qwen_model(ckpt, source)(batch)
-        theirs = exported(**inputs).logits
-    keep = inputs["attention_mask"].bool()
-    diff = float((ours[keep] - theirs[keep]).abs().max() / theirs[keep].abs().max())
-    print(f"qwen recipe | export of {name} | {len(got)} tensors, {total} bytes | logits {diff:.1e}")
-    assert diff <= RTOL
+    qr.check_export(name, ckpt, source, tmp_path)
 
 
 @pytest.mark.distributed
 def test_recipe_export_refuses_a_checkpoint_missing_a_shard(tmp_path: Path) -> None:
-    """A copy of the tp2 checkpoint without rank 1's shard file: refused naming that file,
-    nothing written."""
+    """A copy of the tp2 checkpoint without rank 1's shard file: refused naming that file and
+    the tensors it held, nothing written."""
     import shutil
 
     from lightning_mmpar.recipes.export import export_checkpoint
@@ -140,6 +105,7 @@ def test_recipe_export_refuses_a_checkpoint_missing_a_shard(tmp_path: Path) -> N
     shutil.copytree(ckpt, copy)
     shard = sorted(copy.glob("*.distcp"))[-1]
     shard.unlink()
-    with pytest.raises((ValueError, FileNotFoundError), match=shard.name):
+    with pytest.raises((ValueError, FileNotFoundError), match=shard.name) as err:
         export_checkpoint(copy, tmp_path / "out")
+    assert "tensor(s): state_dict.blocks." in str(err.value), err.value  # what it held
     assert not (tmp_path / "out" / "hf").exists()

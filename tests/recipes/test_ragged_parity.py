@@ -229,18 +229,31 @@ def test_llava_export_from_sharded_checkpoint(name: str, tmp_path: Any) -> None:
 
 
 @pytest.fixture(scope="module")
-def qwen_reference() -> dict[str, Any]:
-    return qr.run(None)
+def qwen_recipe_references() -> dict[str, Any]:
+    return {}
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", [x for x in qr.LAYOUTS if x.world == 4], ids=lambda x: x.name)
-def test_qwen_recipe_tp2_x_pp2_matches_one_process(
-    layout: Any, qwen_reference: dict[str, Any]
+def test_qwen_recipe_4_process_layout_matches_one_process(
+    layout: Any, qwen_recipe_references: dict[str, Any]
 ) -> None:
-    """Qwen2-VL through the recipe (``model.pretrained.hf``) in tp2 x pp2: losses and
-    first-step gradients equal one process (1e-5), each rank reading only its slices."""
-    qr.check_layout(layout, [r[layout.name] for r in _world(4)], qwen_reference)
+    """Qwen2-VL in tp2 x pp2 and Qwen3-VL-MoE in ep2 x tp2 through the recipe
+    (``model.pretrained.hf``): losses and first-step gradients equal one process (1e-5), each
+    rank reading only its slices (and its half of the experts)."""
+    ref = qr.reference(qwen_recipe_references, layout)
+    qr.check_layout(layout, [r[layout.name] for r in _world(4)], ref)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", qr.SAVED_4)
+def test_qwen3_recipe_export_from_ep2_x_tp2_checkpoint(name: str, tmp_path: Any) -> None:
+    """The Qwen3-VL-MoE checkpoint written in ep2 x tp2 (experts over ep, attention over tp,
+    FSDP2 over dp) exports (``export --verify``) to a transformers directory with every
+    expert: the source's tensor names, shapes and total bytes, its logits the trained
+    model's (1e-5)."""
+    ckpt, source = _world(4)[0][name]["checkpoint"]
+    qr.check_export(name, ckpt, source, tmp_path)
 
 
 @pytest.fixture(scope="module")

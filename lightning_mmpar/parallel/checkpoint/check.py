@@ -120,9 +120,14 @@ def _check_shard_sizes(path: Path, metadata: Metadata) -> None:
         needed[info.relative_path] = max(end, needed.get(info.relative_path, 0))
     missing = sorted(name for name in needed if not (path / name).is_file())
     if missing:
+        lost = sorted(  # the model's weights first, then the optimizer's state
+            {i.fqn for i, info in metadata.storage_data.items() if info.relative_path in missing},
+            key=lambda fqn: (not fqn.startswith("state_dict."), fqn),
+        )
         raise FileNotFoundError(
             f"checkpoint {str(path)!r} lacks shard file(s) {_few(missing)} that its .metadata "
-            "references: copy the whole checkpoint directory or pass another checkpoint."
+            f"references, holding (shards of) {len(lost)} tensor(s): {_few(lost)}; copy the "
+            "whole checkpoint directory or pass another checkpoint."
         )
     short = [
         f"{str(path / name)!r} has {(path / name).stat().st_size} bytes, .metadata expects at "
