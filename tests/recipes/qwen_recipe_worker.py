@@ -1,12 +1,14 @@
-"""Qwen2-VL trained through the recipe (issue 29 items 1-3): ``ClipLlamaModule`` with
-``model.pretrained.hf`` a tiny Qwen2-VL directory written offline (a
-:class:`~lightning_mmpar.recipes.qwen_module.QwenVLRecipeModule`, each rank reading only its
-slices, stages or FSDP shards), on batches of the conversation data module with the
-directory's own image processor (images of three sizes, a text-only and a two-image sample;
-fixed shapes for the pipeline), in tp2, tp2 with the ViT data-parallel, pp2, dp2 FSDP2 (the
-2-process world of :mod:`qwen_vl_worker`) and tp2 x pp2 (the 4-process ragged world); each
-layout's losses and first-step gradients equal one process. The tp2 and dp2 FSDP2 runs save
-their checkpoint for the export test.
+"""Qwen2-VL and Qwen3-VL-MoE trained through the recipe (issue 29 items 1-3):
+``ClipLlamaModule`` with ``model.pretrained.hf`` a tiny directory written offline (a
+:class:`~lightning_mmpar.recipes.qwen_module.QwenVLRecipeModule` /
+:class:`~lightning_mmpar.recipes.qwen3_module.Qwen3MoeVLRecipeModule`, each rank reading only
+its slices, stages, FSDP shards or experts), on batches of the conversation data module with
+the directory's own image processor (images of three sizes, a text-only and a two-image
+sample; fixed shapes for the pipeline): Qwen2-VL in tp2, tp2 with the ViT data-parallel, pp2,
+dp2 FSDP2 and Qwen3-VL-MoE in ep2 (the 2-process world of :mod:`qwen_vl_worker`), Qwen2-VL
+tp2 x pp2 and Qwen3-VL-MoE ep2 x tp2 (the 4-process ragged world); each layout's losses and
+first-step gradients equal one process. The :data:`SAVED` / :data:`SAVED_4` runs save their
+checkpoint for the export tests.
 """
 
 from __future__ import annotations

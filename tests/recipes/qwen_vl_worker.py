@@ -1,8 +1,9 @@
 """Qwen2-VL / Qwen2.5-VL through the layouts (issue 29 item 3): a LightningModule over the
 model's pipeline blocks and :func:`~lightning_mmpar.plans.qwen_vl.qwen_vl_plan`, trained two
 steps on batches mixing a text-only sample, one-image samples and a sample with two images of
-different resolutions, in one spawned 2-process world (tp2, pp2) against one process. The
-same world runs the recipe's 2-process Qwen layouts (:mod:`qwen_recipe_worker`).
+different resolutions, in the spawned world of each layout's size (2 processes: tp2, pp2,
+dp2 FSDP2; 4: tp2 x pp2) against one process. The same worlds run the recipe's Qwen layouts of
+their size (:mod:`qwen_recipe_worker`).
 
 The tiny models come from transformers' own classes (:mod:`tests.unit.models.qwen_vl_cases`)
 through :func:`~lightning_mmpar.models.hf.qwen_convert.qwen_vl_from_transformers`, so every

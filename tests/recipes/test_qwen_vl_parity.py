@@ -1,11 +1,13 @@
 """Qwen2-VL / Qwen2.5-VL in the layouts (issue 29 item 3): one spawned 2-process world runs
-every layout of :data:`qwen_vl_worker.LAYOUTS` (tp2 with the ViT sharded or replicated, pp2
-1F1B) and the tp2 eval logits; losses and first-step gradients equal one process within a
-relative 1e-5, the tp2 logits equal the unsharded model's within 1e-5. The same world trains
-Qwen2-VL through the recipe (:mod:`qwen_recipe_worker`: ``model.pretrained.hf``, the
-conversation data with the directory's image processor) in tp2, tp2 with a data-parallel ViT,
-pp2 and dp2 FSDP2, equal to one process; its tp2 and dp2 FSDP2 checkpoints export to
-transformers directories with the source's tensor names, shapes and bytes."""
+every 2-process layout of :data:`qwen_vl_worker.LAYOUTS` (tp2 with the ViT sharded or
+replicated, pp2 1F1B, dp2 FSDP2; their 4-process tp2 x pp2 runs in the ragged world) and the
+tp2 eval logits; losses and first-step gradients equal one process within a relative 1e-5, the
+tp2 logits equal the unsharded model's within 1e-5. The same world trains through the recipe
+(:mod:`qwen_recipe_worker`: ``model.pretrained.hf``, the conversation data with the
+directory's image processor) Qwen2-VL in tp2, tp2 with a data-parallel ViT, pp2 and dp2 FSDP2
+and Qwen3-VL-MoE in ep2, equal to one process, each rank reading its slices (and experts)
+only; the Qwen2-VL tp2, dp2 FSDP2 and pp2 checkpoints export to transformers directories with
+the source's tensor names, shapes and bytes."""
 
 from __future__ import annotations
 
