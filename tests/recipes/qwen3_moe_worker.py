@@ -2,8 +2,9 @@
 :func:`~lightning_mmpar.plans.qwen3_moe_vl.qwen3_moe_vl_plan`, trained two steps on the batches
 of :mod:`qwen_vl_worker` (a text-only sample, one-image samples, a sample with two images of
 different resolutions; step 2 packed) in the spawned world of each layout's size (2
-processes: ep2, tp2, pp2; 4: ep2 x tp2, ep2 x pp2) against one process; then the export of an ep2 model (experts sharded) back to a transformers
-directory, and the refusal of an export holding one rank's experts only.
+processes: ep2, tp2, pp2; 4: ep2 x tp2, ep2 x pp2) against one process; then (2 processes)
+the export of an ep2 model (experts sharded) back to a transformers directory, and the
+refusal of an export holding one rank's experts only.
 """
 
 from __future__ import annotations

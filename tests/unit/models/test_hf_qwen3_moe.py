@@ -212,6 +212,45 @@ def test_hub_layout_experts_are_read_transposed(pair: tuple[object, object]) -> 
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.parametrize("hub", [False, True], ids=["in-memory layout", "hub layout"])
+def test_the_recipe_loader_reads_one_ranks_experts_only(
+    pair: tuple[object, object], tmp_path: Path, hub: bool
+) -> None:
+    """The recipe's per-rank views of a directory (``transformers_qwen_vl``) give every tensor
+    of :func:`import_qwen3_moe_vl_state`; a slice of experts ``1:3`` (an ep rank's) of
+    ``w_gate`` / ``w_up`` / ``w_down`` reads exactly those experts' bytes, in either stored
+    expert layout; the router reads as ``[1, E, D]``."""
+    from safetensors.torch import save_file
+
+    from lightning_mmpar.models.hf.qwen3_convert import import_qwen3_moe_vl_state
+    from lightning_mmpar.recipes.pretrained_files import transformers_qwen_vl
+
+    hf, ours = pair
+    hf.save_pretrained(tmp_path)  # type: ignore[attr-defined]
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}  # type: ignore[attr-defined]
+    if hub:
+        state = {
+            k: v.transpose(1, 2).contiguous() if ".experts." in k else v for k, v in state.items()
+        }
+    save_file(state, str(tmp_path / "model.safetensors"))
+    want = import_qwen3_moe_vl_state(state, ours.config)  # type: ignore[attr-defined]
+    files = transformers_qwen_vl(tmp_path)
+    got = {f"{part}.{k}": f for part, f in files.items() for k in f.shapes}
+    assert got.keys() == {k for k in want if not k.endswith(("expert_bias", "expert_mask"))}
+    for key in got:
+        assert got[key].shapes[key.partition(".")[2]] == tuple(want[key].shape), key
+    layer = files["language"]
+    for name in ("w_gate", "w_up", "w_down"):
+        key = f"layers.0.mlp.experts.{name}"
+        _, a, b = layer.shapes[key]
+        before = layer.bytes_read
+        part = layer.read(key, (slice(1, 3), slice(0, a), slice(0, b)))
+        assert torch.equal(part, want[f"language.{key}"][1:3]), name
+        assert layer.bytes_read - before == 2 * a * b * 4 == part.nbytes
+    router = layer.read("layers.0.mlp.router_gate", (slice(0, 1), slice(1, 3), slice(0, 64)))
+    assert torch.equal(router, want["language.layers.0.mlp.router_gate"][:, 1:3])
+
+
 def test_a_directory_without_config_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"has no config\.json"):
         qwen3_moe_vl_from_hf(tmp_path)
