@@ -5,13 +5,13 @@ Process start-up costs seconds on small machines, so callers run many checks in 
 default process group initialised, and returns every rank's return value.
 :func:`quiet_trainer` is the CPU ``Trainer`` of such checks.
 
-Ranks are forked from a ``forkserver`` that imported :data:`PRELOAD` once (torch, Lightning
-and this package: about 14 CPU-seconds per fresh interpreter), instead of each rank importing
-them again; a rank still starts in a fresh process with the caller's environment, ``sys.path``
-and working directory at the time of the call, and its own children (DataLoader workers) start
-by the platform's default method, as under ``torchrun``. ``MMPAR_START_METHOD=spawn`` starts
-every rank as a fresh interpreter instead (the behaviour before: slower, nothing shared with a
-server).
+Ranks are forked from a ``forkserver`` that imported :data:`PRELOAD` once (torch, Lightning,
+this package and its recipe CLI: about 14 CPU-seconds per fresh interpreter), instead of each
+rank importing them again; a rank still starts in a fresh process with the caller's
+environment, ``sys.path`` and working directory at the time of the call, and its own children
+(DataLoader workers) start by the platform's default method, as under ``torchrun``.
+``MMPAR_START_METHOD=spawn`` starts every rank as a fresh interpreter instead (the behaviour
+before: slower, nothing shared with a server).
 """
 
 from __future__ import annotations
@@ -29,8 +29,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-PRELOAD: tuple[str, ...] = ("lightning_mmpar", "lightning_mmpar.strategy", "lightning.pytorch")
-"""Modules the forkserver imports once, before it forks any rank (fork-safe: imports only)."""
+PRELOAD: tuple[str, ...] = (
+    "lightning_mmpar",
+    "lightning_mmpar.strategy",
+    "lightning.pytorch",
+    "lightning_mmpar.recipes.cli",
+)
+"""Modules the forkserver imports once, before it forks any rank (fork-safe: imports only). The
+recipe CLI brings open_clip, timm and jsonargparse (about 1.2 CPU-seconds a rank, paid by every
+rank of a recipe world when it is not preloaded)."""
 
 
 def _context() -> Any:

@@ -3,9 +3,18 @@
 The GPU YAMLs keep their schedule, micro-batches, virtual stages, sequence parallelism,
 data-parallel engine, precision and adapter count; widths, depth (2 ViT layers, 2 decoder
 layers, 8 for the 16-GPU YAML's 2 x 8 virtual stages), image size and batch shrink to CPU size,
-and the layout is scaled to at most 4 processes:
+and the layout is scaled to at most 4 processes. Every run's captions are cut to
+:data:`CAPTION_TOKENS` tokens (``data.max_length``; the digits' longest caption has 9, the
+16-GPU YAMLs set 12, and 4 is divisible by their sequence-parallel tp): the run summary's greedy
+decoding makes ``max_length - 1`` passes through the YAML's layout, and under sequence
+parallelism or MoE (no key/value cache) each pass is a whole forward-only pipeline schedule, 16
+stages for the 16-GPU YAMLs (3 passes instead of 11 took their decoding from ~30 s to ~4-7 s
+each on a loaded machine). Three passes run the same code as eleven (the first one, then passes
+fed back the decoded tokens); the decoding's numerics against one process are checked in
+``tests/recipes/test_generation.py``. The CPU YAMLs train (and the summary decodes) batches of 8
+rows per rank instead of 72: the uncached MoE decoding of 72 rows cost more than its training.
 
-* ``clip_llama_cpu``: its own layout, tp 2 x pp 2 (4 processes), as shipped;
+* ``clip_llama_cpu``: its own layout and model, tp 2 x pp 2 (4 processes), as shipped;
 * ``clip_llama_moe_cpu``: its own layout and model, expert 2 x tensor 2 x dp 2 (FSDP2, 4
   processes), as shipped, with the expert-load monitor (router statistics, heatmap);
 * ``clip_llama_1gpu``: its own layout, one process (``data_parallel: none``);
@@ -27,6 +36,8 @@ import yaml
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 STEPS = 2
+CAPTION_TOKENS = 4
+"""Caption length of every run (``data.max_length``): <bos>, 2 words, <eos>."""
 
 
 def _tiny_model(heads: int, decoder_layers: int, moe: bool = False) -> dict[str, Any]:
@@ -56,8 +67,8 @@ def _tiny_model(heads: int, decoder_layers: int, moe: bool = False) -> dict[str,
 
 
 RUNS: dict[str, dict[str, Any]] = {
-    "clip_llama_cpu": {"world": 4, "strategy": {}, "model": {}, "data": {}},
-    "clip_llama_moe_cpu": {"world": 4, "strategy": {}, "model": {}, "data": {}},
+    "clip_llama_cpu": {"world": 4, "strategy": {}, "model": {}, "data": {"batch_size": 8}},
+    "clip_llama_moe_cpu": {"world": 4, "strategy": {}, "model": {}, "data": {"batch_size": 8}},
     "clip_llama_1gpu": {
         "world": 1,
         "strategy": {},
@@ -87,7 +98,8 @@ RUNS: dict[str, dict[str, Any]] = {
 
 
 def overrides(name: str, root: Path) -> dict[str, Any]:
-    """The override YAML of one run (CPU, :data:`STEPS` steps, no validation, the summary kept)."""
+    """The override YAML of one run (CPU, :data:`STEPS` steps, no validation, the summary kept,
+    captions of :data:`CAPTION_TOKENS` tokens)."""
     run = RUNS[name]
     shipped = yaml.safe_load((RECIPES / f"{name}.yaml").read_text())
     strategy = shipped["trainer"]["strategy"]
@@ -116,7 +128,7 @@ def overrides(name: str, root: Path) -> dict[str, Any]:
             ],
         },
         "model": run["model"],
-        "data": run["data"],
+        "data": {**run["data"], "max_length": CAPTION_TOKENS},
     }
 
 
