@@ -55,11 +55,17 @@ YAML = ROOT / "recipes" / "clip_llama_cpu.yaml"
 Spec = tuple[str, dict[str, Any], str]
 """(name, strategy arguments, vision_parallel)."""
 
+UNPACKED = "unpacked"
+"""A spec key (not a strategy argument): run with ``PipelineEngine.pack_boundaries = False``,
+every boundary tensor on its own (the engine before boundary packing), in the same run."""
 
-def _pp(pp: int, schedule: str, partition: str, v: int = 1) -> Spec:
-    name = f"{schedule}{' v2' if v > 1 else ''} {partition}"
+
+def _pp(
+    pp: int, schedule: str, partition: str | list[int], v: int = 1, packed: bool = True
+) -> Spec:
+    name = f"{schedule}{' v2' if v > 1 else ''} {partition}{'' if packed else ' unpacked'}"
     args = {"pipeline_parallel": pp, "virtual_pipeline": v, "schedule": schedule}
-    return name, {**args, "partition": partition}, "tp"
+    return name, {**args, "partition": partition, **({} if packed else {UNPACKED: True})}, "tp"
 
 
 MULTI = tuple(s for s in SCHEDULES if s in MULTI_STAGE_SCHEDULES)
@@ -77,6 +83,12 @@ WORLDS: dict[str, tuple[int, list[Spec]]] = {
             *(
                 _pp(2, s, "measured", 2)
                 for s in ("interleaved_1f1b", "zbv_zero_bubble", "dualpipev")
+            ),
+            *(_pp(2, "1f1b", [6], packed=p) for p in (True, False)),
+            *(
+                _pp(2, s, [2, 6, 7], 2, packed=p)
+                for s in ("interleaved_1f1b", "zbv_zero_bubble", "dualpipev")
+                for p in (True, False)
             ),
         ],
     ),
@@ -108,10 +120,13 @@ def run_one(
 ) -> dict[str, Any]:
     from lightning_mmpar import MultimodalParallelStrategy
     from lightning_mmpar.callbacks import PipelineTimeline
+    from lightning_mmpar.parallel.pipeline import PipelineEngine
     from lightning_mmpar.recipes.partition import build_module
     from lightning_mmpar.testing import quiet_trainer
 
     name, strategy, vision = spec
+    strategy = dict(strategy)
+    PipelineEngine.pack_boundaries = not strategy.pop(UNPACKED, False)
     config = yaml.safe_load(YAML.read_text())
     config["model"]["plan"]["vision_parallel"] = vision
     seed_everything(0, verbose=False)
@@ -162,10 +177,16 @@ def _flops_imbalance(plan: Any) -> float:
 
 
 def worker(
-    rank: int, world_size: int, world: str, rounds: int, steps: int, limit: int | None = None
+    rank: int,
+    world_size: int,
+    world: str,
+    rounds: int,
+    steps: int,
+    limit: int | None = None,
+    only: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     torch.set_num_threads(1)
-    specs = WORLDS[world][1][:limit]
+    specs = [s for s in WORLDS[world][1][:limit] if not only or s[0] in only]
     results: dict[str, list[dict[str, Any]]] = {s[0]: [] for s in specs}
     with tempfile.TemporaryDirectory() as root:
         for _ in range(rounds):
@@ -255,7 +276,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--worlds", default=",".join(WORLDS))
     p.add_argument("--smoke", action="store_true", help="pp2, two configurations, 3 steps")
     p.add_argument("--out-dir", type=Path, default=None, help="default docs/results")
+    p.add_argument("--configs", default="", help="comma-separated configuration names only")
     args = p.parse_args(argv)
+    only = tuple(c.strip() for c in args.configs.split(",") if c.strip())
     limit = None
     if args.smoke:
         args.rounds, args.steps, args.worlds, limit = 1, 3, "pp2", 2
@@ -263,7 +286,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     started = time.perf_counter()
     for world in args.worlds.split(","):
         size = WORLDS[world][0]
-        per_rank = spawn(worker, size, world, args.rounds, args.steps, limit, timeout=1800)
+        per_rank = spawn(worker, size, world, args.rounds, args.steps, limit, only, timeout=1800)
         results[world] = summarise(per_rank, warmup=2)
         for name, row in results[world].items():
             extra = "".join(
@@ -286,6 +309,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "rounds": args.rounds,
             "steps": args.steps,
             "micro_batches": MICRO_BATCHES,
+            **({"configs": list(only)} if only else {}),
         },
         "wall_s": round(time.perf_counter() - started, 1),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

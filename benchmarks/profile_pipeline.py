@@ -103,12 +103,22 @@ def _patch(rec: Recorder) -> None:
         setattr(base, name, _timed(getattr(base, name), None, rec))
 
 
-def run(rank: int, size: int, schedule: str, steps: int, partition: str) -> list[list[Event]]:
+FIXED = {1: [6], 2: [2, 6, 7]}
+"""``--partition fixed``: the cuts ``measured`` takes on a quiet core (pp 2, by stages per
+rank), so that configurations compared in one run have the same stages."""
+
+
+def run(
+    rank: int, size: int, schedule: str, steps: int, partition: str, packed: bool = True
+) -> list[list[Event]]:
     from lightning_mmpar import MultimodalParallelStrategy
+    from lightning_mmpar.parallel.pipeline import PipelineEngine
     from lightning_mmpar.recipes.partition import build_module
     from lightning_mmpar.testing import quiet_trainer
 
     torch.set_num_threads(1)
+    PipelineEngine.pack_boundaries = packed
+    cut: str | list[int] = FIXED[SCHEDULES[schedule]] if partition == "fixed" else partition
     config = yaml.safe_load(YAML.read_text())
     seed_everything(0, verbose=False)
     module, data = build_module(config, meta=False)
@@ -116,7 +126,7 @@ def run(rank: int, size: int, schedule: str, steps: int, partition: str) -> list
         pipeline_parallel=2,
         virtual_pipeline=SCHEDULES[schedule],
         schedule=schedule,
-        partition=partition,
+        partition=cut,
         micro_batches=4,
     )
     rec = Recorder(warmup=2)
@@ -206,18 +216,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--schedules", default=",".join(SCHEDULES))
     p.add_argument("--steps", type=int, default=8, help="steps per run (2 warm-up)")
     p.add_argument("--repeats", type=int, default=1, help="runs per schedule (round-robin)")
-    p.add_argument("--partition", default="measured", help="the strategy's partition=")
+    p.add_argument(
+        "--partition", default="measured", help="the strategy's partition=, or 'fixed' (FIXED)"
+    )
+    p.add_argument(
+        "--unpacked",
+        action="store_true",
+        help="also run each schedule with PipelineEngine.pack_boundaries = False (round-robin)",
+    )
     args = p.parse_args(argv)
     names = args.schedules.split(",")
+    if args.unpacked:
+        names = [f"{n}{tail}" for n in names for tail in ("", " unpacked")]
     steps: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     for _ in range(args.repeats):
         for name in names:
-            out = spawn(run, 2, name, args.steps, args.partition, timeout=900)
+            schedule, packed = name.split(" ")[0], not name.endswith(" unpacked")
+            out = spawn(run, 2, schedule, args.steps, args.partition, packed, timeout=900)
             steps[name] += [decompose([out[0][i], out[1][i]]) for i in range(len(out[0]))]
     report: dict[str, Any] = {}
     for name in names:
         rows = steps[name]
-        formula = formula_bubble(name, 2, 4, SCHEDULES[name])
+        schedule = name.split(" ")[0]
+        formula = formula_bubble(schedule, 2, 4, SCHEDULES[schedule])
         med = {
             "bubble": statistics.median(s["bubble"] for s in rows),
             "span_ms": statistics.median(s["span_ms"] for s in rows),

@@ -53,7 +53,8 @@ def engine_checks(group: Any) -> dict[str, dict[str, Any]]:
     uneven ``stage_ranges`` (2 blocks, 1 per middle stage, 2; the embedding on stage 1): worst
     relative loss / gradient error
     of a training step against autograd on one process, at the schedule's fewest micro-batches
-    and after ``set_micro_batches(4)``; the eval loss's; the observed stage actions."""
+    and after ``set_micro_batches(4)``; the eval loss's; the observed stage actions; the stages
+    whose inputs arrive packed."""
     out = {}
     x, y = torch.randn(8, 4, generator=torch.Generator().manual_seed(1)), torch.ones(8, 4) / 3
     ids = torch.arange(8) % 10
@@ -90,4 +91,16 @@ def engine_checks(group: Any) -> dict[str, dict[str, Any]]:
             for i, key in enumerate(("stages", "actions", "micro"))
         }
         out[name] = {**errs, **seen, "owned": engine.stage_ids, "last_rank": engine.last_rank}
+        out[name]["packed"] = _packed_stages(engine)
     return out
+
+
+def _packed_stages(engine: PipelineEngine) -> list[int]:
+    """The stages of ``engine``'s schedules whose inputs arrive packed (one buffer per dtype,
+    :class:`~lightning_mmpar.parallel.pipeline.boundary.PackedStage`)."""
+    stages = [
+        st
+        for schedule in engine._schedules.values()
+        for st in getattr(schedule, "_stages", [getattr(schedule, "_stage", None)])
+    ]
+    return sorted({st.stage_index for st in stages if getattr(st, "input_layout", None)})

@@ -224,7 +224,7 @@ def _check_engine(ranks: list[dict[str, dict[str, Any]]]) -> None:
     """:func:`parity_matrix_worker.engine_checks`: every schedule's loss, gradients (also after
     ``set_micro_batches(4)``) and eval loss equal autograd's; stages on the loop / V layout;
     every stage reports its actions (split backward for the zero-bubble schedules) and the last
-    stage its loss (action ``loss``)."""
+    stage its loss (action ``loss``); a boundary of two floats between ranks travels packed."""
     for name in ranks[0]:
         got = [r[name] for r in ranks]
         print(
@@ -246,6 +246,11 @@ def _check_engine(ranks: list[dict[str, dict[str, Any]]]) -> None:
             assert [g["owned"] for g in got] == [[0, 3], [1, 2]]
         else:
             assert [g["owned"] for g in got] == [[0, 2], [1, 3]]
+        # from the embedding on, a boundary carries two floats: one buffer between ranks (stages
+        # 2 and 3 of the loop layout; the V layout's 1 -> 2 is its in-memory turn; 1F1B's one
+        # boundary is before it: a float and an int, nothing to merge)
+        packed = {"zbv_zero_bubble": [3], "dualpipev": [3], "gpipe": [], "1f1b": []}
+        assert sorted(s for g in got for s in g["packed"]) == packed.get(name, [2, 3]), name
         top = max(s for g in got for s in g["owned"])  # the last stage's owner, on every rank
         assert {g["last_rank"] for g in got} == {r for r, g in enumerate(got) if top in g["owned"]}
 

@@ -1,7 +1,8 @@
 """Pipeline parallelism on ``torch.distributed.pipelining``: the engine
 (:mod:`.engine`: :class:`PipelineModule`, :class:`PipelineEngine`), torch's schedules by name
 (:mod:`.schedules`), a stage's blocks as one module and Lightning steps for any strategy
-(:mod:`.steps`), the stage plan of a module (:mod:`.stages`) and the schedule's gradients kept
+(:mod:`.steps`), the stage plan of a module (:mod:`.stages`), stage boundaries between ranks
+packed into one buffer per dtype (:mod:`.boundary`) and the schedule's gradients kept
 until Lightning's ``backward()`` (:mod:`.stash`).
 """
 

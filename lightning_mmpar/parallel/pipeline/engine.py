@@ -25,17 +25,17 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.pipelining import PipelineStage
 
 from lightning_mmpar.config import ParallelConfig
 from lightning_mmpar.parallel import comm
 from lightning_mmpar.parallel import gradient_cache as gc
 from lightning_mmpar.parallel.pipeline import schedules as ps
+from lightning_mmpar.parallel.pipeline.boundary import BoundaryLayout, PackedStage
 from lightning_mmpar.parallel.pipeline.schedules import (
     _drop_parameters,
     check_ownership,
@@ -80,6 +80,16 @@ def _grad_flags(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
     return tuple(t.detach().requires_grad_(t.is_floating_point()) for t in tensors)
 
 
+class _StageIO(NamedTuple):
+    """One stage's example tensors as they travel (its static metadata) and the layouts of its
+    boundaries with other ranks (``None``: unpacked)."""
+
+    inputs: tuple[Tensor, ...]
+    outputs: tuple[Tensor, ...]
+    unpack: BoundaryLayout | None
+    pack: BoundaryLayout | None
+
+
 class PipelineEngine:
     """This rank's stages and schedule for one :class:`PipelineModule`.
 
@@ -109,6 +119,14 @@ class PipelineEngine:
 
     _losses_run = 0
     """Loss calls in the running schedule pass: the next loss's micro-batch index."""
+
+    pack_boundaries = True
+    """Send each stage boundary with another rank as one buffer per dtype
+    (:class:`~lightning_mmpar.parallel.pipeline.boundary.BoundaryLayout`: 2 + 1 point-to-point
+    transfers per micro-batch for the fusion model's 7-tensor boundary instead of 7 + 5).
+    ``False`` sends every tensor on its own (torch's default: no copy into a buffer). Read when
+    a schedule is built: set it alike on every pipeline rank; changing it between steps builds
+    new schedules."""
 
     def __init__(
         self,
@@ -210,7 +228,8 @@ class PipelineEngine:
             self.config.check_batch_size(int(t.shape[0]), name="batch size")
         kind = self.device.type
         autocast = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
-        key = (train, n, autocast, *((tuple(t.shape), t.dtype) for t in inputs))
+        shapes = tuple((tuple(t.shape), t.dtype) for t in inputs)
+        key = (train, n, autocast, self.pack_boundaries, *shapes)
         if key not in self._schedules:
             with _rng_untouched(self.device):  # built lazily: a resumed run builds it later
                 io = self._example_io(tuple(t.tensor_split(n)[0] for t in inputs))
@@ -220,27 +239,29 @@ class PipelineEngine:
             self._schedules[key] = self._build_schedule(stages)
         return self._schedules[key]
 
-    def _stage(self, chunk: nn.Module, index: int, io: tuple[tuple[Tensor, ...], ...]) -> Any:
+    def _stage(self, chunk: nn.Module, index: int, io: _StageIO) -> Any:
         """A stage with static metadata. Gradients are declared like the tensors they flow
         into (same shapes, DTensor placements), so torch does not fall back to inferring
-        metadata by running the stage on placeholders (it does so for DTensors otherwise)."""
-        x, y = io
+        metadata by running the stage on placeholders (it does so for DTensors otherwise).
+        Boundaries with other ranks travel packed (:class:`~.boundary.PackedStage`)."""
 
         def grads(ts: tuple[Tensor, ...]) -> tuple[Tensor | None, ...]:
             return tuple(t if t.requires_grad else None for t in ts)
 
         full = index in self._unsplit  # zero-bubble: whole backward in the I step
-        stage = PipelineStage(
+        stage = PackedStage(
             chunk,
             index,
             self.config.num_stages,
             self.device,
             group=self.group,
-            input_args=x,
-            output_args=y,
-            input_grads=grads(x),
-            output_grads=grads(y),
+            input_args=io.inputs,
+            output_args=io.outputs,
+            input_grads=grads(io.inputs),
+            output_grads=grads(io.outputs),
             dw_builder=(lambda: lambda: None) if full else None,
+            inputs=io.unpack,
+            outputs=io.pack,
         )
         stage.stage_index_to_group_rank = dict(enumerate(self._stage_ranks))
         ps.instrument_stage(stage, self.observers)
@@ -248,19 +269,15 @@ class PipelineEngine:
         return stage
 
     @torch.no_grad()
-    def _example_io(self, mb: tuple[Tensor, ...]) -> dict[int, tuple[tuple[Tensor, ...], ...]]:
+    def _example_io(self, mb: tuple[Tensor, ...]) -> dict[int, _StageIO]:
         """Run one micro-batch through the stages in order (point-to-point between owners,
-        in memory between two consecutive stages of this rank: the V layout's turn)."""
+        in memory between two consecutive stages of this rank: the V layout's turn); each
+        stage's metadata is what travels: the packed buffers across ranks."""
         chunks = dict(zip(self.stage_ids, self.chunks, strict=True))
-        io: dict[int, tuple[tuple[Tensor, ...], ...]] = {}
+        io: dict[int, _StageIO] = {}
         y: tuple[Tensor, ...] = ()
         for s in self.stage_ids:
-            if s == 0:
-                x = mb
-            elif self.stage_rank(s - 1) == self.pp_rank:
-                x = tuple(t.detach() for t in y)
-            else:
-                x = comm.recv_tensors(self.stage_rank(s - 1), self.group, self.device)
+            x, unpack = self._example_inputs(s, mb, y)
             split = s > 0 and self.schedule_name in ps.ZERO_BUBBLE  # see unsplit_parameters
             with torch.enable_grad() if split else contextlib.nullcontext():
                 x = _grad_flags(x) if split else x
@@ -268,12 +285,36 @@ class PipelineEngine:
                 y = out if isinstance(out, tuple) else (out,)
                 if split and ps.unsplit_parameters(x, y):
                     self._unsplit.add(s)
+            pack = self._send_example(s, y)
+            wire_x = unpack.pack(x) if unpack is not None else x
+            wire_y = pack.pack(y) if pack is not None else y
             # the flags tell the stages which boundary tensors carry gradients
-            io[s] = (_grad_flags(x) if s > 0 else x, _grad_flags(y))
-            nxt = s + 1
-            if nxt < self.config.num_stages and self.stage_rank(nxt) != self.pp_rank:
-                comm.send_tensors(y, self.stage_rank(nxt), self.group)
+            io[s] = _StageIO(_grad_flags(wire_x) if s > 0 else x, _grad_flags(wire_y), unpack, pack)
         return io
+
+    def _example_inputs(
+        self, s: int, mb: tuple[Tensor, ...], previous: tuple[Tensor, ...]
+    ) -> tuple[tuple[Tensor, ...], BoundaryLayout | None]:
+        """Stage ``s``'s example inputs and the layout they travel in (the sender's, received
+        with them; ``None``: unpacked)."""
+        if s == 0:
+            return mb, None
+        src = self.stage_rank(s - 1)
+        if src == self.pp_rank:
+            return tuple(t.detach() for t in previous), None
+        x = comm.recv_tensors(src, self.group, self.device)
+        return x, comm.recv_object(src, self.group)
+
+    def _send_example(self, s: int, y: tuple[Tensor, ...]) -> BoundaryLayout | None:
+        """Send stage ``s``'s example outputs to the next stage's rank, with the layout they
+        will travel in (:attr:`pack_boundaries`); nothing for the last stage or the same rank."""
+        nxt = s + 1
+        if nxt >= self.config.num_stages or self.stage_rank(nxt) == self.pp_rank:
+            return None
+        layout = BoundaryLayout.of(y) if self.pack_boundaries else None
+        comm.send_tensors(y, self.stage_rank(nxt), self.group)
+        comm.send_object(layout, self.stage_rank(nxt), self.group)
+        return layout
 
     def _build_schedule(self, stages: list[Any]) -> Any:
         n = self.config.num_micro_batches
