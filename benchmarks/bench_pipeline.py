@@ -25,7 +25,9 @@ action order simulated with each stage's median action times, the loss in the la
 forward, free communication: what unequal stages alone leave). ``imbalance`` is max / mean
 stage FLOPs; ``measured_imbalance`` max / mean of the times ``partition="measured"`` took at
 set-up. ``--worlds pp2`` re-measures one world and keeps the others' rows from the existing
-JSON (``kept`` names their run).
+JSON (``kept`` names their run). The pp2 world also compares packed and unpacked stage
+boundaries (``... unpacked``: ``PipelineEngine.pack_boundaries = False``) on the same fixed cuts;
+``--configs "name;name"`` runs only the named configurations.
 """
 
 from __future__ import annotations
@@ -276,9 +278,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--worlds", default=",".join(WORLDS))
     p.add_argument("--smoke", action="store_true", help="pp2, two configurations, 3 steps")
     p.add_argument("--out-dir", type=Path, default=None, help="default docs/results")
-    p.add_argument("--configs", default="", help="comma-separated configuration names only")
+    p.add_argument("--configs", default="", help="configuration names only, separated by ;")
     args = p.parse_args(argv)
-    only = tuple(c.strip() for c in args.configs.split(",") if c.strip())
+    only = tuple(c.strip() for c in args.configs.split(";") if c.strip())
     limit = None
     if args.smoke:
         args.rounds, args.steps, args.worlds, limit = 1, 3, "pp2", 2

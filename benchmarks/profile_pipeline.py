@@ -2,13 +2,15 @@
 
     python benchmarks/profile_pipeline.py    # pp2: 1f1b, interleaved_1f1b, zbv, dualpipev
     python benchmarks/profile_pipeline.py --schedules 1f1b --steps 8 --repeats 3
+    python benchmarks/profile_pipeline.py --partition fixed --unpacked   # packed vs unpacked
 
 The model and data of ``benchmarks/bench_pipeline.py`` (``recipes/clip_llama_cpu.yaml``, batch
-72, 4 micro-batches, ``partition="measured"`` unless ``--partition`` says otherwise), one
-spawned 2-process gloo world per schedule and repeat, one thread per process. On every step
-after the first two, each rank splits the span of the training schedule (first action start
-to last action end over both ranks, clocks aligned by a barrier at the batch start: what
-:class:`~lightning_mmpar.callbacks.PipelineTimeline` measures) into:
+72, 4 micro-batches, ``partition="measured"`` unless ``--partition`` says otherwise; ``fixed``:
+:data:`FIXED`), one spawned 2-process gloo world per schedule and repeat (``--unpacked``: also
+each schedule with ``PipelineEngine.pack_boundaries = False``, round-robin), one thread per
+process. On every step after the first two, each rank splits the span of the training
+schedule (first action start to last action end over both ranks, clocks aligned by a barrier
+at the batch start: what :class:`~lightning_mmpar.callbacks.PipelineTimeline` measures) into:
 
 * ``compute``: the stage actions (forward, backward, input / weight backward);
 * ``wait``: torch's point-to-point waits (the engine's ``wait_observers``): the peer's lateness
