@@ -56,6 +56,7 @@ def measure_blocks(
     *,
     images_per_sample: float = 1.0,
     vision_images: float | None = None,
+    vision_tokens: int | None = None,
 ) -> list[BlockSpec]:
     """A :class:`BlockSpec` per block from its ``kind``, ``cost(image_tokens, text_length)``
     (``.flops``, ``.activation_bytes``; e.g. ``lightning_mmpar.models.blocks.FusionBlock``)
@@ -67,7 +68,10 @@ def measure_blocks(
     (the tower encodes each image on its own); every other block is priced at ``K *
     image_tokens`` image tokens, interpolated linearly between ``cost(0, T)`` and
     ``cost(image_tokens, T)`` (their image work, projections and attention keys, is linear in
-    the image tokens). ``K = 1`` gives ``cost(image_tokens, T)`` exactly.
+    the image tokens). ``K = 1`` gives ``cost(image_tokens, T)`` exactly. ``vision_tokens``:
+    the patch tokens a ``vision`` block runs on when they differ from the image tokens the
+    language model sees (a ViT whose merger folds ``m x m`` patches into one token:
+    ``m^2 * image_tokens``); default ``image_tokens``.
 
     Raises:
         ValueError: ``image_tokens`` or ``text_length`` < 1, ``images_per_sample`` or
@@ -89,7 +93,8 @@ def measure_blocks(
         raise ValueError(f"{len(names)} names for {len(blocks)} blocks; give one per block.")
     specs = []
     for name, block in zip(names, blocks, strict=True):
-        flops, kept = _image_scaled(block, image_tokens, text_length, images_per_sample, vision)
+        n = vision_tokens if block.kind == "vision" and vision_tokens else image_tokens
+        flops, kept = _image_scaled(block, n, text_length, images_per_sample, vision)
         total, trainable = parameter_bytes(block)
         specs.append(BlockSpec(name, block.kind, flops, kept, float(total), float(trainable)))
     return specs

@@ -132,7 +132,11 @@ class FusionModel(nn.Module):
         dim = config.language.hidden_size
         self.vision = VisionTower(config.vision)
         self.projector = build_projector(
-            config.vision.width, dim, config.projector, config.projector_act, config.projector_bias
+            config.vision.token_width,
+            dim,
+            config.projector,
+            config.projector_act,
+            config.projector_bias,
         )
         self.adapters = nn.ModuleList(
             CrossModalAdapter(dim, config.adapter) for _ in range(config.adapter.num_blocks)

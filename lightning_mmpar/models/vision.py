@@ -59,11 +59,26 @@ class VisionConfig:
     keep_class_token: bool = False
     """The token output keeps the class token first (``1 + grid**2`` tokens: LLaVA's
     ``vision_feature_select_strategy="full"``); default: the ``grid**2`` patch tokens."""
+    spatial_merge: int = 1
+    """Patch tokens merged per side before the projector (Qwen2-VL's ``spatial_merge_size``,
+    InternVL's pixel shuffle): each ``m x m`` neighbourhood of the grid becomes one token of
+    width ``m^2 * width`` (:attr:`token_width`), ``(grid / m)^2`` tokens per image; 1: none."""
 
     def __post_init__(self) -> None:
         if self.width % self.heads != 0:
             raise ValueError(
                 f"VisionConfig.width ({self.width}) must be divisible by heads ({self.heads})."
+            )
+        m = self.spatial_merge
+        if not isinstance(m, int) or m < 1 or (self.image_size // self.patch_size) % m:
+            raise ValueError(
+                f"VisionConfig.spatial_merge ({m!r}) must be an int >= 1 dividing the grid "
+                f"({self.image_size // self.patch_size} patches per side); use 1 for none."
+            )
+        if m > 1 and self.keep_class_token:
+            raise ValueError(
+                f"VisionConfig.spatial_merge ({m}) merges patch tokens only: set "
+                "keep_class_token=False."
             )
         if self.image_size % self.patch_size != 0:
             raise ValueError(
@@ -78,8 +93,14 @@ class VisionConfig:
 
     @property
     def tokens(self) -> int:
-        """Tokens per image in the token output (:attr:`keep_class_token`)."""
-        return self.grid**2 + int(self.keep_class_token)
+        """Tokens per image in the token output (:attr:`keep_class_token`,
+        :attr:`spatial_merge`)."""
+        return (self.grid // self.spatial_merge) ** 2 + int(self.keep_class_token)
+
+    @property
+    def token_width(self) -> int:
+        """Width of a token of the token output: ``spatial_merge^2 * width``."""
+        return self.spatial_merge**2 * self.width
 
     @property
     def mlp_width(self) -> int:
@@ -286,12 +307,25 @@ def pool_tokens(
     """open_clip ``_pool``: ``(ln_post(pooled) @ proj, tokens)``, pooled = class token or mean.
 
     Tokens are ``ln_post``-normalised unless ``final_ln_after_pool``; the patch tokens, or with
-    ``keep_class_token`` the class token and the patch tokens.
+    ``keep_class_token`` the class token and the patch tokens; merged by
+    :func:`merge_tokens` under ``spatial_merge``.
     """
     first = 0 if config.keep_class_token else 1
     if config.final_ln_after_pool:
         pooled = x[:, 1:].mean(1) if config.pool_type == "avg" else x[:, 0]
-        return ln_post(pooled) @ proj, x[:, first:]
+        return ln_post(pooled) @ proj, merge_tokens(x[:, first:], config.spatial_merge)
     x = ln_post(x)
     pooled = x[:, 1:].mean(1) if config.pool_type == "avg" else x[:, 0]
-    return pooled @ proj, x[:, first:]
+    return pooled @ proj, merge_tokens(x[:, first:], config.spatial_merge)
+
+
+def merge_tokens(tokens: Tensor, merge: int) -> Tensor:
+    """``[B, g^2, W]`` row-major patch tokens -> ``[B, (g / m)^2, m^2 W]``: each ``m x m``
+    neighbourhood concatenated (row-major inside it), as Qwen2-VL's ``PatchMerger`` reads the
+    patches its processor orders by ``m x m`` unit; ``merge == 1``: unchanged."""
+    if merge == 1:
+        return tokens
+    b, n, w = tokens.shape
+    g = math.isqrt(n)
+    x = tokens.reshape(b, g // merge, merge, g // merge, merge, w).transpose(2, 3)
+    return x.reshape(b, (g // merge) ** 2, merge * merge * w)

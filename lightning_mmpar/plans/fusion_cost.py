@@ -238,7 +238,7 @@ def _ep_collectives(
         tokens = text_length * (2 if name.startswith("decoder") else 1)
         layer = model.language.layers[int(name[7:])] if name.startswith("decoder") else None
         if layer is not None and layer.image_norm is not None and "vision" in moe.modalities:
-            tokens += round(images * (cfg.vision.image_size // cfg.vision.patch_size) ** 2)
+            tokens += round(images * cfg.vision.tokens)
         n = tokens * moe.top_k
         row = d * e
         found = [Collective("ep", "all_to_all", 0, "forward", bytes_per_call=8 * moe.num_experts)]
@@ -440,9 +440,14 @@ def fusion_model_spec(
     names += [*(f"decoder{i}" for i in range(de)), "head"]
     v, k = model.config.vision, float(images_per_sample)
     images = (vision_images(k, layout.micro_batch_size), k)
-    n = (v.image_size // v.patch_size) ** 2
     specs = measure_blocks(
-        blocks, n, text_length, names, images_per_sample=k, vision_images=images[0]
+        blocks,
+        v.tokens,
+        text_length,
+        names,
+        images_per_sample=k,
+        vision_images=images[0],
+        vision_tokens=v.grid**2,
     )
     options = FusionPlanOptions(
         sequence_parallel=layout.sequence_parallel,

@@ -7,19 +7,29 @@ architecture is the checkpoint's (:func:`~lightning_mmpar.models.hf.hf_fusion_co
 ``config.json`` is read, no weights, tokenizer or data needed), and the YAML's data section is
 replaced by :class:`CheckpointShapes`: the shapes the cost model needs (the checkpoint's
 vocabulary, the YAML data's ``max_tokens`` / ``max_length`` and ``batch_size``), without
-reading the data files or the tokenizer. ``recipes/hf/llava-1.5-7b`` and ``llava-1.5-13b``
-hold the published configs.
+reading the data files or the tokenizer. A Qwen2-VL, Qwen2.5-VL or Qwen3-VL-MoE checkpoint is
+priced as a fusion model of its shapes instead (``model.fusion``:
+:func:`~lightning_mmpar.models.hf.qwen_plan.qwen_plan_fusion_config`, at the YAML data's
+``image_tokens`` language tokens per image, else 256). ``recipes/hf/`` holds the published
+configs (recipes/hf/README.md).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import LightningDataModule
 
 from lightning_mmpar.models.hf import hf_fusion_config
+from lightning_mmpar.models.hf.checkpoint import hf_config
+from lightning_mmpar.models.hf.qwen_plan import (
+    DEFAULT_IMAGE_TOKENS,
+    is_qwen_config,
+    qwen_plan_fusion_config,
+)
 
 __all__ = ["DEFAULT_TEXT_LENGTH", "CheckpointShapes", "checkpoint_dir", "with_checkpoint"]
 
@@ -88,8 +98,9 @@ def with_checkpoint(config: dict[str, Any], hf: str | Path | None = None) -> dic
     data = {k: v for k, v in section.items() if k not in ("class_path", "init_args")}
     data |= section.get("init_args") or {}
     length = data.get("max_tokens") or data.get("max_length") or DEFAULT_TEXT_LENGTH
+    vocab = _priced_model(model, path, data).language.vocab_size
     shapes: dict[str, Any] = {
-        "vocab_size": hf_fusion_config(path).language.vocab_size,
+        "vocab_size": vocab,
         "max_length": int(length),
         "batch_size": int(data.get("batch_size", 1)),
     }
@@ -98,3 +109,17 @@ def with_checkpoint(config: dict[str, Any], hf: str | Path | None = None) -> dic
     name = f"{CheckpointShapes.__module__}.{CheckpointShapes.__name__}"
     out["data"] = {"class_path": name, "init_args": shapes}
     return out
+
+
+def _priced_model(model: dict[str, Any], path: str, data: dict[str, Any]) -> Any:
+    """The fusion config the planner prices for the checkpoint ``path``: a Qwen-VL one as
+    ``model.fusion`` (``model.pretrained`` dropped: no weights are read), the YAML data's
+    ``image_tokens`` per image; else the checkpoint's own (``model.pretrained.hf``)."""
+    config = hf_config(path)
+    if not is_qwen_config(config):
+        return hf_fusion_config(path)
+    tokens = int(data.get("image_tokens") or DEFAULT_IMAGE_TOKENS)
+    fusion = qwen_plan_fusion_config(config, tokens)
+    model.pop("pretrained", None)
+    model["fusion"] = dataclasses.asdict(fusion)
+    return fusion

@@ -383,9 +383,9 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
 
     def pipeline_block_specs(self, text_length: int | None = None) -> list[BlockSpec]:
         """Each block's name (``vision.stem``, ``vision.layer0``, .., ``vision.pool``, ``bridge``,
-        ``adapter0``, ``decoder0``, .., ``head``), kind, cost at ``(image_size // patch_size)**2``
-        image tokens and ``text_length`` (default: :attr:`text_length`, else the data's
-        ``max_length``) and parameter bytes
+        ``adapter0``, ``decoder0``, .., ``head``), kind, cost at ``vision.tokens`` image tokens
+        (the ViT's blocks at its ``grid**2`` patches) and ``text_length`` (default:
+        :attr:`text_length`, else the data's ``max_length``) and parameter bytes
         (:func:`lightning_mmpar.layout.measure_blocks`; meta-device models work). Call after
         :meth:`configure_model`, before pipeline stages drop parameters.
 
@@ -399,12 +399,12 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         names = ["vision.stem", *(f"vision.layer{i}" for i in range(vl)), "vision.pool"]
         names += ["bridge", *(f"adapter{i}" for i in range(ad))]
         names += [*(f"decoder{i}" for i in range(de)), "head"]
-        n = (v.image_size // v.patch_size) ** 2
+        n, patches = v.tokens, v.grid**2  # the language model's image tokens; the ViT's
         if self._tower_role == "language":  # the inlet (no cost) and the blocks after the tower
             k = len(self.tower_blocks())
             rest = measure_blocks(list(self.blocks or [])[k:], n, t, names[k:])
             return [BlockSpec("tower.inlet", "aligner", 0.0, 0.0, 0.0, 0.0), *rest]
-        return measure_blocks(self.pipeline_blocks(), n, t, names)
+        return measure_blocks(self.pipeline_blocks(), n, t, names, vision_tokens=patches)
 
     def pipeline_inputs(self, batch: dict[str, Tensor]) -> tuple[tuple[Tensor, ...], Tensor]:
         """The model's block-0 inputs (with the data's class prompts) and

@@ -204,8 +204,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--image-tokens",
         type=int,
-        help="patch tokens per image (a square number; default: the YAML's ViT, "
-        "(image_size / patch_size)^2); the ViT's image_size is set to match",
+        help="image tokens per image in the language model (a square number; default: the "
+        "YAML's ViT, (image_size / patch_size / spatial_merge)^2; a Qwen-VL --hf-config: "
+        "256); the ViT's image_size is set to match (dynamic resolution: your images' mean)",
     )
     p.add_argument(
         "--images-per-sample",
@@ -345,12 +346,12 @@ def _prepare(args: argparse.Namespace) -> _Planning:
     module, data = build_module(config)
     text_length, text_note = _text_length(args, data)
     vision = module.fusion_config.vision
-    patches = (vision.image_size // vision.patch_size) ** 2
+    merged = f", the ViT's {vision.grid**2} patches merged" if vision.spatial_merge > 1 else ""
     images, images_note = _images_per_sample(args, data)
     workload = (
-        f"workload: {text_length} {text_note}, {patches} image tokens "
-        f"per image ({image_note}), {images:g} image{'' if images == 1 else 's'} per sample "
-        f"({images_note})"
+        f"workload: {text_length} {text_note}, {vision.tokens} image tokens "
+        f"per image ({image_note}{merged}), {images:g} image{'' if images == 1 else 's'} per "
+        f"sample ({images_note})"
     )
     base = base_layout(config, module, precision)
     graph, place = None, None
@@ -407,7 +408,7 @@ def _with_image_tokens(config: dict[str, Any], tokens: int | None) -> tuple[dict
     model = dict(config.get("model") or {})
     fusion = dict(model.get("fusion") or {})
     vision = dict(fusion.get("vision") or {})
-    size = side * int(vision.get("patch_size", 16))
+    size = side * int(vision.get("patch_size", 16)) * int(vision.get("spatial_merge", 1))
     vision["image_size"] = size
     fusion["vision"], model["fusion"] = vision, fusion
     data = dict(config.get("data") or {})

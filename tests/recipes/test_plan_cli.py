@@ -341,6 +341,55 @@ def test_llava_from_config_json_alone(capsys: pytest.CaptureFixture[str]) -> Non
         with_checkpoint({}, ROOT / "recipes")
 
 
+QWEN = {
+    "qwen2-vl-7b-instruct": (28, 8.29e9, "qwen2_vl"),
+    "qwen2.5-vl-72b-instruct": (80, 73.4e9, "qwen2_5_vl"),
+    "qwen3-vl-30b-a3b-instruct": (48, 31.1e9, "qwen3_vl_moe"),
+}
+"""recipes/hf/<dir>: decoder layers, published parameters (the model cards'), model_type."""
+
+
+@pytest.mark.parametrize("name", list(QWEN))
+def test_qwen_from_config_json_alone(name: str) -> None:
+    """Each Qwen-VL config.json alone (no weights, tokenizer or data) builds the fusion model
+    the planner prices (:mod:`lightning_mmpar.models.hf.qwen_plan`): the published parameter
+    count within 1% (the merger and DeepStack differences), 256 language tokens per image from
+    1024 merged ViT patches, the ViT blocks priced at the patches, the rest at the tokens."""
+    from lightning_mmpar.models.hf.checkpoint import hf_config
+    from lightning_mmpar.recipes.hf_plan import CheckpointShapes, with_checkpoint
+
+    layers, published, kind = QWEN[name]
+    path = ROOT / "recipes" / "hf" / name / "config.json"
+    assert hf_config(path.parent).model_type == kind
+    config = with_checkpoint(cli.load_recipe(LLAVA_YAML), path)
+    assert "pretrained" not in config["model"] and config["model"]["fusion"]
+    module, data = build_module(config)
+    assert isinstance(data, CheckpointShapes) and module.load_report is None
+    fusion = module.fusion_config
+    assert fusion.language.num_hidden_layers == layers
+    assert (fusion.vision.tokens, fusion.vision.grid, fusion.vision.spatial_merge) == (256, 32, 2)
+    assert (fusion.language.moe is not None) == (kind == "qwen3_vl_moe")
+    params = sum(p.numel() for p in module.fusion_model.parameters())
+    assert abs(params / published - 1) < 0.01, params
+    specs = {s.name: s for s in module.pipeline_block_specs(64)}
+    blocks = dict(zip(specs, module.pipeline_blocks(), strict=True))
+    for block, tokens in (("vision.layer0", 1024), ("bridge", 256)):
+        assert specs[block].flops == blocks[block].cost(tokens, 64).flops
+
+
+def test_qwen2_vl_planned_from_its_config_json(capsys: pytest.CaptureFixture[str]) -> None:
+    """The planner ranks Qwen2-VL-7B's layouts from its config.json on 8 GPUs (28 heads: tp 8
+    refused, naming the heads); ``--image-tokens`` sets the tokens per image (dynamic
+    resolution) through the merger."""
+    qwen = ROOT / "recipes" / "hf" / "qwen2-vl-7b-instruct" / "config.json"
+    argv = ["--config", LLAVA_YAML, "--gpus", "8", "--hf-config", str(qwen), "--top", "1"]
+    assert cli.main([*argv, "--no-noncolocated", "--image-tokens", "64"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "64 image tokens per image (--image-tokens: image_size 224" in lines[2]
+    assert "the ViT's 256 patches merged" in lines[2]
+    assert any("num_attention_heads (28) must be divisible" in ln for ln in lines)
+
+
 def test_ragged_yaml_prices_the_row_budget_and_says_so(capsys: pytest.CaptureFixture[str]) -> None:
     """A ragged YAML's ``data.max_tokens`` is a packed row's budget (an upper bound), not a
     sample's text length: the workload line says so and how to give the samples' mean."""

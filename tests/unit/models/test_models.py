@@ -360,3 +360,34 @@ def test_logit_scale_has_a_gradient_at_its_cap() -> None:
     out.logit_scale.sum().backward()
     assert model.logit_scale.grad is not None
     torch.testing.assert_close(model.logit_scale.grad, torch.tensor(300.0))
+
+
+def test_spatial_merge_folds_each_neighbourhood_into_one_token() -> None:
+    """``spatial_merge=2``: a 4 x 4 grid's 16 patch tokens become 4 tokens of 4 x the width,
+    each the row-major concatenation of one 2 x 2 neighbourhood (Qwen2-VL's merger); the
+    projector reads the merged width; a merge that does not divide the grid is refused."""
+    from lightning_mmpar.models.fusion import FusionConfig
+    from lightning_mmpar.models.vision import merge_tokens
+
+    grid = torch.arange(16.0).reshape(1, 16, 1)  # patch (r, c) holds 4 r + c
+    merged = merge_tokens(grid, 2)
+    assert merged.shape == (1, 4, 4)
+    assert merged[0].tolist() == [[0, 1, 4, 5], [2, 3, 6, 7], [8, 9, 12, 13], [10, 11, 14, 15]]
+    config = VisionConfig(image_size=16, patch_size=4, width=8, layers=1, heads=2, output_dim=8)
+    merging = VisionConfig(**{**vars(config), "spatial_merge": 2})
+    assert (config.tokens, merging.tokens, merging.token_width) == (16, 4, 32)
+    tower = VisionTower(merging)
+    pooled, tokens = tower(torch.randn(3, 3, 16, 16))
+    assert pooled.shape == (3, 8) and tokens.shape == (3, 4, 32)
+    language = LanguageConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
+    model = FusionModel(FusionConfig(vision=merging, language=language))
+    assert model.projector.in_features == 32
+    with pytest.raises(ValueError, match="spatial_merge"):
+        VisionConfig(**{**vars(config), "spatial_merge": 3})
