@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,16 +42,19 @@ def _row(label: str, p: Any) -> str:
     )
 
 
-def cell(model: str, gpus: int, device: str, folder: Path) -> list[str]:
-    """Markdown rows of one planner run: its best three and the shipped launch's layout."""
+def cell(
+    directory: str, gpus: int, device: str, folder: Path, extra: Sequence[str] = ()
+) -> list[str]:
+    """Markdown rows of one planner run on ``recipes/hf/<directory>`` (``extra``: more planner
+    arguments): its best three and the shipped launch's layout."""
     config = yaml.safe_load(YAML.read_text())
     dp = gpus // 8  # the launch: tp 4 x pp 2, data parallel the rest
     config["data"]["init_args"]["batch_size"] = GLOBAL_BATCH // dp  # the same global batch
     path = folder / f"llava_{gpus}.yaml"
     path.write_text(yaml.safe_dump(config))
-    hf = ROOT / "recipes" / "hf" / MODELS[model] / "config.json"
+    hf = ROOT / "recipes" / "hf" / directory / "config.json"
     argv = ["--config", str(path), "--hf-config", str(hf), "--gpus", str(gpus)]
-    argv += ["--device", device, "--global-batch", str(GLOBAL_BATCH)]
+    argv += ["--device", device, "--global-batch", str(GLOBAL_BATCH), *extra]
     args = planner._parser().parse_args(argv)
     run = planner._prepare(args)
     ranked, _ = planner._rank(args, run)
@@ -76,7 +80,7 @@ def tables(models: list[str], devices: list[str], sizes: list[int]) -> str:
                 out += ["| GPUs | layout | mem/rank GiB | comm GB/step | bubble | step s | MFU |"]
                 out += ["|---|---|---|---|---|---|---|"]
                 for gpus in sizes:
-                    out += cell(model, gpus, device, Path(tmp))
+                    out += cell(MODELS[model], gpus, device, Path(tmp))
                 out.append("")
     return "\n".join(out)
 

@@ -402,6 +402,24 @@ def _hf_tax(r: dict[str, Any]) -> list[str]:
     return out
 
 
+def _hf_tax_qwen(r: dict[str, Any]) -> list[str]:
+    out = [
+        "| family | ours (ms) | transformers (ms) | ratio | spread (max - min) | fastest steps' "
+        "ratio | repeats | same first-step loss |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for family, x in r["families"].items():
+        o = x["ours"]
+        out.append(
+            f"| {family} | {o['ours_s'] * 1e3:.1f} | {o['theirs_s'] * 1e3:.1f} | "
+            f"{o['ratio']:.3f} | {o['spread']:.3f} | {o['ratio_of_fastest']:.3f} | "
+            f"{len(o['ratios'])} | {x['same_loss']} |"
+        )
+    verdict = "met" if r["met"] else "NOT met"
+    out.append(f"\nTarget: ratio <= {r['target']:.2f} for every family ({verdict}).")
+    return out
+
+
 SUMMARIES: dict[str, Summary] = {
     "pipeline": _pipeline,
     "planner": _planner,
@@ -415,6 +433,7 @@ SUMMARIES: dict[str, Summary] = {
     "packing": _packing,
     "noncolocated": _noncolocated,
     "hf_tax": _hf_tax,
+    "hf_tax_qwen": _hf_tax_qwen,
 }
 """Per benchmark: its key figures as markdown lines (others: :func:`_generic`)."""
 

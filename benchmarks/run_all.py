@@ -48,6 +48,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "bench_hf_tax.py",
         "LLaVA training step: our blocks vs transformers' own model (CPU, fp32)",
     ),
+    "hf_tax_qwen": (
+        "bench_hf_tax_qwen.py",
+        "Qwen2-VL, Qwen2.5-VL, Qwen3-VL-MoE training step: our blocks vs transformers (CPU, fp32)",
+    ),
 }
 """Benchmark name -> (script, what it measures: the issue's item numbers)."""
 

@@ -105,6 +105,13 @@ def _hf_tax(r: dict[str, Any]) -> None:
     assert r["ours"]["ratio"] > 0 and r["ours_text_stream"]["ratio"] > 0
 
 
+def _hf_tax_qwen(r: dict[str, Any]) -> None:
+    assert set(r["families"]) == {"qwen2_vl", "qwen2_5_vl", "qwen3_vl_moe"}
+    for x in r["families"].values():  # the same model and batch on both sides
+        assert x["same_loss"], x["first_loss"]
+        assert x["ours"]["ratio"] > 0
+
+
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "overhead": _overhead,
     "planner": _planner,
@@ -116,6 +123,7 @@ CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "packing": _packing,
     "noncolocated": _noncolocated,
     "hf_tax": _hf_tax,
+    "hf_tax_qwen": _hf_tax_qwen,
 }
 
 
