@@ -402,6 +402,10 @@ def _hf_tax(r: dict[str, Any]) -> list[str]:
     return out
 
 
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
 def _hf_tax_qwen(r: dict[str, Any]) -> list[str]:
     out = [
         "| family | ours (ms) | transformers (ms) | ratio | spread (max - min) | fastest steps' "
@@ -412,7 +416,7 @@ def _hf_tax_qwen(r: dict[str, Any]) -> list[str]:
         o = x["ours"]
         out.append(
             f"| {family} | {o['ours_s'] * 1e3:.1f} | {o['theirs_s'] * 1e3:.1f} | "
-            f"{o['ratio']:.3f} | {o['spread']:.3f} | {o['ratio_of_fastest']:.3f} | "
+            f"{o['ratio']:.3f} | {o['spread']:.3f} | {_fmt(o.get('ratio_of_fastest'))} | "
             f"{len(o['ratios'])} | {x['same_loss']} |"
         )
     verdict = "met" if r["met"] else "NOT met"
