@@ -98,6 +98,12 @@ class VisionConfig:
         return (self.grid // self.spatial_merge) ** 2 + int(self.keep_class_token)
 
     @property
+    def merged_patches(self) -> int:
+        """Patch tokens per image after :attr:`spatial_merge` (no class token): the image
+        tokens the cost model prices the language model on."""
+        return (self.grid // self.spatial_merge) ** 2
+
+    @property
     def token_width(self) -> int:
         """Width of a token of the token output: ``spatial_merge^2 * width``."""
         return self.spatial_merge**2 * self.width

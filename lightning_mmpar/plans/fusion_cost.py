@@ -238,7 +238,7 @@ def _ep_collectives(
         tokens = text_length * (2 if name.startswith("decoder") else 1)
         layer = model.language.layers[int(name[7:])] if name.startswith("decoder") else None
         if layer is not None and layer.image_norm is not None and "vision" in moe.modalities:
-            tokens += round(images * cfg.vision.tokens)
+            tokens += round(images * cfg.vision.merged_patches)
         n = tokens * moe.top_k
         row = d * e
         found = [Collective("ep", "all_to_all", 0, "forward", bytes_per_call=8 * moe.num_experts)]
@@ -265,8 +265,8 @@ def _row_bytes(
     cfg = model.config
     e = 4 if layout.precision == "32-true" else 2
     d = cfg.language.hidden_size
-    n_img = (cfg.vision.image_size // cfg.vision.patch_size) ** 2
-    vit = round((n_img + 1) * cfg.vision.width * e * images[0])
+    n_img = cfg.vision.merged_patches  # the ViT's patches after its spatial merge
+    vit = round((cfg.vision.grid**2 + 1) * cfg.vision.width * e * images[0])
     return vit, text_length * d * e, round(n_img * d * e * images[1])
 
 
@@ -442,7 +442,7 @@ def fusion_model_spec(
     images = (vision_images(k, layout.micro_batch_size), k)
     specs = measure_blocks(
         blocks,
-        v.tokens,
+        v.merged_patches,
         text_length,
         names,
         images_per_sample=k,

@@ -383,8 +383,8 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
 
     def pipeline_block_specs(self, text_length: int | None = None) -> list[BlockSpec]:
         """Each block's name (``vision.stem``, ``vision.layer0``, .., ``vision.pool``, ``bridge``,
-        ``adapter0``, ``decoder0``, .., ``head``), kind, cost at ``vision.tokens`` image tokens
-        (the ViT's blocks at its ``grid**2`` patches) and ``text_length`` (default:
+        ``adapter0``, ``decoder0``, .., ``head``), kind, cost at ``vision.merged_patches``
+        image tokens (the ViT's blocks at its ``grid**2`` patches) and ``text_length`` (default:
         :attr:`text_length`, else the data's ``max_length``) and parameter bytes
         (:func:`lightning_mmpar.layout.measure_blocks`; meta-device models work). Call after
         :meth:`configure_model`, before pipeline stages drop parameters.
@@ -399,7 +399,7 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         names = ["vision.stem", *(f"vision.layer{i}" for i in range(vl)), "vision.pool"]
         names += ["bridge", *(f"adapter{i}" for i in range(ad))]
         names += [*(f"decoder{i}" for i in range(de)), "head"]
-        n, patches = v.tokens, v.grid**2  # the language model's image tokens; the ViT's
+        n, patches = v.merged_patches, v.grid**2  # the language model's image tokens; the ViT's
         if self._tower_role == "language":  # the inlet (no cost) and the blocks after the tower
             k = len(self.tower_blocks())
             rest = measure_blocks(list(self.blocks or [])[k:], n, t, names[k:])

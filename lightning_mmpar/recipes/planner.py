@@ -349,7 +349,7 @@ def _prepare(args: argparse.Namespace) -> _Planning:
     merged = f", the ViT's {vision.grid**2} patches merged" if vision.spatial_merge > 1 else ""
     images, images_note = _images_per_sample(args, data)
     workload = (
-        f"workload: {text_length} {text_note}, {vision.tokens} image tokens "
+        f"workload: {text_length} {text_note}, {vision.merged_patches} image tokens "
         f"per image ({image_note}{merged}), {images:g} image{'' if images == 1 else 's'} per "
         f"sample ({images_note})"
     )
