@@ -35,7 +35,7 @@ GLOBAL_BATCH = 128
 
 def _row(label: str, p: Any) -> str:
     if not p.fits:
-        return f"| {label} | does not fit: {p.reason} | | | | | |"
+        return f"| {label} | does not fit: {p.reason} | | | | |"
     return (
         f"| {label} | {p.memory.total / 2**30:.1f} | {p.comm_total_bytes / 1e9:.1f} | "
         f"{p.bubble:.3f} | {p.step_seconds:.3f} | {100 * p.mfu:.1f}% |"
