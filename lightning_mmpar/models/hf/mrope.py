@@ -8,18 +8,20 @@ offset by the position where the image starts; the text after an image continues
 ``start + max(h, w) / merge``. The rotary frequencies ``inv_freq [d / 2]`` are split into
 ``mrope_section = (s_t, s_h, s_w)`` chunks (``s_t + s_h + s_w = d / 2``); chunk ``k`` rotates by
 the position of axis ``k``. Same math as transformers' ``Qwen2VLRotaryEmbedding`` and
-``Qwen2VLModel.get_rope_index`` (Wang et al. 2024, "Qwen2-VL").
+``Qwen2VLModel.get_rope_index`` (Wang et al. 2024, "Qwen2-VL"). Qwen3-VL interleaves the
+axes over the frequencies instead (:func:`~lightning_mmpar.models.hf.qwen3_vl_moe.
+interleaved_mrope_cos_sin`); :class:`MRopeAttention` runs either.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_mmpar.models.language import LanguageConfig, LlamaAttention, apply_rope
+from lightning_mmpar.models.language import LanguageConfig, LlamaAttention, RMSNorm, apply_rope
 
 __all__ = ["MRopeAttention", "mrope_cos_sin"]
 
@@ -50,13 +52,53 @@ class MRopeAttention(LlamaAttention):
     """Qwen2's self-attention: :class:`LlamaAttention` (GQA, same projection names, so the
     language tensor-parallel plan applies unchanged) with biases on q/k/v only and M-RoPE
     positions ``[B, 3, T]``. Runs the packed path only: ``attn_mask [B, 1, T, T]`` (block-causal
-    over packed samples, :func:`lightning_mmpar.models.ragged.block_causal_mask`)."""
+    over packed samples, :func:`lightning_mmpar.models.ragged.block_causal_mask`).
 
-    def __init__(self, config: LanguageConfig, mrope_section: Sequence[int]) -> None:
+    Args:
+        config: the decoder's widths, heads, ``rope_theta`` and ``rms_norm_eps``.
+        mrope_section: frequency counts of the t / h / w axes (sum = head_dim / 2).
+        cos_sin: the rotary table ``(positions [B, 3, T], dim, theta, section, dtype) ->
+            (cos, sin) [B, T, dim]``: :func:`mrope_cos_sin` (sectioned, Qwen2-VL) or Qwen3-VL's
+            interleaved one.
+        qk_norm: RMSNorm over each head's q and k (``q_norm``, ``k_norm``) before the rotation
+            (Qwen3).
+        o_proj_bias: ``o_proj``'s bias; ``None`` keeps :class:`LlamaAttention`'s
+            (``attention_bias``).
+    """
+
+    def __init__(
+        self,
+        config: LanguageConfig,
+        mrope_section: Sequence[int],
+        *,
+        cos_sin: Callable[..., tuple[Tensor, Tensor]] = mrope_cos_sin,
+        qk_norm: bool = False,
+        o_proj_bias: bool | None = False,
+    ) -> None:
         super().__init__(config)
-        d, hd = config.hidden_size, config.dim_per_head
-        self.o_proj = nn.Linear(config.num_attention_heads * hd, d, bias=False)
+        if o_proj_bias is not None:
+            d, hd = config.hidden_size, config.dim_per_head
+            self.o_proj = nn.Linear(config.num_attention_heads * hd, d, bias=o_proj_bias)
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = qk_norm
+        self.cos_sin = cos_sin
         self.mrope_section = tuple(mrope_section)
+
+    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``q [B, H, T, hd]``, ``k, v [B, H_kv, T, hd]`` (q/k per-head RMSNorm'd if
+        ``qk_norm``)."""
+        if not self.qk_norm:
+            return (
+                self._heads(self.q_proj(x)),
+                self._heads(self.k_proj(x)),
+                self._heads(self.v_proj(x)),
+            )
+        heads = (-1, self.head_dim)
+        q = self.q_norm(self.q_proj(x).unflatten(-1, heads)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).unflatten(-1, heads)).transpose(1, 2)
+        return q, k, self._heads(self.v_proj(x))
 
     def _packed(
         self,
@@ -68,15 +110,11 @@ class MRopeAttention(LlamaAttention):
     ) -> Tensor:
         if position_ids is None or position_ids.ndim != 3:
             raise ValueError(
-                "MRopeAttention needs position_ids [B, 3, T] (M-RoPE t/h/w positions; "
+                f"{type(self).__name__} needs position_ids [B, 3, T] (M-RoPE t/h/w positions; "
                 "lightning_mmpar.data.QwenVLCollator builds them)."
             )
-        q, k, v = (
-            self._heads(self.q_proj(x)),
-            self._heads(self.k_proj(x)),
-            self._heads(self.v_proj(x)),
-        )
-        cos, sin = mrope_cos_sin(
+        q, k, v = self._qkv(x)
+        cos, sin = self.cos_sin(
             position_ids, self.head_dim, self.rope_theta, self.mrope_section, q.dtype
         )
         cos, sin = cos[:, None], sin[:, None]

@@ -31,11 +31,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_mmpar.models.block_cost import CostTally
 from lightning_mmpar.models.blocks import FusionBlock
+from lightning_mmpar.models.hf.mrope import MRopeAttention
 from lightning_mmpar.models.hf.qwen2_vl import QwenHead, QwenVLModel
 from lightning_mmpar.models.hf.qwen3_vision import (
     Qwen3DeepstackMerger,
@@ -51,11 +51,8 @@ from lightning_mmpar.models.hf.qwen_vision import (
 from lightning_mmpar.models.language import (
     LanguageConfig,
     LanguageModel,
-    LlamaAttention,
     LlamaDecoderLayer,
     LlamaMLP,
-    RMSNorm,
-    apply_rope,
 )
 from lightning_mmpar.models.moe import MoEFeedForward
 from lightning_mmpar.models.ragged import block_causal_mask
@@ -96,44 +93,20 @@ def interleaved_mrope_cos_sin(
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-class Qwen3MoeAttention(LlamaAttention):
-    """Qwen3's self-attention: :class:`LlamaAttention` (GQA, explicit ``head_dim``, same
-    projection names) with RMSNorm over each head's q and k (``q_norm``, ``k_norm``, before the
-    rotation) and interleaved M-RoPE positions ``[B, 3, T]``. Packed path only: ``attn_mask
-    [B, 1, T, T]``."""
+class Qwen3MoeAttention(MRopeAttention):
+    """Qwen3's self-attention: :class:`MRopeAttention` (GQA, explicit ``head_dim``, same
+    projection names; ``o_proj`` biased as ``attention_bias``) with RMSNorm over each head's q
+    and k (``q_norm``, ``k_norm``, before the rotation) and interleaved M-RoPE positions
+    ``[B, 3, T]``. Packed path only: ``attn_mask [B, 1, T, T]``."""
 
     def __init__(self, config: LanguageConfig, mrope_section: Sequence[int]) -> None:
-        super().__init__(config)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.mrope_section = tuple(mrope_section)
-
-    def _packed(
-        self,
-        x: Tensor,
-        image: Tensor | None,
-        attn_mask: Tensor,
-        position_ids: Tensor | None,
-        image_position_ids: Tensor | None,
-    ) -> Tensor:
-        if position_ids is None or position_ids.ndim != 3:
-            raise ValueError(
-                "Qwen3MoeAttention needs position_ids [B, 3, T] (M-RoPE t/h/w positions; "
-                "lightning_mmpar.data.QwenVLCollator builds them)."
-            )
-        heads = (-1, self.head_dim)
-        q = self.q_norm(self.q_proj(x).unflatten(-1, heads)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).unflatten(-1, heads)).transpose(1, 2)
-        v = self._heads(self.v_proj(x))
-        cos, sin = interleaved_mrope_cos_sin(
-            position_ids, self.head_dim, self.rope_theta, self.mrope_section, q.dtype
+        super().__init__(
+            config,
+            mrope_section,
+            cos_sin=interleaved_mrope_cos_sin,
+            qk_norm=True,
+            o_proj_bias=None,
         )
-        cos, sin = cos[:, None], sin[:, None]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k = k.repeat_interleave(self.groups, dim=1)
-        v = v.repeat_interleave(self.groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
-        return self.o_proj(out.transpose(1, 2).flatten(2))
 
 
 @dataclass(kw_only=True)
