@@ -28,7 +28,6 @@ an EP export that silently kept one shard of the experts).
 from __future__ import annotations
 
 import math
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -42,12 +41,17 @@ from lightning_mmpar.models.hf.qwen3_vl_moe import Qwen3MoeVLConfig, Qwen3MoeVLM
 from lightning_mmpar.models.hf.qwen_convert import (
     ROPE_KEYS,
     _check_text,
+    _copy_side_files,
+    _export_vision,
     _hf_config,
+    _language,
+    _load_fitting,
+    _model_type,
     _read_tensors,
-    _side,
+    _vision_entries,
+    _vision_fields,
     is_qwen_vl_dir,
 )
-from lightning_mmpar.models.hf.qwen_vision import ACTIVATIONS
 from lightning_mmpar.models.language import LanguageConfig
 from lightning_mmpar.models.moe import MoEFeedForward
 from lightning_mmpar.models.moe_routing import MoEConfig
@@ -71,23 +75,9 @@ QWEN3_MOE_FAMILIES: dict[str, str] = {"qwen3_vl_moe": "Qwen3VLMoeForConditionalG
 ``FAMILIES``)."""
 
 
-def _rope(text: Any) -> dict[str, Any]:
-    """``rope_parameters`` of the text config; ``mrope_interleaved`` is accepted with any value
-    (transformers' Qwen3-VL always interleaves, as this model does)."""
-    rope = dict(getattr(text, "rope_parameters", None) or {})
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ("default", "mrope"):
-        raise ValueError(
-            f"text_config.rope_parameters.rope_type {kind!r} is not supported (RoPE scaling "
-            "changes the positions' math); only 'default' / 'mrope' are."
-        )
-    known = ROPE_KEYS | {"mrope_interleaved"}
-    if extra := sorted(rope.keys() - known):
-        raise ValueError(
-            f"text_config.rope_parameters {extra} are not supported (only {sorted(known)} are "
-            "computed); remove them or use transformers' model."
-        )
-    return rope
+ROPE3_KEYS = ROPE_KEYS | {"mrope_interleaved"}
+"""The text ``rope_parameters`` keys read; ``mrope_interleaved`` is accepted with any value
+(transformers' Qwen3-VL always interleaves, as this model does)."""
 
 
 def _check_moe_text(text: Any) -> None:
@@ -116,9 +106,8 @@ def _dense_layers(text: Any) -> tuple[int, ...]:
     return tuple(i for i in range(text.num_hidden_layers) if i in only or (i + 1) % step)
 
 
-def _language(text: Any) -> tuple[LanguageConfig, tuple[int, int, int]]:
+def _moe_language(text: Any) -> tuple[LanguageConfig, tuple[int, int, int]]:
     _check_moe_text(text)
-    rope = _rope(text)
     moe = MoEConfig(
         num_experts=text.num_experts,
         top_k=text.num_experts_per_tok,
@@ -129,53 +118,26 @@ def _language(text: Any) -> tuple[LanguageConfig, tuple[int, int, int]]:
         aux_loss_weight=0.0,
         z_loss_weight=0.0,
     )
-    language = LanguageConfig(
-        vocab_size=text.vocab_size,
-        hidden_size=text.hidden_size,
-        intermediate_size=text.intermediate_size,
-        num_hidden_layers=text.num_hidden_layers,
-        num_attention_heads=text.num_attention_heads,
-        num_key_value_heads=text.num_key_value_heads or text.num_attention_heads,
+    return _language(
+        text,
+        check=None,  # _check_moe_text did
+        known=ROPE3_KEYS,
+        theta=500000.0,
+        section=(24, 20, 20),
         head_dim=getattr(text, "head_dim", None),
-        rms_norm_eps=text.rms_norm_eps,
-        rope_theta=float(rope.get("rope_theta", 500000.0)),
         attention_bias=bool(getattr(text, "attention_bias", False)),
         moe=moe,
     )
-    section = tuple(rope.get("mrope_section", (24, 20, 20)))
-    if len(section) != 3:
-        raise ValueError(
-            f"text_config.rope_parameters.mrope_section {list(section)} must have 3 entries."
-        )
-    return language, (int(section[0]), int(section[1]), int(section[2]))
 
 
 def _vision(vision: Any) -> Qwen3VisionConfig:
-    rope = dict(getattr(vision, "rope_parameters", None) or {})
-    if rope.get("rope_type", "axial") != "axial":
-        raise ValueError(
-            f"vision_config.rope_parameters.rope_type {rope['rope_type']!r} is not supported; "
-            "only 'axial' (2-D RoPE) is."
-        )
-    if vision.hidden_act not in ACTIVATIONS:
-        raise ValueError(
-            f"vision_config.hidden_act {vision.hidden_act!r} is not supported; use one of "
-            f"{list(ACTIVATIONS)}."
-        )
     return Qwen3VisionConfig(
-        depth=vision.depth,
         width=vision.hidden_size,
-        heads=vision.num_heads,
         mlp_width=vision.intermediate_size,
         out_width=vision.out_hidden_size,
-        in_channels=vision.in_channels,
-        patch_size=_side("patch_size", vision.patch_size),
-        temporal_patch_size=_side("temporal_patch_size", vision.temporal_patch_size),
-        spatial_merge_size=vision.spatial_merge_size,
-        rope_theta=float(rope.get("rope_theta", 10000.0)),
-        hidden_act=vision.hidden_act,
         num_position_embeddings=vision.num_position_embeddings,
         deepstack_indexes=tuple(vision.deepstack_visual_indexes),
+        **_vision_fields(vision),
     )
 
 
@@ -187,13 +149,8 @@ def qwen3_moe_vl_config(config: Any) -> Qwen3MoeVLConfig:
         ValueError: another model type, or a field whose value changes the math (module
             docstring), naming the field.
     """
-    kind = getattr(config, "model_type", None)
-    if kind not in QWEN3_MOE_FAMILIES:
-        raise ValueError(
-            f"config.model_type {kind!r} is not a Qwen3-VL-MoE family; expected one of "
-            f"{sorted(QWEN3_MOE_FAMILIES)}."
-        )
-    language, section = _language(config.text_config)
+    _model_type(config, QWEN3_MOE_FAMILIES, "Qwen3-VL-MoE")
+    language, section = _moe_language(config.text_config)
     return Qwen3MoeVLConfig(
         vision=_vision(config.vision_config),
         language=language,
@@ -217,18 +174,10 @@ def _rename(rest: str, reverse: bool) -> str:
     return rest
 
 
-def _vision_entries(rest: str, value: Tensor) -> dict[str, Tensor]:
-    if rest == "patch_embed.proj.weight":
-        return {"vision.patch_embed.proj.weight": value.reshape(value.shape[0], -1)}
+def _vision3_entries(rest: str, value: Tensor) -> dict[str, Tensor]:
     if rest == "pos_embed.weight":
         return {"vision.patch_embed.pos_embed.weight": value}
-    if ".attn.qkv." in rest:
-        head = rest.replace(".qkv.", ".{}.")
-        return {
-            f"vision.{head.format(n)}": t
-            for n, t in zip(("q_proj", "k_proj", "v_proj"), value.chunk(3, dim=0), strict=True)
-        }
-    return {f"vision{_rename(rest, reverse=False)}": value}
+    return _vision_entries(rest, value, lambda name: _rename(name, reverse=False))
 
 
 def _expert_entries(
@@ -341,7 +290,7 @@ def import_qwen3_moe_vl_state(
     out = _buffers(config)
     for key, value in state.items():
         if key.startswith("model.visual."):
-            out.update(_vision_entries(key[len("model.visual.") :], value))
+            out.update(_vision3_entries(key[len("model.visual.") :], value))
         elif key.startswith("model.language_model."):
             rest = key[len("model.language_model.") :]
             out.update(_language_entries(rest, value, config))
@@ -352,20 +301,12 @@ def import_qwen3_moe_vl_state(
     return out
 
 
-def _export_vision(key: str, value: Tensor, state: Mapping[str, Tensor], config: Any) -> Any:
-    rest = key[len("vision.") :]
-    if rest == "patch_embed.proj.weight":
-        v = config.vision
-        shape = (v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
-        return {"model.visual.patch_embed.proj.weight": value.reshape(value.shape[0], *shape)}
-    if rest == "patch_embed.pos_embed.weight":
+def _export_vision3(
+    key: str, value: Tensor, state: Mapping[str, Tensor], config: Any
+) -> dict[str, Tensor]:
+    if key == "vision.patch_embed.pos_embed.weight":
         return {"model.visual.pos_embed.weight": value}
-    if ".attn.k_proj." in rest or ".attn.v_proj." in rest:
-        return {}
-    if ".attn.q_proj." in rest:
-        parts = [state[key.replace(".q_proj.", f".{n}.")] for n in ("q_proj", "k_proj", "v_proj")]
-        return {"model.visual." + rest.replace(".q_proj.", ".qkv."): torch.cat(parts)}
-    return {"model.visual" + _rename(rest, reverse=True): value}
+    return _export_vision(key, value, state, config, lambda name: _rename(name, reverse=True))
 
 
 def _export_language(key: str, value: Tensor, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -404,7 +345,7 @@ def export_qwen3_moe_vl_state(
     out: dict[str, Tensor] = {}
     for key, value in state.items():
         if key.startswith("vision."):
-            out.update(_export_vision(key, value, state, config))
+            out.update(_export_vision3(key, value, state, config))
         elif key.startswith("language."):
             out.update(_export_language(key, value, state))
     return out
@@ -504,15 +445,7 @@ def qwen3_moe_vl_from_hf(path: str | Path) -> Qwen3MoeVLModel:
     state = import_qwen3_moe_vl_state(_read_tensors(path), config)
     with torch.device("meta"):
         model = Qwen3MoeVLModel(config)
-    ours = model.state_dict()
-    missing, stray = sorted(ours.keys() - state.keys()), sorted(state.keys() - ours.keys())
-    bad = sorted(k for k in ours.keys() & state.keys() if ours[k].shape != state[k].shape)
-    if missing or stray or bad:
-        raise ValueError(
-            f"{path}: the checkpoint does not fit the model: missing {missing[:8]}, "
-            f"unexpected {stray[:8]}, other shapes {bad[:8]}."
-        )
-    model.load_state_dict(state, strict=True, assign=True)
+    _load_fitting(path, model, state)
     return init_moe_buffers(model)
 
 
@@ -542,9 +475,6 @@ def save_qwen3_moe_vl_hf(
     model.save_pretrained(str(path))
     if not getattr(model, "should_save_on_this_rank", lambda main: main)(True):
         return tensors  # transformers writes on global rank 0 only
-    for file in original.iterdir():
-        keep = file.is_file() and not file.name.endswith(".safetensors")
-        if keep and file.name not in ("config.json", "model.safetensors.index.json"):
-            shutil.copy2(file, path / file.name)
+    _copy_side_files(original, path)
     check_export(_read_tensors(path), expected)
     return tensors

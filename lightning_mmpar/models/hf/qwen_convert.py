@@ -19,7 +19,7 @@ state dict) is a copy of ``embed_tokens`` (ties do not survive vocab-parallel sh
 from __future__ import annotations
 
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,9 @@ ROPE_KEYS = frozenset({"rope_type", "type", "rope_theta", "mrope_section"})
 """The text ``rope_parameters`` keys this package computes; any other is refused."""
 
 
-def _rope(text: Any) -> dict[str, Any]:
+def _rope(text: Any, known: frozenset[str] = ROPE_KEYS) -> dict[str, Any]:
+    """``rope_parameters`` of the text config; refuses a RoPE scaling type or a key outside
+    ``known``."""
     rope = dict(getattr(text, "rope_parameters", None) or {})
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ("default", "mrope"):
@@ -55,10 +57,10 @@ def _rope(text: Any) -> dict[str, Any]:
             f"text_config.rope_parameters.rope_type {kind!r} is not supported (RoPE scaling "
             "changes the positions' math); only 'default' / 'mrope' are."
         )
-    if extra := sorted(rope.keys() - ROPE_KEYS):
+    if extra := sorted(rope.keys() - known):
         raise ValueError(
-            f"text_config.rope_parameters {extra} are not supported (only {sorted(ROPE_KEYS)} "
-            "are computed); remove them or use transformers' model."
+            f"text_config.rope_parameters {extra} are not supported (only {sorted(known)} are "
+            "computed); remove them or use transformers' model."
         )
     return rope
 
@@ -91,9 +93,21 @@ def _check_text(text: Any) -> None:
         )
 
 
-def _language(text: Any) -> tuple[LanguageConfig, tuple[int, int, int]]:
-    _check_text(text)
-    rope = _rope(text)
+def _language(
+    text: Any,
+    *,
+    check: Callable[[Any], None] | None = _check_text,
+    known: frozenset[str] = ROPE_KEYS,
+    theta: float = 1000000.0,
+    section: tuple[int, int, int] = (16, 24, 24),
+    **fields: Any,
+) -> tuple[LanguageConfig, tuple[int, int, int]]:
+    """The decoder config and M-RoPE sections of a Qwen text config (``check`` validates it,
+    ``None``: already checked; ``known`` rope keys, ``theta`` / ``section`` defaults, other
+    ``LanguageConfig`` ``fields``; the defaults are Qwen2's)."""
+    if check is not None:
+        check(text)
+    rope = _rope(text, known)
     language = LanguageConfig(
         vocab_size=text.vocab_size,
         hidden_size=text.hidden_size,
@@ -102,18 +116,20 @@ def _language(text: Any) -> tuple[LanguageConfig, tuple[int, int, int]]:
         num_attention_heads=text.num_attention_heads,
         num_key_value_heads=text.num_key_value_heads or text.num_attention_heads,
         rms_norm_eps=text.rms_norm_eps,
-        rope_theta=float(rope.get("rope_theta", 1000000.0)),
-        attention_bias=True,
+        rope_theta=float(rope.get("rope_theta", theta)),
+        **{"attention_bias": True, **fields},
     )
-    section = tuple(rope.get("mrope_section", (16, 24, 24)))
-    if len(section) != 3:
+    got = tuple(rope.get("mrope_section", section))
+    if len(got) != 3:
         raise ValueError(
-            f"text_config.rope_parameters.mrope_section {list(section)} must have 3 entries."
+            f"text_config.rope_parameters.mrope_section {list(got)} must have 3 entries."
         )
-    return language, (int(section[0]), int(section[1]), int(section[2]))
+    return language, (int(got[0]), int(got[1]), int(got[2]))
 
 
-def _vision(vision: Any, qwen25: bool) -> QwenVisionConfig:
+def _vision_fields(vision: Any) -> dict[str, Any]:
+    """The ViT config fields Qwen2-VL, Qwen2.5-VL and Qwen3-VL read alike (refusing a vision
+    RoPE other than ``axial`` and an activation the ViT does not compute)."""
     rope = dict(getattr(vision, "rope_parameters", None) or {})
     if rope.get("rope_type", "axial") != "axial":
         raise ValueError(
@@ -125,7 +141,7 @@ def _vision(vision: Any, qwen25: bool) -> QwenVisionConfig:
         raise ValueError(
             f"vision_config.hidden_act {act!r} is not supported; use one of {list(ACTIVATIONS)}."
         )
-    common: dict[str, Any] = {
+    return {
         "depth": vision.depth,
         "heads": vision.num_heads,
         "in_channels": vision.in_channels,
@@ -135,6 +151,10 @@ def _vision(vision: Any, qwen25: bool) -> QwenVisionConfig:
         "rope_theta": float(rope.get("rope_theta", 10000.0)),
         "hidden_act": act,
     }
+
+
+def _vision(vision: Any, qwen25: bool) -> QwenVisionConfig:
+    common = _vision_fields(vision)
     if qwen25:
         return QwenVisionConfig(
             width=vision.hidden_size,
@@ -154,6 +174,17 @@ def _vision(vision: Any, qwen25: bool) -> QwenVisionConfig:
     )
 
 
+def _model_type(config: Any, families: Mapping[str, str], name: str) -> str:
+    """``config.model_type``, refused unless one of ``families`` (the ``name`` family)."""
+    kind = getattr(config, "model_type", None)
+    if kind not in families:
+        raise ValueError(
+            f"config.model_type {kind!r} is not a {name} family; expected one of "
+            f"{sorted(families)}."
+        )
+    return str(kind)
+
+
 def qwen_vl_config(config: Any) -> QwenVLConfig:
     """:class:`QwenVLConfig` of a transformers ``Qwen2VLConfig`` (``model_type`` ``qwen2_vl``)
     or ``Qwen2_5_VLConfig`` (``qwen2_5_vl``).
@@ -162,12 +193,7 @@ def qwen_vl_config(config: Any) -> QwenVLConfig:
         ValueError: another model type, or a field whose value changes the math (module
             docstring), naming the field.
     """
-    kind = getattr(config, "model_type", None)
-    if kind not in QWEN_FAMILIES:
-        raise ValueError(
-            f"config.model_type {kind!r} is not a Qwen-VL family; expected one of "
-            f"{sorted(QWEN_FAMILIES)}."
-        )
+    kind = _model_type(config, QWEN_FAMILIES, "Qwen-VL")
     language, section = _language(config.text_config)
     return QwenVLConfig(
         vision=_vision(config.vision_config, kind == "qwen2_5_vl"),
@@ -192,7 +218,11 @@ def _split_key(key: str) -> tuple[str, str] | None:
     return None
 
 
-def _vision_entries(rest: str, value: Tensor) -> dict[str, Tensor]:
+def _vision_entries(
+    rest: str, value: Tensor, rename: Callable[[str], str] | None = None
+) -> dict[str, Tensor]:
+    """Our ViT tensors of transformers' ``visual.<rest>``: the patch embedding flattened, the
+    fused ``qkv`` split in thirds, any other key ``rename`` d (``".<rest>"`` -> ours)."""
     if rest == "patch_embed.proj.weight":
         return {"vision.patch_embed.proj.weight": value.reshape(value.shape[0], -1)}
     if ".attn.qkv." in rest:
@@ -202,7 +232,7 @@ def _vision_entries(rest: str, value: Tensor) -> dict[str, Tensor]:
             f"vision.{head.format(n)}": t
             for n, t in zip(("q_proj", "k_proj", "v_proj"), (q, k, v), strict=True)
         }
-    return {f"vision.{rest}": value}
+    return {f"vision{rename(rest) if rename else '.' + rest}": value}
 
 
 def qwen_checkpoint_key(key: str, shape: tuple[int, ...]) -> dict[str, tuple[int, int, bool]]:
@@ -251,28 +281,38 @@ def import_qwen_vl_state(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
 def export_qwen_vl_state(state: Mapping[str, Tensor], config: QwenVLConfig) -> dict[str, Tensor]:
     """transformers 5 names of a full :class:`QwenVLModel` state dict (q/k/v fused back into
     ``qkv``, the patch embedding reshaped to its Conv3d weight)."""
-    v = config.vision
     out: dict[str, Tensor] = {}
     for key, value in state.items():
         if key == "language.lm_head.weight":
             out["lm_head.weight"] = value
         elif key.startswith("language."):
             out["model.language_model." + key[len("language.") :]] = value
-        elif key == "vision.patch_embed.proj.weight":
-            shape = (v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
-            out["model.visual.patch_embed.proj.weight"] = value.reshape(value.shape[0], *shape)
-        elif ".attn.q_proj." in key:
-            parts = [
-                state[key.replace(".q_proj.", f".{n}.")] for n in ("q_proj", "k_proj", "v_proj")
-            ]
-            out["model.visual." + key[len("vision.") :].replace(".q_proj.", ".qkv.")] = torch.cat(
-                parts
-            )
-        elif ".attn.k_proj." in key or ".attn.v_proj." in key:
-            continue
         else:
-            out["model.visual." + key[len("vision.") :]] = value
+            out.update(_export_vision(key, value, state, config))
     return out
+
+
+def _export_vision(
+    key: str,
+    value: Tensor,
+    state: Mapping[str, Tensor],
+    config: Any,
+    rename: Callable[[str], str] | None = None,
+) -> dict[str, Tensor]:
+    """transformers' ViT tensors of our ``vision.<rest>`` (:func:`_vision_entries` inverted:
+    ``rename`` maps ``".<rest>"`` to theirs): the patch embedding as its Conv3d weight, q/k/v
+    fused back into ``qkv`` (at ``q_proj``; ``k_proj`` / ``v_proj`` give nothing)."""
+    rest = key[len("vision.") :]
+    if rest == "patch_embed.proj.weight":
+        v = config.vision
+        shape = (v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
+        return {"model.visual.patch_embed.proj.weight": value.reshape(value.shape[0], *shape)}
+    if ".attn.k_proj." in rest or ".attn.v_proj." in rest:
+        return {}
+    if ".attn.q_proj." in rest:
+        parts = [state[key.replace(".q_proj.", f".{n}.")] for n in ("q_proj", "k_proj", "v_proj")]
+        return {"model.visual." + rest.replace(".q_proj.", ".qkv."): torch.cat(parts)}
+    return {"model.visual" + (rename(rest) if rename else "." + rest): value}
 
 
 def qwen_vl_from_transformers(model: Any) -> QwenVLModel:
@@ -330,16 +370,33 @@ def qwen_vl_from_hf(path: str | Path) -> QwenVLModel:
     state = import_qwen_vl_state(_read_tensors(path))
     with torch.device("meta"):
         model = QwenVLModel(config)
+    _load_fitting(path, model, state)
+    return model
+
+
+def _load_fitting(path: Path, model: torch.nn.Module, state: Mapping[str, Tensor]) -> None:
+    """Load ``state`` into ``model`` (``assign``) if its keys and shapes are the model's.
+
+    Raises:
+        ValueError: naming the missing, unexpected and other-shape tensors of ``path``.
+    """
     ours = model.state_dict()
     missing, stray = sorted(ours.keys() - state.keys()), sorted(state.keys() - ours.keys())
-    bad = [k for k in ours.keys() & state.keys() if ours[k].shape != state[k].shape]
+    bad = sorted(k for k in ours.keys() & state.keys() if ours[k].shape != state[k].shape)
     if missing or stray or bad:
         raise ValueError(
             f"{path}: the checkpoint does not fit the model: missing {missing[:8]}, "
-            f"unexpected {stray[:8]}, other shapes {sorted(bad)[:8]}."
+            f"unexpected {stray[:8]}, other shapes {bad[:8]}."
         )
     model.load_state_dict(state, strict=True, assign=True)
-    return model
+
+
+def _copy_side_files(original: Path, path: Path) -> None:
+    """Copy ``original``'s tokenizer / processor files (all but the config and weights)."""
+    for file in original.iterdir():
+        keep = file.is_file() and not file.name.endswith(".safetensors")
+        if keep and file.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy2(file, path / file.name)
 
 
 def save_qwen_vl_hf(
@@ -366,10 +423,7 @@ def save_qwen_vl_hf(
         raise ValueError(f"export to {path}: no value for {missing[:8]}; nothing written.")
     model.load_state_dict(tensors, strict=True, assign=True)
     model.save_pretrained(str(path))
-    for file in original.iterdir():
-        keep = file.is_file() and not file.name.endswith(".safetensors")
-        if keep and file.name not in ("config.json", "model.safetensors.index.json"):
-            shutil.copy2(file, path / file.name)
+    _copy_side_files(original, path)
     return tensors
 
 
