@@ -28,34 +28,16 @@ from functools import partial
 from typing import Literal
 
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_mmpar.models.hf.qwen3_vl_moe import Qwen3MoeVLModel
 from lightning_mmpar.parallel.data import PARTIAL_OVER_TP
 from lightning_mmpar.parallel.parallelize import ParallelPlan
-from lightning_mmpar.parallel.tensor import StyleGroup
-from lightning_mmpar.plans.fusion import language_plan
+from lightning_mmpar.plans.qwen_vl import tower_plan
 from lightning_mmpar.topology import ParallelDims
 
 __all__ = ["check_qwen3_moe_vl_layout", "qwen3_moe_vl_plan"]
 
 Qwen3VisionParallel = Literal["tp", "replicate"]
-
-
-def _vision_plan(model: Qwen3MoeVLModel) -> dict[str, ParallelStyle]:
-    plan: dict[str, ParallelStyle] = {}
-    for i in range(len(model.vision.blocks)):
-        p = f"blocks.{i}"
-        for name in ("q_proj", "k_proj", "v_proj"):
-            plan[f"{p}.attn.{name}"] = ColwiseParallel()
-        plan[f"{p}.attn.proj"] = RowwiseParallel()
-        plan[f"{p}.mlp.fc1"] = ColwiseParallel()
-        plan[f"{p}.mlp.fc2"] = RowwiseParallel()
-    mergers = ["merger"] + [f"deepstack_merger_list.{j}" for j in range(model.config.levels)]
-    for m in mergers:
-        plan[f"{m}.mlp.0"] = ColwiseParallel()
-        plan[f"{m}.mlp.2"] = RowwiseParallel()
-    return plan
 
 
 def check_qwen3_moe_vl_layout(
@@ -118,21 +100,12 @@ def qwen3_moe_vl_plan(
         check_qwen3_moe_vl_layout(
             model, dims, vision_parallel=vision_parallel, sequence_parallel=sequence_parallel
         )
-    groups: list[StyleGroup] = []
-    if vision_parallel == "tp":
-        groups.append(StyleGroup("vision", "tp", _vision_plan(model)))
-    groups.append(
-        StyleGroup("language", "tp", language_plan(model.language, sequence_parallel=False))
-    )
-    vision = [f"vision.blocks.{i}" for i in range(len(model.vision.blocks))]
-    layers = [f"language.layers.{i}" for i in range(len(model.language.layers))]
-    return ParallelPlan(
-        tensor_parallel=tuple(groups),
+    return tower_plan(
+        model,
+        vision_parallel,
+        after=partial(_head_norms_partial, model),
+        pipeline_blocks=pipeline_blocks,
         expert_parallel=model.moe_layers(),
-        after_model_parallel=(partial(_head_norms_partial, model),),
-        layers=(*vision, *layers),
-        pipeline_blocks=pipeline_blocks or model.pipeline_blocks,
-        root=model,
     )
 
 

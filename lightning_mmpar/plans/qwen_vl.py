@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from lightning_mmpar.layout import check_vision_batch
 from lightning_mmpar.models.hf.qwen2_vl import QwenVLModel
+from lightning_mmpar.models.hf.qwen3_vl_moe import Qwen3MoeVLModel
 from lightning_mmpar.models.hf.qwen_vision import QwenVisionTower
 from lightning_mmpar.parallel import comm
 from lightning_mmpar.parallel.data import PARTIAL_OVER_TP
@@ -48,8 +49,9 @@ __all__ = [
 QwenVisionParallel = Literal["tp", "replicate", "dp"]
 
 
-def qwen_vision_plan(model: QwenVLModel) -> dict[str, ParallelStyle]:
-    """Column / row parallel styles of the ViT blocks and the merger (module docstring)."""
+def qwen_vision_plan(model: QwenVLModel | Qwen3MoeVLModel) -> dict[str, ParallelStyle]:
+    """Column / row parallel styles of the ViT blocks, the merger and (Qwen3-VL) every DeepStack
+    merger (module docstring)."""
     plan: dict[str, ParallelStyle] = {}
     swiglu = model.config.vision.mlp == "swiglu"
     for i in range(len(model.vision.blocks)):
@@ -61,8 +63,10 @@ def qwen_vision_plan(model: QwenVLModel) -> dict[str, ParallelStyle]:
         for name in columns:
             plan[f"{p}.mlp.{name}"] = ColwiseParallel()
         plan[f"{p}.mlp.{row}"] = RowwiseParallel()
-    plan["merger.mlp.0"] = ColwiseParallel()
-    plan["merger.mlp.2"] = RowwiseParallel()
+    levels = len(getattr(model.vision, "deepstack_merger_list", ()))
+    for m in ["merger"] + [f"deepstack_merger_list.{j}" for j in range(levels)]:
+        plan[f"{m}.mlp.0"] = ColwiseParallel()
+        plan[f"{m}.mlp.2"] = RowwiseParallel()
     return plan
 
 
@@ -118,6 +122,25 @@ def qwen_vl_plan(
         check_qwen_vl_layout(
             model, dims.tp, vision_parallel=vision_parallel, sequence_parallel=sequence_parallel
         )
+    return tower_plan(
+        model,
+        vision_parallel,
+        after=partial(_vision_hooks, model, vision_parallel),
+        pipeline_blocks=pipeline_blocks,
+    )
+
+
+def tower_plan(
+    model: QwenVLModel | Qwen3MoeVLModel,
+    vision_parallel: str,
+    *,
+    after: Callable[[ParallelDims], None],
+    pipeline_blocks: Callable[[], Sequence[nn.Module]] | None,
+    expert_parallel: tuple[str, ...] = (),
+) -> ParallelPlan:
+    """A Qwen-VL family's plan: the ViT's styles (:func:`qwen_vision_plan`, under
+    ``vision_parallel == "tp"``) then the language plan, ``after`` run after them, every ViT
+    block and decoder layer an activation-checkpointing unit."""
     groups: list[StyleGroup] = []
     if vision_parallel == "tp":
         groups.append(StyleGroup("vision", "tp", qwen_vision_plan(model)))
@@ -128,7 +151,8 @@ def qwen_vl_plan(
     layers = [f"language.layers.{i}" for i in range(len(model.language.layers))]
     return ParallelPlan(
         tensor_parallel=tuple(groups),
-        after_model_parallel=(partial(_vision_hooks, model, vision_parallel),),
+        expert_parallel=expert_parallel,
+        after_model_parallel=(after,),
         layers=(*vision, *layers),
         pipeline_blocks=pipeline_blocks or model.pipeline_blocks,
         root=model,
