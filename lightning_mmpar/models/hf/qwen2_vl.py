@@ -43,6 +43,7 @@ from lightning_mmpar.models.hf.qwen_vision import (
     vision_cos_sin,
 )
 from lightning_mmpar.models.language import LanguageConfig, LanguageModel, LlamaDecoderLayer
+from lightning_mmpar.models.moe import MoEFeedForward
 from lightning_mmpar.models.ragged import block_causal_mask
 
 __all__ = [
@@ -129,9 +130,13 @@ class QwenVisionLayer(FusionBlock):
     def forward(
         self, x: Tensor, position: Tensor, frame: Tensor, window: Tensor, *rest: Tensor
     ) -> tuple[Tensor, ...]:
+        x = self._attend(x, position, window if self.windowed else frame)
+        return (x, position, frame, window, *rest)
+
+    def _attend(self, x: Tensor, position: Tensor, segments: Tensor) -> Tensor:
+        """The block over ``x [B, P, D_v]``, attention masked to equal ``segments [B, P]``."""
         cos, sin = vision_cos_sin(position, self.head_dim, self.theta)
-        mask = segment_mask(window if self.windowed else frame)
-        return (self.block(x, cos, sin, mask), position, frame, window, *rest)
+        return self.block(x, cos, sin, segment_mask(segments))
 
     def _tally(self, tally: CostTally, n: int, t: int) -> None:
         b, v = self.block, self.unit * n
@@ -146,18 +151,21 @@ class QwenVisionLayer(FusionBlock):
 
 class QwenMergerBlock(FusionBlock):
     """The patch merger: ``[B, P, D_v] -> [B, P / merge^2, D]`` and which merged tokens are
-    images (not padding)."""
+    images (not padding). The tensor after ``frame`` (the window segments) is dropped, or
+    passed on after them when ``keeps_slot`` (Qwen3-VL's DeepStack tokens)."""
 
     kind = "vision"
+    keeps_slot = False
 
     def __init__(self, merger: QwenPatchMerger) -> None:
         super().__init__()
         self.merger = merger
 
     def forward(
-        self, x: Tensor, position: Tensor, frame: Tensor, window: Tensor, *rest: Tensor
+        self, x: Tensor, position: Tensor, frame: Tensor, slot: Tensor, *rest: Tensor
     ) -> tuple[Tensor, ...]:
-        return (*self.merger(x, frame), *rest)
+        kept = (slot,) if self.keeps_slot else ()
+        return (*self.merger(x, frame), *kept, *rest)
 
     def _tally(self, tally: CostTally, n: int, t: int) -> None:
         tally.linear(n, self.merger.mlp[0])
@@ -178,27 +186,34 @@ class QwenBridge(FusionBlock):
         super().__init__()
         self.embed_tokens, self.image_token_id = embed_tokens, image_token_id
 
+    family = "Qwen-VL"
+
     def forward(
         self, tokens: Tensor, valid: Tensor, ids: Tensor, position_ids: Tensor, sample_ids: Tensor
     ) -> tuple[Tensor, ...]:
+        return (self._splice(tokens, valid, ids)[0], position_ids, sample_ids)
+
+    def _splice(self, tokens: Tensor, valid: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """``h [B, T, D]`` and the image positions ``where [B, T, 1]``."""
         h = self.embed_tokens(ids)
-        where = ids == self.image_token_id
+        where = (ids == self.image_token_id)[..., None]
         images = tokens[valid]
         if int(where.sum()) != images.shape[0]:
             raise ValueError(
-                f"Qwen-VL splice: {int(where.sum())} image tokens (id {self.image_token_id}) in "
-                f"input_ids but the image grids give {images.shape[0]} merged tokens; expand "
-                "each image marker to t*h*w/merge^2 tokens (QwenVLCollator does)."
+                f"{self.family} splice: {int(where.sum())} image tokens (id "
+                f"{self.image_token_id}) in input_ids but the image grids give "
+                f"{images.shape[0]} merged tokens; expand each image marker to t*h*w/merge^2 "
+                "tokens (QwenVLCollator does)."
             )
-        h = h.masked_scatter(where[..., None], images.to(h.dtype)) + 0.0 * tokens.sum()
-        return (h, position_ids, sample_ids)
+        return h.masked_scatter(where, images.to(h.dtype)) + 0.0 * tokens.sum(), where
 
     def _tally(self, tally: CostTally, n: int, t: int) -> None:
         return None
 
 
 class QwenDecoderLayer(FusionBlock):
-    """One Qwen2 decoder layer: block-causal attention over packed samples, M-RoPE."""
+    """One Qwen2 decoder layer: block-causal attention over packed samples, M-RoPE (its cost
+    also counts an MoE FFN: Qwen3-VL-MoE's layers)."""
 
     kind = "language"
 
@@ -216,8 +231,11 @@ class QwenDecoderLayer(FusionBlock):
         for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
             tally.linear(t, proj)
         tally.attention(t, t, attn.q_proj.weight.shape[0])
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            tally.linear(t, getattr(mlp, name))
+        if isinstance(mlp, MoEFeedForward):
+            tally.moe(t, attn.o_proj.weight.shape[0], mlp.config, train=True)
+        else:
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                tally.linear(t, getattr(mlp, name))
         tally.keep(2 * t * attn.o_proj.weight.shape[0])
 
 

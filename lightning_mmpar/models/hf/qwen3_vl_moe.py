@@ -36,18 +36,20 @@ from torch import Tensor, nn
 from lightning_mmpar.models.block_cost import CostTally
 from lightning_mmpar.models.blocks import FusionBlock
 from lightning_mmpar.models.hf.mrope import MRopeAttention
-from lightning_mmpar.models.hf.qwen2_vl import QwenHead, QwenVLModel
+from lightning_mmpar.models.hf.qwen2_vl import (
+    QwenBridge,
+    QwenDecoderLayer,
+    QwenHead,
+    QwenMergerBlock,
+    QwenVisionLayer,
+    QwenVLModel,
+)
 from lightning_mmpar.models.hf.qwen3_vision import (
     Qwen3DeepstackMerger,
     Qwen3VisionConfig,
     Qwen3VisionTower,
 )
-from lightning_mmpar.models.hf.qwen_vision import (
-    QwenPatchMerger,
-    QwenVisionBlock,
-    segment_mask,
-    vision_cos_sin,
-)
+from lightning_mmpar.models.hf.qwen_vision import QwenVisionBlock
 from lightning_mmpar.models.language import (
     LanguageConfig,
     LanguageModel,
@@ -190,19 +192,14 @@ class Qwen3VisionStem(FusionBlock):
         tally.linear(self.unit * n, self.patch_embed.proj)
 
 
-class Qwen3VisionLayer(FusionBlock):
+class Qwen3VisionLayer(QwenVisionLayer):
     """One ViT block (frame-masked attention); a DeepStack block also fills its level of
     ``deep`` with its merger's output."""
-
-    kind = "vision"
 
     def __init__(
         self, block: QwenVisionBlock, config: Qwen3VisionConfig, index: int, tower: Qwen3VisionTower
     ) -> None:
-        super().__init__()
-        self.block = block
-        self.head_dim, self.theta = config.width // config.heads, config.rope_theta
-        self.unit = config.spatial_merge_size**2
+        super().__init__(block, config, windowed=False)
         self.level: int | None = None
         self.deepstack: Qwen3DeepstackMerger | None = None
         if index in config.deepstack_indexes:
@@ -213,46 +210,26 @@ class Qwen3VisionLayer(FusionBlock):
     def forward(
         self, x: Tensor, position: Tensor, frame: Tensor, deep: Tensor, *rest: Tensor
     ) -> tuple[Tensor, ...]:
-        cos, sin = vision_cos_sin(position, self.head_dim, self.theta)
-        x = self.block(x, cos, sin, segment_mask(frame))
+        x = self._attend(x, position, frame)
         if self.deepstack is not None and self.level is not None:
             level = self.deepstack(x, frame)[0][:, :, None]
             deep = torch.cat([deep[:, :, : self.level], level, deep[:, :, self.level + 1 :]], 2)
         return (x, position, frame, deep, *rest)
 
     def _tally(self, tally: CostTally, n: int, t: int) -> None:
-        b, v = self.block, self.unit * n
-        for proj in (b.attn.q_proj, b.attn.k_proj, b.attn.v_proj, b.attn.proj):
-            tally.linear(v, proj)
-        tally.attention(v, v, b.attn.q_proj.weight.shape[0])
-        tally.linear(v, b.mlp.fc1)
-        tally.linear(v, b.mlp.fc2)
+        super()._tally(tally, n, t)
         if self.deepstack is not None:
             tally.linear(n, self.deepstack.mlp[0])
             tally.linear(n, self.deepstack.mlp[2])
-        tally.keep(2 * v * b.attn.proj.weight.shape[0])
 
 
-class Qwen3MergerBlock(FusionBlock):
+class Qwen3MergerBlock(QwenMergerBlock):
     """The final patch merger: ``(tokens [B, N, D], valid [B, N], deep)``."""
 
-    kind = "vision"
-
-    def __init__(self, merger: QwenPatchMerger) -> None:
-        super().__init__()
-        self.merger = merger
-
-    def forward(
-        self, x: Tensor, position: Tensor, frame: Tensor, deep: Tensor, *rest: Tensor
-    ) -> tuple[Tensor, ...]:
-        return (*self.merger(x, frame), deep, *rest)
-
-    def _tally(self, tally: CostTally, n: int, t: int) -> None:
-        tally.linear(n, self.merger.mlp[0])
-        tally.linear(n, self.merger.mlp[2])
+    keeps_slot = True
 
 
-class Qwen3Bridge(FusionBlock):
+class Qwen3Bridge(QwenBridge):
     """``h = embed(ids)`` with the image tokens' embeddings replaced in order by the valid
     merged tokens, and the DeepStack tokens scattered to the image positions
     (``ds [B, L, T, D]``, zeros elsewhere; left out when ``L == 0``).
@@ -261,13 +238,13 @@ class Qwen3Bridge(FusionBlock):
         ValueError: the number of image tokens differs from the merged image tokens.
     """
 
-    kind = "aligner"
+    family = "Qwen3-VL"
 
     def __init__(self, embed_tokens: nn.Embedding, image_token_id: int, levels: int) -> None:
-        super().__init__()
-        self.embed_tokens, self.image_token_id, self.levels = embed_tokens, image_token_id, levels
+        super().__init__(embed_tokens, image_token_id)
+        self.levels = levels
 
-    def forward(
+    def forward(  # type: ignore[override]  # the state carries deep
         self,
         tokens: Tensor,
         valid: Tensor,
@@ -276,16 +253,7 @@ class Qwen3Bridge(FusionBlock):
         position_ids: Tensor,
         sample_ids: Tensor,
     ) -> tuple[Tensor, ...]:
-        h = self.embed_tokens(ids)
-        where = (ids == self.image_token_id)[..., None]
-        images = tokens[valid]
-        if int(where.sum()) != images.shape[0]:
-            raise ValueError(
-                f"Qwen3-VL splice: {int(where.sum())} image tokens (id {self.image_token_id}) "
-                f"in input_ids but the image grids give {images.shape[0]} merged tokens; expand "
-                "each image marker to t*h*w/merge^2 tokens (QwenVLCollator does)."
-            )
-        h = h.masked_scatter(where, images.to(h.dtype)) + 0.0 * tokens.sum()
+        h, where = self._splice(tokens, valid, ids)
         if not self.levels:
             return (h, position_ids, sample_ids)
         levels = deep[valid].to(h.dtype)  # [n, L, D]
@@ -295,20 +263,15 @@ class Qwen3Bridge(FusionBlock):
         )
         return (h, ds + 0.0 * deep.sum(), position_ids, sample_ids)
 
-    def _tally(self, tally: CostTally, n: int, t: int) -> None:
-        return None
 
-
-class Qwen3MoeDecoderLayer(FusionBlock):
+class Qwen3MoeDecoderLayer(QwenDecoderLayer):
     """Decoder layer ``index``: block-causal attention over packed samples, then the FFN (MoE:
     padding never routed); layer ``i < L`` then adds DeepStack level ``i`` (``ds`` passed on
     until its last level is used)."""
 
-    kind = "language"
-
     def __init__(self, layer: LlamaDecoderLayer, index: int, levels: int) -> None:
-        super().__init__()
-        self.layer, self.index, self.levels = layer, index, levels
+        super().__init__(layer)
+        self.index, self.levels = index, levels
 
     def forward(self, h: Tensor, *state: Tensor) -> tuple[Tensor, ...]:
         deep = self.index < self.levels
@@ -321,18 +284,6 @@ class Qwen3MoeDecoderLayer(FusionBlock):
         if self.index < self.levels - 1:
             return (out, ds, position_ids, sample_ids)
         return (out, position_ids, sample_ids)
-
-    def _tally(self, tally: CostTally, n: int, t: int) -> None:
-        attn, mlp = self.layer.self_attn, self.layer.mlp
-        for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
-            tally.linear(t, proj)
-        tally.attention(t, t, attn.q_proj.weight.shape[0])
-        if isinstance(mlp, MoEFeedForward):
-            tally.moe(t, attn.o_proj.weight.shape[0], mlp.config, train=True)
-        else:
-            for name in ("gate_proj", "up_proj", "down_proj"):
-                tally.linear(t, getattr(mlp, name))
-        tally.keep(2 * t * attn.o_proj.weight.shape[0])
 
 
 class Qwen3MoeVLModel(nn.Module):
