@@ -15,11 +15,10 @@ from typing import Any
 
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
-from torch import Tensor, nn
+from torch import Tensor
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from lightning_mmpar import MultimodalParallelStrategy
 from lightning_mmpar.models.hf.qwen3_convert import (
     export_qwen3_moe_vl_state,
     qwen3_moe_vl_from_transformers,
@@ -27,10 +26,8 @@ from lightning_mmpar.models.hf.qwen3_convert import (
 )
 from lightning_mmpar.models.hf.qwen3_vl_moe import Qwen3MoeVLModel
 from lightning_mmpar.parallel.experts import apply_expert_parallel
-from lightning_mmpar.parallel.parallelize import ParallelPlan
 from lightning_mmpar.parallel.tensor import full_state_dict
 from lightning_mmpar.plans.qwen3_moe_vl import qwen3_moe_vl_plan
-from lightning_mmpar.topology import ParallelDims
 from tests.recipes import parity_matrix_worker as pm
 from tests.recipes import qwen_vl_worker as qw
 from tests.recipes import recipe_faults_worker as rw
@@ -40,22 +37,10 @@ from tests.unit.models import qwen3_moe_cases as mc
 class Qwen3MoeModule(qw.QwenVLModule):
     """:class:`qwen_vl_worker.QwenVLModule` over the converted Qwen3-VL-MoE and its plan."""
 
-    def configure_model(self) -> None:
-        if self.blocks is not None:
-            return
-        model = qwen3_moe_vl_from_transformers(mc.hf_model()).train()
-        self._model = (model,)  # type: ignore[assignment]
-        self.blocks = nn.ModuleList(model.pipeline_blocks())
+    plan = staticmethod(qwen3_moe_vl_plan)
 
-    def parallel_plan(self, dims: ParallelDims) -> ParallelPlan:
-        model = self._model[0]
-        assert isinstance(model, Qwen3MoeVLModel)
-        return qwen3_moe_vl_plan(
-            model,
-            vision_parallel=self.vision_parallel,  # type: ignore[arg-type]
-            dims=dims,
-            pipeline_blocks=self.pipeline_blocks,
-        )
+    def build(self) -> Any:
+        return qwen3_moe_vl_from_transformers(mc.hf_model())
 
 
 LAYOUTS: tuple[pm.Layout, ...] = (
@@ -111,14 +96,9 @@ def _export_trained(state: dict[str, Tensor], root: str) -> dict[str, Tensor]:
 def run_layout(layout: pm.Layout, rank: int, root: str) -> dict[str, Any]:
     """Train ``layout`` on this rank (its dp share of every batch); :data:`EXPORTED` also
     exports its trained weights."""
-    start = time.perf_counter()
-    coords = layout.dims.rank_coords(rank)
-    local = [pm.dp_slice(b, layout.dims.dp, coords["dp"]) for b in qw.batches()]
     module = Qwen3MoeModule("qwen3_vl_moe", layout.vision_parallel)
-    strategy = MultimodalParallelStrategy(**layout.strategy)
     final = FinalState()
-    rec = rw.fit(module, local, strategy=strategy, devices=layout.world, callbacks=[final])  # type: ignore[arg-type]
-    out = {"losses": rec.losses, "grads": rec.grads, "seconds": time.perf_counter() - start}
+    out = qw.run_layout(layout, rank, module, callbacks=[final])
     if layout.name == EXPORTED:
         model = module._model[0]
         assert isinstance(model, Qwen3MoeVLModel)

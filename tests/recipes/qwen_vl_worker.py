@@ -13,10 +13,11 @@ layout starts from the same converted weights.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule
+from lightning.pytorch import Callback, LightningModule
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -91,16 +92,23 @@ class QwenVLModule(PipelineSteps, LightningModule):
         self._model: tuple[QwenVLModel, ...] = ()
         self.head = None  # read by the recorder (the fusion recipe's head block)
 
+    plan = staticmethod(qwen_vl_plan)
+    """The model's plan function (a subclass's family: its own)."""
+
+    def build(self) -> Any:
+        """The converted model of :attr:`family`."""
+        return qwen_vl_from_transformers(qc.hf_model(self.family))
+
     def configure_model(self) -> None:
         if self.blocks is not None:
             return
-        model = qwen_vl_from_transformers(qc.hf_model(self.family)).train()
+        model = self.build().train()
         self._model = (model,)
         self.blocks = nn.ModuleList(model.pipeline_blocks())
 
     def parallel_plan(self, dims: ParallelDims) -> ParallelPlan:
         model = self._model[0]
-        return qwen_vl_plan(
+        return self.plan(
             model,
             vision_parallel=self.vision_parallel,  # type: ignore[arg-type]
             dims=dims,
@@ -147,14 +155,20 @@ def reference(name: str) -> rw.Recorder:
     return rw.fit(QwenVLModule(name), batches())  # type: ignore[arg-type]
 
 
-def run_layout(layout: pm.Layout, rank: int) -> dict[str, Any]:
-    """Train ``layout`` on this rank (its dp share of every batch)."""
+def run_layout(
+    layout: pm.Layout,
+    rank: int,
+    module: QwenVLModule | None = None,
+    callbacks: Sequence[Callback] = (),
+) -> dict[str, Any]:
+    """Train ``layout`` on this rank (its dp share of every batch) with ``module`` (default
+    the :func:`family`'s :class:`QwenVLModule`) and ``callbacks``."""
     start = time.perf_counter()
     coords = layout.dims.rank_coords(rank)
     local = [pm.dp_slice(b, layout.dims.dp, coords["dp"]) for b in batches()]
-    module = QwenVLModule(family(layout), layout.vision_parallel)
+    module = module or QwenVLModule(family(layout), layout.vision_parallel)
     strategy = MultimodalParallelStrategy(**layout.strategy)
-    rec = rw.fit(module, local, strategy=strategy, devices=layout.world)  # type: ignore[arg-type]
+    rec = rw.fit(module, local, strategy=strategy, devices=layout.world, callbacks=list(callbacks))  # type: ignore[arg-type]
     return {"losses": rec.losses, "grads": rec.grads, "seconds": time.perf_counter() - start}
 
 

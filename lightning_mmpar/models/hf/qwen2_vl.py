@@ -82,11 +82,16 @@ class QwenVLConfig:
                 f"rope_parameters.mrope_section {list(self.mrope_section)} must be three "
                 f"numbers summing to head_dim / 2 = {half}."
             )
-        if self.vision.out_width != self.language.hidden_size:
-            raise ValueError(
-                f"vision out_hidden_size ({self.vision.out_width}) must equal the language "
-                f"hidden_size ({self.language.hidden_size})."
-            )
+        check_widths(self.vision, self.language)
+
+
+def check_widths(vision: QwenVisionConfig, language: LanguageConfig) -> None:
+    """Raise ``ValueError`` unless the ViT's output width is the decoder's ``hidden_size``."""
+    if vision.out_width != language.hidden_size:
+        raise ValueError(
+            f"vision out_hidden_size ({vision.out_width}) must equal the language "
+            f"hidden_size ({language.hidden_size})."
+        )
 
 
 class QwenLanguageModel(LanguageModel):

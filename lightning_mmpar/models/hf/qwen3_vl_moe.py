@@ -43,6 +43,7 @@ from lightning_mmpar.models.hf.qwen2_vl import (
     QwenMergerBlock,
     QwenVisionLayer,
     QwenVLModel,
+    check_widths,
 )
 from lightning_mmpar.models.hf.qwen3_vision import (
     Qwen3DeepstackMerger,
@@ -136,11 +137,7 @@ class Qwen3MoeVLConfig:
                 f"text_config.rope_parameters.mrope_section {list(self.mrope_section)} must sum "
                 f"to head_dim / 2 = {self.language.dim_per_head // 2}."
             )
-        if self.vision.out_width != self.language.hidden_size:
-            raise ValueError(
-                f"vision out_hidden_size ({self.vision.out_width}) must equal the language "
-                f"hidden_size ({self.language.hidden_size})."
-            )
+        check_widths(self.vision, self.language)
         if len(self.vision.deepstack_indexes) > self.language.num_hidden_layers:
             raise ValueError(
                 f"vision_config.deepstack_visual_indexes has {len(self.vision.deepstack_indexes)}"
