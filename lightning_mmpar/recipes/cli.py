@@ -233,15 +233,17 @@ class ClipLlamaCLI(LightningCLI):
     def _drop_default_data(self, parser: LightningArgumentParser, probe: list[Any]) -> None:
         """Remove the digits default of ``data``, unless the arguments need it (a bare
         ``data:`` section of init arguments only)."""
-        parsers = [parser, *self._subcommand_parsers.values()]
-        for each in parsers[1:]:
+        subcommands = list(getattr(self, "_subcommand_parsers", {}).values())
+        holders = subcommands or [parser]  # the parsers add_arguments_to_parser gave the default
+        parsers = [parser, *subcommands]
+        for each in holders:
             each.set_defaults({"data": None})
         for each in parsers:  # raise, do not print and exit, while trying
             each.exit_on_error = False
         try:
             parser.parse_args(probe)
         except ArgumentError:
-            for each in parsers[1:]:
+            for each in holders:
                 each.set_defaults({"data": {"class_path": DEFAULT_DATA}})
         finally:
             for each in parsers:
