@@ -76,13 +76,26 @@ from lightning_mmpar.layout.schedules import stage_ranks
 from lightning_mmpar.layout.value import LayoutFacts, ParallelLayout, validate
 
 __all__ = [
+    "SET_UP_PURPOSES",
     "comm_bounds",
     "comm_bytes",
     "comm_calls",
+    "comm_parts",
     "comm_profile",
     "dispatched_calls",
+    "fsdp_gathers",
+    "gradient_syncs",
     "world_dim",
 ]
+
+SET_UP_PURPOSES = ("fsdp", "ddp", "replicated", "experts")
+"""The :func:`comm_parts` purposes whose bytes the set-up alone fixes (the parameter groups,
+their sizes and dtypes; no activation): FSDP2's unit all-gathers and reduce-scatters
+(``fsdp``; ``experts``: the expert units over ``edp``, or their all-reduce under DDP), the
+gradient all-reduce of data parallelism (``ddp``) and of the parameters FSDP does not manage
+(``replicated``: 0-dim parameters). The others (``activations``: tp / ep collectives of the
+blocks, ``boundary``: pipeline send / recv, ``loss``, ``logging``, ``tp grads``, ``guard``,
+``clip``, ``sigterm``, ``shape check``) depend on the batch or on the step's values."""
 
 GUARD_BYTES = 24
 """The non-finite guard's ``[3]`` float64 row per rank."""
@@ -134,6 +147,22 @@ def _padded_bytes(p: ParamSpec, layout: ParallelLayout) -> int:
 def _grad_bytes(p: ParamSpec, layout: ParallelLayout) -> int:
     size = _numel(tp_local_shape(p, layout)) * p.element_size
     return size * layout.tp if p.full_grad and layout.tp > 1 else size
+
+
+def fsdp_gathers(layout: ParallelLayout) -> int:
+    """All-gathers of one FSDP2 unit per optimizer step: forward and backward's re-gather
+    (``reshard_after_forward``) per batch, without a pipeline; under pp, one per forward pass
+    of each micro-batch (the gradient cache's forward-only pass and the schedule's) and one
+    for the backward of the last, times ``accumulate``."""
+    if layout.pp > 1:
+        return layout.accumulate * (2 * layout.num_micro_batches + 1)
+    return layout.accumulate * 2
+
+
+def gradient_syncs(layout: ParallelLayout) -> int:
+    """Gradient all-reduces per optimizer step under ``data_parallel="ddp"``: one at
+    ``tp == pp == 1`` (torch's DDP, ``no_sync`` while accumulating), else one per batch."""
+    return 1 if layout.tp == 1 and layout.pp == 1 else layout.accumulate
 
 
 def _stage_of_block(model: ModelSpec, layout: ParallelLayout) -> tuple[list[int], list[int]]:
@@ -204,8 +233,24 @@ def comm_profile(
     """:func:`comm_bytes`, :func:`comm_calls` and :func:`dispatched_calls` of one rank from
     one count (the cost model needs all three per layout). Raises ``ValueError`` as
     :func:`comm_bytes`."""
-    nbytes, calls, dispatched = _count(model, layout, pp_rank, "expected")
+    nbytes, calls, dispatched, _ = _count(model, layout, pp_rank, "expected")
     return nbytes, {k: calls[k] for k in nbytes if calls[k]}, dispatched
+
+
+def comm_parts(
+    model: ModelSpec, layout: ParallelLayout, pp_rank: int = 0
+) -> dict[str, dict[str, int]]:
+    """:func:`comm_bytes` split by purpose: ``{key: {purpose: bytes}}``, each key's purposes
+    summing to its bytes. Purposes: ``fsdp``, ``ddp``, ``replicated``, ``experts``
+    (:data:`SET_UP_PURPOSES`: fixed by the set-up), ``tp grads``, ``activations``,
+    ``boundary``, ``loss``, ``logging``, ``shape check``, ``sigterm``, ``guard``, ``clip``.
+    Raises ``ValueError`` as :func:`comm_bytes`."""
+    parts = _count(model, layout, pp_rank, "expected")[3]
+    out: dict[str, dict[str, int]] = {}
+    for (key, why), n in sorted(parts.items()):
+        if n:
+            out.setdefault(key, {})[why] = n
+    return out
 
 
 def dispatched_calls(model: ModelSpec, layout: ParallelLayout, pp_rank: int = 0) -> int:
@@ -219,35 +264,40 @@ def dispatched_calls(model: ModelSpec, layout: ParallelLayout, pp_rank: int = 0)
 
 def _count(
     model: ModelSpec, layout: ParallelLayout, pp_rank: int, bound: str
-) -> tuple[dict[str, int], Counter[str], int]:
-    """Bytes (``bound``: ``expected``, ``low`` or ``high``) and calls per key, and the calls
-    issued through DTensor / FSDP2."""
+) -> tuple[dict[str, int], Counter[str], int, Counter[tuple[str, str]]]:
+    """Bytes (``bound``: ``expected``, ``low`` or ``high``) and calls per key, the calls
+    issued through DTensor / FSDP2, and the bytes per ``(key, purpose)`` (:func:`comm_parts`)."""
     _check(model, layout)
     held = set(stage_blocks(model, layout, pp_rank))
     out: Counter[str] = Counter()
     calls: Counter[str] = Counter()
+    parts: Counter[tuple[str, str]] = Counter()
     dispatched = 0
 
-    def add(key: str, nbytes: int | float, n: int, via_dtensor: bool = False) -> None:
+    def add(
+        key: str, nbytes: int | float, n: int, via_dtensor: bool = False, why: str = ""
+    ) -> None:
         nonlocal dispatched
         out[key] += nbytes  # type: ignore[assignment]
+        parts[key, why] += nbytes  # type: ignore[assignment]
         if nbytes:
             calls[key] += n
             dispatched += n if via_dtensor else 0
 
     b, acc = layout.local_batch, layout.accumulate
     passes = 2 if layout.pp > 1 else 1  # the gradient cache's forward-only pass
-    gathers = passes * layout.num_micro_batches + 1 if layout.pp > 1 else 2  # per FSDP unit
+    gathers = fsdp_gathers(layout) // acc  # per FSDP unit and batch
     params = [p for p in model.params if p.block in held]
     # data parallelism, per batch
     if layout.dp_size > 1 and layout.data_parallel != "none":
         dense = [p for p in params if p.trainable and not p.expert]
         if layout.data_parallel == "ddp":  # per dtype; torch's DDP (tp = pp = 1): no_sync
-            syncs = 1 if layout.tp == 1 and layout.pp == 1 else acc
+            syncs = gradient_syncs(layout)
             add(
                 "dp.all_reduce",
                 syncs * sum(_grad_bytes(p, layout) for p in dense),
                 syncs * len({p.element_size for p in dense}),
+                why="ddp",
             )
         else:
             units: dict[int, list[ParamSpec]] = {}
@@ -260,18 +310,21 @@ def _count(
                     acc * gathers * sum(_padded_bytes(p, layout) for p in unit),
                     acc * gathers,
                     True,
+                    "fsdp",
                 )
                 add(
                     "dp.reduce_scatter",
                     acc * sum(_padded_bytes(p, layout) for p in unit if p.trainable),
                     acc,
                     True,
+                    "fsdp",
                 )
             scalars = [p for p in dense if not p.shape]
             add(
                 "dp.all_reduce",
                 acc * sum(_grad_bytes(p, layout) for p in scalars),
                 acc * len({p.element_size for p in scalars}),
+                why="replicated",
             )
     # expert weights over their edp replicas (FSDP2 units of their own, or an all-reduce)
     experts = [p for p in params if p.expert and p.shape]
@@ -282,6 +335,7 @@ def _count(
                 "edp.all_reduce",
                 acc * sum(_grad_bytes(p, layout) for p in trained),
                 acc * len({p.element_size for p in trained}),
+                why="experts",
             )
         else:
             layers = len({p.block for p in experts})
@@ -290,12 +344,14 @@ def _count(
                 acc * gathers * sum(_padded_bytes(p, layout) for p in experts),
                 acc * gathers * layers,
                 True,
+                "experts",
             )
             add(
                 "edp.reduce_scatter",
                 acc * sum(_padded_bytes(p, layout) for p in experts if p.trainable),
                 acc * layers,
                 True,
+                "experts",
             )
     # a tower run data-parallel inside tp: its gradients summed over tp after every backward;
     # Partial gradients that FSDP2 reduce-scatters are made Replicate over tp first (backward)
@@ -306,6 +362,7 @@ def _count(
             "tp.all_reduce",
             acc * sum(_numel(local_shape(p, layout, {})) * p.element_size for p in summed),
             acc * len({p.element_size for p in summed}),
+            why="tp grads",
         )
         sharded = [p for p in partial if fsdp_group(p, layout) > 1]
         add(
@@ -313,6 +370,7 @@ def _count(
             acc * sum(_grad_bytes(p, layout) for p in sharded),
             acc * len(sharded),
             True,
+            "tp grads",
         )
     # tensor (and expert) parallel activations
     for block in held:
@@ -327,6 +385,7 @@ def _count(
                 acc * times * (b * per_sample + m * c.bytes_per_call),
                 acc * times * m,
                 c.dim == "tp",
+                "activations",
             )
     # pipeline boundaries: one send / recv per tensor, micro-batch and pass
     last = len(model.blocks) - 1
@@ -341,18 +400,20 @@ def _count(
             grads = sum(x.bytes_per_sample for x in model.boundaries[i] if x.requires_grad)
             n_grads = sum(1 for x in model.boundaries[i] if x.requires_grad and x.bytes_per_sample)
             if rank[i] == pp_rank:
-                add("pp.send", acc * passes * b * sent, acc * passes * m * n_sent)
-                add("pp.recv", acc * b * grads, acc * m * n_grads)
+                add("pp.send", acc * passes * b * sent, acc * passes * m * n_sent, why="boundary")
+                add("pp.recv", acc * b * grads, acc * m * n_grads, why="boundary")
             if rank[i + 1] == pp_rank:
-                add("pp.recv", acc * passes * b * sent, acc * passes * m * n_sent)
-                add("pp.send", acc * b * grads, acc * m * n_grads)
-        add("pp.broadcast", acc * (LOSS_BYTES + TERM_BYTES), acc * 2)
-        add("pp.all_reduce", acc * SHAPE_CHECK_BYTES, acc)
+                add("pp.recv", acc * passes * b * sent, acc * passes * m * n_sent, why="boundary")
+                add("pp.send", acc * b * grads, acc * m * n_grads, why="boundary")
+        add("pp.broadcast", acc * (LOSS_BYTES + TERM_BYTES), acc * 2, why="loss")
+        add("pp.all_reduce", acc * SHAPE_CHECK_BYTES, acc, why="shape check")
     # the loss and its logging
     if layout.dp_size > 1:
         loss = model.loss
         if loss is not None and (acc > 1 or last in held):  # caption tokens: the accumulation
-            add("dp.all_reduce", TOKEN_BYTES, 1)  # window's on every rank, else the last stage's
+            add(
+                "dp.all_reduce", TOKEN_BYTES, 1, why="loss"
+            )  # window's on every rank, else the last stage's
         if loss is not None and last in held:
             rows = b * layout.dp_size * loss.feature_bytes
             # per gather: the row counts, then the image and the text features
@@ -360,21 +421,29 @@ def _count(
                 "dp.all_gather",
                 acc * loss.gathers * (8 * layout.dp_size + 2 * rows),
                 acc * loss.gathers * 3,
+                why="loss",
             )
             add(
                 "dp.all_reduce",
                 acc * loss.gathers_with_grad * 2 * rows,
                 acc * loss.gathers_with_grad * 2,
+                why="loss",
             )
-        add("dp.all_reduce", acc * (LOG_PAIR_BYTES + TERM_BYTES), acc * 2)
+        add("dp.all_reduce", acc * (LOG_PAIR_BYTES + TERM_BYTES), acc * 2, why="logging")
     # over the world: Lightning's SIGTERM flag per batch; the guard and clipping per step
     if layout.world > 1:
         world = world_dim(layout)
-        add(f"{world}.broadcast", acc * SIGTERM_BYTES, acc)
-        add(f"{world}.all_gather", GUARD_BYTES * layout.world, 1)
+        add(f"{world}.broadcast", acc * SIGTERM_BYTES, acc, why="sigterm")
+        add(f"{world}.all_gather", GUARD_BYTES * layout.world, 1, why="guard")
         if layout.clip:
-            add(f"{world}.all_reduce", 8, 1)
+            add(f"{world}.all_reduce", 8, 1, why="clip")
             if layout.tp > 1:  # Partial gradients (no FSDP) summed over tp before their norm
                 whole = [p for p in partial if fsdp_group(p, layout) == 1]
-                add("tp.all_reduce", sum(_grad_bytes(p, layout) for p in whole), len(whole), True)
-    return {k: v for k, v in sorted(out.items()) if v}, calls, dispatched
+                add(
+                    "tp.all_reduce",
+                    sum(_grad_bytes(p, layout) for p in whole),
+                    len(whole),
+                    True,
+                    "clip",
+                )
+    return {k: v for k, v in sorted(out.items()) if v}, calls, dispatched, parts

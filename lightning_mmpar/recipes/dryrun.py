@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import os
 import sys
 import time
@@ -57,7 +58,13 @@ from lightning.pytorch.trainer.call import _call_configure_model
 from torch import nn
 
 from lightning_mmpar.layout import ParallelLayout, validate
-from lightning_mmpar.layout.comm import comm_bytes
+from lightning_mmpar.layout.comm import (
+    SET_UP_PURPOSES,
+    comm_bytes,
+    comm_parts,
+    fsdp_gathers,
+    gradient_syncs,
+)
 from lightning_mmpar.layout.cost import activation_bytes, default_graph
 from lightning_mmpar.layout.memory import (
     StateBytes,
@@ -80,6 +87,7 @@ __all__ = [
     "format_rank",
     "main",
     "measure",
+    "measure_comm",
     "optimizer_bytes",
     "plan_layout",
     "report_rank",
@@ -126,7 +134,15 @@ class RankReport:
     transfer: dict[str, int] = field(default_factory=dict)
     """Non-colocated towers, a vision rank: the planner's bytes per step on its links
     (``embeddings out``, ``gradients in``, ``pixels in``: ``layout.towers_cost.tower_cost``);
-    predicted only, as the collectives."""
+    predicted only, as the activation-dependent collectives."""
+    comm_measured: dict[str, int] = field(default_factory=dict)
+    """The collectives of one step the set-up fixes (:func:`measure_comm`), by key."""
+    comm_set_up: dict[str, int] = field(default_factory=dict)
+    """The planner's part of :attr:`comm` for the same purposes
+    (:data:`~lightning_mmpar.layout.comm.SET_UP_PURPOSES`; a vision rank: its all-reduce)."""
+    comm_explained: dict[str, int] = field(default_factory=dict)
+    """Predicted bytes no set-up can show: under DDP, the vocab-parallel embeddings' whole
+    gradients (as :attr:`full_grad_extra`) in every gradient all-reduce."""
 
     def mismatches(self) -> list[str]:
         """What differs beyond :attr:`full_grad_extra` (empty: the counts agree)."""
@@ -140,6 +156,10 @@ class RankReport:
             out.append(f"gradients {m.gradients} vs predicted {p.gradients}")
         if m.optimizer != p.optimizer:
             out.append(f"optimizer {m.optimizer} vs predicted {p.optimizer}")
+        for key in sorted(self.comm_measured.keys() | self.comm_set_up.keys()):
+            got, want = self.comm_measured.get(key, 0), self.comm_set_up.get(key, 0)
+            if got + self.comm_explained.get(key, 0) != want:
+                out.append(f"{key} {got} vs predicted {want}")
         return out
 
 
@@ -293,6 +313,83 @@ def optimizer_bytes(strategy: MultimodalParallelStrategy) -> int:
     return total
 
 
+def measure_comm(
+    strategy: MultimodalParallelStrategy, module: nn.Module, layout: ParallelLayout
+) -> dict[str, int]:
+    """Bytes per ``"<dim>.<kind>"`` of the collectives of one optimizer step that the set-up
+    fixes, from this rank's built model (nccl-tests' sizes, as
+    :func:`~lightning_mmpar.layout.comm.comm_bytes`): per FSDP2 unit (its parameter groups) an
+    all-gather of every parameter's padded shard times the group size, in the gather dtype
+    (``MixedPrecisionPolicy.param_dtype``, else the parameter's), ``fsdp_gathers(layout)``
+    times (forward and backward's re-gather), and a reduce-scatter of the trainable ones in
+    the reduce dtype per batch - ``dp`` units, or ``edp`` for the expert units; the trainable
+    parameters no unit manages (0-dim ones) all-reduced per batch; under ``ddp`` every
+    trainable dense local shard all-reduced ``gradient_syncs(layout)`` times and the expert
+    shards per batch over ``edp``. The counts per step come from the same helpers the planner
+    uses; the units, sizes and dtypes are the set-up's."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from lightning_mmpar.parallel.expert_data import is_expert_parameter
+
+    if layout.dp_size == 1 or layout.data_parallel == "none":
+        return {}
+    out: dict[str, int] = {}
+    managed: set[int] = set()
+    trainable: dict[int, torch.Tensor] = {}
+    for piece in _pieces(strategy, module):
+        trainable.update({id(p): p for p in piece.parameters() if p.requires_grad})
+        for m in piece.modules():
+            if isinstance(m, FSDPModule):
+                for group in m._get_fsdp_state()._fsdp_param_groups:
+                    managed |= _fsdp_unit_bytes(group, layout, out)
+    acc = layout.accumulate
+    for p in trainable.values():
+        if id(p) in managed:
+            continue
+        if is_expert_parameter(p):
+            key, n = "edp.all_reduce", (acc if layout.edp > 1 else 0)
+        elif layout.data_parallel == "ddp":
+            key, n = "dp.all_reduce", gradient_syncs(layout)
+        else:
+            key, n = "dp.all_reduce", acc  # FSDP: the parameters no unit manages
+        if n:
+            out[key] = out.get(key, 0) + n * _local_bytes(p)
+    return out
+
+
+def _fsdp_unit_bytes(group: Any, layout: ParallelLayout, out: dict[str, int]) -> set[int]:
+    """Add one FSDP2 parameter group's all-gather and reduce-scatter bytes per step to ``out``
+    (:func:`measure_comm`); returns the ids of its sharded parameters."""
+    names = tuple(group.mesh_info.mesh.mesh_dim_names or ())
+    dim = "edp" if "edp" in names else "dp"
+    ranks = int(group.mesh_info.shard_mesh_size)
+    policy = group.mp_policy
+    gathered = reduced = 0
+    ids: set[int] = set()
+    for fp in group.fsdp_params:
+        param = fp.sharded_param
+        ids.add(id(param))
+        numel = ranks * math.prod(fp.padded_sharded_param_size)
+        gather_dtype = policy.param_dtype or param.dtype
+        gathered += numel * gather_dtype.itemsize
+        if param.requires_grad:
+            reduced += numel * (policy.reduce_dtype or gather_dtype).itemsize
+    if ranks > 1:
+        for kind, n in (
+            ("all_gather", fsdp_gathers(layout) * gathered),
+            ("reduce_scatter", layout.accumulate * reduced),
+        ):
+            if n:
+                out[f"{dim}.{kind}"] = out.get(f"{dim}.{kind}", 0) + n
+    return ids
+
+
+def _set_up_part(parts: dict[str, dict[str, int]]) -> dict[str, int]:
+    """The planner's bytes per key for :data:`~lightning_mmpar.layout.comm.SET_UP_PURPOSES`."""
+    out = {k: sum(v.get(w, 0) for w in SET_UP_PURPOSES) for k, v in parts.items()}
+    return {k: v for k, v in out.items() if v}
+
+
 def held_blocks(strategy: MultimodalParallelStrategy) -> list[int]:
     """Pipeline block indices of this rank's stages (every block without a pipeline)."""
     if strategy.pipeline is None:
@@ -329,6 +426,12 @@ def report_rank(planned: Planned, rank: int) -> RankReport:
         else:
             coords = dict(strategy.parallel_dims.rank_coords(rank))
         measured, blocks = measure(strategy, module), held_blocks(strategy)
+        if rank < layout.world:
+            comm_measured = measure_comm(strategy, module, replace(layout, vision_ranks=0))
+        elif layout.vision_ranks > 1:  # a vision rank: its tower's gradients, each step
+            comm_measured = {"vision.all_reduce": measured.gradients}
+        else:
+            comm_measured = {}
         table = strategy.stage_plan.table() if strategy.stage_plan is not None else None
     finally:
         dist.destroy_process_group()
@@ -344,6 +447,7 @@ def report_rank(planned: Planned, rank: int) -> RankReport:
         comm={},
         seconds=time.perf_counter() - start,
         stage_table=table,
+        comm_measured=comm_measured,
     )
     if layout.vision_ranks:
         return _tower_report(planned, report)
@@ -355,7 +459,17 @@ def report_rank(planned: Planned, rank: int) -> RankReport:
         full_grad_extra=_full_grad_extra(spec, layout, coords),
         activations=activation_bytes(spec, layout, pp),
         comm=comm_bytes(spec, layout, pp),
+        comm_set_up=_set_up_part(comm_parts(spec, layout, pp)),
+        comm_explained=_ddp_explained(layout, _full_grad_extra(spec, layout, coords)),
     )
+
+
+def _ddp_explained(layout: ParallelLayout, full_grad_extra: int) -> dict[str, int]:
+    """Under ``ddp`` the vocab-parallel embeddings' whole gradients are all-reduced whole: the
+    predicted bytes beyond their shards in every gradient all-reduce of the step."""
+    if layout.data_parallel != "ddp" or layout.dp_size == 1 or not full_grad_extra:
+        return {}
+    return {"dp.all_reduce": gradient_syncs(layout) * full_grad_extra}
 
 
 def _tower_report(planned: Planned, report: RankReport) -> RankReport:
@@ -379,6 +493,7 @@ def _tower_report(planned: Planned, report: RankReport) -> RankReport:
             predicted_blocks=list(range(k)),
             activations=tower.activations,
             comm={"vision.all_reduce": sync} if layout.vision_ranks > 1 and sync else {},
+            comm_set_up={"vision.all_reduce": sync} if layout.vision_ranks > 1 and sync else {},
             transfer={
                 "embeddings out": tower.embedding_bytes,
                 "gradients in": tower.gradient_bytes,
@@ -396,6 +511,8 @@ def _tower_report(planned: Planned, report: RankReport) -> RankReport:
         full_grad_extra=_full_grad_extra(language, lang, coords),
         activations=activation_bytes(language, lang, coords["pp"]),
         comm=comm_bytes(language, lang, coords["pp"]),
+        comm_set_up=_set_up_part(comm_parts(language, lang, coords["pp"])),
+        comm_explained=_ddp_explained(lang, _full_grad_extra(language, lang, coords)),
     )
 
 
@@ -419,6 +536,16 @@ def format_rank(r: RankReport) -> list[str]:
     lines.append(f"  activations predicted {r.activations:,} B ({_mib(r.activations)}) at peak")
     comm = ", ".join(f"{k} {v:,}" for k, v in sorted(r.comm.items())) or "none"
     lines.append(f"  collectives of one step, predicted (bytes): {comm}")
+    for key in sorted(r.comm_measured.keys() | r.comm_set_up.keys()):
+        got, want = r.comm_measured.get(key, 0), r.comm_set_up.get(key, 0)
+        extra = r.comm_explained.get(key, 0)
+        note = "agree" if got == want else f"differ by {want - got:+,}"
+        if got != want and got + extra == want:
+            note = "explained: vocab-parallel embedding gradients all-reduced whole"
+        lines.append(
+            f"    {key:<17} measured {got:>16,} B  predicted {want:>16,} B"
+            f" (its set-up part)  {note}"
+        )
     if r.transfer:
         moved = ", ".join(f"{k} {v:,}" for k, v in r.transfer.items())
         lines.append(f"  tower transfer of one step, predicted (bytes): {moved}")

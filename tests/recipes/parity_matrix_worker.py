@@ -298,6 +298,12 @@ MEASURED = frozenset(x.name for x in VISION_LAYOUTS + PLACEMENT_LAYOUTS) | froze
         "pp2 dualpipev",
         "dp2 ddp",
         "tp2",
+        "pp2 gpipe",
+        "pp2 balanced",
+        "pp2 x v2 boundaries [1, 2, 5]",
+        "pp2 zbv x dp2 ddp",
+        "ep2 x pp2 1f1b (moe)",
+        "pp4 gpipe",
     )
 )
 """Layouts whose communication per optimizer step and state bytes are measured (issue 12)."""

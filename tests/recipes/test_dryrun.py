@@ -126,13 +126,19 @@ def test_mismatch_is_reported() -> None:
         predicted_blocks=[0, 2],
         full_grad_extra=0,
         activations=0,
-        comm={},
+        comm={"dp.all_gather": 7, "dp.all_reduce": 3},
         seconds=0.0,
+        comm_measured={"dp.all_gather": 5, "dp.all_reduce": 1},
+        comm_set_up={"dp.all_gather": 6, "dp.all_reduce": 3},
+        comm_explained={"dp.all_reduce": 2},
     )
     assert report.mismatches() == [
         "blocks [0, 1] vs predicted [0, 2]",
         "optimizer 12 vs predicted 16",
+        "dp.all_gather 5 vs predicted 6",
     ]
+    lines = dryrun.format_rank(report)
+    assert any("dp.all_reduce" in line and "explained" in line for line in lines)
     assert any(line.startswith("  MISMATCH") for line in dryrun.format_rank(report))
     assert dryrun._ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
 
@@ -148,14 +154,58 @@ def test_real_size_recipe_ranks_match_the_planner_exactly(recipe: str) -> None:
         assert r.measured == r.predicted and r.measured.parameters > 2**26
 
 
-def _noncolocated(tp: int, pp: int) -> dict[str, Any]:
-    """The CPU recipe with its vision tower on one rank of its own (``vision_ranks: 1``)
-    beside tp x pp language ranks."""
+@pytest.mark.parametrize("engine", ["fsdp", "ddp"])
+def test_set_up_collectives_are_measured_and_agree(engine: str) -> None:
+    """The CPU recipe at tp 2 x pp 2 x dp 2 (8 ranks), a rank of each pipeline rank: the
+    collectives the set-up fixes, measured from the built model (FSDP2's unit all-gathers and
+    reduce-scatters from its parameter groups, the all-reduce of what no unit manages - the
+    head's 0-dim parameters -, DDP's gradient all-reduce), equal to the planner's part of
+    ``comm_bytes`` for the same purposes. Under ``ddp`` the trained vocab-parallel embedding's
+    gradient is all-reduced whole: the planner's extra bytes, explained."""
+    config = load_recipe(str(RECIPES / "clip_llama_cpu.yaml"))
+    config["trainer"]["strategy"]["init_args"]["data_parallel"] = engine
+    planned = dryrun.plan_layout(config, 8)
+    assert planned.layout.dp == 2
+    reports = [dryrun.report_rank(planned, rank) for rank in (0, 4)]
+    for rank, r in zip((0, 4), reports, strict=True):
+        assert r.mismatches() == [], (engine, rank, r.mismatches())
+        keys = {"dp.all_reduce"} if engine == "ddp" else {"dp.all_gather", "dp.reduce_scatter"}
+        if engine == "fsdp" and r.coords["pp"] == 1:
+            keys.add("dp.all_reduce")  # the 0-dim parameters, replicated
+        assert r.comm_measured.keys() == keys, (engine, rank, r.comm_measured)
+        for key, got in r.comm_measured.items():
+            assert got + r.comm_explained.get(key, 0) == r.comm_set_up[key] > 0
+            assert r.comm_set_up[key] <= r.comm[key], (engine, rank, key)  # a part of it
+        lines = dryrun.format_rank(r)
+        assert sum("(its set-up part)" in line for line in lines) == len(keys)
+    first = reports[0]
+    if engine == "ddp":  # pp rank 0 holds the embedding: its whole gradient, explained
+        assert first.comm_explained["dp.all_reduce"] > 0
+        assert first.comm_measured["dp.all_reduce"] < first.comm_set_up["dp.all_reduce"]
+    else:
+        assert first.comm_explained == {}
+
+
+def _noncolocated(tp: int, pp: int, vision: int = 1) -> dict[str, Any]:
+    """The CPU recipe with its vision tower on ``vision`` ranks of their own
+    (``vision_ranks``) beside tp x pp language ranks."""
     config = load_recipe(str(RECIPES / "clip_llama_cpu.yaml"))
     args = config["trainer"]["strategy"]["init_args"]
-    args.update(tensor_parallel=tp, pipeline_parallel=pp, vision_ranks=1)
-    config["trainer"]["devices"] = tp * pp + 1
+    args.update(tensor_parallel=tp, pipeline_parallel=pp, vision_ranks=vision)
+    config["trainer"]["devices"] = tp * pp + vision
     return config
+
+
+def test_two_vision_ranks_all_reduce_the_tower_gradients() -> None:
+    """2 vision ranks beside one language rank: each vision rank all-reduces its tower's
+    trainable gradients once per step (measured from the tower it holds), the planner's
+    ``vision.all_reduce``."""
+    planned = dryrun.plan_layout(_noncolocated(1, 1, vision=2), 3)
+    r = dryrun.report_rank(planned, 2)
+    assert r.coords == {"vision": 1} and r.mismatches() == [], r.mismatches()
+    assert r.comm_measured == r.comm_set_up == {"vision.all_reduce": r.measured.gradients}
+    assert r.measured.gradients > 0
+    assert not dist.is_initialized()
 
 
 def test_vision_ranks_dry_run_agrees_with_the_planner(

@@ -33,7 +33,7 @@ import torch
 import yaml
 
 from lightning_mmpar.layout import ParallelLayout
-from lightning_mmpar.layout.comm import comm_bounds, comm_bytes
+from lightning_mmpar.layout.comm import comm_bounds, comm_bytes, comm_parts
 from lightning_mmpar.layout.memory import state_bytes
 from lightning_mmpar.plans.fusion_cost import fusion_model_spec
 from lightning_mmpar.testing import spawn
@@ -189,6 +189,24 @@ def _vocab_size() -> int:
     return int(rw.digits().vocab_size)
 
 
+_PURPOSE = {
+    "fsdp": "FSDP all-gather / reduce-scatter",
+    "ddp": "dp gradient all-reduce",
+    "replicated": "gradient all-reduce of parameters FSDP does not manage",
+    "experts": "expert weights over edp",
+    "tp grads": "gradients summed over tp",
+    "activations": "tp activations / ep all-to-all",
+    "boundary": "pp boundaries",
+}
+
+
+def _purposes(parts: dict[str, int]) -> str:
+    """What a key carries by :func:`~lightning_mmpar.layout.comm.comm_parts` purpose, for the
+    failure message: ``"pp boundaries 83,200 B"``; ``"not predicted"`` for none."""
+    named = [f"{_PURPOSE.get(why, why)} {n:,} B" for why, n in parts.items()]
+    return " + ".join(named) or "not predicted"
+
+
 def _check_measured(layout: pm.Layout, results: list[dict[str, Any]]) -> None:
     """Issue 12: every rank's communication bytes of one optimizer step, per ``<dim>.<kind>``,
     and its parameter / gradient / AdamW-state bytes equal the cost model's, exactly; the MoE
@@ -209,9 +227,17 @@ def _check_measured(layout: pm.Layout, results: list[dict[str, Any]]) -> None:
             f"comm | {layout.name} | rank {rank} | counted {got['comm']} | state {got['state']}"
             f" | expected {comm_bytes(model, spec, coords['pp'])}"
         )
-        assert counted == exact, (layout.name, rank, got["comm"], bounds)
+        parts = comm_parts(model, spec, coords["pp"])
+        for key in sorted(counted.keys() | exact.keys()):  # one kind at a time, named
+            assert counted.get(key, 0) == exact.get(key, 0), (
+                f"{layout.name}, rank {rank}: {key} ({_purposes(parts.get(key, {}))}) counted "
+                f"{counted.get(key, 0):,} B vs predicted {exact.get(key, 0):,} B"
+            )
         for key in bounds.keys() - exact.keys():  # data-dependent: within bounds
-            assert bounds[key][0] <= got["comm"].get(key, 0) <= bounds[key][1], (layout.name, key)
+            assert bounds[key][0] <= got["comm"].get(key, 0) <= bounds[key][1], (
+                f"{layout.name}, rank {rank}: {key} ({_purposes(parts.get(key, {}))}) counted "
+                f"{got['comm'].get(key, 0):,} B outside the predicted {bounds[key]}"
+            )
         assert got["state"] == (state.parameters, state.gradients, state.optimizer), (
             layout.name,
             rank,
