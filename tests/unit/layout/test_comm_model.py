@@ -309,3 +309,33 @@ def test_fusion_spec_vision_dp_sequence_parallel_and_bf16(tiny: Any, tiny_vision
     half = fusion_model_spec(tiny, ParallelLayout(precision="bf16-true"), rw.TEXT_LENGTH)
     assert {p.element_size for p in half.params} == {2}
     assert half.boundaries[0][0].bytes_per_sample == 5 * 32 * 2
+
+
+@pytest.mark.parametrize(
+    "lay",
+    [
+        ParallelLayout(dp=2, data_parallel="ddp", micro_batch_size=4),
+        ParallelLayout(tp=2, dp=2, micro_batch_size=4, accumulate=2, clip=True),
+        ParallelLayout(pp=2, dp=2, micro_batches=2, micro_batch_size=2),
+    ],
+    ids=["dp2 ddp", "tp2 x dp2 fsdp clip", "pp2 x dp2 fsdp"],
+)
+def test_comm_parts_split_every_key_by_purpose(tiny: Any, lay: ParallelLayout) -> None:
+    """``comm_parts``: each key's purposes sum to ``comm_bytes``; the gradient reduce is
+    ``ddp`` or ``fsdp`` by the engine, the logging all-reduce its own; under pp the boundary
+    sends are ``boundary``; every purpose is named (the dry run compares the set-up ones)."""
+    from lightning_mmpar.layout.comm import SET_UP_PURPOSES, comm_parts
+
+    model = fusion_model_spec(tiny, lay, rw.TEXT_LENGTH)
+    for pp_rank in range(lay.pp):
+        parts = comm_parts(model, lay, pp_rank)
+        assert {k: sum(v.values()) for k, v in parts.items()} == comm_bytes(model, lay, pp_rank)
+        assert all(why and n > 0 for v in parts.values() for why, n in v.items()), parts
+        assert parts["dp.all_reduce"]["logging"] == lay.accumulate * (8 + 48)
+        engine = "ddp" if lay.data_parallel == "ddp" else "fsdp"
+        set_up = {w for v in parts.values() for w in v} & set(SET_UP_PURPOSES)
+        assert engine in set_up and ({"ddp", "fsdp"} - {engine}).isdisjoint(set_up), parts
+        if engine == "fsdp":
+            assert parts["dp.all_gather"]["fsdp"] > 0 and parts["dp.reduce_scatter"]["fsdp"] > 0
+        if lay.pp > 1:
+            assert set(parts["pp.send"]) == {"boundary"}
