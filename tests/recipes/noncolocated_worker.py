@@ -9,11 +9,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
 from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_mmpar import MultimodalParallelStrategy
+from lightning_mmpar.parallel.comm_count import CommCounter
 from lightning_mmpar.parallel.tensor import full_gradients
 from lightning_mmpar.parallel.towers import TowerExchange
 from lightning_mmpar.recipes.faults import is_collective_failure
@@ -31,6 +32,10 @@ class Recorder(rw.Recorder):
         super().__init__()
         self.stepped: dict[str, Tensor] = {}
         """Gradients as the first optimizer step used them (clipped)."""
+        self.comm: dict[str, int] = {}
+        """Bytes of step 2's collectives (:class:`StepComm`)."""
+        self.trainable = 0
+        """Bytes of this rank's trainable parameters (local tensors)."""
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, *args: Any) -> None:
         if "train_loss" in trainer.callback_metrics:
@@ -38,6 +43,23 @@ class Recorder(rw.Recorder):
         if not self.stepped:
             grads = full_gradients(pl_module)
             self.stepped = {name: g.detach().clone() for name, g in grads.items()}
+
+
+class StepComm(Callback):
+    """Every collective of optimizer step 2 on this rank (from the end of batch 0 to the end
+    of batch 1: one batch per step), by ``"<dim>.<kind>"`` (``CommCounter``; the vision
+    ranks' own group, no mesh dimension, counts as ``other``)."""
+
+    def __init__(self) -> None:
+        self.counter: CommCounter | None = None
+        self.bytes: dict[str, int] = {}
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, *args: Any) -> None:
+        if args[-1] == 0:
+            self.counter = CommCounter(trainer.strategy.parallel_dims).__enter__()
+        elif args[-1] == 1 and self.counter is not None:
+            self.counter.__exit__(None, None, None)
+            self.bytes = dict(self.counter.bytes)
 
 
 @dataclass(frozen=True)
@@ -86,6 +108,7 @@ def fit(strategy: Any, world: int, case: Case) -> Recorder:
     if case.frozen:
         module.finetune = FinetuneConfig(train_decoder_layers=-1, train_embeddings=True)
     recorder = Recorder()
+    counted = StepComm()
     trainer = rw.quiet_trainer(
         strategy=strategy,
         devices=world,
@@ -93,10 +116,14 @@ def fit(strategy: Any, world: int, case: Case) -> Recorder:
         gradient_clip_val=case.clip,
         use_distributed_sampler=False,
         limit_val_batches=0,
-        callbacks=[recorder],
+        callbacks=[recorder, counted],
     )
     data = _local(rp.batches(), case)
     trainer.fit(module, DataLoader(data, batch_size=None))  # type: ignore[arg-type]
+    recorder.comm = counted.bytes
+    recorder.trainable = sum(
+        p.numel() * p.element_size() for p in module.parameters() if p.requires_grad
+    )
     return recorder
 
 
@@ -129,6 +156,8 @@ def run(case: Case) -> dict[str, Any]:
         "losses": rec.losses,
         "grads": rec.grads,
         "stepped": rec.stepped,
+        "comm": rec.comm,
+        "trainable": rec.trainable,
         "seconds": time.perf_counter() - start,
     }
 

@@ -14,6 +14,8 @@ import torch
 
 from lightning_mmpar.testing import spawn
 from tests.recipes import noncolocated_worker as nw
+from tests.recipes import parity_matrix_worker as pm
+from tests.recipes import ragged_parity_worker as rp
 from tests.recipes import recipe_faults_worker as rw
 
 RTOL = 1e-5
@@ -139,3 +141,30 @@ def test_a_dead_vision_rank_ends_the_language_ranks_step_in_seconds() -> None:
     assert vision["died"] is not None and language["error"] is not None, vision_gone
     assert language["collective"], language["error"]
     assert language["at"] - vision["died"] < 10.0, language["at"] - vision["died"]
+
+
+@pytest.mark.distributed
+def test_vision_ranks_all_reduce_what_the_planner_predicts() -> None:
+    """``2 vision (dp) + pp2``, step 2 counted (``CommCounter``): each vision rank all-reduces
+    its tower's trainable gradients over the vision ranks once (``other``: their group is no
+    mesh dimension), the bytes of its trainable parameters (what the dry run measures) and the
+    planner's ``vision.all_reduce``; the language ranks move nothing over that group."""
+    from lightning_mmpar.layout import ParallelLayout
+    from lightning_mmpar.layout.towers_cost import split_towers
+    from lightning_mmpar.plans.fusion_cost import fusion_model_spec
+
+    case = nw.CASES[1]
+    assert case.name == "2 vision (dp) + pp2"
+    results = [r[case.name] for r in _world(case.world)]
+    layout = ParallelLayout(pp=2, micro_batches=2, micro_batch_size=1, vision_ranks=2)
+    spec = fusion_model_spec(pm.build(rp.VOCAB, None, vision_parallel="tp"), layout, rp.TOKENS)
+    sync = sum(p.numel * p.element_size for p in split_towers(spec)[0].params if p.trainable)
+    for rank, got in enumerate(results):
+        counted = got["comm"].get("other.all_reduce", 0)
+        want = sync if rank >= case.world - case.vision_ranks else 0
+        assert counted == want, (
+            f"{case.name}, rank {rank}: vision.all_reduce (the tower's gradients over the vision "
+            f"ranks) counted {counted:,} B vs predicted {want:,} B"
+        )
+        if want:
+            assert got["trainable"] == sync, (case.name, rank, got["trainable"], sync)
