@@ -48,10 +48,15 @@ What runs, per batch (``accumulate`` batches per optimizer step; a dp rank's bat
   float64 all-reduce of the squared norm (after the ``Partial`` gradients of tp-replicated
   parameters, ``ParamSpec.partial_grad``, are all-reduced over tp).
 
+:func:`comm_parts` splits each key by purpose (``fsdp``, ``ddp``, ``replicated``, ``experts``,
+``tp grads``, ``activations``, ``boundary``, ``loss``, ``logging``, ``shape check``,
+``sigterm``, ``guard``, ``clip``); the dry run (``lightning_mmpar.recipes.dryrun``) measures
+the :data:`SET_UP_PURPOSES` ones from the built model at real scale.
 Exactness is checked against :class:`~lightning_mmpar.parallel.comm_count.CommCounter` on the
 CPU parity layouts (tests/recipes/test_parity_matrix.py: dp, tp, sequence parallel, the three
-vision modes, pp with 1f1b / interleaved / ZBV / DualPipeV schedules and accumulation, ep with
-edp 1 and 2 under FSDP and DDP, clipping, a permuted placement, tp x pp x dp; fp32). Not
+vision modes, pp with gpipe / 1f1b / interleaved / ZBV / DualPipeV schedules, partitions and
+accumulation, pp x dp under DDP, ep with edp 1 and 2 under FSDP and DDP and with pp, clipping,
+a permuted placement, tp x pp x dp; fp32). Not
 measured, derived: bf16 / fp8 activation collectives (2 bytes per element; pipeline boundaries
 keep the fp32 residual stream under ``bf16-mixed``), ``bf16-true`` (2-byte parameters and
 activations), uneven FSDP shards of ``sum_over_tp`` parameters (dp rank 0's, the largest, is

@@ -20,17 +20,25 @@ trainable local shard) and optimizer bytes (the module's own optimizer, built by
 ``setup_optimizers`` and stepped once on zero gradients: AdamW's two moments and ``step`` per
 parameter, on the meta device), the pipeline blocks the rank holds; next to them the planner's
 **predicted** counts for the same layout (:func:`lightning_mmpar.layout.memory.state_bytes`,
-:func:`lightning_mmpar.layout.memory.stage_blocks`); and, **predicted only** (no forward or
-backward runs: on meta tensors and a fake group whose peers never answer, the pipeline engine
-cannot exchange its stages' output shapes and MoE layers cannot route tokens: both read
-values), the activation estimate (:func:`lightning_mmpar.layout.cost.activation_bytes`) and
-the bytes of every collective of one optimizer step (:func:`lightning_mmpar.layout.comm.
-comm_bytes`).
+:func:`lightning_mmpar.layout.memory.stage_blocks`); the bytes of every collective of one
+optimizer step, predicted (:func:`lightning_mmpar.layout.comm.comm_bytes`), and beside them
+the part the set-up fixes, **measured** from the built model (:func:`measure_comm`: FSDP2's
+all-gathers and reduce-scatters from its parameter groups, the all-reduce of the parameters no
+unit manages, DDP's gradient all-reduce from the trainable shards, a vision rank's all-reduce
+of its tower) against the planner's part for the same purposes
+(:func:`lightning_mmpar.layout.comm.comm_parts`, ``SET_UP_PURPOSES``); and, **predicted
+only**, the activation estimate (:func:`lightning_mmpar.layout.cost.activation_bytes`) and the
+activation-dependent collectives (tp activations, pipeline boundaries, the MoE all-to-all, the
+loss): no forward or backward runs - on meta tensors and a fake group whose peers never answer,
+the pipeline engine cannot exchange its stages' output shapes and MoE layers cannot route
+tokens: both read values. Those are checked against a real run by the reduced-world test,
+``tests/recipes/test_parity_matrix.py`` (``CommCounter`` on gloo: every key of every rank of
+31 small layouts, exact).
 A measured count that differs from the prediction is printed with ``MISMATCH`` and makes the
 exit status 1, except the one difference the set-up cannot show: a vocab-parallel embedding's
 gradient comes back whole from torch's ``RowwiseParallel`` embedding (``tp`` times its shard;
-only when FSDP does not shard it), which the planner counts and a run without backward cannot
-see - printed as ``explained``.
+only when FSDP does not shard it), which the planner counts (in the gradient bytes, and in
+DDP's all-reduce) and a run without backward cannot see - printed as ``explained``.
 
 Before anything is built the layout is checked as the recipe's launch does
 (:func:`lightning_mmpar.layout.validate` with the model's facts,
