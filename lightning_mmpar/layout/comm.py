@@ -35,8 +35,9 @@ What runs, per batch (``accumulate`` batches per optimizer step; a dp rank's bat
   once);
 * **pipeline**: at each stage boundary the sender sends every tensor of the boundary per forward
   pass (two per micro-batch: the gradient cache's forward-only pass and the schedule's) and
-  receives the gradient of every floating-point one once; the loss (24 bytes) and the logged
-  terms (48 bytes) are broadcast from the last stage;
+  receives the gradient of every floating-point one once (calls: one buffer per dtype each
+  way, floats and integers, and one gradient buffer: ``PipelineEngine.pack_boundaries``); the
+  loss (24 bytes) and the logged terms (48 bytes) are broadcast from the last stage;
 * **loss** (``dp > 1``, on the last stage): the caption token count (8-byte all-reduce; under
   accumulation instead one per optimizer step on every rank: the window's count,
   ``lightning_mmpar.parallel.token_windows``), three
@@ -392,7 +393,7 @@ def _count(
                 c.dim == "tp",
                 "activations",
             )
-    # pipeline boundaries: one send / recv per tensor, micro-batch and pass
+    # pipeline boundaries: one send / recv per dtype buffer, micro-batch and pass
     last = len(model.blocks) - 1
     if layout.pp > 1:
         stage, rank = _stage_of_block(model, layout)
@@ -401,9 +402,10 @@ def _count(
             if stage[i] == stage[i + 1] or rank[i] == rank[i + 1]:
                 continue
             sent = sum(x.bytes_per_sample for x in model.boundaries[i])
-            n_sent = sum(1 for x in model.boundaries[i] if x.bytes_per_sample)
+            # one buffer per dtype (PipelineEngine.pack_boundaries): floats, integers
+            n_sent = len({x.requires_grad for x in model.boundaries[i] if x.bytes_per_sample})
             grads = sum(x.bytes_per_sample for x in model.boundaries[i] if x.requires_grad)
-            n_grads = sum(1 for x in model.boundaries[i] if x.requires_grad and x.bytes_per_sample)
+            n_grads = int(any(x.requires_grad and x.bytes_per_sample for x in model.boundaries[i]))
             if rank[i] == pp_rank:
                 add("pp.send", acc * passes * b * sent, acc * passes * m * n_sent, why="boundary")
                 add("pp.recv", acc * b * grads, acc * m * n_grads, why="boundary")

@@ -215,13 +215,14 @@ def _ep_collectives(
     images: float = 1.0,
 ) -> list[tuple[Collective, ...]]:
     """Per MoE layer call (``ep > 1``): the per-expert counts (``8 E`` bytes, equal splits) and
-    the token dispatch + return (``all_to_all_v``), forward and backward. A layer routes ``N``
-    tokens per sample (an adapter the fused stream: ``T``; a decoder layer both text streams in
-    one call: ``2 T``, plus the ``images`` x image tokens under joint attention with a ``vision``
-    router: ``models.language.moe_streams``), each to ``k`` experts: a rank sends ``S <= N k`` rows
-    (padding is not routed) and receives ``R`` (what its peers route to its experts,
-    ``<= ep N k``); each direction moves ``S + R`` rows of ``D`` values. Expected (uniform
-    routing, no padding): ``R = S = N k``; bounds ``[0, (1 + ep) N k]`` rows per direction."""
+    the token dispatch and return (``all_to_all_v``, two calls), forward and backward. A layer
+    routes ``N`` tokens per sample (an adapter the fused stream: ``T``; a decoder layer both text
+    streams in one call: ``2 T``, plus the ``images`` x image tokens under joint attention with
+    a ``vision`` router: ``models.language.moe_streams``), each to ``k`` experts: a rank sends
+    ``S <= N k`` rows (padding is not routed) and receives ``R`` (what its peers route to its
+    experts, ``<= ep N k``); each direction moves ``S + R`` rows of ``D`` values, the dispatch's
+    input ``S`` and the return's ``R``. Expected (uniform routing, no padding): ``R = S = N k``;
+    bounds ``[0, N k]`` and ``[0, ep N k]`` rows per phase (``[0, (1 + ep) N k]`` in all)."""
     out: list[tuple[Collective, ...]] = [() for _ in names]
     if layout.ep == 1:
         return out
@@ -242,14 +243,12 @@ def _ep_collectives(
         n = tokens * moe.top_k
         row = d * e
         found = [Collective("ep", "all_to_all", 0, "forward", bytes_per_call=8 * moe.num_experts)]
-        for phase in ("forward", "backward"):
+        for phase in ("forward", "backward"):  # two calls each: the dispatch (its input: the
+            # S <= N k rows this rank routes) and the return (the R <= ep N k rows it got)
+            found.append(Collective("ep", "all_to_all_v", n * row, phase, upper_per_sample=n * row))
             found.append(
                 Collective(
-                    "ep",
-                    "all_to_all_v",
-                    2 * n * row,
-                    phase,
-                    upper_per_sample=(1 + layout.ep) * n * row,
+                    "ep", "all_to_all_v", n * row, phase, upper_per_sample=layout.ep * n * row
                 )
             )
         out[i] = tuple(found)

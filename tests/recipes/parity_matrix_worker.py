@@ -319,6 +319,7 @@ class Meter(Callback):
     def __init__(self, accumulate: int) -> None:
         self.ends, self.counter = (2 * accumulate - 1, 3 * accumulate - 1), None
         self.bytes: dict[str, int] = {}
+        self.calls: dict[str, int] = {}
         self.state: tuple[int, ...] = ()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
@@ -327,6 +328,7 @@ class Meter(Callback):
         elif args[-1] == self.ends[1] and self.counter is not None:
             self.counter.__exit__(None, None, None)
             self.bytes = {k: v for k, v in self.counter.bytes.items() if k != "self"}
+            self.calls = {k: v for k, v in self.counter.calls.items() if k != "self"}
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self.state = state_bytes_of(pl_module, trainer.optimizers[0])
@@ -438,7 +440,11 @@ def run_layout(layout: Layout, rank: int, vocab_size: int, data: list[dict[str, 
         "seconds": time.perf_counter() - start,
         "boundaries": None if plan is None else list(plan.boundaries),
         "checkpointed": sum(getattr(m, "_mmpar_block_options", 0) for m in module.modules()),
-        **({"comm": meter[0].bytes, "state": meter[0].state} if meter else {}),
+        **(
+            {"comm": meter[0].bytes, "calls": meter[0].calls, "state": meter[0].state}
+            if meter
+            else {}
+        ),
     }
 
 

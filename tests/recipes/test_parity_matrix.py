@@ -33,7 +33,7 @@ import torch
 import yaml
 
 from lightning_mmpar.layout import ParallelLayout
-from lightning_mmpar.layout.comm import comm_bounds, comm_bytes, comm_parts
+from lightning_mmpar.layout.comm import comm_bounds, comm_bytes, comm_calls, comm_parts
 from lightning_mmpar.layout.memory import state_bytes
 from lightning_mmpar.plans.fusion_cost import fusion_model_spec
 from lightning_mmpar.testing import spawn
@@ -209,7 +209,9 @@ def _purposes(parts: dict[str, int]) -> str:
 
 def _check_measured(layout: pm.Layout, results: list[dict[str, Any]]) -> None:
     """Issue 12: every rank's communication bytes of one optimizer step, per ``<dim>.<kind>``,
-    and its parameter / gradient / AdamW-state bytes equal the cost model's, exactly; the MoE
+    its calls per exact key (``comm_calls``), and its parameter / gradient / AdamW-state bytes
+    equal the cost model's, exactly (a failure names the layout, the rank, the key and what it
+    carries: :func:`_purposes`); the MoE
     token dispatch (``ep.all_to_all_v``, routing-dependent) within its predicted bounds. A
     placed layout (a rank permutation) is predicted at each rank's mesh coordinates, unplaced:
     the placement moves bytes between ranks, never changes them."""
@@ -232,6 +234,13 @@ def _check_measured(layout: pm.Layout, results: list[dict[str, Any]]) -> None:
             assert counted.get(key, 0) == exact.get(key, 0), (
                 f"{layout.name}, rank {rank}: {key} ({_purposes(parts.get(key, {}))}) counted "
                 f"{counted.get(key, 0):,} B vs predicted {exact.get(key, 0):,} B"
+            )
+        calls = comm_calls(model, spec, coords["pp"])  # the ops per key too (latency terms)
+        for key in sorted(exact):
+            n, want = got["calls"].get(key, 0), calls.get(key, 0)
+            assert n == want, (
+                f"{layout.name}, rank {rank}: {key} ({_purposes(parts.get(key, {}))}) "
+                f"{n} calls counted vs {want} predicted"
             )
         for key in bounds.keys() - exact.keys():  # data-dependent: within bounds
             assert bounds[key][0] <= got["comm"].get(key, 0) <= bounds[key][1], (
