@@ -393,7 +393,7 @@ def _count(
                 c.dim == "tp",
                 "activations",
             )
-    # pipeline boundaries: one send / recv per dtype buffer, micro-batch and pass
+    # pipeline boundaries: one send / recv per dtype buffer (pack_boundaries), micro-batch, pass
     last = len(model.blocks) - 1
     if layout.pp > 1:
         stage, rank = _stage_of_block(model, layout)
@@ -402,7 +402,6 @@ def _count(
             if stage[i] == stage[i + 1] or rank[i] == rank[i + 1]:
                 continue
             sent = sum(x.bytes_per_sample for x in model.boundaries[i])
-            # one buffer per dtype (PipelineEngine.pack_boundaries): floats, integers
             n_sent = len({x.requires_grad for x in model.boundaries[i] if x.bytes_per_sample})
             grads = sum(x.bytes_per_sample for x in model.boundaries[i] if x.requires_grad)
             n_grads = int(any(x.requires_grad and x.bytes_per_sample for x in model.boundaries[i]))
