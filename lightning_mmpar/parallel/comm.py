@@ -40,6 +40,7 @@ __all__ = [
     "send_tensor",
     "send_tensors",
     "to_local",
+    "to_locals",
 ]
 
 ReduceOp = Literal["sum", "max", "min", "avg"]
@@ -73,6 +74,16 @@ def to_local(t: Tensor) -> Tensor:
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def to_locals(tensors: list[Tensor]) -> list[Tensor]:
+    """:func:`to_local` of each tensor; ``tensors`` itself (no per-tensor Python call) when
+    none is a DTensor, the case of every step's gradients outside tensor parallelism."""
+    from torch.distributed.tensor import DTensor
+
+    if not any(isinstance(t, DTensor) for t in tensors):
+        return tensors
+    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
 
 
 def _on_group(t: Tensor, group: dist.ProcessGroup | None) -> Tensor:

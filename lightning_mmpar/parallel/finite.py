@@ -56,17 +56,20 @@ def check_mode(value: Any, field_name: str = "on_nonfinite") -> NonFiniteMode:
     return value  # type: ignore[no-any-return]
 
 
-def _wide(t: Tensor) -> Tensor:
-    """``t`` (local shard, detached), float16 widened so that its norm cannot overflow."""
-    t = comm.to_local(t).detach()
-    return t.float() if t.dtype == torch.float16 else t
-
-
+@torch.no_grad()
 def _nonfinite_flags(tensors: Sequence[Tensor]) -> Tensor:
-    """``[N]`` bool: the tensor holds a NaN or inf (one fused ``torch._foreach_norm``; a norm
-    beyond the range of the dtype counts too, as in Megatron's check of the norm)."""
-    norms = torch._foreach_norm([_wide(t) for t in tensors])
-    return ~torch.stack([n.to(tensors[0].device) for n in norms]).isfinite()
+    """``[N]`` bool: the tensor holds a NaN or inf (one fused ``torch._foreach_norm`` over the
+    local shards; float16 widened first so that its norm cannot overflow; a norm beyond the
+    range of the dtype counts too, as in Megatron's check of the norm). No per-tensor Python
+    work unless some tensor is a DTensor or float16, or they lie on several devices."""
+    local = comm.to_locals(list(tensors))
+    if any(t.dtype == torch.float16 for t in local):
+        local = [t.float() if t.dtype == torch.float16 else t for t in local]
+    norms = list(torch._foreach_norm(local))
+    device = local[0].device
+    if any(n.device != device for n in norms):
+        norms = [n.to(device) for n in norms]
+    return ~torch.stack(norms).isfinite()
 
 
 def _finite_flag(tensors: Sequence[Tensor]) -> Tensor | None:
@@ -178,7 +181,9 @@ class NonFiniteGuard:
         Raises ``RuntimeError`` in mode ``"raise"``.
         """
         params = [p for p in params if p.grad is not None]
-        grads = [comm.to_local(p.grad) for p in params if p.grad is not None] if check_grads else []
+        grads = (
+            comm.to_locals([p.grad for p in params if p.grad is not None]) if check_grads else []
+        )
         device = grads[0].device if grads else comm.group_device(self.group)
         local, per_grad = self._local(grads, device)
         report = NonFiniteReport(step=step, window=sorted(self._window))

@@ -475,10 +475,14 @@ class MultimodalParallelStrategy(
         if self._exchange is not None and self._exchange.is_vision:
             return self._normalise_vision(optimizer)
         module = self._module
-        micro = self.pipeline.num_micro_batches if self.pipeline is not None else 1
-        scale = float(module.trainer.accumulate_grad_batches * micro * self.parallel_dims.dp)
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        total = self._step_tokens.finish(params, self.parallel_dims.get_group("dp"), scale)
+        total = None
+        if self._step_tokens.pending:  # plain mean losses: nothing to scale, no collective
+            micro = self.pipeline.num_micro_batches if self.pipeline is not None else 1
+            scale = float(module.trainer.accumulate_grad_batches * micro * self.parallel_dims.dp)
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            total = self._step_tokens.finish(params, self.parallel_dims.get_group("dp"), scale)
+        else:
+            self._step_tokens.reset()
         self._tower_tokens(total)  # non-colocated towers: the vision ranks scale by it too
         if total is not None and not self._warned_aux:
             self._warned_aux = True

@@ -137,3 +137,34 @@ def test_placement_round_trips_through_the_cli_parser() -> None:
         again = parser.parse_string(parser.dump(cfg))
         strategy = parser.instantiate(again).strategy
         assert strategy.config.placement == expected
+
+
+def test_sub_meshes_and_their_groups_are_sliced_once(tmp_path: Path) -> None:
+    """``get_mesh`` / ``get_group`` slice the root mesh once per name: the strategy asks for
+    the ``dp`` group several times per training step, and slicing costs ~0.2 ms of Python."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        dims = ParallelDims(world_size=1)
+        dims.build_mesh("cpu")
+        sliced: list[object] = []
+        original = DeviceMesh.__getitem__
+
+        def counted(self: DeviceMesh, name: object) -> DeviceMesh:
+            sliced.append(name)
+            return original(self, name)  # type: ignore[arg-type]
+
+        DeviceMesh.__getitem__ = counted  # type: ignore[assignment, method-assign]
+        try:
+            first = dims.get_mesh("dp")
+            groups = [dims.get_group("dp") for _ in range(3)]
+            assert dims.get_mesh("dp") is first
+            assert all(g is first.get_group() for g in groups)
+            assert dims.get_mesh("data_parallel").size() == 1  # an alias: its own entry
+        finally:
+            DeviceMesh.__getitem__ = original  # type: ignore[method-assign]
+        assert sliced == ["dp", "data_parallel"]
+    finally:
+        dist.destroy_process_group()

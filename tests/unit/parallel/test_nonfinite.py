@@ -20,7 +20,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from lightning_mmpar import MultimodalParallelStrategy
-from lightning_mmpar.parallel.finite import NonFiniteGuard, nonfinite_weights
+from lightning_mmpar.parallel import comm
+from lightning_mmpar.parallel.finite import NonFiniteGuard, _nonfinite_flags, nonfinite_weights
 from lightning_mmpar.testing import quiet_trainer
 
 NAN = float("nan")
@@ -71,6 +72,18 @@ def test_guard_names_step_batch_inputs_loss_and_gradients() -> None:
     # the window was consumed: the next step starts clean
     net = _net()
     assert _check(guard, net) is None
+
+
+def test_flags_are_one_fused_pass_and_float16_is_widened() -> None:
+    """Plain tensors pass through without a per-tensor copy (``to_locals`` returns the list
+    itself); a float16 tensor whose norm overflows float16 but whose entries are finite is not
+    flagged, a float16 inf is."""
+    grads = [torch.ones(3), torch.full((2,), NAN), torch.zeros(0)]
+    assert comm.to_locals(grads) is grads
+    assert _nonfinite_flags(grads).tolist() == [False, True, False]
+    big = torch.full((4,), 60000.0, dtype=torch.float16)  # norm 120000 > float16's max
+    inf = torch.tensor([1.0, float("inf")], dtype=torch.float16)
+    assert _nonfinite_flags([big, inf, torch.ones(2)]).tolist() == [False, True, False]
 
 
 def test_non_finite_inputs_alone_are_not_acted_on_and_a_redo_replaces_flags() -> None:

@@ -106,6 +106,31 @@ def test_a_step_of_plain_losses_is_left_alone() -> None:
     assert torch.equal(w.grad, torch.full((2,), 3.0))  # type: ignore[arg-type]
 
 
+def test_the_strategy_skips_a_plain_steps_normalisation_without_asking_for_groups() -> None:
+    """A step of plain mean losses costs the strategy nothing at the optimizer step: no
+    parameter list, no data-parallel group looked up (``ParallelDims.get_group``), no
+    collective; gradients untouched and the step forgotten."""
+    from types import SimpleNamespace
+
+    from lightning_mmpar import MultimodalParallelStrategy
+
+    class NoGroups:
+        dp = 2
+
+        def get_group(self, name: str) -> None:
+            raise AssertionError(f"a plain step looked up the {name!r} group")
+
+    w = nn.Parameter(torch.ones(2))
+    strategy = MultimodalParallelStrategy()
+    strategy._dims = NoGroups()  # type: ignore[assignment]
+    strategy._lightning_module = SimpleNamespace(trainer=SimpleNamespace(accumulate_grad_batches=1))  # type: ignore[assignment]
+    strategy._step_tokens.add((w * 3).sum()).backward()
+    optimizer = torch.optim.SGD([w], lr=0.1)
+    assert strategy.normalise_token_gradients(optimizer) is None
+    assert torch.equal(w.grad, torch.full((2,), 3.0))  # type: ignore[arg-type]
+    assert not strategy._step_tokens.pending
+
+
 class _Steps(PipelineSteps):
     """PipelineSteps outside mm_parallel: a (sum, count) loss logs and trains as its mean."""
 
