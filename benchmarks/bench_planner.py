@@ -63,10 +63,18 @@ def _dp(args: dict[str, Any]) -> int:
     return WORLD // (args.get("tensor_parallel", 1) * args.get("pipeline_parallel", 1))
 
 
-def layout_spec(args: dict[str, Any], global_batch: int, precision: str = "32-true") -> Any:
+def layout_spec(
+    args: dict[str, Any],
+    global_batch: int,
+    precision: str = "32-true",
+    dp: int | None = None,
+    **extra: Any,
+) -> Any:
+    """The ``ParallelLayout`` of a benchmark layout's strategy ``args`` (``dp``: the language
+    data-parallel degree when the world is not all language ranks; ``extra``: more fields)."""
     from lightning_mmpar.layout import ParallelLayout
 
-    pp, dp = args.get("pipeline_parallel", 1), _dp(args)
+    pp, dp = args.get("pipeline_parallel", 1), _dp(args) if dp is None else dp
     m = args.get("micro_batches", 1) if pp > 1 else 1
     return ParallelLayout(
         tp=args.get("tensor_parallel", 1),
@@ -77,6 +85,7 @@ def layout_spec(args: dict[str, Any], global_batch: int, precision: str = "32-tr
         schedule="1f1b",
         data_parallel=args.get("data_parallel", "fsdp"),
         precision=precision,
+        **extra,
     )
 
 
@@ -522,18 +531,10 @@ def towers_layout(args: dict[str, Any], global_batch: int, vision_parallel: str)
     """The ``ParallelLayout`` of a :mod:`bench_noncolocated` layout (2 processes)."""
     import bench_noncolocated as nc
 
-    from lightning_mmpar.layout import ParallelLayout
-
-    pp, dp = args.get("pipeline_parallel", 1), nc.dp_of(args)
-    m = args.get("micro_batches", 1) if pp > 1 else 1
-    return ParallelLayout(
-        tp=args.get("tensor_parallel", 1),
-        pp=pp,
-        dp=dp,
-        micro_batches=m,
-        micro_batch_size=global_batch // dp // m,
-        schedule="1f1b",
-        data_parallel=args.get("data_parallel", "fsdp"),
+    return layout_spec(
+        args,
+        global_batch,
+        dp=nc.dp_of(args),
         vision_parallel=vision_parallel,
         vision_ranks=args.get("vision_ranks", 0),
     )

@@ -70,8 +70,16 @@ def cell(
     return rows
 
 
-def tables(models: list[str], devices: list[str], sizes: list[int]) -> str:
-    """Every model and device: one markdown table over the GPU counts."""
+def tables(
+    models: list[str],
+    devices: list[str],
+    sizes: list[int],
+    directories: dict[str, str] | None = None,
+    extra: list[str] | None = None,
+) -> str:
+    """Every model and device: one markdown table over the GPU counts (``directories``: table
+    title -> recipes/hf/<directory>, default :data:`MODELS`; ``extra``: more planner options)."""
+    directories = MODELS if directories is None else directories
     out = []
     with tempfile.TemporaryDirectory() as tmp:
         for model in models:
@@ -80,7 +88,7 @@ def tables(models: list[str], devices: list[str], sizes: list[int]) -> str:
                 out += ["| GPUs | layout | mem/rank GiB | comm GB/step | bubble | step s | MFU |"]
                 out += ["|---|---|---|---|---|---|---|"]
                 for gpus in sizes:
-                    out += cell(MODELS[model], gpus, device, Path(tmp))
+                    out += cell(directories[model], gpus, device, Path(tmp), extra or [])
                 out.append("")
     return "\n".join(out)
 

@@ -23,8 +23,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import plan_llava
 import yaml
-from plan_llava import GLOBAL_BATCH, ROOT, YAML, cell
+from plan_llava import GLOBAL_BATCH, ROOT, YAML
 
 from lightning_mmpar.layout.planner import describe
 from lightning_mmpar.recipes import planner
@@ -44,18 +45,7 @@ NONCOLOCATED = {
 
 def tables(models: list[str], devices: list[str], sizes: list[int]) -> str:
     """Every model and device: one markdown table over the GPU counts (colocated)."""
-    out = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for model in models:
-            for device in devices:
-                out += [f"#### {model} on {device.upper()} (bf16)", ""]
-                out += ["| GPUs | layout | mem/rank GiB | comm GB/step | bubble | step s | MFU |"]
-                out += ["|---|---|---|---|---|---|---|"]
-                for gpus in sizes:
-                    extra = ["--vision-ranks", "0"]
-                    out += cell(MODELS[model], gpus, device, Path(tmp), extra)
-                out.append("")
-    return "\n".join(out)
+    return plan_llava.tables(models, devices, sizes, MODELS, ["--vision-ranks", "0"])
 
 
 def best_pair(directory: str, gpus: int, device: str, train_vision: bool) -> tuple[Any, Any]:

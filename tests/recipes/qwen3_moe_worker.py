@@ -50,6 +50,7 @@ LAYOUTS: tuple[pm.Layout, ...] = (
     pm.Layout("qwen3_vl_moe pp2 1f1b", 2, pm._pp("1f1b", 2, 2, 1)),
     pm.Layout("qwen3_vl_moe ep2 x tp2", 4, {"expert_parallel": 2, "tensor_parallel": 2}),
     pm.Layout("qwen3_vl_moe ep2 x pp2 1f1b", 4, pm._pp("1f1b", 2, 2, 1, expert_parallel=2)),
+    pm.Layout("qwen3_vl_moe tp2 x pp2 1f1b", 4, pm._pp("1f1b", 2, 2, 1, tensor_parallel=2)),
 )
 """The layouts of a world size run in the spawned world of that size: the 2-process
 Qwen3-VL-MoE world, the 4-process ragged world (:mod:`ragged_parity_worker`)."""
