@@ -11,8 +11,8 @@ one process's logits equal ``LlavaForConditionalGeneration``'s per sample, and t
 tp2 x pp2 and dp2 FSDP2 equal one process (first-step logits, losses, first-step gradients,
 1e-5); the tp2 and dp2 FSDP2 checkpoints export bit-exactly. The 4-process world also runs
 the Qwen families' 4-process layouts (issue 29): Qwen2.5-VL tp2 x pp2 and Qwen3-VL-MoE
-ep2 x tp2 / ep2 x pp2 / tp2 x pp2 (:mod:`qwen_vl_worker`, :mod:`qwen3_moe_worker`), Qwen2-VL tp2 x pp2 and
-Qwen3-VL-MoE ep2 x tp2 through the recipe (:mod:`qwen_recipe_worker`), the latter's
+ep2 x tp2 / ep2 x pp2 / tp2 x pp2 (:mod:`qwen_vl_worker`, :mod:`qwen3_moe_worker`), Qwen2-VL
+tp2 x pp2 and Qwen3-VL-MoE ep2 x tp2 through the recipe (:mod:`qwen_recipe_worker`), the latter's
 checkpoint exported with every expert."""
 
 from __future__ import annotations
