@@ -55,8 +55,11 @@ class StepComm(Callback):
         self.bytes: dict[str, int] = {}
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, *args: Any) -> None:
+        dims = getattr(trainer.strategy, "parallel_dims", None)
+        if dims is None:  # the one-process reference: nothing to count
+            return
         if args[-1] == 0:
-            self.counter = CommCounter(trainer.strategy.parallel_dims).__enter__()
+            self.counter = CommCounter(dims).__enter__()
         elif args[-1] == 1 and self.counter is not None:
             self.counter.__exit__(None, None, None)
             self.bytes = dict(self.counter.bytes)
