@@ -201,8 +201,8 @@ def fusion_facts(config: FusionConfig, *, count_blocks: bool = False) -> LayoutF
         ),
         pipeline_blocks=blocks,
         no_sequence_parallel=(
-            "spliced image tokens (model.fusion.fusion='spliced', a Hugging Face LLaVA) replace "
-            "embedding rows, and a sequence shard holds only its own"
+            "spliced image tokens (model.fusion.fusion='spliced', as in Hugging Face's LLaVA "
+            "and Qwen-VL) replace embedding rows, and a sequence shard holds only its own"
             if config.fusion == "spliced"
             else None
         ),

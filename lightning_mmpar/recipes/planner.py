@@ -21,6 +21,7 @@ status 2 and the reason.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import math
 import sys
@@ -473,7 +474,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     limit = run.device.memory_gib if args.memory_gib is None else args.memory_gib
     print(
         f"{args.config}: {len(run.model(run.base).blocks)} blocks, {args.gpus} x {args.device} "
-        f"({run.precision}, {limit:g} GiB), {len(ranked)} layouts fit, best first:"
+        f"({run.precision}, {limit:g} GiB), {_global_batch(run.config, args)} samples per step, "
+        f"{len(ranked)} layouts fit, best first:"
     )
     print(f"topology: {run.topo}")
     print(run.workload)
@@ -494,8 +496,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _own_layout(args: argparse.Namespace, run: _Planning, ranked: list[Prediction]) -> list[str]:
-    """Where the YAML's own layout ranks and why (:mod:`lightning_mmpar.recipes.yaml_layout`)."""
+    """Where the YAML's own layout ranks and why (:mod:`lightning_mmpar.recipes.yaml_layout`),
+    at ``--global-batch`` when given (its micro-batch size scaled to it, as the candidates')."""
     own = yaml_layout(run.config, run.base, args.gpus)
+    if args.global_batch is not None and not isinstance(own, str):
+        per_step = own.dp * own.micro_batches
+        if args.global_batch % per_step:
+            return [
+                f"the YAML's layout ({describe(own)}): not priced at --global-batch "
+                f"{args.global_batch}, which its dp x micro-batches ({per_step}) do not divide"
+            ]
+        own = dataclasses.replace(own, micro_batch_size=args.global_batch // per_step)
 
     def price(layout: ParallelLayout) -> Prediction:
         spec = run.model(layout)

@@ -380,11 +380,16 @@ def test_qwen_from_config_json_alone(name: str) -> None:
 def test_qwen2_vl_planned_from_its_config_json(capsys: pytest.CaptureFixture[str]) -> None:
     """The planner ranks Qwen2-VL-7B's layouts from its config.json on 8 GPUs (28 heads: tp 8
     refused, naming the heads); ``--image-tokens`` sets the tokens per image (dynamic
-    resolution) through the merger."""
+    resolution) through the merger; the YAML's own layout is priced at ``--global-batch`` too
+    (its micro-batches of 32 at dp 1, not the YAML's 8), and the header says the batch."""
     qwen = ROOT / "recipes" / "hf" / "qwen2-vl-7b-instruct" / "config.json"
     argv = ["--config", LLAVA_YAML, "--gpus", "8", "--hf-config", str(qwen), "--top", "1"]
+    argv += ["--global-batch", "128"]
     assert cli.main([*argv, "--no-noncolocated", "--image-tokens", "64"]) == 0
     lines = capsys.readouterr().out.splitlines()
+    assert "128 samples per step" in lines[0]
+    own = next(ln for ln in lines if ln.startswith("the YAML's layout"))
+    assert own.startswith("the YAML's layout: tp 4 pp 2 v 1 dp 1 ep 1 mb 4x32"), own
     assert "64 image tokens per image (--image-tokens: image_size 224" in lines[2]
     assert "the ViT's 256 patches merged" in lines[2]
     assert any("num_attention_heads (28) must be divisible" in ln for ln in lines)
