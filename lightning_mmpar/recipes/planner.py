@@ -500,7 +500,7 @@ def _own_layout(args: argparse.Namespace, run: _Planning, ranked: list[Predictio
     at ``--global-batch`` when given (its micro-batch size scaled to it, as the candidates')."""
     own = yaml_layout(run.config, run.base, args.gpus)
     if args.global_batch is not None and not isinstance(own, str):
-        per_step = own.dp * own.micro_batches
+        per_step = own.dp_size * own.num_micro_batches
         if args.global_batch % per_step:
             return [
                 f"the YAML's layout ({describe(own)}): not priced at --global-batch "
