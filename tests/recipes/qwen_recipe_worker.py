@@ -269,7 +269,7 @@ def hf_inputs(batch: dict[str, Tensor]) -> dict[str, Tensor]:
     }
 
 
-def _tensors(directory: Path) -> dict[str, tuple[tuple[int, ...], int]]:
+def tensor_sizes(directory: Path) -> dict[str, tuple[tuple[int, ...], int]]:
     """``{key: (shape, bytes)}`` of a directory's safetensors files."""
     from safetensors import safe_open
 
@@ -297,7 +297,7 @@ def check_export(name: str, ckpt: Path, source: Path, out: Path) -> None:
 
     result = main(["--ckpt", str(ckpt), "--out", str(out), "--verify"])
     assert result.files == ["hf", "export.json"] and result.diffs["hf"] == 0.0, result.diffs
-    got, want = _tensors(out / "hf"), _tensors(source)
+    got, want = tensor_sizes(out / "hf"), tensor_sizes(source)
     assert got == want
     total = sum(b for _, b in got.values())
     cls = getattr(transformers, (QWEN_FAMILIES | QWEN3_MOE_FAMILIES)[source.name])

@@ -192,21 +192,8 @@ def check_layout(
     """Assert ``layout``'s per-rank ``results`` equal the one-process ``ref`` (both steps'
     losses and the first step's gradients, the union over the ranks, within a relative 1e-5);
     print the figures under ``tag`` (the family)."""
-    grads: dict[str, Any] = {}
-    loss_diff = 0.0
-    for got in results:
-        assert len(got["losses"]) == len(ref.losses) == 2, layout.name
-        for a, b in zip(got["losses"], ref.losses, strict=True):
-            loss_diff = max(loss_diff, abs(a - b) / abs(b))
-        grads.update(got["grads"])
-    assert grads.keys() == ref.grads.keys(), (layout.name, grads.keys() ^ ref.grads.keys())
-    name, ratio = rw.worst_gradient(grads, ref.grads)
-    took = max(r["seconds"] for r in results)
-    print(
-        f"{tag} | {layout.name} | loss {loss_diff:.1e} | gradient {ratio:.1e} ({name}) | "
-        f"{took:.1f} s"
-    )
-    assert loss_diff <= 1e-5 and ratio <= 1e-5, (layout.name, loss_diff, name, ratio)
+    assert len(ref.losses) == 2, layout.name
+    rw.check_parity(tag, layout.name, results, ref)
 
 
 def world(rank: int, world_size: int) -> dict[str, Any]:

@@ -195,6 +195,26 @@ def worst_gradient(got: dict[str, Tensor], want: dict[str, Tensor]) -> tuple[str
     return name, ratios[name]
 
 
+def check_parity(
+    tag: str, name: str, results: list[dict[str, Any]], ref: Any, rtol: float = 1e-5
+) -> None:
+    """Assert a layout's per-rank ``results`` (``losses``, ``grads``, ``seconds``) equal the
+    one-process ``ref`` (``losses``, ``grads``: every step's loss, the union of the ranks'
+    gradients, relative ``rtol``); print the figures as ``tag | name | ...``."""
+    grads: dict[str, Any] = {}
+    loss_diff = 0.0
+    for got in results:
+        assert len(got["losses"]) == len(ref.losses), name
+        for a, b in zip(got["losses"], ref.losses, strict=True):
+            loss_diff = max(loss_diff, abs(a - b) / abs(b))
+        grads.update(got["grads"])
+    assert grads.keys() == ref.grads.keys(), (name, grads.keys() ^ ref.grads.keys())
+    worst, ratio = worst_gradient(grads, ref.grads)
+    took = max(r["seconds"] for r in results)
+    print(f"{tag} | {name} | loss {loss_diff:.1e} | gradient {ratio:.1e} ({worst}) | {took:.1f} s")
+    assert loss_diff <= rtol and ratio <= rtol, (name, loss_diff, worst, ratio)
+
+
 def head_state(module: ClipLlamaModule) -> dict[str, Tensor]:
     """Live and momentum head weights and the log scale, from the rank owning the head."""
     head = module.head

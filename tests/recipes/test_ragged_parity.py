@@ -67,21 +67,7 @@ def test_batches_mix_text_only_one_and_three_image_samples() -> None:
 def test_ragged_layout_matches_one_process(layout: Any, references: Any) -> None:
     ref = references[layout.moe, layout.accumulate]
     results = [r[layout.name] for r in _world(layout.world)]
-    grads: dict[str, Any] = {}
-    loss_diff = 0.0
-    for got in results:
-        assert len(got["losses"]) == len(ref.losses), layout.name
-        for a, b in zip(got["losses"], ref.losses, strict=True):
-            loss_diff = max(loss_diff, abs(a - b) / abs(b))
-        grads.update(got["grads"])
-    assert grads.keys() == ref.grads.keys(), (layout.name, grads.keys() ^ ref.grads.keys())
-    name, ratio = rw.worst_gradient(grads, ref.grads)
-    took = max(r["seconds"] for r in results)
-    print(
-        f"ragged | {layout.name} | loss {loss_diff:.1e} | gradient {ratio:.1e} ({name}) | "
-        f"{took:.1f} s"
-    )
-    assert loss_diff <= RTOL and ratio <= RTOL, (layout.name, loss_diff, name, ratio)
+    rw.check_parity("ragged", layout.name, results, ref, RTOL)
 
 
 @pytest.mark.distributed
@@ -188,19 +174,6 @@ def test_llava_layout_matches_one_process(layout: Any, llava_reference: dict[str
     assert all(0 < b < ref["bytes_read"] for b in read), (read, ref["bytes_read"])
 
 
-def _tensors(directory: Any) -> dict[str, tuple[tuple[int, ...], int]]:
-    """``{key: (shape, bytes)}`` of a directory's safetensors files."""
-    from safetensors import safe_open
-
-    out = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as handle:
-            for key in handle.keys():
-                t = handle.get_tensor(key)
-                out[key] = (tuple(t.shape), t.numel() * t.element_size())
-    return out
-
-
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", hw.SAVED)
 def test_llava_export_from_sharded_checkpoint(name: str, tmp_path: Any) -> None:
@@ -215,7 +188,7 @@ def test_llava_export_from_sharded_checkpoint(name: str, tmp_path: Any) -> None:
     ckpt, source = _world(2)[0][name]["checkpoint"]
     result = export_checkpoint(ckpt, tmp_path, verify=True)
     assert "hf" in result.files and result.diffs["hf"] == 0.0, result.diffs
-    assert _tensors(tmp_path / "hf") == _tensors(source)
+    assert qr.tensor_sizes(tmp_path / "hf") == qr.tensor_sizes(source)
     exported = LlavaForConditionalGeneration.from_pretrained(str(tmp_path / "hf")).eval()
     original = LlavaForConditionalGeneration.from_pretrained(str(source)).eval()
     key = "lm_head.weight"  # trained: not the source's
