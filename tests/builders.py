@@ -217,6 +217,30 @@ QWEN_CHAT_TEMPLATE = (
 """A Qwen-style chat template (``<|im_start|>role text<|im_end|>``) for the tiny tokenizer."""
 
 
+def word_level_tokenizer(
+    path: Any, vocab: list[str], special: list[str], template: str | None
+) -> None:
+    """Save at ``path`` a word-level transformers tokenizer over ``vocab`` (ids in its order;
+    ``<s>`` / ``</s>`` / ``<pad>`` / ``<unk>`` as bos / eos / pad / unk, ``special`` as its
+    additional special tokens) with the chat ``template`` (``None``: none)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=raw,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        additional_special_tokens=special,
+    )
+    if template:
+        tok.chat_template = template
+    tok.save_pretrained(str(path))
+
+
 def tiny_qwen_vl_dir(path: Any, words: list[str], family: str = "qwen2_vl", seed: int = 0) -> Any:
     """A transformers Qwen2-VL (or ``family="qwen2_5_vl"``, ``"qwen3_vl_moe"``: the model of
     :func:`tests.unit.models.qwen3_moe_cases.hf_model`) directory written offline at
@@ -227,8 +251,7 @@ def tiny_qwen_vl_dir(path: Any, words: list[str], family: str = "qwen2_vl", seed
     between 8 x 8 and 32 x 32 pixels after its resize)."""
     from pathlib import Path
 
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2VLImageProcessor
+    from transformers import Qwen2VLImageProcessor
 
     from tests.unit.models import qwen3_moe_cases as mc
     from tests.unit.models import qwen_vl_cases as qc
@@ -241,18 +264,7 @@ def tiny_qwen_vl_dir(path: Any, words: list[str], family: str = "qwen2_vl", seed
     vocab += [f"w{i}" for i in range(qc.IMG - len(vocab))]
     vocab += ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>"]
     assert vocab.index("<|image_pad|>") == qc.IMG and len(vocab) <= qc.VOCAB
-    raw = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
-    raw.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=raw,
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-        unk_token="<unk>",
-        additional_special_tokens=[*special[4:], *vocab[qc.IMG :]],
-    )
-    tok.chat_template = QWEN_CHAT_TEMPLATE
-    tok.save_pretrained(str(path))
+    word_level_tokenizer(path, vocab, [*special[4:], *vocab[qc.IMG :]], QWEN_CHAT_TEMPLATE)
     Qwen2VLImageProcessor(
         patch_size=qc.PATCH,
         temporal_patch_size=qc.TEMPORAL,

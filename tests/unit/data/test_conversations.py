@@ -19,6 +19,7 @@ from lightning_mmpar.data.chat import ChatEncoder, image_token_id
 from lightning_mmpar.data.conversations import word_tokenizer_for
 from lightning_mmpar.data.llava import parse_record, read_conversations
 from lightning_mmpar.data.tokenizer import IGNORE_INDEX
+from tests.builders import word_level_tokenizer
 
 RECORDS: list[dict[str, Any]] = [
     {
@@ -101,24 +102,8 @@ def test_reader_images_markers_and_plain_labels(tmp_path: Path) -> None:
 
 
 def _hf_tokenizer(path: Path, words: list[str], template: str | None) -> Path:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     special = ["<pad>", "<s>", "</s>", "<unk>", "<image>", "<|user|>", "<|assistant|>", "<|end|>"]
-    vocab = {w: i for i, w in enumerate([*special, *words])}
-    raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    raw.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=raw,
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-        unk_token="<unk>",
-        additional_special_tokens=special[4:],
-    )
-    if template:
-        tok.chat_template = template
-    tok.save_pretrained(path)
+    word_level_tokenizer(path, [*special, *words], special[4:], template)
     return path
 
 
