@@ -2,27 +2,30 @@
 
     python benchmarks/bench_noncolocated.py            # docs/results/noncolocated.json
     python benchmarks/bench_noncolocated.py --smoke --out-dir /tmp/r   # 1 round, 3 steps
+    python benchmarks/bench_noncolocated.py --accumulate 1   # one batch per step: serial
 
 **Work.** ``recipes/digits_vqa_cpu.yaml``'s ragged question-answering batches (0 to
 ``MAX_IMAGES`` digit images per sample, one sample per row padded to ``MAX_TOKENS``: the
 planner's per-sample model applies as is) with a vision tower that does real work
 (:data:`MODEL`: 32 px images in 4 px patches, 64 tokens each, 2 ViT layers of width 96, 2.5
 images per sample on average: about 60% of the step's FLOPs) beside the recipe's 2-layer
-decoder; ``--global-batch`` samples per optimizer step on every layout (``data.batch_size =
-global / dp``).
+decoder; ``--global-batch`` samples per optimizer step on every layout, in ``--accumulate``
+batches (``accumulate_grad_batches``; ``data.batch_size = global / dp / accumulate``).
 
 **Layouts** (:data:`LAYOUTS`), all on the same 2 gloo processes, each with one core of a 2-core
 machine (``torch.set_num_threads(1)``): the colocated ``dp2`` (DDP and FSDP2), ``tp2`` and
 ``pp2`` (1F1B, 2 micro-batches) against ``vision 1 + language 1`` (``vision_ranks=1``: the tower
 alone on rank 1, the language model on rank 0). One spawned world runs every layout in turn,
 ``--rounds`` times, the order reversed every other round (A B C, C B A: machine load hits them
-alike). A step's time is the slowest rank's (``on_train_batch_start`` to ``_end``), the median
-over the steps after the first ``--warmup`` of each run.
+alike). A step's time is the slowest rank's (from its window's first ``on_train_batch_start``
+to its last ``on_train_batch_end``: the optimizer step included), the median over the steps
+after the first ``--warmup`` of each run.
 
 **Reported.** Per layout: median step seconds, target tokens/s per process, CPU seconds per
 step (``time.process_time`` of each rank: summed over the ranks, and on the *critical path*:
-the busiest rank's for a colocated layout, whose ranks compute at once, the sum for the
-non-colocated one, whose blocking exchange runs one side at a time). ``ratio``: non-colocated
+the busiest rank's for a colocated layout, whose ranks compute at once, and for the
+non-colocated one when it accumulates (its vision rank runs one batch ahead); the sum for it
+with one batch per step, whose exchange runs one side at a time). ``ratio``: non-colocated
 over the best colocated layout's step time (below 1: faster), the median of the per-round
 ratios, with their spread (max - min); the same against every colocated layout. Both sides use
 the same 2 processes, so tokens/s per process is the inverse ratio. ``cpu_critical_ratio``: the
@@ -31,10 +34,10 @@ step ratio is on two cores of its own when the machine is shared (a loaded machi
 job's processes less than a core each, which stretches layouts whose ranks compute at once
 and not a serial one: the wall-clock ratio then favours the non-colocated layout).
 
-The engine's exchange is serial (``lightning_mmpar.parallel.towers``: the language rank waits
-for the embeddings, the vision rank for their gradients): on equal devices the non-colocated
-step is the tower's forward and backward plus the language step plus the transfers, where a
-colocated ``dp2`` halves both; docs/noncolocated.md discusses the figure.
+Inside an accumulation window the vision rank encodes batch ``k + 1`` while the language rank
+runs batch ``k`` (``lightning_mmpar.parallel.towers``); with one batch per step the exchange is
+serial (the language rank waits for the embeddings, the vision rank for their gradients).
+docs/noncolocated.md discusses the figures.
 """
 
 from __future__ import annotations
@@ -52,7 +55,6 @@ import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_stability import StepTimer  # the same per-batch wall-time callback
 from lightning.pytorch import Callback
 from report import write_result
 
@@ -92,9 +94,9 @@ def dp_of(args: dict[str, Any]) -> int:
     return (WORLD - args.get("vision_ranks", 0)) // model
 
 
-def config(global_batch: int, args: dict[str, Any]) -> dict[str, Any]:
-    """The YAML with :data:`MODEL`'s tower, unpacked rows and ``global_batch / dp`` samples per
-    rank."""
+def config(global_batch: int, args: dict[str, Any], accumulate: int = 1) -> dict[str, Any]:
+    """The YAML with :data:`MODEL`'s tower, unpacked rows and ``global_batch / dp /
+    accumulate`` samples per batch and rank."""
     cfg = copy.deepcopy(yaml.safe_load(YAML.read_text()))
     cfg["model"]["fusion"].update(copy.deepcopy(MODEL))
     init = cfg["data"]["init_args"]
@@ -105,7 +107,7 @@ def config(global_batch: int, args: dict[str, Any]) -> dict[str, Any]:
         max_tokens=MAX_TOKENS,
         pack=False,
         pad_to_max_tokens=True,
-        batch_size=global_batch // dp_of(args),
+        batch_size=global_batch // dp_of(args) // accumulate,
         train_samples=2000,
     )
     return cfg
@@ -113,14 +115,17 @@ def config(global_batch: int, args: dict[str, Any]) -> dict[str, Any]:
 
 class Tokens(Callback):
     """Target tokens (labels not ignored), rows and images of each training batch on this
-    rank, and the process's CPU seconds of each step (``time.process_time``: what the rank
-    computed, whatever else the machine runs; a rank blocked in a receive adds little)."""
+    rank, its start and end (``time.perf_counter``), and the process's CPU seconds of each
+    batch (``time.process_time``: what the rank computed, whatever else the machine runs; a
+    rank blocked in a receive adds little)."""
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
         self.rows: list[int] = []
         self.images: list[int] = []
         self.cpu: list[float] = []
+        self.starts: list[float] = []
+        self.ends: list[float] = []
         self._cpu = 0.0
 
     def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, *args: Any) -> None:
@@ -128,14 +133,24 @@ class Tokens(Callback):
         self.rows.append(int(batch["labels"].shape[0]))
         self.images.append(int(batch["image_mask"].sum()))
         self._cpu = time.process_time()
+        self.starts.append(time.perf_counter())
 
     def on_train_batch_end(self, *args: Any) -> None:
+        self.ends.append(time.perf_counter())
         self.cpu.append(time.process_time() - self._cpu)
 
 
-def run_one(args: dict[str, Any], global_batch: int, steps: int) -> dict[str, list[Any]]:
-    """One ``Trainer.fit`` of ``steps`` steps under ``args`` on this rank: its per-step seconds
-    and target tokens (a vision rank's batches are not its own: 0)."""
+def windows(values: list[float], accumulate: int) -> list[float]:
+    """Per-batch ``values`` summed over each optimizer step's ``accumulate`` batches."""
+    return [sum(values[i : i + accumulate]) for i in range(0, len(values), accumulate)]
+
+
+def run_one(
+    args: dict[str, Any], global_batch: int, steps: int, accumulate: int = 1
+) -> dict[str, list[Any]]:
+    """One ``Trainer.fit`` of ``steps`` optimizer steps of ``accumulate`` batches under
+    ``args`` on this rank: per step its seconds (first batch's start to last batch's end), CPU
+    seconds and target tokens (a vision rank's batches are not its own: 0)."""
     from lightning.pytorch import seed_everything
 
     from lightning_mmpar import MultimodalParallelStrategy
@@ -143,51 +158,65 @@ def run_one(args: dict[str, Any], global_batch: int, steps: int) -> dict[str, li
     from lightning_mmpar.testing import quiet_trainer
 
     seed_everything(0, verbose=False)
-    module, data = build_module(config(global_batch, args), meta=False)
-    timer, tokens = StepTimer(), Tokens()
+    module, data = build_module(config(global_batch, args, accumulate), meta=False)
+    tokens = Tokens()
     strategy = MultimodalParallelStrategy(**args)
     trainer = quiet_trainer(
         devices=WORLD,
         strategy=strategy,
         max_steps=steps,
+        accumulate_grad_batches=accumulate,
         limit_val_batches=0,
-        callbacks=[timer, tokens],
+        callbacks=[tokens],
     )
     trainer.fit(module, datamodule=data)
-    out = {"times": timer.times, "cpu": tokens.cpu, "tokens": tokens.tokens}
+    a = accumulate
+    times = [e - s for s, e in zip(tokens.starts[::a], tokens.ends[a - 1 :: a], strict=True)]
+    out = {"times": times, "cpu": windows(tokens.cpu, a), "tokens": windows(tokens.tokens, a)}
     if strategy._exchange is not None and strategy._exchange.is_vision:  # not its batches
         return out | {"tokens": [0] * steps, "rows": [0] * steps, "images": []}
-    return out | {"rows": tokens.rows, "images": tokens.images}
+    return out | {"rows": windows(tokens.rows, a), "images": tokens.images}
 
 
 def worker(
-    rank: int, size: int, names: list[str], global_batch: int, steps: int, rounds: int
+    rank: int,
+    size: int,
+    names: list[str],
+    global_batch: int,
+    steps: int,
+    rounds: int,
+    accumulate: int = 1,
 ) -> dict[str, list[dict[str, list[Any]]]]:
     """Every layout of ``names`` in turn, ``rounds`` times (reversed every other round)."""
     torch.set_num_threads(1)
     out: dict[str, list[dict[str, list[Any]]]] = {n: [] for n in names}
     for i in range(rounds):
         for name in names if i % 2 == 0 else names[::-1]:
-            out[name].append(run_one(LAYOUTS[name], global_batch, steps))
+            out[name].append(run_one(LAYOUTS[name], global_batch, steps, accumulate))
     return out
 
 
-def measure(names: list[str], global_batch: int, steps: int, rounds: int) -> dict[str, Any]:
+def measure(
+    names: list[str], global_batch: int, steps: int, rounds: int, accumulate: int = 1
+) -> dict[str, Any]:
     """Spawn the world, run :func:`worker` and :func:`collect` its results."""
     from lightning_mmpar.testing import spawn
 
-    per_rank = spawn(worker, WORLD, names, global_batch, steps, rounds, timeout=3600)
-    return collect(per_rank, names, rounds)
+    per_rank = spawn(worker, WORLD, names, global_batch, steps, rounds, accumulate, timeout=3600)
+    return collect(per_rank, names, rounds, accumulate)
 
 
-def collect(per_rank: list[Any], names: list[str], rounds: int) -> dict[str, Any]:
+def collect(
+    per_rank: list[Any], names: list[str], rounds: int, accumulate: int = 1
+) -> dict[str, Any]:
     """Per layout and round (``per_rank``: :func:`worker`'s results): the steps' slowest-rank
     seconds and global target tokens (the ranks of one tp x pp group counted once), and the
     images per sample the language ranks saw."""
     out: dict[str, Any] = {}
     for name in names:
         share = WORLD // dp_of(LAYOUTS[name]) - LAYOUTS[name].get("vision_ranks", 0)
-        serial = LAYOUTS[name].get("vision_ranks", 0) > 0  # the exchange blocks: one side runs
+        # one batch per step: the exchange is serial, one side computes at a time
+        serial = LAYOUTS[name].get("vision_ranks", 0) > 0 and accumulate == 1
         times, tokens, cpu, critical = [], [], [], []
         for r in range(rounds):
             runs = [rank[name][r] for rank in per_rank]
@@ -259,20 +288,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layouts", default=",".join(LAYOUTS))
     p.add_argument("--global-batch", type=int, default=32, help="samples per optimizer step")
+    p.add_argument("--accumulate", type=int, default=4, help="batches per optimizer step")
     p.add_argument("--steps", type=int, default=10, help="steps per run")
     p.add_argument("--warmup", type=int, default=3, help="first steps of a run not timed")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--smoke", action="store_true", help="dp2 ddp + non-colocated, 1 round")
+    p.add_argument(
+        "--smoke", action="store_true", help="dp2 ddp + non-colocated, 1 round, 3 steps of 2"
+    )
     p.add_argument("--out-dir", type=Path, default=None, help="default docs/results")
     args = p.parse_args(argv)
     if args.smoke:
         args.layouts, args.steps, args.rounds = f"dp2 ddp,{NONCOLOCATED}", 3, 1
+        args.accumulate = min(args.accumulate, 2)
     args.warmup = min(args.warmup, args.steps - 1)
     names = [n.strip() for n in args.layouts.split(",")]
     unknown = [n for n in names if n not in LAYOUTS]
     if unknown:
         raise SystemExit(f"unknown layouts {unknown}; choose from {list(LAYOUTS)}")
-    measured = measure(names, args.global_batch, args.steps, args.rounds)
+    measured = measure(names, args.global_batch, args.steps, args.rounds, args.accumulate)
     payload = result(measured, args)
     path = write_result("noncolocated", payload, args.out_dir)
     print(f"wrote {path}")
@@ -291,6 +324,7 @@ def result(measured: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
             "max_tokens": MAX_TOKENS,
             "processes": WORLD,
             "global_batch": args.global_batch,
+            "accumulate": getattr(args, "accumulate", 1),
             "steps": args.steps,
             "warmup": args.warmup,
             "rounds": args.rounds,

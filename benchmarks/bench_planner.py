@@ -76,12 +76,14 @@ def layout_spec(
 
     pp, dp = args.get("pipeline_parallel", 1), _dp(args) if dp is None else dp
     m = args.get("micro_batches", 1) if pp > 1 else 1
+    accumulate = extra.pop("accumulate", 1)
     return ParallelLayout(
         tp=args.get("tensor_parallel", 1),
         pp=pp,
         dp=dp,
         micro_batches=m,
-        micro_batch_size=global_batch // dp // m,
+        micro_batch_size=global_batch // dp // m // accumulate,
+        accumulate=accumulate,
         schedule="1f1b",
         data_parallel=args.get("data_parallel", "fsdp"),
         precision=precision,
@@ -497,7 +499,13 @@ def fp8_anchor() -> list[str]:
 
 
 def towers_worker(
-    rank: int, size: int, names: list[str], global_batch: int, steps: int, rounds: int
+    rank: int,
+    size: int,
+    names: list[str],
+    global_batch: int,
+    steps: int,
+    rounds: int,
+    accumulate: int = 1,
 ) -> dict[str, Any]:
     """:mod:`bench_noncolocated`'s world (its layouts, interleaved rounds), then this machine's
     figures as :func:`worker` measures them (the matmul rate at the tower's width, the block
@@ -506,7 +514,7 @@ def towers_worker(
 
     from lightning_mmpar.layout.devices import DeviceGraph
 
-    runs = nc.worker(rank, size, names, global_batch, steps, rounds)
+    runs = nc.worker(rank, size, names, global_batch, steps, rounds, accumulate)
     alpha, beta = gloo_alpha_beta(size)
     alpha = max(alpha, loaded_call_seconds() / (2 * (size - 1)))
     graph = DeviceGraph.from_yaml(
@@ -515,7 +523,7 @@ def towers_worker(
     host = host_call_seconds(graph)
     width = nc.MODEL["vision"]["width"]
     flops = matmul_flops(global_batch * 16, width) if rank == 0 else 0.0
-    config = nc.config(global_batch, {})
+    config = nc.config(global_batch, {}, accumulate)
     overhead = block_overhead(config=config) if rank == 0 else 0.0
     return {
         "runs": runs,
@@ -527,7 +535,9 @@ def towers_worker(
     }
 
 
-def towers_layout(args: dict[str, Any], global_batch: int, vision_parallel: str) -> Any:
+def towers_layout(
+    args: dict[str, Any], global_batch: int, vision_parallel: str, accumulate: int = 1
+) -> Any:
     """The ``ParallelLayout`` of a :mod:`bench_noncolocated` layout (2 processes)."""
     import bench_noncolocated as nc
 
@@ -537,11 +547,16 @@ def towers_layout(args: dict[str, Any], global_batch: int, vision_parallel: str)
         dp=nc.dp_of(args),
         vision_parallel=vision_parallel,
         vision_ranks=args.get("vision_ranks", 0),
+        accumulate=accumulate,
     )
 
 
 def predict_towers(
-    names: list[str], global_batch: int, images: float, cal: dict[str, float]
+    names: list[str],
+    global_batch: int,
+    images: float,
+    cal: dict[str, float],
+    accumulate: int = 1,
 ) -> dict[str, dict[str, Any]]:
     """The cost model's step of each :mod:`bench_noncolocated` layout on ``cal`` (this
     machine's ``flops``, ``overhead``, ``alpha``, ``beta``, ``call_s``), at ``images`` per
@@ -565,11 +580,12 @@ def predict_towers(
     )
     link = {"bandwidth": cal["beta"], "latency": cal["alpha"]}
     graph = DeviceGraph.from_yaml({"nodes": 1, "gpus_per_node": nc.WORLD, "intra": link})
-    module, data = build_module(nc.config(global_batch, {}))
+    module, data = build_module(nc.config(global_batch, {}, accumulate))
     spec = spec_cache(module, int(data.max_length), images)
     out = {}
+    vision_parallel = module.plan_options.vision_parallel
     for name in names:
-        layout = towers_layout(nc.LAYOUTS[name], global_batch, module.plan_options.vision_parallel)
+        layout = towers_layout(nc.LAYOUTS[name], global_batch, vision_parallel, accumulate)
         p = predict(spec(layout), layout, device, graph)
         out[name] = {"step_s": p.step_seconds, "breakdown": p.breakdown, "idle": p.idle}
     return out
@@ -595,9 +611,9 @@ def measure_towers(args: argparse.Namespace) -> dict[str, Any]:
 
     from lightning_mmpar.testing import spawn
 
-    names, gb = list(nc.LAYOUTS), args.global_batch
-    per_rank = spawn(towers_worker, nc.WORLD, names, gb, args.steps, args.rounds, timeout=3600)
-    collected = nc.collect([r["runs"] for r in per_rank], names, args.rounds)
+    names, gb, acc = list(nc.LAYOUTS), args.global_batch, args.accumulate
+    per_rank = spawn(towers_worker, nc.WORLD, names, gb, args.steps, args.rounds, acc, timeout=3600)
+    collected = nc.collect([r["runs"] for r in per_rank], names, args.rounds, acc)
     write_result("noncolocated", nc.result(collected, args), args.out_dir)  # the same run
     summary = nc.summarise(collected, args.warmup)
     measured = {n: s["step_s"] for n, s in summary["layouts"].items()}
@@ -610,7 +626,7 @@ def measure_towers(args: argparse.Namespace) -> dict[str, Any]:
         "call_s": statistics.mean(host.values()),
     }
     images = statistics.mean(c["images_per_sample"] for c in collected.values())
-    predicted = predict_towers(names, gb, images, cal)
+    predicted = predict_towers(names, gb, images, cal, acc)
     steps = {n: p["step_s"] for n, p in predicted.items()}
     rows = agreement(measured, steps, nc.NONCOLOCATED)
     critical = {n: s["cpu_critical_s"] for n, s in summary["layouts"].items()}
@@ -633,6 +649,7 @@ def measure_towers(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "config": {
             "global_batch": gb,
+            "accumulate": acc,
             "steps": args.steps,
             "warmup": args.warmup,
             "rounds": args.rounds,
@@ -673,6 +690,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="bench_noncolocated's 2-process layouts, measured vs predicted "
         "(docs/results/planner_noncolocated.json and noncolocated.json; --global-batch "
         "default 32)",
+    )
+    p.add_argument(
+        "--accumulate",
+        type=int,
+        default=4,
+        help="--noncolocated: batches per optimizer step (the vision rank runs one ahead)",
     )
     args = p.parse_args(argv)
     if args.measure_cpu:

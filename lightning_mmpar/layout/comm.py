@@ -420,7 +420,7 @@ def _count(
             add(
                 "dp.all_reduce", TOKEN_BYTES, 1, why="loss"
             )  # window's on every rank, else the last stage's
-        if loss is not None and last in held:
+        if loss is not None and last in held and loss.gathers:
             rows = b * layout.dp_size * loss.feature_bytes
             # per gather: the row counts, then the image and the text features
             add(

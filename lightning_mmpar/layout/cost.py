@@ -29,6 +29,7 @@ from lightning_mmpar.layout.schedules import bubble_fraction, in_flight, stage_r
 from lightning_mmpar.layout.stages import BlockSpec
 from lightning_mmpar.layout.towers_cost import (
     TowerCost,
+    run_ahead_seconds,
     split_towers,
     tower_cost,
     vision_gradient_bytes,
@@ -389,8 +390,9 @@ def _noncolocated(
     """:func:`predict` for ``layout.vision_ranks > 0``
     (:mod:`lightning_mmpar.layout.towers_cost`): the language ranks' prediction on the
     language blocks (``placement`` orders them), the vision side's (``tower_cost``), the step
-    serial (``overlap=False``, as run) or pipelined (``True``). ``breakdown`` adds up to the
-    step; ``idle`` gives each side's wait;
+    as run (``overlap=False``: serial with ``accumulate == 1``, the vision rank one batch
+    ahead otherwise, ``run_ahead_seconds``) or its pipelined bound (``True``). ``breakdown``
+    adds up to the step; ``idle`` gives each side's wait;
     ``memory`` is the fuller of a language and a vision rank; ``comm_bytes`` adds
     ``towers.send`` / ``towers.recv`` (vision rank 0's embeddings out, gradients and pixels
     in) and ``vision.all_reduce``.
@@ -412,6 +414,10 @@ def _noncolocated(
     if overlap:
         step = max(side, lang.step_seconds) + tower.transfer
         parts = _overlapped_parts(lang, tower)
+        idle = {"language ranks": step - lang.step_seconds, "vision ranks": step - side}
+    elif layout.accumulate > 1:  # the vision rank one batch ahead inside each window
+        step = run_ahead_seconds(tower, lang.step_seconds, layout.accumulate)
+        parts = _run_ahead_parts(lang, tower, step)
         idle = {"language ranks": step - lang.step_seconds, "vision ranks": step - side}
     else:
         step = side + tower.transfer + lang.step_seconds
@@ -461,6 +467,18 @@ def _overlapped_parts(lang: Prediction, tower: TowerCost) -> dict[str, float]:
     else:
         parts = dict(lang.breakdown)
         parts["vision embedding transfer"] = tower.transfer
+    return parts
+
+
+def _run_ahead_parts(lang: Prediction, tower: TowerCost, step: float) -> dict[str, float]:
+    """The busier side's own parts, then what it waits for the other (transfers included)."""
+    if tower.busy > lang.step_seconds:
+        parts = {
+            f"vision {k}": s for k, s in _vision_parts(tower).items() if k != "embedding transfer"
+        }
+    else:
+        parts = dict(lang.breakdown)
+    parts["waiting for the other side"] = step - sum(parts.values())
     return parts
 
 

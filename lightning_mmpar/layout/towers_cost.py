@@ -15,16 +15,18 @@ backward FLOPs per sample (they scale with the images per sample)::
                       vector) to every tp rank of the replica's first stage, their gradient
                       back from tp rank 0 (a trained tower), the pixels from tp rank 0
                       (``ModelSpec.extra["pixel_bytes_per_sample"]``), point-to-point
-    serial step     = vision forward + transfer forward + language step + gradient transfer
-                      + vision backward + vision gradient all-reduce     (overlap=False)
-    pipelined step  = max(vision side, language step) + transfer          (overlap=True)
+    step, as run    the vision rank one batch ahead inside each accumulation window of
+                      ``A`` batches (:func:`run_ahead_seconds`): batch ``k + 1``'s forward
+                      while the language ranks run batch ``k``, batch ``k``'s backward while
+                      they run ``k + 1``; ``A = 1``: vision forward + transfer + language step
+                      + vision backward + vision gradient all-reduce, one after the other
+    pipelined bound = max(vision side, language step) + transfer          (overlap=True)
 
-``overlap=False`` is what :mod:`lightning_mmpar.parallel.towers` runs (one blocking exchange
-per batch: the language ranks wait for the embeddings, the vision ranks for their gradients);
-``overlap=True`` is the bound of a pipelined encoder (Megatron-Bridge MIMO's, which overlaps
-the encoder with the language model across micro-batches), not implemented here. The idle
-seconds of each side are :attr:`Prediction.idle`. Model FLOPs for the MFU count both towers
-on ``world + V`` ranks.
+``overlap=False`` prices what :mod:`lightning_mmpar.parallel.towers` runs; ``overlap=True``
+an encoder whose work hides entirely behind the language model's (or the other way) with the
+transfer exposed (no pipeline fill or drain; the engine's run-ahead hides part of the
+transfer). The idle seconds of each side are :attr:`Prediction.idle`. Model FLOPs for the MFU
+count both towers on ``world + V`` ranks.
 """
 
 from __future__ import annotations
@@ -38,7 +40,13 @@ from lightning_mmpar.layout.model import ModelSpec
 from lightning_mmpar.layout.stages import BlockSpec
 from lightning_mmpar.layout.value import ParallelLayout
 
-__all__ = ["TowerCost", "split_towers", "tower_cost", "vision_gradient_bytes"]
+__all__ = [
+    "TowerCost",
+    "run_ahead_seconds",
+    "split_towers",
+    "tower_cost",
+    "vision_gradient_bytes",
+]
 
 INLET = "tower.inlet"
 """The name of the language side's first block (:func:`split_towers`; the strategy's
@@ -141,9 +149,32 @@ def tower_cost(
         graph, layout, samples, (per_sample, per_sample if trains else 0.0, pixel)
     )
     scale = element_bytes / 4
-    acts = round(sum(b.activation_bytes for b in vision.blocks) * samples / batches * scale)
+    ahead = min(2, batches)  # a batch's activations and the one encoded ahead
+    per_batch = sum(b.activation_bytes for b in vision.blocks) * samples / batches
+    acts = round(per_batch * ahead * scale)
     kept = (state.parameters, state.gradients, state.optimizer)
     return TowerCost(samples, forward, backward, sync, transfer, emb, back, pixels, kept, acts)
+
+
+def run_ahead_seconds(tower: TowerCost, language_step: float, batches: int) -> float:
+    """The optimizer step of a non-colocated layout as the engine runs it: ``batches``
+    (``A``) batches per accumulation window, each side's work split evenly over them, the
+    vision rank encoding batch ``k + 1`` before it back-propagates batch ``k`` (an event
+    simulation of :class:`~lightning_mmpar.parallel.towers.TowerExchange`'s order); the
+    transfer rides with the embeddings; the vision ranks' gradient all-reduce ends the step.
+    ``A = 1`` gives the serial sum. Seconds."""
+    f, b = tower.forward / batches, tower.backward / batches
+    t, lang = tower.transfer / batches, language_step / batches
+    vision = f
+    ready = [vision + t]
+    done = 0.0
+    for k in range(batches):
+        if k + 1 < batches:  # the next batch ahead
+            vision += f
+            ready.append(vision + t)
+        done = max(done, ready[k]) + lang
+        vision = max(vision, done) + b
+    return max(vision + tower.sync, done)
 
 
 def _transfer_seconds(

@@ -105,7 +105,9 @@ class ContrastiveLoss(nn.Module):
     :class:`LogitScale` to learn it, or a float). Every rank returns the same global loss
     (``local_loss=False``) or the mean over its own rows (``local_loss=True``, less memory:
     ``[n, N]`` logits); either way the gradient on the local features is ``dp`` times that of
-    the global loss, which dp gradient averaging cancels. Batches may differ in size per rank.
+    the global loss, which dp gradient averaging cancels. Batches may differ in size per rank;
+    with no pair on any rank the loss is 0 (on the features' graph), not the NaN of an empty
+    cross-entropy.
 
     Args:
         group: data-parallel process group to gather over; None means no gathering. Never pass
@@ -136,7 +138,10 @@ class ContrastiveLoss(nn.Module):
             local_loss=self.local_loss,
             logit_bias=logit_bias,
         )
-        loss = (F.cross_entropy(per_image, targets) + F.cross_entropy(per_text, targets)) / 2
+        if per_image.numel() == 0:  # no pair on any rank: zero, on the graph (not NaN)
+            loss = (per_image.sum() + per_text.sum()) * 0.0
+        else:
+            loss = (F.cross_entropy(per_image, targets) + F.cross_entropy(per_text, targets)) / 2
         return {CONTRASTIVE_KEY: loss} if output_dict else loss
 
 

@@ -101,6 +101,9 @@ class MMLLoss(nn.Module):
                 group=group,
                 local_loss=local,
             )
-        kl = (kl_to_targets(per_image, target_image) + kl_to_targets(per_text, target_text)) / 2
-        loss = self.config.weight * kl
+        if per_image.numel() == 0:  # no pair on any rank: zero, on the graph (not NaN)
+            loss = (per_image.sum() + per_text.sum()) * 0.0
+        else:
+            kl = (kl_to_targets(per_image, target_image) + kl_to_targets(per_text, target_text)) / 2
+            loss = self.config.weight * kl
         return {MML_KEY: loss} if output_dict else loss

@@ -33,6 +33,7 @@ __all__ = [
     "group_rank",
     "group_size",
     "is_distributed",
+    "isend_tensor",
     "recv_object",
     "recv_tensor",
     "recv_tensors",
@@ -206,6 +207,20 @@ def send_tensor(t: Tensor, dst: int, group: dist.ProcessGroup | None = None) -> 
     when empty), on the group's device; blocking. The receiver needs no shape
     (:func:`recv_tensor`): ragged counts travel in the header. Raises ``ValueError`` for more
     than 8 dims or a dtype outside float32/bfloat16/float16/float64/int64/bool."""
+    for message in _messages(t, group):
+        dist.send(message, group=group, group_dst=dst)
+
+
+def isend_tensor(t: Tensor, dst: int, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """:func:`send_tensor` without waiting: returns the sends' ``Work`` handles (each keeps
+    its buffer alive; ``wait()`` them before the process group goes). The receiver runs
+    :func:`recv_tensor`. Messages to one rank arrive in the order they were posted (gloo and
+    NCCL match point-to-point operations between two ranks in order). Raises as there."""
+    return [dist.isend(m, group=group, group_dst=dst) for m in _messages(t, group)]
+
+
+def _messages(t: Tensor, group: dist.ProcessGroup | None) -> list[Tensor]:
+    """The header and (when not empty) the data :func:`send_tensor` sends."""
     if t.ndim > _HEADER - 2 or t.dtype not in _DTYPES:
         raise ValueError(
             f"send_tensor: a {t.ndim}-dim {t.dtype} tensor; at most {_HEADER - 2} dims of "
@@ -215,9 +230,10 @@ def send_tensor(t: Tensor, dst: int, group: dist.ProcessGroup | None = None) -> 
     header = torch.zeros(_HEADER, dtype=torch.int64)
     header[0], header[1] = _DTYPES.index(t.dtype), t.ndim
     header[2 : 2 + t.ndim] = torch.tensor(t.shape, dtype=torch.int64)
-    dist.send(header.to(device), group=group, group_dst=dst)
+    messages = [header.to(device)]
     if t.numel():
-        dist.send(t.detach().to(device).contiguous(), group=group, group_dst=dst)
+        messages.append(t.detach().to(device).contiguous())
+    return messages
 
 
 def recv_tensor(src: int, device: torch.device, group: dist.ProcessGroup | None = None) -> Tensor:

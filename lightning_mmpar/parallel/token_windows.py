@@ -27,11 +27,20 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["WindowLoader", "window_loader"]
+__all__ = ["WindowEntry", "WindowLoader", "window_loader"]
 
 _STATE_KEY = "accumulation_window"
+
+
+class WindowEntry(NamedTuple):
+    """One yielded batch's window: its local target tokens, whether the batch opens it, and
+    the window's batches (as the loader yielded them, before any transfer)."""
+
+    tokens: int
+    first: bool
+    batches: tuple[Any, ...]
 
 
 class WindowLoader:
@@ -48,7 +57,9 @@ class WindowLoader:
             the epoch's end starts a new epoch (0).
 
     :meth:`pop` gives, once per batch in the order yielded, ``(window tokens, first)``: the
-    local target tokens of the batch's window and whether the batch opens it. Raises
+    local target tokens of the batch's window and whether the batch opens it; :meth:`peek`
+    the next one's :class:`WindowEntry` without taking it (non-colocated towers send a whole
+    window's images at its first batch, :mod:`lightning_mmpar.parallel.towers`). Raises
     ``ValueError`` for ``accumulate < 1``.
     """
 
@@ -56,7 +67,7 @@ class WindowLoader:
     accumulate: int
     count: Callable[[Any], Any]
     position: Callable[[], tuple[int, float]]
-    windows: deque[tuple[int, bool]]
+    windows: deque[WindowEntry]
     skip: int  # batches to pass over after a checkpoint saved inside a window
     start_state: Any  # the wrapped loader's state at the current window's start
     pending: int  # batches of the current window
@@ -97,9 +108,16 @@ class WindowLoader:
     def pop(self) -> tuple[int, bool]:
         """``(local target tokens of the window, first batch of the window)`` of the next
         batch handed to training. Raises ``RuntimeError`` when no batch was yielded for it."""
+        entry = self.peek()
+        self.windows.popleft()
+        return entry.tokens, entry.first
+
+    def peek(self) -> WindowEntry:
+        """The next batch's :class:`WindowEntry`, left for :meth:`pop`. Raises
+        ``RuntimeError`` when no batch was yielded for it."""
         if not self.windows:
             raise RuntimeError("WindowLoader.pop() without a batch yielded for it.")
-        return self.windows.popleft()
+        return self.windows[0]
 
     def _window_size(self, start: int, length: float) -> int:
         """Batches of the window that starts after ``start`` batches of an epoch of
@@ -127,8 +145,9 @@ class WindowLoader:
                 return
             tokens = sum(int(self.count(b)) for b in window)
             self.pending, self.yielded = len(window), 0
+            batches = tuple(window)
             for i, batch in enumerate(window):
-                self.windows.append((tokens, i == 0))
+                self.windows.append(WindowEntry(tokens, i == 0, batches))
                 self.yielded = i + 1
                 yield batch
             done += len(window)

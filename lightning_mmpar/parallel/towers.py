@@ -2,16 +2,27 @@
 
 The layout (:class:`~lightning_mmpar.topology.TowerRanks`): language ranks ``0 .. L - 1`` laid
 out by tp x pp x dp as usual, then ``V`` vision ranks, each holding the whole vision tower
-(the module's leading blocks of kind ``"vision"``). One training step, per
+(the module's leading blocks of kind ``"vision"``). One optimizer step (an accumulation
+window of ``A`` batches, ``accumulate_grad_batches``), per
 :class:`~lightning_mmpar.topology.TowerLink` (replica ``r``'s images, or a chunk of them, and
 one vision rank)::
 
-    language stage 0, tp rank 0 --pixels [n, C, H, W]--> vision rank        (send_tensor)
-    vision rank: tower(all its links' pixels as ONE batch) -> parts ([n, ...] each)
-    vision rank --parts--> every tp rank of replica r's first stage         (send_tensor)
-    language: TowerInlet puts the parts into the image slots; the schedule runs
-    language stage 0, tp rank 0 --d loss / d parts--> vision rank           (send_tensor)
-    vision rank: autograd.backward(parts, gradients); gradients summed over the vision ranks
+    language stage 0, tp rank 0 --A, pixels of batches 1..A--> vision rank      (isend_tensor)
+    for batch k of the window:
+      vision rank: tower(all its links' pixels of batch k + 1 as ONE batch)  (k = 1: also k)
+      vision rank --parts of k + 1--> every tp rank of replica r's first stage (isend_tensor)
+      language: TowerInlet puts the parts of k into the image slots; the schedule runs
+      language stage 0, tp rank 0 --d loss / d parts of k--> vision rank        (send_tensor)
+      vision rank: autograd.backward(parts of k, gradients)
+    optimizer step: the tower's gradients summed over the vision ranks
+
+The vision rank encodes batch ``k + 1`` while the language ranks run batch ``k`` (one batch
+ahead, as the first stage of a 1F1B pipeline runs ahead of the second) and back-propagates
+batch ``k`` while they run ``k + 1``; exact, since no weight changes inside a window. With
+``A = 1`` the exchange is serial. Evaluation batches go one at a time; a language rank first
+receives and holds the batch encoded ahead, so the messages never cross (gloo and NCCL match
+point-to-point messages between two ranks in order; a blocking send waits for its receive,
+hence the non-blocking sends of images and parts).
 
 Point-to-point sends with a shape header (:func:`~lightning_mmpar.parallel.comm.send_tensor`),
 not an all-to-all: each message has one sender and one receiver whose counts differ per step
@@ -29,7 +40,9 @@ A frozen tower (no trainable vision parameter) sends no gradient and runs no bac
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,6 +54,8 @@ from lightning_mmpar.topology import TowerLink, TowerRanks, chunk_sizes
 __all__ = ["TowerExchange", "TowerInlet", "image_index", "tower_block_count", "tower_group"]
 
 _GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+Tower = Callable[[Tensor], tuple[Tensor, ...]]
+"""The vision tower as the vision ranks run it: pixels ``[n, C, H, W]`` -> its outputs."""
 
 
 def tower_group(ranks: Sequence[int]) -> dist.ProcessGroup:
@@ -111,6 +126,12 @@ class TowerInlet(nn.Module):
 class TowerExchange:
     """One rank's side of the non-colocated data flow (module docstring).
 
+    Training runs by accumulation window (the batches of one optimizer step): at the window's
+    first batch the language side sends all its batches' images (:meth:`send_window`); the
+    vision rank encodes batch ``k + 1`` of the window while the language ranks run batch ``k``
+    (:meth:`encode`): exact, the tower's weights do not change inside a window. Evaluation
+    steps exchange one batch at a time (:meth:`exchange_once`, :meth:`encode_once`).
+
     Args:
         towers: the layout. rank: this process's global rank. device: its device.
         trains: whether the vision tower has trainable parameters (both sides derive it from
@@ -122,7 +143,18 @@ class TowerExchange:
         self.links: list[TowerLink] = towers.links_of(rank)
         self.is_vision = towers.is_vision(rank)
         self._parts: tuple[Tensor, ...] = ()
-        self._counts: list[int] = []
+        self._sends: list[Any] = []
+        """Pending ``isend`` works (waited before the next ones are posted, and at the end)."""
+        self._pixels: deque[list[Tensor]] = deque()
+        """Vision rank: the window's batches not encoded yet, each as its links' pixels."""
+        self._encoded: deque[tuple[Tensor, ...]] = deque()
+        """Vision rank: outputs sent and not back-propagated yet (the batch, the one ahead)."""
+        self._window_left = 0
+        """Language rank: batches of the current window whose outputs are still to come."""
+        self._held: deque[tuple[Tensor, ...]] = deque()
+        """Language rank: outputs received early (before an evaluation step)."""
+        self.encoded_ahead = 0
+        """Vision rank: batches encoded while the language ranks ran the one before."""
 
     @property
     def sender(self) -> bool:
@@ -131,17 +163,56 @@ class TowerExchange:
         return bool(self.links) and not self.is_vision and self.rank == self.links[0].stage0[0]
 
     # ------------------------------------------------------------------ language side
-    def receive(self, pixels: Tensor) -> tuple[Tensor, ...]:
-        """Language first-stage rank: send this replica's ``pixels [n, ...]`` (tp rank 0) and
-        receive the tower's outputs, as leaves needing gradients when the tower trains."""
-        sizes = chunk_sizes(pixels.shape[0], len(self.links))
+    def send_window(self, pixels: Sequence[Tensor]) -> None:
+        """Language first-stage rank, at an accumulation window's first batch: the window's
+        images, ``pixels[k] [n_k, ...]`` for its ``k``-th batch, to the vision ranks without
+        waiting (tp rank 0; every first-stage rank notes the window's length)."""
+        self._wait_sends()
+        self._window_left = len(pixels)
         if self.sender:
-            for link, piece in zip(self.links, pixels.split(sizes), strict=True):
-                comm.send_tensor(piece, link.vision)
-        got = [self._recv_parts(link.vision) for link in self.links]
-        parts = tuple(torch.cat(p) for p in zip(*got, strict=True))
+            self._sends += self._post_window(pixels)
+
+    def _post_window(self, pixels: Sequence[Tensor]) -> list[Any]:
+        works = []
+        for j, link in enumerate(self.links):
+            count = torch.tensor([len(pixels)])
+            works += comm.isend_tensor(count, link.vision)
+            for batch in pixels:
+                piece = batch.split(chunk_sizes(batch.shape[0], len(self.links)))[j]
+                works += comm.isend_tensor(piece, link.vision)
+        return works
+
+    def receive(self) -> tuple[Tensor, ...]:
+        """Language first-stage rank, each training batch: the tower's outputs for the next
+        batch of the window, as leaves needing gradients when the tower trains. Raises
+        ``RuntimeError`` when the window has no batch left (:meth:`send_window` first)."""
+        if self._window_left <= 0:
+            raise RuntimeError("TowerExchange.receive() outside a window: send_window() first.")
+        parts = self._held.popleft() if self._held else self._recv_outputs()
+        self._window_left -= 1
         self._parts = tuple(p.requires_grad_(self.trains) for p in parts)
         return self._parts
+
+    def exchange_once(self, pixels: Tensor) -> tuple[Tensor, ...]:
+        """Language first-stage rank, an evaluation batch: the outputs encoded ahead for
+        training are received first and held (:meth:`hold_ahead`), then ``pixels`` go out as
+        a window of one and their outputs come back."""
+        self.hold_ahead()
+        if self.sender:
+            for work in self._post_window([pixels]):
+                work.wait()
+        return self._recv_outputs()
+
+    def hold_ahead(self) -> None:
+        """Language first-stage rank: receive and hold the outputs the vision ranks encoded
+        ahead (one batch when the window has batches left), so that the next message from
+        them is not those."""
+        if self._window_left > 0 and not self._held:
+            self._held.append(self._recv_outputs())
+
+    def _recv_outputs(self) -> tuple[Tensor, ...]:
+        got = [self._recv_parts(link.vision) for link in self.links]
+        return tuple(torch.cat(p) for p in zip(*got, strict=True))
 
     def send_gradients(self, scale: float) -> None:
         """Language first-stage rank, after the step's backward: the parts' gradients times
@@ -168,26 +239,61 @@ class TowerExchange:
         return [comm.recv_tensor(src, self.device) for _ in range(count)]
 
     # ------------------------------------------------------------------ vision side
-    def encode(self, tower: Callable[[Tensor], tuple[Tensor, ...]]) -> tuple[Tensor, ...]:
-        """Vision rank: receive every link's pixels, run ``tower`` on them as one batch, send
-        each link's rows of every output to the replica's first-stage ranks. Returns the
-        outputs (kept for :meth:`backward`)."""
-        pixels = [comm.recv_tensor(link.stage0[0], self.device) for link in self.links]
-        self._counts = [p.shape[0] for p in pixels]
+    def encode(self, tower: Tower) -> tuple[Tensor, ...]:
+        """Vision rank, each training batch: at a window's first batch receive its images;
+        make sure this batch's outputs are sent, then encode and send the next batch of the
+        window ahead (the language ranks run this one meanwhile). Returns this batch's
+        outputs (:meth:`backward` takes them)."""
+        if not self._pixels and not self._encoded:
+            self._pixels.extend(self._recv_window())
+        if not self._encoded:
+            self._encoded.append(self._encode_send(tower, self._pixels.popleft()))
+        if self._pixels and len(self._encoded) == 1:
+            self._encoded.append(self._encode_send(tower, self._pixels.popleft()))
+            self.encoded_ahead += 1
+        return self._encoded[0]
+
+    def encode_once(self, tower: Tower) -> tuple[Tensor, ...]:
+        """Vision rank, an evaluation batch: a window of one, encoded and sent."""
+        (pixels,) = self._recv_window()
+        outs = self._encode_send(tower, pixels)
+        self._wait_sends()
+        return outs
+
+    def _recv_window(self) -> list[list[Tensor]]:
+        """Every link's window: ``[batch][link] -> pixels``. Raises ``RuntimeError`` when the
+        links' windows differ in length (their loaders are not in step)."""
+        per_link = []
+        for link in self.links:
+            src = link.stage0[0]
+            count = int(comm.recv_tensor(src, self.device)[0])
+            per_link.append([comm.recv_tensor(src, self.device) for _ in range(count)])
+        lengths = {len(w) for w in per_link}
+        if len(lengths) != 1:
+            raise RuntimeError(
+                f"vision rank {self.rank}: its language replicas sent windows of "
+                f"{[len(w) for w in per_link]} batches; their loaders must yield as many batches."
+            )
+        return [list(batch) for batch in zip(*per_link, strict=True)]
+
+    def _encode_send(self, tower: Tower, pixels: list[Tensor]) -> tuple[Tensor, ...]:
+        """Run ``tower`` on the links' pixels as one batch and send each link's rows of every
+        output to the replica's first-stage ranks without waiting."""
+        counts = [p.shape[0] for p in pixels]
         outs = tower(torch.cat(pixels))
-        per_link = zip(*(o.split(self._counts) for o in outs), strict=True)
+        self._wait_sends()
+        per_link = zip(*(o.split(counts) for o in outs), strict=True)
         for link, rows in zip(self.links, per_link, strict=True):
             for dst in link.stage0:
-                comm.send_tensor(torch.tensor([len(rows)]), dst)
+                self._sends += comm.isend_tensor(torch.tensor([len(rows)]), dst)
                 for r in rows:
-                    comm.send_tensor(r, dst)
-        self._parts = outs
+                    self._sends += comm.isend_tensor(r, dst)
         return outs
 
     def backward(self) -> None:
-        """Vision rank: receive the outputs' gradients from every link and back-propagate them
-        through the tower (nothing when it is frozen)."""
-        outs, self._parts = self._parts, ()
+        """Vision rank: receive this batch's outputs' gradients from every link and
+        back-propagate them through the tower (nothing when it is frozen)."""
+        outs = self._encoded.popleft() if self._encoded else ()
         if not self.trains:
             return
         got = [[comm.recv_tensor(link.stage0[0], self.device) for _ in outs] for link in self.links]
@@ -201,3 +307,22 @@ class TowerExchange:
         same on every language replica; ``-1``: plain mean losses)."""
         values = [float(comm.recv_tensor(x.stage0[0], self.device)[0]) for x in self.links]
         return values[0]
+
+    # ------------------------------------------------------------------ both sides
+    def drain(self) -> None:
+        """At the end of training (both sides): a run stopped inside a window leaves the batch
+        encoded ahead unused; the language ranks receive its outputs, the vision ranks drop
+        it and the rest of the window, and every send completes."""
+        if not self.is_vision:
+            self.hold_ahead()
+        self._held.clear()
+        self._pixels.clear()
+        self._encoded.clear()
+        self._window_left = 0
+        self._parts = ()
+        self._wait_sends()
+
+    def _wait_sends(self) -> None:
+        sends, self._sends = self._sends, []
+        for work in sends:
+            work.wait()

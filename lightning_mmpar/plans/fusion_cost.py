@@ -454,8 +454,13 @@ def fusion_model_spec(
         vl_combine=module.plan_options.vl_combine,
     )
     params, trainable_before = _params(model, blocks, layout, options)
+    weights = module.loss_config.contrastive_weight, module.loss_config.mml.weight
+    coupled = 3 if any(weights) else 0  # both weights 0: RecipeLoss.coupled gathers nothing
     loss = LossSpec(
-        feature_bytes=model.config.contrastive_dim * 4, caption_positions=text_length - 1
+        feature_bytes=model.config.contrastive_dim * 4,
+        caption_positions=text_length - 1,
+        gathers=coupled,
+        gathers_with_grad=2 * coupled // 3,
     )
     boundaries = _local_rows(_boundaries(model, text_length, prompts, k), names, layout)
     tp = _tp_collectives(model, layout, names, text_length, trainable_before, images)

@@ -150,11 +150,14 @@ class RecipeLoss:
         )
 
     def coupled(self, features: tuple[Tensor, ...]) -> Tensor:
-        """``w_c * InfoNCE + MML`` of the features' batch (gathered over the dp group)."""
+        """``w_c * InfoNCE + MML`` of the features' batch (gathered over the dp group); zero,
+        on the features' graph and without a collective, when both weights are 0 (the same
+        on every rank) or a one-rank batch has no image-caption pair."""
         image, text, momentum_image, momentum_text, scales = features
         scale = scales[0]
-        if image.shape[0] == 0 and self.dp == 1:  # a ragged batch without image-caption pairs
-            return (image.sum() + text.sum() + scale) * 0.0
+        unweighted = self.config.contrastive_weight == 0 and self.config.mml.weight == 0
+        if unweighted or (image.shape[0] == 0 and self.dp == 1):  # nothing to compute
+            return (image.sum() + text.sum() + scale) * 0.0  # (0 * a NaN would be NaN)
         con = self.contrastive(image, text, scale)
         mml = self.mml(image, text, momentum_image, momentum_text, scale)
         assert isinstance(con, Tensor) and isinstance(mml, Tensor)

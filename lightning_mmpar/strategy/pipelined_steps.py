@@ -50,6 +50,11 @@ __all__ = ["PipelinedSteps"]
 _WINDOW_HOOKS = ("target_tokens", "on_accumulation_window")
 
 
+def _no_tokens(batch: Any) -> int:
+    """The window loader's count for a module that counts no target tokens."""
+    return 0
+
+
 class PipelinedSteps(Strategy):
     """Mixin: training, validation and test steps of a pipelined module (module docstring)."""
 
@@ -59,6 +64,8 @@ class PipelinedSteps(Strategy):
     nonfinite: NonFiniteGuard | None
     _step_tokens: TokenCount
     _windows: WindowLoader | None = None
+    _counts_windows = False
+    """Whether the module counts its windows' target tokens (``_WINDOW_HOOKS``)."""
     counts_accumulation_windows = True
     """A module with ``target_tokens`` and ``on_accumulation_window`` gets each accumulation
     window's target tokens before the window's first batch (module docstring)."""
@@ -123,20 +130,24 @@ class PipelinedSteps(Strategy):
 
     def _windowed(self, dataloader: Any, trainer: Any) -> Any:
         """The training loader, read one accumulation window at a time for a module that
-        counts its target tokens (module docstring); unchanged otherwise."""
+        counts its target tokens (module docstring) and on the language ranks of
+        non-colocated towers (they send a window's images at its first batch,
+        :mod:`lightning_mmpar.parallel.towers`); unchanged otherwise and on vision ranks."""
         module = self._module
         self._windows = None
-        wants = all(callable(getattr(module, n, None)) for n in _WINDOW_HOOKS)
-        if not wants or trainer.accumulate_grad_batches <= 1:
+        self._counts_windows = all(callable(getattr(module, n, None)) for n in _WINDOW_HOOKS)
+        exchange = getattr(self, "_exchange", None)  # non-colocated towers (TowerSteps)
+        if exchange is not None and exchange.is_vision:
+            return dataloader  # a vision rank's batches only count steps
+        if trainer.accumulate_grad_batches <= 1 or not (self._counts_windows or exchange):
             return dataloader
         loop = trainer.fit_loop
 
         def position() -> tuple[int, float]:
             return loop.epoch_loop.batch_progress.current.ready, trainer.num_training_batches
 
-        self._windows = window_loader(
-            dataloader, trainer.accumulate_grad_batches, module.target_tokens, position
-        )
+        count = module.target_tokens if self._counts_windows else _no_tokens
+        self._windows = window_loader(dataloader, trainer.accumulate_grad_batches, count, position)
         return self._windows
 
     def _start_window(self) -> None:
@@ -145,7 +156,7 @@ class PipelinedSteps(Strategy):
         if self._windows is None:
             return
         tokens, first = self._windows.pop()
-        if first:
+        if first and self._counts_windows:
             total = torch.tensor(float(tokens), dtype=torch.float64, device=self.root_device)
             total = comm.all_reduce(total, "sum", self.parallel_dims.get_group("dp"))
             self._module.on_accumulation_window(int(total))

@@ -110,19 +110,37 @@ class TowerSteps(ParallelStrategy):
 
     # ------------------------------------------------------------------ steps
     def _tower_batch(self, batch: Any, grad: bool) -> None:
-        """A language first-stage rank's images out and the tower's outputs in (the inlet)."""
+        """A language first-stage rank's images out and the tower's outputs in (the inlet):
+        in training the window's images at its first batch (:meth:`_tower_window`), then
+        this batch's outputs; in evaluation this batch's, one at a time."""
         ex = self._exchange
         if ex is None or ex.is_vision or not ex.links:
             return
         assert self._inlet is not None
-        parts = ex.receive(self._lm.tower_inputs(batch))
+        module = self._lm
         if not grad:
-            parts = tuple(p.detach() for p in parts)
-        self._inlet.parts = parts
+            parts = ex.exchange_once(module.tower_inputs(batch))
+            self._inlet.parts = tuple(p.detach() for p in parts)
+            return
+        window = self._tower_window(batch)
+        if window is not None:
+            ex.send_window([module.tower_inputs(b) for b in window])
+        self._inlet.parts = ex.receive()
+
+    def _tower_window(self, batch: Any) -> tuple[Any, ...] | None:
+        """The accumulation window ``batch`` opens (its batches, ``batch`` first), ``None``
+        inside one. Without a window loader (``accumulate_grad_batches == 1``) each batch is
+        its own window."""
+        windows = getattr(self, "_windows", None)
+        if windows is None:
+            return (batch,)
+        entry = windows.peek()
+        return entry.batches if entry.first else None
 
     def _vision_step(self, grad: bool) -> Tensor:
-        """A vision rank's step: encode what its links sent, send the outputs; returns a zero
-        loss on the tower's graph (its backward: :meth:`_tower_backward`)."""
+        """A vision rank's step: encode what its links sent (in training one batch of the
+        window ahead), send the outputs; returns a zero loss on this batch's tower graph (its
+        backward: :meth:`_tower_backward`)."""
         assert self._exchange is not None
         blocks = self._lm.tower_blocks()
 
@@ -134,7 +152,8 @@ class TowerSteps(ParallelStrategy):
             return state
 
         with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
-            outs = self._exchange.encode(tower)
+            ex = self._exchange
+            outs = ex.encode(tower) if grad else ex.encode_once(tower)
         zero = torch.zeros((), device=self.root_device)
         return sum((o.sum() * 0.0 for o in outs), zero)
 
@@ -158,6 +177,13 @@ class TowerSteps(ParallelStrategy):
             return self._vision_step(grad=False)
         self._tower_batch(args[0], grad=False)
         return super().test_step(*args, **kwargs)
+
+    def on_train_end(self) -> None:
+        """Both sides: a run stopped inside an accumulation window leaves the batch encoded
+        ahead unused (:meth:`TowerExchange.drain`)."""
+        if self._exchange is not None:
+            self._exchange.drain()
+        super().on_train_end()
 
     # ------------------------------------------------------------------ gradients
     def _tower_backward(self, piped: bool) -> None:

@@ -166,6 +166,9 @@ def test_planner_prices_the_noncolocated_benchmark_layouts() -> None:
         "language ranks",
         "vision ranks",
     }
+    ahead = bp.predict_towers([nc.NONCOLOCATED], 32, 2.5, cal, accumulate=4)[nc.NONCOLOCATED]
+    assert ahead["step_s"] == pytest.approx(sum(ahead["breakdown"].values()))
+    assert ahead["breakdown"]["waiting for the other side"] >= 0  # one batch ahead, as run
     rows = bp.agreement({"a": 2.0, "b": 1.0, "c": 3.0}, {"a": 1.0, "b": 2.0, "c": 0.5}, "a")
     assert [
         (x["against"], x["measured_faster"], x["predicted_faster"], x["agree"]) for x in rows

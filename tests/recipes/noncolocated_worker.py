@@ -5,7 +5,7 @@ a first-stage rank with no image in a micro-batch), one spawned world per size."
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch.distributed as dist
@@ -37,12 +37,30 @@ class Recorder(rw.Recorder):
         self.trainable = 0
         """Bytes of this rank's trainable parameters (local tensors)."""
 
+        self.val_losses: list[float] = []
+        """``val_loss`` after each validation (validation inside accumulation windows)."""
+
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, *args: Any) -> None:
         if "train_loss" in trainer.callback_metrics:
             self.losses.append(float(trainer.callback_metrics["train_loss"]))
-        if not self.stepped:
+        if not self.stepped and trainer.global_step == 1:  # the first optimizer step's batch
             grads = full_gradients(pl_module)
             self.stepped = {name: g.detach().clone() for name, g in grads.items()}
+
+    def on_validation_end(self, trainer: Trainer, pl_module: Any) -> None:
+        if not trainer.sanity_checking and "val_loss" in trainer.callback_metrics:
+            self.val_losses.append(float(trainer.callback_metrics["val_loss"]))
+
+
+class StopAt(Callback):
+    """``trainer.should_stop`` after batch ``index`` (inside an accumulation window)."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, *args: Any) -> None:
+        if args[-1] == self.index:
+            trainer.should_stop = True
 
 
 class StepComm(Callback):
@@ -61,8 +79,13 @@ class StepComm(Callback):
         if args[-1] == 0:
             self.counter = CommCounter(dims).__enter__()
         elif args[-1] == 1 and self.counter is not None:
+            self.on_train_end(trainer, pl_module)
+
+    def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
+        """Close the count (a fit stopped before batch 1 counts what ran)."""
+        if self.counter is not None:
             self.counter.__exit__(None, None, None)
-            self.bytes = dict(self.counter.bytes)
+            self.bytes, self.counter = dict(self.counter.bytes), None
 
 
 @dataclass(frozen=True)
@@ -76,15 +99,21 @@ class Case:
     frozen: bool = False
     """The vision tower frozen (``finetune.train_vision=False``)."""
     vision_parallel: str = "tp"
+    accumulate: int = 1
+    """``accumulate_grad_batches``: the vision ranks encode one batch ahead inside a window."""
+    validate: bool = False
+    """A validation batch after every training batch (inside the accumulation windows)."""
+    stop_after: int | None = None
+    """Stop the fit after this batch (inside a window): the case checks the next ones run."""
 
     @property
     def vision_ranks(self) -> int:
         return int(self.strategy.get("vision_ranks", 0))
 
     @property
-    def reference(self) -> tuple[float | None, bool]:
-        """The one-process run it is compared with: ``(clip, frozen)``."""
-        return self.clip, self.frozen
+    def reference(self) -> tuple[float | None, bool, int, bool]:
+        """The one-process run it is compared with: ``(clip, frozen, accumulate, validate)``."""
+        return self.clip, self.frozen, self.accumulate, self.validate
 
 
 PP2 = pm._pp("1f1b", 2, 2, 1)
@@ -97,6 +126,33 @@ CASES: tuple[Case, ...] = (
     Case(
         "1 vision + tp2 x pp2", 5, {"vision_ranks": 1, **pm._pp("1f1b", 2, 2, 1, tensor_parallel=2)}
     ),
+    # the tower one batch ahead inside accumulation windows (2 windows of 2 batches)
+    Case(
+        "1 vision + 1 language, stopped inside a window",
+        2,
+        {"vision_ranks": 1},
+        accumulate=2,
+        stop_after=0,
+    ),
+    Case(
+        "1 vision + 1 language, accumulate 2, validation inside windows",
+        2,
+        {"vision_ranks": 1},
+        accumulate=2,
+        validate=True,
+    ),
+    Case(
+        "1 vision + tp2, accumulate 2", 3, {"vision_ranks": 1, "tensor_parallel": 2}, accumulate=2
+    ),
+    Case("1 vision + dp2 (fan-in), accumulate 2", 3, {"vision_ranks": 1}, accumulate=2),
+    Case("2 vision (dp) + pp2, accumulate 2", 4, {"vision_ranks": 2, **PP2}, accumulate=2),
+    Case(
+        "2 vision + dp2, accumulate 2, frozen tower",
+        4,
+        {"vision_ranks": 2},
+        frozen=True,
+        accumulate=2,
+    ),
 )
 COLOCATED = Case(
     "colocated tp2, vision replicate", 2, {"tensor_parallel": 2}, vision_parallel="replicate"
@@ -105,29 +161,46 @@ COLOCATED = Case(
 
 
 def fit(strategy: Any, world: int, case: Case) -> Recorder:
-    """Two steps on the ragged batches (every rank the whole batch: one language replica)."""
+    """Two steps on the ragged batches (every rank the whole batch: one language replica; four
+    batches in two windows when accumulating)."""
     module = pm.build(rp.VOCAB, None, vision_parallel=case.vision_parallel)
     module.text_length = rp.TOKENS
     if case.frozen:
         module.finetune = FinetuneConfig(train_decoder_layers=-1, train_embeddings=True)
     recorder = Recorder()
     counted = StepComm()
+    stop = [] if case.stop_after is None else [StopAt(case.stop_after)]
     trainer = rw.quiet_trainer(
         strategy=strategy,
         devices=world,
         max_epochs=1,
         gradient_clip_val=case.clip,
+        accumulate_grad_batches=case.accumulate,
         use_distributed_sampler=False,
-        limit_val_batches=0,
-        callbacks=[recorder, counted],
+        limit_val_batches=1 if case.validate else 0,
+        val_check_interval=1 if case.validate else None,
+        num_sanity_val_steps=0,
+        callbacks=[recorder, counted, *stop],
     )
-    data = _local(rp.batches(), case)
-    trainer.fit(module, DataLoader(data, batch_size=None))  # type: ignore[arg-type]
+    data = _local(_batches(case.accumulate), case)
+    val = DataLoader(data[:1], batch_size=None) if case.validate else None  # type: ignore[arg-type]
+    trainer.fit(module, DataLoader(data, batch_size=None), val)  # type: ignore[arg-type]
     recorder.comm = counted.bytes
     recorder.trainable = sum(
         p.numel() * p.element_size() for p in module.parameters() if p.requires_grad
     )
     return recorder
+
+
+def _batches(accumulate: int) -> list[dict[str, Any]]:
+    """The ragged batches; accumulating, four (two windows) with every second batch's targets
+    cut after token 12 (:func:`ragged_parity_worker.accumulation_batches`' reason)."""
+    if accumulate == 1:
+        return rp.batches()
+    out = rp.batches(4)
+    for b in out[1::2]:
+        b["labels"][:, 12:] = -100
+    return out
 
 
 def _local(batches: list[dict[str, Any]], case: Case) -> list[dict[str, Any]]:
@@ -147,16 +220,23 @@ def _local(batches: list[dict[str, Any]], case: Case) -> list[dict[str, Any]]:
     return [pm.dp_slice(b, dims.dp, dims.rank_coords(rank)["dp"]) for b in batches]
 
 
-def reference(clip: float | None, frozen: bool) -> Recorder:
-    """One process, the same batches and options."""
-    return fit("auto", 1, Case("one process", 1, clip=clip, frozen=frozen))
+def reference(clip: float | None, frozen: bool, accumulate: int, validate: bool) -> Recorder:
+    """One process, the same batches and options (accumulating: under ``mm_parallel``, which
+    counts each accumulation window's tokens first)."""
+    case = Case("one process", 1, clip=clip, frozen=frozen, accumulate=accumulate)
+    case = replace(case, validate=validate)
+    return fit(MultimodalParallelStrategy() if accumulate > 1 else "auto", 1, case)
 
 
 def run(case: Case) -> dict[str, Any]:
     start = time.perf_counter()
-    rec = fit(MultimodalParallelStrategy(**case.strategy), case.world, case)
+    strategy = MultimodalParallelStrategy(**case.strategy)
+    rec = fit(strategy, case.world, case)
+    exchange = strategy._exchange
     return {
+        "encoded_ahead": exchange.encoded_ahead if exchange is not None else 0,
         "losses": rec.losses,
+        "val_losses": rec.val_losses,
         "grads": rec.grads,
         "stepped": rec.stepped,
         "comm": rec.comm,
@@ -212,11 +292,11 @@ def dead_vision_rank(rank: int, world_size: int) -> dict[str, Any]:
     if rank == 1:
         encode, calls = TowerExchange.encode, []
 
-        def dying(self: TowerExchange, tower: Any) -> Any:
+        def dying(self: TowerExchange, tower: Any, *args: Any) -> Any:
             calls.append(1)
             if len(calls) == 2:
                 raise _Died
-            return encode(self, tower)
+            return encode(self, tower, *args)
 
         TowerExchange.encode = dying  # type: ignore[method-assign]
         try:

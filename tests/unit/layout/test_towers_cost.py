@@ -13,7 +13,12 @@ from lightning_mmpar.layout.devices import collective_seconds
 from lightning_mmpar.layout.model import Boundary, ModelSpec, ParamSpec
 from lightning_mmpar.layout.planner import candidate_layouts, describe, plan
 from lightning_mmpar.layout.stages import BlockSpec
-from lightning_mmpar.layout.towers_cost import split_towers, tower_cost
+from lightning_mmpar.layout.towers_cost import (
+    TowerCost,
+    run_ahead_seconds,
+    split_towers,
+    tower_cost,
+)
 from lightning_mmpar.layout.value import ParallelLayout
 
 H100 = DEVICES["h100"]
@@ -138,6 +143,33 @@ def test_vision_memory_is_full_copies_and_step_modes() -> None:
     assert piped.step_seconds < serial.step_seconds
     assert piped.step_seconds == pytest.approx(sum(piped.breakdown.values()))
     assert serial.comm_bytes["towers.send"] == cost.embedding_bytes
+
+
+def test_run_ahead_step_by_hand() -> None:
+    """The engine's order (vision rank one batch ahead inside a window), worked by hand: per
+    batch forward 1, backward 2, language 3 (window of 4; no transfer, no sync):
+
+    vision  F1 F2 .. B1 F3 B2 F4 B3 .. B4     language  . L1 L2 L3 L4
+    finishes at 15 s (serial: 24 s; the pipelined bound max(12, 12) = 12 s)."""
+    tower = TowerCost(8, 4.0, 8.0, 0.0, 0.0, 0, 0, 0, (0, 0, 0), 0)
+    assert run_ahead_seconds(tower, 12.0, 4) == 15.0
+    assert run_ahead_seconds(tower, 12.0, 1) == 24.0  # one batch: serial
+    synced = replace(tower, sync=1.0, transfer=4.0)  # 1 s per batch with the embeddings
+    assert run_ahead_seconds(synced, 12.0, 1) == 4 + 4 + 12 + 8 + 1
+
+
+def test_accumulating_layouts_are_priced_as_the_engine_runs_them() -> None:
+    lay = replace(LAYOUT, vision_ranks=2, accumulate=4)
+    cost = tower_cost(vlm(), lay, *ARGS(lay))
+    ahead = predict(vlm(), lay, H100)
+    lang = ahead.step_seconds - ahead.idle["language ranks"]
+    assert ahead.step_seconds == pytest.approx(run_ahead_seconds(cost, lang, 4))
+    serial = cost.busy + cost.transfer + lang  # the same window, one side at a time
+    assert max(cost.busy, lang) <= ahead.step_seconds < serial
+    assert ahead.step_seconds == pytest.approx(sum(ahead.breakdown.values()))
+    assert min(ahead.breakdown.values()) >= 0 and min(ahead.idle.values()) >= 0
+    per_batch = sum(b.activation_bytes for b in split_towers(vlm())[0].blocks) * 32 / 4
+    assert cost.activations == round(2 * per_batch)  # a batch and the one encoded ahead
 
 
 def test_planner_ranks_noncolocated_beside_colocated() -> None:

@@ -75,6 +75,35 @@ def test_contrastive_rejects_unpaired_features() -> None:
         ContrastiveLoss()(torch.randn(4, 3), torch.randn(5, 3), 1.0)
 
 
+def test_no_pair_anywhere_gives_zero_on_the_graph_not_nan() -> None:
+    """A ragged batch with no image-caption pair (on every rank): InfoNCE and MML are 0 with
+    zero gradients (an empty cross-entropy or KL is NaN, and ``0 * NaN`` poisons the total
+    even at weight 0: the digits recipe's dp2 run at 4 samples per rank did)."""
+    image, text = (torch.zeros(0, 5, requires_grad=True) for _ in range(2))
+    scale = LogitScale(init_scale=10.0)
+    con = ContrastiveLoss()(image, text, scale())
+    mml = MMLLoss()(image, text, image.detach(), text.detach(), scale())
+    assert isinstance(con, torch.Tensor) and isinstance(mml, torch.Tensor)
+    assert float(con) == 0.0 and float(mml) == 0.0
+    (con + mml).backward()
+    assert scale.log_scale.grad is not None and float(scale.log_scale.grad) == 0.0
+
+
+def test_unweighted_coupled_terms_are_not_computed() -> None:
+    """Both weights 0 (a caption-only recipe): the coupled term is 0 on the features' graph
+    and neither term is computed (nothing gathered, nothing counted for logging)."""
+    from lightning_mmpar.recipes.losses import RecipeLoss
+    from lightning_mmpar.recipes.options import LossConfig
+
+    image, text = (t.clone().requires_grad_() for t in _features())
+    loss = RecipeLoss(LossConfig(contrastive_weight=0.0, mml=MMLConfig(weight=0.0)), None)
+    got = loss.coupled((image, text, image.detach(), text.detach(), torch.full((6,), 10.0)))
+    assert float(got) == 0.0 and got.requires_grad
+    assert not loss.terms.any()  # no term computed
+    weighted = RecipeLoss(LossConfig(contrastive_weight=1.0, mml=MMLConfig(weight=0.0)), None)
+    assert float(weighted.coupled((image, text, image, text, torch.full((6,), 10.0)))) > 0
+
+
 def test_logit_scale_clamps_the_parameter_not_the_output() -> None:
     scale = LogitScale(init_scale=50.0, max_scale=100.0)
     assert scale().item() == pytest.approx(50.0)
