@@ -340,6 +340,19 @@ def _tp_collectives(
     return out
 
 
+def _loss_spec(module: Any, contrastive_dim: int, text_length: int) -> LossSpec:
+    """The recipe loss's collectives: InfoNCE and MML gather features over dp unless both
+    weights are 0 (``RecipeLoss.coupled`` then computes neither)."""
+    weights = module.loss_config.contrastive_weight, module.loss_config.mml.weight
+    coupled = 3 if any(weights) else 0
+    return LossSpec(
+        feature_bytes=contrastive_dim * 4,
+        caption_positions=text_length - 1,
+        gathers=coupled,
+        gathers_with_grad=2 * coupled // 3,
+    )
+
+
 def vision_images(images_per_sample: float, micro_batch_size: int) -> float:
     """Images the vision tower encodes per sample: ``K`` (``images_per_sample``), or, for a
     micro-batch of ``b`` samples without any image, one: the tower then runs on a zero dummy
@@ -454,14 +467,7 @@ def fusion_model_spec(
         vl_combine=module.plan_options.vl_combine,
     )
     params, trainable_before = _params(model, blocks, layout, options)
-    weights = module.loss_config.contrastive_weight, module.loss_config.mml.weight
-    coupled = 3 if any(weights) else 0  # both weights 0: RecipeLoss.coupled gathers nothing
-    loss = LossSpec(
-        feature_bytes=model.config.contrastive_dim * 4,
-        caption_positions=text_length - 1,
-        gathers=coupled,
-        gathers_with_grad=2 * coupled // 3,
-    )
+    loss = _loss_spec(module, model.config.contrastive_dim, text_length)
     boundaries = _local_rows(_boundaries(model, text_length, prompts, k), names, layout)
     tp = _tp_collectives(model, layout, names, text_length, trainable_before, images)
     ep = _ep_collectives(model, layout, names, text_length, k)
