@@ -92,15 +92,25 @@ def engine_checks(group: Any) -> dict[str, dict[str, Any]]:
         }
         out[name] = {**errs, **seen, "owned": engine.stage_ids, "last_rank": engine.last_rank}
         out[name]["packed"] = _packed_stages(engine)
+        out[name]["kept_outputs"] = _kept_outputs(engine)
     return out
+
+
+def _kept_outputs(engine: PipelineEngine) -> int:
+    """Output chunks the stages of ``engine``'s schedules still hold after the last step (an
+    eval step: its outputs are read by the loss, never merged, so none are kept)."""
+    return sum(len(st.output_chunks) for st in _stages(engine))
+
+
+def _stages(engine: PipelineEngine) -> list[Any]:
+    return [
+        st
+        for schedule in engine._schedules.values()
+        for st in getattr(schedule, "_stages", [getattr(schedule, "_stage", None)])
+    ]
 
 
 def _packed_stages(engine: PipelineEngine) -> list[int]:
     """The stages of ``engine``'s schedules whose inputs arrive packed (one buffer per dtype,
     :class:`~lightning_mmpar.parallel.pipeline.boundary.PackedStage`)."""
-    stages = [
-        st
-        for schedule in engine._schedules.values()
-        for st in getattr(schedule, "_stages", [getattr(schedule, "_stage", None)])
-    ]
-    return sorted({st.stage_index for st in stages if getattr(st, "input_layout", None)})
+    return sorted({st.stage_index for st in _stages(engine) if getattr(st, "input_layout", None)})

@@ -259,7 +259,8 @@ def _check_engine(ranks: list[dict[str, dict[str, Any]]]) -> None:
     """:func:`parity_matrix_worker.engine_checks`: every schedule's loss, gradients (also after
     ``set_micro_batches(4)``) and eval loss equal autograd's; stages on the loop / V layout;
     every stage reports its actions (split backward for the zero-bubble schedules) and the last
-    stage its loss (action ``loss``); a boundary of two floats between ranks travels packed."""
+    stage its loss (action ``loss``); a boundary of two floats between ranks travels packed; a
+    forward-only pass keeps no stage outputs (the loss reads them, nothing merges them)."""
     for name in ranks[0]:
         got = [r[name] for r in ranks]
         print(
@@ -270,6 +271,7 @@ def _check_engine(ranks: list[dict[str, dict[str, Any]]]) -> None:
         for g in got:
             assert max(g["loss"], g["grad"], g["eval"]) <= RTOL, (name, g)
             assert g["stages"] == g["owned"] and g["micro"] == [0, 1, 2, 3], (name, g)
+            assert g["kept_outputs"] == 0, (name, g)  # forward-only: no outputs merged or kept
         actions = {a for g in got for a in g["actions"]}
         split = {"backward_input", "backward_weight"}  # zero-bubble: dW deferred
         assert {"forward", "loss"} <= actions <= split | {"forward", "backward", "loss"}, actions

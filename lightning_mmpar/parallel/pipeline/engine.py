@@ -466,7 +466,7 @@ class PipelineEngine:
                 if train:
                     schedule.step(*args, target=tgt, losses=losses, return_outputs=False)
                 else:
-                    schedule.eval(*args, target=tgt, losses=losses)
+                    schedule.eval(*args, target=tgt, losses=losses, return_outputs=False)
             if not train and coupled and self.has_last:
                 module: Any = self.module
                 extra = module.pipeline_batch_loss(gc.cat_features(self._features))
@@ -486,7 +486,7 @@ class PipelineEngine:
         self._mode, self._features, self._losses_run = "collect", [], 0
         self.rng.record()
         with torch.no_grad(), ps.observing_waits(self.wait_observers):
-            schedule.eval(*args, target=target, losses=[])
+            schedule.eval(*args, target=target, losses=[], return_outputs=False)
         if self.has_last:
             start = time.perf_counter()
             loss, self._grads = gc.batch_gradients(self.module, self._features)  # type: ignore[arg-type]
