@@ -5,11 +5,23 @@
 
 The product's own model and data: ``recipes/clip_llama_cpu.yaml``'s ``model:`` / ``data:``
 sections (CLIP-ViT + adapter + LLaMA on the offline digits, batch 72), trained by
-``Trainer(strategy=MultimodalParallelStrategy(...))`` for a few steps per configuration. Three
-spawned gloo worlds:
+``Trainer(strategy=MultimodalParallelStrategy(...))`` for a few steps per configuration. Its 9
+pipeline blocks differ in cost (stem, two ViT layers, pooling, adapter, two decoder layers,
+head), so no cut of them gives equal stages: at pp 2 x v 2 every cut is at least 1.28 apart in
+FLOPs, and the rows' "at the stage costs" bubble is above the formula by what the unequal
+stages leave. The schedules are therefore also measured on a model whose stages can be equal
+(``pp2eq``). Four spawned gloo worlds:
 
-* ``pp2`` (2 processes): ``partition`` equal vs balanced under 1F1B, then every schedule at
-  pp 2 (the multi-stage ones with 2 stages per rank) with ``partition="balanced"``;
+* ``pp2eq`` (2 processes): :class:`EqualBlocks`, 8 identical transformer blocks (the toy LM's
+  ``Block``, width 64, 32 tokens, on random features with a mean-squared loss, batch 72),
+  ``partition="equal"``: 4 blocks per stage at v 1, 2 at v 2, every stage the same work under
+  every schedule (GPipe, 1F1B and each multi-stage schedule at v 2). Its "at the stage costs"
+  column is then the formula up to timing noise and a backward that is not exactly twice the
+  forward, and ``measured - stage_cost`` is what the engine, torch's schedule and the transport
+  add;
+* ``pp2`` (2 processes, the recipe model): ``partition`` equal vs balanced under 1F1B, then
+  every schedule at pp 2 (the multi-stage ones with 2 stages per rank) with
+  ``partition="balanced"``;
 * ``pp4`` (4 processes): equal / ratio / balanced under 1F1B, and the interleaved, ZBV and
   DualPipeV schedules at pp 4 x v 2;
 * ``tp2`` (2 processes): ``vision_parallel`` tp / replicate / dp at tensor parallel 2.
@@ -43,9 +55,12 @@ from typing import Any
 
 import torch
 import yaml
-from lightning.pytorch import Callback, seed_everything
+from lightning.pytorch import Callback, LightningModule, seed_everything
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mmpar.layout.schedules import MULTI_STAGE_SCHEDULES, SCHEDULES
+from lightning_mmpar.parallel.pipeline import PipelineSteps
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_stability import StepTimer  # the same per-batch wall-time callback
@@ -72,7 +87,17 @@ def _pp(
 
 MULTI = tuple(s for s in SCHEDULES if s in MULTI_STAGE_SCHEDULES)
 """Every multi-stage schedule, in the facts' order (lightning_mmpar.layout.schedules)."""
+EQUAL_WORLDS = ("pp2eq",)
+"""Worlds that train :class:`EqualBlocks` instead of the recipe model."""
 WORLDS: dict[str, tuple[int, list[Spec]]] = {
+    "pp2eq": (
+        2,
+        [
+            _pp(2, "1f1b", "equal"),
+            _pp(2, "gpipe", "equal"),
+            *(_pp(2, s, "equal", 2) for s in MULTI),
+        ],
+    ),
     "pp2": (
         2,
         [
@@ -108,7 +133,47 @@ WORLDS: dict[str, tuple[int, list[Spec]]] = {
     ),
     "tp2": (2, [(f"vision {v}", {"tensor_parallel": 2}, v) for v in ("tp", "replicate", "dp")]),
 }
-MICRO_BATCHES = {"pp2": 4, "pp4": 8, "tp2": None}
+MICRO_BATCHES = {"pp2eq": 4, "pp2": 4, "pp4": 8, "tp2": None}
+
+
+class EqualBlocks(PipelineSteps, LightningModule):
+    """``blocks`` identical pre-norm transformer blocks
+    (:class:`lightning_mmpar.examples.toy_transformer.Block`: attention and a 4x MLP, ``dim``
+    wide) on random ``[batch, seq, dim]`` features with a mean-squared loss against random
+    targets: a :class:`~lightning_mmpar.parallel.pipeline.PipelineModule` whose cut into equal
+    block counts gives stages of equal work (the loss, one ``mse_loss``, is the only extra on
+    the last stage). One float boundary tensor of ``micro-batch x seq x dim`` float32."""
+
+    def __init__(self, blocks: int = 8, dim: int = 64, seq: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        from lightning_mmpar.examples.toy_transformer import Block, ToyConfig
+
+        cfg = ToyConfig(dim=dim, heads=heads, layers=blocks, seq=seq)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(blocks))
+
+    def pipeline_blocks(self) -> list[nn.Module]:
+        return list(self.layers)
+
+    def pipeline_inputs(self, batch: Any) -> tuple[tuple[Tensor, ...], Tensor]:
+        return (batch[0],), batch[1]
+
+    def pipeline_loss(self, output: Tensor, target: Tensor) -> Tensor:
+        return nn.functional.mse_loss(output, target)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+EQUAL_BATCH = 72
+"""Batch of the ``pp2eq`` world: the recipe's, 18 rows per micro-batch at 4 micro-batches."""
+
+
+def equal_blocks_data(steps: int, seq: int = 32, dim: int = 64) -> Any:
+    """``steps`` batches of :data:`EQUAL_BATCH` random features and targets (seeded)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(steps * EQUAL_BATCH, seq, dim, generator=g)
+    y = torch.randn(steps * EQUAL_BATCH, seq, dim, generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=EQUAL_BATCH)
 
 
 def run_one(
@@ -129,10 +194,14 @@ def run_one(
     name, strategy, vision = spec
     strategy = dict(strategy)
     PipelineEngine.pack_boundaries = not strategy.pop(UNPACKED, False)
-    config = yaml.safe_load(YAML.read_text())
-    config["model"]["plan"]["vision_parallel"] = vision
     seed_everything(0, verbose=False)
-    module, data = build_module(config, meta=False)
+    if world in EQUAL_WORLDS:
+        module, data = EqualBlocks(), None
+        loader = equal_blocks_data(steps)
+    else:
+        config = yaml.safe_load(YAML.read_text())
+        config["model"]["plan"]["vision_parallel"] = vision
+        module, data = build_module(config, meta=False)
     n = MICRO_BATCHES[world]
     args = {**strategy, **({"micro_batches": n} if n else {})}
     timer = StepTimer()
@@ -150,7 +219,10 @@ def run_one(
         limit_val_batches=0,
         callbacks=callbacks,
     )
-    trainer.fit(module, datamodule=data)
+    if data is None:
+        trainer.fit(module, train_dataloaders=loader)
+    else:
+        trainer.fit(module, datamodule=data)
     out: dict[str, Any] = {"times": timer.times}
     plan = getattr(strategy_obj, "stage_plan", None)
     if plan is not None:
