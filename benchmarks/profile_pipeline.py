@@ -3,14 +3,18 @@
     python benchmarks/profile_pipeline.py    # pp2: 1f1b, interleaved_1f1b, zbv, dualpipev
     python benchmarks/profile_pipeline.py --schedules 1f1b --steps 8 --repeats 3
     python benchmarks/profile_pipeline.py --partition fixed --unpacked   # packed vs unpacked
+    python benchmarks/profile_pipeline.py --model equal   # bench_pipeline's EqualBlocks
+    python benchmarks/profile_pipeline.py --split-backward   # B + W against one fused backward
 
 The model and data of ``benchmarks/bench_pipeline.py`` (``recipes/clip_llama_cpu.yaml``, batch
 72, 4 micro-batches, ``partition="measured"`` unless ``--partition`` says otherwise; ``fixed``:
 :data:`FIXED`), one spawned 2-process gloo world per schedule and repeat (``--unpacked``: also
 each schedule with ``PipelineEngine.pack_boundaries = False``, round-robin), one thread per
-process. On every step after the first two, each rank splits the span of the training
-schedule (first action start to last action end over both ranks, clocks aligned by a barrier
-at the batch start: what :class:`~lightning_mmpar.callbacks.PipelineTimeline` measures) into:
+process (``--model equal``: :class:`bench_pipeline.EqualBlocks`, 8 equal blocks, ``partition
+"equal"``, stages of equal work). On every step after the first two, each rank splits the span
+of the training schedule (first action start to last action end over both ranks, clocks
+aligned by a barrier at the batch start: what
+:class:`~lightning_mmpar.callbacks.PipelineTimeline` measures) into:
 
 * ``compute``: the stage actions (forward, backward, input / weight backward);
 * ``wait``: torch's point-to-point waits (the engine's ``wait_observers``): the peer's lateness
@@ -28,13 +32,27 @@ Each as a share of the span (wall clock) and as CPU milliseconds of the process
 (``time.thread_time``): on a shared machine a descheduled process stretches every wall figure,
 the CPU figures are what the work costs. ``cpu/wall`` of the actions says how much of a core the
 process got. Prints the medians over all measured steps of all repeats, next to the formula.
+
+The same steps are also recorded by :class:`~lightning_mmpar.callbacks.PipelineTimeline`; its
+per-rank split (``compute``, ``wait``, ``host``) is printed next to the profile's (``compute +
+earlier_pass + loss``, ``wait``, ``post + host``) with the largest difference over the steps
+and ranks (``timeline vs profile``): both time the same intervals, so they agree to the
+timers' own overhead.
+
+``--split-backward`` times, on one process and one thread, one stage's fused backward (torch's
+``stage_backward``) against its zero-bubble split (``stage_backward_input`` then
+``stage_backward_weight``, what ZBV / DualPipeV run) for the stages of ``--model`` (alternated,
+CPU time, medians): where ``I + W`` costs more than the fused ``B``, the split schedules pay it
+on every micro-batch whatever the engine does.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -43,7 +61,9 @@ from typing import Any
 import torch
 import yaml
 from lightning.pytorch import Callback, seed_everything
+from torch import Tensor
 
+sys.path.insert(0, str(Path(__file__).parent))
 ROOT = Path(__file__).resolve().parents[1]
 YAML = ROOT / "recipes" / "clip_llama_cpu.yaml"
 SCHEDULES = {"1f1b": 1, "interleaved_1f1b": 2, "zbv_zero_bubble": 2, "dualpipev": 2}
@@ -110,20 +130,39 @@ FIXED = {1: [6], 2: [2, 6, 7]}
 rank), so that configurations compared in one run have the same stages."""
 
 
-def run(
-    rank: int, size: int, schedule: str, steps: int, partition: str, packed: bool = True
-) -> list[list[Event]]:
-    from lightning_mmpar import MultimodalParallelStrategy
-    from lightning_mmpar.parallel.pipeline import PipelineEngine
+def _module(model: str, steps: int) -> tuple[Any, dict[str, Any]]:
+    """The LightningModule of ``--model`` and the ``fit`` keyword arguments of its data."""
+    if model == "equal":
+        from bench_pipeline import EqualBlocks, equal_blocks_data
+
+        return EqualBlocks(), {"train_dataloaders": equal_blocks_data(steps)}
     from lightning_mmpar.recipes.partition import build_module
+
+    module, data = build_module(yaml.safe_load(YAML.read_text()), meta=False)
+    return module, {"datamodule": data}
+
+
+def run(
+    rank: int,
+    size: int,
+    schedule: str,
+    steps: int,
+    partition: str,
+    packed: bool = True,
+    model: str = "recipe",
+) -> dict[str, Any]:
+    """One profiled run: ``events`` (the profile's, per measured step) and ``timeline`` (the
+    :class:`PipelineTimeline` split of the same steps)."""
+    from lightning_mmpar import MultimodalParallelStrategy
+    from lightning_mmpar.callbacks import PipelineTimeline
+    from lightning_mmpar.parallel.pipeline import PipelineEngine
     from lightning_mmpar.testing import quiet_trainer
 
     torch.set_num_threads(1)
     PipelineEngine.pack_boundaries = packed
     cut: str | list[int] = FIXED[SCHEDULES[schedule]] if partition == "fixed" else partition
-    config = yaml.safe_load(YAML.read_text())
     seed_everything(0, verbose=False)
-    module, data = build_module(config, meta=False)
+    module, fit = _module(model, steps)
     strategy = MultimodalParallelStrategy(
         pipeline_parallel=2,
         virtual_pipeline=SCHEDULES[schedule],
@@ -133,11 +172,21 @@ def run(
     )
     rec = Recorder(warmup=2)
     _patch(rec)
-    trainer = quiet_trainer(
-        devices=size, strategy=strategy, max_steps=steps, limit_val_batches=0, callbacks=[rec]
-    )
-    trainer.fit(module, datamodule=data)
-    return rec.steps
+    with tempfile.TemporaryDirectory() as root:
+        timeline = PipelineTimeline(steps=list(range(2, steps)), path=Path(root) / "t.png")
+        trainer = quiet_trainer(
+            devices=size,
+            strategy=strategy,
+            max_steps=steps,
+            limit_val_batches=0,
+            callbacks=[rec, timeline],
+        )
+        trainer.fit(module, **fit)
+    return {
+        "events": rec.steps,
+        "timeline": [r["split"]["ranks"] for r in timeline.results],
+        "intervals": [r["intervals"] for r in timeline.results],
+    }
 
 
 def _union(spans: list[tuple[float, float]]) -> float:
@@ -160,10 +209,11 @@ def _actions(events: list[Event]) -> list[tuple[int, str, int, float, float]]:
     return last_pass(out)
 
 
-def decompose(per_rank: list[list[Event]]) -> dict[str, Any]:
-    """One step: per rank, wall shares of the training schedule's span and CPU ms in it."""
+def decompose(per_rank: list[list[Event]], origins: list[float] | None = None) -> dict[str, Any]:
+    """One step: per rank, wall shares of the training schedule's span and CPU ms in it.
+    ``origins``: each rank's clock origin (default its post-barrier batch start)."""
     passes = [_actions(ev) for ev in per_rank]
-    t0 = [next(e[1] for e in ev if e[0] == "batch_start") for ev in per_rank]
+    t0 = origins or [next(e[1] for e in ev if e[0] == "batch_start") for ev in per_rank]
     start = min(i[3] - t for p, t in zip(passes, t0, strict=True) for i in p)
     end = max(i[4] - t for p, t in zip(passes, t0, strict=True) for i in p)
     span = end - start
@@ -175,8 +225,11 @@ def decompose(per_rank: list[list[Event]]) -> dict[str, Any]:
         mine = {(i[3], i[4]) for i in p}
         earlier = [e for e in acts if (e[1], e[2]) not in mine]  # the cache pass's tail
 
-        def wall(kind: str, inside: list[Event] = inside) -> float:
-            return sum(e[2] - e[1] for e in inside if e[0] == kind)
+        def clipped(e: Event, lo: float = lo, hi: float = hi) -> float:
+            return max(0.0, min(e[2], hi) - max(e[1], lo))
+
+        def wall(kind: str, ev: list[Event] = ev) -> float:  # clipped to the span, as the
+            return sum(clipped(e) for e in ev if e[0] == kind)  # timeline's
 
         def cpu(kind: str, inside: list[Event] = inside) -> float:
             return sum(e[4] - e[3] for e in inside if e[0] == kind)
@@ -187,7 +240,10 @@ def decompose(per_rank: list[list[Event]]) -> dict[str, Any]:
         c_all = max(e[4] for e in timed) - min(e[3] for e in timed)
         row = {
             "compute": busy / span,
-            "earlier_pass": sum(e[2] - e[1] for e in earlier) / span,
+            "earlier_pass": sum(
+                clipped(e) for e in ev if e[0].startswith("compute:") and (e[1], e[2]) not in mine
+            )
+            / span,
             "wait": wall("wait") / span,
             "post": wall("post") / span,
             "loss": wall("loss") / span,
@@ -210,6 +266,121 @@ def decompose(per_rank: list[list[Event]]) -> dict[str, Any]:
     return {"bubble": bubble, "span_ms": 1e3 * span, "ranks": rows}
 
 
+def timeline_origins(per_rank: list[list[Event]], intervals: list[list[Any]]) -> list[float]:
+    """Each rank's clock origin as :class:`PipelineTimeline` had it in one step (its own barrier
+    at the batch start, after the profile's): the profile's first action start minus the
+    timeline's (the same action, timed by two wrappers a few microseconds apart). Two barriers
+    release the ranks apart by different amounts (on a loaded machine by milliseconds), so the
+    split is compared on one clock alignment."""
+    origins = []
+    for ev, rank in zip(per_rank, intervals, strict=True):
+        first = min(e[1] for e in ev if e[0].startswith("compute:"))
+        origins.append(first - min(i[3] for i in rank))
+    return origins
+
+
+def timeline_agreement(profile: dict[str, Any], timeline: list[dict[str, float]]) -> float:
+    """Largest ``|timeline - profile|`` of one step over the ranks and the three parts:
+    ``compute`` against the profile's ``compute + earlier_pass + loss``, ``wait`` against
+    ``wait``, ``host`` against ``post + host`` (fractions of the span)."""
+    worst = 0.0
+    for mine, theirs in zip(profile["ranks"], timeline, strict=True):
+        parts = {
+            "compute": mine["compute"] + mine["earlier_pass"] + mine["loss"],
+            "wait": mine["wait"],
+            "host": mine["post"] + mine["host"],
+        }
+        worst = max(worst, *(abs(parts[k] - theirs[k]) for k in parts))
+    return worst
+
+
+def _split_times(chunk: Any, x: tuple[Tensor, ...], reps: int) -> dict[str, float]:
+    """Median CPU ms of one forward, fused backward, input backward and weight backward of
+    ``chunk`` on ``x`` (inputs that carry gradients), alternated."""
+    from torch.distributed.pipelining._backward import (
+        stage_backward,
+        stage_backward_input,
+        stage_backward_weight,
+    )
+
+    times: dict[str, list[float]] = {"F": [], "B": [], "I": [], "W": []}
+    for i in range(reps + 2):
+        for split in (i % 2 == 0, i % 2 == 1):
+            inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in x]
+            c0 = time.thread_time()
+            out = chunk(*inputs)
+            # a copy, as the engine's packed boundary: torch's input backward detaches the
+            # outputs in place, and an output may be a tensor the stage passes through
+            outs = [o.clone() for o in (out if isinstance(out, tuple) else (out,))]
+            c1 = time.thread_time()
+            grads = [torch.ones_like(o) if o.requires_grad else None for o in outs]
+            keep = [(o, g) for o, g in zip(outs, grads, strict=True) if g is not None]
+            o_list, g_list = [o for o, _ in keep], [g for _, g in keep]
+            if split:
+                _, groups = stage_backward_input(o_list, g_list, inputs, chunk.parameters())
+                c2 = time.thread_time()
+                stage_backward_weight(chunk.parameters(), groups)
+                c3 = time.thread_time()
+                spans = {"I": c2 - c1, "W": c3 - c2}
+            else:
+                stage_backward(o_list, g_list, inputs)
+                spans = {"B": time.thread_time() - c1}
+            chunk.zero_grad(set_to_none=True)
+            if i >= 2:
+                times["F"].append(c1 - c0)
+                for k, v in spans.items():
+                    times[k].append(v)
+    return {k: 1e3 * statistics.median(v) for k, v in times.items()}
+
+
+def split_backward(model: str, reps: int = 30) -> dict[str, dict[str, float]]:
+    """:func:`_split_times` of every non-first stage at pp 2 x v 2 (``--model equal``: its 4
+    equal stages of 2 blocks; ``recipe``: the cut ``[2, 6, 7]``) on one micro-batch, one thread.
+    Returns per stage F, B, I, W (CPU ms) and ``(I + W) / B``."""
+    from lightning_mmpar.parallel.pipeline import PipelineChunk
+    from lightning_mmpar.parallel.pipeline.schedules import unsplit_parameters
+
+    torch.set_num_threads(1)
+    seed_everything(0, verbose=False)
+    module, fit = _module(model, 1)
+    if model == "equal":
+        x, _ = next(iter(fit["train_dataloaders"]))
+        mb: tuple[Tensor, ...] = (x[: x.shape[0] // 4],)
+        cuts = [0, 2, 4, 6, 8]
+    else:
+        from lightning_mmpar.testing import quiet_trainer
+
+        module._trainer = quiet_trainer(devices=1)  # configure_model reads its (1-rank) layout
+        module.configure_model()
+        data = fit["datamodule"]
+        data.setup("fit")
+        inputs, _ = module.pipeline_inputs(next(iter(data.train_dataloader())))
+        mb = tuple(t.tensor_split(4)[0] for t in inputs)
+        cuts = [0, *FIXED[2], len(module.pipeline_blocks())]
+    blocks = list(module.pipeline_blocks())
+    out: dict[str, dict[str, float]] = {}
+    with torch.no_grad():
+        y = mb
+        stage_inputs = []
+        for a, b in itertools.pairwise(cuts):
+            stage_inputs.append(y)
+            r = PipelineChunk(blocks[a:b])(*y)
+            y = r if isinstance(r, tuple) else (r,)
+    for s, (a, b) in enumerate(itertools.pairwise(cuts)):
+        if s == 0 or s == len(cuts) - 2:  # stage 0: no input gradient; last: the loss's stage
+            continue
+        chunk = PipelineChunk(blocks[a:b])
+        x = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in stage_inputs[s])
+        y = chunk(*x)
+        if unsplit_parameters(x, y if isinstance(y, tuple) else (y,)):
+            out[f"stage {s} (blocks {a}-{b - 1})"] = {"unsplit (the engine runs B)": 1.0}
+            continue
+        t = _split_times(chunk, stage_inputs[s], reps)
+        t["(I+W)/B"] = (t["I"] + t["W"]) / t["B"]
+        out[f"stage {s} (blocks {a}-{b - 1})"] = t
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from lightning_mmpar.callbacks.pipeline_timeline import formula_bubble
     from lightning_mmpar.testing import spawn
@@ -226,7 +397,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         action="store_true",
         help="also run each schedule with PipelineEngine.pack_boundaries = False (round-robin)",
     )
+    p.add_argument("--model", choices=("recipe", "equal"), default="recipe")
+    p.add_argument("--split-backward", action="store_true", help="B against I + W per stage")
     args = p.parse_args(argv)
+    if args.split_backward:
+        split = split_backward(args.model)
+        for stage, t in split.items():
+            print(f"{stage}: " + " ".join(f"{k} {v:.3f}" for k, v in t.items()))
+        return split
+    partition = "equal" if args.model == "equal" and args.partition == "measured" else None
+    partition = partition or args.partition
     names = args.schedules.split(",")
     if args.unpacked:
         names = [f"{n}{tail}" for n in names for tail in ("", " unpacked")]
@@ -234,13 +414,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for _ in range(args.repeats):
         for name in names:
             schedule, packed = name.split(" ")[0], not name.endswith(" unpacked")
-            out = spawn(run, 2, schedule, args.steps, args.partition, packed, timeout=900)
-            steps[name] += [decompose([out[0][i], out[1][i]]) for i in range(len(out[0]))]
+            out = spawn(run, 2, schedule, args.steps, partition, packed, args.model, timeout=900)
+            for i in range(len(out[0]["events"])):
+                events = [out[0]["events"][i], out[1]["events"][i]]
+                row = decompose(events)
+                aligned = decompose(events, timeline_origins(events, out[0]["intervals"][i]))
+                row["timeline_vs_profile"] = timeline_agreement(aligned, out[0]["timeline"][i])
+                row["barrier_skew"] = timeline_agreement(row, out[0]["timeline"][i])
+                steps[name].append(row)
+    return _report(names, steps, formula_bubble)
+
+
+def _report(names: list[str], steps: dict[str, list[dict[str, Any]]], formula_of: Any) -> Any:
     report: dict[str, Any] = {}
     for name in names:
         rows = steps[name]
         schedule = name.split(" ")[0]
-        formula = formula_bubble(schedule, 2, 4, SCHEDULES[schedule])
+        formula = formula_of(schedule, 2, 4, SCHEDULES[schedule])
         med = {
             "bubble": statistics.median(s["bubble"] for s in rows),
             "span_ms": statistics.median(s["span_ms"] for s in rows),
@@ -249,10 +439,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for r in range(2)
             ],
         }
-        report[name] = {"formula": formula, "steps": len(rows), **med}
+        agree = max(s["timeline_vs_profile"] for s in rows)
+        skew = max(s["barrier_skew"] for s in rows)
+        report[name] = {"formula": formula, "steps": len(rows), "timeline_vs_profile": agree}
+        report[name]["barrier_skew"] = skew
+        report[name].update(med)
         print(
             f"== {name}: bubble {med['bubble']:.3f} (formula {formula:.3f}), span "
-            f"{med['span_ms']:.1f} ms, {len(rows)} steps"
+            f"{med['span_ms']:.1f} ms, {len(rows)} steps, timeline vs profile: largest "
+            f"difference {agree:.4f} of the span ({skew:.3f} on each one's own barrier)"
         )
         for r, row in enumerate(med["ranks"]):
             print(f"  rank {r}: " + " ".join(f"{k} {v:.3f}" for k, v in row.items()))
