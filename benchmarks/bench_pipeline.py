@@ -238,6 +238,7 @@ def run_one(
                 "stage_cost": r["stage_cost"],
                 "wait": r["split"]["wait"],
                 "host": r["split"]["host"],
+                "outside": r["split"]["outside"],
             }
             for r in timeline.results
         ]
@@ -292,7 +293,7 @@ def summarise(per_rank: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
                 row[key] = runs0[0][key]
         bubbles = [b for run in runs0 for b in run.get("bubbles", [])]
         if bubbles:
-            for key in ("measured", "formula", "stage_cost", "wait", "host"):
+            for key in ("measured", "formula", "stage_cost", "wait", "host", "outside"):
                 row[f"bubble_{key}"] = statistics.median(b[key] for b in bubbles)
             row["bubble_steps"] = len(bubbles)
             per_round = [statistics.median(b["measured"] for b in run["bubbles"]) for run in runs0]
@@ -373,6 +374,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "bubble_formula",
                     "bubble_wait",
                     "bubble_host",
+                    "bubble_outside",
                 )
                 if k in row
             )

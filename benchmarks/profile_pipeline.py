@@ -22,11 +22,15 @@ aligned by a barrier at the batch start: what
 * ``post``: posting the sends and receives (torch's ``_batch_p2p``);
 * ``loss``: the loss on the last stage (torch's ``_maybe_compute_loss``, the engine's
   ``_loss_fn``);
+* ``outside``: the span before the rank's first action, loss or wait and after its last (fill
+  and drain spent outside torch's waits: the last stage's rank, done first, waits in the
+  step's loss broadcast);
 * ``host``: the rest (the schedule's bookkeeping between actions).
 
-The bubble is ``wait + post + host`` (what :class:`~lightning_mmpar.callbacks.PipelineTimeline`
-reports as its ``wait`` and ``host``): the loss and the tail of the gradient cache's
-forward-only pass (``earlier_pass``) are the ranks' work.
+The bubble is ``wait + post + host + outside`` (what
+:class:`~lightning_mmpar.callbacks.PipelineTimeline` reports as its ``wait``, ``host`` and
+``outside``): the loss and the tail of the gradient cache's forward-only pass
+(``earlier_pass``) are the ranks' work.
 
 Each as a share of the span (wall clock) and as CPU milliseconds of the process
 (``time.thread_time``): on a shared machine a descheduled process stretches every wall figure,
@@ -34,10 +38,10 @@ the CPU figures are what the work costs. ``cpu/wall`` of the actions says how mu
 process got. Prints the medians over all measured steps of all repeats, next to the formula.
 
 The same steps are also recorded by :class:`~lightning_mmpar.callbacks.PipelineTimeline`; its
-per-rank split (``compute``, ``wait``, ``host``) is printed next to the profile's (``compute +
-earlier_pass + loss``, ``wait``, ``post + host``) with the largest difference over the steps
-and ranks (``timeline vs profile``): both time the same intervals, so they agree to the
-timers' own overhead.
+per-rank split (``compute``, ``wait``, ``host``, ``outside``) is printed next to the
+profile's (``compute + earlier_pass + loss``, ``wait``, ``post + host``, ``outside``) with
+the largest difference over the steps and ranks (``timeline vs profile``): both time the same
+intervals, so they agree to the timers' own overhead.
 
 ``--split-backward`` times, on one process and one thread, one stage's fused backward (torch's
 ``stage_backward``) against its zero-bubble split (``stage_backward_input`` then
@@ -209,6 +213,17 @@ def _actions(events: list[Event]) -> list[tuple[int, str, int, float, float]]:
     return last_pass(out)
 
 
+def _outside(events: list[Event], lo: float, hi: float) -> float:
+    """The span ``[lo, hi]`` before this rank's first action, loss or wait and after its last
+    (as :func:`~lightning_mmpar.callbacks.pipeline_timeline.bubble_split`'s ``outside``)."""
+    kept = ("wait", "loss")
+    spans = [(max(e[1], lo), min(e[2], hi)) for e in events if e[0] in kept or ":" in e[0]]
+    spans = [(a, b) for a, b in spans if b > a]
+    if not spans:
+        return hi - lo
+    return min(a for a, _ in spans) - lo + hi - max(b for _, b in spans)
+
+
 def decompose(per_rank: list[list[Event]], origins: list[float] | None = None) -> dict[str, Any]:
     """One step: per rank, wall shares of the training schedule's span and CPU ms in it.
     ``origins``: each rank's clock origin (default its post-barrier batch start)."""
@@ -247,6 +262,7 @@ def decompose(per_rank: list[list[Event]], origins: list[float] | None = None) -
             "wait": wall("wait") / span,
             "post": wall("post") / span,
             "loss": wall("loss") / span,
+            "outside": _outside(ev, lo, hi) / span,
         }
         row["host"] = 1 - sum(row.values())
         row.update(
@@ -289,6 +305,7 @@ def timeline_agreement(profile: dict[str, Any], timeline: list[dict[str, float]]
             "compute": mine["compute"] + mine["earlier_pass"] + mine["loss"],
             "wait": mine["wait"],
             "host": mine["post"] + mine["host"],
+            "outside": mine["outside"],
         }
         worst = max(worst, *(abs(parts[k] - theirs[k]) for k in parts))
     return worst

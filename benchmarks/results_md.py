@@ -28,8 +28,8 @@ def _ms(s: float) -> str:
 def _pipeline(r: dict[str, Any]) -> list[str]:
     out = [
         "| world | configuration | step ms | bubble measured | at the stage costs | formula | "
-        "wait | host | imbalance (FLOPs) | imbalance (timed) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "wait | host | outside | imbalance (FLOPs) | imbalance (timed) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     keys = (
         "bubble_measured",
@@ -37,6 +37,7 @@ def _pipeline(r: dict[str, Any]) -> list[str]:
         "bubble_formula",
         "bubble_wait",
         "bubble_host",
+        "bubble_outside",
         "imbalance",
         "measured_imbalance",
     )

@@ -141,10 +141,14 @@ def bubble_split(
 ) -> dict[str, Any]:
     """Where the step span goes, per pipeline rank (rank order) and in the mean over ranks:
     ``compute`` (union of the rank's actions in ``busy``, default ``per_rank``: stage actions
-    and the loss), ``wait`` (its point-to-point waits inside the span, outside compute) and
-    ``host`` (the rest: the schedule's bookkeeping, posting sends and receives), each a fraction
-    of the span of ``per_rank`` (:func:`measured_bubble`), so ``wait + host`` is the measured
-    bubble. Raises ``ValueError`` as :func:`measured_bubble`.
+    and the loss), ``wait`` (its point-to-point waits inside the span, outside compute),
+    ``outside`` (the span before the rank's first action or wait and after its last one: the
+    fill and drain it spends outside torch's schedule, e.g. the last stage's rank, done with
+    its last backward, waiting in the step's loss broadcast for the first stage's) and
+    ``host`` (the rest, between its first and last action or wait: the schedule's
+    bookkeeping, posting sends and receives), each a fraction of the span of ``per_rank``
+    (:func:`measured_bubble`), so ``wait + outside + host`` is the measured bubble. Raises
+    ``ValueError`` as :func:`measured_bubble`.
     """
     _, span = measured_bubble(per_rank)
     start = min(i[3] for rank in per_rank for i in rank)
@@ -153,11 +157,16 @@ def bubble_split(
     for rank, rank_waits in zip(busy or per_rank, waits, strict=True):
         work = _busy(rank, start, end)
         clipped = [(max(a, start), min(b, end)) for a, b in rank_waits]
-        both = _union_length([(a, b) for a, b in clipped if b > a] + _spans(rank, start, end))
-        wait = both - work  # a wait inside a loss or an action (none in torch's order) is work
-        compute, wait = (work / span, wait / span) if span > 0 else (0.0, 0.0)
-        rows.append({"compute": compute, "wait": wait, "host": max(0.0, 1.0 - compute - wait)})
-    mean = {k: sum(r[k] for r in rows) / len(rows) for k in ("compute", "wait", "host")}
+        events = [(a, b) for a, b in clipped if b > a] + _spans(rank, start, end)
+        wait = _union_length(events) - work  # a wait inside an action (none in torch's order)
+        outside = span
+        if events:
+            outside = min(a for a, _ in events) - start + end - max(b for _, b in events)
+        compute, wait, outside = (x / span if span > 0 else 0.0 for x in (work, wait, outside))
+        host = max(0.0, 1.0 - compute - wait - outside)
+        rows.append({"compute": compute, "wait": wait, "host": host, "outside": outside})
+    keys = ("compute", "wait", "host", "outside")
+    mean = {k: sum(r[k] for r in rows) / len(rows) for k in keys}
     return {**mean, "ranks": rows}
 
 
@@ -421,6 +430,7 @@ class PipelineTimeline(Callback):
             ("stage_cost", result["stage_cost"]),
             ("wait", result["split"]["wait"]),
             ("host", result["split"]["host"]),
+            ("outside", result["split"]["outside"]),
         ):
             pl_module.log(f"pipeline_bubble_{key}", value, on_step=True, on_epoch=False)
         if trainer.is_global_zero and self.path is not None:

@@ -96,6 +96,12 @@ class BoundaryLayout:
         return tuple(t for t in out if t is not None)
 
     def _check(self, tensors: Sequence[Tensor], what: str) -> None:
+        # per micro-batch: compare torch.Size to the stored tuples (C), format only on a mismatch
+        n = len(self.shapes)
+        if len(tensors) == n and all(
+            t.shape == s for t, s in zip(tensors, self.shapes, strict=True)
+        ):
+            return
         shapes = tuple(tuple(int(d) for d in t.shape) for t in tensors)
         if shapes != self.shapes:
             raise ValueError(

@@ -94,9 +94,13 @@ def test_bubble_split_charges_waits_and_host() -> None:
     rank1 = [(1, "forward", 0, 1.0, 2.0), (1, "backward", 0, 2.0, 3.0)]  # busy 2 of 4
     waits0 = [(1.0, 2.5), (-1.0, -0.5), (2.0, 2.2)]  # 1.5 inside (overlap once), one before
     split = bubble_split([rank0, rank1], [waits0, [(3.5, 9.0)]])
-    assert split["ranks"][0] == pytest.approx({"compute": 0.5, "wait": 0.375, "host": 0.125})
-    assert split["ranks"][1] == pytest.approx({"compute": 0.5, "wait": 0.125, "host": 0.375})
-    assert split["wait"] + split["host"] == pytest.approx(measured_bubble([rank0, rank1])[0])
+    want0 = {"compute": 0.5, "wait": 0.375, "host": 0.125, "outside": 0.0}
+    assert split["ranks"][0] == pytest.approx(want0)
+    # rank 1: nothing before its first action at 1 (fill, outside), host between 3 and 3.5
+    want1 = {"compute": 0.5, "wait": 0.125, "host": 0.125, "outside": 0.25}
+    assert split["ranks"][1] == pytest.approx(want1)
+    bubble = split["wait"] + split["host"] + split["outside"]
+    assert bubble == pytest.approx(measured_bubble([rank0, rank1])[0])
     assert split["compute"] == pytest.approx(0.5) and split["wait"] == pytest.approx(0.25)
 
 
@@ -110,8 +114,12 @@ def test_earlier_pass_and_loss_are_work_not_bubble() -> None:
     assert measured_bubble(training)[0] == pytest.approx(4.5 / 8)
     assert measured_bubble(training, [rank0, earlier + rank1])[0] == pytest.approx(3.5 / 8)
     split = bubble_split(training, [[(1.0, 3.0)], [(0.0, 1.0)]], [rank0, earlier + rank1])
-    assert split["ranks"][1] == pytest.approx({"compute": 0.625, "wait": 0.125, "host": 0.25})
-    assert split["ranks"][0] == pytest.approx({"compute": 0.5, "wait": 0.5, "host": 0.0})
+    # rank 1 is done at 3: the drain to 4 is outside its schedule, not host work
+    want1 = {"compute": 0.625, "wait": 0.125, "host": 0.0, "outside": 0.25}
+    assert split["ranks"][1] == pytest.approx(want1)
+    assert split["ranks"][0] == pytest.approx(
+        {"compute": 0.5, "wait": 0.5, "host": 0.0, "outside": 0.0}
+    )
 
 
 def test_stage_costs_add_the_loss_to_its_stage() -> None:
@@ -183,7 +191,8 @@ def test_callback_records_chosen_steps_logs_and_draws(tmp_path: Path) -> None:
         "compute": 1.0,
         "wait": 0.0,
         "host": 0.0,
-        "ranks": [{"compute": 1.0, "wait": 0.0, "host": 0.0}],
+        "outside": 0.0,
+        "ranks": [{"compute": 1.0, "wait": 0.0, "host": 0.0, "outside": 0.0}],
     }
     assert math.isnan(result["stage_cost"])  # pp 2 but one rank's intervals: stage 1 unknown
     assert math.isnan(module.logged.pop("pipeline_bubble_stage_cost"))
@@ -192,6 +201,7 @@ def test_callback_records_chosen_steps_logs_and_draws(tmp_path: Path) -> None:
         "pipeline_bubble_formula": result["formula"],
         "pipeline_bubble_wait": 0.0,
         "pipeline_bubble_host": 0.0,
+        "pipeline_bubble_outside": 0.0,
     }
     png = tmp_path / "pipeline_timeline.png"
     assert png.stat().st_size > 1000
