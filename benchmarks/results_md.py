@@ -47,7 +47,47 @@ def _pipeline(r: dict[str, Any]) -> list[str]:
             out.append(f"| {world} | {name} | {_ms(row['step_s'])} | " + " | ".join(cells) + " |")
     for world, run in r.get("kept", {}).items():
         out.append(f"\n{world}: kept from `{run}` (this run re-measured the other worlds).")
+    if "pp2eq" in r["results"]:
+        out += ["", *PIPELINE_NOTE]
     return out
+
+
+PIPELINE_NOTE = [
+    "**Worlds.** `pp2eq` trains `bench_pipeline.EqualBlocks` (8 identical transformer blocks, "
+    "width 64, 32 tokens, batch 72, 4 micro-batches, `partition='equal'`): every stage does "
+    "the same work under every schedule, so its `at the stage costs` column is the formula "
+    "(1F1B, GPipe, interleaved) or the formula at this CPU's backward costs (the zero-bubble "
+    "schedules, below), and `measured - at the stage costs` is what the engine, torch's "
+    "schedule and the transport add. `pp2`, `pp4` and `tp2` train the recipe model "
+    "(`recipes/clip_llama_cpu.yaml`): its 9 blocks differ in cost, so no cut makes its stages "
+    "equal (at pp 2 x v 2 every cut is at least 1.28 apart in FLOPs): there the stage "
+    "imbalance is part of the gap, and the rows compare partitions and schedules on the "
+    "product's own model. **Split of the bubble** (fractions of the span, `PipelineTimeline`):"
+    " `wait` torch's point-to-point waits, `host` the time between a rank's own actions and "
+    "waits (posting sends and receives, the schedule's bookkeeping), `outside` the fill and "
+    "drain a rank spends outside torch's schedule (the 1F1B last stage's rank, done first, "
+    "waits in the step's loss broadcast); `wait + host + outside` is the measured bubble.",
+    "",
+    "**Why ZBV and DualPipeV stay above their formula on this CPU.** The formula prices a "
+    "zero-bubble step's input backward (I) and weight backward (W) at one forward each, the "
+    "fused backward (B) at two. Measured on one thread (`python benchmarks/"
+    "profile_pipeline.py --split-backward --model equal`, torch's `stage_backward` against "
+    "`stage_backward_input` + `stage_backward_weight`, 30 alternated repeats, CPU ms, "
+    "medians), one stage of `EqualBlocks` (2 blocks, one micro-batch): F 2.7-2.8, B 4.8-5.3, "
+    "I 3.6-4.2, W 3.0-3.2, so I + W = 1.37-1.45 x B; on the recipe model (`--model recipe`, "
+    "cut `[2, 6, 7]`) the decoder stage has F 1.9, B 2.43, I 2.44, W 1.64 (1.68 x B), and "
+    "the stage of blocks 2-5 runs its whole backward in I (its parameters reach its outputs "
+    "through no gradient-carrying input). On CPU the input backward alone costs 75-100 % of "
+    "the fused one: torch's `stage_backward_input` first walks the stage's autograd graph in "
+    "Python to group the parameters (`construct_reverse_graph`, `get_param_groups`) and hooks "
+    "the intermediate nodes, and `stage_backward_weight` runs a second autograd pass from "
+    "them; at this model's size (many small operators) that bookkeeping is a large share. So "
+    "the split schedules do 35-70 % more backward work per micro-batch than 1F1B: torch's "
+    "implementation on this CPU, not the engine. Their measured bubble is still below 1F1B's "
+    "in the `pp2eq` rows.",
+]
+"""The pipeline section's explanation of its worlds and of the split backward's cost
+(docs/results.md)."""
 
 
 def _planner(r: dict[str, Any]) -> list[str]:
