@@ -16,9 +16,10 @@ stages leave. The schedules are therefore also measured on a model whose stages 
   ``Block``, width 64, 32 tokens, on random features with a mean-squared loss, batch 72),
   ``partition="equal"``: 4 blocks per stage at v 1, 2 at v 2, every stage the same work under
   every schedule (GPipe, 1F1B and each multi-stage schedule at v 2). Its "at the stage costs"
-  column is then the formula up to timing noise and a backward that is not exactly twice the
-  forward, and ``measured - stage_cost`` is what the engine, torch's schedule and the transport
-  add;
+  column is then the formula up to timing noise (for the zero-bubble schedules, the formula at
+  this CPU's input / weight backward costs, which are not half the fused backward each:
+  ``profile_pipeline.py --split-backward``), and ``measured - stage_cost`` is what the engine,
+  torch's schedule and the transport add;
 * ``pp2`` (2 processes, the recipe model): ``partition`` equal vs balanced under 1F1B, then
   every schedule at pp 2 (the multi-stage ones with 2 stages per rank) with
   ``partition="balanced"``;
@@ -31,7 +32,8 @@ alike. A step's time is the slowest rank's (``on_train_batch_start`` to ``_end``
 the measured steps of all rounds (the first steps build schedules and are skipped); the spread is
 the range of the per-round medians. The measured bubble comes from
 :class:`~lightning_mmpar.callbacks.PipelineTimeline` on every step after the first two of each
-run (medians over all of them; split into send/recv waits and host work between actions), next
+run (medians over all of them; split into send/recv waits, host work between actions and
+the fill / drain outside each rank's schedule, ``outside``), next
 to the schedule's formula and the bubble at the measured stage costs (``stage_cost``: torch's
 action order simulated with each stage's median action times, the loss in the last stage's
 forward, free communication: what unequal stages alone leave). ``imbalance`` is max / mean
