@@ -27,6 +27,9 @@ aligned by a barrier at the batch start: what
   step's loss broadcast);
 * ``host``: the rest (the schedule's bookkeeping between actions).
 
+Python's garbage collections inside the span are counted too (``collections``, ``gc_ms``,
+``gc_in_actions_ms``: a collection pauses the thread wherever an allocation triggers it).
+
 The bubble is ``wait + post + host + outside`` (what
 :class:`~lightning_mmpar.callbacks.PipelineTimeline` reports as its ``wait``, ``host`` and
 ``outside``): the loss and the tail of the gradient cache's forward-only pass
@@ -53,6 +56,7 @@ on every micro-batch whatever the engine does.
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import statistics
 import sys
@@ -90,6 +94,19 @@ class Recorder(Callback):
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         engine = trainer.strategy.pipeline
         engine.wait_observers.append(lambda a, b: self.add("wait", a, b))
+        gc.callbacks.append(self._gc)
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        gc.callbacks.remove(self._gc)
+
+    def _gc(self, phase: str, info: dict[str, Any]) -> None:
+        """Python's garbage collections: ``gc<generation>`` events (they pause the thread
+        wherever an allocation triggers them, inside an action or between actions)."""
+        now, cpu = time.perf_counter(), time.thread_time()
+        if phase == "start":
+            self._gc_start = (now, cpu)
+        elif self.current is not None:
+            self.add(f"gc{info['generation']}", self._gc_start[0], now, self._gc_start[1], cpu)
 
     def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
         if trainer.global_step >= self.warmup:
@@ -213,6 +230,16 @@ def _actions(events: list[Event]) -> list[tuple[int, str, int, float, float]]:
     return last_pass(out)
 
 
+def _inside_actions(events: list[Event], lo: float, hi: float) -> float:
+    """Seconds of the garbage collections in ``[lo, hi]`` that ran inside a stage action."""
+    acts = [(e[1], e[2]) for e in events if e[0].startswith("compute:")]
+    return sum(
+        max(0.0, min(e[2], hi) - max(e[1], lo))
+        for e in events
+        if e[0].startswith("gc") and any(a <= e[1] and e[2] <= b for a, b in acts)
+    )
+
+
 def _outside(events: list[Event], lo: float, hi: float) -> float:
     """The span ``[lo, hi]`` before this rank's first action, loss or wait and after its last
     (as :func:`~lightning_mmpar.callbacks.pipeline_timeline.bubble_split`'s ``outside``)."""
@@ -272,6 +299,9 @@ def decompose(per_rank: list[list[Event]], origins: list[float] | None = None) -
             post_cpu_ms=1e3 * cpu("post"),
             loss_cpu_ms=1e3 * cpu("loss"),
             host_cpu_ms=1e3 * (c_all - a_cpu - cpu("wait") - cpu("post") - cpu("loss")),
+            gc_ms=1e3 * sum(clipped(e) for e in ev if e[0].startswith("gc")),
+            gc_in_actions_ms=1e3 * _inside_actions(ev, lo, hi),
+            collections=sum(1 for e in ev if e[0].startswith("gc") and clipped(e) > 0),
             core_share=a_cpu / max(sum(e[2] - e[1] for e in acts), 1e-9),
             earlier_actions=len(earlier),
             actions=len(acts),
