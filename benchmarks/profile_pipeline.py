@@ -44,7 +44,8 @@ The same steps are also recorded by :class:`~lightning_mmpar.callbacks.PipelineT
 per-rank split (``compute``, ``wait``, ``host``, ``outside``) is printed next to the
 profile's (``compute + earlier_pass + loss``, ``wait``, ``post + host``, ``outside``) with
 the largest difference over the steps and ranks (``timeline vs profile``): both time the same
-intervals, so they agree to the timers' own overhead.
+intervals, so they agree to the timers' own overhead, which includes this profile's CPU clock
+reads (``--wall-only`` leaves them out, see :data:`CPU_CLOCK`).
 
 ``--split-backward`` times, on one process and one thread, one stage's fused backward (torch's
 ``stage_backward``) against its zero-bubble split (``stage_backward_input`` then
@@ -102,7 +103,7 @@ class Recorder(Callback):
     def _gc(self, phase: str, info: dict[str, Any]) -> None:
         """Python's garbage collections: ``gc<generation>`` events (they pause the thread
         wherever an allocation triggers them, inside an action or between actions)."""
-        now, cpu = time.perf_counter(), time.thread_time()
+        now, cpu = time.perf_counter(), _cpu()
         if phase == "start":
             self._gc_start = (now, cpu)
         elif self.current is not None:
@@ -111,25 +112,35 @@ class Recorder(Callback):
     def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
         if trainer.global_step >= self.warmup:
             torch.distributed.barrier()  # a common origin on both ranks
-            now, cpu = time.perf_counter(), time.thread_time()
+            now, cpu = time.perf_counter(), _cpu()
             self.current = [("batch_start", now, now, cpu, cpu)]
 
     def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
         if self.current is not None:
-            now, cpu = time.perf_counter(), time.thread_time()
+            now, cpu = time.perf_counter(), _cpu()
             self.current.append(("batch_end", now, now, cpu, cpu))
             self.steps.append(self.current)
             self.current = None
 
 
+CPU_CLOCK = [True]
+"""Read the thread's CPU clock around every timed region (``--wall-only``: no). Each read is
+a system call on this machine, and under load the process can be descheduled in it: the
+nested :class:`PipelineTimeline` wrapper then counts milliseconds the profile's does not."""
+
+
+def _cpu() -> float:
+    return time.thread_time() if CPU_CLOCK[0] else 1.0  # 1.0: "timed", no CPU time
+
+
 def _timed(fn: Callable[..., Any], kind: str | None, rec: Recorder) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        start, cpu = time.perf_counter(), time.thread_time()
+        start, cpu = time.perf_counter(), _cpu()
         try:
             return fn(*args, **kwargs)
         finally:
             name = kind or f"compute:{fn.__name__}:{args[0].stage_index}:{args[1]}"
-            rec.add(name, start, time.perf_counter(), cpu, time.thread_time())
+            rec.add(name, start, time.perf_counter(), cpu, _cpu())
 
     return wrapper
 
@@ -171,6 +182,7 @@ def run(
     partition: str,
     packed: bool = True,
     model: str = "recipe",
+    cpu_clock: bool = True,
 ) -> dict[str, Any]:
     """One profiled run: ``events`` (the profile's, per measured step) and ``timeline`` (the
     :class:`PipelineTimeline` split of the same steps)."""
@@ -180,6 +192,7 @@ def run(
     from lightning_mmpar.testing import quiet_trainer
 
     torch.set_num_threads(1)
+    CPU_CLOCK[0] = cpu_clock
     PipelineEngine.pack_boundaries = packed
     cut: str | list[int] = FIXED[SCHEDULES[schedule]] if partition == "fixed" else partition
     seed_everything(0, verbose=False)
@@ -446,6 +459,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     p.add_argument("--model", choices=("recipe", "equal"), default="recipe")
     p.add_argument("--split-backward", action="store_true", help="B against I + W per stage")
+    p.add_argument(
+        "--wall-only",
+        action="store_true",
+        help="no CPU clock reads (CPU columns 0): the timeline comparison without their cost",
+    )
     args = p.parse_args(argv)
     if args.split_backward:
         split = split_backward(args.model)
@@ -461,7 +479,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for _ in range(args.repeats):
         for name in names:
             schedule, packed = name.split(" ")[0], not name.endswith(" unpacked")
-            out = spawn(run, 2, schedule, args.steps, partition, packed, args.model, timeout=900)
+            clock = not args.wall_only
+            out = spawn(
+                run, 2, schedule, args.steps, partition, packed, args.model, clock, timeout=900
+            )
             for i in range(len(out[0]["events"])):
                 events = [out[0]["events"][i], out[1]["events"][i]]
                 row = decompose(events)
