@@ -60,6 +60,7 @@ def candidate_layouts(
     checkpointing: Sequence[bool] = (False, True),
     base: Any = None,
     vision_ranks: Sequence[int] = (0,),
+    noncolocated_accumulate: Sequence[int] = (1, 2, 4, 8),
 ) -> list[Any]:
     """Every ``ParallelLayout`` of ``world`` devices at a fixed ``global_batch`` (samples per
     optimizer step): ``tp`` a divisor of ``world`` up to ``max_tp`` (a node's NVLink island),
@@ -72,13 +73,22 @@ def candidate_layouts(
     (precision, vision mode, partition) every candidate keeps. ``vision_ranks``: per ``V > 0``
     the same on ``world - V`` language ranks, the vision tower on ``V`` ranks of its own
     (non-colocated; no sequence or expert parallelism: unsupported there); ``0``: colocated.
+    ``noncolocated_accumulate``: the batches per optimizer step (``accumulate``, Lightning's
+    ``accumulate_grad_batches``) of the non-colocated ones, each ``A`` dividing
+    ``global_batch`` enumerated at ``global_batch / A`` samples per batch (the engine's vision
+    rank encodes one batch ahead inside each window of ``A`` batches:
+    :func:`~lightning_mmpar.layout.towers_cost.run_ahead_seconds`); colocated layouts
+    accumulate 1 (there accumulation only adds per-batch overhead).
 
     Raises:
-        ValueError: ``world``, ``num_blocks``, ``global_batch`` or ``max_tp`` < 1.
+        ValueError: ``world``, ``num_blocks``, ``global_batch``, ``max_tp`` or a
+            ``noncolocated_accumulate`` value < 1.
     """
     if tuple(vision_ranks) != (0,):
-        args = {k: a for k, a in locals().items() if k not in ("world", "vision_ranks")}
-        return _with_vision_ranks(world, vision_ranks, args)
+        accumulate = tuple(noncolocated_accumulate)
+        args = {k: a for k, a in locals().items() if k not in _NOT_ENUMERATED}
+        _check_counts(**{f"noncolocated_accumulate[{i}]": a for i, a in enumerate(accumulate)})
+        return _with_vision_ranks(world, vision_ranks, args, accumulate)
     _check_counts(world=world, num_blocks=num_blocks, global_batch=global_batch, max_tp=max_tp)
     base = base if base is not None else ParallelLayout()
     counts = micro_batch_counts or _micro_batch_counts
@@ -118,16 +128,30 @@ def candidate_layouts(
     return out
 
 
-def _with_vision_ranks(world: int, counts: Sequence[int], args: dict[str, Any]) -> list[Any]:
+_NOT_ENUMERATED = ("world", "vision_ranks", "noncolocated_accumulate", "accumulate")
+""":func:`candidate_layouts`' locals that :func:`_with_vision_ranks` does not pass on."""
+
+
+def _with_vision_ranks(
+    world: int, counts: Sequence[int], args: dict[str, Any], accumulate: Sequence[int]
+) -> list[Any]:
     """:func:`candidate_layouts` (``args``) on ``world - V`` ranks for each ``V`` in
     ``counts``, with ``vision_ranks=V``; non-colocated ones without sequence or expert
-    parallelism."""
-    found = [(v, x) for v in counts if 0 <= v < world for x in candidate_layouts(world - v, **args)]
-    return [
-        replace(x, vision_ranks=v)
-        for v, x in found
-        if not v or not (x.sequence_parallel or x.ep > 1)
-    ]
+    parallelism, once per ``A`` in ``accumulate`` dividing the global batch (enumerated at
+    ``global_batch / A``, ``accumulate=A``)."""
+    out = []
+    for v in (v for v in counts if 0 <= v < world):
+        for a in accumulate if v else (1,):
+            batch = args["global_batch"]
+            if batch % a:
+                continue
+            found = candidate_layouts(world - v, **{**args, "global_batch": batch // a})
+            out += [
+                replace(x, vision_ranks=v, accumulate=a)
+                for x in found
+                if not v or not (x.sequence_parallel or x.ep > 1)
+            ]
+    return out
 
 
 def _check_counts(**values: int) -> None:
@@ -184,8 +208,9 @@ def plan(
     activations 21.0) > 80 GiB"``: :meth:`RankMemory.describe`), in candidate order.
     ``candidates`` default to :func:`candidate_layouts` (``world``, the model's block count and
     ``enumerate_args``); ``placement(layout)`` gives each layout's ``Placement`` (None:
-    Megatron's order); ``tower_overlap``: non-colocated layouts priced with a pipelined
-    encoder (:func:`~lightning_mmpar.layout.cost.predict`), not as run.
+    Megatron's order); ``tower_overlap``: non-colocated layouts priced at their pipelined
+    bound (each side's work hidden behind the other's, the transfer exposed, no fill or
+    drain: :func:`~lightning_mmpar.layout.cost.predict`), not as run.
 
     Raises:
         ValueError: bad enumeration arguments (see :func:`candidate_layouts`).
@@ -240,8 +265,9 @@ def _predict(
 
 
 def describe(layout: Any) -> str:
-    """``tp 4 pp 2 v 2 dp 2 ep 1 mb 8x4 sp fsdp ckpt`` for tables and logs (``+ V vision``: a
-    non-colocated layout's vision ranks)."""
+    """``tp 4 pp 2 v 2 dp 2 ep 1 mb 8x4 sp fsdp ckpt`` for tables and logs (``acc A``: ``A``
+    batches per optimizer step, shown when above 1; ``+ V vision``: a non-colocated layout's
+    vision ranks)."""
     flags = " ".join(
         f
         for f, on in (("sp", layout.sequence_parallel), ("ckpt", layout.activation_checkpointing))
@@ -249,7 +275,9 @@ def describe(layout: Any) -> str:
     )
     return (
         f"tp {layout.tp} pp {layout.pp} v {layout.virtual} dp {layout.dp} ep {layout.ep} "
-        f"mb {layout.num_micro_batches}x{layout.micro_batch_size} {layout.data_parallel}"
+        f"mb {layout.num_micro_batches}x{layout.micro_batch_size}"
+        + (f" acc {layout.accumulate}" if layout.accumulate > 1 else "")
+        + f" {layout.data_parallel}"
         + (f" {flags}" if flags else "")
         + (f" + {layout.vision_ranks} vision" if layout.vision_ranks else "")
     )

@@ -225,8 +225,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tower-overlap",
         action="store_true",
-        help="price non-colocated layouts with a pipelined encoder (max of the two sides + "
-        "the transfer; not how the strategy runs them: its exchange is serial)",
+        help="price non-colocated layouts at the bound max(vision side, language step) + transfer "
+        "(the transfer exposed, no fill or drain); default: as run (serial at accumulate 1, "
+        "else the vision rank one batch ahead inside each accumulation window)",
     )
     p.add_argument("--max-tp", type=int, default=8, help="largest tensor-parallel size")
     p.add_argument("--top", type=int, default=10, help="layouts shown")
@@ -251,7 +252,7 @@ def _table(ranked: Sequence[Prediction]) -> str:
     rows = [
         (
             "#",
-            "layout (tp pp v dp ep mb sp dp-mode ckpt)",
+            "layout (tp pp v dp ep mb acc dp-mode sp ckpt)",
             "mem/rank GiB",
             "comm GB/step",
             "bubble",

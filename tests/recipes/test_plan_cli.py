@@ -9,8 +9,10 @@ import yaml
 
 from lightning_mmpar.config import ParallelConfig
 from lightning_mmpar.layout import ParallelLayout
+from lightning_mmpar.layout.planner import candidate_layouts
 from lightning_mmpar.recipes import planner as cli
 from lightning_mmpar.recipes.partition import build_module, data_args
+from lightning_mmpar.recipes.yaml_layout import yaml_layout
 from lightning_mmpar.strategy import MultimodalParallelStrategy
 
 ROOT = Path(__file__).parents[2]
@@ -273,6 +275,35 @@ def test_fragment_merged_over_a_recipe_overrides_every_layout_field(recipe: Path
     assert flat["micro_batches"] is None and flat["placement"] is None
     assert flat["activation_checkpointing"] is None
     assert flat["pipeline_parallel"] == 1 and flat["tensor_parallel"] == 1
+
+
+def test_accumulating_noncolocated_layouts_round_trip_through_their_yaml() -> None:
+    """The planner's accumulating non-colocated candidates (the vision rank one batch ahead):
+    the fragment sets ``trainer.accumulate_grad_batches`` and ``data.batch_size`` per batch,
+    and the YAML's own layout read back from the merged recipe is the candidate."""
+    config = yaml.safe_load(Path(CPU).read_text())
+    module, _ = build_module(config)
+    base = cli.base_layout(config, module, "32-true")
+    found = candidate_layouts(4, 8, global_batch=72, vision_ranks=(1, 2), base=base)
+    chosen = [x for x in found if x.accumulate > 1]
+    assert {x.accumulate for x in chosen} == {2, 4, 8} and {x.vision_ranks for x in chosen} == {
+        1,
+        2,
+    }
+    fields = ("tp", "pp", "virtual", "dp", "num_micro_batches", "micro_batch_size", "accumulate")
+    for layout in chosen:
+        merged = cli._merge(config, cli.fragment(layout))
+        assert merged["trainer"]["accumulate_grad_batches"] == layout.accumulate
+        assert merged["data"]["batch_size"] * layout.dp * layout.accumulate == 72
+        back = yaml_layout(merged, base, 4)
+        assert isinstance(back, ParallelLayout)
+        assert [getattr(back, f) for f in fields] == [getattr(layout, f) for f in fields]
+        assert (back.vision_ranks, back.data_parallel) == (
+            layout.vision_ranks,
+            layout.data_parallel,
+        )
+    args = cli.fragment(chosen[-1])["trainer"]["strategy"]["init_args"]
+    assert MultimodalParallelStrategy(**args).config.vision_ranks == chosen[-1].vision_ranks
 
 
 def test_old_module_name_runs_the_planner_with_a_deprecation_warning(

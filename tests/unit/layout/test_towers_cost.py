@@ -172,6 +172,42 @@ def test_accumulating_layouts_are_priced_as_the_engine_runs_them() -> None:
     assert cost.activations == round(2 * per_batch)  # a batch and the one encoded ahead
 
 
+def test_planner_offers_the_run_ahead_to_noncolocated_layouts() -> None:
+    """Non-colocated candidates accumulate 1, 2, 4 or 8 batches per step (those dividing the
+    global batch; the engine's vision rank encodes one batch ahead inside each window),
+    colocated ones 1; with both towers working the best non-colocated layout accumulates and
+    is priced below its serial twin (the same layout, one batch per step)."""
+    both = candidate_layouts(
+        12, 12, global_batch=16, vision_ranks=(0, 2, 4), checkpointing=(False,)
+    )
+    kinds = {(x.vision_ranks > 0, x.accumulate) for x in both}
+    assert kinds == {(False, 1), (True, 1), (True, 2), (True, 4), (True, 8)}
+    assert all(x.global_batch == 16 and x.micro_batch_size >= 1 for x in both)
+    keys = [describe(x) for x in both]
+    assert len(keys) == len(set(keys))
+    assert " acc 4 " in describe(next(x for x in both if x.accumulate == 4))
+    assert " acc " not in describe(next(x for x in both if x.accumulate == 1))
+    odd = candidate_layouts(6, 12, global_batch=12, vision_ranks=(2,))  # 8 does not divide 12
+    assert {x.accumulate for x in odd} == {1, 2, 4}
+    fewer = candidate_layouts(
+        12, 12, global_batch=16, vision_ranks=(2,), noncolocated_accumulate=(1, 4)
+    )
+    assert {x.accumulate for x in fewer} == {1, 4}
+    with pytest.raises(ValueError, match=r"noncolocated_accumulate\[1\] \(0\) must be an int"):
+        candidate_layouts(
+            12, 12, global_batch=16, vision_ranks=(2,), noncolocated_accumulate=(1, 0)
+        )
+    ranked, _ = plan(vlm(3.0), 12, H100, candidates=both)
+    by_name = {describe(p.layout): p for p in ranked}
+    best = next(p for p in ranked if p.layout.vision_ranks)
+    lay = best.layout
+    assert lay.accumulate > 1
+    serial = replace(lay, accumulate=1, micro_batch_size=lay.micro_batch_size * lay.accumulate)
+    twin = by_name[describe(serial)]
+    assert best.step_seconds < twin.step_seconds
+    assert best.idle["language ranks"] < twin.idle["language ranks"]
+
+
 def test_planner_ranks_noncolocated_beside_colocated() -> None:
     both = candidate_layouts(
         12, 12, global_batch=16, vision_ranks=(0, 2, 4), checkpointing=(False,)
