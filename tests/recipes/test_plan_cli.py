@@ -132,11 +132,13 @@ def test_plan_rejects_layouts_over_the_memory_limit_with_the_reason(
     text = capsys.readouterr().out
     assert "0 layouts fit" in text and "\nno layout fits\n" in text and "#  layout" not in text
     assert "topology: 1 node x 2 GPUs, NVSWITCH (assumed; pass --topo)" in text
-    assert "rejected: 34 layouts, 2 reasons" in text  # 2 of them: 1 language + 1 vision rank
+    # 8 of them: 1 language + 1 vision rank, with and without checkpointing, at 1, 2, 4 and 8
+    # batches per optimizer step (the vision rank one batch ahead inside the window)
+    assert "rejected: 40 layouts, 2 reasons" in text
     memory = [ln for ln in text.splitlines() if "> 0.0001 GiB" in ln]
     assert len(memory) == 1 and "needs " in memory[0] and "parameters" in memory[0]
     # the example is the layout closest to fitting: pp 2 with checkpointing holds the least
-    assert "pp 2 " in memory[0] and memory[0].split(":")[0].endswith("ckpt (and 31 more)")
+    assert "pp 2 " in memory[0] and memory[0].split(":")[0].endswith("ckpt (and 37 more)")
     assert not (tmp_path / "x.yaml").exists() and "--write-yaml" in text and "not written" in text
 
 
