@@ -22,13 +22,14 @@ from typing import Any
 import torch
 from lightning.pytorch.strategies import ParallelStrategy
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_mmpar.config import ParallelConfig
 from lightning_mmpar.parallel import comm
 from lightning_mmpar.parallel.numerics import clip_grad_norm_, shard_count
 from lightning_mmpar.parallel.pipeline.schedules import _drop_parameters
-from lightning_mmpar.parallel.towers import TowerExchange, TowerInlet, tower_group
+from lightning_mmpar.parallel.towers import TowerExchange, TowerInlet, shard_tower, tower_group
 from lightning_mmpar.topology import ParallelDims, TowerRanks
 
 __all__ = ["TowerSteps"]
@@ -51,6 +52,9 @@ class TowerSteps(ParallelStrategy):
     """This rank's side of the data flow (set in ``setup``)."""
     _inlet: TowerInlet | None = None
     _vision_group: Any = None
+    _tower_backed: bool | None = None
+    """``vision_data_parallel="fsdp"``, a vision rank: whether the batch's backward reached
+    the tower's outputs (``None``: no forward with gradients since the last check)."""
 
     @property
     def parallel_dims(self) -> ParallelDims:
@@ -104,9 +108,40 @@ class TowerSteps(ParallelStrategy):
             for t in (*module.parameters(), *module.buffers()):  # from the first vision rank
                 if not t.is_meta:  # the dry run's meta tensors hold no values
                     t.data.copy_(comm.broadcast(t.data, 0, self._vision_group))
+            if self.config.vision_data_parallel == "fsdp":
+                self._shard_vision(tower)
             return True
         _drop_parameters(module, module.pipeline_blocks(), tower)
         return False
+
+    def _shard_vision(self, tower: list[Any]) -> None:
+        """``vision_data_parallel="fsdp"``: FSDP2 of the tower over the vision ranks
+        (:func:`~lightning_mmpar.parallel.towers.shard_tower`), and a hook on its last block's
+        outputs that records whether a batch's backward reached them (:meth:`_tower_join`)."""
+        shard_tower(tower, self._vision_group, self.root_device.type)
+
+        def watch(_module: Any, _args: Any, out: Any) -> None:
+            self._tower_backed = False
+            for o in out if isinstance(out, tuple) else (out,):
+                if isinstance(o, Tensor) and o.requires_grad:
+                    o.register_hook(self._mark_backed)
+
+        tower[-1].register_forward_hook(watch)
+
+    def _mark_backed(self, grad: Tensor) -> None:
+        self._tower_backed = True
+
+    def _tower_join(self, loss: Tensor) -> None:
+        """After a vision rank's backward (``vision_data_parallel="fsdp"``): when the exchange
+        back-propagated nothing (no image this batch), back-propagate the step's zero loss
+        through the empty batch's graph, so this rank joins the FSDP2 reduce-scatters its
+        peers run inside their backward (zero gradients; the same collectives)."""
+        backed, self._tower_backed = self._tower_backed, None
+        ex = self._exchange
+        if ex is None or not ex.is_vision or not ex.trains or backed is not False:
+            return
+        if loss.requires_grad:
+            loss.backward()
 
     # ------------------------------------------------------------------ steps
     def _tower_batch(self, batch: Any, grad: bool) -> None:
@@ -213,7 +248,9 @@ class TowerSteps(ParallelStrategy):
     @torch.no_grad()
     def _normalise_vision(self, optimizer: Any) -> int | None:
         """Vision rank, at the optimizer step: sum the tower's gradients over the vision ranks
-        and scale them to the global batch's (module docstring)."""
+        and scale them to the global batch's (module docstring). Under
+        ``vision_data_parallel="fsdp"`` the sharded parameters' gradients are already the sum
+        (FSDP2's reduce-scatter, divide factor 1): only scaled; the 0-dim ones all-reduced."""
         ex = self._exchange
         assert ex is not None
         if not ex.trains:
@@ -227,18 +264,22 @@ class TowerSteps(ParallelStrategy):
             if not p.requires_grad:
                 continue
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            p.grad = comm.all_reduce(grad, "sum", self._vision_group).mul_(factor)
+            if isinstance(grad, DTensor):  # FSDP2 shard: the sum over the vision ranks already
+                p.grad = grad.mul_(factor)
+            else:
+                p.grad = comm.all_reduce(grad, "sum", self._vision_group).mul_(factor)
         return int(tokens) if tokens >= 0 else None
 
     def _tower_clip(self, optimizer: Optimizer, clip_val: float) -> bool:
         """Clip by the norm over both sides (one all-reduce over the world): a language
         parameter weighs ``S * pp / L`` (``S`` its shards, ``L`` the language ranks), a vision
-        parameter ``1 / V`` (full copies on ``V`` ranks). Returns whether it clipped."""
+        parameter ``S / V`` (``S = 1``: full copies on ``V`` ranks; ``S = V``: FSDP2 shards,
+        one distinct piece per vision rank). Returns whether it clipped."""
         if self._towers is None:
             return False
         params, towers = _params(optimizer), self._towers
         if towers.is_vision(self.global_rank):
-            weights = [1.0 / towers.vision_ranks] * len(params)
+            weights = [shard_count(p) / towers.vision_ranks for p in params]
         else:
             lang, pp = towers.dims.world_size, towers.dims.pp
             weights = [shard_count(p) * pp / lang for p in params]

@@ -14,6 +14,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_mmpar import MultimodalParallelStrategy
+from lightning_mmpar.parallel.comm import to_local
 from lightning_mmpar.parallel.comm_count import CommCounter
 from lightning_mmpar.parallel.tensor import full_gradients
 from lightning_mmpar.parallel.towers import TowerExchange
@@ -124,6 +125,12 @@ CASES: tuple[Case, ...] = (
     Case("2 vision (dp) + pp2, frozen tower", 4, {"vision_ranks": 2, **PP2}, frozen=True),
     Case("2 vision + dp2 (text-only replica)", 4, {"vision_ranks": 2}),
     Case(
+        "2 vision FSDP + dp2 (text-only replica), clip 0.5",
+        4,
+        {"vision_ranks": 2, "vision_data_parallel": "fsdp"},
+        clip=0.5,
+    ),
+    Case(
         "1 vision + tp2 x pp2", 5, {"vision_ranks": 1, **pm._pp("1f1b", 2, 2, 1, tensor_parallel=2)}
     ),
     # the tower one batch ahead inside accumulation windows (2 windows of 2 batches)
@@ -186,9 +193,8 @@ def fit(strategy: Any, world: int, case: Case) -> Recorder:
     val = DataLoader(data[:1], batch_size=None) if case.validate else None  # type: ignore[arg-type]
     trainer.fit(module, DataLoader(data, batch_size=None), val)  # type: ignore[arg-type]
     recorder.comm = counted.bytes
-    recorder.trainable = sum(
-        p.numel() * p.element_size() for p in module.parameters() if p.requires_grad
-    )
+    local = [to_local(p) for p in module.parameters() if p.requires_grad]  # FSDP2: shards
+    recorder.trainable = sum(t.numel() * t.element_size() for t in local)
     return recorder
 
 
