@@ -6,6 +6,7 @@ timeout; a failure names the case."""
 
 from __future__ import annotations
 
+import tempfile
 import time
 from typing import Any
 
@@ -20,6 +21,8 @@ from tests.recipes import recipe_faults_worker as rw
 
 RTOL = 1e-5
 _WORLDS: dict[int, Any] = {}
+_ROOT = tempfile.TemporaryDirectory(prefix="noncolocated-")
+"""The worlds' checkpoints (removed when the test process exits)."""
 _REFERENCES: dict[tuple[float | None, bool, int, bool], nw.Recorder] = {}
 SCALAR_NOISE = {"1 vision + tp2": ("temperature", 2e-5)}
 """Case -> (parameter name suffix, its relative bound): the gradients allowed past RTOL, and
@@ -39,7 +42,7 @@ def _world(size: int) -> list[dict[str, Any]]:
     if size not in _WORLDS:
         start = time.perf_counter()
         try:
-            _WORLDS[size] = spawn(nw.world, size, timeout=120)
+            _WORLDS[size] = spawn(nw.world, size, _ROOT.name, timeout=120)
         except Exception as err:  # kept: reported by each case of the world
             _WORLDS[size] = err
         print(f"non-colocated world of {size}: {time.perf_counter() - start:.1f} s")
@@ -152,6 +155,22 @@ def test_checkpoints_move_between_colocated_and_noncolocated(tmp_path: Any) -> N
     assert [k for k in written if not torch.equal(written[k], resumed[k])] == []
     saved = {k: v for r in ranks for k, v in r["saved"].items()}
     back = nw.state_after(MultimodalParallelStrategy(), 1, noncolocated, None)
+    assert [k for k in saved if not torch.equal(saved[k], back[k])] == []
+
+
+@pytest.mark.distributed
+def test_a_vision_fsdp_checkpoint_resumes_colocated() -> None:
+    """The DCP checkpoint of ``2 vision FSDP + dp2`` (the tower's FSDP2 shards on the vision
+    ranks, the language model's on the language ranks) holds the keys of the colocated model
+    and resumes on one colocated process with every tensor equal to the run's full state."""
+    from lightning_mmpar import MultimodalParallelStrategy
+
+    case = next(c for c in nw.CASES if c.checkpoint)
+    results = [r[case.name] for r in _world(case.world)]
+    saved = {k: v for r in results for k, v in r["state"].items()}
+    assert any(k.startswith("blocks.1.") for k in results[-1]["state"]), "no tower on a vision rank"
+    back = nw.state_after(MultimodalParallelStrategy(), 1, results[0]["checkpoint"], None)
+    assert saved.keys() == back.keys(), saved.keys() ^ back.keys()
     assert [k for k in saved if not torch.equal(saved[k], back[k])] == []
 
 
