@@ -12,7 +12,10 @@ its own parameters' gradients before normalisation (``1 / (micro_batches * accum
 summed losses' gradients), the vision ranks accumulate the tower's gradients from them, and at
 the optimizer step multiply their sum over the vision ranks by ``micro_batches * accumulate / N``
 (``N``: the step's target tokens, sent by the language side; token losses) or ``1 / dp`` (plain
-mean losses): the gradients one process computes on the whole global batch.
+mean losses): the gradients one process computes on the whole global batch. Under
+``vision_data_parallel="fsdp"`` (FSDP2 of the tower over the vision ranks, torchtitan's
+``fully_shard`` per block) the sum is FSDP2's reduce-scatter inside backward (divide factor 1),
+so only the scaling is left for the optimizer step.
 """
 
 from __future__ import annotations
