@@ -60,6 +60,7 @@ def candidate_layouts(
     checkpointing: Sequence[bool] = (False, True),
     base: Any = None,
     vision_ranks: Sequence[int] = (0,),
+    vision_data_parallel: Sequence[str] = ("ddp",),
 ) -> list[Any]:
     """Every ``ParallelLayout`` of ``world`` devices at a fixed ``global_batch`` (samples per
     optimizer step): ``tp`` a divisor of ``world`` up to ``max_tp`` (a node's NVLink island),
@@ -72,13 +73,16 @@ def candidate_layouts(
     (precision, vision mode, partition) every candidate keeps. ``vision_ranks``: per ``V > 0``
     the same on ``world - V`` language ranks, the vision tower on ``V`` ranks of its own
     (non-colocated; no sequence or expert parallelism: unsupported there); ``0``: colocated.
+    ``vision_data_parallel``: the vision ranks' engines tried (``"fsdp"`` only for ``V >= 2``:
+    FSDP2 over one rank shards nothing).
 
     Raises:
         ValueError: ``world``, ``num_blocks``, ``global_batch`` or ``max_tp`` < 1.
     """
     if tuple(vision_ranks) != (0,):
         args = {k: a for k, a in locals().items() if k not in ("world", "vision_ranks")}
-        return _with_vision_ranks(world, vision_ranks, args)
+        engines = args.pop("vision_data_parallel")
+        return _with_vision_ranks(world, vision_ranks, args, engines)
     _check_counts(world=world, num_blocks=num_blocks, global_batch=global_batch, max_tp=max_tp)
     base = base if base is not None else ParallelLayout()
     counts = micro_batch_counts or _micro_batch_counts
@@ -118,15 +122,19 @@ def candidate_layouts(
     return out
 
 
-def _with_vision_ranks(world: int, counts: Sequence[int], args: dict[str, Any]) -> list[Any]:
+def _with_vision_ranks(
+    world: int, counts: Sequence[int], args: dict[str, Any], engines: Sequence[str] = ("ddp",)
+) -> list[Any]:
     """:func:`candidate_layouts` (``args``) on ``world - V`` ranks for each ``V`` in
-    ``counts``, with ``vision_ranks=V``; non-colocated ones without sequence or expert
+    ``counts``, with ``vision_ranks=V`` and each of ``engines`` as ``vision_data_parallel``
+    (``"fsdp"`` only for ``V >= 2``); non-colocated ones without sequence or expert
     parallelism."""
     found = [(v, x) for v in counts if 0 <= v < world for x in candidate_layouts(world - v, **args)]
     return [
-        replace(x, vision_ranks=v)
+        replace(x, vision_ranks=v, vision_data_parallel=e)
         for v, x in found
         if not v or not (x.sequence_parallel or x.ep > 1)
+        for e in (engines if v >= 2 else ("ddp",))
     ]
 
 
@@ -241,7 +249,7 @@ def _predict(
 
 def describe(layout: Any) -> str:
     """``tp 4 pp 2 v 2 dp 2 ep 1 mb 8x4 sp fsdp ckpt`` for tables and logs (``+ V vision``: a
-    non-colocated layout's vision ranks)."""
+    non-colocated layout's vision ranks; ``+ V vision fsdp``: sharded over them)."""
     flags = " ".join(
         f
         for f, on in (("sp", layout.sequence_parallel), ("ckpt", layout.activation_checkpointing))
@@ -252,4 +260,5 @@ def describe(layout: Any) -> str:
         f"mb {layout.num_micro_batches}x{layout.micro_batch_size} {layout.data_parallel}"
         + (f" {flags}" if flags else "")
         + (f" + {layout.vision_ranks} vision" if layout.vision_ranks else "")
+        + (" fsdp" if layout.vision_ranks and layout.vision_data_parallel == "fsdp" else "")
     )

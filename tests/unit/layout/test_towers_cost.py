@@ -220,3 +220,19 @@ def test_vision_fsdp_shards_memory_and_prices_gathers_and_reduce_scatters() -> N
     )
     assert got.memory.parameters <= predict(vlm(), ddp, H100).memory.parameters
     assert sharded.sync > 0 and full.sync > 0
+
+
+def test_planner_tries_vision_fsdp_over_two_or_more_vision_ranks() -> None:
+    """``vision_data_parallel=("ddp", "fsdp")``: each non-colocated candidate with ``V >= 2``
+    also sharded (named ``+ V vision fsdp``), ``V = 1`` only as full copies; the default
+    enumeration keeps full copies only."""
+    args = {"global_batch": 16, "vision_ranks": (0, 1, 2), "checkpointing": (False,)}
+    both = candidate_layouts(12, 12, vision_data_parallel=("ddp", "fsdp"), **args)
+    plain = candidate_layouts(12, 12, **args)
+    assert {x.vision_data_parallel for x in plain} == {"ddp"}
+    sharded = [x for x in both if x.vision_data_parallel == "fsdp"]
+    assert sharded and {x.vision_ranks for x in sharded} == {2}
+    assert len(both) == len(plain) + len(sharded)
+    assert describe(sharded[0]).endswith("+ 2 vision fsdp")
+    ranked, _ = plan(vlm(3.0), 12, H100, candidates=both)
+    assert any(p.layout.vision_data_parallel == "fsdp" for p in ranked)
