@@ -160,6 +160,12 @@ CASES: tuple[Case, ...] = (
     ),
     Case("1 vision + dp2 (fan-in), accumulate 2", 3, {"vision_ranks": 1}, accumulate=2),
     Case("2 vision (dp) + pp2, accumulate 2", 4, {"vision_ranks": 2, **PP2}, accumulate=2),
+    Case(  # vision rank 2 gets no image in the batch it encodes ahead: it joins the reduce
+        "2 vision FSDP + dp2, accumulate 2",
+        4,
+        {"vision_ranks": 2, "vision_data_parallel": "fsdp"},
+        accumulate=2,
+    ),
     Case(
         "2 vision + dp2, accumulate 2, frozen tower",
         4,
