@@ -129,6 +129,12 @@ CASES: tuple[Case, ...] = (
     Case("2 vision (dp) + pp2", 4, {"vision_ranks": 2, **PP2}),
     Case("2 vision (dp) + pp2, clip 0.5", 4, {"vision_ranks": 2, **PP2}, clip=0.5),
     Case("2 vision (dp) + pp2, frozen tower", 4, {"vision_ranks": 2, **PP2}, frozen=True),
+    Case(
+        "2 vision FSDP + pp2, frozen tower",
+        4,
+        {"vision_ranks": 2, "vision_data_parallel": "fsdp", **PP2},
+        frozen=True,
+    ),
     Case("2 vision + dp2 (text-only replica)", 4, {"vision_ranks": 2}),
     Case(
         "2 vision FSDP + dp2 (text-only replica), clip 0.5",

@@ -185,7 +185,11 @@ def test_a_dead_vision_rank_ends_the_language_ranks_step_in_seconds() -> None:
     assert language["at"] - vision["died"] < 10.0, language["at"] - vision["died"]
 
 
-_COMM_CASES = ("2 vision (dp) + pp2", "2 vision FSDP + dp2 (text-only replica), clip 0.5")
+_COMM_CASES = (
+    "2 vision (dp) + pp2",
+    "2 vision FSDP + dp2 (text-only replica), clip 0.5",
+    "2 vision FSDP + pp2, frozen tower",
+)
 
 
 @pytest.mark.distributed
@@ -195,14 +199,15 @@ def test_vision_ranks_sync_what_the_planner_predicts(name: str) -> None:
     ranks (``other``: their group is no mesh dimension) equal the planner's
     (``towers_cost.vision_comm_bytes``): ``ddp``, one all-reduce of the tower's trainable
     gradients, the bytes of its trainable parameters (what the dry run measures); ``fsdp``,
-    FSDP2's all-gathers (forward and backward) and reduce-scatter of each block's padded
-    shards and no all-reduce (no 0-dim tower parameter), each rank holding the trainable bytes
-    of its shards the planner's memory gives (``state_bytes`` at ``dp = V``). The language
-    ranks move nothing over that group."""
+    FSDP2's all-gathers (forward and backward; a frozen tower: forward only) and
+    reduce-scatter (none when frozen) of each block's padded shards and no all-reduce (no 0-dim
+    tower parameter), each rank holding the trainable bytes of its shards the planner's memory
+    gives (``state_bytes`` at ``dp = V``). The language ranks move nothing over that group."""
     from lightning_mmpar.layout import ParallelLayout
     from lightning_mmpar.layout.memory import state_bytes
     from lightning_mmpar.layout.towers_cost import split_towers, vision_comm_bytes, vision_layout
     from lightning_mmpar.plans.fusion_cost import fusion_model_spec
+    from lightning_mmpar.recipes.options import FinetuneConfig
 
     case = next(c for c in nw.CASES if c.name == name)
     results = [r[case.name] for r in _world(case.world)]
@@ -216,8 +221,12 @@ def test_vision_ranks_sync_what_the_planner_predicts(name: str) -> None:
         vision_ranks=v,
         vision_data_parallel=engine,
     )
-    spec = fusion_model_spec(pm.build(rp.VOCAB, None, vision_parallel="tp"), layout, rp.TOKENS)
+    module = pm.build(rp.VOCAB, None, vision_parallel="tp")
+    if case.frozen:  # as the run (noncolocated_worker.fit): the tower not trained
+        module.finetune = FinetuneConfig(train_decoder_layers=-1, train_embeddings=True)
+    spec = fusion_model_spec(module, layout, rp.TOKENS)
     vision = split_towers(spec)[0]
+    assert case.frozen == (not any(p.trainable for p in vision.params)), name
     predicted = {f"other.{k[7:]}": n for k, n in vision_comm_bytes(spec, layout).items()}
     assert predicted, (name, "the planner predicts no sync")
     if engine == "ddp":
