@@ -29,6 +29,7 @@ from lightning_mmpar.layout.schedules import stage_layout as stage_layout
 
 DataParallel = Literal["fsdp", "ddp", "none"]
 DATA_PARALLEL_ENGINES: tuple[str, ...] = ("fsdp", "ddp", "none")
+VisionDataParallel = Literal["ddp", "fsdp"]
 
 
 @dataclass(kw_only=True)
@@ -74,6 +75,10 @@ class ParallelConfig:
     """Ranks that run the vision tower alone (non-colocated, :mod:`lightning_mmpar.parallel.
     towers`): the last ``vision_ranks`` global ranks; the others are the language ranks, laid
     out by the sizes above. ``0``: colocated (every rank holds its share of every tower)."""
+    vision_data_parallel: VisionDataParallel = "ddp"
+    """The vision tower's data parallelism over the ``vision_ranks``: ``ddp`` (a full copy on
+    each, gradients summed) or ``fsdp`` (FSDP2 over the vision ranks: parameters, gradients and
+    optimizer state sharded; needs ``vision_ranks >= 2``)."""
 
     def __post_init__(self) -> None:
         validate(self.layout)
@@ -94,6 +99,7 @@ class ParallelConfig:
             data_parallel=self.data_parallel,
             partition=tuple(part) if isinstance(part, list) else part,
             vision_ranks=self.vision_ranks,
+            vision_data_parallel=self.vision_data_parallel,
         )
 
     def check_world(self, world_size: int) -> None:

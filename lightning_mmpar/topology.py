@@ -333,7 +333,8 @@ class TowerLink:
 class TowerRanks:
     """The non-colocated layout (Megatron-Bridge MIMO): the language ranks ``0 .. L - 1`` laid
     out by ``dims`` (``L = dims.world_size``), then ``vision_ranks`` ranks ``L .. L + V - 1``
-    that run the vision tower alone, each with a full copy.
+    that run the vision tower alone (a full copy each, or FSDP2 shards:
+    ``vision_data_parallel``).
 
     Each step vision rank ``L + v`` encodes the images of ``dp / V`` whole replicas (``V <=
     dp``: replicas ``v * dp / V ..``) or one ``V / dp``-th of one replica's images (``V >

@@ -29,10 +29,11 @@ from lightning_mmpar.layout.schedules import bubble_fraction, in_flight, stage_r
 from lightning_mmpar.layout.stages import BlockSpec
 from lightning_mmpar.layout.towers_cost import (
     TowerCost,
+    language_layout,
     run_ahead_seconds,
     split_towers,
     tower_cost,
-    vision_gradient_bytes,
+    vision_comm_bytes,
 )
 from lightning_mmpar.layout.value import validate
 
@@ -395,7 +396,9 @@ def _noncolocated(
     adds up to the step; ``idle`` gives each side's wait;
     ``memory`` is the fuller of a language and a vision rank; ``comm_bytes`` adds
     ``towers.send`` / ``towers.recv`` (vision rank 0's embeddings out, gradients and pixels
-    in) and ``vision.all_reduce``.
+    in) and the vision ranks' own collectives (``vision.all_reduce``; under
+    ``vision_data_parallel="fsdp"`` ``vision.all_gather`` and ``vision.reduce_scatter`` too:
+    :func:`~lightning_mmpar.layout.towers_cost.vision_comm_bytes`).
 
     Raises:
         ValueError: as :func:`predict`, or from ``split_towers``.
@@ -404,7 +407,7 @@ def _noncolocated(
     graph = graph if graph is not None else default_graph(layout.world + v)
     _, language = split_towers(model)
     lang = predict(
-        language, replace(layout, vision_ranks=0), device, graph, placement, memory_gib=memory_gib
+        language, language_layout(layout), device, graph, placement, memory_gib=memory_gib
     )
     rate = (device.peak(layout.precision) * device.efficiency, device.overhead)
     element = ACTIVATION_ELEMENT_BYTES.get(layout.precision, 4)
@@ -433,7 +436,7 @@ def _noncolocated(
     comm = dict(lang.comm_bytes)
     comm["towers.send"] = tower.embedding_bytes
     comm["towers.recv"] = tower.gradient_bytes + tower.pixel_bytes
-    comm["vision.all_reduce"] = vision_gradient_bytes(model) if tower.sync else 0
+    comm.update({"vision.all_reduce": 0, **vision_comm_bytes(model, layout)})
     seconds = dict(lang.comm_seconds) | {"towers": tower.transfer, "vision dp": tower.sync}
     return replace(
         lang,

@@ -61,6 +61,7 @@ def candidate_layouts(
     base: Any = None,
     vision_ranks: Sequence[int] = (0,),
     noncolocated_accumulate: Sequence[int] = (1, 2, 4, 8),
+    vision_data_parallel: Sequence[str] = ("ddp",),
 ) -> list[Any]:
     """Every ``ParallelLayout`` of ``world`` devices at a fixed ``global_batch`` (samples per
     optimizer step): ``tp`` a divisor of ``world`` up to ``max_tp`` (a node's NVLink island),
@@ -79,6 +80,8 @@ def candidate_layouts(
     rank encodes one batch ahead inside each window of ``A`` batches:
     :func:`~lightning_mmpar.layout.towers_cost.run_ahead_seconds`); colocated layouts
     accumulate 1 (there accumulation only adds per-batch overhead).
+    ``vision_data_parallel``: the vision ranks' engines tried (``"fsdp"`` only for ``V >= 2``:
+    FSDP2 over one rank shards nothing).
 
     Raises:
         ValueError: ``world``, ``num_blocks``, ``global_batch``, ``max_tp`` or a
@@ -88,7 +91,8 @@ def candidate_layouts(
         accumulate = tuple(noncolocated_accumulate)
         args = {k: a for k, a in locals().items() if k not in _NOT_ENUMERATED}
         _check_counts(**{f"noncolocated_accumulate[{i}]": a for i, a in enumerate(accumulate)})
-        return _with_vision_ranks(world, vision_ranks, args, accumulate)
+        engines = args.pop("vision_data_parallel")
+        return _with_vision_ranks(world, vision_ranks, args, accumulate, engines)
     _check_counts(world=world, num_blocks=num_blocks, global_batch=global_batch, max_tp=max_tp)
     base = base if base is not None else ParallelLayout()
     counts = micro_batch_counts or _micro_batch_counts
@@ -133,10 +137,15 @@ _NOT_ENUMERATED = ("world", "vision_ranks", "noncolocated_accumulate", "accumula
 
 
 def _with_vision_ranks(
-    world: int, counts: Sequence[int], args: dict[str, Any], accumulate: Sequence[int]
+    world: int,
+    counts: Sequence[int],
+    args: dict[str, Any],
+    accumulate: Sequence[int],
+    engines: Sequence[str] = ("ddp",),
 ) -> list[Any]:
     """:func:`candidate_layouts` (``args``) on ``world - V`` ranks for each ``V`` in
-    ``counts``, with ``vision_ranks=V``; non-colocated ones without sequence or expert
+    ``counts``, with ``vision_ranks=V`` and each of ``engines`` as ``vision_data_parallel``
+    (``"fsdp"`` only for ``V >= 2``); non-colocated ones without sequence or expert
     parallelism, once per ``A`` in ``accumulate`` dividing the global batch (enumerated at
     ``global_batch / A``, ``accumulate=A``)."""
     out = []
@@ -147,9 +156,10 @@ def _with_vision_ranks(
                 continue
             found = candidate_layouts(world - v, **{**args, "global_batch": batch // a})
             out += [
-                replace(x, vision_ranks=v, accumulate=a)
+                replace(x, vision_ranks=v, accumulate=a, vision_data_parallel=e)
                 for x in found
                 if not v or not (x.sequence_parallel or x.ep > 1)
+                for e in (engines if v >= 2 else ("ddp",))
             ]
     return out
 
@@ -267,7 +277,7 @@ def _predict(
 def describe(layout: Any) -> str:
     """``tp 4 pp 2 v 2 dp 2 ep 1 mb 8x4 sp fsdp ckpt`` for tables and logs (``acc A``: ``A``
     batches per optimizer step, shown when above 1; ``+ V vision``: a non-colocated layout's
-    vision ranks)."""
+    vision ranks; ``+ V vision fsdp``: sharded over them)."""
     flags = " ".join(
         f
         for f, on in (("sp", layout.sequence_parallel), ("ckpt", layout.activation_checkpointing))
@@ -280,4 +290,5 @@ def describe(layout: Any) -> str:
         + f" {layout.data_parallel}"
         + (f" {flags}" if flags else "")
         + (f" + {layout.vision_ranks} vision" if layout.vision_ranks else "")
+        + (" fsdp" if layout.vision_ranks and layout.vision_data_parallel == "fsdp" else "")
     )

@@ -1,12 +1,17 @@
 """Predicted step of a non-colocated layout (``vision_ranks``, pure Python).
 
 The vision tower (the model's leading blocks of kind ``vision``) runs on ``V`` ranks of its own,
-each a full copy, data-parallel (DDP arithmetic: whole parameters, gradients and AdamW moments,
-gradients all-reduced over the ``V`` ranks); the language ranks run the remaining blocks with
-the layout's tp x pp x dp, priced by :func:`lightning_mmpar.layout.cost.predict` on the
-language blocks alone (``predict`` combines both sides; this module prices the vision
-side). Per optimizer step, with ``S`` samples per step, ``F_v`` the vision blocks' forward +
-backward FLOPs per sample (they scale with the images per sample)::
+data-parallel: ``vision_data_parallel="ddp"``, each a full copy (whole parameters, gradients and
+AdamW moments, gradients all-reduced over the ``V`` ranks), or ``"fsdp"``, FSDP2 over the ``V``
+ranks (each block one unit: its state sharded as :func:`~lightning_mmpar.layout.memory.
+state_bytes` shards a colocated FSDP2 rank's at ``dp = V``; per batch each unit all-gathers
+twice, forward and backward, and reduce-scatters its trainable parameters once; the 0-dim
+ones all-reduced once per step: :func:`vision_comm_bytes`); the language ranks run the
+remaining blocks with the layout's tp x pp x dp, priced by
+:func:`lightning_mmpar.layout.cost.predict` on the language blocks alone (``predict`` combines
+both sides; this module prices the vision side). Per optimizer step, with ``S`` samples per
+step, ``F_v`` the vision blocks' forward + backward FLOPs per sample (they scale with the
+images per sample)::
 
     vision compute  = F_v * S / V / (peak x efficiency)  (+ block overhead per batch)
                       forward 1/3, backward 2/3; a frozen tower: the forward only
@@ -19,7 +24,7 @@ backward FLOPs per sample (they scale with the images per sample)::
                       ``A`` batches (:func:`run_ahead_seconds`): batch ``k + 1``'s forward
                       while the language ranks run batch ``k``, batch ``k``'s backward while
                       they run ``k + 1``; ``A = 1``: vision forward + transfer + language step
-                      + vision backward + vision gradient all-reduce, one after the other
+                      + vision backward + vision gradient sync, one after the other
     pipelined bound = max(vision side, language step) + transfer          (overlap=True)
 
 ``overlap=False`` prices what :mod:`lightning_mmpar.parallel.towers` runs; ``overlap=True``
@@ -34,6 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from lightning_mmpar.layout.comm import comm_parts
 from lightning_mmpar.layout.devices import collective_seconds
 from lightning_mmpar.layout.memory import state_bytes
 from lightning_mmpar.layout.model import ModelSpec
@@ -42,10 +48,13 @@ from lightning_mmpar.layout.value import ParallelLayout
 
 __all__ = [
     "TowerCost",
+    "language_layout",
     "run_ahead_seconds",
     "split_towers",
     "tower_cost",
+    "vision_comm_bytes",
     "vision_gradient_bytes",
+    "vision_layout",
 ]
 
 INLET = "tower.inlet"
@@ -97,12 +106,12 @@ class TowerCost:
     samples: float
     forward: float
     backward: float
-    sync: float  # the gradient all-reduce over the vision ranks
+    sync: float  # the gradient sync over the vision ranks (FSDP2: its gathers too)
     transfer: float  # the embeddings, their gradients and the pixels, on its links
     embedding_bytes: int  # sent: embeddings to every tp rank of its replicas' first stage
     gradient_bytes: int  # received: the embeddings' gradients (0: frozen tower)
     pixel_bytes: int  # received: the pixels
-    state: tuple[int, int, int]  # parameters, gradients, optimizer bytes (full copies)
+    state: tuple[int, int, int]  # parameters, gradients, optimizer bytes (vision rank 0's)
     activations: int  # kept activation bytes of one batch
 
     @property
@@ -135,11 +144,12 @@ def tower_cost(
     overhead = rate[1] * len(vision.blocks) * batches
     forward = flops / 3 + overhead / 3
     backward = (flops + overhead) * 2 / 3 if trains else 0.0
-    own = ParallelLayout(dp=v, data_parallel="ddp", precision=layout.precision)
-    state = state_bytes(vision, own, {})
-    grads = sum(p.numel * p.element_size for p in vision.params if p.trainable)
+    state = state_bytes(vision, vision_layout(layout), {})
     ranks = [world + r for r in range(v)]
-    sync = collective_seconds(graph, "all_reduce", ranks, grads) if trains and v > 1 else 0.0
+    sync = sum(
+        collective_seconds(graph, key.split(".")[1], ranks, n)
+        for key, n in vision_comm_bytes(model, layout).items()
+    )
     per_sample = sum(x.bytes_per_sample for x in vision.boundaries[-1] if x.requires_grad)
     emb = round(per_sample * samples * layout.tp)
     back = round(per_sample * samples) if trains else 0
@@ -161,7 +171,8 @@ def run_ahead_seconds(tower: TowerCost, language_step: float, batches: int) -> f
     (``A``) batches per accumulation window, each side's work split evenly over them, the
     vision rank encoding batch ``k + 1`` before it back-propagates batch ``k`` (an event
     simulation of :class:`~lightning_mmpar.parallel.towers.TowerExchange`'s order); the
-    transfer rides with the embeddings; the vision ranks' gradient all-reduce ends the step.
+    transfer rides with the embeddings; the vision ranks' gradient sync ends the step (under
+    FSDP2 its gathers too, all counted there: an upper bound).
     ``A = 1`` gives the serial sum. Seconds."""
     f, b = tower.forward / batches, tower.backward / batches
     t, lang = tower.transfer / batches, language_step / batches
@@ -198,6 +209,58 @@ def _transfer_seconds(
                 if n
             )
     return total * batches
+
+
+def language_layout(layout: ParallelLayout) -> ParallelLayout:
+    """The language ranks' layout: ``layout`` without its vision ranks (a colocated layout
+    of the same tp x pp x dp, which :func:`~lightning_mmpar.layout.cost.predict` and the
+    language side's counts price)."""
+    return replace(layout, vision_ranks=0, vision_data_parallel="ddp")
+
+
+def vision_layout(layout: ParallelLayout) -> ParallelLayout:
+    """The vision ranks' own layout: ``dp = V`` under ``layout.vision_data_parallel``, no
+    model parallelism, ``layout``'s accumulation and precision (what
+    :func:`~lightning_mmpar.layout.memory.state_bytes` and
+    :func:`~lightning_mmpar.layout.comm.comm_parts` price them with)."""
+    return ParallelLayout(
+        dp=max(layout.vision_ranks, 1),
+        data_parallel=layout.vision_data_parallel,
+        accumulate=layout.accumulate,
+        precision=layout.precision,
+    )
+
+
+def vision_comm_bytes(model: ModelSpec, layout: ParallelLayout) -> dict[str, int]:
+    """Bytes of one vision rank's collectives over the vision ranks per optimizer step, by
+    ``vision.<kind>`` (nccl-tests' sizes, as :func:`~lightning_mmpar.layout.comm.comm_bytes`):
+    ``ddp``: ``vision.all_reduce``, the trainable parameters (:func:`vision_gradient_bytes`);
+    ``fsdp``: ``vision.all_gather`` and ``vision.reduce_scatter``, each block's FSDP2 unit as
+    ``comm_parts`` counts a colocated unit at ``dp = V`` (padded shards; two gathers and one
+    reduce-scatter per batch; a frozen tower: one gather, no reduce-scatter), and
+    ``vision.all_reduce`` for the trainable 0-dim parameters (no unit holds them; once per
+    step). Empty with one vision rank, 0-byte keys left out.
+
+    Raises:
+        ValueError: from :func:`split_towers`.
+    """
+    vision, _ = split_towers(model)
+    if layout.vision_ranks < 2:
+        return {}
+    trained = [p for p in vision.params if p.trainable]
+    if layout.vision_data_parallel == "ddp":
+        out = {"vision.all_reduce": sum(p.numel * p.element_size for p in trained)}
+    else:
+        parts = comm_parts(vision, vision_layout(layout))
+        out = {
+            "vision." + key.split(".")[1]: why.get("fsdp", 0)
+            for key, why in parts.items()
+            if key.startswith("dp.")
+        }
+        if not trained:  # a frozen tower runs no backward: one gather per batch, not two
+            out["vision.all_gather"] = out.get("vision.all_gather", 0) // 2
+        out["vision.all_reduce"] = sum(p.numel * p.element_size for p in trained if not p.shape)
+    return {k: n for k, n in out.items() if n}
 
 
 def vision_gradient_bytes(model: ModelSpec) -> int:

@@ -50,6 +50,9 @@ VISION_PARALLEL = ("tp", "replicate", "dp")
 (``lightning_mmpar.plans.fusion_vision``)."""
 DATA_PARALLEL = ("fsdp", "ddp", "none")
 """Data-parallel engines: FSDP2, DDP, or none (one replica)."""
+VISION_DATA_PARALLEL = ("ddp", "fsdp")
+"""The vision tower's engine on its own ranks (``vision_ranks``): full copies with summed
+gradients, or FSDP2 over the vision ranks."""
 _STRATEGY_NAMES = {
     "tp": "tensor_parallel",
     "pp": "pipeline_parallel",
@@ -119,6 +122,11 @@ class ParallelLayout:
     """Ranks that run the vision tower alone (the strategy's ``vision_ranks``, Megatron-Bridge
     MIMO's non-colocated encoder); ``0``: colocated, every rank holds its share of every tower.
     Not counted in :attr:`world` (the language ranks)."""
+    vision_data_parallel: str = "ddp"
+    """The vision tower's data parallelism over its ``vision_ranks`` (the strategy's
+    ``vision_data_parallel``): ``ddp`` (a full copy per vision rank, gradients summed) or
+    ``fsdp`` (FSDP2: parameters, gradients and optimizer state sharded over the vision ranks,
+    gradients reduce-scattered). Needs ``vision_ranks >= 2`` for ``fsdp``."""
 
     @property
     def num_micro_batches(self) -> int:
@@ -176,6 +184,7 @@ class ParallelLayout:
             ("virtual_pipeline", self.virtual, 1),
             ("data_parallel", self.data_parallel, "fsdp"),
             ("vision_ranks", self.vision_ranks, 0),
+            ("vision_data_parallel", self.vision_data_parallel, "ddp"),
         ):
             if value != default:
                 out[key] = value
@@ -398,6 +407,7 @@ def _check_towers(layout: ParallelLayout) -> None:
             f"vision_ranks ({v!r}) must be a non-negative integer: the ranks that run the "
             "vision tower alone; use 0 to keep it on every rank (colocated)."
         )
+    _check_vision_engine(layout.vision_data_parallel, v)
     if v == 0:
         return
     if layout.ep > 1:
@@ -417,6 +427,29 @@ def _check_towers(layout: ParallelLayout) -> None:
             f"vision_ranks ({v}) with sequence_parallel (True) is not supported: the received "
             "image embeddings' gradient would be a sequence shard; set sequence_parallel "
             "false or vision_ranks=0."
+        )
+
+
+def _check_vision_engine(engine: str, v: int) -> None:
+    """``vision_data_parallel``: a known engine; ``fsdp`` only over two or more vision ranks
+    (with ``vision_ranks=0`` the tower follows ``data_parallel``; over one rank FSDP2 shards
+    nothing and would only add its hooks: refused rather than silently a full copy)."""
+    if engine not in VISION_DATA_PARALLEL:
+        raise ValueError(
+            f"vision_data_parallel ({engine!r}) is not a known engine for the vision ranks; "
+            f"choose one of {', '.join(repr(e) for e in VISION_DATA_PARALLEL)}."
+        )
+    if engine == "fsdp" and v == 0:
+        raise ValueError(
+            "vision_data_parallel ('fsdp') needs vision_ranks >= 2 (got 0): it shards the "
+            "vision tower over its own ranks; set vision_ranks=2 or more, or leave "
+            "vision_data_parallel='ddp' (a colocated tower follows data_parallel)."
+        )
+    if engine == "fsdp" and v == 1:
+        raise ValueError(
+            "vision_data_parallel ('fsdp') with vision_ranks (1): FSDP2 over one rank shards "
+            "nothing (the rank holds the whole tower either way); set vision_ranks=2 or more, "
+            "or vision_data_parallel='ddp'."
         )
 
 

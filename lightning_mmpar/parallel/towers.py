@@ -47,11 +47,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from lightning_mmpar.parallel import comm
+from lightning_mmpar.parallel.data import shard_placement
 from lightning_mmpar.topology import TowerLink, TowerRanks, chunk_sizes
 
-__all__ = ["TowerExchange", "TowerInlet", "image_index", "tower_block_count", "tower_group"]
+__all__ = [
+    "TowerExchange",
+    "TowerInlet",
+    "image_index",
+    "shard_tower",
+    "tower_block_count",
+    "tower_group",
+]
 
 _GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 Tower = Callable[[Tensor], tuple[Tensor, ...]]
@@ -69,6 +79,38 @@ def tower_group(ranks: Sequence[int]) -> dist.ProcessGroup:
         assert isinstance(group, dist.ProcessGroup), "only members create it"
         _GROUPS[key] = group
     return _GROUPS[key]
+
+
+def shard_tower(blocks: Sequence[nn.Module], group: dist.ProcessGroup, device_type: str) -> None:
+    """FSDP2 of the vision tower over the vision ranks (``vision_data_parallel="fsdp"``):
+    torch's ``fully_shard`` on each block with parameters over a 1-D mesh of ``group``
+    (dimension ``"vision"``), shards placed by
+    :func:`~lightning_mmpar.parallel.data.shard_placement`, 0-dim parameters left replicated
+    (their gradients are all-reduced by the strategy). Each block is its own FSDP root (the
+    vision ranks call the blocks, not a module around them), so ``reshard_after_forward=True``
+    is explicit: the backward gathers again, as for a colocated block (torchtitan's default).
+    Gradients are reduce-scattered in their own dtype as a plain **sum** (divide factor 1, sum
+    reduction: the strategy scales the sum to the one-process gradients), zeros for a
+    parameter without gradient (a rank that encoded no image still joins every
+    reduce-scatter). Collective over ``group`` (its members only)."""
+    mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=("vision",))
+    size = mesh.size()
+    for block in blocks:
+        params = list(block.parameters())
+        ignored = {p for p in params if p.ndim == 0}
+        if len(ignored) == len(params):
+            continue  # no parameter, or only scalars: nothing to shard
+        fully_shard(
+            block,
+            mesh=mesh,
+            reshard_after_forward=True,
+            shard_placement_fn=lambda p: shard_placement(p, size),
+            ignored_params=ignored or None,
+        )
+        assert isinstance(block, FSDPModule)
+        block.set_gradient_divide_factor(1.0)
+        block.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM: sum, no divide
+        block.set_reduce_scatter_unused_params(True)
 
 
 def tower_block_count(blocks: Sequence[nn.Module]) -> int:

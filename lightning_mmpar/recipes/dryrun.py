@@ -81,7 +81,13 @@ from lightning_mmpar.layout.memory import (
     stage_blocks,
     state_bytes,
 )
-from lightning_mmpar.layout.towers_cost import split_towers, tower_cost
+from lightning_mmpar.layout.towers_cost import (
+    language_layout,
+    split_towers,
+    tower_cost,
+    vision_comm_bytes,
+    vision_layout,
+)
 from lightning_mmpar.recipes.module import ClipLlamaModule
 from lightning_mmpar.recipes.partition import _strategy_args, build_module, load_recipe
 from lightning_mmpar.recipes.planner import base_layout, layout_facts, spec_cache
@@ -369,7 +375,7 @@ def _fsdp_unit_bytes(group: Any, layout: ParallelLayout, out: dict[str, int]) ->
     """Add one FSDP2 parameter group's all-gather and reduce-scatter bytes per step to ``out``
     (:func:`measure_comm`); returns the ids of its sharded parameters."""
     names = tuple(group.mesh_info.mesh.mesh_dim_names or ())
-    dim = "edp" if "edp" in names else "dp"
+    dim = next((d for d in ("edp", "vision") if d in names), "dp")  # vision: the tower's own
     ranks = int(group.mesh_info.shard_mesh_size)
     policy = group.mp_policy
     gathered = reduced = 0
@@ -390,6 +396,31 @@ def _fsdp_unit_bytes(group: Any, layout: ParallelLayout, out: dict[str, int]) ->
             if n:
                 out[f"{dim}.{kind}"] = out.get(f"{dim}.{kind}", 0) + n
     return ids
+
+
+def _vision_comm(module: nn.Module, layout: ParallelLayout) -> dict[str, int]:
+    """A vision rank's collectives of one step over the vision ranks, measured from its built
+    tower (``vision_ranks > 1``; keys ``vision.<kind>``): ``ddp``, the all-reduce of its
+    trainable parameters; ``fsdp``, each block unit's all-gathers and reduce-scatter
+    (:func:`_fsdp_unit_bytes`; one gather per batch for a frozen tower, which runs no
+    backward) and the all-reduce of the trainable parameters no unit manages (0-dim)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if layout.vision_ranks < 2:
+        return {}
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    if layout.vision_data_parallel == "ddp":
+        out = {"vision.all_reduce": sum(_local_bytes(p) for p in trainable)}
+        return {k: n for k, n in out.items() if n}
+    out, managed = {}, set()
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            for group in m._get_fsdp_state()._fsdp_param_groups:
+                managed |= _fsdp_unit_bytes(group, vision_layout(layout), out)
+    if not trainable and "vision.all_gather" in out:
+        out["vision.all_gather"] //= 2
+    out["vision.all_reduce"] = sum(_local_bytes(p) for p in trainable if id(p) not in managed)
+    return {k: n for k, n in out.items() if n}
 
 
 def _set_up_part(parts: dict[str, dict[str, int]]) -> dict[str, int]:
@@ -435,11 +466,9 @@ def report_rank(planned: Planned, rank: int) -> RankReport:
             coords = dict(strategy.parallel_dims.rank_coords(rank))
         measured, blocks = measure(strategy, module), held_blocks(strategy)
         if rank < layout.world:
-            comm_measured = measure_comm(strategy, module, replace(layout, vision_ranks=0))
-        elif layout.vision_ranks > 1:  # a vision rank: its tower's gradients, each step
-            comm_measured = {"vision.all_reduce": measured.gradients}
-        else:
-            comm_measured = {}
+            comm_measured = measure_comm(strategy, module, language_layout(layout))
+        else:  # a vision rank: its tower's sync over the vision ranks
+            comm_measured = _vision_comm(module, layout)
         table = strategy.stage_plan.table() if strategy.stage_plan is not None else None
     finally:
         dist.destroy_process_group()
@@ -482,33 +511,31 @@ def _ddp_explained(layout: ParallelLayout, full_grad_extra: int) -> dict[str, in
 
 def _tower_report(planned: Planned, report: RankReport) -> RankReport:
     """A rank of a non-colocated layout, blocks numbered as in the whole model: a vision rank
-    (the tower, a full copy, DDP over the vision ranks: the planner's ``tower_cost``) or a
+    (the tower, a full copy or its FSDP2 shards over the vision ranks: the planner's
+    ``tower_cost`` and ``vision_comm_bytes``) or a
     language rank (the other blocks under the layout's tp x pp x dp; its block 0, the
     parameterless ``TowerInlet``, block 0 of the planner's language side too, not listed)."""
     layout = planned.layout
     vision, language = split_towers(planned.spec)
     k = len(vision.blocks)
     if "vision" in report.coords:
-        own = ParallelLayout(
-            dp=layout.vision_ranks, data_parallel="ddp", precision=layout.precision
-        )
         # bytes only: any rate gives the same ones
         tower = tower_cost(planned.spec, layout, (1.0, 0.0), default_graph(planned.gpus))
-        sync = sum(p.numel * p.element_size for p in vision.params if p.trainable)
+        sync = vision_comm_bytes(planned.spec, layout)
         return replace(
             report,
-            predicted=state_bytes(vision, own, {}),
+            predicted=state_bytes(vision, vision_layout(layout), {"dp": report.coords["vision"]}),
             predicted_blocks=list(range(k)),
             activations=tower.activations,
-            comm={"vision.all_reduce": sync} if layout.vision_ranks > 1 and sync else {},
-            comm_set_up={"vision.all_reduce": sync} if layout.vision_ranks > 1 and sync else {},
+            comm=sync,
+            comm_set_up=sync,
             transfer={
                 "embeddings out": tower.embedding_bytes,
                 "gradients in": tower.gradient_bytes,
                 "pixels in": tower.pixel_bytes,
             },
         )
-    lang, coords = replace(layout, vision_ranks=0), report.coords
+    lang, coords = language_layout(layout), report.coords
     return replace(
         report,
         blocks=[k + b - 1 for b in report.blocks if b > 0],

@@ -146,6 +146,7 @@ def fragment(layout: ParallelLayout, placement: Sequence[int] | None = None) -> 
         "data_parallel": layout.data_parallel,
         "partition": list(part) if isinstance(part, tuple) else part,
         "vision_ranks": layout.vision_ranks,
+        "vision_data_parallel": layout.vision_data_parallel,
     }
     if "placement" in inspect.signature(MultimodalParallelStrategy.__init__).parameters:
         moved = placement is not None and tuple(placement) != tuple(range(len(placement)))
@@ -215,6 +216,15 @@ def _parser() -> argparse.ArgumentParser:
         help="images per sample, a mean (fractions allowed; 0: text only); default: the YAML's "
         "data module's images_per_sample when it has one (DigitsVQA: max_images / 2), else 1",
     )
+    _tower_arguments(p)
+    p.add_argument("--max-tp", type=int, default=8, help="largest tensor-parallel size")
+    p.add_argument("--top", type=int, default=10, help="layouts shown")
+    p.add_argument("--write-yaml", help="write the best layout's YAML fragment here")
+    return p
+
+
+def _tower_arguments(p: argparse.ArgumentParser) -> None:
+    """The non-colocated candidates' options (``vision_ranks``, ``vision_data_parallel``)."""
     p.add_argument(
         "--vision-ranks",
         type=int,
@@ -223,16 +233,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-noncolocated", action="store_true", help="= --vision-ranks 0")
     p.add_argument(
+        "--vision-fsdp",
+        action="store_true",
+        help="also rank non-colocated layouts with the vision tower sharded over 2 or more "
+        "vision ranks (vision_data_parallel: fsdp) beside its full copies (ddp)",
+    )
+    p.add_argument(
         "--tower-overlap",
         action="store_true",
         help="price non-colocated layouts at the bound max(vision side, language step) + transfer "
         "(the transfer exposed, no fill or drain); default: as run (serial at accumulate 1, "
         "else the vision rank one batch ahead inside each accumulation window)",
     )
-    p.add_argument("--max-tp", type=int, default=8, help="largest tensor-parallel size")
-    p.add_argument("--top", type=int, default=10, help="layouts shown")
-    p.add_argument("--write-yaml", help="write the best layout's YAML fragment here")
-    return p
 
 
 def _global_batch(config: dict[str, Any], args: argparse.Namespace) -> int:
@@ -437,6 +449,7 @@ def _rank(args: argparse.Namespace, run: _Planning) -> tuple[list[Prediction], l
         experts=moe.num_experts if moe is not None else 0,
         base=run.base,
         vision_ranks=vision_counts(args.gpus, args.vision_ranks, args.no_noncolocated),
+        vision_data_parallel=("ddp", "fsdp") if args.vision_fsdp else ("ddp",),
         tower_overlap=args.tower_overlap,
     )
 

@@ -30,6 +30,7 @@ _FIELDS = {
     "schedule": "schedule",
     "data_parallel": "data_parallel",
     "vision_ranks": "vision_ranks",
+    "vision_data_parallel": "vision_data_parallel",
 }
 
 

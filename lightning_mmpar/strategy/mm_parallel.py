@@ -53,7 +53,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mmpar.config import DataParallel, ParallelConfig, Schedule, check_train_batches
+from lightning_mmpar.config import (
+    DataParallel,
+    ParallelConfig,
+    Schedule,
+    VisionDataParallel,
+    check_train_batches,
+)
 from lightning_mmpar.layout import StagePlan
 from lightning_mmpar.parallel import checkpoint as ckpt
 from lightning_mmpar.parallel import comm, deferred, finite, replication
@@ -81,6 +87,15 @@ from lightning_mmpar.strategy.setup_checks import (
 )
 from lightning_mmpar.strategy.tower_steps import TowerSteps
 from lightning_mmpar.topology import ParallelDims
+
+
+def _check_unit_order_option(value: Any) -> None:
+    """``check_unit_order``: a bool, else ``ValueError``."""
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"check_unit_order={value!r}: give True (check that every data-parallel rank "
+            "enters the same FSDP2 unit) or False (no check)."
+        )
 
 
 class MultimodalParallelStrategy(
@@ -132,11 +147,17 @@ class MultimodalParallelStrategy(
             Raises ``ValueError`` for anything but a bool.
         vision_ranks: ranks that run the vision tower alone (non-colocated towers,
             Megatron-Bridge MIMO's layout; :mod:`lightning_mmpar.parallel.towers`): the last
-            ``vision_ranks`` global ranks, each with a full copy of the tower, gradients summed
-            over them; the other ranks are laid out by the sizes above. ``0`` (default):
+            ``vision_ranks`` global ranks, by default each with a full copy of the tower,
+            gradients summed over them (``vision_data_parallel``); the other ranks are laid
+            out by the sizes above. ``0`` (default):
             colocated. Needs ragged batches and a module with ``use_tower_role``,
             ``tower_blocks`` and ``tower_inputs`` (``ClipLlamaModule``); refused with
             ``expert_parallel > 1``, zero-bubble schedules and sequence parallelism.
+        vision_data_parallel: the vision tower's data parallelism over its ``vision_ranks``:
+            ``"ddp"`` (default: a full copy per vision rank, gradients summed over them) or
+            ``"fsdp"`` (FSDP2 ``fully_shard`` of each tower block over the vision ranks:
+            parameters, gradients and AdamW state sharded, gradients reduce-scattered; needs
+            ``vision_ranks >= 2``). Raises ``ValueError`` otherwise.
 
     Data parallelism is ``world_size / (tensor_parallel * pipeline_parallel)``. A LightningModule
     that implements ``PipelineModule`` has its steps run by the strategy (any pp, 1 included) and
@@ -177,6 +198,7 @@ class MultimodalParallelStrategy(
         compile_blocks: bool | str | None = None,
         check_unit_order: bool = True,
         vision_ranks: int = 0,
+        vision_data_parallel: VisionDataParallel = "ddp",
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         try:  # under torchrun / SLURM every rank builds the strategy: one message, rank 0's
@@ -191,16 +213,13 @@ class MultimodalParallelStrategy(
                 partition=partition,
                 placement=placement,
                 vision_ranks=vision_ranks,
+                vision_data_parallel=vision_data_parallel,
             )
             self.memory = MemoryOptions(
                 mixed_precision, offload_optimizer, activation_checkpointing, compile_blocks
             )
             self.memory.check(self.config.data_parallel, self.config.expert_parallel)
-            if not isinstance(check_unit_order, bool):
-                raise ValueError(
-                    f"check_unit_order={check_unit_order!r}: give True (check that every "
-                    "data-parallel rank enters the same FSDP2 unit) or False (no check)."
-                )
+            _check_unit_order_option(check_unit_order)
         except ValueError as err:
             refuse_once(err, rank_zero_only.rank)  # type: ignore[attr-defined]
         self._dims: ParallelDims | None = None
@@ -437,6 +456,7 @@ class MultimodalParallelStrategy(
         elif self._exchange is None or not self._exchange.is_vision:
             self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
         self._tower_backward(piped)  # non-colocated towers: the embeddings' gradients
+        self._tower_join(closure_loss)  # vision FSDP: a rank without image joins the reduce
         self._grad_sync.sync(self.parallel_dims)  # what no FSDP unit reduced: tp, dp, edp
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)

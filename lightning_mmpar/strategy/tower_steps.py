@@ -12,28 +12,38 @@ its own parameters' gradients before normalisation (``1 / (micro_batches * accum
 summed losses' gradients), the vision ranks accumulate the tower's gradients from them, and at
 the optimizer step multiply their sum over the vision ranks by ``micro_batches * accumulate / N``
 (``N``: the step's target tokens, sent by the language side; token losses) or ``1 / dp`` (plain
-mean losses): the gradients one process computes on the whole global batch.
+mean losses): the gradients one process computes on the whole global batch. Under
+``vision_data_parallel="fsdp"`` (FSDP2 of the tower over the vision ranks, torchtitan's
+``fully_shard`` per block) the sum is FSDP2's reduce-scatter inside backward (divide factor 1),
+so only the scaling is left for the optimizer step.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import torch
 from lightning.pytorch.strategies import ParallelStrategy
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_mmpar.config import ParallelConfig
 from lightning_mmpar.parallel import comm
 from lightning_mmpar.parallel.numerics import clip_grad_norm_, shard_count
 from lightning_mmpar.parallel.pipeline.schedules import _drop_parameters
-from lightning_mmpar.parallel.towers import TowerExchange, TowerInlet, tower_group
+from lightning_mmpar.parallel.towers import TowerExchange, TowerInlet, shard_tower, tower_group
 from lightning_mmpar.topology import ParallelDims, TowerRanks
 
 __all__ = ["TowerSteps"]
 
 _TOWER_METHODS = ("use_tower_role", "tower_blocks", "tower_inputs")
+
+
+def _needs_grad(t: Any) -> bool:
+    """Whether ``t`` is a tensor a backward can reach (it requires a gradient)."""
+    return isinstance(t, Tensor) and t.requires_grad
 
 
 def _params(optimizer: Optimizer) -> list[Any]:
@@ -51,6 +61,10 @@ class TowerSteps(ParallelStrategy):
     """This rank's side of the data flow (set in ``setup``)."""
     _inlet: TowerInlet | None = None
     _vision_group: Any = None
+    _tower_pending: deque[list[bool]] | None = None
+    """``vision_data_parallel="fsdp"``, a vision rank: per training forward of the tower not
+    yet back-propagated, in order (the exchange's order, one batch ahead inside a window),
+    whether a backward reached its outputs (:meth:`_tower_join`)."""
 
     @property
     def parallel_dims(self) -> ParallelDims:
@@ -104,9 +118,49 @@ class TowerSteps(ParallelStrategy):
             for t in (*module.parameters(), *module.buffers()):  # from the first vision rank
                 if not t.is_meta:  # the dry run's meta tensors hold no values
                     t.data.copy_(comm.broadcast(t.data, 0, self._vision_group))
+            if self.config.vision_data_parallel == "fsdp":
+                self._shard_vision(tower)
             return True
         _drop_parameters(module, module.pipeline_blocks(), tower)
         return False
+
+    def _shard_vision(self, tower: list[Any]) -> None:
+        """``vision_data_parallel="fsdp"``: FSDP2 of the tower over the vision ranks
+        (:func:`~lightning_mmpar.parallel.towers.shard_tower`), and a hook on its last block
+        that records, per forward with gradients, whether a backward reached its outputs
+        (:meth:`_tower_join`)."""
+        shard_tower(tower, self._vision_group, self.root_device.type)
+        pending = self._tower_pending = deque()
+
+        def watch(_module: Any, _args: Any, out: Any) -> None:
+            outs = [o for o in (out if isinstance(out, tuple) else (out,)) if _needs_grad(o)]
+            if not outs:  # evaluation, or a frozen tower: no backward follows
+                return
+            record = [False]
+            pending.append(record)
+            for o in outs:
+                o.register_hook(lambda grad: record.__setitem__(0, True))
+
+        tower[-1].register_forward_hook(watch)
+
+    def _tower_join(self, loss: Tensor) -> None:
+        """After a vision rank's backward (``vision_data_parallel="fsdp"``): when the exchange
+        back-propagated nothing for this batch (it had no image), back-propagate the step's
+        zero loss through the empty batch's graph, so this rank joins the FSDP2
+        reduce-scatters its peers run inside their backward (zero gradients; the same
+        collectives). The batch is the oldest forward not yet back-propagated."""
+        pending, ex = self._tower_pending, self._exchange
+        if not pending or ex is None or not ex.is_vision or not ex.trains:
+            return
+        if not pending.popleft()[0] and loss.requires_grad:
+            loss.backward()
+
+    def on_train_start(self) -> None:
+        """A vision rank under FSDP2 forgets the forwards of an earlier fit (a batch encoded
+        ahead that a fit stopped inside a window never back-propagated)."""
+        if self._tower_pending is not None:
+            self._tower_pending.clear()
+        super().on_train_start()
 
     # ------------------------------------------------------------------ steps
     def _tower_batch(self, batch: Any, grad: bool) -> None:
@@ -213,7 +267,9 @@ class TowerSteps(ParallelStrategy):
     @torch.no_grad()
     def _normalise_vision(self, optimizer: Any) -> int | None:
         """Vision rank, at the optimizer step: sum the tower's gradients over the vision ranks
-        and scale them to the global batch's (module docstring)."""
+        and scale them to the global batch's (module docstring). Under
+        ``vision_data_parallel="fsdp"`` the sharded parameters' gradients are already the sum
+        (FSDP2's reduce-scatter, divide factor 1): only scaled; the 0-dim ones all-reduced."""
         ex = self._exchange
         assert ex is not None
         if not ex.trains:
@@ -227,18 +283,22 @@ class TowerSteps(ParallelStrategy):
             if not p.requires_grad:
                 continue
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            p.grad = comm.all_reduce(grad, "sum", self._vision_group).mul_(factor)
+            if isinstance(grad, DTensor):  # FSDP2 shard: the sum over the vision ranks already
+                p.grad = grad.mul_(factor)
+            else:
+                p.grad = comm.all_reduce(grad, "sum", self._vision_group).mul_(factor)
         return int(tokens) if tokens >= 0 else None
 
     def _tower_clip(self, optimizer: Optimizer, clip_val: float) -> bool:
         """Clip by the norm over both sides (one all-reduce over the world): a language
         parameter weighs ``S * pp / L`` (``S`` its shards, ``L`` the language ranks), a vision
-        parameter ``1 / V`` (full copies on ``V`` ranks). Returns whether it clipped."""
+        parameter ``S / V`` (``S = 1``: full copies on ``V`` ranks; ``S = V``: FSDP2 shards,
+        one distinct piece per vision rank). Returns whether it clipped."""
         if self._towers is None:
             return False
         params, towers = _params(optimizer), self._towers
         if towers.is_vision(self.global_rank):
-            weights = [1.0 / towers.vision_ranks] * len(params)
+            weights = [shard_count(p) / towers.vision_ranks for p in params]
         else:
             lang, pp = towers.dims.world_size, towers.dims.pp
             weights = [shard_count(p) * pp / lang for p in params]

@@ -4,6 +4,7 @@ a first-stage rank with no image in a micro-batch), one spawned world per size."
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -14,8 +15,9 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_mmpar import MultimodalParallelStrategy
+from lightning_mmpar.parallel.comm import to_local
 from lightning_mmpar.parallel.comm_count import CommCounter
-from lightning_mmpar.parallel.tensor import full_gradients
+from lightning_mmpar.parallel.tensor import full_gradients, full_state_dict
 from lightning_mmpar.parallel.towers import TowerExchange
 from lightning_mmpar.recipes.faults import is_collective_failure
 from lightning_mmpar.recipes.options import FinetuneConfig
@@ -36,6 +38,8 @@ class Recorder(rw.Recorder):
         """Bytes of step 2's collectives (:class:`StepComm`)."""
         self.trainable = 0
         """Bytes of this rank's trainable parameters (local tensors)."""
+        self.state: dict[str, Tensor] = {}
+        """This rank's full module state after the fit (a case that saves a checkpoint)."""
 
         self.val_losses: list[float] = []
         """``val_loss`` after each validation (validation inside accumulation windows)."""
@@ -105,6 +109,9 @@ class Case:
     """A validation batch after every training batch (inside the accumulation windows)."""
     stop_after: int | None = None
     """Stop the fit after this batch (inside a window): the case checks the next ones run."""
+    checkpoint: bool = False
+    """Save a DCP checkpoint after the fit (under the world's directory) and return the
+    module's full state (:func:`run`)."""
 
     @property
     def vision_ranks(self) -> int:
@@ -122,7 +129,20 @@ CASES: tuple[Case, ...] = (
     Case("2 vision (dp) + pp2", 4, {"vision_ranks": 2, **PP2}),
     Case("2 vision (dp) + pp2, clip 0.5", 4, {"vision_ranks": 2, **PP2}, clip=0.5),
     Case("2 vision (dp) + pp2, frozen tower", 4, {"vision_ranks": 2, **PP2}, frozen=True),
+    Case(
+        "2 vision FSDP + pp2, frozen tower",
+        4,
+        {"vision_ranks": 2, "vision_data_parallel": "fsdp", **PP2},
+        frozen=True,
+    ),
     Case("2 vision + dp2 (text-only replica)", 4, {"vision_ranks": 2}),
+    Case(
+        "2 vision FSDP + dp2 (text-only replica), clip 0.5",
+        4,
+        {"vision_ranks": 2, "vision_data_parallel": "fsdp"},
+        clip=0.5,
+        checkpoint=True,
+    ),
     Case(
         "1 vision + tp2 x pp2", 5, {"vision_ranks": 1, **pm._pp("1f1b", 2, 2, 1, tensor_parallel=2)}
     ),
@@ -146,6 +166,12 @@ CASES: tuple[Case, ...] = (
     ),
     Case("1 vision + dp2 (fan-in), accumulate 2", 3, {"vision_ranks": 1}, accumulate=2),
     Case("2 vision (dp) + pp2, accumulate 2", 4, {"vision_ranks": 2, **PP2}, accumulate=2),
+    Case(  # vision rank 2 gets no image in the batch it encodes ahead: it joins the reduce
+        "2 vision FSDP + dp2, accumulate 2",
+        4,
+        {"vision_ranks": 2, "vision_data_parallel": "fsdp"},
+        accumulate=2,
+    ),
     Case(
         "2 vision + dp2, accumulate 2, frozen tower",
         4,
@@ -160,9 +186,10 @@ COLOCATED = Case(
 """The colocated layout whose arithmetic ``1 vision + tp2`` repeats on the language ranks."""
 
 
-def fit(strategy: Any, world: int, case: Case) -> Recorder:
+def fit(strategy: Any, world: int, case: Case, save: str | None = None) -> Recorder:
     """Two steps on the ragged batches (every rank the whole batch: one language replica; four
-    batches in two windows when accumulating)."""
+    batches in two windows when accumulating); ``save``: a checkpoint saved there afterwards,
+    the full state in ``Recorder.state``."""
     module = pm.build(rp.VOCAB, None, vision_parallel=case.vision_parallel)
     module.text_length = rp.TOKENS
     if case.frozen:
@@ -185,10 +212,12 @@ def fit(strategy: Any, world: int, case: Case) -> Recorder:
     data = _local(_batches(case.accumulate), case)
     val = DataLoader(data[:1], batch_size=None) if case.validate else None  # type: ignore[arg-type]
     trainer.fit(module, DataLoader(data, batch_size=None), val)  # type: ignore[arg-type]
+    if save is not None:
+        trainer.save_checkpoint(save)
+        recorder.state = full_state_dict(module)
     recorder.comm = counted.bytes
-    recorder.trainable = sum(
-        p.numel() * p.element_size() for p in module.parameters() if p.requires_grad
-    )
+    local = [to_local(p) for p in module.parameters() if p.requires_grad]  # FSDP2: shards
+    recorder.trainable = sum(t.numel() * t.element_size() for t in local)
     return recorder
 
 
@@ -228,12 +257,15 @@ def reference(clip: float | None, frozen: bool, accumulate: int, validate: bool)
     return fit(MultimodalParallelStrategy() if accumulate > 1 else "auto", 1, case)
 
 
-def run(case: Case) -> dict[str, Any]:
+def run(case: Case, root: str) -> dict[str, Any]:
     start = time.perf_counter()
+    save = os.path.join(root, f"world{case.world}.ckpt") if case.checkpoint else None
     strategy = MultimodalParallelStrategy(**case.strategy)
-    rec = fit(strategy, case.world, case)
+    rec = fit(strategy, case.world, case, save)
     exchange = strategy._exchange
     return {
+        "checkpoint": save,
+        "state": rec.state,
         "encoded_ahead": exchange.encoded_ahead if exchange is not None else 0,
         "losses": rec.losses,
         "val_losses": rec.val_losses,
@@ -245,10 +277,11 @@ def run(case: Case) -> dict[str, Any]:
     }
 
 
-def world(rank: int, world_size: int) -> dict[str, Any]:
-    """The cases of this size on this rank: ``{case name: result}``."""
+def world(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """The cases of this size on this rank: ``{case name: result}`` (checkpoints under
+    ``root``)."""
     cases = [*CASES, COLOCATED]
-    return {c.name: pm.named(c.name, rank, run, c) for c in cases if c.world == world_size}
+    return {c.name: pm.named(c.name, rank, run, c, root) for c in cases if c.world == world_size}
 
 
 def state_after(strategy: Any, world: int, resume: str | None, save: str | None) -> dict:

@@ -186,12 +186,13 @@ def test_set_up_collectives_are_measured_and_agree(engine: str) -> None:
         assert first.comm_explained == {}
 
 
-def _noncolocated(tp: int, pp: int, vision: int = 1) -> dict[str, Any]:
+def _noncolocated(tp: int, pp: int, vision: int = 1, engine: str = "ddp") -> dict[str, Any]:
     """The CPU recipe with its vision tower on ``vision`` ranks of their own
-    (``vision_ranks``) beside tp x pp language ranks."""
+    (``vision_ranks``, ``vision_data_parallel=engine``) beside tp x pp language ranks."""
     config = load_recipe(str(RECIPES / "clip_llama_cpu.yaml"))
     args = config["trainer"]["strategy"]["init_args"]
     args.update(tensor_parallel=tp, pipeline_parallel=pp, vision_ranks=vision)
+    args.update(vision_data_parallel=engine)
     config["trainer"]["devices"] = tp * pp + vision
     return config
 
@@ -199,12 +200,24 @@ def _noncolocated(tp: int, pp: int, vision: int = 1) -> dict[str, Any]:
 def test_two_vision_ranks_all_reduce_the_tower_gradients() -> None:
     """2 vision ranks beside one language rank: each vision rank all-reduces its tower's
     trainable gradients once per step (measured from the tower it holds), the planner's
-    ``vision.all_reduce``."""
+    ``vision.all_reduce``; under ``vision_data_parallel: fsdp`` it holds half the tower's
+    bytes (each block's FSDP2 shards) and its all-gathers and reduce-scatter, measured from
+    the units, are the planner's (``vision_comm_bytes``), every count agreeing."""
     planned = dryrun.plan_layout(_noncolocated(1, 1, vision=2), 3)
     r = dryrun.report_rank(planned, 2)
     assert r.coords == {"vision": 1} and r.mismatches() == [], r.mismatches()
     assert r.comm_measured == r.comm_set_up == {"vision.all_reduce": r.measured.gradients}
     assert r.measured.gradients > 0
+    sharded = dryrun.plan_layout(_noncolocated(1, 1, vision=2, engine="fsdp"), 3)
+    assert sharded.layout.vision_data_parallel == "fsdp"
+    f = dryrun.report_rank(sharded, 2)
+    assert f.mismatches() == [], f.mismatches()
+    assert set(f.comm_measured) == {"vision.all_gather", "vision.reduce_scatter"}
+    # the CPU recipe's tower splits evenly over 2 ranks: no padding, exactly half each
+    assert f.comm_measured["vision.reduce_scatter"] == r.measured.gradients
+    assert f.comm_measured["vision.all_gather"] == 2 * r.measured.parameters
+    assert 2 * f.measured.gradients == r.measured.gradients
+    assert 2 * f.measured.optimizer < r.measured.optimizer + 4096  # moments halved, steps kept
     assert not dist.is_initialized()
 
 

@@ -6,6 +6,7 @@ timeout; a failure names the case."""
 
 from __future__ import annotations
 
+import tempfile
 import time
 from typing import Any
 
@@ -20,6 +21,8 @@ from tests.recipes import recipe_faults_worker as rw
 
 RTOL = 1e-5
 _WORLDS: dict[int, Any] = {}
+_ROOT = tempfile.TemporaryDirectory(prefix="noncolocated-")
+"""The worlds' checkpoints (removed when the test process exits)."""
 _REFERENCES: dict[tuple[float | None, bool, int, bool], nw.Recorder] = {}
 SCALAR_NOISE = {"1 vision + tp2": ("temperature", 2e-5)}
 """Case -> (parameter name suffix, its relative bound): the gradients allowed past RTOL, and
@@ -39,7 +42,7 @@ def _world(size: int) -> list[dict[str, Any]]:
     if size not in _WORLDS:
         start = time.perf_counter()
         try:
-            _WORLDS[size] = spawn(nw.world, size, timeout=120)
+            _WORLDS[size] = spawn(nw.world, size, _ROOT.name, timeout=120)
         except Exception as err:  # kept: reported by each case of the world
             _WORLDS[size] = err
         print(f"non-colocated world of {size}: {time.perf_counter() - start:.1f} s")
@@ -156,6 +159,22 @@ def test_checkpoints_move_between_colocated_and_noncolocated(tmp_path: Any) -> N
 
 
 @pytest.mark.distributed
+def test_a_vision_fsdp_checkpoint_resumes_colocated() -> None:
+    """The DCP checkpoint of ``2 vision FSDP + dp2`` (the tower's FSDP2 shards on the vision
+    ranks, the language model's on the language ranks) holds the keys of the colocated model
+    and resumes on one colocated process with every tensor equal to the run's full state."""
+    from lightning_mmpar import MultimodalParallelStrategy
+
+    case = next(c for c in nw.CASES if c.checkpoint)
+    results = [r[case.name] for r in _world(case.world)]
+    saved = {k: v for r in results for k, v in r["state"].items()}
+    assert any(k.startswith("blocks.1.") for k in results[-1]["state"]), "no tower on a vision rank"
+    back = nw.state_after(MultimodalParallelStrategy(), 1, results[0]["checkpoint"], None)
+    assert saved.keys() == back.keys(), saved.keys() ^ back.keys()
+    assert [k for k in saved if not torch.equal(saved[k], back[k])] == []
+
+
+@pytest.mark.distributed
 def test_a_dead_vision_rank_ends_the_language_ranks_step_in_seconds() -> None:
     """The language rank waiting for the tower's outputs fails at once with an error the fault
     report (``recipes.faults``) counts as a failed collective: no hang."""
@@ -166,28 +185,60 @@ def test_a_dead_vision_rank_ends_the_language_ranks_step_in_seconds() -> None:
     assert language["at"] - vision["died"] < 10.0, language["at"] - vision["died"]
 
 
-@pytest.mark.distributed
-def test_vision_ranks_all_reduce_what_the_planner_predicts() -> None:
-    """``2 vision (dp) + pp2``, step 2 counted (``CommCounter``): each vision rank all-reduces
-    its tower's trainable gradients over the vision ranks once (``other``: their group is no
-    mesh dimension), the bytes of its trainable parameters (what the dry run measures) and the
-    planner's ``vision.all_reduce``; the language ranks move nothing over that group."""
-    from lightning_mmpar.layout import ParallelLayout
-    from lightning_mmpar.layout.towers_cost import split_towers
-    from lightning_mmpar.plans.fusion_cost import fusion_model_spec
+_COMM_CASES = (
+    "2 vision (dp) + pp2",
+    "2 vision FSDP + dp2 (text-only replica), clip 0.5",
+    "2 vision FSDP + pp2, frozen tower",
+)
 
-    case = nw.CASES[1]
-    assert case.name == "2 vision (dp) + pp2"
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", _COMM_CASES)
+def test_vision_ranks_sync_what_the_planner_predicts(name: str) -> None:
+    """Step 2 counted (``CommCounter``) on each vision rank: the collectives over the vision
+    ranks (``other``: their group is no mesh dimension) equal the planner's
+    (``towers_cost.vision_comm_bytes``): ``ddp``, one all-reduce of the tower's trainable
+    gradients, the bytes of its trainable parameters (what the dry run measures); ``fsdp``,
+    FSDP2's all-gathers (forward and backward; a frozen tower: forward only) and
+    reduce-scatter (none when frozen) of each block's padded shards and no all-reduce (no 0-dim
+    tower parameter), each rank holding the trainable bytes of its shards the planner's memory
+    gives (``state_bytes`` at ``dp = V``). The language ranks move nothing over that group."""
+    from lightning_mmpar.layout import ParallelLayout
+    from lightning_mmpar.layout.memory import state_bytes
+    from lightning_mmpar.layout.towers_cost import split_towers, vision_comm_bytes, vision_layout
+    from lightning_mmpar.plans.fusion_cost import fusion_model_spec
+    from lightning_mmpar.recipes.options import FinetuneConfig
+
+    case = next(c for c in nw.CASES if c.name == name)
     results = [r[case.name] for r in _world(case.world)]
-    layout = ParallelLayout(pp=2, micro_batches=2, micro_batch_size=1, vision_ranks=2)
-    spec = fusion_model_spec(pm.build(rp.VOCAB, None, vision_parallel="tp"), layout, rp.TOKENS)
-    sync = sum(p.numel * p.element_size for p in split_towers(spec)[0].params if p.trainable)
+    v, s = case.vision_ranks, case.strategy
+    pp, engine = s.get("pipeline_parallel", 1), s.get("vision_data_parallel", "ddp")
+    language = case.world - v
+    layout = ParallelLayout(
+        pp=pp,
+        dp=language // pp,
+        micro_batches=s.get("micro_batches"),
+        vision_ranks=v,
+        vision_data_parallel=engine,
+    )
+    module = pm.build(rp.VOCAB, None, vision_parallel="tp")
+    if case.frozen:  # as the run (noncolocated_worker.fit): the tower not trained
+        module.finetune = FinetuneConfig(train_decoder_layers=-1, train_embeddings=True)
+    spec = fusion_model_spec(module, layout, rp.TOKENS)
+    vision = split_towers(spec)[0]
+    assert case.frozen == (not any(p.trainable for p in vision.params)), name
+    predicted = {f"other.{k[7:]}": n for k, n in vision_comm_bytes(spec, layout).items()}
+    assert predicted, (name, "the planner predicts no sync")
+    if engine == "ddp":
+        sync = sum(p.numel * p.element_size for p in vision.params if p.trainable)
+        assert predicted == {"other.all_reduce": sync}, (name, predicted, sync)
     for rank, got in enumerate(results):
-        counted = got["comm"].get("other.all_reduce", 0)
-        want = sync if rank >= case.world - case.vision_ranks else 0
+        counted = {k: n for k, n in got["comm"].items() if k.startswith("other.")}
+        want = predicted if rank >= language else {}
         assert counted == want, (
-            f"{case.name}, rank {rank}: vision.all_reduce (the tower's gradients over the vision "
-            f"ranks) counted {counted:,} B vs predicted {want:,} B"
+            f"{case.name}, rank {rank}: the vision ranks' collectives counted {counted} vs "
+            f"predicted {want} (towers_cost.vision_comm_bytes)"
         )
         if want:
-            assert got["trainable"] == sync, (case.name, rank, got["trainable"], sync)
+            own = state_bytes(vision, vision_layout(layout), {"dp": rank - language})
+            assert got["trainable"] == own.gradients, (case.name, rank, got["trainable"], own)

@@ -254,6 +254,7 @@ def test_fragment_merged_over_a_recipe_overrides_every_layout_field(recipe: Path
         "placement": order,
         "activation_checkpointing": "layers" if layout.activation_checkpointing else None,
         "vision_ranks": layout.vision_ranks,
+        "vision_data_parallel": layout.vision_data_parallel,
     }
     assert {k: args.get(k) for k in expected} == expected
     assert set(args) - set(expected) <= set(old) - set(expected)  # nothing else added
@@ -439,3 +440,19 @@ def test_ragged_yaml_prices_the_row_budget_and_says_so(capsys: pytest.CaptureFix
         "upper bound of the work; pass --text-length for your samples' mean)"
     ), workload
     assert "data.max_length" not in workload
+
+
+def test_vision_fsdp_candidates_are_ranked_with_full_copies(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--vision-fsdp``: the non-colocated layouts with 2 vision ranks are ranked both as full
+    copies and sharded (``+ 2 vision fsdp``); without it, full copies only."""
+    argv = ["--config", CPU, "--gpus", "4", "--device", "cpu", "--vision-ranks", "2"]
+    assert cli.main([*argv, "--top", "200"]) == 0
+    assert "+ 2 vision fsdp" not in capsys.readouterr().out
+    assert cli.main([*argv, "--vision-fsdp", "--top", "200"]) == 0
+    out = capsys.readouterr().out
+    rows = [ln for ln in out.splitlines() if "+ 2 vision" in ln]
+    assert any("+ 2 vision fsdp" in ln for ln in rows) and any(
+        "+ 2 vision" in ln and "vision fsdp" not in ln for ln in rows
+    )

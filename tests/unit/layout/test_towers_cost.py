@@ -227,3 +227,48 @@ def test_planner_ranks_noncolocated_beside_colocated() -> None:
     odd = replace(both[0], tp=1, pp=1, dp=3, vision_ranks=2, micro_batches=1, micro_batch_size=1)
     _, refused = plan(vlm(), 5, H100, candidates=[odd])  # 3 replicas, 2 vision ranks
     assert "must divide one" in refused[0].reason
+
+
+def test_vision_fsdp_shards_memory_and_prices_gathers_and_reduce_scatters() -> None:
+    """``vision_data_parallel="fsdp"``: a vision rank holds 1/V of the tower's parameters,
+    gradients and moments; per batch each block's unit all-gathers twice (forward, backward)
+    and reduce-scatters once (bytes by hand: no padding at V = 2), one gather and no
+    reduce-scatter for a frozen tower; DDP all-reduces the whole gradient."""
+    from lightning_mmpar.layout.towers_cost import vision_comm_bytes
+
+    ddp = replace(LAYOUT, vision_ranks=2)
+    fsdp = replace(ddp, vision_data_parallel="fsdp")
+    vit = 4 * (4 * VIT * VIT * 4)
+    full, sharded = tower_cost(vlm(), ddp, *ARGS(ddp)), tower_cost(vlm(), fsdp, *ARGS(fsdp))
+    assert sharded.state[:2] == (vit // 2, vit // 2) and full.state[:2] == (vit, vit)
+    assert sharded.state[2] < full.state[2]
+    assert vision_comm_bytes(vlm(), ddp) == {"vision.all_reduce": vit}
+    assert vision_comm_bytes(vlm(), fsdp) == {
+        "vision.all_gather": 2 * vit,
+        "vision.reduce_scatter": vit,
+    }
+    frozen = vision_comm_bytes(vlm(train_vision=False), fsdp)
+    assert frozen == {"vision.all_gather": vit}
+    assert vision_comm_bytes(vlm(), replace(fsdp, accumulate=2))["vision.reduce_scatter"] == 2 * vit
+    got = predict(vlm(), fsdp, H100)
+    assert (
+        got.comm_bytes["vision.all_gather"] == 2 * vit and got.comm_bytes["vision.all_reduce"] == 0
+    )
+    assert got.memory.parameters <= predict(vlm(), ddp, H100).memory.parameters
+    assert sharded.sync > 0 and full.sync > 0
+
+
+def test_planner_tries_vision_fsdp_over_two_or_more_vision_ranks() -> None:
+    """``vision_data_parallel=("ddp", "fsdp")``: each non-colocated candidate with ``V >= 2``
+    also sharded (named ``+ V vision fsdp``), ``V = 1`` only as full copies; the default
+    enumeration keeps full copies only."""
+    args = {"global_batch": 16, "vision_ranks": (0, 1, 2), "checkpointing": (False,)}
+    both = candidate_layouts(12, 12, vision_data_parallel=("ddp", "fsdp"), **args)
+    plain = candidate_layouts(12, 12, **args)
+    assert {x.vision_data_parallel for x in plain} == {"ddp"}
+    sharded = [x for x in both if x.vision_data_parallel == "fsdp"]
+    assert sharded and {x.vision_ranks for x in sharded} == {2}
+    assert len(both) == len(plain) + len(sharded)
+    assert describe(sharded[0]).endswith("+ 2 vision fsdp")
+    ranked, _ = plan(vlm(3.0), 12, H100, candidates=both)
+    assert any(p.layout.vision_data_parallel == "fsdp" for p in ranked)

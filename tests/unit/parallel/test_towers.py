@@ -31,6 +31,21 @@ from lightning_mmpar.topology import ParallelDims, TowerRanks, chunk_sizes
         ),
         (ParallelLayout(dp=None, tp=2, vision_ranks=1), 2, ["world_size (2)", "run on 3"]),
         (ParallelLayout(dp=None, vision_ranks=2), 5, ["vision_ranks (2)", "replicas (3"]),
+        (
+            ParallelLayout(dp=None, vision_ranks=2, vision_data_parallel="zero3"),
+            None,
+            ["vision_data_parallel ('zero3')", "'ddp', 'fsdp'"],
+        ),
+        (
+            ParallelLayout(dp=None, vision_data_parallel="fsdp"),
+            None,
+            ["vision_data_parallel ('fsdp')", "vision_ranks >= 2 (got 0)", "set vision_ranks=2"],
+        ),
+        (
+            ParallelLayout(dp=None, tp=2, vision_ranks=1, vision_data_parallel="fsdp"),
+            None,
+            ["vision_data_parallel ('fsdp')", "vision_ranks (1)", "shards nothing", "'ddp'"],
+        ),
     ],
 )
 def test_vision_ranks_refusals_name_field_value_and_fix(
@@ -54,6 +69,18 @@ def test_vision_ranks_accepted_layouts_and_strategy_option() -> None:
     assert strategy.config.vision_ranks == 1
     with pytest.raises(ValueError, match="expert_parallel"):
         MultimodalParallelStrategy(expert_parallel=2, vision_ranks=1)
+    validate(
+        ParallelLayout(dp=None, pp=2, vision_ranks=2, vision_data_parallel="fsdp"),
+        LayoutFacts(world_size=4),
+    )
+    sharded = MultimodalParallelStrategy(vision_ranks=2, vision_data_parallel="fsdp")
+    assert sharded.config.layout.strategy_args() == {
+        "vision_ranks": 2,
+        "vision_data_parallel": "fsdp",
+    }
+    assert MultimodalParallelStrategy(vision_ranks=2).config.vision_data_parallel == "ddp"
+    with pytest.raises(ValueError, match="vision_data_parallel"):  # at construction
+        MultimodalParallelStrategy(vision_data_parallel="fsdp")
 
 
 def test_links_fan_out_and_fan_in() -> None:
@@ -120,6 +147,9 @@ def test_yaml_strategy_section_takes_vision_ranks() -> None:
     strategy = instantiate_class((), section)
     assert strategy.config.vision_ranks == 1
     assert strategy.config.layout.strategy_args()["vision_ranks"] == 1
+    section["init_args"] = {"pipeline_parallel": 2, "vision_ranks": 2}
+    section["init_args"]["vision_data_parallel"] = "fsdp"
+    assert instantiate_class((), section).config.layout.vision_data_parallel == "fsdp"
 
 
 def test_vision_ranks_skip_the_colocated_tower_rules() -> None:
