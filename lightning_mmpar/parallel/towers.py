@@ -12,8 +12,8 @@ one vision rank)::
       vision rank: tower(all its links' pixels of batch k + 1 as ONE batch)  (k = 1: also k)
       vision rank --parts of k + 1--> every tp rank of replica r's first stage (isend_tensor)
       language: TowerInlet puts the parts of k into the image slots; the schedule runs
-      language stage 0, tp rank 0 --d loss / d parts of k--> vision rank        (send_tensor)
-      vision rank: autograd.backward(parts of k, gradients)
+      language stage 0, tp rank 0 --d loss / d parts of k--> vision rank       (isend_tensor)
+      vision rank, at batch k + 1's start (k = A: now): autograd.backward(parts of k, gradients)
     optimizer step: the tower's gradients summed over the vision ranks
 
 The vision rank encodes batch ``k + 1`` while the language ranks run batch ``k`` (one batch
@@ -197,6 +197,14 @@ class TowerExchange:
         """Language rank: outputs received early (before an evaluation step)."""
         self.encoded_ahead = 0
         """Vision rank: batches encoded while the language ranks ran the one before."""
+        self._deferred: tuple[Tensor, ...] | None = None
+        """Vision rank: outputs whose backward runs at the next training batch."""
+        self._held_grads: list[Tensor] | None = None
+        """Vision rank: the deferred outputs' gradients, received before an evaluation step."""
+        self.join_empty = False
+        """Vision rank: back-propagate a batch without images too (zero gradients), so the
+        rank joins the collectives its peers run inside their backward (FSDP2's
+        reduce-scatters, ``vision_data_parallel="fsdp"``)."""
 
     @property
     def sender(self) -> bool:
@@ -258,7 +266,8 @@ class TowerExchange:
 
     def send_gradients(self, scale: float) -> None:
         """Language first-stage rank, after the step's backward: the parts' gradients times
-        ``scale`` back to the vision ranks (tp rank 0; nothing when the tower is frozen)."""
+        ``scale`` back to the vision ranks without waiting (tp rank 0; nothing when the tower
+        is frozen): the vision rank receives them at its next batch (:meth:`backward`)."""
         parts, self._parts = self._parts, ()
         if not (self.trains and self.sender):
             return
@@ -267,7 +276,7 @@ class TowerExchange:
         pieces = [g.split(sizes) for g in grads]
         for j, link in enumerate(self.links):
             for piece in pieces:
-                comm.send_tensor(piece[j], link.vision)
+                self._sends += comm.isend_tensor(piece[j], link.vision)
 
     def send_tokens(self, total: float) -> None:
         """Language first-stage tp rank 0, at the optimizer step: the step's target tokens
@@ -288,6 +297,7 @@ class TowerExchange:
         outputs (:meth:`backward` takes them)."""
         if not self._pixels and not self._encoded:
             self._pixels.extend(self._recv_window())
+        self._backward_deferred()
         if not self._encoded:
             self._encoded.append(self._encode_send(tower, self._pixels.popleft()))
         if self._pixels and len(self._encoded) == 1:
@@ -296,7 +306,10 @@ class TowerExchange:
         return self._encoded[0]
 
     def encode_once(self, tower: Tower) -> tuple[Tensor, ...]:
-        """Vision rank, an evaluation batch: a window of one, encoded and sent."""
+        """Vision rank, an evaluation batch: a window of one, encoded and sent (the gradients
+        of a deferred backward, already on their way, are received and held first)."""
+        if self._deferred is not None and self._held_grads is None:
+            self._held_grads = self._recv_grads(self._deferred)
         (pixels,) = self._recv_window()
         outs = self._encode_send(tower, pixels)
         self._wait_sends()
@@ -333,16 +346,37 @@ class TowerExchange:
         return outs
 
     def backward(self) -> None:
-        """Vision rank: receive this batch's outputs' gradients from every link and
-        back-propagate them through the tower (nothing when it is frozen)."""
+        """Vision rank, after a training batch: back-propagate its outputs' gradients through
+        the tower, received from every link (nothing when it is frozen) - now at a window's
+        last batch, else at the start of the next batch (:meth:`encode`), while the language
+        ranks run it: Lightning joins every rank in a broadcast at each batch's start, so a
+        backward here would hold the language ranks there."""
         outs = self._encoded.popleft() if self._encoded else ()
         if not self.trains:
             return
+        if self._pixels or self._encoded:  # more batches of this window follow
+            self._deferred = outs
+            return
+        self._backprop(outs)
+
+    def _backward_deferred(self) -> None:
+        outs, self._deferred = self._deferred, None
+        if outs is not None:
+            self._backprop(outs)
+
+    def _recv_grads(self, outs: tuple[Tensor, ...]) -> list[Tensor]:
         got = [[comm.recv_tensor(link.stage0[0], self.device) for _ in outs] for link in self.links]
-        grads = [torch.cat(g) for g in zip(*got, strict=True)]
+        return [torch.cat(g) for g in zip(*got, strict=True)]
+
+    def _backprop(self, outs: tuple[Tensor, ...]) -> None:
+        grads, self._held_grads = self._held_grads, None
+        grads = grads if grads is not None else self._recv_grads(outs)
         pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad]
         if pairs and any(o.numel() for o, _ in pairs):
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        elif pairs and self.join_empty:  # no image: zero gradients, the same collectives
+            zero = pairs[0][0].new_zeros(())
+            torch.autograd.backward(sum((o.sum() * 0.0 for o, _ in pairs), zero))
 
     def receive_tokens(self) -> float:
         """Vision rank, at the optimizer step: the step's target tokens from its links (the
@@ -357,6 +391,9 @@ class TowerExchange:
         it and the rest of the window, and every send completes."""
         if not self.is_vision:
             self.hold_ahead()
+        elif self._deferred is not None and self._held_grads is None:
+            self._recv_grads(self._deferred)  # their sender waits for this receive
+        self._deferred, self._held_grads = None, None
         self._held.clear()
         self._pixels.clear()
         self._encoded.clear()

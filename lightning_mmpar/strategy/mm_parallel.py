@@ -456,7 +456,6 @@ class MultimodalParallelStrategy(
         elif self._exchange is None or not self._exchange.is_vision:
             self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
         self._tower_backward(piped)  # non-colocated towers: the embeddings' gradients
-        self._tower_join(closure_loss)  # vision FSDP: a rank without image joins the reduce
         self._grad_sync.sync(self.parallel_dims)  # what no FSDP unit reduced: tp, dp, edp
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)

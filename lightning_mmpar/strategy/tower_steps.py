@@ -20,7 +20,6 @@ so only the scaling is left for the optimizer step.
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Any
 
 import torch
@@ -41,11 +40,6 @@ __all__ = ["TowerSteps"]
 _TOWER_METHODS = ("use_tower_role", "tower_blocks", "tower_inputs")
 
 
-def _needs_grad(t: Any) -> bool:
-    """Whether ``t`` is a tensor a backward can reach (it requires a gradient)."""
-    return isinstance(t, Tensor) and t.requires_grad
-
-
 def _params(optimizer: Optimizer) -> list[Any]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
@@ -61,10 +55,6 @@ class TowerSteps(ParallelStrategy):
     """This rank's side of the data flow (set in ``setup``)."""
     _inlet: TowerInlet | None = None
     _vision_group: Any = None
-    _tower_pending: deque[list[bool]] | None = None
-    """``vision_data_parallel="fsdp"``, a vision rank: per training forward of the tower not
-    yet back-propagated, in order (the exchange's order, one batch ahead inside a window),
-    whether a backward reached its outputs (:meth:`_tower_join`)."""
 
     @property
     def parallel_dims(self) -> ParallelDims:
@@ -126,41 +116,12 @@ class TowerSteps(ParallelStrategy):
 
     def _shard_vision(self, tower: list[Any]) -> None:
         """``vision_data_parallel="fsdp"``: FSDP2 of the tower over the vision ranks
-        (:func:`~lightning_mmpar.parallel.towers.shard_tower`), and a hook on its last block
-        that records, per forward with gradients, whether a backward reached its outputs
-        (:meth:`_tower_join`)."""
+        (:func:`~lightning_mmpar.parallel.towers.shard_tower`); the exchange then
+        back-propagates a batch without images too (zero gradients), so this rank joins the
+        reduce-scatters its peers run inside their backward (``TowerExchange.join_empty``)."""
         shard_tower(tower, self._vision_group, self.root_device.type)
-        pending = self._tower_pending = deque()
-
-        def watch(_module: Any, _args: Any, out: Any) -> None:
-            outs = [o for o in (out if isinstance(out, tuple) else (out,)) if _needs_grad(o)]
-            if not outs:  # evaluation, or a frozen tower: no backward follows
-                return
-            record = [False]
-            pending.append(record)
-            for o in outs:
-                o.register_hook(lambda grad: record.__setitem__(0, True))
-
-        tower[-1].register_forward_hook(watch)
-
-    def _tower_join(self, loss: Tensor) -> None:
-        """After a vision rank's backward (``vision_data_parallel="fsdp"``): when the exchange
-        back-propagated nothing for this batch (it had no image), back-propagate the step's
-        zero loss through the empty batch's graph, so this rank joins the FSDP2
-        reduce-scatters its peers run inside their backward (zero gradients; the same
-        collectives). The batch is the oldest forward not yet back-propagated."""
-        pending, ex = self._tower_pending, self._exchange
-        if not pending or ex is None or not ex.is_vision or not ex.trains:
-            return
-        if not pending.popleft()[0] and loss.requires_grad:
-            loss.backward()
-
-    def on_train_start(self) -> None:
-        """A vision rank under FSDP2 forgets the forwards of an earlier fit (a batch encoded
-        ahead that a fit stopped inside a window never back-propagated)."""
-        if self._tower_pending is not None:
-            self._tower_pending.clear()
-        super().on_train_start()
+        assert self._exchange is not None
+        self._exchange.join_empty = True
 
     # ------------------------------------------------------------------ steps
     def _tower_batch(self, batch: Any, grad: bool) -> None:
