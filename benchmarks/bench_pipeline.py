@@ -341,7 +341,9 @@ def _kept(results: dict[str, Any], out_dir: Path | None) -> dict[str, Any]:
         return {}
     results.update(kept)
     when = old.get("date", "an earlier run")
-    return {"kept": {w: f"{old.get('command', '')}, {when}" for w in kept}}
+    earlier = old.get("kept", {})  # a world the old run had kept itself: its own run
+    run = f"{old.get('command', '')}, {when}"
+    return {"kept": {w: earlier.get(w, run) for w in kept}}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

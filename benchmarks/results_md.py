@@ -387,15 +387,21 @@ def _noncolocated(r: dict[str, Any]) -> list[str]:
             f"| {name} | {_ms(x['step_s'])} | {x['tokens_per_s_per_process']:.1f} | "
             f"{_ms(x['cpu_s_all_ranks'])} | {_ms(x['cpu_critical_s'])} | {ratio} |"
         )
-    cpu = r["cpu_critical_ratio"]
+    cpu, accumulate = r["cpu_critical_ratio"], c.get("accumulate", 1)
+    critical = (
+        "both ranks' non-colocated (its exchange is serial with one batch per step)"
+        if accumulate == 1
+        else f"the busier rank's non-colocated too (its vision rank runs one batch ahead "
+        f"inside each window of {accumulate} batches)"
+    )
     out.append(
-        f"\nStep time non-colocated / best colocated ({r['best_colocated']}): "
-        f"{r['ratio']:.2f} (spread {r['spread']:.2f} over {c['rounds']} rounds). On the CPU "
-        f"critical path (the busiest rank's CPU seconds per step colocated, both ranks' "
-        f"non-colocated: the step on two cores of its own), against {cpu['against']}: "
-        f"{cpu['ratio']:.2f}. A load average above the 2 cores gives the job's two processes "
-        "less than a core each and stretches the layouts whose ranks compute at once, not the "
-        "serial exchange: the wall-clock ratio then favours the non-colocated layout."
+        f"\nEvery layout: {accumulate} batch(es) per optimizer step "
+        f"(`accumulate_grad_batches`). Step time non-colocated / best colocated "
+        f"({r['best_colocated']}): {r['ratio']:.2f} (spread {r['spread']:.2f} over "
+        f"{c['rounds']} rounds). On the CPU critical path (the busiest rank's CPU seconds per "
+        f"step colocated, {critical}), against {cpu['against']}: {cpu['ratio']:.2f}. A load "
+        "average above the 2 cores gives the job's processes less than a core each and "
+        "stretches the layouts whose ranks compute at once: run it on a quiet machine."
     )
     planned = RESULTS / "planner_noncolocated.json"
     if planned.exists():
