@@ -469,13 +469,30 @@ def _check_vision_world(layout: ParallelLayout, world: int) -> int:
         )
     dp = language // model
     if dp % v and v % dp:
-        fits = sorted({d for d in range(1, dp + 1) if dp % d == 0} | {dp * 2, dp * 4})
         raise ValueError(
             f"vision_ranks ({v}) and the language data-parallel replicas ({dp} = {language} "
             f"language ranks / (tensor_parallel * pipeline_parallel {model})) must divide one "
-            f"another; use vision_ranks in {fits}."
+            f"another; {_vision_world_fixes(v, model, world)}."
         )
     return language
+
+
+def _vision_world_fixes(v: int, model: int, world: int) -> str:
+    """The fixes of a ``vision_ranks`` that does not divide (or is not divided by) the
+    language replicas: the counts that fit this world size, and the world sizes that fit this
+    count (``model``: tensor_parallel * pipeline_parallel)."""
+
+    def fits(vision: int, replicas: int) -> bool:
+        return replicas >= 1 and (replicas % vision == 0 or vision % replicas == 0)
+
+    here = [
+        x for x in range(1, world) if (world - x) % model == 0 and fits(x, (world - x) // model)
+    ]
+    worlds = [v + model * r for r in range(1, 4 * v + 1) if fits(v, r)][:4]
+    keep = f"keep vision_ranks={v} on {' / '.join(map(str, worlds))} processes"
+    if not here:
+        return f"no vision_ranks fits {world} processes: {keep}"
+    return f"at {world} processes use vision_ranks in {here}, or {keep}"
 
 
 def _check_world(layout: ParallelLayout, world: int | None) -> None:

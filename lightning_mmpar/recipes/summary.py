@@ -104,8 +104,7 @@ class RunSummary(Callback):
         except Exception as err:  # a finished run is not failed by its summary
             if os.environ.get("LIGHTNING_MMPAR_TRACEBACK", "") not in ("", "0"):
                 raise
-            ckpt = getattr(trainer.checkpoint_callback, "last_model_path", "") or None
-            rank_zero_warn(summary_failure(err, trainer.global_step, ckpt))
+            rank_zero_warn(summary_failure(err, trainer.global_step, last_checkpoint(trainer)))
 
     def _caption_accuracy(self, trainer: Trainer, pl_module: LightningModule) -> float | None:
         """Greedy caption accuracy on ``caption_batches`` validation batches; ``None`` when the
@@ -126,12 +125,13 @@ class RunSummary(Callback):
         caption = answer = None
         answers = getattr(pl_module, "answer_accuracy", None)
         data = getattr(trainer, "datamodule", None)
-        if callable(getattr(data, "prompts", None)):  # a question task: greedy answers
+        decodes = not _tower_on_own_ranks(trainer)  # else no tower on the language ranks
+        if decodes and callable(getattr(data, "prompts", None)):  # a question task: answers
             answer = answers(data) if answers else None
-        else:
+        elif decodes:
             caption = self._caption_accuracy(trainer, pl_module)
         last_val = self.val[-1] if self.val else {}
-        ckpt = getattr(trainer.checkpoint_callback, "last_model_path", "") or None
+        ckpt = last_checkpoint(trainer)
         self.summary = {
             "layout": TrainerTopology.of(trainer).as_dict(),
             "steps": trainer.global_step,
@@ -147,6 +147,8 @@ class RunSummary(Callback):
             "checkpoint": ckpt,
             **_router(trainer),
         }
+        if not decodes:
+            self.summary["greedy_decoding"] = NOT_DECODED
         out = self._out_dir(trainer)  # collective (trainer.log_dir broadcasts)
         if not trainer.is_global_zero:
             return
@@ -222,6 +224,7 @@ def _format(s: dict[str, Any], path: Path, plots: list[Path]) -> str:
             if s.get("answer_acc_greedy") is not None
             else []
         ),
+        *([f"  greedy decoding  {s['greedy_decoding']}"] if s.get("greedy_decoding") else []),
         "  retrieval per pair (own caption)  "
         + _recalls({k: v for k, v in s["retrieval"].items() if "class" not in k}),
         "  retrieval by class (same digit)   "
@@ -253,6 +256,27 @@ def _overflow(train: list[dict[str, float]]) -> dict[str, int]:
     logged)."""
     last = train[-1] if train else {}
     return {k: int(last.get(f"data/{k}", 0)) for k in ("truncated", "dropped")}
+
+
+NOT_DECODED = (
+    "not run: the vision tower is on ranks of its own (vision_ranks), so the language ranks "
+    "cannot encode the prompts' images; evaluate the checkpoint colocated for it"
+)
+"""The summary's note in place of greedy accuracy under non-colocated towers."""
+
+
+def _tower_on_own_ranks(trainer: Trainer) -> bool:
+    """Whether the run put the vision tower on ranks of its own (``vision_ranks > 0``)."""
+    config = getattr(trainer.strategy, "config", None)
+    return bool(getattr(config, "vision_ranks", 0))
+
+
+def last_checkpoint(trainer: Trainer) -> str | None:
+    """The newest checkpoint the run's ``ModelCheckpoint`` wrote: ``last.ckpt`` with
+    ``save_last``, else its best (the latest one without a monitored metric); ``None``."""
+    callback = trainer.checkpoint_callback
+    last = getattr(callback, "last_model_path", "") or getattr(callback, "best_model_path", "")
+    return last or None
 
 
 def summary_failure(err: BaseException, steps: int, checkpoint: str | None) -> str:

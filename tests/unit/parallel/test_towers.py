@@ -30,7 +30,16 @@ from lightning_mmpar.topology import ParallelDims, TowerRanks, chunk_sizes
             ["sequence_parallel"],
         ),
         (ParallelLayout(dp=None, tp=2, vision_ranks=1), 2, ["world_size (2)", "run on 3"]),
-        (ParallelLayout(dp=None, vision_ranks=2), 5, ["vision_ranks (2)", "replicas (3"]),
+        (  # the fixes hold the process count or the vision ranks (not the replicas)
+            ParallelLayout(dp=None, vision_ranks=2),
+            5,
+            ["vision_ranks (2)", "replicas (3", "at 5 processes use vision_ranks in [1, 4]"],
+        ),
+        (
+            ParallelLayout(dp=None, vision_ranks=3),
+            5,
+            ["vision_ranks (3)", "vision_ranks in [1, 4]", "keep vision_ranks=3 on 4 / 6 / 9"],
+        ),
         (
             ParallelLayout(dp=None, vision_ranks=2, vision_data_parallel="zero3"),
             None,

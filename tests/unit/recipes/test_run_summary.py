@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from lightning_mmpar.recipes.summary import RunSummary
+from lightning_mmpar.recipes.summary import NOT_DECODED, RunSummary, _format
 from tests.builders import fake_trainer
 
 
@@ -64,6 +64,32 @@ def test_skipped_steps_reported(tmp_path: Path, capsys: pytest.CaptureFixture[st
     trainer.strategy = SimpleNamespace()  # no guard (other strategies): 0
     summary.on_fit_end(trainer, _Module())  # type: ignore[arg-type]
     assert summary.summary["skipped_steps"] == 0
+
+
+def test_no_greedy_decoding_with_the_tower_on_its_own_ranks(tmp_path: Path) -> None:
+    """Under ``vision_ranks`` the language ranks hold no tower: the summary does not decode
+    (that raised ``'VisionStem' object has no attribute 'class_embedding'`` on every such run)
+    and says why; the checkpoint named is the callback's newest (its best without
+    ``save_last``)."""
+    trainer: Any = fake_trainer(
+        tmp_path,
+        datamodule=SimpleNamespace(val_dataloader=lambda: iter(range(4))),
+        strategy=SimpleNamespace(config=SimpleNamespace(vision_ranks=1)),
+        checkpoint_callback=SimpleNamespace(last_model_path="", best_model_path="e0-s3.ckpt"),
+    )
+    module = _Module()
+    summary = RunSummary(plots=False)
+    summary.on_fit_start(trainer, module)  # type: ignore[arg-type]
+    summary.on_fit_end(trainer, module)  # type: ignore[arg-type]
+    assert module.seen == [] and summary.summary["caption_acc_greedy"] is None
+    assert summary.summary["greedy_decoding"] == NOT_DECODED
+    assert summary.summary["checkpoint"] == "e0-s3.ckpt"
+    printed = _format(summary.summary, tmp_path / "summary.json", [])
+    assert "greedy decoding  not run: the vision tower is on ranks of its own" in printed
+    assert json.loads((tmp_path / "summary.json").read_text())["greedy_decoding"] == NOT_DECODED
+    trainer.strategy = SimpleNamespace(config=SimpleNamespace(vision_ranks=0))  # colocated
+    summary.on_fit_end(trainer, module)  # type: ignore[arg-type]
+    assert module.seen and "greedy_decoding" not in summary.summary
 
 
 # ------------------------------------------------------------ every data module and precision
