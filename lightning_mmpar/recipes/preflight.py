@@ -107,7 +107,8 @@ def preflight(
     (:func:`~lightning_mmpar.recipes.options.check_image_size`); under ``mm_parallel`` a
     ``ckpt_path`` is validated (:func:`~lightning_mmpar.parallel.checkpoint.validate_checkpoint`:
     complete, undamaged files, the same hyper-parameters apart from :data:`RESUME_MAY_CHANGE`).
-    Other strategies and modules get the checks that apply. With ``fit`` (the CLI's ``fit``),
+    Other strategies and modules get the checks that apply. ``vision_ranks`` with the digits
+    caption data (one image per sample, not ragged) is refused. With ``fit`` (the CLI's ``fit``),
     the digits data must leave every data-parallel rank a training batch
     (:func:`check_training_batches`).
 
@@ -117,6 +118,13 @@ def preflight(
     """
     layout, facts = layout_and_facts(trainer, model, datamodule)
     validate(layout, facts)
+    if layout.vision_ranks and isinstance(datamodule, DigitsCaptions):
+        raise ValueError(
+            f"vision_ranks ({layout.vision_ranks}: the vision tower on ranks of its own) takes "
+            f"ragged batches (pixel_values, image_mask); data {type(datamodule).__name__} gives "
+            "one image per sample. Use a ragged data module (e.g. lightning_mmpar.data.DigitsVQA, "
+            "recipes/digits_vqa_cpu.yaml, or a ConversationDataModule) or vision_ranks=0."
+        )
     if fit and isinstance(datamodule, DigitsCaptions):
         check_training_batches(datamodule, _dp_size(layout, facts.world_size))
     if isinstance(model, ClipLlamaModule) and model.fixed_image_size:

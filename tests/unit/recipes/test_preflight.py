@@ -82,6 +82,20 @@ MISTAKES = [
         r"is stratified by class and needs at least 10 in each: use a val_fraction from 0.0051 "
         r"to 0.9944",
     ),
+    (  # the vision tower on its own ranks with one-image batches: raised at the first batch
+        [
+            "--trainer.devices",
+            "3",
+            f"{STRATEGY}pipeline_parallel",
+            "1",
+            f"{STRATEGY}micro_batches",
+            "null",
+            f"{STRATEGY}vision_ranks",
+            "1",
+        ],
+        r"vision_ranks \(1: the vision tower on ranks of its own\) takes ragged batches .*"
+        r"RecipeDigitsCaptions gives one image per sample",
+    ),
     (  # vision_parallel="dp": micro-batch vs tp, raised at the first forward before
         ["--model.plan.vision_parallel", "dp", "--data.batch_size", "70"],
         r"vision_parallel='dp' splits the images of each micro-batch \(data.batch_size 70 / "
