@@ -66,6 +66,8 @@ class PipelinedSteps(Strategy):
     _windows: WindowLoader | None = None
     _counts_windows = False
     """Whether the module counts its windows' target tokens (``_WINDOW_HOOKS``)."""
+    _window_batches = 0
+    """Batches of the current training batch's accumulation window."""
     counts_accumulation_windows = True
     """A module with ``target_tokens`` and ``on_accumulation_window`` gets each accumulation
     window's target tokens before the window's first batch (module docstring)."""
@@ -155,6 +157,7 @@ class PipelinedSteps(Strategy):
         the dp group (one all-reduce per window) go to the module's ``on_accumulation_window``."""
         if self._windows is None:
             return
+        self._window_batches = len(self._windows.peek().batches)
         tokens, first = self._windows.pop()
         if first and self._counts_windows:
             total = torch.tensor(float(tokens), dtype=torch.float64, device=self.root_device)
@@ -174,8 +177,18 @@ class PipelinedSteps(Strategy):
         else:  # Lightning zeroes gradients before backward(): keep the schedule's aside
             params = list(self._module.parameters())
             loss = self._stash.capture(params, lambda: self._loss(args[0], train=True))
-        self._log("train_loss", loss, args[0])
+        self._log("train_loss", self._shown_loss(loss), args[0])
         return self._backward_loss(loss)
+
+    def _shown_loss(self, loss: Tensor) -> Tensor:
+        """The training loss as logged: a module that counts its windows returns each batch's
+        share of the window's token mean times ``accumulate`` (Lightning divides by it); in an
+        epoch's last, shorter window of ``L`` batches that is ``accumulate / L`` times the
+        batches' mean, so the logged value is scaled by ``L / accumulate`` (a full window: 1)."""
+        if self._windows is None or not self._counts_windows or isinstance(loss, TokenMean):
+            return loss
+        accumulate = self._module.trainer.accumulate_grad_batches
+        return loss * (self._window_batches / accumulate) if self._window_batches else loss
 
     def _eval_loss(self, name: str, batch: Any) -> Tensor:
         loss = self._loss(batch, train=False)

@@ -56,6 +56,36 @@ def test_accumulated_caption_is_the_token_mean_of_the_window() -> None:
     assert abs(loss - want.losses[0]) < TOL * abs(want.losses[0]), (got.losses, want.losses)
 
 
+def test_a_shorter_last_window_logs_its_token_mean() -> None:
+    """An epoch's last window shorter than ``accumulate`` (here one batch of 2): the logged
+    ``train_loss`` is the batch's own loss (it was ``accumulate`` times it: each batch logs its
+    share of the window's token mean times ``accumulate``); the gradient was right already."""
+    from torch.utils.data import DataLoader
+
+    from lightning_mmpar.testing import quiet_trainer
+
+    _, first, _ = _halves()
+    only = {"contrastive_weight": 0.0, "mml_weight": 0.0}
+    recorder = rw.Recorder()
+    trainer = quiet_trainer(
+        strategy=MultimodalParallelStrategy(),
+        devices=1,
+        max_epochs=1,
+        accumulate_grad_batches=2,
+        use_distributed_sampler=False,
+        limit_val_batches=0,
+        callbacks=[recorder],
+    )
+    trainer.fit(rw.tiny_module(rpw.VOCAB, **only), DataLoader([first], batch_size=None))  # type: ignore[arg-type]
+    assert trainer.global_step == 1  # Lightning steps on the epoch's last batch
+    want = _fit([first], 1, **only)
+    assert abs(recorder.losses[0] - want.losses[0]) < TOL * abs(want.losses[0]), (
+        recorder.losses,
+        want.losses,
+    )
+    _close(recorder.grads, want.grads)
+
+
 def test_accumulated_recipe_loss_keeps_its_other_terms_per_batch() -> None:
     """All three terms: the caption term's gradient is the window's token mean (the one batch
     of both), contrastive + MML the mean of each batch's own (as Lightning accumulates)."""
