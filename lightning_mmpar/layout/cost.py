@@ -463,24 +463,25 @@ def _vision_parts(tower: TowerCost) -> dict[str, float]:
     }
 
 
+def _busier_side_parts(lang: Prediction, tower: TowerCost) -> dict[str, float]:
+    """The parts of the side with more work per step (the vision ranks' without the
+    transfer)."""
+    if tower.busy > lang.step_seconds:
+        own = _vision_parts(tower).items()
+        return {f"vision {k}": s for k, s in own if k != "embedding transfer"}
+    return dict(lang.breakdown)
+
+
 def _overlapped_parts(lang: Prediction, tower: TowerCost) -> dict[str, float]:
     """The critical side's parts, then the exposed transfer."""
-    if tower.busy > lang.step_seconds:
-        parts = {f"vision {k}": s for k, s in _vision_parts(tower).items()}
-    else:
-        parts = dict(lang.breakdown)
-        parts["vision embedding transfer"] = tower.transfer
+    parts = _busier_side_parts(lang, tower)
+    parts["vision embedding transfer"] = tower.transfer
     return parts
 
 
 def _run_ahead_parts(lang: Prediction, tower: TowerCost, step: float) -> dict[str, float]:
     """The busier side's own parts, then what it waits for the other (transfers included)."""
-    if tower.busy > lang.step_seconds:
-        parts = {
-            f"vision {k}": s for k, s in _vision_parts(tower).items() if k != "embedding transfer"
-        }
-    else:
-        parts = dict(lang.breakdown)
+    parts = _busier_side_parts(lang, tower)
     parts["waiting for the other side"] = step - sum(parts.values())
     return parts
 

@@ -225,11 +225,8 @@ class TowerExchange:
     def _post_window(self, pixels: Sequence[Tensor]) -> list[Any]:
         works = []
         for j, link in enumerate(self.links):
-            count = torch.tensor([len(pixels)])
-            works += comm.isend_tensor(count, link.vision)
-            for batch in pixels:
-                piece = batch.split(chunk_sizes(batch.shape[0], len(self.links)))[j]
-                works += comm.isend_tensor(piece, link.vision)
+            pieces = [b.split(chunk_sizes(b.shape[0], len(self.links)))[j] for b in pixels]
+            works += _isend_parts(pieces, link.vision)
         return works
 
     def receive(self) -> tuple[Tensor, ...]:
@@ -286,6 +283,7 @@ class TowerExchange:
                 comm.send_tensor(torch.tensor([float(total)], dtype=torch.float64), link.vision)
 
     def _recv_parts(self, src: int) -> list[Tensor]:
+        """What :func:`_isend_parts` sent from ``src``: a count, then as many tensors."""
         count = int(comm.recv_tensor(src, self.device)[0])
         return [comm.recv_tensor(src, self.device) for _ in range(count)]
 
@@ -318,11 +316,7 @@ class TowerExchange:
     def _recv_window(self) -> list[list[Tensor]]:
         """Every link's window: ``[batch][link] -> pixels``. Raises ``RuntimeError`` when the
         links' windows differ in length (their loaders are not in step)."""
-        per_link = []
-        for link in self.links:
-            src = link.stage0[0]
-            count = int(comm.recv_tensor(src, self.device)[0])
-            per_link.append([comm.recv_tensor(src, self.device) for _ in range(count)])
+        per_link = [self._recv_parts(link.stage0[0]) for link in self.links]
         lengths = {len(w) for w in per_link}
         if len(lengths) != 1:
             raise RuntimeError(
@@ -340,9 +334,7 @@ class TowerExchange:
         per_link = zip(*(o.split(counts) for o in outs), strict=True)
         for link, rows in zip(self.links, per_link, strict=True):
             for dst in link.stage0:
-                self._sends += comm.isend_tensor(torch.tensor([len(rows)]), dst)
-                for r in rows:
-                    self._sends += comm.isend_tensor(r, dst)
+                self._sends += _isend_parts(rows, dst)
         return outs
 
     def backward(self) -> None:
@@ -405,3 +397,13 @@ class TowerExchange:
         sends, self._sends = self._sends, []
         for work in sends:
             work.wait()
+
+
+def _isend_parts(tensors: Sequence[Tensor], dst: int) -> list[Any]:
+    """A count, then ``tensors`` (any number, any shapes) to ``dst`` without waiting
+    (:func:`~lightning_mmpar.parallel.comm.isend_tensor`); the receiver runs
+    :meth:`TowerExchange._recv_parts`. Returns the sends' works."""
+    works = comm.isend_tensor(torch.tensor([len(tensors)]), dst)
+    for t in tensors:
+        works += comm.isend_tensor(t, dst)
+    return works
