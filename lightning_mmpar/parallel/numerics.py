@@ -180,17 +180,24 @@ def clip_grad_norm_(
     pp: int = 1,
     group: dist.ProcessGroup | None = None,
     weights: Sequence[float] | None = None,
+    local: bool = False,
 ) -> Tensor:
     """Clip the gradients so that their global norm is at most ``max_norm``.
 
     Arguments as in :func:`global_grad_norm`; returns the norm before clipping (0-dim float64).
-    On one process this is ``torch.nn.utils.clip_grad_norm_``. Collective over ``group``.
+    On one process this is ``torch.nn.utils.clip_grad_norm_``. Collective over ``group``, except
+    with ``local=True``: the norm of this rank's gradients alone (every parameter weighted 1),
+    for gradients every rank holds in full and alike (torch's DDP over the world).
     Raises ``ValueError`` for a negative ``max_norm``.
     """
     if max_norm < 0:
         raise ValueError(f"max_norm ({max_norm}) must be >= 0.")
     params = list(params)
-    total = global_grad_norm(params, pp=pp, group=group, weights=weights)
+    if local:
+        norms = local_grad_norms([p for p in params if p.grad is not None])
+        total = norms.square().sum().sqrt()
+    else:
+        total = global_grad_norm(params, pp=pp, group=group, weights=weights)
     scale_grads_(params, max_norm, total)
     return total
 

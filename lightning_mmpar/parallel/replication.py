@@ -39,6 +39,7 @@ from lightning_mmpar.topology import ParallelDims
 __all__ = [
     "BROADCAST_BUCKET_BYTES",
     "broadcast_module_state",
+    "ddp_covers_world",
     "ddp_fallback",
     "module_state",
     "replicate_module",
@@ -150,6 +151,19 @@ def replicate_module(
         module, ignored, process_group=dims.get_group("dp"), device_id=device, init_sync=False
     )
     return module
+
+
+def ddp_covers_world(module: nn.Module | None, dims: ParallelDims) -> bool:
+    """Whether :func:`replicate_module`'s DDP (``module``; ``None``: none) reduces every
+    gradient over every rank of the world: ``tp == pp == ep == 1`` and ``dp`` the whole world
+    (no vision ranks beside it). After backward each rank then holds the same gradients (expert
+    weights, outside DDP, are averaged over ``edp`` = ``dp`` first), so the global gradient
+    norm is the local one (clipping needs no collective, as under torch's DDP alone) and the
+    non-finite guard's flags can ride in DDP's last bucket
+    (:meth:`~lightning_mmpar.parallel.finite.NonFiniteGuard.carry_on_ddp`)."""
+    if module is None or dims.tp * dims.pp * dims.ep != 1:
+        return False
+    return dims.dp == comm.group_size(None)
 
 
 def replicated_by_ddp(module: nn.Module | None) -> set[int]:

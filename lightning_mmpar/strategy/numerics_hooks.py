@@ -5,7 +5,7 @@
 (:class:`~lightning_mmpar.precision.plugins.GlobalNormClipping`) calls
 :meth:`NumericsHooks._clip_grad_by_norm` for ``Trainer(gradient_clip_val=...)`` and
 :meth:`NumericsHooks._check_finite` before each optimizer step. Duck-typed: the host provides
-``parallel_dims`` (``.pp``), ``nonfinite`` (a
+``parallel_dims`` (``.pp``), ``_identical_grads()``, ``nonfinite`` (a
 :class:`~lightning_mmpar.parallel.finite.NonFiniteGuard` or ``None``), ``precision_plugin`` and
 ``lightning_module``.
 """
@@ -33,6 +33,10 @@ class NumericsHooks:
     precision_plugin: Any
     lightning_module: Any
 
+    def _identical_grads(self) -> bool:
+        """Whether every rank holds the same gradients after backward (the host's answer)."""
+        return False
+
     def _check_clipping(self, trainer: Any) -> None:
         """Warn (or raise ``ValueError``, :meth:`ParallelConfig.check_clipping`) when the
         precision plugin does not clip by the global norm."""
@@ -45,9 +49,13 @@ class NumericsHooks:
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         """Clip by the norm over every tp/dp shard and pp stage (one all-reduce); under
-        non-colocated towers over both sides (``_tower_clip``)."""
+        non-colocated towers over both sides (``_tower_clip``); where every rank holds the same
+        gradients (torch's DDP over the world) by the local norm, with no collective."""
         tower_clip = getattr(self, "_tower_clip", None)
         if tower_clip is not None and tower_clip(optimizer, clip_val):
+            return
+        if self._identical_grads():
+            clip_grad_norm_(_params(optimizer), clip_val, local=True)
             return
         clip_grad_norm_(_params(optimizer), clip_val, pp=self.parallel_dims.pp)
 

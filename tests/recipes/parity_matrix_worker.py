@@ -108,6 +108,9 @@ class Layout:
 LAYOUTS: tuple[Layout, ...] = (
     Layout("dp2 fsdp", 2, {"data_parallel": "fsdp"}),
     Layout("dp2 ddp", 2, {"data_parallel": "ddp"}),
+    Layout(  # every rank holds the reduced gradients: the local norm, no collective
+        "dp2 ddp, clip 0.05", 2, {"data_parallel": "ddp"}, clip=CLIP
+    ),
     Layout("tp2", 2, {"tensor_parallel": 2}),
     Layout("tp2 + sequence parallel", 2, {"tensor_parallel": 2}, sequence_parallel=True),
     Layout("pp2 gpipe", 2, {"pipeline_parallel": 2, "micro_batches": 2, "schedule": "gpipe"}),

@@ -354,6 +354,63 @@ def nonfinite(rank: int, world_size: int, data: DigitsCaptions, root: str) -> di
     return out
 
 
+def nonfinite_ddp(rank: int, world_size: int, data: DigitsCaptions) -> dict[str, Any]:
+    """The guard under ``data_parallel="ddp"`` at dp 2, where its flags ride in DDP's last
+    gradient bucket (``NonFiniteGuard.carry_on_ddp``), one NaN pixel on rank 1 only:
+
+    * ``"raise"``, 3 batches, NaN in batch 1: the error names rank 1's inputs and loss and both
+      ranks' (reduced) gradients; the guard made no ``all_gather`` of its own on any step;
+    * ``"skip"``, ``accumulate_grad_batches=2``, 4 batches, NaN in batch 2 (the first of the
+      second window, so its flag travels one batch before the synced backward): step 1 skipped
+      on both ranks, its report naming batch 2 on rank 1.
+    """
+    from lightning_mmpar.parallel import comm
+
+    out: dict[str, Any] = {}
+    gathers: list[int] = []
+    real = comm.all_gather
+
+    def counted(t: Tensor, group: Any = None) -> list[Tensor]:
+        gathers.append(t.numel())
+        return real(t, group)
+
+    comm.all_gather = counted  # type: ignore[assignment] # the guard's own gather, if any
+    try:
+        module = tiny_module(data.vocab_size)
+        trainer = quiet_trainer(
+            strategy=MultimodalParallelStrategy(data_parallel="ddp"),
+            devices=world_size,
+            max_epochs=1,
+            use_distributed_sampler=False,
+            limit_val_batches=0,
+        )
+        try:
+            trainer.fit(module, DataLoader(nan_pixel(data, 3, 1, rank == 1), batch_size=None))  # type: ignore[arg-type]
+        except RuntimeError as err:
+            out["raised"] = str(err)
+        out["step"] = trainer.global_step
+        out["guard_gathers"] = [n for n in gathers if n == 3]  # the guard's [3] row
+        module = tiny_module(data.vocab_size)
+        strategy = MultimodalParallelStrategy(data_parallel="ddp", on_nonfinite="skip")
+        trainer = quiet_trainer(
+            strategy=strategy,
+            devices=world_size,
+            max_epochs=1,
+            use_distributed_sampler=False,
+            limit_val_batches=0,
+            accumulate_grad_batches=2,
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(module, DataLoader(nan_pixel(data, 4, 2, rank == 1), batch_size=None))  # type: ignore[arg-type]
+    finally:
+        comm.all_gather = real  # type: ignore[assignment]
+    out["skipped"] = strategy.nonfinite.skipped  # type: ignore[union-attr]
+    out["global_step"] = trainer.global_step
+    out["warnings"] = [str(c.message) for c in caught if "Skipped the optimizer" in str(c.message)]
+    return out
+
+
 def world(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """The distributed checks in one 2-process world (``root``: a shared folder).
 
@@ -365,7 +422,7 @@ def world(rank: int, world_size: int, root: str) -> dict[str, Any]:
     * ``pp2``: pipeline parallel 2, ``accumulate_grad_batches=2``, 4 batches, ``lr = 0`` (the
       live heads stay put), EMA momentum 0.5 from zero momentum heads, logit scale initialised
       at 200 (above the cap): the last stage must have clamped it and taken 2 EMA steps;
-    * ``nonfinite``: :func:`nonfinite`.
+    * ``nonfinite``: :func:`nonfinite`; ``nonfinite_ddp``: :func:`nonfinite_ddp`.
     """
     data = digits()
     out: dict[str, Any] = {"rank": rank}
@@ -389,6 +446,7 @@ def world(rank: int, world_size: int, root: str) -> dict[str, Any]:
     fit(module, batches(data, 4), strategy=strategy, devices=world_size, accumulate=2)
     out["pp2"] = head_state(module) if module.head is not None else None
     out["nonfinite"] = nonfinite(rank, world_size, data, root)
+    out["nonfinite_ddp"] = nonfinite_ddp(rank, world_size, data)
     return out
 
 

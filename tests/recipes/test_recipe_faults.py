@@ -69,6 +69,24 @@ def test_two_rank_world_sequence_parallel_and_pipeline_ownership(data: Any, tmp_
     for live, ema in (("image_head", "momentum_image"), ("text_head", "momentum_text")):
         torch.testing.assert_close(last[ema], (1 - 0.5**2) * last[live])
     check_nonfinite([r["nonfinite"] for r in results])
+    check_nonfinite_ddp([r["nonfinite_ddp"] for r in results])
+
+
+def check_nonfinite_ddp(results: list[dict[str, Any]]) -> None:
+    """``rw.nonfinite_ddp``: the guard's flags carried in DDP's last bucket at dp 2 decide as
+    its own all-gather did, with no all-gather of their own."""
+    for r in results:
+        msg = r["raised"]
+        assert "global step 1, batch [1]" in msg, msg
+        # the contrastive term gathers rank 1's NaN image features: both ranks' losses
+        assert "non-finite loss on rank 0 (batch 1), rank 1 (batch 1)" in msg, msg
+        assert "non-finite inputs on rank 1 (batch 1)" in msg, msg
+        assert "non-finite gradients on ranks [0, 1]" in msg, msg
+        assert r["step"] == 1 and r["guard_gathers"] == [], r["guard_gathers"]
+        assert r["skipped"] == 1 and r["global_step"] == 2, r
+    assert len(results[0]["warnings"]) == 1 and not results[1]["warnings"]
+    assert "global step 1, batch [2]" in results[0]["warnings"][0], results[0]["warnings"]
+    assert "inputs on rank 1 (batch 2)" in results[0]["warnings"][0], results[0]["warnings"]
 
 
 def check_nonfinite(results: list[dict[str, Any]]) -> None:

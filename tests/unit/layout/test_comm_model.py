@@ -95,13 +95,37 @@ def test_ddp_all_reduces_every_trainable_gradient_per_step() -> None:
     b = ParamSpec("b", (), 1, None, True)
     lay = ParallelLayout(dp=2, data_parallel="ddp", accumulate=3)
     got = comm_bytes(spec(w, frozen, b), lay)
-    # per step: grads (30 + 1) * 4, the guard 2 * 24; per batch: logged pair 8, term sums 48
-    assert got == {"dp.all_reduce": 124 + 3 * (8 + 48), "dp.all_gather": 48, "dp.broadcast": 24}
+    # per step: grads (30 + 1) * 4 and the guard's 2 float32 per rank in DDP's last bucket
+    # (guard_rides_ddp); per batch: logged pair 8, term sums 48
+    assert got == {"dp.all_reduce": 124 + 2 * 8 + 3 * (8 + 48), "dp.broadcast": 24}
     assert state_bytes(spec(w, frozen, b), lay, {}) == state_bytes(
         spec(w, frozen, b), ParallelLayout(dp=1), {}
     )
     st = state_bytes(spec(w, frozen, b), lay, {})
     assert (st.parameters, st.gradients, st.optimizer) == (152, 124, 2 * 124 + 2 * 4)
+
+
+def test_the_guard_rides_ddp_only_over_the_whole_world_in_float32() -> None:
+    """``guard_rides_ddp``: DDP over every rank (tp = pp = ep = 1, no vision ranks) with float32
+    gradients carries the guard's flags; otherwise the guard all-gathers its own ``[3]`` row."""
+    from lightning_mmpar.layout.comm import guard_rides_ddp
+
+    w = ParamSpec("w", (6, 5), 0, None, True)
+    half = ParamSpec("w", (6, 5), 0, None, True, element_size=2)
+    ddp = {"dp": 2, "data_parallel": "ddp"}
+    assert guard_rides_ddp(spec(w), ParallelLayout(**ddp))
+    refused = [
+        (spec(half), ParallelLayout(**ddp)),  # bf16 gradients: the flags' indices need float32
+        (spec(w), ParallelLayout(dp=2)),  # FSDP2
+        (spec(w), ParallelLayout(dp=1, data_parallel="ddp")),  # no replicas
+        (spec(w), ParallelLayout(tp=2, **ddp)),  # the package's all-reduce, gradients differ
+        (spec(w), ParallelLayout(**ddp, vision_ranks=1)),  # the world is larger than dp
+    ]
+    for model, lay in refused:
+        assert not guard_rides_ddp(model, lay), lay
+        if lay.world > 1:  # one process: no guard collective at all
+            key = f"{world_dim(lay)}.all_gather"
+            assert comm_bytes(model, lay).get(key, 0) >= 24 * lay.world, lay
 
 
 def test_fsdp_pads_the_shard_dim_and_holds_torch_chunks() -> None:
@@ -167,7 +191,7 @@ def tiny_vision_dp() -> Any:
 MEASURED = {  # rank 0 of tests/recipes/test_parity_matrix.py's counts (batch 8, T = 12)
     "dp2 ddp": (
         ParallelLayout(dp=2, data_parallel="ddp", micro_batch_size=4),
-        {"dp.all_gather": 3168, "dp.all_reduce": 190748, "dp.broadcast": 8},
+        {"dp.all_gather": 3120, "dp.all_reduce": 190764, "dp.broadcast": 8},
     ),
     "tp2": (
         ParallelLayout(tp=2, micro_batch_size=8),
