@@ -71,6 +71,7 @@ collectives of the recomputed blocks in backward; :func:`comm_bytes` counts none
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 from lightning_mmpar.layout.memory import (
     fsdp_group,
@@ -296,6 +297,36 @@ def dispatched_calls(model: ModelSpec, layout: ParallelLayout, pp_rank: int = 0)
     return _count(model, layout, pp_rank, "expected")[2]
 
 
+def _world_collectives(
+    model: ModelSpec,
+    layout: ParallelLayout,
+    partial: list[ParamSpec],
+    add: Callable[..., None],
+) -> None:
+    """:func:`_count`'s collectives over every rank: Lightning's SIGTERM flag per batch; the
+    non-finite guard (or its flags in DDP's last bucket) and clipping per optimizer step."""
+    if layout.world == 1:
+        return
+    acc = layout.accumulate
+    world = world_dim(layout)
+    add(f"{world}.broadcast", acc * SIGTERM_BYTES, acc, why="sigterm")
+    if guard_rides_ddp(model, layout):  # [world, 2] float32 in the last DDP bucket
+        add("dp.all_reduce", CARRIED_GUARD_BYTES * layout.world, 0, why="guard")
+    else:
+        add(f"{world}.all_gather", GUARD_BYTES * layout.world, 1, why="guard")
+    if layout.clip and not ddp_covers_world(layout):  # else the local norm
+        add(f"{world}.all_reduce", 8, 1, why="clip")
+        if layout.tp > 1:  # Partial gradients (no FSDP) summed over tp before their norm
+            whole = [p for p in partial if fsdp_group(p, layout) == 1]
+            add(
+                "tp.all_reduce",
+                sum(_grad_bytes(p, layout) for p in whole),
+                len(whole),
+                True,
+                "clip",
+            )
+
+
 def _count(
     model: ModelSpec, layout: ParallelLayout, pp_rank: int, bound: str
 ) -> tuple[dict[str, int], Counter[str], int, Counter[tuple[str, str]]]:
@@ -464,23 +495,5 @@ def _count(
                 why="loss",
             )
         add("dp.all_reduce", acc * (LOG_PAIR_BYTES + TERM_BYTES), acc * 2, why="logging")
-    # over the world: Lightning's SIGTERM flag per batch; the guard and clipping per step
-    if layout.world > 1:
-        world = world_dim(layout)
-        add(f"{world}.broadcast", acc * SIGTERM_BYTES, acc, why="sigterm")
-        if guard_rides_ddp(model, layout):  # [world, 2] float32 in the last DDP bucket
-            add("dp.all_reduce", CARRIED_GUARD_BYTES * layout.world, 0, why="guard")
-        else:
-            add(f"{world}.all_gather", GUARD_BYTES * layout.world, 1, why="guard")
-        if layout.clip and not ddp_covers_world(layout):  # else the local norm
-            add(f"{world}.all_reduce", 8, 1, why="clip")
-            if layout.tp > 1:  # Partial gradients (no FSDP) summed over tp before their norm
-                whole = [p for p in partial if fsdp_group(p, layout) == 1]
-                add(
-                    "tp.all_reduce",
-                    sum(_grad_bytes(p, layout) for p in whole),
-                    len(whole),
-                    True,
-                    "clip",
-                )
+    _world_collectives(model, layout, partial, add)
     return {k: v for k, v in sorted(out.items()) if v}, calls, dispatched, parts

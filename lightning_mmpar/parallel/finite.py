@@ -208,20 +208,18 @@ class NonFiniteGuard:
         size = comm.group_size(group)
         buffer.div_(size)
         if not bucket.is_last():
-            work = dist.all_reduce(buffer, group=group, async_op=True)
-            return work.get_future().then(lambda fut: fut.value()[0])  # type: ignore[no-any-return]
+            return comm.all_reduce_future(buffer, group)
         rows = torch.zeros(size, 2, dtype=buffer.dtype, device=buffer.device)
         rows[comm.group_rank(group)] = self._first_bad(buffer.device).to(buffer.dtype)
         joined = torch.cat([buffer, rows.view(-1)])
         n = buffer.numel()
 
-        def split(fut: torch.futures.Future[list[Tensor]]) -> Tensor:
-            out = fut.value()[0]
+        def split(fut: torch.futures.Future[Tensor]) -> Tensor:
+            out = fut.value()
             self._carried = out[n:].view(size, 2).double()
             return out[:n]
 
-        work = dist.all_reduce(joined, group=group, async_op=True)
-        return work.get_future().then(split)  # type: ignore[no-any-return]
+        return comm.all_reduce_future(joined, group).then(split)
 
     def check(
         self,
