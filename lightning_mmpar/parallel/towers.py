@@ -41,7 +41,7 @@ A frozen tower (no trainable vision parameter) sends no gradient and runs no bac
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -59,6 +59,7 @@ __all__ = [
     "TowerInlet",
     "image_index",
     "shard_tower",
+    "share_metrics",
     "tower_block_count",
     "tower_group",
 ]
@@ -111,6 +112,16 @@ def shard_tower(blocks: Sequence[nn.Module], group: dist.ProcessGroup, device_ty
         block.set_gradient_divide_factor(1.0)
         block.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM: sum, no divide
         block.set_reduce_scatter_unused_params(True)
+
+
+def share_metrics(values: Mapping[str, float] | None, device: torch.device) -> dict[str, float]:
+    """Global rank 0's ``values`` (a language rank's evaluation metrics) on every rank: the
+    vision ranks compute no loss, so without it their ``trainer.validate`` / ``test`` returned
+    zeros. ``values`` is read on rank 0 only (the others pass ``None``); a collective over the
+    default group (``broadcast_object_list``): every rank calls it, once per evaluation epoch."""
+    box = [dict(values or {})]
+    dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
+    return box[0]
 
 
 def tower_block_count(blocks: Sequence[nn.Module]) -> int:
