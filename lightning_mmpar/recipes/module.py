@@ -630,8 +630,8 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         ``<prefix>/...`` of global rank 0, :func:`~lightning_mmpar.parallel.towers.
         share_metrics`), so ``trainer.validate`` / ``test`` return the same on every rank."""
         if self._tower_role == "vision":
-            for name, value in share_metrics(None, self.device).items():
-                self.log(name, value, batch_size=1)
+            for name, shared in share_metrics(None, self.device).items():
+                self.log(name, shared, batch_size=1)
             return
         self._log_terms(prefix)
         if self._metrics is not None and self._prompts:
