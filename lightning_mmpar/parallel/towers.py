@@ -125,14 +125,13 @@ def zero_on_graph(tensors: Iterable[Tensor], zero: Tensor) -> Tensor:
     return sum((t.sum() * 0.0 for t in tensors), zero)
 
 
-def share_metrics(values: Mapping[str, float] | None, device: torch.device) -> dict[str, float]:
+def share_metrics(values: Mapping[str, float] | None) -> dict[str, float]:
     """Global rank 0's ``values`` (a language rank's evaluation metrics) on every rank: the
     vision ranks compute no loss, so without it their ``trainer.validate`` / ``test`` returned
     zeros. ``values`` is read on rank 0 only (the others pass ``None``); a collective over the
-    default group (``broadcast_object_list``): every rank calls it, once per evaluation epoch."""
-    box = [dict(values or {})]
-    dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
-    return box[0]
+    default group (:func:`~lightning_mmpar.parallel.comm.all_gather_objects`): every rank calls
+    it, once per evaluation epoch."""
+    return dict(comm.all_gather_objects(dict(values or {}))[0])
 
 
 def tower_block_count(blocks: Sequence[nn.Module]) -> int:

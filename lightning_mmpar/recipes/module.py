@@ -630,7 +630,7 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         ``<prefix>/...`` of global rank 0, :func:`~lightning_mmpar.parallel.towers.
         share_metrics`), so ``trainer.validate`` / ``test`` return the same on every rank."""
         if self._tower_role == "vision":
-            for name, shared in share_metrics(None, self.device).items():
+            for name, shared in share_metrics(None).items():
                 self.log(name, shared, batch_size=1)
             return
         self._log_terms(prefix)
@@ -641,7 +641,7 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
         if self._tower_role == "language":
             logged = self.trainer.callback_metrics.items()
             ours = (f"{prefix}_loss", f"{prefix}/")
-            share_metrics({k: float(v) for k, v in logged if k.startswith(ours)}, self.device)
+            share_metrics({k: float(v) for k, v in logged if k.startswith(ours)})
 
     # ------------------------------------------------------------------ optimizer
     def configure_optimizers(self) -> Any:
