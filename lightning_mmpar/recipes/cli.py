@@ -26,8 +26,10 @@ Bad input ends as a command-line error (``<prog>: error: ...`` on stderr, exit s
 traceback: an option or YAML key the parser does not know (with the closest known names:
 "did you mean --trainer.max_steps?"), and a ``ValueError`` / ``FileNotFoundError`` /
 ``MisconfigurationException`` raised while the flags and the JSON are mapped, the classes are
-built or by the preflight checks (layout vs model and data, the checkpoint): one line.
-``LIGHTNING_MMPAR_TRACEBACK=1`` re-raises those with their traceback.
+built or by the preflight checks (layout vs model and data, the checkpoint): one line. A
+``trainer.strategy`` argument that the strategy refuses or that is not of its type is said by
+its one reason, not by jsonargparse's text for a value no type of ``str | Strategy`` takes
+(:func:`union_reason`). ``LIGHTNING_MMPAR_TRACEBACK=1`` re-raises those with their traceback.
 """
 
 from __future__ import annotations
