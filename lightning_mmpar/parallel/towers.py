@@ -41,7 +41,7 @@ A frozen tower (no trainable vision parameter) sends no gradient and runs no bac
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -59,8 +59,10 @@ __all__ = [
     "TowerInlet",
     "image_index",
     "shard_tower",
+    "share_metrics",
     "tower_block_count",
     "tower_group",
+    "zero_on_graph",
 ]
 
 _GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
@@ -113,6 +115,25 @@ def shard_tower(blocks: Sequence[nn.Module], group: dist.ProcessGroup, device_ty
         block.set_reduce_scatter_unused_params(True)
 
 
+def zero_on_graph(tensors: Iterable[Tensor], zero: Tensor) -> Tensor:
+    """``zero`` (zeros of any shape, e.g. ``t.new_zeros(())``) plus ``t.sum() * 0`` for each of
+    ``tensors``: zeros whose backward reaches every one of them with zero gradients. A rank with
+    nothing to compute (a vision rank's loss, a vision rank or a language micro-batch without
+    an image) still runs the backward its peers run, and so joins the collectives inside it
+    (FSDP2's reduce-scatters). The one home of this loss: the strategy's vision step, the
+    exchange's backward without images and :class:`TowerInlet` use it."""
+    return sum((t.sum() * 0.0 for t in tensors), zero)
+
+
+def share_metrics(values: Mapping[str, float] | None) -> dict[str, float]:
+    """Global rank 0's ``values`` (a language rank's evaluation metrics) on every rank: the
+    vision ranks compute no loss, so without it their ``trainer.validate`` / ``test`` returned
+    zeros. ``values`` is read on rank 0 only (the others pass ``None``); a collective over the
+    default group (:func:`~lightning_mmpar.parallel.comm.all_gather_objects`): every rank calls
+    it, once per evaluation epoch."""
+    return dict(comm.all_gather_objects(dict(values or {}))[0])
+
+
 def tower_block_count(blocks: Sequence[nn.Module]) -> int:
     """How many leading blocks are of kind ``"vision"`` (the tower the vision ranks run).
 
@@ -157,7 +178,7 @@ class TowerInlet(nn.Module):
         out = []
         for part in self.parts:
             if part.shape[0] == 0:  # no image in the step: zeros on the (empty) part's graph
-                out.append(part.new_zeros(*index.shape, *part.shape[1:]) + 0.0 * part.sum())
+                out.append(zero_on_graph([part], part.new_zeros(*index.shape, *part.shape[1:])))
                 continue
             sel = part[index.clamp(min=0)]
             mask = keep.reshape(*keep.shape, *([1] * (part.ndim - 1)))
@@ -193,8 +214,9 @@ class TowerExchange:
         """Vision rank: outputs sent and not back-propagated yet (the batch, the one ahead)."""
         self._window_left = 0
         """Language rank: batches of the current window whose outputs are still to come."""
-        self._held: deque[tuple[Tensor, ...]] = deque()
-        """Language rank: outputs received early (before an evaluation step)."""
+        self._held: tuple[Tensor, ...] | None = None
+        """Language rank: the outputs of the batch encoded ahead, received early (before an
+        evaluation step): at most one batch."""
         self.encoded_ahead = 0
         """Vision rank: batches encoded while the language ranks ran the one before."""
         self._deferred: tuple[Tensor, ...] | None = None
@@ -235,7 +257,8 @@ class TowerExchange:
         ``RuntimeError`` when the window has no batch left (:meth:`send_window` first)."""
         if self._window_left <= 0:
             raise RuntimeError("TowerExchange.receive() outside a window: send_window() first.")
-        parts = self._held.popleft() if self._held else self._recv_outputs()
+        held, self._held = self._held, None
+        parts = held if held is not None else self._recv_outputs()
         self._window_left -= 1
         self._parts = tuple(p.requires_grad_(self.trains) for p in parts)
         return self._parts
@@ -254,8 +277,8 @@ class TowerExchange:
         """Language first-stage rank: receive and hold the outputs the vision ranks encoded
         ahead (one batch when the window has batches left), so that the next message from
         them is not those."""
-        if self._window_left > 0 and not self._held:
-            self._held.append(self._recv_outputs())
+        if self._window_left > 0 and self._held is None:
+            self._held = self._recv_outputs()
 
     def _recv_outputs(self) -> tuple[Tensor, ...]:
         got = [self._recv_parts(link.vision) for link in self.links]
@@ -367,8 +390,8 @@ class TowerExchange:
         if pairs and any(o.numel() for o, _ in pairs):
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         elif pairs and self.join_empty:  # no image: zero gradients, the same collectives
-            zero = pairs[0][0].new_zeros(())
-            torch.autograd.backward(sum((o.sum() * 0.0 for o, _ in pairs), zero))
+            leaves = [o for o, _ in pairs]
+            torch.autograd.backward(zero_on_graph(leaves, leaves[0].new_zeros(())))
 
     def receive_tokens(self) -> float:
         """Vision rank, at the optimizer step: the step's target tokens from its links (the
@@ -385,8 +408,7 @@ class TowerExchange:
             self.hold_ahead()
         elif self._deferred is not None and self._held_grads is None:
             self._recv_grads(self._deferred)  # their sender waits for this receive
-        self._deferred, self._held_grads = None, None
-        self._held.clear()
+        self._deferred, self._held_grads, self._held = None, None, None
         self._pixels.clear()
         self._encoded.clear()
         self._window_left = 0

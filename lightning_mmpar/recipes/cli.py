@@ -26,8 +26,10 @@ Bad input ends as a command-line error (``<prog>: error: ...`` on stderr, exit s
 traceback: an option or YAML key the parser does not know (with the closest known names:
 "did you mean --trainer.max_steps?"), and a ``ValueError`` / ``FileNotFoundError`` /
 ``MisconfigurationException`` raised while the flags and the JSON are mapped, the classes are
-built or by the preflight checks (layout vs model and data, the checkpoint): one line.
-``LIGHTNING_MMPAR_TRACEBACK=1`` re-raises those with their traceback.
+built or by the preflight checks (layout vs model and data, the checkpoint): one line. A
+``trainer.strategy`` argument that the strategy refuses or that is not of its type is said by
+its one reason, not by jsonargparse's text for a value no type of ``str | Strategy`` takes
+(:func:`union_reason`). ``LIGHTNING_MMPAR_TRACEBACK=1`` re-raises those with their traceback.
 """
 
 from __future__ import annotations
@@ -158,6 +160,40 @@ def suggest_options(message: str, known: list[str]) -> str:
     return message if not hints else message + "\n" + "\n".join(hints)
 
 
+UNION_ERROR = "Does not validate against any of the Union subtypes"
+"""jsonargparse's error for a value that no type of a ``Union`` takes (``trainer.strategy``:
+``str | Strategy``)."""
+
+
+def union_reason(message: str) -> str | None:
+    """The one reason in jsonargparse's :data:`UNION_ERROR` ``message``, on one line; ``None``
+    for another message, or one with several reasons.
+
+    jsonargparse lists each subtype's error with the subtypes and the whole parsed value: for a
+    ``trainer.strategy`` section, "Expected a <class 'str'>" (the strategy's name) beside the
+    class's own, which is the reason: the ``ValueError`` its constructor raised (e.g.
+    ``MultimodalParallelStrategy``'s ``vision_ranks (-1) must be a non-negative integer: ...``),
+    returned as it is, or the type one of its arguments must have, returned as
+    ``trainer.strategy.init_args.<argument>: Expected a typing.Literal['ddp', 'fsdp']. Got
+    value: zero``.
+    """
+    block = re.search(r"^\s*Errors:\n(.*?)^\s*Given value", message, re.S | re.M)
+    if UNION_ERROR not in message or block is None:
+        return None
+    items = [" ".join(item.split()) for item in re.split(r"^\s*- ", block.group(1), flags=re.M)]
+    reasons = [i for i in items if i and not re.fullmatch(r"Expected a <class '[\w.]+'>", i)]
+    if len(reasons) != 1:
+        return None
+    nested = re.fullmatch(
+        r"Problem with given class_path '[\w.]+': Parser key \"(\w+)\": (.*)", reasons[0]
+    )
+    if nested is None:
+        return reasons[0]
+    key = re.match(r'\s*Parser key "([\w.]+)":', message)
+    field = f"{key.group(1)}.init_args.{nested.group(1)}" if key else nested.group(1)
+    return f"{field}: {nested.group(2)}"
+
+
 class RecipeArgumentParser(LightningArgumentParser):
     """LightningArgumentParser whose errors are short: the message, the closest known options
     (:func:`suggest_options`) and where the full list is (not the whole usage)."""
@@ -166,7 +202,7 @@ class RecipeArgumentParser(LightningArgumentParser):
         if not self.exit_on_error or debug_mode_active():  # jsonargparse tries alternatives:
             return super().error(message, ex)  # it raises, catches and may go on parsing
         parser = getattr(ex, "subcommand_parser", None) or self
-        message = suggest_options(message, _option_names(parser))
+        message = suggest_options(union_reason(message) or message, _option_names(parser))
         words = parser.prog.replace(" [options]", "").split()
         command = " ".join(["python -m lightning_mmpar.recipes.clip_llama", *words[1:]])
         sys.stderr.write(f"error: {message}\ntip: {command} --help lists every option\n")
@@ -546,7 +582,8 @@ def main(args: list[str] | None = None) -> None:
         argv = sys.argv[1:] if args is None else args
         sub = next((a for a in argv if not a.startswith("-")), "")
         hint = "(LIGHTNING_MMPAR_TRACEBACK=1 shows the traceback)"
-        print(f"{' '.join(['clip_llama', sub]).strip()}: error: {err} {hint}", file=sys.stderr)
+        reason = union_reason(str(err)) or err  # the strategy's refusal, not jsonargparse's text
+        print(f"{' '.join(['clip_llama', sub]).strip()}: error: {reason} {hint}", file=sys.stderr)
         raise SystemExit(2) from None
     except RuntimeError as err:  # torch's DistError family included
         if not faults.is_collective_failure(err) or os.environ.get("LIGHTNING_MMPAR_TRACEBACK"):

@@ -49,7 +49,12 @@ from lightning_mmpar.parallel.parallelize import (
     apply_model_parallel,
     checkpoint_and_compile,
 )
-from lightning_mmpar.parallel.towers import TowerInlet, image_index, tower_block_count
+from lightning_mmpar.parallel.towers import (
+    TowerInlet,
+    image_index,
+    share_metrics,
+    tower_block_count,
+)
 from lightning_mmpar.plans.fusion import fusion_plan
 from lightning_mmpar.recipes import parallel_env as penv
 from lightning_mmpar.recipes import pretrained as ptl
@@ -620,11 +625,23 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
             self.log(f"{prefix}/{name}", value, batch_size=1, prog_bar=bar)
 
     def _log_eval(self, prefix: str) -> None:
-        self._log_terms(prefix)
-        if self._metrics is None or not self._prompts:
+        """The epoch's loss terms and metrics. Under non-colocated towers a vision rank, which
+        computes no loss, logs the language side's values (``<prefix>_loss`` and
+        ``<prefix>/...`` of global rank 0, :func:`~lightning_mmpar.parallel.towers.
+        share_metrics`), so ``trainer.validate`` / ``test`` return the same on every rank."""
+        if self._tower_role == "vision":
+            for name, shared in share_metrics(None).items():
+                self.log(name, shared, batch_size=1)
             return
-        for name, value in eval_values(self.trainer, self._metrics, self.head is not None).items():
-            self.log(f"{prefix}/{name}", value, batch_size=1, prog_bar=name == "zero_shot_acc")
+        self._log_terms(prefix)
+        if self._metrics is not None and self._prompts:
+            values = eval_values(self.trainer, self._metrics, self.head is not None)
+            for name, value in values.items():
+                self.log(f"{prefix}/{name}", value, batch_size=1, prog_bar=name == "zero_shot_acc")
+        if self._tower_role == "language":
+            logged = self.trainer.callback_metrics.items()
+            ours = (f"{prefix}_loss", f"{prefix}/")
+            share_metrics({k: float(v) for k, v in logged if k.startswith(ours)})
 
     # ------------------------------------------------------------------ optimizer
     def configure_optimizers(self) -> Any:

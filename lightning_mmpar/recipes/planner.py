@@ -127,14 +127,28 @@ def base_layout(config: dict[str, Any], module: ClipLlamaModule, precision: str)
     )
 
 
-def fragment(layout: ParallelLayout, placement: Sequence[int] | None = None) -> dict[str, Any]:
+def fragment(
+    layout: ParallelLayout, placement: Sequence[int] | None = None, nodes: int = 1
+) -> dict[str, Any]:
     """The YAML the recipe accepts for ``layout``: ``trainer.strategy`` (class and every layout
     init arg, defaults included, so that merged over a recipe YAML none of the recipe's own
     values survive; ``micro_batches: null`` without a pipeline; ``activation_checkpointing:
-    layers`` or null), ``trainer.accumulate_grad_batches``, ``model.plan`` (sequence
+    layers`` or null), ``trainer.devices`` and ``trainer.num_nodes`` (the layout's processes,
+    vision ranks included, over ``nodes`` nodes: the recipe's own process count would launch
+    another world), ``trainer.accumulate_grad_batches``, ``model.plan`` (sequence
     parallelism, vision mode) and ``data.batch_size`` (per data-parallel rank);
     ``placement``: the device order when it is not Megatron's (and the strategy takes one),
-    else null."""
+    else null.
+
+    Raises:
+        ValueError: ``nodes`` does not divide the layout's processes.
+    """
+    processes = layout.world + layout.vision_ranks
+    if nodes < 1 or processes % nodes:
+        raise ValueError(
+            f"nodes ({nodes}) must divide the layout's {processes} processes "
+            f"({describe(layout)}); plan on a multiple of the nodes, or give nodes=1."
+        )
     part = layout.partition
     args: dict[str, Any] = {
         "tensor_parallel": layout.tp,
@@ -158,6 +172,8 @@ def fragment(layout: ParallelLayout, placement: Sequence[int] | None = None) -> 
     }
     return {
         "trainer": {
+            "devices": processes // nodes,
+            "num_nodes": nodes,
             "strategy": {"class_path": _STRATEGY, "init_args": args},
             "accumulate_grad_batches": layout.accumulate,
         },
@@ -236,7 +252,8 @@ def _tower_arguments(p: argparse.ArgumentParser) -> None:
         "--vision-fsdp",
         action="store_true",
         help="also rank non-colocated layouts with the vision tower sharded over 2 or more "
-        "vision ranks (vision_data_parallel: fsdp) beside its full copies (ddp)",
+        "vision ranks (vision_data_parallel: fsdp) beside its full copies (ddp); enumerates "
+        "2 vision ranks even where that is more than gpus / 2 (3 devices: 1 language + 2 vision)",
     )
     p.add_argument(
         "--tower-overlap",
@@ -448,17 +465,23 @@ def _rank(args: argparse.Namespace, run: _Planning) -> tuple[list[Prediction], l
         max_tp=args.max_tp,
         experts=moe.num_experts if moe is not None else 0,
         base=run.base,
-        vision_ranks=vision_counts(args.gpus, args.vision_ranks, args.no_noncolocated),
+        vision_ranks=vision_counts(
+            args.gpus, args.vision_ranks, args.no_noncolocated, fsdp=args.vision_fsdp
+        ),
         vision_data_parallel=("ddp", "fsdp") if args.vision_fsdp else ("ddp",),
         tower_overlap=args.tower_overlap,
     )
 
 
-def vision_counts(gpus: int, forced: int | None = None, colocated: bool = False) -> list[int]:
+def vision_counts(
+    gpus: int, forced: int | None = None, colocated: bool = False, fsdp: bool = False
+) -> list[int]:
     """The ``vision_ranks`` the planner enumerates on ``gpus`` devices: ``[forced]`` when
     given, ``[0]`` with ``colocated``, else ``0`` (colocated) and ``1 .. gpus // 2`` (up to
-    half the devices on the vision tower); the validation then refuses those whose vision
-    ranks and language replicas do not divide one another.
+    half the devices on the vision tower), with ``fsdp`` (``--vision-fsdp``) at least
+    ``1 .. 2`` when ``gpus >= 3`` (FSDP2 of the tower needs two vision ranks: on 3 devices
+    1 language + 2 vision ranks); the validation then refuses those whose vision ranks and
+    language replicas do not divide one another.
 
     Raises:
         ValueError: ``forced`` outside ``0 .. gpus - 1``.
@@ -472,7 +495,8 @@ def vision_counts(gpus: int, forced: int | None = None, colocated: bool = False)
         return [forced]
     if colocated or gpus < 2:
         return [0]
-    return list(range(0, gpus // 2 + 1))
+    top = max(gpus // 2, min(2, gpus - 1)) if fsdp else gpus // 2
+    return list(range(0, top + 1))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -500,7 +524,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.write_yaml:
             print(f"--write-yaml {args.write_yaml}: not written (no layout fits).")
         return 1
-    out = fragment(ranked[0].layout, _placement(args, run, ranked[0]))
+    nodes = int((run.config.get("trainer") or {}).get("num_nodes", 1) or 1)
+    nodes = nodes if args.gpus % nodes == 0 else 1  # the YAML's nodes, when they divide --gpus
+    out = fragment(ranked[0].layout, _placement(args, run, ranked[0]), nodes)
     build_module(_merge(run.config, {"model": out["model"], "data": out["data"]}))  # it parses
     text = yaml.safe_dump(out, sort_keys=False)
     print(f"\nYAML fragment of the best layout:\n{text}", end="")

@@ -32,7 +32,13 @@ from lightning_mmpar.config import ParallelConfig
 from lightning_mmpar.parallel import comm
 from lightning_mmpar.parallel.numerics import clip_grad_norm_, shard_count
 from lightning_mmpar.parallel.pipeline.schedules import _drop_parameters
-from lightning_mmpar.parallel.towers import TowerExchange, TowerInlet, shard_tower, tower_group
+from lightning_mmpar.parallel.towers import (
+    TowerExchange,
+    TowerInlet,
+    shard_tower,
+    tower_group,
+    zero_on_graph,
+)
 from lightning_mmpar.topology import ParallelDims, TowerRanks
 
 __all__ = ["TowerSteps"]
@@ -169,8 +175,7 @@ class TowerSteps(ParallelStrategy):
         with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
             ex = self._exchange
             outs = ex.encode(tower) if grad else ex.encode_once(tower)
-        zero = torch.zeros((), device=self.root_device)
-        return sum((o.sum() * 0.0 for o in outs), zero)
+        return zero_on_graph(outs, torch.zeros((), device=self.root_device))
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         ex = self._exchange

@@ -43,6 +43,8 @@ class Recorder(rw.Recorder):
 
         self.val_losses: list[float] = []
         """``val_loss`` after each validation (validation inside accumulation windows)."""
+        self.validated: dict[str, float] = {}
+        """What ``trainer.validate`` returned after the fit (a case that validates)."""
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, *args: Any) -> None:
         if "train_loss" in trainer.callback_metrics:
@@ -52,7 +54,8 @@ class Recorder(rw.Recorder):
             self.stepped = {name: g.detach().clone() for name, g in grads.items()}
 
     def on_validation_end(self, trainer: Trainer, pl_module: Any) -> None:
-        if not trainer.sanity_checking and "val_loss" in trainer.callback_metrics:
+        fitting = trainer.state.fn == "fit"  # not the trainer.validate after the fit
+        if fitting and not trainer.sanity_checking and "val_loss" in trainer.callback_metrics:
             self.val_losses.append(float(trainer.callback_metrics["val_loss"]))
 
 
@@ -212,6 +215,9 @@ def fit(strategy: Any, world: int, case: Case, save: str | None = None) -> Recor
     data = _local(_batches(case.accumulate), case)
     val = DataLoader(data[:1], batch_size=None) if case.validate else None  # type: ignore[arg-type]
     trainer.fit(module, DataLoader(data, batch_size=None), val)  # type: ignore[arg-type]
+    if val is not None and world > 1:  # every rank returns the language side's metrics
+        (validated,) = trainer.validate(module, val, verbose=False)
+        recorder.validated = {k: float(v) for k, v in validated.items()}
     if save is not None:
         trainer.save_checkpoint(save)
         recorder.state = full_state_dict(module)
@@ -269,6 +275,7 @@ def run(case: Case, root: str) -> dict[str, Any]:
         "encoded_ahead": exchange.encoded_ahead if exchange is not None else 0,
         "losses": rec.losses,
         "val_losses": rec.val_losses,
+        "validated": rec.validated,
         "grads": rec.grads,
         "stepped": rec.stepped,
         "comm": rec.comm,

@@ -62,6 +62,7 @@ def test_plan_cpu_recipe_table_rejections_placement_and_yaml(
     assert text.endswith(out_yaml.read_text())
     args = fragment["trainer"]["strategy"]["init_args"]
     MultimodalParallelStrategy(**args)
+    assert (fragment["trainer"]["devices"], fragment["trainer"]["num_nodes"]) == (4, 1)
     config = yaml.safe_load(Path(CPU).read_text())
     module, data = build_module(cli._merge(config, {k: fragment[k] for k in ("model", "data")}))
     assert data.batch_size == fragment["data"]["batch_size"]

@@ -10,7 +10,12 @@ from lightning_mmpar import MultimodalParallelStrategy
 from lightning_mmpar.config import ParallelConfig
 from lightning_mmpar.layout import LayoutFacts, ParallelLayout, validate
 from lightning_mmpar.models.ragged import scatter_slots
-from lightning_mmpar.parallel.towers import TowerInlet, image_index, tower_block_count
+from lightning_mmpar.parallel.towers import (
+    TowerInlet,
+    image_index,
+    tower_block_count,
+    zero_on_graph,
+)
 from lightning_mmpar.topology import ParallelDims, TowerRanks, chunk_sizes
 
 
@@ -129,6 +134,19 @@ def test_inlet_fills_slots_as_the_colocated_tower_scatters() -> None:
     inlet.parts = (torch.zeros(0, 4, 5, requires_grad=True),)
     (empty,) = inlet(image_index(torch.zeros(2, 1, dtype=torch.bool)))
     assert empty.shape == (2, 1, 4, 5) and not empty.any()
+
+
+def test_zero_on_graph_reaches_every_tensor_with_zero_gradients() -> None:
+    """The one "zero on the graph" (the vision step's loss, the exchange's backward without
+    images, the inlet's empty part): zeros of ``zero``'s shape and dtype whose backward gives
+    each tensor a zero gradient; no tensor, ``zero`` itself."""
+    a, b = torch.randn(3, 2, requires_grad=True), torch.randn(0, 4, requires_grad=True)
+    out = zero_on_graph([a, b], a.new_zeros(2, 5))
+    assert out.shape == (2, 5) and not out.any() and out.requires_grad
+    out.sum().backward()
+    assert torch.equal(a.grad, torch.zeros(3, 2)) and b.grad is not None and b.grad.shape == (0, 4)
+    zero = torch.zeros((), dtype=torch.float64)
+    assert zero_on_graph([], zero) is zero
 
 
 def test_tower_block_count_needs_leading_vision_blocks() -> None:

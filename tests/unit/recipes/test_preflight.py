@@ -25,6 +25,7 @@ from lightning_mmpar.recipes.options import check_image_size
 
 YAML = str(Path(__file__).resolve().parents[3] / "recipes" / "clip_llama_cpu.yaml")
 STRATEGY = "--trainer.strategy.init_args."
+TRACEBACK_HINT = "(LIGHTNING_MMPAR_TRACEBACK=1 shows the traceback)"
 
 
 @pytest.fixture
@@ -316,3 +317,58 @@ def test_cli_prints_setup_errors_and_unknown_options_without_traceback(
     literal = "Expected a typing.Literal['gpipe', '1f1b', 'dualpipev']. Got value: 1f1B"
     assert suggest_options(literal, known).endswith("1f1B: did you mean 1f1b?")
     assert launched == []
+
+
+STRATEGY_REFUSALS = [  # arguments the strategy's constructor refuses (a ValueError)
+    {"vision_ranks": -1},
+    {"vision_ranks": 1, "vision_data_parallel": "fsdp"},
+    {"data_parallel": "ddp", "offload_optimizer": True},
+]
+
+
+@pytest.mark.parametrize("kwargs", STRATEGY_REFUSALS, ids=lambda v: "-".join(map(str, v.values())))
+def test_cli_prints_a_strategy_refusal_as_its_one_line(
+    kwargs: dict[str, Any], launched: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A refusal of ``MultimodalParallelStrategy``'s arguments is its ``ValueError``, one line,
+    exit status 2, as the layout's pre-launch refusals (sequence parallelism with vision ranks,
+    ...) are; it was printed inside jsonargparse's "Does not validate against any of the Union
+    subtypes" text (the subtypes, each one's error, the whole parsed section)."""
+    from lightning_mmpar.recipes.cli import main
+    from lightning_mmpar.strategy import MultimodalParallelStrategy
+
+    with pytest.raises(ValueError) as raised:
+        MultimodalParallelStrategy(tensor_parallel=2, pipeline_parallel=2, **kwargs)
+    options = [str(x) for key, value in kwargs.items() for x in (f"{STRATEGY}{key}", value)]
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--config", YAML, *options])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and launched == []
+    assert err == f"clip_llama fit: error: {raised.value} {TRACEBACK_HINT}\n", err
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        (
+            "vision_data_parallel",
+            "zero",
+            "Expected a typing.Literal['ddp', 'fsdp']. Got value: zero",
+        ),
+        ("tensor_parallel", "two", "Expected a <class 'int'>. Got value: two"),
+    ],
+)
+def test_cli_prints_a_strategy_argument_of_the_wrong_type_in_one_line(
+    key: str, value: str, expected: str, launched: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A strategy argument the parser refuses (not of its type) is one line naming the option,
+    the allowed values and the value given (and where ``--help`` lists every option), not
+    jsonargparse's Union text."""
+    from lightning_mmpar.recipes.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--config", YAML, f"{STRATEGY}{key}", value])
+    lines = capsys.readouterr().err.splitlines()
+    assert exit_.value.code == 2 and launched == []
+    assert lines[0] == f"error: trainer.strategy.init_args.{key}: {expected}", lines
+    assert len(lines) == 2 and lines[1].startswith("tip: "), lines
