@@ -45,9 +45,8 @@ What runs, per batch (``accumulate`` batches per optimizer step; a dp rank's bat
   rows) whose two differentiable ones all-reduce their gradient in backward; every rank
   all-reduces the logged loss pair (8 bytes) and the term sums (48 bytes);
 * over the world: Lightning's SIGTERM flag (an int64 broadcast before every batch); per
-  optimizer step the non-finite guard's all-gather of 3 float64 per rank (under DDP over the
-  whole world in float32: 2 float32 per rank in DDP's last bucket, :func:`guard_rides_ddp`,
-  no call of its own), and with clipping (but under DDP over the whole world, which clips by
+  optimizer step the non-finite guard's all-gather of 3 float64 per rank, and with clipping
+  (but under DDP over the whole world, which clips by
   the local norm, :func:`ddp_covers_world`) one
   float64 all-reduce of the squared norm (after the ``Partial`` gradients of tp-replicated
   parameters, ``ParamSpec.partial_grad``, are all-reduced over tp).
@@ -96,7 +95,6 @@ __all__ = [
     "dispatched_calls",
     "fsdp_gathers",
     "gradient_syncs",
-    "guard_rides_ddp",
     "world_dim",
 ]
 
@@ -111,9 +109,6 @@ blocks, ``boundary``: pipeline send / recv, ``loss``, ``logging``, ``tp grads``,
 
 GUARD_BYTES = 24
 """The non-finite guard's ``[3]`` float64 row per rank."""
-CARRIED_GUARD_BYTES = 8
-"""The guard's ``[2]`` float32 row per rank when DDP's last bucket carries it
-(:func:`guard_rides_ddp`)."""
 LOG_PAIR_BYTES = 8
 """The strategy's logged ``(loss * rows, rows)`` float32 pair."""
 TERM_BYTES = 48
@@ -183,21 +178,10 @@ def gradient_syncs(layout: ParallelLayout) -> int:
 def ddp_covers_world(layout: ParallelLayout) -> bool:
     """Whether torch's DDP reduces every gradient over every rank (``data_parallel="ddp"``,
     ``tp == pp == ep == 1``, no vision ranks, ``dp > 1``): every rank then holds the same
-    gradients, so clipping takes the local norm (no collective) and the non-finite guard's
-    flags can ride in DDP's last bucket (:func:`guard_rides_ddp`)."""
+    gradients, so clipping takes the local norm (no collective)."""
     if layout.data_parallel != "ddp" or layout.tp * layout.pp * layout.ep != 1:
         return False
     return not layout.vision_ranks and layout.dp_size > 1
-
-
-def guard_rides_ddp(model: ModelSpec, layout: ParallelLayout) -> bool:
-    """Whether the non-finite guard's flags ride in torch's DDP's last gradient bucket instead
-    of an ``all_gather`` of their own (``NonFiniteGuard.carry_on_ddp``):
-    :func:`ddp_covers_world` with float32 trainable gradients."""
-    trained = [p for p in model.params if p.trainable]
-    if not ddp_covers_world(layout) or not any(not p.expert for p in trained):
-        return False
-    return all(p.element_size == 4 for p in trained)
 
 
 def _stage_of_block(model: ModelSpec, layout: ParallelLayout) -> tuple[list[int], list[int]]:
@@ -298,22 +282,18 @@ def dispatched_calls(model: ModelSpec, layout: ParallelLayout, pp_rank: int = 0)
 
 
 def _world_collectives(
-    model: ModelSpec,
     layout: ParallelLayout,
     partial: list[ParamSpec],
     add: Callable[..., None],
 ) -> None:
     """:func:`_count`'s collectives over every rank: Lightning's SIGTERM flag per batch; the
-    non-finite guard (or its flags in DDP's last bucket) and clipping per optimizer step."""
+    non-finite guard and clipping per optimizer step."""
     if layout.world == 1:
         return
     acc = layout.accumulate
     world = world_dim(layout)
     add(f"{world}.broadcast", acc * SIGTERM_BYTES, acc, why="sigterm")
-    if guard_rides_ddp(model, layout):  # [world, 2] float32 in the last DDP bucket
-        add("dp.all_reduce", CARRIED_GUARD_BYTES * layout.world, 0, why="guard")
-    else:
-        add(f"{world}.all_gather", GUARD_BYTES * layout.world, 1, why="guard")
+    add(f"{world}.all_gather", GUARD_BYTES * layout.world, 1, why="guard")
     if layout.clip and not ddp_covers_world(layout):  # else the local norm
         add(f"{world}.all_reduce", 8, 1, why="clip")
         if layout.tp > 1:  # Partial gradients (no FSDP) summed over tp before their norm
@@ -495,5 +475,5 @@ def _count(
                 why="loss",
             )
         add("dp.all_reduce", acc * (LOG_PAIR_BYTES + TERM_BYTES), acc * 2, why="logging")
-    _world_collectives(model, layout, partial, add)
+    _world_collectives(layout, partial, add)
     return {k: v for k, v in sorted(out.items()) if v}, calls, dispatched, parts

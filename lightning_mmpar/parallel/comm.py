@@ -25,7 +25,6 @@ __all__ = [
     "all_gather_cpu",
     "all_gather_objects",
     "all_reduce",
-    "all_reduce_future",
     "all_to_all_counts",
     "all_to_all_single",
     "barrier",
@@ -111,15 +110,6 @@ def all_reduce(t: Tensor, op: ReduceOp = "sum", group: dist.ProcessGroup | None 
     if op == "avg":
         work.div_(size)
     return _back(work, t)
-
-
-def all_reduce_future(
-    t: Tensor, group: dist.ProcessGroup | None = None
-) -> torch.futures.Future[Tensor]:
-    """Sum ``t`` over ``group`` in place without waiting: a future whose value is ``t`` (what a
-    DDP communication hook returns; torch's ``allreduce_hook``). ``t`` on the group's device."""
-    work = dist.all_reduce(t, group=group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])  # type: ignore[no-any-return]
 
 
 def broadcast(t: Tensor, src: int = 0, group: dist.ProcessGroup | None = None) -> Tensor:

@@ -13,9 +13,7 @@ are checked before the optimizer step, and the run stops naming the rank). Here:
   ``RuntimeError`` naming the global step, the batch indices and the ranks with non-finite
   inputs, loss or gradients (and up to 3 parameter names per rank), or skip the step by setting
   every gradient to ``None`` (torch optimizers then leave weights and state untouched, as
-  Lightning does when ``training_step`` returns ``None``). Where torch's DDP reduces every
-  gradient over every rank (:meth:`NonFiniteGuard.carry_on_ddp`), the per-rank flags ride in
-  DDP's last gradient bucket instead and the check makes no collective of its own.
+  Lightning does when ``training_step`` returns ``None``).
 * :func:`nonfinite_weights`: the parameters holding a NaN or inf, over every rank (one
   all-reduce; the names travel only when there are some), for a checkpoint guard.
 
@@ -143,12 +141,9 @@ class NonFiniteGuard:
         self.last_skipped_step = -1
         self._window: dict[int, list[Tensor | None]] = {}
         self._batch = 0
-        self._carried: Tensor | None = None  # [world, 2]: the flags DDP's last bucket carried
 
     def observe_batch(self, batch: Any, batch_idx: int) -> None:
         """Record whether ``batch``'s floating tensors are finite (a device flag)."""
-        if not self._window:  # a new optimizer step: nothing carried for it yet
-            self._carried = None
         self._batch = int(batch_idx)
         self._window[self._batch] = [_finite_flag(_floating(batch)), None]
 
@@ -157,69 +152,19 @@ class NonFiniteGuard:
         flags = self._window.setdefault(self._batch, [None, None])
         flags[1] = loss.detach().isfinite().all()
 
-    def _first_bad(self, device: torch.device) -> Tensor:
-        """``[2]`` float64: the window's first batch with non-finite inputs, with a non-finite
-        loss (inf: none)."""
+    def _local(self, grads: Sequence[Tensor], device: torch.device) -> tuple[Tensor, Tensor]:
+        """``[3]`` float64: first batch with non-finite inputs, with a non-finite loss (inf:
+        none), gradients non-finite (0/1); and the ``[P]`` per-gradient non-finite flags."""
         first = torch.full((2,), math.inf, dtype=torch.float64, device=device)
         for idx, flags in self._window.items():
             for k, ok in enumerate(flags):
                 if ok is not None:
                     bad = torch.where(ok.to(device), math.inf, float(idx))
                     first[k] = torch.minimum(first[k], bad)
-        return first
-
-    def _local(self, grads: Sequence[Tensor], device: torch.device) -> tuple[Tensor, Tensor]:
-        """``[3]`` float64: :meth:`_first_bad` and whether the gradients are non-finite (0/1);
-        and the ``[P]`` per-gradient non-finite flags."""
         per_grad = torch.zeros(0, dtype=torch.bool, device=device)
         if grads:
             per_grad = _nonfinite_flags(grads).to(device)
-        first = self._first_bad(device)
         return torch.cat([first, per_grad.any().double().view(1)]), per_grad
-
-    def carry_on_ddp(self, module: nn.Module, group: dist.ProcessGroup | None) -> None:
-        """Send this rank's flags in the last gradient bucket of ``module``'s DDP (torch's
-        composable ``replicate``, ``register_comm_hook``) instead of the check's own
-        ``all_gather``: one collective fewer per optimizer step.
-
-        Only for a DDP whose ``group`` is this guard's whole group and that reduces every
-        gradient the check sees (or whose other gradients are reduced over the same ranks
-        before the check), in float32 buckets: the reduced gradients are then the
-        same on every rank, so each rank finds the same non-finite gradients locally, and only
-        the ``[2]`` inputs / loss flags travel (each rank writes its own row of a
-        ``[world, 2]`` block appended to the bucket, zeros elsewhere; a sum is a gather).
-        Buckets are averaged as without a hook (divided by the group size, then summed: torch's
-        ``allreduce_hook``). A step whose last bucket did not run (no synced backward) falls
-        back to the ``all_gather``, on every rank alike.
-        """
-
-        def hook(group, bucket):  # type: ignore[no-untyped-def]
-            # unannotated: torch's DDP compares a hook's annotations with its classes, and this
-            # module's annotations are strings (``from __future__ import annotations``)
-            return self._ddp_hook(group, bucket)
-
-        module.register_comm_hook(group, hook)  # type: ignore[operator]
-
-    def _ddp_hook(
-        self, group: dist.ProcessGroup | None, bucket: dist.GradBucket
-    ) -> torch.futures.Future[Tensor]:
-        """Torch's ``allreduce_hook``; the last bucket also carries the flags (above)."""
-        buffer = bucket.buffer()
-        size = comm.group_size(group)
-        buffer.div_(size)
-        if not bucket.is_last():
-            return comm.all_reduce_future(buffer, group)
-        rows = torch.zeros(size, 2, dtype=buffer.dtype, device=buffer.device)
-        rows[comm.group_rank(group)] = self._first_bad(buffer.device).to(buffer.dtype)
-        joined = torch.cat([buffer, rows.view(-1)])
-        n = buffer.numel()
-
-        def split(fut: torch.futures.Future[Tensor]) -> Tensor:
-            out = fut.value()
-            self._carried = out[n:].view(size, 2).double()
-            return out[:n]
-
-        return comm.all_reduce_future(joined, group).then(split)
 
     def check(
         self,
@@ -228,8 +173,7 @@ class NonFiniteGuard:
         step: int,
         check_grads: bool = True,
     ) -> NonFiniteReport | None:
-        """Collective over ``group`` (none when the flags came with DDP's last bucket,
-        :meth:`carry_on_ddp`): decide on the step whose gradients ``params`` hold.
+        """Collective over ``group``: decide on the step whose gradients ``params`` hold.
 
         ``names``: ``id(parameter) -> name`` (called only on failure). ``check_grads=False``
         leaves the gradients to a ``GradScaler``, which skips overflowing steps itself.
@@ -244,11 +188,7 @@ class NonFiniteGuard:
         local, per_grad = self._local(grads, device)
         report = NonFiniteReport(step=step, window=sorted(self._window))
         self._window = {}
-        carried, self._carried = self._carried, None
-        if carried is not None:  # reduced gradients: the same flag on every rank
-            rows = [[*flags, float(local[2])] for flags in carried.tolist()]
-        else:
-            rows = [r.tolist() for r in comm.all_gather(local, self.group)]
+        rows = [r.tolist() for r in comm.all_gather(local, self.group)]
         for rank, (inp, loss, _) in enumerate(rows):
             if inp != math.inf:
                 report.inputs[rank] = int(inp)

@@ -158,9 +158,7 @@ def ddp_covers_world(module: nn.Module | None, dims: ParallelDims) -> bool:
     gradient over every rank of the world: ``tp == pp == ep == 1`` and ``dp`` the whole world
     (no vision ranks beside it). After backward each rank then holds the same gradients (expert
     weights, outside DDP, are averaged over ``edp`` = ``dp`` first), so the global gradient
-    norm is the local one (clipping needs no collective, as under torch's DDP alone) and the
-    non-finite guard's flags can ride in DDP's last bucket
-    (:meth:`~lightning_mmpar.parallel.finite.NonFiniteGuard.carry_on_ddp`)."""
+    norm is the local one: clipping needs no collective, as under torch's DDP alone."""
     if module is None or dims.tp * dims.pp * dims.ep != 1:
         return False
     return dims.dp == comm.group_size(None)

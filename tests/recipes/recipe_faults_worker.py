@@ -355,56 +355,42 @@ def nonfinite(rank: int, world_size: int, data: DigitsCaptions, root: str) -> di
 
 
 def nonfinite_ddp(rank: int, world_size: int, data: DigitsCaptions) -> dict[str, Any]:
-    """The guard under ``data_parallel="ddp"`` at dp 2, where its flags ride in DDP's last
-    gradient bucket (``NonFiniteGuard.carry_on_ddp``), one NaN pixel on rank 1 only:
+    """The guard under ``data_parallel="ddp"`` at dp 2 (torch's DDP reduces the gradients, so
+    every rank holds the NaN ones), one NaN pixel on rank 1 only:
 
-    * ``"raise"``, 3 batches, NaN in batch 1: the error names rank 1's inputs and loss and both
-      ranks' (reduced) gradients; the guard made no ``all_gather`` of its own on any step;
+    * ``"raise"``, 3 batches, NaN in batch 1: the error names rank 1's inputs, both ranks'
+      losses (the contrastive term gathers rank 1's features) and both ranks' gradients;
     * ``"skip"``, ``accumulate_grad_batches=2``, 4 batches, NaN in batch 2 (the first of the
-      second window, so its flag travels one batch before the synced backward): step 1 skipped
-      on both ranks, its report naming batch 2 on rank 1.
+      second window: DDP's ``no_sync`` batch): step 1 skipped on both ranks, its report naming
+      batch 2 on rank 1.
     """
-    from lightning_mmpar.parallel import comm
-
     out: dict[str, Any] = {}
-    gathers: list[int] = []
-    real = comm.all_gather
-
-    def counted(t: Tensor, group: Any = None) -> list[Tensor]:
-        gathers.append(t.numel())
-        return real(t, group)
-
-    comm.all_gather = counted  # type: ignore[assignment] # the guard's own gather, if any
+    module = tiny_module(data.vocab_size)
+    trainer = quiet_trainer(
+        strategy=MultimodalParallelStrategy(data_parallel="ddp"),
+        devices=world_size,
+        max_epochs=1,
+        use_distributed_sampler=False,
+        limit_val_batches=0,
+    )
     try:
-        module = tiny_module(data.vocab_size)
-        trainer = quiet_trainer(
-            strategy=MultimodalParallelStrategy(data_parallel="ddp"),
-            devices=world_size,
-            max_epochs=1,
-            use_distributed_sampler=False,
-            limit_val_batches=0,
-        )
-        try:
-            trainer.fit(module, DataLoader(nan_pixel(data, 3, 1, rank == 1), batch_size=None))  # type: ignore[arg-type]
-        except RuntimeError as err:
-            out["raised"] = str(err)
-        out["step"] = trainer.global_step
-        out["guard_gathers"] = [n for n in gathers if n == 3]  # the guard's [3] row
-        module = tiny_module(data.vocab_size)
-        strategy = MultimodalParallelStrategy(data_parallel="ddp", on_nonfinite="skip")
-        trainer = quiet_trainer(
-            strategy=strategy,
-            devices=world_size,
-            max_epochs=1,
-            use_distributed_sampler=False,
-            limit_val_batches=0,
-            accumulate_grad_batches=2,
-        )
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            trainer.fit(module, DataLoader(nan_pixel(data, 4, 2, rank == 1), batch_size=None))  # type: ignore[arg-type]
-    finally:
-        comm.all_gather = real  # type: ignore[assignment]
+        trainer.fit(module, DataLoader(nan_pixel(data, 3, 1, rank == 1), batch_size=None))  # type: ignore[arg-type]
+    except RuntimeError as err:
+        out["raised"] = str(err)
+    out["step"] = trainer.global_step
+    module = tiny_module(data.vocab_size)
+    strategy = MultimodalParallelStrategy(data_parallel="ddp", on_nonfinite="skip")
+    trainer = quiet_trainer(
+        strategy=strategy,
+        devices=world_size,
+        max_epochs=1,
+        use_distributed_sampler=False,
+        limit_val_batches=0,
+        accumulate_grad_batches=2,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, DataLoader(nan_pixel(data, 4, 2, rank == 1), batch_size=None))  # type: ignore[arg-type]
     out["skipped"] = strategy.nonfinite.skipped  # type: ignore[union-attr]
     out["global_step"] = trainer.global_step
     out["warnings"] = [str(c.message) for c in caught if "Skipped the optimizer" in str(c.message)]

@@ -95,9 +95,8 @@ def test_ddp_all_reduces_every_trainable_gradient_per_step() -> None:
     b = ParamSpec("b", (), 1, None, True)
     lay = ParallelLayout(dp=2, data_parallel="ddp", accumulate=3)
     got = comm_bytes(spec(w, frozen, b), lay)
-    # per step: grads (30 + 1) * 4 and the guard's 2 float32 per rank in DDP's last bucket
-    # (guard_rides_ddp); per batch: logged pair 8, term sums 48
-    assert got == {"dp.all_reduce": 124 + 2 * 8 + 3 * (8 + 48), "dp.broadcast": 24}
+    # per step: grads (30 + 1) * 4, the guard 2 * 24; per batch: logged pair 8, term sums 48
+    assert got == {"dp.all_reduce": 124 + 3 * (8 + 48), "dp.all_gather": 48, "dp.broadcast": 24}
     assert state_bytes(spec(w, frozen, b), lay, {}) == state_bytes(
         spec(w, frozen, b), ParallelLayout(dp=1), {}
     )
@@ -105,27 +104,25 @@ def test_ddp_all_reduces_every_trainable_gradient_per_step() -> None:
     assert (st.parameters, st.gradients, st.optimizer) == (152, 124, 2 * 124 + 2 * 4)
 
 
-def test_the_guard_rides_ddp_only_over_the_whole_world_in_float32() -> None:
-    """``guard_rides_ddp``: DDP over every rank (tp = pp = ep = 1, no vision ranks) with float32
-    gradients carries the guard's flags; otherwise the guard all-gathers its own ``[3]`` row."""
-    from lightning_mmpar.layout.comm import guard_rides_ddp
+def test_clipping_under_ddp_over_the_world_takes_the_local_norm() -> None:
+    """``ddp_covers_world``: torch's DDP over every rank (tp = pp = ep = 1, no vision ranks)
+    leaves the same gradients on every rank, so clipping all-reduces no norm; every other
+    layout with replicas all-reduces the squared norm (8 bytes) once per step."""
+    from lightning_mmpar.layout.comm import ddp_covers_world
 
     w = ParamSpec("w", (6, 5), 0, None, True)
-    half = ParamSpec("w", (6, 5), 0, None, True, element_size=2)
-    ddp = {"dp": 2, "data_parallel": "ddp"}
-    assert guard_rides_ddp(spec(w), ParallelLayout(**ddp))
-    refused = [
-        (spec(half), ParallelLayout(**ddp)),  # bf16 gradients: the flags' indices need float32
-        (spec(w), ParallelLayout(dp=2)),  # FSDP2
-        (spec(w), ParallelLayout(dp=1, data_parallel="ddp")),  # no replicas
-        (spec(w), ParallelLayout(tp=2, **ddp)),  # the package's all-reduce, gradients differ
-        (spec(w), ParallelLayout(**ddp, vision_ranks=1)),  # the world is larger than dp
+    ddp = {"dp": 2, "data_parallel": "ddp", "clip": True}
+    assert ddp_covers_world(ParallelLayout(**ddp))
+    assert comm_bytes(spec(w), ParallelLayout(**ddp))["dp.all_reduce"] == 120 + 8 + 48
+    others = [
+        ParallelLayout(dp=2, clip=True),  # FSDP2: each rank holds a shard's gradient
+        ParallelLayout(tp=2, **ddp),  # the package's all-reduce; tp shards differ
+        ParallelLayout(**ddp, vision_ranks=1),  # the world is larger than dp
     ]
-    for model, lay in refused:
-        assert not guard_rides_ddp(model, lay), lay
-        if lay.world > 1:  # one process: no guard collective at all
-            key = f"{world_dim(lay)}.all_gather"
-            assert comm_bytes(model, lay).get(key, 0) >= 24 * lay.world, lay
+    for lay in others:
+        assert not ddp_covers_world(lay), lay
+        assert comm_bytes(spec(w), lay).get(f"{world_dim(lay)}.all_reduce", 0) >= 8, lay
+    assert not ddp_covers_world(ParallelLayout(dp=1, data_parallel="ddp"))  # no replicas
 
 
 def test_fsdp_pads_the_shard_dim_and_holds_torch_chunks() -> None:
@@ -191,7 +188,7 @@ def tiny_vision_dp() -> Any:
 MEASURED = {  # rank 0 of tests/recipes/test_parity_matrix.py's counts (batch 8, T = 12)
     "dp2 ddp": (
         ParallelLayout(dp=2, data_parallel="ddp", micro_batch_size=4),
-        {"dp.all_gather": 3120, "dp.all_reduce": 190764, "dp.broadcast": 8},
+        {"dp.all_gather": 3168, "dp.all_reduce": 190748, "dp.broadcast": 8},
     ),
     "tp2": (
         ParallelLayout(tp=2, micro_batch_size=8),
