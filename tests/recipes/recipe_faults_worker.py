@@ -359,11 +359,15 @@ def nonfinite_ddp(rank: int, world_size: int, data: DigitsCaptions) -> dict[str,
     every rank holds the NaN ones), one NaN pixel on rank 1 only:
 
     * ``"raise"``, 3 batches, NaN in batch 1: the error names rank 1's inputs, both ranks'
-      losses (the contrastive term gathers rank 1's features) and both ranks' gradients;
+      losses (the contrastive term gathers rank 1's features) and both ranks' gradients; the
+      flags travelled beside DDP's last bucket (``NonFiniteGuard.send_with_ddp``): no
+      ``all_gather`` of the guard's ``[3]`` rows on any step;
     * ``"skip"``, ``accumulate_grad_batches=2``, 4 batches, NaN in batch 2 (the first of the
       second window: DDP's ``no_sync`` batch): step 1 skipped on both ranks, its report naming
       batch 2 on rank 1.
     """
+    from lightning_mmpar.parallel import comm
+
     out: dict[str, Any] = {}
     module = tiny_module(data.vocab_size)
     trainer = quiet_trainer(
@@ -373,11 +377,22 @@ def nonfinite_ddp(rank: int, world_size: int, data: DigitsCaptions) -> dict[str,
         use_distributed_sampler=False,
         limit_val_batches=0,
     )
+    gathered: list[int] = []
+    real = comm.all_gather
+
+    def counted(t: Tensor, group: Any = None) -> list[Tensor]:
+        gathered.append(t.numel())
+        return real(t, group)
+
+    comm.all_gather = counted  # type: ignore[assignment]
     try:
         trainer.fit(module, DataLoader(nan_pixel(data, 3, 1, rank == 1), batch_size=None))  # type: ignore[arg-type]
     except RuntimeError as err:
         out["raised"] = str(err)
+    finally:
+        comm.all_gather = real  # type: ignore[assignment]
     out["step"] = trainer.global_step
+    out["guard_gathers"] = [n for n in gathered if n == 3]  # the guard's [3] rows: none
     module = tiny_module(data.vocab_size)
     strategy = MultimodalParallelStrategy(data_parallel="ddp", on_nonfinite="skip")
     trainer = quiet_trainer(
