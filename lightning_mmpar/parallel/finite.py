@@ -207,7 +207,8 @@ class NonFiniteGuard:
     def _send(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
         """Start the sum of every rank's :meth:`_first_bad` row (:meth:`send_with_ddp`)."""
         rows = torch.zeros(comm.group_size(group), 2, dtype=torch.float64, device=device)
-        rows[comm.group_rank(group)] = self._first_bad(device)
+        rows[comm.group_rank(self.group)] = self._first_bad(device)  # by rank in the guard's
+        # group (the world), whatever order ``group`` lists the same ranks in
         self._sent = rows, comm.all_reduce_async(rows, group)
 
     def _rows(self, local: Tensor) -> list[list[float]]:
