@@ -32,7 +32,8 @@ compared between the sides and stored; a mismatch is reported as ``same_work: fa
 script exits non-zero after writing the JSON (the comparison is void).
 
 Both sides run with their defaults: ours checks for non-finite loss / gradients each step
-(``on_nonfinite="raise"``), runs cross-attention on its own ``vl`` communicator, and under
+(``on_nonfinite="raise"``; under ``data_parallel="ddp"`` its flags are summed beside DDP's last
+gradient bucket, ``NonFiniteGuard.send_with_ddp``), runs cross-attention on its own ``vl`` communicator, and under
 ``data_parallel="ddp"`` reduces gradients through torch's DDP (composable ``replicate``:
 bucketed all-reduces overlapping backward) without Lightning's per-forward buffer broadcast;
 those costs are part of the measured ratio. ``--pairs ddp`` runs one pair alone.
@@ -70,6 +71,7 @@ PAIRS: dict[int, tuple[tuple[str, dict[str, Any], str, float], ...]] = {
     ),
     4: (
         ("ddp", {"data_parallel": "ddp"}, "ddp", 1.03),
+        ("ddp guard off", {"data_parallel": "ddp", "on_nonfinite": "off"}, "ddp", 1.03),
         ("fsdp", {}, "model_parallel", 1.03),
         ("tp2 dp2", {"tensor_parallel": 2}, "model_parallel", 1.00),
     ),
@@ -330,7 +332,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worlds", default="2,4", help="process counts, comma-separated (2, 4)")
     p.add_argument("--repeats", type=int, default=4, help="A B rounds per pair")
-    p.add_argument("--steps", type=int, default=6, help="steps per fit")
+    p.add_argument("--steps", type=int, default=12, help="steps per fit")
     p.add_argument("--warmup", type=int, default=2, help="first steps of a fit not timed")
     p.add_argument("--global-batch", type=int, default=16, help="samples per optimizer step")
     p.add_argument("--pairs", default=None, help="pair names, comma-separated (default: all)")
