@@ -36,7 +36,8 @@ Both sides run with their defaults: ours checks for non-finite loss / gradients 
 gradient bucket, ``NonFiniteGuard.send_with_ddp``), runs cross-attention on its own ``vl``
 communicator, and under ``data_parallel="ddp"`` reduces gradients through torch's DDP
 (composable ``replicate``: bucketed all-reduces overlapping backward) without Lightning's
-per-forward buffer broadcast; those costs are part of the measured ratio. ``--pairs ddp`` runs one pair alone.
+per-forward buffer broadcast; those costs are part of the measured ratio. ``--pairs ddp``
+runs one pair alone.
 """
 
 from __future__ import annotations
