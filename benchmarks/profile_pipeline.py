@@ -5,11 +5,13 @@
     python benchmarks/profile_pipeline.py --partition fixed --unpacked   # packed vs unpacked
     python benchmarks/profile_pipeline.py --model equal   # bench_pipeline's EqualBlocks
     python benchmarks/profile_pipeline.py --split-backward   # B + W against one fused backward
+    python benchmarks/profile_pipeline.py --model equal --schedules interleaved_1f1b --torch-loop
 
 The model and data of ``benchmarks/bench_pipeline.py`` (``recipes/clip_llama_cpu.yaml``, batch
 72, 4 micro-batches, ``partition="measured"`` unless ``--partition`` says otherwise; ``fixed``:
 :data:`FIXED`), one spawned 2-process gloo world per schedule and repeat (``--unpacked``: also
-each schedule with ``PipelineEngine.pack_boundaries = False``, round-robin), one thread per
+each schedule with ``PipelineEngine.pack_boundaries = False``, round-robin; ``--torch-loop``:
+also each with ``PipelineEngine.lean_runtime = False``, torch's own action loop), one thread per
 process (``--model equal``: :class:`bench_pipeline.EqualBlocks`, 8 equal blocks, ``partition
 "equal"``, stages of equal work). On every step after the first two, each rank splits the span
 of the training schedule (first action start to last action end over both ranks, clocks
@@ -22,7 +24,7 @@ aligned by a barrier at the batch start: what
 * ``post``: posting the sends and receives (torch's ``_batch_p2p``);
 * ``loss``: the loss on the last stage (torch's ``_maybe_compute_loss``, the engine's
   ``_loss_fn``);
-* ``outside``: the span before the rank's first action, loss or wait and after its last (fill
+* ``outside``: the span before the rank's first action, loss, wait or post and after its last (fill
   and drain spent outside torch's waits: the last stage's rank, done first, waits in the
   step's loss broadcast);
 * ``host``: the rest (the schedule's bookkeeping between actions).
@@ -31,8 +33,8 @@ Python's garbage collections inside the span are counted too (``collections``, `
 ``gc_in_actions_ms``: a collection pauses the thread wherever an allocation triggers it).
 
 The bubble is ``wait + post + host + outside`` (what
-:class:`~lightning_mmpar.callbacks.PipelineTimeline` reports as its ``wait``, ``host`` and
-``outside``): the loss and the tail of the gradient cache's forward-only pass
+:class:`~lightning_mmpar.callbacks.PipelineTimeline` reports as its ``wait``, ``post``,
+``host`` and ``outside``): the loss and the tail of the gradient cache's forward-only pass
 (``earlier_pass``) are the ranks' work.
 
 Each as a share of the span (wall clock) and as CPU milliseconds of the process
@@ -41,8 +43,8 @@ the CPU figures are what the work costs. ``cpu/wall`` of the actions says how mu
 process got. Prints the medians over all measured steps of all repeats, next to the formula.
 
 The same steps are also recorded by :class:`~lightning_mmpar.callbacks.PipelineTimeline`; its
-per-rank split (``compute``, ``wait``, ``host``, ``outside``) is printed next to the
-profile's (``compute + earlier_pass + loss``, ``wait``, ``post + host``, ``outside``) with
+per-rank split (``compute``, ``wait``, ``post``, ``host``, ``outside``) is printed next to
+the profile's (``compute + earlier_pass + loss``, ``wait``, ``post``, ``host``, ``outside``) with
 the largest difference over the steps and ranks (``timeline vs profile``): both time the same
 intervals, so they agree to the timers' own overhead, which includes this profile's CPU clock
 reads (``--wall-only`` leaves them out, see :data:`CPU_CLOCK`).
@@ -183,6 +185,7 @@ def run(
     packed: bool = True,
     model: str = "recipe",
     cpu_clock: bool = True,
+    lean: bool = True,
 ) -> dict[str, Any]:
     """One profiled run: ``events`` (the profile's, per measured step) and ``timeline`` (the
     :class:`PipelineTimeline` split of the same steps)."""
@@ -194,6 +197,7 @@ def run(
     torch.set_num_threads(1)
     CPU_CLOCK[0] = cpu_clock
     PipelineEngine.pack_boundaries = packed
+    PipelineEngine.lean_runtime = lean
     cut: str | list[int] = FIXED[SCHEDULES[schedule]] if partition == "fixed" else partition
     seed_everything(0, verbose=False)
     module, fit = _module(model, steps)
@@ -254,9 +258,9 @@ def _inside_actions(events: list[Event], lo: float, hi: float) -> float:
 
 
 def _outside(events: list[Event], lo: float, hi: float) -> float:
-    """The span ``[lo, hi]`` before this rank's first action, loss or wait and after its last
+    """The span ``[lo, hi]`` before this rank's first action, loss, wait or post and after its last
     (as :func:`~lightning_mmpar.callbacks.pipeline_timeline.bubble_split`'s ``outside``)."""
-    kept = ("wait", "loss")
+    kept = ("wait", "post", "loss")
     spans = [(max(e[1], lo), min(e[2], hi)) for e in events if e[0] in kept or ":" in e[0]]
     spans = [(a, b) for a, b in spans if b > a]
     if not spans:
@@ -340,14 +344,15 @@ def timeline_origins(per_rank: list[list[Event]], intervals: list[list[Any]]) ->
 
 def timeline_agreement(profile: dict[str, Any], timeline: list[dict[str, float]]) -> float:
     """Largest ``|timeline - profile|`` of one step over the ranks and the three parts:
-    ``compute`` against the profile's ``compute + earlier_pass + loss``, ``wait`` against
-    ``wait``, ``host`` against ``post + host`` (fractions of the span)."""
+    ``compute`` against the profile's ``compute + earlier_pass + loss``, ``wait``, ``post``,
+    ``host`` and ``outside`` against the same parts (fractions of the span)."""
     worst = 0.0
     for mine, theirs in zip(profile["ranks"], timeline, strict=True):
         parts = {
             "compute": mine["compute"] + mine["earlier_pass"] + mine["loss"],
             "wait": mine["wait"],
-            "host": mine["post"] + mine["host"],
+            "post": mine["post"],
+            "host": mine["host"],
             "outside": mine["outside"],
         }
         worst = max(worst, *(abs(parts[k] - theirs[k]) for k in parts))
@@ -457,6 +462,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         action="store_true",
         help="also run each schedule with PipelineEngine.pack_boundaries = False (round-robin)",
     )
+    p.add_argument(
+        "--torch-loop",
+        action="store_true",
+        help="also run each schedule with PipelineEngine.lean_runtime = False (torch's own "
+        "action loop for the multi-stage schedules), round-robin",
+    )
     p.add_argument("--model", choices=("recipe", "equal"), default="recipe")
     p.add_argument("--split-backward", action="store_true", help="B against I + W per stage")
     p.add_argument(
@@ -475,13 +486,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     names = args.schedules.split(",")
     if args.unpacked:
         names = [f"{n}{tail}" for n in names for tail in ("", " unpacked")]
+    if args.torch_loop:
+        names = [f"{n}{tail}" for n in names for tail in ("", " torch-loop")]
     steps: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     for _ in range(args.repeats):
         for name in names:
-            schedule, packed = name.split(" ")[0], not name.endswith(" unpacked")
+            schedule, packed = name.split(" ")[0], " unpacked" not in name
+            lean = " torch-loop" not in name
             clock = not args.wall_only
             out = spawn(
-                run, 2, schedule, args.steps, partition, packed, args.model, clock, timeout=900
+                run,
+                2,
+                schedule,
+                args.steps,
+                partition,
+                packed,
+                args.model,
+                clock,
+                lean,
+                timeout=900,
             )
             for i in range(len(out[0]["events"])):
                 events = [out[0]["events"][i], out[1]["events"][i]]

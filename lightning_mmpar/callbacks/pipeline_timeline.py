@@ -32,8 +32,11 @@ schedule (Qi et al. 2024) once ``m >= p``; ``(p - 1) / (6 m + p - 1)`` for ZB-V 
 section 6) and DualPipeV (DeepSeek-V3 report 2024) with enough micro-batches: their fill and
 drain. Fewer micro-batches: :func:`lightning_mmpar.layout.schedules.step_units`.
 
-Logged per recorded step (every rank, its pipeline group's value): ``pipeline_bubble_measured``
-and ``pipeline_bubble_formula``. Global rank 0 (first data/tensor-parallel replica) writes the
+Logged per recorded step (every rank, its pipeline group's value): ``pipeline_bubble_measured``,
+``pipeline_bubble_formula``, ``pipeline_bubble_stage_cost`` and the bubble's parts
+(:func:`bubble_split`) ``pipeline_bubble_wait``, ``pipeline_bubble_post`` (posting sends and
+receives, timed through the engine's ``post_observers``), ``pipeline_bubble_host`` and
+``pipeline_bubble_outside``. Global rank 0 (first data/tensor-parallel replica) writes the
 intervals of every recorded step as JSON and the timeline of the last one as a PNG (matplotlib,
 one row per pipeline rank, a numbered box per action and micro-batch). Without a pipeline
 (another strategy, ``pipeline_parallel=1``) the callback warns once and does nothing.
@@ -138,36 +141,51 @@ def bubble_split(
     per_rank: Sequence[Sequence[Interval]],
     waits: Sequence[Sequence[Wait]],
     busy: Sequence[Sequence[Interval]] | None = None,
+    posts: Sequence[Sequence[Wait]] | None = None,
 ) -> dict[str, Any]:
     """Where the step span goes, per pipeline rank (rank order) and in the mean over ranks:
     ``compute`` (union of the rank's actions in ``busy``, default ``per_rank``: stage actions
     and the loss), ``wait`` (its point-to-point waits inside the span, outside compute),
-    ``outside`` (the span before the rank's first action or wait and after its last one: the
-    fill and drain it spends outside torch's schedule, e.g. the last stage's rank, done with
-    its last backward, waiting in the step's loss broadcast for the first stage's) and
-    ``host`` (the rest, between its first and last action or wait: the schedule's
-    bookkeeping, posting sends and receives), each a fraction of the span of ``per_rank``
-    (:func:`measured_bubble`), so ``wait + outside + host`` is the measured bubble. Raises
+    ``post`` (its postings of sends and receives, ``posts``, outside compute and waits: on gloo
+    posting starts the transfer), ``outside`` (the span before the rank's first action, wait or
+    post and after its last one: the fill and drain it spends outside torch's schedule, e.g.
+    the last stage's rank, done with its last backward, waiting in the step's loss broadcast
+    for the first stage's) and ``host`` (the rest, between its first and last action, wait or
+    post: the schedule's bookkeeping), each a fraction of the span of ``per_rank``
+    (:func:`measured_bubble`), so ``wait + post + outside + host`` is the measured bubble.
+    ``posts`` ``None``: none recorded (``post`` 0, posting counted as host). Raises
     ``ValueError`` as :func:`measured_bubble`.
     """
     _, span = measured_bubble(per_rank)
     start = min(i[3] for rank in per_rank for i in rank)
     end = start + span
     rows = []
-    for rank, rank_waits in zip(busy or per_rank, waits, strict=True):
+    work_ranks = busy or per_rank
+    rank_posts = posts if posts is not None else [[] for _ in work_ranks]
+    for rank, rank_waits, posted in zip(work_ranks, waits, rank_posts, strict=True):
         work = _busy(rank, start, end)
-        clipped = [(max(a, start), min(b, end)) for a, b in rank_waits]
-        events = [(a, b) for a, b in clipped if b > a] + _spans(rank, start, end)
-        wait = _union_length(events) - work  # a wait inside an action (none in torch's order)
+        actions = _spans(rank, start, end)
+        waited, posted = _clip(rank_waits, start, end), _clip(posted, start, end)
+        wait = _union_length(waited + actions) - work  # a wait inside an action: none
+        post = _union_length(posted + waited + actions) - work - wait
+        events = waited + posted + actions
         outside = span
         if events:
             outside = min(a for a, _ in events) - start + end - max(b for _, b in events)
-        compute, wait, outside = (x / span if span > 0 else 0.0 for x in (work, wait, outside))
-        host = max(0.0, 1.0 - compute - wait - outside)
-        rows.append({"compute": compute, "wait": wait, "host": host, "outside": outside})
-    keys = ("compute", "wait", "host", "outside")
+        parts = (work, wait, post, outside)
+        compute, wait, post, outside = (x / span if span > 0 else 0.0 for x in parts)
+        host = max(0.0, 1.0 - compute - wait - post - outside)
+        rows.append(
+            {"compute": compute, "wait": wait, "post": post, "host": host, "outside": outside}
+        )
+    keys = ("compute", "wait", "post", "host", "outside")
     mean = {k: sum(r[k] for r in rows) / len(rows) for k in keys}
     return {**mean, "ranks": rows}
+
+
+def _clip(spans: Sequence[Wait], start: float, end: float) -> list[tuple[float, float]]:
+    clipped = [(max(a, start), min(b, end)) for a, b in spans]
+    return [(a, b) for a, b in clipped if b > a]
 
 
 def _spans(rank: Sequence[Interval], start: float, end: float) -> list[tuple[float, float]]:
@@ -352,6 +370,7 @@ class PipelineTimeline(Callback):
         self._step = self._m = 0
         self._local: list[Interval] = []
         self._waits: list[Wait] = []
+        self._posts: list[Wait] = []
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -372,14 +391,19 @@ class PipelineTimeline(Callback):
         self._group = topology.dims.get_group("pp")
         engine.observers.append(self._observe)
         getattr(engine, "wait_observers", []).append(self._observe_wait)
+        getattr(engine, "post_observers", []).append(self._observe_post)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._engine is not None and self._observe in self._engine.observers:
             self._engine.observers.remove(self._observe)
-        waits = getattr(self._engine, "wait_observers", [])
-        if self._observe_wait in waits:
-            waits.remove(self._observe_wait)
+        for name, observer in (
+            ("wait_observers", self._observe_wait),
+            ("post_observers", self._observe_post),
+        ):
+            registered = getattr(self._engine, name, [])
+            if observer in registered:
+                registered.remove(observer)
         self._engine = None
 
     def _due(self, step: int) -> bool:
@@ -398,6 +422,10 @@ class PipelineTimeline(Callback):
         if self._recording:
             self._waits.append((start - self._t0, end - self._t0))
 
+    def _observe_post(self, start: float, end: float) -> None:
+        if self._recording:
+            self._posts.append((start - self._t0, end - self._t0))
+
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -405,7 +433,7 @@ class PipelineTimeline(Callback):
         if self._engine is None or not self._due(trainer.global_step):
             return
         comm.barrier(self._group)  # a common origin on every pipeline rank
-        self._local, self._waits, self._recording = [], [], True
+        self._local, self._waits, self._posts, self._recording = [], [], [], True
         self._step, self._m = trainer.global_step, int(self._engine.num_micro_batches)
         self._t0 = time.perf_counter()
 
@@ -421,14 +449,17 @@ class PipelineTimeline(Callback):
         if not self._recording:
             return
         self._recording = False
-        gathered = comm.all_gather_objects((self._local, self._waits), self._group)
-        result = self._result(self._step, [g[0] for g in gathered], [g[1] for g in gathered])
+        mine = (self._local, self._waits, self._posts)
+        gathered = comm.all_gather_objects(mine, self._group)
+        per_rank, waits = [g[0] for g in gathered], [g[1] for g in gathered]
+        result = self._result(self._step, per_rank, waits, [g[2] for g in gathered])
         self.results.append(result)
         for key, value in (
             ("measured", result["measured"]),
             ("formula", result["formula"]),
             ("stage_cost", result["stage_cost"]),
             ("wait", result["split"]["wait"]),
+            ("post", result["split"]["post"]),
             ("host", result["split"]["host"]),
             ("outside", result["split"]["outside"]),
         ):
@@ -439,7 +470,11 @@ class PipelineTimeline(Callback):
             draw_timeline(result, self.path)
 
     def _result(
-        self, step: int, per_rank: list[list[Interval]], waits: list[list[Wait]]
+        self,
+        step: int,
+        per_rank: list[list[Interval]],
+        waits: list[list[Wait]],
+        posts: list[list[Wait]] | None = None,
     ) -> dict[str, Any]:
         engine = self._engine
         pp, stages = int(engine.pp), int(engine.num_stages)
@@ -465,7 +500,7 @@ class PipelineTimeline(Callback):
             "stage_cost": at_costs,
             "source": FORMULA_SOURCES.get(schedule, ""),
             "span_s": span,
-            "split": bubble_split(passes, waits, per_rank),
+            "split": bubble_split(passes, waits, per_rank, posts),
             "measured_step": whole,
             "step_span_s": step_span,
             "intervals": [[list(i) for i in rank] for rank in per_rank],

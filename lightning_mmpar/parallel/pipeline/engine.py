@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from lightning_mmpar.config import ParallelConfig
 from lightning_mmpar.parallel import comm
 from lightning_mmpar.parallel import gradient_cache as gc
+from lightning_mmpar.parallel.pipeline import executor
 from lightning_mmpar.parallel.pipeline import schedules as ps
 from lightning_mmpar.parallel.pipeline.boundary import BoundaryLayout, PackedStage
 from lightning_mmpar.parallel.pipeline.schedules import (
@@ -108,7 +109,8 @@ class PipelineEngine:
     of every stage action (:data:`~lightning_mmpar.parallel.pipeline.schedules.StageObserver`)
     and of each loss on the last stage (action ``"loss"``, micro-batch ``-1`` for a
     gradient-cache module's coupled loss of the whole batch: the loss is that stage's work),
-    ``wait_observers`` of every point-to-point wait (:data:`~.schedules.WaitObserver`);
+    ``wait_observers`` of every point-to-point wait (:data:`~.schedules.WaitObserver`),
+    ``post_observers`` of every posting of sends and receives (same signature);
     :meth:`set_micro_batches` changes the micro-batch count between steps.
 
     Raises:
@@ -127,6 +129,13 @@ class PipelineEngine:
     ``False`` sends every tensor on its own (torch's default: no copy into a buffer). Read when
     a schedule is built: set it alike on every pipeline rank; changing it between steps builds
     new schedules."""
+
+    lean_runtime = True
+    """Run torch's multi-stage schedules' action lists with
+    :class:`~lightning_mmpar.parallel.pipeline.executor.LeanRuntime` (the same actions in the
+    same order, without torch's per-action profiler ranges, logging and lookups); ``False``
+    runs torch's own loop. Read at every step (an A/B switch); the single-stage schedules
+    (``gpipe``, ``1f1b``) run torch's hand-written loops either way."""
 
     def __init__(
         self,
@@ -166,6 +175,9 @@ class PipelineEngine:
         """Called after each stage action and loss (see the class docstring)."""
         self.wait_observers: list[ps.WaitObserver] = []
         """Called after each point-to-point wait of the schedule with ``(start, end)``."""
+        self.post_observers: list[ps.WaitObserver] = []
+        """Called after each posting of the schedule's sends / receives with ``(start, end)``
+        (torch's ``_batch_p2p``: on gloo it starts the transfer)."""
         stage_of = [s for s, r in enumerate(ranges) for _ in r]
         owned = set(self.stage_ids)
         self.chunks = [PipelineChunk([blocks[i] for i in ranges[s]]) for s in self.stage_ids]
@@ -318,7 +330,9 @@ class PipelineEngine:
 
     def _build_schedule(self, stages: list[Any]) -> Any:
         n = self.config.num_micro_batches
-        return ps.build_schedule(self.config.schedule, stages, n, self._timed_loss)
+        schedule = ps.build_schedule(self.config.schedule, stages, n, self._timed_loss)
+        executor.install(schedule, lambda: self.lean_runtime)
+        return schedule
 
     def stage_rank(self, stage: int) -> int:
         """Pipeline rank (in the pp group) that runs ``stage`` (loop or V layout)."""
@@ -462,7 +476,7 @@ class PipelineEngine:
             else:
                 self._mode = "eval" if coupled else "plain"
             self._losses_run = 0
-            with ps.observing_waits(self.wait_observers):
+            with ps.observing_waits(self.wait_observers, self.post_observers):
                 if train:
                     schedule.step(*args, target=tgt, losses=losses, return_outputs=False)
                 else:
@@ -485,7 +499,7 @@ class PipelineEngine:
         whole batch and its gradient on each micro-batch's features."""
         self._mode, self._features, self._losses_run = "collect", [], 0
         self.rng.record()
-        with torch.no_grad(), ps.observing_waits(self.wait_observers):
+        with torch.no_grad(), ps.observing_waits(self.wait_observers, self.post_observers):
             schedule.eval(*args, target=target, losses=[], return_outputs=False)
         if self.has_last:
             start = time.perf_counter()

@@ -76,7 +76,8 @@ StageObserver = Callable[[int, str, int, float, float], None]
 
 WaitObserver = Callable[[float, float], None]
 """``observer(start, end)``: called after each point-to-point wait of torch's schedules
-(``time.perf_counter()`` seconds): the peer's lateness plus the transfer."""
+(``time.perf_counter()`` seconds): the peer's lateness plus the transfer; also the type of a
+post observer (:func:`observing_waits`), called after each posting of sends / receives."""
 
 SCHEDULE_CLASSES: dict[str, str] = dict(
     zip(
@@ -275,17 +276,20 @@ def instrument_stage(stage: Any, observers: list[StageObserver]) -> None:
     stage.backward_weight_one_chunk = timed(stage.backward_weight_one_chunk, "backward_weight")
 
 
-_WAITING: list[list[WaitObserver]] = []  # the observer lists of the schedules now running
+_WAITING: list[list[WaitObserver]] = []  # the wait observer lists of the schedules now running
+_POSTING: list[list[WaitObserver]] = []  # the post observer lists of the schedules now running
 
 
-def _timed_wait(wait: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    def timed(work: Any) -> Any:
-        if not _WAITING:
-            return wait(work)
+def _timed(fn: Callable[..., Any], active: list[list[WaitObserver]]) -> Callable[..., Any]:
+    """``fn`` calling every observer of ``active`` with its ``(start, end)`` while any is."""
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        if not active:
+            return fn(*args, **kwargs)
         start = time.perf_counter()
-        out = wait(work)
+        out = fn(*args, **kwargs)
         end = time.perf_counter()
-        for observers in list(_WAITING):
+        for observers in list(active):
             for observer in list(observers):
                 observer(start, end)
         return out
@@ -294,26 +298,41 @@ def _timed_wait(wait: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return timed
 
 
+def _timed_wait(wait: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    return _timed(wait, _WAITING)
+
+
 @contextlib.contextmanager
-def observing_waits(observers: list[WaitObserver]) -> Iterator[None]:
-    """Time the point-to-point waits of torch's schedules for ``observers`` while in the block.
+def observing_waits(
+    observers: list[WaitObserver], posts: list[WaitObserver] | None = None
+) -> Iterator[None]:
+    """Time the point-to-point waits of torch's schedules for ``observers``, and the posting of
+    their sends and receives for ``posts``, while in the block.
 
     torch waits on each batch of sends / receives in one module function
-    (``torch.distributed.pipelining.schedules._wait_batch_p2p``); it is wrapped once, on first
-    use, and times nothing outside these blocks. With ``observers`` empty nothing is wrapped.
+    (``torch.distributed.pipelining.schedules._wait_batch_p2p``) and posts each batch in another
+    (``_batch_p2p``: on gloo it starts the transfer, on NCCL it enqueues it); each is wrapped
+    once, on first use, and times nothing outside these blocks. With both lists empty nothing
+    is wrapped.
     """
-    if not observers:
+    posts = posts if posts is not None else []
+    if not observers and not posts:
         yield
         return
     from torch.distributed.pipelining import schedules as ts
 
     if not getattr(ts._wait_batch_p2p, "mmpar_timed", False):
         ts._wait_batch_p2p = _timed_wait(ts._wait_batch_p2p)  # type: ignore[assignment]
-    _WAITING.append(observers)
+    if posts and not getattr(ts._batch_p2p, "mmpar_timed", False):
+        ts._batch_p2p = _timed(ts._batch_p2p, _POSTING)  # type: ignore[assignment]
+    lists = [(active, x) for active, x in ((_WAITING, observers), (_POSTING, posts)) if x]
+    for active, x in lists:
+        active.append(x)
     try:
         yield
     finally:
-        _WAITING.remove(observers)
+        for active, x in lists:
+            active.remove(x)
 
 
 def allow_forward_only_turn(stage: Any) -> None:

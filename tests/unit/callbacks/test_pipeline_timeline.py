@@ -94,14 +94,32 @@ def test_bubble_split_charges_waits_and_host() -> None:
     rank1 = [(1, "forward", 0, 1.0, 2.0), (1, "backward", 0, 2.0, 3.0)]  # busy 2 of 4
     waits0 = [(1.0, 2.5), (-1.0, -0.5), (2.0, 2.2)]  # 1.5 inside (overlap once), one before
     split = bubble_split([rank0, rank1], [waits0, [(3.5, 9.0)]])
-    want0 = {"compute": 0.5, "wait": 0.375, "host": 0.125, "outside": 0.0}
+    want0 = {"compute": 0.5, "wait": 0.375, "post": 0.0, "host": 0.125, "outside": 0.0}
     assert split["ranks"][0] == pytest.approx(want0)
     # rank 1: nothing before its first action at 1 (fill, outside), host between 3 and 3.5
-    want1 = {"compute": 0.5, "wait": 0.125, "host": 0.125, "outside": 0.25}
+    want1 = {"compute": 0.5, "wait": 0.125, "post": 0.0, "host": 0.125, "outside": 0.25}
     assert split["ranks"][1] == pytest.approx(want1)
     bubble = split["wait"] + split["host"] + split["outside"]
     assert bubble == pytest.approx(measured_bubble([rank0, rank1])[0])
     assert split["compute"] == pytest.approx(0.5) and split["wait"] == pytest.approx(0.25)
+
+
+def test_bubble_split_charges_posting_apart_from_host() -> None:
+    """Posting sends / receives (the engine's post observers) is its own part: outside compute
+    and waits, it is taken from host; a post before the first action ends the rank's outside."""
+    rank0 = [(0, "forward", 0, 0.0, 1.0), (0, "backward", 0, 3.0, 4.0)]
+    rank1 = [(1, "forward", 0, 1.0, 2.0), (1, "backward", 0, 2.0, 3.0)]
+    waits = [[(1.0, 2.5)], [(3.5, 9.0)]]
+    posts = [[(2.5, 2.75), (0.5, 1.0), (2.25, 2.5)], [(0.5, 1.0), (3.0, 3.25)]]
+    split = bubble_split([rank0, rank1], waits, posts=posts)
+    want0 = {"compute": 0.5, "wait": 0.375, "post": 0.0625, "host": 0.0625, "outside": 0.0}
+    assert split["ranks"][0] == pytest.approx(want0)
+    want1 = {"compute": 0.5, "wait": 0.125, "post": 0.1875, "host": 0.0625, "outside": 0.125}
+    assert split["ranks"][1] == pytest.approx(want1)
+    parts = split["wait"] + split["post"] + split["host"] + split["outside"]
+    assert parts == pytest.approx(measured_bubble([rank0, rank1])[0])
+    without = bubble_split([rank0, rank1], waits)  # posting unrecorded: it is host
+    assert without["ranks"][0]["host"] == pytest.approx(want0["host"] + want0["post"])
 
 
 def test_earlier_pass_and_loss_are_work_not_bubble() -> None:
@@ -115,10 +133,10 @@ def test_earlier_pass_and_loss_are_work_not_bubble() -> None:
     assert measured_bubble(training, [rank0, earlier + rank1])[0] == pytest.approx(3.5 / 8)
     split = bubble_split(training, [[(1.0, 3.0)], [(0.0, 1.0)]], [rank0, earlier + rank1])
     # rank 1 is done at 3: the drain to 4 is outside its schedule, not host work
-    want1 = {"compute": 0.625, "wait": 0.125, "host": 0.0, "outside": 0.25}
+    want1 = {"compute": 0.625, "wait": 0.125, "post": 0.0, "host": 0.0, "outside": 0.25}
     assert split["ranks"][1] == pytest.approx(want1)
     assert split["ranks"][0] == pytest.approx(
-        {"compute": 0.5, "wait": 0.5, "host": 0.0, "outside": 0.0}
+        {"compute": 0.5, "wait": 0.5, "post": 0.0, "host": 0.0, "outside": 0.0}
     )
 
 
@@ -137,6 +155,7 @@ class FakeEngine:
     def __init__(self, schedule: str = "gpipe", pp: int = 2, m: int = 4) -> None:
         self.observers: list[Any] = []
         self.wait_observers: list[Any] = []
+        self.post_observers: list[Any] = []
         self.schedule_name, self.pp, self.num_stages, self.num_micro_batches = schedule, pp, pp, m
         self.stage_ids = [0]
 
@@ -172,6 +191,7 @@ def test_callback_records_chosen_steps_logs_and_draws(tmp_path: Path) -> None:
     cb.setup(trainer, module, "fit")  # type: ignore[arg-type]
     cb.on_fit_start(trainer, module)  # type: ignore[arg-type]
     assert engine.observers == [cb._observe] and engine.wait_observers == [cb._observe_wait]
+    assert engine.post_observers == [cb._observe_post]
     for step in range(3):
         trainer.global_step = step
         cb.on_train_batch_start(trainer, module, None, step)  # type: ignore[arg-type]
@@ -190,9 +210,10 @@ def test_callback_records_chosen_steps_logs_and_draws(tmp_path: Path) -> None:
     assert result["split"] == {
         "compute": 1.0,
         "wait": 0.0,
+        "post": 0.0,
         "host": 0.0,
         "outside": 0.0,
-        "ranks": [{"compute": 1.0, "wait": 0.0, "host": 0.0, "outside": 0.0}],
+        "ranks": [{"compute": 1.0, "wait": 0.0, "post": 0.0, "host": 0.0, "outside": 0.0}],
     }
     assert math.isnan(result["stage_cost"])  # pp 2 but one rank's intervals: stage 1 unknown
     assert math.isnan(module.logged.pop("pipeline_bubble_stage_cost"))
@@ -200,6 +221,7 @@ def test_callback_records_chosen_steps_logs_and_draws(tmp_path: Path) -> None:
         "pipeline_bubble_measured": result["measured"],
         "pipeline_bubble_formula": result["formula"],
         "pipeline_bubble_wait": 0.0,
+        "pipeline_bubble_post": 0.0,
         "pipeline_bubble_host": 0.0,
         "pipeline_bubble_outside": 0.0,
     }
@@ -208,6 +230,7 @@ def test_callback_records_chosen_steps_logs_and_draws(tmp_path: Path) -> None:
     assert json.loads(png.with_suffix(".json").read_text())[0]["intervals"][0][0][1] == "forward"
     cb.on_fit_end(trainer, module)  # type: ignore[arg-type]
     assert engine.observers == [] and engine.wait_observers == []
+    assert engine.post_observers == []
 
 
 def test_draw_timeline_interleaved(tmp_path: Path) -> None:
