@@ -86,6 +86,7 @@ def engine_checks(group: Any) -> dict[str, dict[str, Any]]:
                 got = p.grad if p.grad is not None else torch.zeros_like(b)
                 errs["grad"] = max(errs["grad"], float((got - b).norm() / b.norm()))
         errs["eval"] = abs(float(engine.eval_step((x, ids, y)) - want)) / float(want)
+        lean_steps, lean_diff = _lean_against_torch(engine, toy, (x, ids, y))
         seen = {
             key: sorted({e[i] for e in events})
             for i, key in enumerate(("stages", "actions", "micro"))
@@ -93,7 +94,33 @@ def engine_checks(group: Any) -> dict[str, dict[str, Any]]:
         out[name] = {**errs, **seen, "owned": engine.stage_ids, "last_rank": engine.last_rank}
         out[name]["packed"] = _packed_stages(engine)
         out[name]["kept_outputs"] = _kept_outputs(engine)
+        out[name]["lean_steps"], out[name]["lean_vs_torch"] = lean_steps, lean_diff
     return out
+
+
+def _lean_against_torch(engine: PipelineEngine, toy: nn.Module, batch: Any) -> tuple[int, float]:
+    """Steps :class:`~lightning_mmpar.parallel.pipeline.executor.LeanRuntime` has run in
+    ``engine``'s schedules (after one more training step under it), and the largest difference
+    of that step's loss and gradients against the same step under torch's own loop
+    (``PipelineEngine.lean_runtime = False``): 0 when both make the same calls in the same
+    order."""
+    runs = []
+    for lean in (True, False):
+        engine.lean_runtime = lean
+        toy.zero_grad()
+        loss = float(engine.train_step(batch))
+        grads = {k: p.grad.clone() for k, p in toy.named_parameters() if p.grad is not None}
+        runs.append((loss, grads))
+    engine.lean_runtime = True
+    (loss, grads), (theirs, their_grads) = runs
+    diffs = [abs(loss - theirs)] + [
+        float((g - their_grads[k]).abs().max()) for k, g in grads.items()
+    ]
+    steps = sum(
+        getattr(getattr(s, "lean_runtime", None), "steps_run", 0)
+        for s in engine._schedules.values()
+    )
+    return steps, max(diffs)
 
 
 def _kept_outputs(engine: PipelineEngine) -> int:

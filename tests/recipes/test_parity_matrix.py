@@ -35,6 +35,7 @@ import yaml
 from lightning_mmpar.layout import ParallelLayout
 from lightning_mmpar.layout.comm import comm_bounds, comm_bytes, comm_calls, comm_parts
 from lightning_mmpar.layout.memory import state_bytes
+from lightning_mmpar.layout.schedules import MULTI_STAGE_SCHEDULES
 from lightning_mmpar.plans.fusion_cost import fusion_model_spec
 from lightning_mmpar.testing import spawn
 from tests.recipes import parity_matrix_worker as pm
@@ -259,8 +260,10 @@ def _check_engine(ranks: list[dict[str, dict[str, Any]]]) -> None:
     """:func:`parity_matrix_worker.engine_checks`: every schedule's loss, gradients (also after
     ``set_micro_batches(4)``) and eval loss equal autograd's; stages on the loop / V layout;
     every stage reports its actions (split backward for the zero-bubble schedules) and the last
-    stage its loss (action ``loss``); a boundary of two floats between ranks travels packed; a
-    forward-only pass keeps no stage outputs (the loss reads them, nothing merges them)."""
+    stage its loss (action ``loss``); the multi-stage schedules ran under the engine's
+    ``LeanRuntime``, equal to torch's own loop to the bit; a boundary of two floats between
+    ranks travels packed; a forward-only pass keeps no stage outputs (the loss reads them,
+    nothing merges them)."""
     for name in ranks[0]:
         got = [r[name] for r in ranks]
         print(
@@ -272,6 +275,9 @@ def _check_engine(ranks: list[dict[str, dict[str, Any]]]) -> None:
             assert max(g["loss"], g["grad"], g["eval"]) <= RTOL, (name, g)
             assert g["stages"] == g["owned"] and g["micro"] == [0, 1, 2, 3], (name, g)
             assert g["kept_outputs"] == 0, (name, g)  # forward-only: no outputs merged or kept
+            # the multi-stage schedules run under LeanRuntime, bitwise equal to torch's own loop
+            assert g["lean_vs_torch"] == 0.0, (name, g)
+            assert (g["lean_steps"] > 0) == (name in MULTI_STAGE_SCHEDULES), (name, g)
         actions = {a for g in got for a in g["actions"]}
         split = {"backward_input", "backward_weight"}  # zero-bubble: dW deferred
         assert {"forward", "loss"} <= actions <= split | {"forward", "backward", "loss"}, actions

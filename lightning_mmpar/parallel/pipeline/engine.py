@@ -175,9 +175,7 @@ class PipelineEngine:
         """Called after each stage action and loss (see the class docstring)."""
         self.wait_observers: list[ps.WaitObserver] = []
         """Called after each point-to-point wait of the schedule with ``(start, end)``."""
-        self.post_observers: list[ps.WaitObserver] = []
-        """Called after each posting of the schedule's sends / receives with ``(start, end)``
-        (torch's ``_batch_p2p``: on gloo it starts the transfer)."""
+        self.post_observers: list[ps.WaitObserver] = []  # posting sends / receives: the same
         stage_of = [s for s, r in enumerate(ranges) for _ in r]
         owned = set(self.stage_ids)
         self.chunks = [PipelineChunk([blocks[i] for i in ranges[s]]) for s in self.stage_ids]
@@ -191,15 +189,19 @@ class PipelineEngine:
         self.device = device
         self._schedules: dict[tuple[Any, ...], Any] = {}
         self.rng = gc.RNGReplay(self.chunks, device)
+        self._clear_pass()
+        self._tokens: list[Tensor] = []  # target tokens of each token-sum micro-batch loss
+        self.cache_drift = torch.zeros(())
+        """Largest ``|f_pass2 - f_pass1|`` of the last gradient-cache step (0: same features), a
+        0-dim tensor on the engine's device (kept there: reading it is the only host sync)."""
+
+    def _clear_pass(self) -> None:
+        """No gradient-cache pass state: plain losses, nothing collected or cached."""
         self._mode = "plain"  # how _loss_fn treats each micro-batch's output (see _run)
         self._features: list[gc.Features] = []
         self._grads: list[tuple[Tensor | None, ...]] = []
         self._cached: list[gc.Features] = []
         self._batch_loss: Tensor | None = None
-        self._tokens: list[Tensor] = []  # target tokens of each token-sum micro-batch loss
-        self.cache_drift = torch.zeros(())
-        """Largest ``|f_pass2 - f_pass1|`` of the last gradient-cache step (0: same features), a
-        0-dim tensor on the engine's device (kept there: reading it is the only host sync)."""
 
     def _check_shapes_agree(self, inputs: tuple[Tensor, ...]) -> None:
         """Every pipeline rank must split a batch of the same shapes (its stages exchange
@@ -486,8 +488,7 @@ class PipelineEngine:
                 extra = module.pipeline_batch_loss(gc.cat_features(self._features))
         finally:
             self.rng.stop()
-            self._mode, self._features, self._grads = "plain", [], []
-            self._cached, self._batch_loss = [], None
+            self._clear_pass()
         try:
             return self._broadcast_loss(losses, extra)
         finally:

@@ -252,8 +252,9 @@ def install(schedule: Any, enabled: Callable[[], bool] = lambda: True) -> LeanRu
     if not isinstance(schedule, ts._PipelineScheduleRuntime):
         return None
     runtime = LeanRuntime(schedule, enabled)
-    schedule._step_microbatches = types.MethodType(
+    target: Any = schedule  # an instance attribute in place of the class's method
+    target._step_microbatches = types.MethodType(
         lambda self, *args, **kwargs: runtime.step_microbatches(*args, **kwargs), schedule
     )
-    schedule.lean_runtime = runtime
+    target.lean_runtime = runtime
     return runtime
