@@ -239,6 +239,7 @@ def run_one(
                 "formula": r["formula"],
                 "stage_cost": r["stage_cost"],
                 "wait": r["split"]["wait"],
+                "post": r["split"]["post"],
                 "host": r["split"]["host"],
                 "outside": r["split"]["outside"],
             }
@@ -295,7 +296,7 @@ def summarise(per_rank: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
                 row[key] = runs0[0][key]
         bubbles = [b for run in runs0 for b in run.get("bubbles", [])]
         if bubbles:
-            for key in ("measured", "formula", "stage_cost", "wait", "host", "outside"):
+            for key in ("measured", "formula", "stage_cost", "wait", "post", "host", "outside"):
                 row[f"bubble_{key}"] = statistics.median(b[key] for b in bubbles)
             row["bubble_steps"] = len(bubbles)
             per_round = [statistics.median(b["measured"] for b in run["bubbles"]) for run in runs0]
@@ -377,6 +378,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "bubble_stage_cost",
                     "bubble_formula",
                     "bubble_wait",
+                    "bubble_post",
                     "bubble_host",
                     "bubble_outside",
                 )

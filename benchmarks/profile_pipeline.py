@@ -24,7 +24,7 @@ aligned by a barrier at the batch start: what
 * ``post``: posting the sends and receives (torch's ``_batch_p2p``);
 * ``loss``: the loss on the last stage (torch's ``_maybe_compute_loss``, the engine's
   ``_loss_fn``);
-* ``outside``: the span before the rank's first action, loss, wait or post and after its last (fill
+* ``outside``: the span before the rank's first action, loss or wait and after its last (fill
   and drain spent outside torch's waits: the last stage's rank, done first, waits in the
   step's loss broadcast);
 * ``host``: the rest (the schedule's bookkeeping between actions).
@@ -257,15 +257,16 @@ def _inside_actions(events: list[Event], lo: float, hi: float) -> float:
     )
 
 
-def _outside(events: list[Event], lo: float, hi: float) -> float:
-    """The span ``[lo, hi]`` before this rank's first action, loss, wait or post and after its last
-    (as :func:`~lightning_mmpar.callbacks.pipeline_timeline.bubble_split`'s ``outside``)."""
-    kept = ("wait", "post", "loss")
+def _bounds(events: list[Event], lo: float, hi: float) -> tuple[float, float]:
+    """This rank's first action, loss or wait start and its last one's end inside ``[lo, hi]``
+    (``(hi, hi)`` without any); outside them is the rank's ``outside``, as
+    :func:`~lightning_mmpar.callbacks.pipeline_timeline.bubble_split`'s (a post there too)."""
+    kept = ("wait", "loss")
     spans = [(max(e[1], lo), min(e[2], hi)) for e in events if e[0] in kept or ":" in e[0]]
     spans = [(a, b) for a, b in spans if b > a]
     if not spans:
-        return hi - lo
-    return min(a for a, _ in spans) - lo + hi - max(b for _, b in spans)
+        return hi, hi
+    return min(a for a, _ in spans), max(b for _, b in spans)
 
 
 def decompose(per_rank: list[list[Event]], origins: list[float] | None = None) -> dict[str, Any]:
@@ -294,6 +295,7 @@ def decompose(per_rank: list[list[Event]], origins: list[float] | None = None) -
             return sum(e[4] - e[3] for e in inside if e[0] == kind)
 
         busy = _union([(i[3], i[4]) for i in p])
+        first, last = _bounds(ev, lo, hi)
         a_cpu = sum(e[4] - e[3] for e in acts)
         timed = [e for e in inside if e[4] > 0]
         c_all = max(e[4] for e in timed) - min(e[3] for e in timed)
@@ -304,9 +306,9 @@ def decompose(per_rank: list[list[Event]], origins: list[float] | None = None) -
             )
             / span,
             "wait": wall("wait") / span,
-            "post": wall("post") / span,
+            "post": sum(clipped(e, first, last) for e in ev if e[0] == "post") / span,
             "loss": wall("loss") / span,
-            "outside": _outside(ev, lo, hi) / span,
+            "outside": (first - lo + hi - last) / span,
         }
         row["host"] = 1 - sum(row.values())
         row.update(

@@ -28,14 +28,15 @@ def _ms(s: float) -> str:
 def _pipeline(r: dict[str, Any]) -> list[str]:
     out = [
         "| world | configuration | step ms | bubble measured | at the stage costs | formula | "
-        "wait | host | outside | imbalance (FLOPs) | imbalance (timed) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "wait | post | host | outside | imbalance (FLOPs) | imbalance (timed) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     keys = (
         "bubble_measured",
         "bubble_stage_cost",
         "bubble_formula",
         "bubble_wait",
+        "bubble_post",
         "bubble_host",
         "bubble_outside",
         "imbalance",

@@ -146,15 +146,15 @@ def bubble_split(
     """Where the step span goes, per pipeline rank (rank order) and in the mean over ranks:
     ``compute`` (union of the rank's actions in ``busy``, default ``per_rank``: stage actions
     and the loss), ``wait`` (its point-to-point waits inside the span, outside compute),
-    ``post`` (its postings of sends and receives, ``posts``, outside compute and waits: on gloo
-    posting starts the transfer), ``outside`` (the span before the rank's first action, wait or
-    post and after its last one: the fill and drain it spends outside torch's schedule, e.g.
-    the last stage's rank, done with its last backward, waiting in the step's loss broadcast
-    for the first stage's) and ``host`` (the rest, between its first and last action, wait or
-    post: the schedule's bookkeeping), each a fraction of the span of ``per_rank``
-    (:func:`measured_bubble`), so ``wait + post + outside + host`` is the measured bubble.
-    ``posts`` ``None``: none recorded (``post`` 0, posting counted as host). Raises
-    ``ValueError`` as :func:`measured_bubble`.
+    ``outside`` (the span before the rank's first action or wait and after its last one: the
+    fill and drain it spends outside torch's schedule, e.g. the last stage's rank, done with
+    its last backward, waiting in the step's loss broadcast for the first stage's), ``post``
+    (its postings of sends and receives, ``posts``, between its first and last action or wait,
+    outside compute and waits: on gloo posting starts the transfer) and ``host`` (the rest,
+    between its first and last action or wait: the schedule's bookkeeping), each a fraction of
+    the span of ``per_rank`` (:func:`measured_bubble`), so ``wait + post + outside + host`` is
+    the measured bubble. ``posts`` ``None``: none recorded (``post`` 0, posting counted as
+    host). Raises ``ValueError`` as :func:`measured_bubble`.
     """
     _, span = measured_bubble(per_rank)
     start = min(i[3] for rank in per_rank for i in rank)
@@ -165,13 +165,15 @@ def bubble_split(
     for rank, rank_waits, posted in zip(work_ranks, waits, rank_posts, strict=True):
         work = _busy(rank, start, end)
         actions = _spans(rank, start, end)
-        waited, posted = _clip(rank_waits, start, end), _clip(posted, start, end)
+        waited = _clip(rank_waits, start, end)
         wait = _union_length(waited + actions) - work  # a wait inside an action: none
-        post = _union_length(posted + waited + actions) - work - wait
-        events = waited + posted + actions
-        outside = span
+        events = waited + actions
+        outside, first, last = span, end, end
         if events:
-            outside = min(a for a, _ in events) - start + end - max(b for _, b in events)
+            first, last = min(a for a, _ in events), max(b for _, b in events)
+            outside = first - start + end - last
+        posted = _clip(posted, first, last)  # one outside the rank's actions and waits: outside
+        post = _union_length(posted + events) - work - wait
         parts = (work, wait, post, outside)
         compute, wait, post, outside = (x / span if span > 0 else 0.0 for x in parts)
         host = max(0.0, 1.0 - compute - wait - post - outside)

@@ -42,6 +42,7 @@ def _pipeline(r: dict[str, Any]) -> None:
     for row in rows.values():  # the timeline's split of the bubble: waits, host, fill / drain
         assert 0.0 < row["bubble_wait"] < 1.0 and 0.0 <= row["bubble_host"] < 1.0, row
         assert 0.0 <= row["bubble_outside"] < 1.0, row
+        assert 0.0 <= row["bubble_post"] < 1.0, row
         assert 0.0 <= row["bubble_stage_cost"] < 1.0 and "kept" not in r, row  # unequal stages
 
 

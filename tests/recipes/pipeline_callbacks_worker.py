@@ -121,10 +121,11 @@ def check_timeline(results: list[dict[str, Any]], root: Path) -> None:
             assert (t["schedule"], t["pp"], t["micro_batches"]) == ("1f1b", 2, m)
             assert abs(t["formula"] - 1 / (m + 1)) < 1e-12
             assert 0.0 < t["measured"] < 1.0 and 0.0 < t["measured_step"] < 1.0, t
-            split = t["split"]  # the bubble: waits, host work between actions, fill / drain
+            split = t["split"]  # the bubble: waits, posting, host work, fill / drain
             assert split["wait"] > 0.0 and split["host"] >= 0.0, split
+            assert split["post"] > 0.0, split  # sends / receives posted (post observers)
             assert split["outside"] > 0.0, split  # the last stage's rank drains first (1F1B)
-            bubble = split["wait"] + split["host"] + split["outside"]
+            bubble = split["wait"] + split["post"] + split["host"] + split["outside"]
             assert abs(bubble - t["measured"]) < 1e-9, (split, t)
             for stage, rank in enumerate(t["intervals"]):
                 seen = {(i[0], i[1], i[2]) for i in last_pass([tuple(i) for i in rank])}
@@ -134,7 +135,8 @@ def check_timeline(results: list[dict[str, Any]], root: Path) -> None:
             assert 0.0 <= t["stage_cost"] < 1.0, t  # the bubble at these stage costs
             print(
                 f"{name} step {t['step']} m={m}: bubble measured {t['measured']:.3f} (whole "
-                f"step {t['measured_step']:.3f}; wait {split['wait']:.3f}, host "
+                f"step {t['measured_step']:.3f}; wait {split['wait']:.3f}, post "
+                f"{split['post']:.3f}, host "
                 f"{split['host']:.3f}, outside {split['outside']:.3f}), formula "
                 f"{t['formula']:.3f}, at the stage costs "
                 f"{t['stage_cost']:.3f}, span {1e3 * t['span_s']:.1f} ms"

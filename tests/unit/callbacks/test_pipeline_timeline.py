@@ -106,7 +106,8 @@ def test_bubble_split_charges_waits_and_host() -> None:
 
 def test_bubble_split_charges_posting_apart_from_host() -> None:
     """Posting sends / receives (the engine's post observers) is its own part: outside compute
-    and waits, it is taken from host; a post before the first action ends the rank's outside."""
+    and waits, it is taken from host; a post before the rank's first action or wait is part of
+    its fill (outside), as before."""
     rank0 = [(0, "forward", 0, 0.0, 1.0), (0, "backward", 0, 3.0, 4.0)]
     rank1 = [(1, "forward", 0, 1.0, 2.0), (1, "backward", 0, 2.0, 3.0)]
     waits = [[(1.0, 2.5)], [(3.5, 9.0)]]
@@ -114,7 +115,7 @@ def test_bubble_split_charges_posting_apart_from_host() -> None:
     split = bubble_split([rank0, rank1], waits, posts=posts)
     want0 = {"compute": 0.5, "wait": 0.375, "post": 0.0625, "host": 0.0625, "outside": 0.0}
     assert split["ranks"][0] == pytest.approx(want0)
-    want1 = {"compute": 0.5, "wait": 0.125, "post": 0.1875, "host": 0.0625, "outside": 0.125}
+    want1 = {"compute": 0.5, "wait": 0.125, "post": 0.0625, "host": 0.0625, "outside": 0.25}
     assert split["ranks"][1] == pytest.approx(want1)
     parts = split["wait"] + split["post"] + split["host"] + split["outside"]
     assert parts == pytest.approx(measured_bubble([rank0, rank1])[0])
