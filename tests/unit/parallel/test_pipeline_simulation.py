@@ -52,3 +52,19 @@ def test_order_is_torchs_and_bad_costs_are_refused() -> None:
         stage_cost_bubble("1f1b", 2, 1, 4, {0: {"F": 1.0, "B": 2.0}})
     with pytest.raises(ValueError, match="negative"):
         stage_cost_bubble("1f1b", 2, 1, 4, {0: {"F": 1.0, "B": -2.0}, 1: {"F": 1.0, "B": 2.0}})
+
+
+def test_latency_per_hop_by_hand_and_interleaved_pays_it_more_often() -> None:
+    """GPipe, pp 2, one micro-batch, F 1 and B 2 per stage, 1 per hop between ranks: F0, hop,
+    F1, B1, hop, B0: span 8, work 6 of 16: bubble 10 / 16. At the same model work (pp 2, m 4,
+    8 blocks of F 1: 1F1B stages of 4 blocks, interleaved v 2 stages of 2) interleaved's three
+    boundaries between ranks add about twice 1F1B's one (0 latency: the formulas)."""
+    costs = {s: {"F": 1.0, "B": 2.0} for s in range(2)}
+    assert stage_cost_bubble("gpipe", 2, 1, 1, costs, latency=1.0) == pytest.approx(10 / 16)
+    assert stage_cost_bubble("gpipe", 2, 1, 1, costs) == pytest.approx(0.5)
+    ones = {s: {"F": 4.0, "B": 8.0} for s in range(2)}
+    halves = {s: {"F": 2.0, "B": 4.0} for s in range(4)}
+    for latency in (0.5, 1.0):
+        one = stage_cost_bubble("1f1b", 2, 1, 4, ones, latency) - 0.2
+        interleaved = stage_cost_bubble("interleaved_1f1b", 2, 2, 4, halves, latency) - 1 / 9
+        assert 0.0 < 1.5 * one < interleaved < 2.5 * one, (latency, one, interleaved)
