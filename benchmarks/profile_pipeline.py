@@ -6,6 +6,7 @@
     python benchmarks/profile_pipeline.py --model equal   # bench_pipeline's EqualBlocks
     python benchmarks/profile_pipeline.py --split-backward   # B + W against one fused backward
     python benchmarks/profile_pipeline.py --model equal --schedules interleaved_1f1b --torch-loop
+    python benchmarks/profile_pipeline.py --schedules interleaved_1f1b,dualpipev --lean-ab 100
 
 The model and data of ``benchmarks/bench_pipeline.py`` (``recipes/clip_llama_cpu.yaml``, batch
 72, 4 micro-batches, ``partition="measured"`` unless ``--partition`` says otherwise; ``fixed``:
@@ -59,6 +60,7 @@ on every micro-batch whatever the engine does.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import itertools
 import statistics
@@ -448,6 +450,36 @@ def split_backward(model: str, reps: int = 30) -> dict[str, dict[str, float]]:
     return out
 
 
+def lean_ab(rank: int, size: int, schedule: str, steps: int) -> dict[str, list[float]]:
+    """``--lean-ab``: one world of :class:`bench_pipeline.EqualBlocks` at pp 2 (v 2 for the
+    multi-stage schedules, m 4) training ``steps`` steps after 3 warm-up ones, alternating
+    ``PipelineEngine.lean_runtime`` between steps; CPU ms of each step (``time.thread_time``
+    around ``train_step``) under each: the host work the lean runtime removes, A/B in one
+    world (the same stages, buffers and connections)."""
+    from bench_pipeline import EqualBlocks, equal_blocks_data
+
+    from lightning_mmpar import ParallelConfig
+    from lightning_mmpar.parallel.pipeline import PipelineEngine
+
+    torch.manual_seed(0)
+    module = EqualBlocks()
+    v = SCHEDULES.get(schedule, 2)
+    config = ParallelConfig(pipeline_parallel=2, virtual_pipeline=v, schedule=schedule)
+    config = dataclasses.replace(config, micro_batches=4)
+    engine = PipelineEngine(module, config, torch.distributed.group.WORLD, torch.device("cpu"))
+    cpu: dict[str, list[float]] = {"lean": [], "torch loop": []}
+    for i, batch in enumerate(equal_blocks_data(steps + 3)):
+        engine.lean_runtime = i % 2 == 0
+        module.zero_grad(set_to_none=True)
+        start = time.thread_time()
+        engine.train_step(batch)
+        if i >= 3:
+            cpu["lean" if engine.lean_runtime else "torch loop"].append(
+                1e3 * (time.thread_time() - start)
+            )
+    return cpu
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from lightning_mmpar.callbacks.pipeline_timeline import formula_bubble
     from lightning_mmpar.testing import spawn
@@ -470,6 +502,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="also run each schedule with PipelineEngine.lean_runtime = False (torch's own "
         "action loop for the multi-stage schedules), round-robin",
     )
+    p.add_argument(
+        "--lean-ab",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="CPU ms per step with and without the lean runtime, alternating steps in one "
+        "world per schedule (EqualBlocks)",
+    )
     p.add_argument("--model", choices=("recipe", "equal"), default="recipe")
     p.add_argument("--split-backward", action="store_true", help="B against I + W per stage")
     p.add_argument(
@@ -478,6 +518,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="no CPU clock reads (CPU columns 0): the timeline comparison without their cost",
     )
     args = p.parse_args(argv)
+    if args.lean_ab:
+        return _lean_ab_report(args.schedules.split(","), args.lean_ab)
     if args.split_backward:
         split = split_backward(args.model)
         for stage, t in split.items():
@@ -516,6 +558,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 row["barrier_skew"] = timeline_agreement(row, out[0]["timeline"][i])
                 steps[name].append(row)
     return _report(names, steps, formula_bubble)
+
+
+def _lean_ab_report(schedules: list[str], steps: int) -> dict[str, Any]:
+    from lightning_mmpar.testing import spawn
+
+    report: dict[str, Any] = {}
+    for schedule in schedules:
+        ranks = spawn(lean_ab, 2, schedule, steps, timeout=900)
+        report[schedule] = [
+            {k: (statistics.median(v), min(v), len(v)) for k, v in r.items()} for r in ranks
+        ]
+        for r, row in enumerate(report[schedule]):
+            cells = ", ".join(f"{k} {m:.2f} (min {lo:.2f}, n {n})" for k, (m, lo, n) in row.items())
+            print(f"== {schedule} rank {r}: CPU ms per step, median: {cells}", flush=True)
+    return report
 
 
 def _report(names: list[str], steps: dict[str, list[dict[str, Any]]], formula_of: Any) -> Any:
