@@ -16,8 +16,9 @@ bookkeeping: numerics and communication are torch's, only the per-action host wo
 
 It steps aside (torch's own loop runs) while a torch profiler records (its ``PP:<action>``
 ranges then appear in the trace as usual), for a stage whose module is FSDP-sharded (the
-runtime's unshard / reshard actions), when custom action functions are registered, or while
-``enabled()`` is false (the A/B switch: ``PipelineEngine.lean_runtime``).
+runtime's unshard / reshard actions), when custom action functions are registered, on a torch
+without one of the internals it calls (:func:`torch_supported`), or while ``enabled()`` is
+false (the A/B switch: ``PipelineEngine.lean_runtime``).
 
 Peers: Megatron-LM's interleaved schedule (``forward_backward_pipelining_with_interleaving``)
 and DeepSpeed's ``PipeEngine`` (an instruction list interpreted per step) run their schedules
@@ -34,9 +35,45 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import schedules as ts
 
-__all__ = ["LeanRuntime", "install"]
+__all__ = ["LeanRuntime", "install", "torch_supported"]
 
 Step = Callable[["_StepState"], None]
+
+_TORCH_NAMES = (
+    "_batch_p2p",
+    "_wait_batch_p2p",
+    "FORWARD",
+    "FULL_BACKWARD",
+    "BACKWARD_INPUT",
+    "BACKWARD_WEIGHT",
+    "SEND_F",
+    "SEND_B",
+    "RECV_F",
+    "RECV_B",
+    "UNSHARD",
+    "RESHARD",
+    "REDUCE_GRAD",
+    "OVERLAP_F_B",
+)
+"""The private names of ``torch.distributed.pipelining.schedules`` the executor uses."""
+_SCHEDULE_NAMES = (
+    "pipeline_order_with_comms",
+    "_comp_type_to_function_map",
+    "_check_inputs",
+    "_initialize_stages",
+    "_maybe_compute_loss",
+    "_maybe_get_loss",
+    "_update_losses",
+)
+"""The private members of a runtime schedule it uses: a torch without one of them (these are
+torch 2.14's internals; the package supports torch >= 2.6) runs torch's own loop instead."""
+
+
+def torch_supported(schedule: Any) -> bool:
+    """Whether this torch has every internal :class:`LeanRuntime` calls, on ``schedule``."""
+    return all(hasattr(ts, n) for n in _TORCH_NAMES) and all(
+        hasattr(schedule, n) for n in _SCHEDULE_NAMES
+    )
 
 
 class _StepState:
@@ -88,12 +125,14 @@ class LeanRuntime:
         self.steps_run = 0
         """Steps this executor ran (not torch's loop): what tests and benchmarks check."""
         self._program: list[tuple[Any, Step]] | None = None
+        self._supported = torch_supported(schedule)
 
     def applies(self) -> bool:
         """Whether the next step runs here (else torch's loop): see the module docstring."""
         sch = self.schedule
         return (
-            self.enabled()
+            self._supported
+            and self.enabled()
             and not torch.autograd._profiler_enabled()
             and not sch._comp_type_to_function_map
             and not any(isinstance(s.submod, FSDPModule) for s in sch._stages)

@@ -155,3 +155,22 @@ def test_lean_runtime_names_the_failing_action() -> None:
     with pytest.raises(RuntimeError, match="boom") as info:
         _step(schedule, 4)
     assert any("0F0" in note for note in getattr(info.value, "__notes__", []))
+
+
+def test_a_torch_without_its_internals_runs_torchs_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a torch that lacks one of the private names the executor calls (the package supports
+    torch >= 2.6; they are torch 2.14's), it steps aside instead of failing mid-step."""
+    from torch.distributed.pipelining import schedules as ts
+
+    from lightning_mmpar.parallel.pipeline import executor
+
+    class Runtime(ts._PipelineScheduleRuntime):
+        def __init__(self) -> None:  # no stages: only the support check runs
+            pass
+
+    assert executor.torch_supported(Runtime()) == all(
+        hasattr(Runtime, n) for n in executor._SCHEDULE_NAMES
+    )
+    monkeypatch.delattr(ts, "REDUCE_GRAD")
+    runtime = executor.LeanRuntime(Runtime())
+    assert not runtime._supported and not runtime.applies()
