@@ -135,7 +135,8 @@ def fragment(
     values survive; ``micro_batches: null`` without a pipeline; ``activation_checkpointing:
     layers`` or null), ``trainer.devices`` and ``trainer.num_nodes`` (the layout's processes,
     vision ranks included, over ``nodes`` nodes: the recipe's own process count would launch
-    another world), ``trainer.accumulate_grad_batches``, ``model.plan`` (sequence
+    another world; left out for a layout whose ``dp`` is not known yet),
+    ``trainer.accumulate_grad_batches``, ``model.plan`` (sequence
     parallelism, vision mode) and ``data.batch_size`` (per data-parallel rank);
     ``placement``: the device order when it is not Megatron's (and the strategy takes one),
     else null.
@@ -143,8 +144,8 @@ def fragment(
     Raises:
         ValueError: ``nodes`` does not divide the layout's processes.
     """
-    processes = layout.world + layout.vision_ranks
-    if nodes < 1 or processes % nodes:
+    processes = None if layout.dp is None else layout.world + layout.vision_ranks
+    if processes is not None and (nodes < 1 or processes % nodes):
         raise ValueError(
             f"nodes ({nodes}) must divide the layout's {processes} processes "
             f"({describe(layout)}); plan on a multiple of the nodes, or give nodes=1."
@@ -170,10 +171,12 @@ def fragment(
         "sequence_parallel": layout.sequence_parallel,
         "vision_parallel": layout.vision_parallel,
     }
+    trainer: dict[str, Any] = {}
+    if processes is not None:  # a layout whose dp is not known yet leaves the recipe's own
+        trainer = {"devices": processes // nodes, "num_nodes": nodes}
     return {
         "trainer": {
-            "devices": processes // nodes,
-            "num_nodes": nodes,
+            **trainer,
             "strategy": {"class_path": _STRATEGY, "init_args": args},
             "accumulate_grad_batches": layout.accumulate,
         },
