@@ -32,9 +32,8 @@ compared between the sides and stored; a mismatch is reported as ``same_work: fa
 script exits non-zero after writing the JSON (the comparison is void).
 
 Both sides run with their defaults: ours checks for non-finite loss / gradients each step
-(``on_nonfinite="raise"``; under ``data_parallel="ddp"`` its flags are summed beside DDP's last
-gradient bucket, ``NonFiniteGuard.send_with_ddp``), runs cross-attention on its own ``vl``
-communicator, and under ``data_parallel="ddp"`` reduces gradients through torch's DDP
+(``on_nonfinite="raise"``: one all-gather of 3 numbers per rank and a host sync), runs
+cross-attention on its own ``vl`` communicator, and under ``data_parallel="ddp"`` reduces gradients through torch's DDP
 (composable ``replicate``: bucketed all-reduces overlapping backward) without Lightning's
 per-forward buffer broadcast; those costs are part of the measured ratio. ``--pairs ddp``
 runs one pair alone.

@@ -45,8 +45,7 @@ What runs, per batch (``accumulate`` batches per optimizer step; a dp rank's bat
   rows) whose two differentiable ones all-reduce their gradient in backward; every rank
   all-reduces the logged loss pair (8 bytes) and the term sums (48 bytes);
 * over the world: Lightning's SIGTERM flag (an int64 broadcast before every batch); per
-  optimizer step the non-finite guard's all-gather of 3 float64 per rank (under DDP over the
-  whole world an all-reduce of 2 float64 per rank beside DDP's last bucket), and with clipping
+  optimizer step the non-finite guard's all-gather of 3 float64 per rank, and with clipping
   (but under DDP over the whole world, which clips by
   the local norm, :func:`ddp_covers_world`) one
   float64 all-reduce of the squared norm (after the ``Partial`` gradients of tp-replicated
@@ -110,9 +109,6 @@ blocks, ``boundary``: pipeline send / recv, ``loss``, ``logging``, ``tp grads``,
 
 GUARD_BYTES = 24
 """The non-finite guard's ``[3]`` float64 row per rank."""
-GUARD_SENT_BYTES = 16
-"""The guard's ``[2]`` float64 row per rank where it is summed beside DDP's last gradient
-bucket (:func:`ddp_covers_world`; ``NonFiniteGuard.send_with_ddp``)."""
 LOG_PAIR_BYTES = 8
 """The strategy's logged ``(loss * rows, rows)`` float32 pair."""
 TERM_BYTES = 48
@@ -182,8 +178,7 @@ def gradient_syncs(layout: ParallelLayout) -> int:
 def ddp_covers_world(layout: ParallelLayout) -> bool:
     """Whether torch's DDP reduces every gradient over every rank (``data_parallel="ddp"``,
     ``tp == pp == ep == 1``, no vision ranks, ``dp > 1``): every rank then holds the same
-    gradients, so clipping takes the local norm (no collective) and the non-finite guard sums
-    its flags beside DDP's last bucket (:data:`GUARD_SENT_BYTES`) instead of all-gathering."""
+    gradients, so clipping takes the local norm (no collective)."""
     if layout.data_parallel != "ddp" or layout.tp * layout.pp * layout.ep != 1:
         return False
     return not layout.vision_ranks and layout.dp_size > 1
@@ -298,10 +293,7 @@ def _world_collectives(
     acc = layout.accumulate
     world = world_dim(layout)
     add(f"{world}.broadcast", acc * SIGTERM_BYTES, acc, why="sigterm")
-    if ddp_covers_world(layout):  # summed beside the last DDP bucket
-        add("dp.all_reduce", GUARD_SENT_BYTES * layout.world, 1, why="guard")
-    else:
-        add(f"{world}.all_gather", GUARD_BYTES * layout.world, 1, why="guard")
+    add(f"{world}.all_gather", GUARD_BYTES * layout.world, 1, why="guard")
     if layout.clip and not ddp_covers_world(layout):  # else the local norm
         add(f"{world}.all_reduce", 8, 1, why="clip")
         if layout.tp > 1:  # Partial gradients (no FSDP) summed over tp before their norm

@@ -25,7 +25,6 @@ __all__ = [
     "all_gather_cpu",
     "all_gather_objects",
     "all_reduce",
-    "all_reduce_async",
     "all_to_all_counts",
     "all_to_all_single",
     "barrier",
@@ -120,15 +119,6 @@ def broadcast(t: Tensor, src: int = 0, group: dist.ProcessGroup | None = None) -
     work = _on_group(t, group)
     dist.broadcast(work, group_src=src, group=group)
     return _back(work, t)
-
-
-def all_reduce_async(t: Tensor, group: dist.ProcessGroup | None = None) -> Any:
-    """Sum ``t`` (on the group's device) over ``group`` in place without waiting: the
-    collective's ``Work`` (``wait()`` before reading ``t``). ``None`` on one rank (nothing to
-    do)."""
-    if group_size(group) == 1:
-        return None
-    return dist.all_reduce(t, group=group, async_op=True)
 
 
 def all_gather(t: Tensor, group: dist.ProcessGroup | None = None) -> list[Tensor]:

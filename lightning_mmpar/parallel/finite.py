@@ -13,10 +13,10 @@ are checked before the optimizer step, and the run stops naming the rank). Here:
   ``RuntimeError`` naming the global step, the batch indices and the ranks with non-finite
   inputs, loss or gradients (and up to 3 parameter names per rank), or skip the step by setting
   every gradient to ``None`` (torch optimizers then leave weights and state untouched, as
-  Lightning does when ``training_step`` returns ``None``). Where torch's DDP leaves the same
-  gradients on every rank (:meth:`NonFiniteGuard.send_with_ddp`), the inputs / loss flags are
-  summed asynchronously beside DDP's last gradient bucket instead, and the check waits on
-  nothing: each rank finds the same non-finite gradients locally.
+  Lightning does when ``training_step`` returns ``None``). The exchange runs after every
+  change to the gradients (hooks, clipping): under torch's DDP the reduced gradients are the same
+  on every rank only until a rank-local hook or fault changes them, and ranks that decided
+  differently would wait on each other forever.
 * :func:`nonfinite_weights`: the parameters holding a NaN or inf, over every rank (one
   all-reduce; the names travel only when there are some), for a checkpoint guard.
 
@@ -144,12 +144,9 @@ class NonFiniteGuard:
         self.last_skipped_step = -1
         self._window: dict[int, list[Tensor | None]] = {}
         self._batch = 0
-        self._sent: tuple[Tensor, Any] | None = None  # [world, 2] flags in flight, their Work
 
     def observe_batch(self, batch: Any, batch_idx: int) -> None:
         """Record whether ``batch``'s floating tensors are finite (a device flag)."""
-        if not self._window:  # a new optimizer step: nothing sent for it yet
-            self._sent = None
         self._batch = int(batch_idx)
         self._window[self._batch] = [_finite_flag(_floating(batch)), None]
 
@@ -178,50 +175,6 @@ class NonFiniteGuard:
         first = self._first_bad(device)
         return torch.cat([first, per_grad.any().double().view(1)]), per_grad
 
-    def send_with_ddp(self, module: nn.Module, group: dist.ProcessGroup | None) -> None:
-        """Exchange this rank's inputs / loss flags from ``module``'s DDP (torch's composable
-        ``replicate``, ``register_comm_hook``): when DDP launches its last gradient bucket, the
-        flags (each rank's ``[2]`` row of a ``[world, 2]`` zero block: a sum is a gather) are
-        all-reduced asynchronously beside it, so the check finds them arrived instead of
-        running a blocking ``all_gather`` after backward (measured: ~1.2 ms of a 40 ms step on
-        the 2-process CPU benchmark). The buckets themselves go through torch's
-        ``allreduce_hook`` (divided by the group size, then summed: as without a hook).
-
-        Only for a DDP whose ``group`` is this guard's whole group and after whose backward
-        every rank holds the same gradients (torch's DDP over the world, expert weights
-        averaged over the same ranks before the check): each rank then finds the same
-        non-finite gradients locally. A step whose last bucket did not run (no synced backward)
-        falls back to the ``all_gather``, on every rank alike.
-        """
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-        def hook(state, bucket):  # type: ignore[no-untyped-def]
-            # unannotated: torch's DDP compares a hook's annotations with its classes, and this
-            # module's annotations are strings (``from __future__ import annotations``)
-            if bucket.is_last():
-                self._send(state, bucket.buffer().device)
-            return allreduce_hook(state, bucket)
-
-        module.register_comm_hook(group, hook)  # type: ignore[operator]
-
-    def _send(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
-        """Start the sum of every rank's :meth:`_first_bad` row (:meth:`send_with_ddp`)."""
-        rows = torch.zeros(comm.group_size(group), 2, dtype=torch.float64, device=device)
-        rows[comm.group_rank(self.group)] = self._first_bad(device)  # by rank in the guard's
-        # group (the world), whatever order ``group`` lists the same ranks in
-        self._sent = rows, comm.all_reduce_async(rows, group)
-
-    def _rows(self, local: Tensor) -> list[list[float]]:
-        """Every rank's ``[3]`` row: the flags sent beside DDP's last bucket with this rank's
-        gradient flag (the same on every rank), else one ``all_gather`` over ``group``."""
-        sent, self._sent = self._sent, None
-        if sent is None:
-            return [r.tolist() for r in comm.all_gather(local, self.group)]
-        rows, work = sent
-        if work is not None:
-            work.wait()
-        return [[*flags, float(local[2])] for flags in rows.tolist()]
-
     def check(
         self,
         params: Iterable[Tensor],
@@ -229,8 +182,7 @@ class NonFiniteGuard:
         step: int,
         check_grads: bool = True,
     ) -> NonFiniteReport | None:
-        """Collective over ``group`` (none after :meth:`send_with_ddp` sent the flags): decide
-        on the step whose gradients ``params`` hold.
+        """Collective over ``group``: decide on the step whose gradients ``params`` hold.
 
         ``names``: ``id(parameter) -> name`` (called only on failure). ``check_grads=False``
         leaves the gradients to a ``GradScaler``, which skips overflowing steps itself.
@@ -245,7 +197,7 @@ class NonFiniteGuard:
         local, per_grad = self._local(grads, device)
         report = NonFiniteReport(step=step, window=sorted(self._window))
         self._window = {}
-        rows = self._rows(local)
+        rows = [r.tolist() for r in comm.all_gather(local, self.group)]
         for rank, (inp, loss, _) in enumerate(rows):
             if inp != math.inf:
                 report.inputs[rank] = int(inp)

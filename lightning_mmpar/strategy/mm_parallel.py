@@ -421,8 +421,6 @@ class MultimodalParallelStrategy(
             rank_zero_info(done.stage_plan.table())
         self._grad_sync, self._replicated = done.grad_sync, done.replicated
         self._unit_order = done.unit_order
-        if self.nonfinite is not None and self._identical_grads():
-            self.nonfinite.send_with_ddp(done.replicated, dims.get_group("dp"))  # type: ignore[arg-type]
         if self.config.data_parallel == "ddp" and dims.dp > 1 and done.replicated is None:
             why = replication.ddp_fallback(dims, self.config) or "a module with its own steps"
             rank_zero_info(f"data_parallel='ddp': gradients all-reduced after backward ({why})")

@@ -354,20 +354,32 @@ def nonfinite(rank: int, world_size: int, data: DigitsCaptions, root: str) -> di
     return out
 
 
+class PoisonGradient(Callback):
+    """Writes a NaN into one gradient at global step 1 when ``on_rank``, after backward (and
+    after DDP's reduce), as a rank-local hook or a hardware fault would."""
+
+    def __init__(self, on_rank: bool) -> None:
+        self.on_rank = on_rank
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: Any, optimizer: Any) -> None:
+        if self.on_rank and trainer.global_step == 1:
+            grad = next(p.grad for p in pl_module.parameters() if p.grad is not None)
+            grad.view(-1)[0] = float("nan")
+
+
 def nonfinite_ddp(rank: int, world_size: int, data: DigitsCaptions) -> dict[str, Any]:
     """The guard under ``data_parallel="ddp"`` at dp 2 (torch's DDP reduces the gradients, so
     every rank holds the NaN ones), one NaN pixel on rank 1 only:
 
     * ``"raise"``, 3 batches, NaN in batch 1: the error names rank 1's inputs, both ranks'
-      losses (the contrastive term gathers rank 1's features) and both ranks' gradients; the
-      flags travelled beside DDP's last bucket (``NonFiniteGuard.send_with_ddp``): no
-      ``all_gather`` of the guard's ``[3]`` rows on any step;
+      losses (the contrastive term gathers rank 1's features) and both ranks' gradients;
+    * a gradient made NaN on rank 1 only after DDP reduced it (:class:`PoisonGradient`): both
+      ranks stop naming rank 1 (a check that trusted DDP's reduced gradients to be the same on
+      every rank left rank 0 stepping on while rank 1 waited on it);
     * ``"skip"``, ``accumulate_grad_batches=2``, 4 batches, NaN in batch 2 (the first of the
       second window: DDP's ``no_sync`` batch): step 1 skipped on both ranks, its report naming
       batch 2 on rank 1.
     """
-    from lightning_mmpar.parallel import comm
-
     out: dict[str, Any] = {}
     module = tiny_module(data.vocab_size)
     trainer = quiet_trainer(
@@ -377,22 +389,24 @@ def nonfinite_ddp(rank: int, world_size: int, data: DigitsCaptions) -> dict[str,
         use_distributed_sampler=False,
         limit_val_batches=0,
     )
-    gathered: list[int] = []
-    real = comm.all_gather
-
-    def counted(t: Tensor, group: Any = None) -> list[Tensor]:
-        gathered.append(t.numel())
-        return real(t, group)
-
-    comm.all_gather = counted  # type: ignore[assignment]
     try:
         trainer.fit(module, DataLoader(nan_pixel(data, 3, 1, rank == 1), batch_size=None))  # type: ignore[arg-type]
     except RuntimeError as err:
         out["raised"] = str(err)
-    finally:
-        comm.all_gather = real  # type: ignore[assignment]
     out["step"] = trainer.global_step
-    out["guard_gathers"] = [n for n in gathered if n == 3]  # the guard's [3] rows: none
+    module = tiny_module(data.vocab_size)
+    trainer = quiet_trainer(
+        strategy=MultimodalParallelStrategy(data_parallel="ddp"),
+        devices=world_size,
+        max_epochs=1,
+        use_distributed_sampler=False,
+        limit_val_batches=0,
+        callbacks=[PoisonGradient(rank == 1)],
+    )
+    try:
+        trainer.fit(module, DataLoader(batches(data, 2), batch_size=None))  # type: ignore[arg-type]
+    except RuntimeError as err:
+        out["poisoned"] = str(err)
     module = tiny_module(data.vocab_size)
     strategy = MultimodalParallelStrategy(data_parallel="ddp", on_nonfinite="skip")
     trainer = quiet_trainer(

@@ -179,9 +179,10 @@ def test_comm_calls_count_each_op_of_each_mechanism() -> None:
     )
     ddp = ParallelLayout(dp=2, data_parallel="ddp", accumulate=3)
     assert comm_calls(model, ddp) == {
-        "dp.all_reduce": 1 + 1 + 3 * 2,
+        "dp.all_gather": 1,
+        "dp.all_reduce": 1 + 3 * 2,
         "dp.broadcast": 3,
-    }  # grads once per step (torch's DDP) and the guard beside them + pair + terms; SIGTERM
+    }  # grads once per step (torch's DDP) + pair + terms per batch; guard; SIGTERM
     ddp_pp = ParallelLayout(pp=2, dp=2, data_parallel="ddp", accumulate=3)
     assert comm_calls(model, ddp_pp)["dp.all_reduce"] == 3 * 3  # grads per batch too
     fsdp = ParallelLayout(dp=2)
