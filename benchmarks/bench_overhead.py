@@ -34,9 +34,9 @@ script exits non-zero after writing the JSON (the comparison is void).
 Both sides run with their defaults: ours checks for non-finite loss / gradients each step
 (``on_nonfinite="raise"``: one all-gather of 3 numbers per rank and a host sync), runs
 cross-attention on its own ``vl`` communicator, and under ``data_parallel="ddp"`` reduces
-gradients through torch's DDP (composable ``replicate``: bucketed all-reduces overlapping backward) without Lightning's
-per-forward buffer broadcast; those costs are part of the measured ratio. ``--pairs ddp``
-runs one pair alone.
+gradients through torch's DDP (composable ``replicate``: bucketed all-reduces overlapping
+backward) without Lightning's per-forward buffer broadcast; those costs are part of the
+measured ratio. ``--pairs ddp`` runs one pair alone.
 """
 
 from __future__ import annotations
