@@ -133,7 +133,12 @@ class RunSummary(Callback):
         last_val = self.val[-1] if self.val else {}
         ckpt = last_checkpoint(trainer)
         self.summary = {
-            "layout": TrainerTopology.of(trainer).as_dict(),
+            "layout": {
+                **TrainerTopology.of(trainer).as_dict(),
+                "vision_ranks": int(getattr(trainer.strategy.config, "vision_ranks", 0))
+                if hasattr(trainer.strategy, "config")
+                else 0,
+            },
             "steps": trainer.global_step,
             "skipped_steps": getattr(getattr(trainer.strategy, "nonfinite", None), "skipped", 0),
             "wall_time_s": round(wall, 1),
@@ -207,11 +212,13 @@ class RunSummary(Callback):
 
 def _format(s: dict[str, Any], path: Path, plots: list[Path]) -> str:
     lay = s["layout"]
+    vision = lay.get("vision_ranks", 0)  # the tower's own ranks, beside the language world
     lines = [
         "=" * 72,
-        f"run summary  ({lay['strategy']}: world {lay['world']} = tp {lay['tp']} x pp "
+        f"run summary  ({lay['strategy']}: world {lay['world'] + vision} = tp {lay['tp']} x pp "
         f"{lay['pp']} x dp {lay['dp']}"
         + (f" (ep {lay['ep']})" if lay.get("ep", 1) > 1 else "")
+        + (f" + {vision} vision ranks" if vision else "")
         + f", virtual stages {lay['virtual']})",
         f"  steps {s['steps']}"
         + (f" ({s['skipped_steps']} skipped: non-finite)" if s.get("skipped_steps") else "")
