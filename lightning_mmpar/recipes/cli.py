@@ -165,6 +165,50 @@ UNION_ERROR = "Does not validate against any of the Union subtypes"
 ``str | Strategy``)."""
 
 
+def _union_parts(message: str) -> tuple[str, list[str], str] | None:
+    """The subtypes, each subtype's error (its lines) and the given value of the first
+    :data:`UNION_ERROR` in ``message`` (jsonargparse nests one per level, indented); ``None``
+    without one."""
+    lines = message.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.strip() == UNION_ERROR), None)
+    if start is None:
+        return None
+    indent = len(lines[start]) - len(lines[start].lstrip())
+    subtypes, given, items = "", "", []
+    for line in lines[start + 1 :]:
+        depth, text = len(line) - len(line.lstrip()), line.strip()
+        if depth <= indent:
+            subtypes = (
+                text.removeprefix("Subtypes: ") if text.startswith("Subtypes: ") else subtypes
+            )
+            given = (
+                text.removeprefix("Given value: ") if text.startswith("Given value: ") else given
+            )
+        elif depth == indent + 2 and text.startswith("- "):
+            items.append(text[2:])
+        elif items:
+            items[-1] += "\n" + line
+    return subtypes, items, given
+
+
+def _is_type_mismatch(item: str) -> bool:
+    """Whether a subtype's error says only that the value is not of that type."""
+    return re.fullmatch(r"Expected a <class '[\w.]+'>", " ".join(item.split())) is not None
+
+
+def _type_reason(text: str) -> str:
+    """``text`` (jsonargparse's error for one argument) on one line; a nested
+    :data:`UNION_ERROR` (``int | None``, ``timedelta | None``) as the allowed types, the value
+    given and each subtype's own reason (e.g. the form a ``timedelta`` takes)."""
+    parts = _union_parts(text)
+    if parts is None:
+        return " ".join(text.split())
+    subtypes, items, given = parts
+    why = [" ".join(item.split()) for item in items if not _is_type_mismatch(item)]
+    reason = f"Expected one of {subtypes}. Got value: {given}"
+    return reason + (f" ({'; '.join(why)})" if why else "")
+
+
 def union_reason(message: str) -> str | None:
     """The one reason in jsonargparse's :data:`UNION_ERROR` ``message``, on one line; ``None``
     for another message, or one with several reasons.
@@ -175,23 +219,25 @@ def union_reason(message: str) -> str | None:
     ``MultimodalParallelStrategy``'s ``vision_ranks (-1) must be a non-negative integer: ...``),
     returned as it is, or the type one of its arguments must have, returned as
     ``trainer.strategy.init_args.<argument>: Expected a typing.Literal['ddp', 'fsdp']. Got
-    value: zero``.
+    value: zero``; for an argument that is itself a ``Union`` (``micro_batches: int | None``),
+    ``trainer.strategy.init_args.micro_batches: Expected one of [<class 'int'>, <class
+    'NoneType'>]. Got value: abc``, each subtype's own reason (a ``timedelta``'s form) after it
+    in parentheses.
     """
-    block = re.search(r"^\s*Errors:\n(.*?)^\s*Given value", message, re.S | re.M)
-    if UNION_ERROR not in message or block is None:
+    parts = _union_parts(message)
+    if UNION_ERROR not in message or parts is None:
         return None
-    items = [" ".join(item.split()) for item in re.split(r"^\s*- ", block.group(1), flags=re.M)]
-    reasons = [i for i in items if i and not re.fullmatch(r"Expected a <class '[\w.]+'>", i)]
+    reasons = [item for item in parts[1] if not _is_type_mismatch(item)]
     if len(reasons) != 1:
         return None
     nested = re.fullmatch(
-        r"Problem with given class_path '[\w.]+': Parser key \"(\w+)\": (.*)", reasons[0]
+        r"Problem with given class_path '[\w.]+':\s*Parser key \"(\w+)\":(.*)", reasons[0], re.S
     )
     if nested is None:
-        return reasons[0]
+        return " ".join(reasons[0].split())
     key = re.match(r'\s*Parser key "([\w.]+)":', message)
     field = f"{key.group(1)}.init_args.{nested.group(1)}" if key else nested.group(1)
-    return f"{field}: {nested.group(2)}"
+    return f"{field}: {_type_reason(nested.group(2))}"
 
 
 class RecipeArgumentParser(LightningArgumentParser):

@@ -356,6 +356,23 @@ def test_cli_prints_a_strategy_refusal_as_its_one_line(
             "Expected a typing.Literal['ddp', 'fsdp']. Got value: zero",
         ),
         ("tensor_parallel", "two", "Expected a <class 'int'>. Got value: two"),
+        (
+            "on_nonfinite",
+            "abc",
+            "Expected a typing.Literal['raise', 'skip', 'off']. Got value: abc",
+        ),
+        (  # an Optional argument: a Union nested in trainer.strategy's (was 17 lines)
+            "timeout",
+            "xyz",
+            "Expected one of [<class 'datetime.timedelta'>, <class 'NoneType'>]. Got value: xyz"
+            ' (Not of type timedelta: Expected a string with form "h:m:s" or "d days, h:m:s"'
+            ' but got "xyz")',
+        ),
+        (  # was cut at "... Errors:" with no reason nor value
+            "micro_batches",
+            "abc",
+            "Expected one of [<class 'int'>, <class 'NoneType'>]. Got value: abc",
+        ),
     ],
 )
 def test_cli_prints_a_strategy_argument_of_the_wrong_type_in_one_line(
