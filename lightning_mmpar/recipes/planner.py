@@ -42,6 +42,7 @@ from lightning_mmpar.plans.fusion_cost import fusion_model_spec
 from lightning_mmpar.recipes.hf_plan import with_checkpoint
 from lightning_mmpar.recipes.module import ClipLlamaModule
 from lightning_mmpar.recipes.partition import _strategy_args, build_module, data_args, load_recipe
+from lightning_mmpar.recipes.preflight import vision_ranks_refusal
 from lightning_mmpar.recipes.yaml_layout import report, yaml_layout
 from lightning_mmpar.strategy import MultimodalParallelStrategy
 
@@ -367,6 +368,9 @@ class _Planning:
     place: Any
     topo: str
     workload: str
+    towers_refused: str | None
+    """Why the data cannot feed non-colocated towers (:func:`~lightning_mmpar.recipes.preflight.
+    vision_ranks_refusal`): no ``+ V vision`` candidate is ranked."""
 
 
 def _prepare(args: argparse.Namespace) -> _Planning:
@@ -378,6 +382,9 @@ def _prepare(args: argparse.Namespace) -> _Planning:
     device.peak(precision)
     config, image_note = _with_image_tokens(config, args.image_tokens)
     module, data = build_module(config)
+    towers_refused = vision_ranks_refusal(data, args.vision_ranks)
+    if args.vision_ranks and towers_refused is not None:  # as the recipe's preflight refuses it
+        raise ValueError(towers_refused)
     text_length, text_note = _text_length(args, data)
     vision = module.fusion_config.vision
     merged = f", the ViT's {vision.grid**2} patches merged" if vision.spatial_merge > 1 else ""
@@ -394,8 +401,9 @@ def _prepare(args: argparse.Namespace) -> _Planning:
         graph, place, topo = _topology(args.topo, args.gpus)
     model = spec_cache(module, text_length, images)
     facts = layout_facts(module, text_length)
+    refused = None if towers_refused is None else vision_ranks_refusal(data)
     return _Planning(
-        config, module, device, precision, base, model, facts, graph, place, topo, workload
+        config, module, device, precision, base, model, facts, graph, place, topo, workload, refused
     )
 
 
@@ -469,7 +477,10 @@ def _rank(args: argparse.Namespace, run: _Planning) -> tuple[list[Prediction], l
         experts=moe.num_experts if moe is not None else 0,
         base=run.base,
         vision_ranks=vision_counts(
-            args.gpus, args.vision_ranks, args.no_noncolocated, fsdp=args.vision_fsdp
+            args.gpus,
+            args.vision_ranks,
+            args.no_noncolocated or run.towers_refused is not None,
+            fsdp=args.vision_fsdp,
         ),
         vision_data_parallel=("ddp", "fsdp") if args.vision_fsdp else ("ddp",),
         tower_overlap=args.tower_overlap,
@@ -520,6 +531,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(f"topology: {run.topo}")
     print(run.workload)
+    if run.towers_refused is not None and args.vision_ranks is None and not args.no_noncolocated:
+        print(f"no non-colocated layout (+ V vision): {run.towers_refused}")
     print(_table(ranked[: args.top]) if ranked else "no layout fits")
     print("\n".join(_own_layout(args, run, ranked)))
     print("\n".join(_rejected(rejected, 8)))

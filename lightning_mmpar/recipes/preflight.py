@@ -38,7 +38,13 @@ from lightning_mmpar.recipes.module import ClipLlamaModule
 from lightning_mmpar.recipes.options import check_image_size
 from lightning_mmpar.strategy import MultimodalParallelStrategy
 
-__all__ = ["RESUME_MAY_CHANGE", "check_training_batches", "layout_and_facts", "preflight"]
+__all__ = [
+    "RESUME_MAY_CHANGE",
+    "check_training_batches",
+    "layout_and_facts",
+    "preflight",
+    "vision_ranks_refusal",
+]
 
 RESUME_MAY_CHANGE = (
     "loss",
@@ -118,13 +124,9 @@ def preflight(
     """
     layout, facts = layout_and_facts(trainer, model, datamodule)
     validate(layout, facts)
-    if layout.vision_ranks and isinstance(datamodule, DigitsCaptions):
-        raise ValueError(
-            f"vision_ranks ({layout.vision_ranks}: the vision tower on ranks of its own) takes "
-            f"ragged batches (pixel_values, image_mask); data {type(datamodule).__name__} gives "
-            "one image per sample. Use a ragged data module (e.g. lightning_mmpar.data.DigitsVQA, "
-            "recipes/digits_vqa_cpu.yaml, or a ConversationDataModule) or vision_ranks=0."
-        )
+    refused = vision_ranks_refusal(datamodule, layout.vision_ranks)
+    if layout.vision_ranks and refused is not None:
+        raise ValueError(refused)
     if fit and isinstance(datamodule, DigitsCaptions):
         check_training_batches(datamodule, _dp_size(layout, facts.world_size))
     if isinstance(model, ClipLlamaModule) and model.fixed_image_size:
@@ -136,6 +138,25 @@ def preflight(
         hparams = model.hparams if model is not None else None
         hparams, ignore = _as_saved(ckpt_path, hparams)
         validate_checkpoint(ckpt_path, hparams, ignore=ignore)
+
+
+def vision_ranks_refusal(datamodule: Any, vision_ranks: int | None = None) -> str | None:
+    """Why ``datamodule`` cannot feed non-colocated towers (``vision_ranks`` > 0: the vision
+    tower on ranks of its own), or ``None`` when it can: they take ragged batches
+    (``pixel_values``, ``image_mask``), which the digits caption data (one image per sample)
+    does not give. :func:`preflight` raises it as a ``ValueError``; the layout planner
+    (:mod:`lightning_mmpar.recipes.planner`) offers no non-colocated layout for such data and
+    refuses ``--vision-ranks N`` with it. ``vision_ranks`` (the count refused) goes in the text
+    when given."""
+    if not isinstance(datamodule, DigitsCaptions):
+        return None
+    count = "" if vision_ranks is None else f"{vision_ranks}: "
+    return (
+        f"vision_ranks ({count}the vision tower on ranks of its own) takes ragged batches "
+        f"(pixel_values, image_mask); data {type(datamodule).__name__} gives one image per "
+        "sample. Use a ragged data module (e.g. lightning_mmpar.data.DigitsVQA, "
+        "recipes/digits_vqa_cpu.yaml, or a ConversationDataModule) or vision_ranks=0."
+    )
 
 
 def check_training_batches(data: DigitsCaptions, dp: int) -> None:

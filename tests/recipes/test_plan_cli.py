@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from lightning_mmpar.strategy import MultimodalParallelStrategy
 ROOT = Path(__file__).parents[2]
 CPU = str(ROOT / "recipes" / "clip_llama_cpu.yaml")
 MOE = str(ROOT / "recipes" / "clip_llama_moe_cpu.yaml")
+VQA = str(ROOT / "recipes" / "digits_vqa_cpu.yaml")  # ragged: non-colocated towers take it
 TOPO = ROOT / "tests" / "fixtures" / "topology"
 PCIE = str(TOPO / "pcie_4gpu_2numa.txt")
 
@@ -133,13 +135,15 @@ def test_plan_rejects_layouts_over_the_memory_limit_with_the_reason(
     text = capsys.readouterr().out
     assert "0 layouts fit" in text and "\nno layout fits\n" in text and "#  layout" not in text
     assert "topology: 1 node x 2 GPUs, NVSWITCH (assumed; pass --topo)" in text
-    # 8 of them: 1 language + 1 vision rank, with and without checkpointing, at 1, 2, 4 and 8
-    # batches per optimizer step (the vision rank one batch ahead inside the window)
-    assert "rejected: 40 layouts, 2 reasons" in text
+    # colocated only (was 40: 8 more of 1 language + 1 vision rank, with and without
+    # checkpointing, at 1, 2, 4 and 8 batches per step, which the recipe's preflight refuses for
+    # this caption data), said once
+    assert "rejected: 32 layouts, 2 reasons" in text
+    assert text.count("no non-colocated layout (+ V vision): vision_ranks (the vision") == 1
     memory = [ln for ln in text.splitlines() if "> 0.0001 GiB" in ln]
     assert len(memory) == 1 and "needs " in memory[0] and "parameters" in memory[0]
     # the example is the layout closest to fitting: pp 2 with checkpointing holds the least
-    assert "pp 2 " in memory[0] and memory[0].split(":")[0].endswith("ckpt (and 37 more)")
+    assert "pp 2 " in memory[0] and memory[0].split(":")[0].endswith("ckpt (and 29 more)")
     assert not (tmp_path / "x.yaml").exists() and "--write-yaml" in text and "not written" in text
 
 
@@ -447,8 +451,9 @@ def test_vision_fsdp_candidates_are_ranked_with_full_copies(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """``--vision-fsdp``: the non-colocated layouts with 2 vision ranks are ranked both as full
-    copies and sharded (``+ 2 vision fsdp``); without it, full copies only."""
-    argv = ["--config", CPU, "--gpus", "4", "--device", "cpu", "--vision-ranks", "2"]
+    copies and sharded (``+ 2 vision fsdp``); without it, full copies only. On ragged data:
+    caption data is refused (:func:`test_caption_data_gets_no_noncolocated_layout`)."""
+    argv = ["--config", VQA, "--gpus", "4", "--device", "cpu", "--vision-ranks", "2"]
     assert cli.main([*argv, "--top", "200"]) == 0
     assert "+ 2 vision fsdp" not in capsys.readouterr().out
     assert cli.main([*argv, "--vision-fsdp", "--top", "200"]) == 0
@@ -457,3 +462,26 @@ def test_vision_fsdp_candidates_are_ranked_with_full_copies(
     assert any("+ 2 vision fsdp" in ln for ln in rows) and any(
         "+ 2 vision" in ln and "vision fsdp" not in ln for ln in rows
     )
+
+
+def test_caption_data_gets_no_noncolocated_layout(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Non-colocated towers take ragged batches: for caption data (one image per sample), which
+    the recipe's preflight refuses under ``vision_ranks``, the planner ranks no ``+ V vision``
+    layout and says why once, and refuses ``--vision-ranks N`` with the preflight's message
+    (exit 2); its fragment was the one the recipe then refused."""
+    from lightning_mmpar.recipes.preflight import vision_ranks_refusal
+
+    argv = ["--config", CPU, "--gpus", "3", "--device", "cpu", "--vision-fsdp"]
+    assert cli.main([*argv, "--top", "200"]) == 0
+    out = capsys.readouterr().out
+    data = build_module(yaml.safe_load(Path(CPU).read_text()))[1]
+    assert out.count(f"no non-colocated layout (+ V vision): {vision_ranks_refusal(data)}\n") == 1
+    assert re.search(r"\+ \d+ vision", out) is None  # "+1 vision", "+2 vision fsdp" were ranked
+    with pytest.raises(SystemExit) as err:
+        cli.main([*argv, "--vision-ranks", "2", "--write-yaml", str(tmp_path / "f.yaml")])
+    assert err.value.code == 2 and not (tmp_path / "f.yaml").exists()
+    assert f"error: {vision_ranks_refusal(data, 2)}\n" in capsys.readouterr().err
+    assert cli.main([*argv, "--vision-ranks", "0", "--top", "1"]) == 0
+    assert "no non-colocated layout" not in capsys.readouterr().out
