@@ -1,13 +1,13 @@
 """Memory per rank and communication per step of each layout, measured against the cost model.
 
     python benchmarks/bench_memory_comm.py            # docs/results/memory_comm.{json,png}
-    python benchmarks/bench_memory_comm.py --smoke    # 2 processes, dp2 fsdp + tp2, 2 steps
+    python benchmarks/bench_memory_comm.py --smoke    # 2 processes, dp2 fsdp + tp2, 3 steps
 
 Issue #14 items 4 and 5, on the product's own fusion model: ``recipes/clip_llama_cpu.yaml``'s
 module and data (``clip_llama_moe_cpu.yaml``'s for the expert-parallel layout) trained by
 ``MultimodalParallelStrategy`` on one spawned world of 4 gloo processes, one layout after another,
 at one global batch (``--global-batch`` samples per optimizer step, ``data.batch_size = global /
-dp``), ``--steps`` AdamW steps (>= 2).
+dp``), ``--steps`` AdamW steps (>= 3).
 
 **Memory** (item 4), per rank after training: the parameter + gradient + AdamW-state bytes of the
 tensors the rank holds (``lightning_mmpar.parallel.comm_count.state_bytes_of``: DTensor local
@@ -20,13 +20,13 @@ are split by cause (:func:`lightning_mmpar.layout.memory_ideal.memory_excess`: s
 parameters replicated over tp by kind, 0-dim parameters, AdamW's ``step``, a vocab-parallel
 gradient left whole, uneven FSDP shards), exactly: the causes add up to ``held - ideal``.
 Outside the state, per rank: the buffers (``module.buffers()``, e.g. the MoE routers'
-``expert_bias``) and the gradient cache's features of step 2 (``pipeline_features``' outputs,
+``expert_bias``) and the gradient cache's features of step 3 (``pipeline_features``' outputs,
 both passes; pipeline layouts' last stage). On CPU no caching allocator reports usage: the
 allocator's view here is the bytes of the distinct storages behind the state tensors
 (``untyped_storage().nbytes()``, deduplicated), which includes FSDP2's shard padding.
 
 **Communication** (item 5), per rank: bytes by ``"<dim>.<kind>"`` of every collective of
-optimizer step 2 (``lightning_mmpar.parallel.comm_count.CommCounter``, a dispatch mode that sees
+optimizer step 3 (``lightning_mmpar.parallel.comm_count.CommCounter``, a dispatch mode that sees
 every c10d and functional collective), against :func:`lightning_mmpar.layout.comm.comm_bounds`
 (the planner's cost model; equal for every exact key, within bounds for the routing-dependent
 MoE token dispatch ``ep.all_to_all_v``). The same measurement as tests/recipes/
@@ -126,8 +126,10 @@ def local_bytes(tensors: Any) -> int:
 
 
 class Meter(Callback):
-    """Bytes by ``"<dim>.<kind>"`` of every collective of optimizer step 2 (end of batch 0 to end
-    of batch 1, as tests/recipes/parity_matrix_worker.Meter) and of the gradient cache's
+    """Bytes by ``"<dim>.<kind>"`` of every collective of optimizer step 3, a steady-state step
+    (end of batch 1 to end of batch 2, as tests/recipes/parity_matrix_worker.Meter: step 2 also
+    holds torch DDP's one-off bucket rebuild, a ``dp`` broadcast of its bucket indices, which
+    the model does not count) and of the gradient cache's
     features the step collects (``pipeline_features``' outputs, both passes), then the state
     and buffer bytes held."""
 
@@ -153,10 +155,10 @@ class Meter(Callback):
     def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
         from lightning_mmpar.parallel.comm_count import CommCounter
 
-        if args[-1] == 0 and hasattr(trainer.strategy, "parallel_dims"):  # one process: none
+        if args[-1] == 1 and hasattr(trainer.strategy, "parallel_dims"):  # one process: none
             self.counter = CommCounter(trainer.strategy.parallel_dims).__enter__()
             self.counting = True
-        elif args[-1] == 1 and self.counter is not None:
+        elif args[-1] == 2 and self.counter is not None:
             self.counter.__exit__(None, None, None)
             self.bytes = {k: v for k, v in self.counter.bytes.items() if k != "self"}
             self.counting = False
@@ -441,13 +443,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from lightning_mmpar.testing import spawn
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--smoke", action="store_true", help="2 processes, dp2 fsdp + tp2, 2 steps")
+    p.add_argument("--smoke", action="store_true", help="2 processes, dp2 fsdp + tp2, 3 steps")
     p.add_argument("--global-batch", type=int, default=24, help="samples per optimizer step")
-    p.add_argument("--steps", type=int, default=2, help="AdamW steps per layout (>= 2)")
+    p.add_argument("--steps", type=int, default=3, help="AdamW steps per layout (>= 3)")
     p.add_argument("--out-dir", type=Path, default=None, help="default docs/results")
     args = p.parse_args(argv)
-    if args.steps < 2:
-        p.error("--steps must be >= 2: optimizer step 2 is the one counted")
+    if args.steps < 3:
+        p.error("--steps must be >= 3: optimizer step 3 is the one counted")
     world, layouts = (2, SMOKE_LAYOUTS) if args.smoke else (4, LAYOUTS)
     batch = 8 if args.smoke else args.global_batch
     started = time.perf_counter()
