@@ -373,6 +373,12 @@ def test_cli_prints_a_strategy_refusal_as_its_one_line(
             "abc",
             "Expected one of [<class 'int'>, <class 'NoneType'>]. Got value: abc",
         ),
+        (  # a three-way Union with a list: the list's own reason kept
+            "placement",
+            "[a]",
+            "Expected one of [<class 'str'>, list[int], <class 'NoneType'>]. Got value: ['a']"
+            " (Expected a <class 'int'>. Got value: a)",
+        ),
     ],
 )
 def test_cli_prints_a_strategy_argument_of_the_wrong_type_in_one_line(
