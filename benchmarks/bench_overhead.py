@@ -42,6 +42,7 @@ measured ratio. ``--pairs ddp`` runs one pair alone.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -158,6 +159,19 @@ class LightningUserModule(ClipLlamaModule):
         super().on_after_backward()
 
 
+class StepEnds(pl.Callback):
+    """``perf_counter`` at the end of every training batch: the loop's seconds per step between
+    two ends include what runs between ``on_train_batch_end`` and the next
+    ``on_train_batch_start`` (data, Lightning's per-batch SIGTERM broadcast, logging), which
+    ``StepTimer`` leaves out."""
+
+    def __init__(self) -> None:
+        self.ends: list[float] = []
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.ends.append(time.perf_counter())
+
+
 class Probe(pl.Callback):
     """Re-seeds before ``configure_model`` builds the model (same weights on both sides) and
     records each step's loss on this rank."""
@@ -181,9 +195,10 @@ def fit_side(
     global_batch: int,
     steps: int,
     losses: list[list[float]],
+    stamps: list[list[float]],
 ) -> list[float]:
     """One ``Trainer.fit`` of ``steps`` steps; returns this rank's per-step seconds and appends
-    its per-step losses to ``losses``."""
+    its per-step losses to ``losses`` and its steps' end times to ``stamps``."""
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     from lightning_mmpar import MultimodalParallelStrategy
@@ -203,16 +218,17 @@ def fit_side(
     else:
         strategy = ModelParallelStrategy(data_parallel_size=world // tp, tensor_parallel_size=tp)
         module = LightningUserModule(**dict(module.hparams))
-    timer, probe = StepTimer(), Probe()
+    timer, probe, ends = StepTimer(), Probe(), StepEnds()
     trainer = quiet_trainer(
         devices=world,
         strategy=strategy,
         max_steps=steps,
         limit_val_batches=0,
-        callbacks=[timer, probe],
+        callbacks=[timer, probe, ends],
     )
     trainer.fit(module, datamodule=data)
     losses.append(probe.losses)
+    stamps.append(ends.ends)
     return timer.times
 
 
@@ -238,15 +254,27 @@ def worker(
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     losses: dict[str, list[list[float]]] = {}
+    stamps: dict[str, list[list[float]]] = {}
     sides: dict[str, Callable[[], Sequence[float]]] = {}
     for name, ours, theirs, _ in _pairs(world, names):
         for side in ("ours", "theirs"):
             key = f"{name}/{side}"
-            losses[key] = []
+            losses[key], stamps[key] = [], []
             sides[key] = partial(
-                fit_side, side, world, ours, theirs, global_batch, steps, losses[key]
+                fit_side, side, world, ours, theirs, global_batch, steps, losses[key], stamps[key]
             )
-    return {"times": interleaved(sides, repeats), "losses": losses}
+    return {"times": interleaved(sides, repeats), "losses": losses, "ends": stamps}
+
+
+def loop_seconds(per_rank: list[dict[str, Any]], key: str, warmup: int) -> list[float]:
+    """Per repeat: seconds per step of the training loop after ``warmup`` steps (from the end
+    of step ``warmup`` to the end of the last, divided by the steps between), the slowest
+    rank's: everything a step costs, in the step's hooks or between them."""
+    w = max(1, warmup)  # the first step's end starts the span
+    out = []
+    for ends in zip(*(r["ends"][key] for r in per_rank), strict=True):  # repeat -> ranks
+        out.append(max((e[-1] - e[w - 1]) / (len(e) - w) for e in ends))
+    return out
 
 
 def _agree(a: float, b: float, tol: float) -> bool:
@@ -267,6 +295,10 @@ def summarise(
                 for reps in zip(*runs, strict=True)
             ]
         stats = ratio_stats(steps["ours"], steps["theirs"])
+        loop = {side: loop_seconds(per_rank, f"{name}/{side}", warmup) for side in steps}
+        loop_ratios = [a / b for a, b in zip(loop["ours"], loop["theirs"], strict=True)]
+        stats["loop_ratio"] = statistics.median(loop_ratios)
+        stats["loop_spread"] = max(loop_ratios) - min(loop_ratios)
         # every rank's losses of the first repeat (later repeats redo the same steps)
         first = {s: [r["losses"][f"{name}/{s}"][0] for r in per_rank] for s in ("ours", "theirs")}
         pairs = list(zip(first["ours"], first["theirs"], strict=True))
@@ -354,13 +386,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results[str(size)] = summarise(per_rank, size, args.warmup, names)
     print(
         f"{'procs':>5} {'pair':8} {'ours ms':>8} {'theirs ms':>9} {'ratio':>6} {'spread':>6} "
-        f"{'target':>6} {'met':>4} {'loss0 ours':>11} {'loss0 theirs':>12} same"
+        f"{'loop':>6} {'spread':>6} {'target':>6} {'met':>4} {'loss0 ours':>11} "
+        f"{'loss0 theirs':>12} same"
     )
     for world, pairs in results.items():
         for name, r in pairs.items():
             print(
                 f"{world:>5} {name:8} {r['ours_s'] * 1e3:8.1f} {r['theirs_s'] * 1e3:9.1f} "
-                f"{r['ratio']:6.3f} {r['spread']:6.3f} {r['target']:6.2f} {r['met']!s:>4} "
+                f"{r['ratio']:6.3f} {r['spread']:6.3f} {r['loop_ratio']:6.3f} "
+                f"{r['loop_spread']:6.3f} {r['target']:6.2f} {r['met']!s:>4} "
                 f"{r['first_loss']['ours'][0]:11.6f} {r['first_loss']['theirs'][0]:12.6f} "
                 f"{r['same_work']}"
             )

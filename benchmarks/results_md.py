@@ -160,14 +160,18 @@ def _ratio_rows(ratios: dict[str, dict[str, Any]], label: str) -> list[str]:
 
 def _overhead(r: dict[str, Any]) -> list[str]:
     out = [
-        "| procs | pair | vs | ours ms | theirs ms | ratio | spread | target | same losses |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| procs | pair | vs | ours ms | theirs ms | ratio | spread | loop ratio (spread) "
+        "| target | same losses |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for world, pairs in r["results"].items():
         for name, p in pairs.items():
+            loop = (
+                f"{p['loop_ratio']:.3f} ({p['loop_spread']:.3f})" if "loop_ratio" in p else ""
+            )  # seconds per step of the whole loop (bench_overhead.loop_seconds), when measured
             out.append(
                 f"| {world} | {name} | {p['theirs']} | {_ms(p['ours_s'])} | "
-                f"{_ms(p['theirs_s'])} | {p['ratio']:.3f} | {p['spread']:.3f} | "
+                f"{_ms(p['theirs_s'])} | {p['ratio']:.3f} | {p['spread']:.3f} | {loop} | "
                 f"<= {p['target']} | {'yes' if p['same_work'] else 'NO'} |"
             )
     return out
