@@ -155,24 +155,18 @@ class NonFiniteGuard:
         flags = self._window.setdefault(self._batch, [None, None])
         flags[1] = loss.detach().isfinite().all()
 
-    def _first_bad(self, device: torch.device) -> Tensor:
-        """``[2]`` float64: the window's first batch with non-finite inputs, with a non-finite
-        loss (inf: none)."""
+    def _local(self, grads: Sequence[Tensor], device: torch.device) -> tuple[Tensor, Tensor]:
+        """``[3]`` float64: first batch with non-finite inputs, with a non-finite loss (inf:
+        none), gradients non-finite (0/1); and the ``[P]`` per-gradient non-finite flags."""
         first = torch.full((2,), math.inf, dtype=torch.float64, device=device)
         for idx, flags in self._window.items():
             for k, ok in enumerate(flags):
                 if ok is not None:
                     bad = torch.where(ok.to(device), math.inf, float(idx))
                     first[k] = torch.minimum(first[k], bad)
-        return first
-
-    def _local(self, grads: Sequence[Tensor], device: torch.device) -> tuple[Tensor, Tensor]:
-        """``[3]`` float64: :meth:`_first_bad` and whether the gradients are non-finite (0/1);
-        and the ``[P]`` per-gradient non-finite flags."""
         per_grad = torch.zeros(0, dtype=torch.bool, device=device)
         if grads:
             per_grad = _nonfinite_flags(grads).to(device)
-        first = self._first_bad(device)
         return torch.cat([first, per_grad.any().double().view(1)]), per_grad
 
     def check(

@@ -177,13 +177,12 @@ def _union_parts(message: str) -> tuple[str, list[str], str] | None:
     subtypes, given, items = "", "", []
     for line in lines[start + 1 :]:
         depth, text = len(line) - len(line.lstrip()), line.strip()
-        if depth <= indent:
-            subtypes = (
-                text.removeprefix("Subtypes: ") if text.startswith("Subtypes: ") else subtypes
-            )
-            given = (
-                text.removeprefix("Given value: ") if text.startswith("Given value: ") else given
-            )
+        if depth <= indent and text.startswith("Subtypes: "):
+            subtypes = text.removeprefix("Subtypes: ")
+        elif depth <= indent and text.startswith("Given value: "):
+            given = text.removeprefix("Given value: ")
+        elif depth <= indent:
+            continue
         elif depth == indent + 2 and text.startswith("- "):
             items.append(text[2:])
         elif items:
@@ -225,7 +224,7 @@ def union_reason(message: str) -> str | None:
     in parentheses.
     """
     parts = _union_parts(message)
-    if UNION_ERROR not in message or parts is None:
+    if parts is None:
         return None
     reasons = [item for item in parts[1] if not _is_type_mismatch(item)]
     if len(reasons) != 1:

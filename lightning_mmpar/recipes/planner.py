@@ -382,9 +382,9 @@ def _prepare(args: argparse.Namespace) -> _Planning:
     device.peak(precision)
     config, image_note = _with_image_tokens(config, args.image_tokens)
     module, data = build_module(config)
-    towers_refused = vision_ranks_refusal(data, args.vision_ranks)
-    if args.vision_ranks and towers_refused is not None:  # as the recipe's preflight refuses it
-        raise ValueError(towers_refused)
+    refused = vision_ranks_refusal(data)  # no + V vision candidate for such data
+    if args.vision_ranks and refused is not None:  # as the recipe's preflight refuses it
+        raise ValueError(vision_ranks_refusal(data, args.vision_ranks))
     text_length, text_note = _text_length(args, data)
     vision = module.fusion_config.vision
     merged = f", the ViT's {vision.grid**2} patches merged" if vision.spatial_merge > 1 else ""
@@ -401,7 +401,6 @@ def _prepare(args: argparse.Namespace) -> _Planning:
         graph, place, topo = _topology(args.topo, args.gpus)
     model = spec_cache(module, text_length, images)
     facts = layout_facts(module, text_length)
-    refused = None if towers_refused is None else vision_ranks_refusal(data)
     return _Planning(
         config, module, device, precision, base, model, facts, graph, place, topo, workload, refused
     )

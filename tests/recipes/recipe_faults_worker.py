@@ -367,6 +367,27 @@ class PoisonGradient(Callback):
             grad.view(-1)[0] = float("nan")
 
 
+def _ddp_fit_error(
+    world_size: int, loader: list[dict[str, Any]], data: DigitsCaptions, callbacks: Any = ()
+) -> tuple[str | None, int]:
+    """A fresh tiny module fitted on ``loader`` under ``data_parallel="ddp"`` (the guard's
+    default ``"raise"``): its ``RuntimeError`` message (``None``: none) and the step reached."""
+    module = tiny_module(data.vocab_size)
+    trainer = quiet_trainer(
+        strategy=MultimodalParallelStrategy(data_parallel="ddp"),
+        devices=world_size,
+        max_epochs=1,
+        use_distributed_sampler=False,
+        limit_val_batches=0,
+        callbacks=list(callbacks),
+    )
+    try:
+        trainer.fit(module, DataLoader(loader, batch_size=None))  # type: ignore[arg-type]
+    except RuntimeError as err:
+        return str(err), trainer.global_step
+    return None, trainer.global_step
+
+
 def nonfinite_ddp(rank: int, world_size: int, data: DigitsCaptions) -> dict[str, Any]:
     """The guard under ``data_parallel="ddp"`` at dp 2 (torch's DDP reduces the gradients, so
     every rank holds the NaN ones), one NaN pixel on rank 1 only:
@@ -381,32 +402,9 @@ def nonfinite_ddp(rank: int, world_size: int, data: DigitsCaptions) -> dict[str,
       batch 2 on rank 1.
     """
     out: dict[str, Any] = {}
-    module = tiny_module(data.vocab_size)
-    trainer = quiet_trainer(
-        strategy=MultimodalParallelStrategy(data_parallel="ddp"),
-        devices=world_size,
-        max_epochs=1,
-        use_distributed_sampler=False,
-        limit_val_batches=0,
-    )
-    try:
-        trainer.fit(module, DataLoader(nan_pixel(data, 3, 1, rank == 1), batch_size=None))  # type: ignore[arg-type]
-    except RuntimeError as err:
-        out["raised"] = str(err)
-    out["step"] = trainer.global_step
-    module = tiny_module(data.vocab_size)
-    trainer = quiet_trainer(
-        strategy=MultimodalParallelStrategy(data_parallel="ddp"),
-        devices=world_size,
-        max_epochs=1,
-        use_distributed_sampler=False,
-        limit_val_batches=0,
-        callbacks=[PoisonGradient(rank == 1)],
-    )
-    try:
-        trainer.fit(module, DataLoader(batches(data, 2), batch_size=None))  # type: ignore[arg-type]
-    except RuntimeError as err:
-        out["poisoned"] = str(err)
+    out["raised"], out["step"] = _ddp_fit_error(world_size, nan_pixel(data, 3, 1, rank == 1), data)
+    poison = [PoisonGradient(rank == 1)]
+    out["poisoned"], _ = _ddp_fit_error(world_size, batches(data, 2), data, poison)
     module = tiny_module(data.vocab_size)
     strategy = MultimodalParallelStrategy(data_parallel="ddp", on_nonfinite="skip")
     trainer = quiet_trainer(
