@@ -3,6 +3,7 @@
     python benchmarks/bench_planner.py     # measure + predict layouts, docs/results/planner.json
     python benchmarks/bench_planner.py --smoke --out-dir /tmp/r   # 2 layouts, 3 steps, 1 round
     python benchmarks/bench_planner.py --scale  # docs/planner.md's tables; --measure-cpu: cpu
+    python benchmarks/bench_planner.py --noncolocated  # towers on their own ranks vs colocated
 
 **Measurement**: ``recipes/clip_llama_cpu.yaml``'s model and data trained by
 ``Trainer(strategy=MultimodalParallelStrategy(...))`` on 4 gloo processes, one layout after
@@ -611,7 +612,7 @@ def measure_towers(args: argparse.Namespace) -> dict[str, Any]:
 
     from lightning_mmpar.testing import spawn
 
-    names, gb, acc = list(nc.LAYOUTS), args.global_batch, args.accumulate
+    names, gb, acc = args.towers_layouts, args.global_batch, args.accumulate
     per_rank = spawn(towers_worker, nc.WORLD, names, gb, args.steps, args.rounds, acc, timeout=3600)
     collected = nc.collect([r["runs"] for r in per_rank], names, args.rounds, acc)
     write_result("noncolocated", nc.result(collected, args), args.out_dir)  # the same run
@@ -710,14 +711,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.layouts, args.steps, args.rounds = "dp4 ddp,tp2 pp2", 3, 1
     args.warmup = min(args.warmup, args.steps - 1)
     if args.noncolocated:
-        if args.global_batch == p.get_default("global_batch"):
-            args.global_batch = 32
+        _towers_args(args, p.get_default("global_batch"))
         report = measure_towers(args)
         write_result("planner_noncolocated", report, args.out_dir)
         return report
     report = measure(args)
     write_result("planner", report, args.out_dir)
     return report
+
+
+def _towers_args(args: argparse.Namespace, default_global_batch: int) -> None:
+    """``--noncolocated``'s settings: :mod:`bench_noncolocated`'s layouts (under ``--smoke`` its
+    two: dp2 DDP and the non-colocated one, at most 2 batches per step) and a global batch of
+    32 unless one is given."""
+    import bench_noncolocated as nc
+
+    if args.global_batch == default_global_batch:
+        args.global_batch = 32
+    args.towers_layouts = list(nc.LAYOUTS)
+    if args.smoke:
+        args.towers_layouts = ["dp2 ddp", nc.NONCOLOCATED]
+        args.accumulate = min(args.accumulate, 2)
 
 
 if __name__ == "__main__":

@@ -41,8 +41,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "ragged data: non-pad fraction and target tokens/s, packed vs padded",
     ),
     "noncolocated": (
-        "bench_noncolocated.py",
-        "the vision tower on its own rank vs colocated: step time on the same work",
+        "bench_planner.py",
+        "the vision tower on its own rank vs colocated: step time on the same work, measured "
+        "and predicted by the planner",
     ),
     "hf_tax": (
         "bench_hf_tax.py",
@@ -54,6 +55,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     ),
 }
 """Benchmark name -> (script, what it measures: the issue's item numbers)."""
+
+ARGS: dict[str, tuple[str, ...]] = {"noncolocated": ("--noncolocated", "--rounds", "3")}
+"""Benchmark name -> the script's arguments beyond ``--smoke`` / ``--out-dir``:
+``bench_planner.py --noncolocated`` runs :mod:`bench_noncolocated`'s world once and writes
+both noncolocated.json and planner_noncolocated.json from it."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, dict[str, Any]] = {}
     for name in names:
         script, what = BENCHMARKS[name]
-        cmd = [sys.executable, str(HERE / script)]
+        cmd = [sys.executable, str(HERE / script), *ARGS.get(name, ())]
         if Path(args.out_dir).resolve() != RESULTS.resolve():
             cmd += ["--out-dir", str(args.out_dir)]
         cmd += ["--smoke"] if args.smoke else []

@@ -23,7 +23,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from run_all import BENCHMARKS  # noqa: E402
+from run_all import ARGS, BENCHMARKS  # noqa: E402
 
 
 def _overhead(r: dict[str, Any]) -> None:
@@ -90,6 +90,13 @@ def _packing(r: dict[str, Any]) -> None:
         assert padded["target_tokens_per_s"] > 0 and packed["target_tokens_per_s"] > 0
 
 
+def _planner_noncolocated(r: dict[str, Any]) -> None:
+    layouts = {"vision 1 + language 1", "dp2 ddp"}
+    assert set(r["measured_step_s"]) == set(r["predicted"]) == layouts
+    assert [row["against"] for row in r["agreement"]] == ["dp2 ddp"]
+    assert all(r["predicted"][n]["step_s"] > 0 for n in layouts)
+
+
 def _noncolocated(r: dict[str, Any]) -> None:
     ours, theirs = "vision 1 + language 1", "dp2 ddp"  # --smoke: these two, 2 processes
     assert set(r["layouts"]) == {ours, theirs} and r["best_colocated"] == theirs
@@ -129,11 +136,13 @@ CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
 }
 
 
-def run_main(script: str, out_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+def run_main(
+    script: str, out_dir: Path, monkeypatch: pytest.MonkeyPatch, extra: tuple[str, ...] = ()
+) -> Any:
     """``benchmarks/<script>``'s ``main(["--smoke", "--out-dir", out_dir])`` in this process, as
     ``python benchmarks/<script> --smoke --out-dir <out_dir>`` would run it (``sys.argv``, the
     working directory); torch's thread count, which benchmarks set, is restored after."""
-    argv = ["--smoke", "--out-dir", str(out_dir)]
+    argv = [*extra, "--smoke", "--out-dir", str(out_dir)]
     module = importlib.import_module(Path(script).stem)  # by name: spawned ranks import it so
     monkeypatch.setattr(sys, "argv", [script, *argv])
     monkeypatch.chdir(ROOT)
@@ -146,10 +155,12 @@ def run_main(script: str, out_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Any
 
 @pytest.mark.parametrize("name", list(BENCHMARKS))
 def test_benchmark_smoke(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    run_main(BENCHMARKS[name][0], tmp_path, monkeypatch)
+    run_main(BENCHMARKS[name][0], tmp_path, monkeypatch, ARGS.get(name, ()))
     result = json.loads((tmp_path / f"{name}.json").read_text())
     assert result["machine"]["cpus"] and result["command"]
     CHECKS.get(name, lambda r: None)(result)
+    if name == "noncolocated":  # bench_planner.py --noncolocated: the same run, predicted too
+        _planner_noncolocated(json.loads((tmp_path / "planner_noncolocated.json").read_text()))
 
 
 def test_planner_prices_the_noncolocated_benchmark_layouts() -> None:
