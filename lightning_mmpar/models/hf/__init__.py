@@ -30,7 +30,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_mmpar.models.fusion import FusionConfig, FusionModel
-from lightning_mmpar.models.hf.checkpoint import hf_config, read_state, write_hf
+from lightning_mmpar.models.hf.checkpoint import hf_config, model_type_of, read_state, write_hf
 from lightning_mmpar.models.hf.family import HFFamily
 from lightning_mmpar.models.hf.llava_family import LLAVA
 from lightning_mmpar.models.hf.qwen2_vl import QwenVLModel
@@ -54,6 +54,31 @@ __all__ = [
 
 FAMILIES: dict[str, HFFamily] = {"llava": LLAVA}
 """``model_type`` (``config.json``) -> its family. Register a family by adding it here."""
+
+
+def _supported_model_types() -> list[str]:
+    """Every ``config.json`` ``model_type`` :func:`from_hf` loads (sorted): :data:`FAMILIES`,
+    ``QWEN_FAMILIES`` and ``QWEN3_MOE_FAMILIES``."""
+    return sorted(FAMILIES.keys() | QWEN_FAMILIES.keys() | QWEN3_MOE_FAMILIES.keys())
+
+
+def _checked_hf_config(path: str | Path) -> Any:
+    """The transformers config of the directory ``path`` (:func:`~lightning_mmpar.models.hf.
+    checkpoint.hf_config`), once its ``model_type`` is known to be one this package loads:
+    checked on the raw JSON first, so an unknown type (``idefics2``, a typo) is refused here
+    rather than by transformers' ``AutoConfig``.
+
+    Raises:
+        ValueError: no config.json or no ``model_type`` in it; an unsupported ``model_type``,
+            naming ``path``, the type found and :func:`_supported_model_types`.
+    """
+    kind = model_type_of(path)
+    if kind not in _supported_model_types():
+        raise ValueError(
+            f"{str(path)!r}: config.json model_type {kind!r} is not supported; supported: "
+            f"{_supported_model_types()}."
+        )
+    return hf_config(path)
 
 
 def family_of(config: Any) -> HFFamily:
@@ -86,7 +111,7 @@ def hf_fusion_config(path: str | Path, **overrides: Any) -> FusionConfig:
         ValueError: no config.json, an unsupported ``model_type`` or config value (naming it),
             an unknown override.
     """
-    config = hf_config(path)
+    config = _checked_hf_config(path)
     fusion = family_of(config).fusion_config(config)
     unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(FusionConfig)})
     if unknown:
@@ -104,7 +129,7 @@ def hf_data_args(path: str | Path) -> dict[str, Any]:
     Raises:
         ValueError: as :func:`hf_fusion_config`.
     """
-    config = hf_config(path)
+    config = _checked_hf_config(path)
     family = family_of(config)
     fusion = family.fusion_config(config)
     args: dict[str, Any] = {
@@ -130,9 +155,11 @@ def from_hf(path: str | Path, **overrides: Any) -> FusionModel | QwenVLModel | Q
     (:meth:`FusionModel.forward_ragged`) equal transformers' forward (docs/hf_models.md).
 
     Raises:
-        ValueError: as :func:`hf_fusion_config`; a checkpoint whose tensors do not fit.
+        ValueError: as :func:`hf_fusion_config` (an unsupported ``model_type`` before
+            transformers is asked, :func:`_checked_hf_config`); a checkpoint whose tensors do
+            not fit.
     """
-    config = hf_config(path)
+    config = _checked_hf_config(path)
     if config.model_type in QWEN_FAMILIES:
         if overrides:
             raise ValueError(f"from_hf overrides {sorted(overrides)} are not for Qwen-VL.")
@@ -169,7 +196,7 @@ def save_hf(
         ValueError: an unsupported ``model_type``; a tensor missing (nothing written).
     """
     state = source.state_dict() if isinstance(source, nn.Module) else source
-    config = hf_config(original)
+    config = _checked_hf_config(original)
     if config.model_type in QWEN_FAMILIES:
         return save_qwen_vl_hf(state, original, path)
     if config.model_type in QWEN3_MOE_FAMILIES:

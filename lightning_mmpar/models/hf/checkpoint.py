@@ -25,6 +25,7 @@ __all__ = [
     "checkpoint_files",
     "hf_config",
     "locate",
+    "model_type_of",
     "read_slice",
     "read_state",
     "read_view",
@@ -53,6 +54,33 @@ def hf_config(path: str | Path) -> Any:
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(str(path), local_files_only=True)
+
+
+def model_type_of(path: str | Path) -> str:
+    """``config.json``'s ``model_type`` in the directory ``path``, read as JSON (transformers
+    is not asked, so a caller can refuse an unsupported type with its own message first).
+
+    Raises:
+        ValueError: no ``config.json`` in ``path``, one that is not a JSON object, or one
+            without a ``model_type`` string (naming the path).
+    """
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise ValueError(
+            f"{str(path)!r} has no config.json: pass a directory written by transformers' "
+            "save_pretrained."
+        )
+    try:
+        config = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{str(file)!r} is not valid JSON ({err}).") from err
+    kind = config.get("model_type") if isinstance(config, dict) else None
+    if not isinstance(kind, str):
+        raise ValueError(
+            f"{str(file)!r} has no 'model_type' key (found {kind!r}): pass a directory "
+            "written by transformers' save_pretrained."
+        )
+    return kind
 
 
 def checkpoint_files(path: str | Path) -> dict[str, Path]:

@@ -168,6 +168,41 @@ def test_unknown_model_type_names_the_supported_ones(tmp_path: Path) -> None:
     assert "llava" in FAMILIES
 
 
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        ({"model_type": "idefics2"}, r"model_type 'idefics2' is not supported; supported: \["),
+        (
+            {"model_type": "qwen2vl"},
+            r"'qwen2vl' is not supported; supported: \['llava', 'qwen2_5_vl'",
+        ),
+        ({"architectures": ["X"]}, r"has no 'model_type' key \(found None\)"),
+        (None, r"has no config.json"),
+    ],
+    ids=["idefics2", "typo", "no model_type", "no config.json"],
+)
+def test_unsupported_model_type_is_refused_before_transformers(
+    config: dict[str, Any] | None, expected: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``from_hf`` / ``save_hf`` / ``hf_fusion_config`` read ``model_type`` from the raw JSON
+    and refuse it naming the path and the supported types, before transformers' ``AutoConfig``
+    (which would raise its own error, or load an unsupported config) is asked."""
+    import json
+
+    from transformers import AutoConfig
+
+    def asked(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("transformers was asked before the model_type check")
+
+    monkeypatch.setattr(AutoConfig, "from_pretrained", asked)
+    if config is not None:
+        (tmp_path / "config.json").write_text(json.dumps(config))
+    for call in (from_hf, hf_fusion_config, lambda p: save_hf({}, p, p / "out")):
+        with pytest.raises(ValueError, match=expected) as err:
+            call(tmp_path)
+        assert str(tmp_path) in str(err.value)
+
+
 def test_image_processor_is_read_from_the_checkpoint(checkpoint: Path, tmp_path: Path) -> None:
     """``data.preprocess.from_pretrained`` of a LLaVA directory (what ``model.pretrained.hf``
     links) reads its ``CLIPImageProcessor``: size, mean, std, bicubic; a crop smaller than the
