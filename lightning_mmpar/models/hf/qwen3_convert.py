@@ -180,50 +180,81 @@ def _vision3_entries(rest: str, value: Tensor) -> dict[str, Tensor]:
     return _vision_entries(rest, value, lambda name: _rename(name, reverse=False))
 
 
-def _expert_entries(
-    prefix: str, name: str, value: Tensor, config: Qwen3MoeVLConfig
-) -> dict[str, Tensor]:
-    """``w_gate, w_up`` from ``gate_up_proj`` or ``w_down`` from ``down_proj`` (either layout)."""
+def _expert_layouts(name: str, config: Qwen3MoeVLConfig) -> tuple[tuple[int, ...], ...]:
+    """The shapes the checkpoint expert tensor ``name`` (``gate_up_proj`` / ``down_proj``) may
+    have, from the config (``E`` = ``num_experts``, ``D`` = ``hidden_size``, ``F`` =
+    ``moe_intermediate_size``): transformers' in-memory layout first (``[E, 2F, D]`` /
+    ``[E, D, F]``, what ``save_pretrained`` writes), then the Hub's transposed one
+    (``[E, D, 2F]`` / ``[E, F, D]``), as transformers' own loader accepts them."""
     moe = config.language.moe
     assert moe is not None
     e, d, f = moe.num_experts, config.language.hidden_size, moe.ffn_width
     if name == "gate_up_proj":
-        if tuple(value.shape) == (e, 2 * f, d):  # transformers' in-memory layout
-            value = value.transpose(1, 2)
+        return (e, 2 * f, d), (e, d, 2 * f)
+    return (e, d, f), (e, f, d)
+
+
+def _check_expert_shape(key: str, shape: tuple[int, ...], config: Qwen3MoeVLConfig) -> bool:
+    """Whether the checkpoint expert tensor ``key`` of ``shape`` is in transformers' in-memory
+    layout (else the Hub's transposed one), checked before it is split or read.
+
+    Raises:
+        ValueError: ``shape`` is neither layout of :func:`_expert_layouts` (a truncated tensor,
+            or one expert-parallel rank's experts), naming ``key``, its shape and the shapes the
+            config expects.
+    """
+    memory, hub = _expert_layouts(key.rsplit(".", 1)[-1], config)
+    if tuple(shape) not in (memory, hub):
+        moe = config.language.moe
+        assert moe is not None
+        raise ValueError(
+            f"{key} has shape {list(shape)}; the config (num_experts {moe.num_experts}, "
+            f"hidden_size {config.language.hidden_size}, moe_intermediate_size {moe.ffn_width}) "
+            f"expects {list(memory)} (or the transposed {list(hub)}): a truncated expert tensor, "
+            "or one expert-parallel rank's experts; write every expert of it."
+        )
+    return tuple(shape) == memory
+
+
+def _expert_entries(key: str, value: Tensor, config: Qwen3MoeVLConfig) -> dict[str, Tensor]:
+    """``w_gate, w_up`` from ``gate_up_proj`` or ``w_down`` from ``down_proj`` (either layout:
+    :func:`_check_expert_shape`; ``key``: the checkpoint's ``...mlp.experts.<name>``)."""
+    moe = config.language.moe
+    assert moe is not None
+    f, prefix = moe.ffn_width, "language." + key[len("model.language_model.") :].rsplit(".", 1)[0]
+    if _check_expert_shape(key, tuple(value.shape), config):  # transformers' in-memory layout
+        value = value.transpose(1, 2)
+    if key.endswith("gate_up_proj"):
         return {
             f"{prefix}.w_gate": value[..., :f].contiguous(),
             f"{prefix}.w_up": value[..., f:].contiguous(),
         }
-    if tuple(value.shape) == (e, d, f):
-        value = value.transpose(1, 2)
     return {f"{prefix}.w_down": value.contiguous()}
 
 
 def _language_entries(rest: str, value: Tensor, config: Qwen3MoeVLConfig) -> dict[str, Tensor]:
     if rest.endswith(".mlp.gate.weight"):
         return {f"language.{rest[: -len('gate.weight')]}router_gate": value[None]}
-    for name in ("gate_up_proj", "down_proj"):
-        if rest.endswith(f".mlp.experts.{name}"):
-            return _expert_entries(f"language.{rest[: -len(name) - 1]}", name, value, config)
+    if rest.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
+        return _expert_entries(f"model.language_model.{rest}", value, config)
     return {f"language.{rest}": value}
 
 
-def _expert_views(
-    prefix: str, name: str, shape: tuple[int, ...], config: Qwen3MoeVLConfig
-) -> dict[str, View]:
-    """:func:`_expert_entries` as views (either stored layout): ``w_gate`` / ``w_up`` halves
-    of ``gate_up_proj``, ``w_down`` of ``down_proj``, every one ``[E, ...]`` on dim 0."""
+def _expert_views(key: str, shape: tuple[int, ...], config: Qwen3MoeVLConfig) -> dict[str, View]:
+    """:func:`_expert_entries` as views (either stored layout, :func:`_check_expert_shape`):
+    ``w_gate`` / ``w_up`` halves of ``gate_up_proj``, ``w_down`` of ``down_proj``, every one
+    ``[E, ...]`` on dim 0."""
     moe = config.language.moe
     assert moe is not None
     e, d, f = moe.num_experts, config.language.hidden_size, moe.ffn_width
-    if name == "gate_up_proj":
-        memory = shape == (e, 2 * f, d)  # transformers' in-memory layout: transposed
+    prefix = "language." + key[len("model.language_model.") :].rsplit(".", 1)[0]
+    memory = _check_expert_shape(key, shape, config)  # transformers' in-memory layout: transposed
+    if key.endswith("gate_up_proj"):
         up = (0, f, 0) if memory else (0, 0, f)
         return {
             f"{prefix}.w_gate": View((e, d, f), transposed=memory),
             f"{prefix}.w_up": View((e, d, f), up, transposed=memory),
         }
-    memory = shape == (e, d, f)
     return {f"{prefix}.w_down": View((e, f, d), transposed=memory)}
 
 
@@ -262,9 +293,8 @@ def qwen3_checkpoint_views(
         return {
             f"language.{rest[: -len('gate.weight')]}router_gate": View((1, *shape), unsqueezed=True)
         }
-    for name in ("gate_up_proj", "down_proj"):
-        if rest.endswith(f".mlp.experts.{name}"):
-            return _expert_views(f"language.{rest[: -len(name) - 1]}", name, shape, config)
+    if rest.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
+        return _expert_views(key, shape, config)
     return {f"language.{rest}": View(shape)}
 
 
@@ -309,7 +339,29 @@ def _export_vision3(
     return _export_vision(key, value, state, config, lambda name: _rename(name, reverse=True))
 
 
-def _export_language(key: str, value: Tensor, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+def _check_fusable(key: str, gate: Tensor, up: Tensor, config: Qwen3MoeVLConfig) -> None:
+    """Refuse ``w_gate`` / ``w_up`` of different shapes (one of them cut) before they are fused
+    into ``gate_up_proj``; equal shapes go on to :func:`check_export` (which names a short
+    fused tensor with the byte totals).
+
+    Raises:
+        ValueError: naming both tensors, their shapes and the config's ``[E, D, F]``.
+    """
+    if gate.shape != up.shape:
+        moe = config.language.moe
+        assert moe is not None
+        want = [moe.num_experts, config.language.hidden_size, moe.ffn_width]
+        raise ValueError(
+            f"export refused: {key} has shape {list(gate.shape)}, "
+            f"{key[: -len('w_gate')]}w_up {list(up.shape)} (expected {want} each, from the "
+            "config); they fuse into one gate_up_proj: gather every expert shard "
+            "(full_state_dict on every rank) before exporting."
+        )
+
+
+def _export_language(
+    key: str, value: Tensor, state: Mapping[str, Tensor], config: Qwen3MoeVLConfig
+) -> dict[str, Tensor]:
     rest = key[len("language.") :]
     if rest == "lm_head.weight":
         return {"lm_head.weight": value}
@@ -318,6 +370,7 @@ def _export_language(key: str, value: Tensor, state: Mapping[str, Tensor]) -> di
         return {base[: -len("router_gate")] + "gate.weight": value[0]}
     if rest.endswith(".experts.w_gate"):
         up = state[key[: -len("w_gate")] + "w_up"]
+        _check_fusable(key, value, up, config)
         fused = torch.cat([value, up], dim=-1).transpose(1, 2).contiguous()  # [E, 2F, D]
         return {base[: -len("w_gate")] + "gate_up_proj": fused}
     if rest.endswith(".experts.w_down"):
@@ -334,7 +387,8 @@ def export_qwen3_moe_vl_state(
 
     Raises:
         ValueError: a value is a sharded ``DTensor`` (gather it first:
-            :func:`lightning_mmpar.parallel.tensor.full_state_dict`, on every rank).
+            :func:`lightning_mmpar.parallel.tensor.full_state_dict`, on every rank); an MoE
+            layer's ``w_gate`` and ``w_up`` of different shapes (naming them and the config's).
     """
     sharded = sorted(k for k, v in state.items() if hasattr(v, "to_local"))
     if sharded:
@@ -347,7 +401,7 @@ def export_qwen3_moe_vl_state(
         if key.startswith("vision."):
             out.update(_export_vision3(key, value, state, config))
         elif key.startswith("language."):
-            out.update(_export_language(key, value, state))
+            out.update(_export_language(key, value, state, config))
     return out
 
 

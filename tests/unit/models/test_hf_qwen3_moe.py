@@ -251,6 +251,44 @@ def test_the_recipe_loader_reads_one_ranks_experts_only(
     assert torch.equal(router, want["language.layers.0.mlp.router_gate"][:, 1:3])
 
 
+@pytest.mark.parametrize(
+    ("name", "cut"),
+    [("gate_up_proj", (4, 95, 64)), ("gate_up_proj", (3, 96, 64)), ("down_proj", (4, 64, 47))],
+    ids=["gate_up_proj one row short", "gate_up_proj one expert short", "down_proj cut"],
+)
+def test_a_cut_expert_tensor_is_named_before_it_is_split(
+    pair: tuple[object, object], tmp_path: Path, name: str, cut: tuple[int, ...]
+) -> None:
+    """A directory whose one expert tensor is cut (the others whole) is refused by ``from_hf``
+    and by the recipe's per-rank views naming that tensor, its shape and the config's shapes,
+    before it is split into ``w_gate`` / ``w_up`` (before: a truncated ``[4, 95, 64]`` was
+    taken for the transposed layout and split into wrong halves, the views read short slices
+    silently); an exported state whose ``w_gate`` alone is cut is refused naming both halves
+    before they are fused (before: torch.cat's raw size mismatch)."""
+    from safetensors.torch import save_file
+
+    from lightning_mmpar.models import from_hf
+    from lightning_mmpar.recipes.pretrained_files import transformers_qwen_vl
+
+    hf, ours = pair
+    hf.save_pretrained(tmp_path)  # type: ignore[attr-defined]
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}  # type: ignore[attr-defined]
+    key = f"model.language_model.layers.2.mlp.experts.{name}"
+    state[key] = state[key][tuple(slice(0, n) for n in cut)].contiguous()
+    save_file(state, str(tmp_path / "model.safetensors"))
+    whole = list(hf.state_dict()[key].shape)  # type: ignore[attr-defined]
+    expected = rf"{key} has shape {list(cut)}; .* expects {whole}".replace("[", r"\[")
+    with pytest.raises(ValueError, match=expected):
+        from_hf(tmp_path)
+    with pytest.raises(ValueError, match=expected):
+        transformers_qwen_vl(tmp_path)
+    gate = "language.layers.0.mlp.experts.w_gate"
+    cut_gate = {**ours.state_dict(), gate: ours.state_dict()[gate][:2]}  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match=rf"{gate} has shape \[2, 64, 48\], .*w_up \[4, 64, 48\]"):
+        save_qwen3_moe_vl_hf(cut_gate, tmp_path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_directory_without_config_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"has no config\.json"):
         qwen3_moe_vl_from_hf(tmp_path)
