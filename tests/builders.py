@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from lightning_mmpar.examples.tiny_chat import word_level_tokenizer
+from lightning_mmpar.examples.tiny_qwen import CHAT_TEMPLATE as QWEN_CHAT_TEMPLATE
 from lightning_mmpar.models.adapter import AdapterConfig
 from lightning_mmpar.models.fusion import FusionConfig, FusionModel
 from lightning_mmpar.models.language import LanguageConfig
@@ -208,37 +210,6 @@ def llava_samples(images: tuple[int, ...], *, seed: int = 0, length: int = 6) ->
         pix = torch.randn(n, 3, 16, 16, generator=g)
         out.append({"id": f"s{i}", "input_ids": ids, "labels": ids.clone(), "pixel_values": pix})
     return out
-
-
-QWEN_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> "
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
-)
-"""A Qwen-style chat template (``<|im_start|>role text<|im_end|>``) for the tiny tokenizer."""
-
-
-def word_level_tokenizer(
-    path: Any, vocab: list[str], special: list[str], template: str | None
-) -> None:
-    """Save at ``path`` a word-level transformers tokenizer over ``vocab`` (ids in its order;
-    ``<s>`` / ``</s>`` / ``<pad>`` / ``<unk>`` as bos / eos / pad / unk, ``special`` as its
-    additional special tokens) with the chat ``template`` (``None``: none)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    raw = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
-    raw.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=raw,
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-        unk_token="<unk>",
-        additional_special_tokens=special,
-    )
-    if template:
-        tok.chat_template = template
-    tok.save_pretrained(str(path))
 
 
 def tiny_qwen_vl_dir(path: Any, words: list[str], family: str = "qwen2_vl", seed: int = 0) -> Any:

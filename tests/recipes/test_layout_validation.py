@@ -288,14 +288,18 @@ def _one_spec(module: Any, text_length: int, images_per_sample: float = 1.0) -> 
 
 
 def _with_local_files(recipe: Path, root: Path) -> Path:
-    """A LLaVA YAML names files a user brings (a checkpoint directory, a conversation JSON):
-    a copy of it on the offline tiny LLaVA's files (``examples.tiny_llava``; a config-only
-    checkpoint directory the YAML names is kept), other YAMLs as they are."""
-    if not recipe.name.startswith("llava"):
-        return recipe
+    """A LLaVA or Qwen YAML names files a user brings (a checkpoint directory, a conversation
+    JSON): a copy of it on the offline tiny model's files (``examples.tiny_llava`` /
+    ``examples.tiny_qwen``; a config-only checkpoint directory the YAML names is kept), other
+    YAMLs as they are."""
     from lightning_mmpar.examples.tiny_llava import write_tiny_llava
+    from lightning_mmpar.examples.tiny_qwen import write_tiny_qwen
 
-    files, config = write_tiny_llava(root / "tiny"), _config(recipe)
+    writers = {"llava": write_tiny_llava, "qwen": write_tiny_qwen}
+    write = next((w for name, w in writers.items() if recipe.name.startswith(name)), None)
+    if write is None:
+        return recipe
+    files, config = write(root / "tiny"), _config(recipe)
     pretrained = config["model"].setdefault("pretrained", {})
     if not (ROOT / str(pretrained.get("hf", "")) / "config.json").exists():
         pretrained["hf"] = str(files["model"])
