@@ -12,9 +12,11 @@ model's facts, :func:`layout_facts`: the same check, the same message), predicts
 best, the rejected ones with their reasons, and the YAML fragment of the best
 (``--write-yaml``). The workload is the YAML's (text length, ViT grid, one image per sample, or
 the data module's ``images_per_sample``) unless ``--text-length``, ``--image-tokens`` or
-``--images-per-sample`` say otherwise. ``--topo`` (``nvidia-smi topo -m`` text or a YAML
-description) places the ranks (:func:`lightning_mmpar.layout.placement.place`) and prints the
-predicted communication time of that order next to Megatron's. Invalid arguments exit with
+``--images-per-sample`` say otherwise; ``--samples-per-row S`` prices packed data by the row
+(each row carries its ``S`` samples' images, a step's samples fill ``S`` times fewer rows).
+``--topo`` (``nvidia-smi topo -m`` text or a YAML description) places the ranks
+(:func:`lightning_mmpar.layout.placement.place`) and prints the predicted communication time
+of that order next to Megatron's. Invalid arguments exit with
 status 2 and the reason.
 """
 
@@ -129,7 +131,10 @@ def base_layout(config: dict[str, Any], module: ClipLlamaModule, precision: str)
 
 
 def fragment(
-    layout: ParallelLayout, placement: Sequence[int] | None = None, nodes: int = 1
+    layout: ParallelLayout,
+    placement: Sequence[int] | None = None,
+    nodes: int = 1,
+    samples_per_row: float = 1.0,
 ) -> dict[str, Any]:
     """The YAML the recipe accepts for ``layout``: ``trainer.strategy`` (class and every layout
     init arg, defaults included, so that merged over a recipe YAML none of the recipe's own
@@ -138,9 +143,10 @@ def fragment(
     vision ranks included, over ``nodes`` nodes: the recipe's own process count would launch
     another world; left out for a layout whose ``dp`` is not known yet),
     ``trainer.accumulate_grad_batches``, ``model.plan`` (sequence
-    parallelism, vision mode) and ``data.batch_size`` (per data-parallel rank);
-    ``placement``: the device order when it is not Megatron's (and the strategy takes one),
-    else null.
+    parallelism, vision mode) and ``data.batch_size`` (per data-parallel rank; for a layout
+    priced in packed rows of ``samples_per_row`` samples, the samples that fill its rows,
+    :func:`_batch_samples`); ``placement``: the device order when it is not Megatron's (and the
+    strategy takes one), else null.
 
     Raises:
         ValueError: ``nodes`` does not divide the layout's processes.
@@ -182,8 +188,21 @@ def fragment(
             "accumulate_grad_batches": layout.accumulate,
         },
         "model": {"plan": plan_options},
-        "data": {"batch_size": layout.local_batch},
+        "data": {"batch_size": _batch_samples(layout, samples_per_row)},
     }
+
+
+def _batch_samples(layout: ParallelLayout, samples_per_row: float) -> int:
+    """``data.batch_size`` whose samples fill ``layout``'s rows per dp rank at
+    ``samples_per_row``, rounded up to the multiple the recipe's pre-launch check asks of
+    ``data.batch_size`` (micro-batches under a pipeline, times ``tp`` under
+    ``vision_parallel='dp'``); the layout's own batch at one sample per row."""
+    if samples_per_row == 1:
+        return layout.local_batch
+    step = layout.num_micro_batches if layout.pp > 1 else 1
+    if layout.vision_parallel == "dp" and layout.tp > 1 and not layout.vision_ranks:
+        step *= layout.tp
+    return max(1, math.ceil(layout.local_batch * samples_per_row / step)) * step
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -235,6 +254,13 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         help="images per sample, a mean (fractions allowed; 0: text only); default: the YAML's "
         "data module's images_per_sample when it has one (DigitsVQA: max_images / 2), else 1",
+    )
+    p.add_argument(
+        "--samples-per-row",
+        type=float,
+        help="samples a packed row holds, a mean (>= 1; data.pack: true): each priced row "
+        "carries their images (images per sample x this) and a step's samples fill this many "
+        "times fewer rows; default: the YAML data module's samples_per_row when it has one, else 1",
     )
     _tower_arguments(p)
     p.add_argument("--max-tp", type=int, default=8, help="largest tensor-parallel size")
@@ -347,6 +373,12 @@ def _check_numbers(args: argparse.Namespace) -> None:
             f"--images-per-sample ({images}) must be a finite number >= 0 (a mean over the "
             "samples; 0: text only)."
         )
+    rows = args.samples_per_row
+    if rows is not None and not 1 <= rows < float("inf"):  # nan too
+        raise ValueError(
+            f"--samples-per-row ({rows}) must be a finite number >= 1 (the mean samples a "
+            "packed row holds; 1: one sample per row)."
+        )
     if args.memory_gib is not None and not 0 < args.memory_gib < float("inf"):  # nan too
         raise ValueError(f"--memory-gib ({args.memory_gib}) must be a finite number > 0.")
     if args.device not in DEVICES:
@@ -371,6 +403,8 @@ class _Planning:
     towers_refused: str | None
     """Why the data cannot feed non-colocated towers (:func:`~lightning_mmpar.recipes.preflight.
     vision_ranks_refusal`): no ``+ V vision`` candidate is ranked."""
+    samples_per_row: float = 1.0
+    """Samples one priced row holds (``--samples-per-row``): the layouts' batches are rows."""
 
 
 def _prepare(args: argparse.Namespace) -> _Planning:
@@ -389,20 +423,33 @@ def _prepare(args: argparse.Namespace) -> _Planning:
     vision = module.fusion_config.vision
     merged = f", the ViT's {vision.grid**2} patches merged" if vision.spatial_merge > 1 else ""
     images, images_note = _images_per_sample(args, data)
+    rows, rows_note = _samples_per_row(args, data, images)
     workload = (
         f"workload: {text_length} {text_note}, {vision.merged_patches} image tokens "
         f"per image ({image_note}{merged}), {images:g} image{'' if images == 1 else 's'} per "
-        f"sample ({images_note})"
+        f"sample ({images_note}){rows_note}"
     )
     base = base_layout(config, module, precision)
     graph, place = None, None
     topo = f"{_graph_text(default_graph(args.gpus))} (assumed; pass --topo)"
     if args.topo:
         graph, place, topo = _topology(args.topo, args.gpus)
-    model = spec_cache(module, text_length, images)
+    model = spec_cache(module, text_length, images * rows)  # a priced unit is a row
     facts = layout_facts(module, text_length)
     return _Planning(
-        config, module, device, precision, base, model, facts, graph, place, topo, workload, refused
+        config,
+        module,
+        device,
+        precision,
+        base,
+        model,
+        facts,
+        graph,
+        place,
+        topo,
+        workload,
+        refused,
+        rows,
     )
 
 
@@ -433,6 +480,47 @@ def _images_per_sample(args: argparse.Namespace, data: Any) -> tuple[float, str]
     if known is not None:
         return float(known), f"the YAML's {type(data).__name__}.images_per_sample"
     return 1.0, "the default"
+
+
+def _samples_per_row(args: argparse.Namespace, data: Any, images: float) -> tuple[float, str]:
+    """Samples one priced row holds, and the workload line's words for it with the row's
+    images (``images`` per sample; empty for data that puts one sample per row):
+    ``--samples-per-row``, else the data module's ``samples_per_row`` when it declares one,
+    else 1 (a packing module does not know its rows' mean without reading the data: the line
+    asks for it). Each priced row then carries ``S x images_per_sample``
+    images (the vision work, its activations and the image stream scale with them) and a
+    step's samples fill ``1 / S`` as many rows (:func:`_rows`).
+
+    Raises:
+        ValueError: ``--samples-per-row`` above 1 for data that does not pack.
+    """
+    collate = getattr(data, "collate_args", None)
+    packs = isinstance(collate, dict) and bool(collate.get("pack"))
+    given = args.samples_per_row
+    if given is not None and given > 1 and not packs:
+        raise ValueError(
+            f"--samples-per-row ({given:g}) prices packed rows; the YAML's data "
+            f"({type(data).__name__}) puts one sample per row: give data.pack: true or leave "
+            "the option out."
+        )
+    known = getattr(data, "samples_per_row", None)
+    if given is not None:
+        rows, source = float(given), "--samples-per-row"
+    elif known is not None:
+        rows, source = float(known), f"the YAML's {type(data).__name__}.samples_per_row"
+    elif packs:
+        rows, source = 1.0, "the default; pass --samples-per-row, your rows' mean"
+    else:
+        return 1.0, ""
+    return rows, (
+        f", {rows:g} sample{'' if rows == 1 else 's'} per packed row ({source}): "
+        f"{images * rows:g} image{'' if images * rows == 1 else 's'} per row"
+    )
+
+
+def _rows(samples: int, samples_per_row: float) -> int:
+    """Rows ``samples`` fill at ``samples_per_row`` (at least one)."""
+    return max(1, round(samples / samples_per_row))
 
 
 def _with_image_tokens(config: dict[str, Any], tokens: int | None) -> tuple[dict[str, Any], str]:
@@ -471,7 +559,7 @@ def _rank(args: argparse.Namespace, run: _Planning) -> tuple[list[Prediction], l
         args.memory_gib,
         facts=run.facts,
         placement=run.place,
-        global_batch=_global_batch(run.config, args),
+        global_batch=_rows(_global_batch(run.config, args), run.samples_per_row),
         max_tp=args.max_tp,
         experts=moe.num_experts if moe is not None else 0,
         base=run.base,
@@ -523,9 +611,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as err:
         parser.error(str(err))
     limit = run.device.memory_gib if args.memory_gib is None else args.memory_gib
+    samples = _global_batch(run.config, args)
+    rows = _rows(samples, run.samples_per_row)
+    in_rows = f" in {_plural(rows, 'packed row')}" if run.samples_per_row != 1 else ""
     print(
         f"{args.config}: {len(run.model(run.base).blocks)} blocks, {args.gpus} x {args.device} "
-        f"({run.precision}, {limit:g} GiB), {_global_batch(run.config, args)} samples per step, "
+        f"({run.precision}, {limit:g} GiB), {samples} samples per step{in_rows}, "
         f"{len(ranked)} layouts fit, best first:"
     )
     print(f"topology: {run.topo}")
@@ -541,7 +632,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     nodes = int((run.config.get("trainer") or {}).get("num_nodes", 1) or 1)
     nodes = nodes if args.gpus % nodes == 0 else 1  # the YAML's nodes, when they divide --gpus
-    out = fragment(ranked[0].layout, _placement(args, run, ranked[0]), nodes)
+    out = fragment(ranked[0].layout, _placement(args, run, ranked[0]), nodes, run.samples_per_row)
     build_module(_merge(run.config, {"model": out["model"], "data": out["data"]}))  # it parses
     text = yaml.safe_dump(out, sort_keys=False)
     print(f"\nYAML fragment of the best layout:\n{text}", end="")
@@ -562,6 +653,9 @@ def _own_layout(args: argparse.Namespace, run: _Planning, ranked: list[Predictio
                 f"{args.global_batch}, which its dp x micro-batches ({per_step}) do not divide"
             ]
         own = dataclasses.replace(own, micro_batch_size=args.global_batch // per_step)
+    if run.samples_per_row != 1 and not isinstance(own, str):  # its batch's samples in rows
+        rows = _rows(own.local_batch, run.samples_per_row) // own.num_micro_batches
+        own = dataclasses.replace(own, micro_batch_size=max(1, rows))
 
     def price(layout: ParallelLayout) -> Prediction:
         spec = run.model(layout)

@@ -172,6 +172,15 @@ def test_plan_rejects_layouts_over_the_memory_limit_with_the_reason(
             "--images-per-sample (-1.0) must be a finite number >= 0",
         ),
         (
+            ["--config", CPU, "--gpus", "4", "--samples-per-row", "0.5"],
+            "--samples-per-row (0.5) must be a finite number >= 1",
+        ),
+        (
+            ["--config", CPU, "--gpus", "4", "--samples-per-row", "2"],
+            "--samples-per-row (2) prices packed rows; the YAML's data (RecipeDigitsCaptions) "
+            "puts one sample per row",
+        ),
+        (
             ["--config", CPU, "--gpus", "4", "--image-tokens", "10"],
             "--image-tokens (10) must be a square number of patches",
         ),

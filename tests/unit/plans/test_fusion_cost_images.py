@@ -131,3 +131,37 @@ def test_planner_takes_images_per_sample_from_the_option_the_data_or_one() -> No
     assert _images_per_sample(given, data) == (0.0, "--images-per-sample")
     assert _images_per_sample(unset, data) == (1.5, "the YAML's DigitsVQA.images_per_sample")
     assert _images_per_sample(unset, SimpleNamespace()) == (1.0, "the default")
+
+
+def test_packed_rows_carry_all_their_samples_images() -> None:
+    """``--samples-per-row S`` prices a packed row (tests/unit/data/test_packing.py: several
+    samples share one): the vision work, its kept activations and the vision rows' memory are
+    those of ``S x images_per_sample`` images per row, the text's are not, and a step's samples
+    fill ``S`` times fewer rows."""
+    from lightning_mmpar.recipes import planner
+
+    argv = ["--config", str(ROOT / "recipes/digits_vqa_cpu.yaml"), "--gpus", "2"]
+    one, four = (
+        planner._prepare(planner._parser().parse_args([*argv, "--samples-per-row", s]))
+        for s in ("1", "4")
+    )
+    assert "1.5 images per sample (the YAML's DigitsVQA.images_per_sample), 4 samples per " in (
+        four.workload
+    )
+    assert four.workload.endswith("packed row (--samples-per-row): 6 images per row")
+    layout = replace(one.base, dp=2, micro_batch_size=4)
+    a, b = one.model(layout), four.model(layout)
+    for i in _names(a, "vision."):
+        assert b.blocks[i].flops == 4 * a.blocks[i].flops > 0
+        assert b.blocks[i].activation_bytes == 4 * a.blocks[i].activation_bytes
+    head = _names(a, "head")[0]
+    assert b.blocks[head].flops == a.blocks[head].flops  # a row's text is the same row
+    cpu = DEVICES["cpu"]
+    pa, pb = predict(a, layout, cpu), predict(b, layout, cpu)
+    assert pb.compute_seconds > pa.compute_seconds
+    assert pb.memory.activations > pa.memory.activations
+    args = planner._parser().parse_args([*argv, "--samples-per-row", "4", "--vision-ranks", "0"])
+    ranked, _ = planner._rank(args, four)
+    assert {p.layout.dp_size * p.layout.local_batch for p in ranked} == {8}  # 32 samples, 8 rows
+    best = ranked[0].layout  # its YAML's data.batch_size: the samples that fill its rows
+    assert planner.fragment(best, samples_per_row=4)["data"]["batch_size"] * best.dp_size == 32
