@@ -7,10 +7,12 @@ through torchao's float8 training (eager and with ``compile_blocks``).
 
 **Model** (:data:`SIZES` ``llava7b``): LLaVA-1.5-7B's shapes (Liu et al. 2023, "Improved
 Baselines with Visual Instruction Tuning"): a CLIP ViT-L/14 at 336 px (24 layers, width 1024,
-576 patch tokens per image, frozen as in LLaVA's fine-tuning), a linear projector and Vicuna-7B's
-decoder (width 4096, 32 heads, FFN 11008, vocabulary 32000) with its depth reduced from 32 to
-:data:`LLAVA_DEPTH` layers to fit one GPU's step in seconds; spliced fusion (each image marker
-replaced by its 576 tokens, ``FusionConfig.fusion="spliced"``), no adapter blocks. It runs in the
+576 patch tokens per image, frozen as in LLaVA's fine-tuning), LLaVA-1.5's projector
+(``mlp2x_gelu``: Linear 1024 -> 4096, GELU, Linear 4096 -> 4096; ``FusionConfig.projector=
+"mlp2x"``, :data:`PROJECTOR`) and Vicuna-7B's decoder (width 4096, 32 heads, FFN 11008,
+vocabulary 32000) with its depth reduced from 32 to :data:`LLAVA_DEPTH` layers to fit one GPU's
+step in seconds; spliced fusion (each image marker replaced by its 576 tokens,
+``FusionConfig.fusion="spliced"``), no adapter blocks. It runs in the
 recipe's ``ClipLlamaModule`` under ``Trainer(strategy=MultimodalParallelStrategy(), devices=1,
 precision="bf16-mixed")``, the caption (LM) loss on the answer tokens only.
 
@@ -97,6 +99,9 @@ SIZES: dict[str, dict[str, Any]] = {
 KEEP_BF16 = ("*head*", "*.block.*")
 """Linears left in BF16 under FP8: the LM head and the contrastive heads (``*head*``) and the frozen
 ViT's blocks (``*.block.*``), as torchtitan's float8 converts the decoder's linears only."""
+PROJECTOR = ("mlp2x", "gelu")
+"""``FusionConfig.projector`` and ``projector_act``: LLaVA-1.5's ``mlp2x_gelu`` (the JSON's
+``projector``; results before it was recorded were measured with a linear projector)."""
 RUNS = ("bf16_packed", "bf16_padded", "fp8_torchao", "bf16_compiled", "fp8_torchao_compiled")
 """The runs, in order: packed vs padded in BF16 eager, then FP8 vs BF16 eager and compiled."""
 
@@ -134,6 +139,8 @@ def build_module(sizes: dict[str, Any], fp8: bool) -> Any:
         contrastive_dim=width,
         fusion="spliced",
         image_token_id=sizes["vocab_size"] - 1,
+        projector=PROJECTOR[0],
+        projector_act=PROJECTOR[1],
     )
     return LlavaModule(
         fusion=fusion,
@@ -327,6 +334,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return {"skipped": "no CUDA device"}
     name = "tiny" if args.tiny else "llava7b"
     result = result_header(args, name, SIZES[name])
+    result["projector"] = f"{PROJECTOR[0]}_{PROJECTOR[1]}"
     sizes = SIZES[name]
     with tempfile.TemporaryDirectory() as root:
         for kind in kinds:

@@ -589,7 +589,20 @@ def _gpu_llava(r: dict[str, Any]) -> list[str]:
         f"(non-pad fraction {fill['bf16_packed']:.2f} vs {fill['bf16_padded']:.2f}). FP8 "
         f"(torchao) vs BF16: {fmt(r['fp8_speedup_eager'])} eager, "
         f"{fmt(r['fp8_speedup_compiled'])} with `compile_blocks` (one run each).",
+        "",
+        _llava_projector(r),
     ]
+
+
+def _llava_projector(r: dict[str, Any]) -> str:
+    """Which projector gpu_llava.json's figures were measured with: its ``projector``, or, for a
+    JSON from before the script recorded one, the linear projector it then built."""
+    if "projector" in r:
+        return f"Projector: `{r['projector']}` (LLaVA-1.5's)."
+    return (
+        "Projector: linear (measured before gpu_llava.py built LLaVA-1.5's `mlp2x_gelu`; "
+        "a new run records its projector)."
+    )
 
 
 def _gpu_sections(results: Path) -> list[str]:

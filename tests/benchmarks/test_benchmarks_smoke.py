@@ -251,3 +251,10 @@ def test_gpu_llava_code_path_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     expected = 6 * 100 * 8 + 6 * lang["hidden_size"] * lang["num_hidden_layers"] * (9 + 25)
     expected += 2 * 10 * pos + 4 * vis["width"] * vis["layers"] * pos**2
     assert gpu_llava.model_flops(sizes, weights, batch) == expected
+    # LLaVA-1.5's projector (mlp2x_gelu), recorded in the JSON and shown by docs/results.md
+    assert r["projector"] == "mlp2x_gelu"
+    fusion = gpu_llava.build_module(sizes, fp8=False).fusion_config
+    assert (fusion.projector, fusion.projector_act) == ("mlp2x", "gelu")
+    from results_md import _llava_projector
+
+    assert _llava_projector(r) == "Projector: `mlp2x_gelu` (LLaVA-1.5's)."
