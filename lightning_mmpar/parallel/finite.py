@@ -59,25 +59,75 @@ def check_mode(value: Any, field_name: str = "on_nonfinite") -> NonFiniteMode:
     return value  # type: ignore[no-any-return]
 
 
+def _widened(local: list[Tensor]) -> list[Tensor]:
+    """``local`` with each float16 tensor widened to float32 (its norm cannot overflow)."""
+    if any(t.dtype == torch.float16 for t in local):
+        return [t.float() if t.dtype == torch.float16 else t for t in local]
+    return local
+
+
+def _norms(local: list[Tensor]) -> Tensor:
+    """``[N]``: the 2-norm of each tensor (one fused ``torch._foreach_norm``), on the first
+    tensor's device."""
+    norms = list(torch._foreach_norm(_widened(local)))
+    device = local[0].device
+    if any(n.device != device for n in norms):
+        norms = [n.to(device) for n in norms]
+    return torch.stack(norms)
+
+
 @torch.no_grad()
 def _nonfinite_flags(tensors: Sequence[Tensor]) -> Tensor:
     """``[N]`` bool: the tensor holds a NaN or inf (one fused ``torch._foreach_norm`` over the
     local shards; float16 widened first so that its norm cannot overflow; a norm beyond the
     range of the dtype counts too, as in Megatron's check of the norm). No per-tensor Python
     work unless some tensor is a DTensor or float16, or they lie on several devices."""
-    local = comm.to_locals(list(tensors))
-    if any(t.dtype == torch.float16 for t in local):
-        local = [t.float() if t.dtype == torch.float16 else t for t in local]
-    norms = list(torch._foreach_norm(local))
-    device = local[0].device
-    if any(n.device != device for n in norms):
-        norms = [n.to(device) for n in norms]
-    return ~torch.stack(norms).isfinite()
+    return ~_norms(comm.to_locals(list(tensors))).isfinite()
 
 
+def _norms_finite(local: list[Tensor]) -> Tensor:
+    """0-dim bool: the 2-norm of every tensor of ``local`` (at least one) is finite, float16
+    widened first; one tensor (a batch's images, a DDP bucket) without the stack."""
+    if len(local) == 1:
+        return torch.linalg.vector_norm(_widened(local)[0]).isfinite()
+    return _norms(local).isfinite().all()
+
+
+@torch.no_grad()
 def _finite_flag(tensors: Sequence[Tensor]) -> Tensor | None:
-    """0-dim bool: every entry of every tensor finite (``None`` for no tensors)."""
-    return None if not tensors else ~_nonfinite_flags(tensors).any()
+    """0-dim bool: every :func:`_nonfinite_flags` flag clear (``None`` for no tensors)."""
+    return None if not tensors else _norms_finite(comm.to_locals(list(tensors)))
+
+
+def _holders(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """Tensors that hold every entry of ``tensors`` (local shards of DTensors), each once: a
+    view of a larger tensor of its dtype (``_base``: torch DDP's gradient bucket under
+    ``gradient_as_bucket_view``, FSDP2's reduce-scatter output) stands for all its views, the
+    others for themselves. One Python pass over ``tensors``."""
+    bases: dict[int, Tensor] = {}
+    holders: list[Tensor] = []
+    for t in tensors:
+        if type(t) is not Tensor:  # a DTensor (or another subclass): its local shard
+            t = comm.to_local(t)
+        base = t._base
+        if base is None or base.dtype != t.dtype:
+            holders.append(t)
+        else:
+            bases[id(base)] = base
+    return holders + list(bases.values())
+
+
+@torch.no_grad()
+def _grads_finite(grads: Sequence[Tensor]) -> Tensor:
+    """0-dim bool, a fast bound on :func:`_nonfinite_flags`: ``True`` only if no flag is set.
+
+    One norm per holding tensor (:func:`_holders`; under torch's DDP the few flat buckets
+    instead of one per gradient, as Megatron-LM's ``check_grads`` takes the norm of each
+    bucket's ``grad_data``): a NaN or inf entry makes its holder's norm non-finite, and a
+    holder's norm is at least each of its views' (up to rounding). ``False`` can be a false
+    alarm (an entry of a bucket outside these gradients, norms that overflow only together):
+    :func:`_nonfinite_flags` then says which, if any, gradients are non-finite."""
+    return _norms_finite(_holders(grads))
 
 
 def _floating(batch: Any) -> list[Tensor]:
@@ -144,6 +194,7 @@ class NonFiniteGuard:
         self.last_skipped_step = -1
         self._window: dict[int, list[Tensor | None]] = {}
         self._batch = 0
+        self._consts: dict[torch.device, tuple[Tensor, Tensor]] = {}
 
     def observe_batch(self, batch: Any, batch_idx: int) -> None:
         """Record whether ``batch``'s floating tensors are finite (a device flag)."""
@@ -153,21 +204,52 @@ class NonFiniteGuard:
     def observe_loss(self, loss: Tensor) -> None:
         """Record whether the loss of the current batch (this rank's own) is finite."""
         flags = self._window.setdefault(self._batch, [None, None])
-        flags[1] = loss.detach().isfinite().all()
+        ok = loss.detach().isfinite()
+        flags[1] = ok if ok.dim() == 0 else ok.all()
 
-    def _local(self, grads: Sequence[Tensor], device: torch.device) -> tuple[Tensor, Tensor]:
-        """``[3]`` float64: first batch with non-finite inputs, with a non-finite loss (inf:
-        none), gradients non-finite (0/1); and the ``[P]`` per-gradient non-finite flags."""
-        first = torch.full((2,), math.inf, dtype=torch.float64, device=device)
-        for idx, flags in self._window.items():
-            for k, ok in enumerate(flags):
-                if ok is not None:
-                    bad = torch.where(ok.to(device), math.inf, float(idx))
-                    first[k] = torch.minimum(first[k], bad)
-        per_grad = torch.zeros(0, dtype=torch.bool, device=device)
-        if grads:
-            per_grad = _nonfinite_flags(grads).to(device)
-        return torch.cat([first, per_grad.any().double().view(1)]), per_grad
+    def _constants(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """``(True, inf)``: 0-dim bool and float64 on ``device``, made once per device."""
+        if device not in self._consts:
+            true = torch.ones((), dtype=torch.bool, device=device)
+            self._consts[device] = (
+                true,
+                torch.full((), math.inf, dtype=torch.float64, device=device),
+            )
+        return self._consts[device]
+
+    def _local(self, grads: Sequence[Tensor], device: torch.device) -> Tensor:
+        """``[3]`` float64: the first batch of the window with non-finite inputs, with a
+        non-finite loss, and with :func:`_grads_finite` false (its index for every batch; no
+        batch: 0), ``inf`` for none. A few small operations, no host sync."""
+        true, inf = self._constants(device)
+        ok_grads = _grads_finite(grads).to(device) if grads else true
+        first: Tensor | None = None
+        for idx, (inputs, loss) in (self._window or {0: [None, None]}).items():
+            ok = torch.stack(
+                [
+                    true if inputs is None else inputs.to(device),
+                    true if loss is None else loss.to(device),
+                    ok_grads,
+                ]
+            )
+            bad = torch.where(ok, inf, float(idx))
+            first = bad if first is None else torch.minimum(first, bad)
+        assert first is not None
+        return first
+
+    @staticmethod
+    def _bad_names(params: list[Tensor], names: Callable[[], dict[int, str]]) -> list[str]:
+        """Up to 3 names of ``params`` whose gradients :func:`_nonfinite_flags` flags (the
+        slow path, after :func:`_grads_finite` failed on some rank; empty: a false alarm)."""
+        with_grad = [p for p in params if p.grad is not None]
+        if not with_grad:
+            return []
+        flags = _nonfinite_flags([p.grad for p in with_grad]).tolist()
+        bad = [p for p, b in zip(with_grad, flags, strict=True) if b][:3]
+        if not bad:
+            return []
+        by_id = names()
+        return [by_id.get(id(p), "?") for p in bad]
 
     def check(
         self,
@@ -183,26 +265,26 @@ class NonFiniteGuard:
         Returns ``None`` (go ahead) or the report of a skipped step (gradients set to ``None``).
         Raises ``RuntimeError`` in mode ``"raise"``.
         """
-        params = [p for p in params if p.grad is not None]
-        grads = (
-            comm.to_locals([p.grad for p in params if p.grad is not None]) if check_grads else []
-        )
+        params = list(params)
+        grads = [g for p in params if (g := p.grad) is not None] if check_grads else []
         device = grads[0].device if grads else comm.group_device(self.group)
-        local, per_grad = self._local(grads, device)
+        local = self._local(grads, device)
         report = NonFiniteReport(step=step, window=sorted(self._window))
         self._window = {}
-        rows = [r.tolist() for r in comm.all_gather(local, self.group)]
+        rows = comm.all_gather_stacked(local, self.group).tolist()
         for rank, (inp, loss, _) in enumerate(rows):
             if inp != math.inf:
                 report.inputs[rank] = int(inp)
             if loss != math.inf:
                 report.losses[rank] = int(loss)
-        if any(row[2] for row in rows):
-            by_id = names()
-            flags = per_grad.tolist()
-            mine = [by_id.get(id(p), "?") for p, bad in zip(params, flags, strict=True) if bad]
-            for rank, got in enumerate(comm.all_gather_objects(mine[:3], self.group)):
-                if rows[rank][2]:
+        if any(row[2] != math.inf for row in rows):
+            mine = (
+                self._bad_names(params, names)
+                if rows[comm.group_rank(self.group)][2] != math.inf
+                else []
+            )
+            for rank, got in enumerate(comm.all_gather_objects(mine, self.group)):
+                if got:
                     report.grads[rank] = got
         if not report.failed:
             return None

@@ -148,7 +148,12 @@ def replicate_module(
     if not any(p.requires_grad and id(p) not in skip for p in module.parameters()):
         return None
     compat.replicate(
-        module, ignored, process_group=dims.get_group("dp"), device_id=device, init_sync=False
+        module,
+        ignored,
+        process_group=dims.get_group("dp"),
+        device_id=device,
+        init_sync=False,
+        gradient_as_bucket_view=True,
     )
     return module
 
