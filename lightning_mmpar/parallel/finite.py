@@ -241,14 +241,10 @@ class NonFiniteGuard:
     def _bad_names(params: list[Tensor], names: Callable[[], dict[int, str]]) -> list[str]:
         """Up to 3 names of ``params`` whose gradients :func:`_nonfinite_flags` flags (the
         slow path, after :func:`_grads_finite` failed on some rank; empty: a false alarm)."""
-        with_grad = [p for p in params if p.grad is not None]
-        if not with_grad:
-            return []
-        flags = _nonfinite_flags([p.grad for p in with_grad]).tolist()
-        bad = [p for p, b in zip(with_grad, flags, strict=True) if b][:3]
-        if not bad:
-            return []
-        by_id = names()
+        pairs = [(p, g) for p in params if (g := p.grad) is not None]
+        flags = _nonfinite_flags([g for _, g in pairs]).tolist() if pairs else []
+        bad = [p for (p, _), b in zip(pairs, flags, strict=True) if b][:3]
+        by_id = names() if bad else {}
         return [by_id.get(id(p), "?") for p in bad]
 
     def check(
