@@ -360,10 +360,15 @@ class PoisonGradient(Callback):
 
     def __init__(self, on_rank: bool) -> None:
         self.on_rank = on_rank
+        self.name = ""
+        self.bucket_views = False
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: Any, optimizer: Any) -> None:
         if self.on_rank and trainer.global_step == 1:
-            grad = next(p.grad for p in pl_module.parameters() if p.grad is not None)
+            grads = [(n, p.grad) for n, p in pl_module.named_parameters() if p.grad is not None]
+            # gradient_as_bucket_view: every gradient a view of one of DDP's flat buckets
+            self.bucket_views = all(g._base is not None for _, g in grads)
+            self.name, grad = grads[0]
             grad.view(-1)[0] = float("nan")
 
 
@@ -395,8 +400,9 @@ def nonfinite_ddp(rank: int, world_size: int, data: DigitsCaptions) -> dict[str,
     * ``"raise"``, 3 batches, NaN in batch 1: the error names rank 1's inputs, both ranks'
       losses (the contrastive term gathers rank 1's features) and both ranks' gradients;
     * a gradient made NaN on rank 1 only after DDP reduced it (:class:`PoisonGradient`): both
-      ranks stop naming rank 1 (a check that trusted DDP's reduced gradients to be the same on
-      every rank left rank 0 stepping on while rank 1 waited on it);
+      ranks stop naming rank 1 and that parameter (a check that trusted DDP's reduced gradients
+      to be the same on every rank left rank 0 stepping on while rank 1 waited on it); the
+      gradients are views of DDP's buckets, which the guard's fast check reads;
     * ``"skip"``, ``accumulate_grad_batches=2``, 4 batches, NaN in batch 2 (the first of the
       second window: DDP's ``no_sync`` batch): step 1 skipped on both ranks, its report naming
       batch 2 on rank 1.
@@ -405,6 +411,7 @@ def nonfinite_ddp(rank: int, world_size: int, data: DigitsCaptions) -> dict[str,
     out["raised"], out["step"] = _ddp_fit_error(world_size, nan_pixel(data, 3, 1, rank == 1), data)
     poison = [PoisonGradient(rank == 1)]
     out["poisoned"], _ = _ddp_fit_error(world_size, batches(data, 2), data, poison)
+    out["poisoned_name"], out["bucket_views"] = poison[0].name, poison[0].bucket_views
     module = tiny_module(data.vocab_size)
     strategy = MultimodalParallelStrategy(data_parallel="ddp", on_nonfinite="skip")
     trainer = quiet_trainer(

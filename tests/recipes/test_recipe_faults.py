@@ -86,6 +86,9 @@ def check_nonfinite_ddp(results: list[dict[str, Any]]) -> None:
         poisoned = r["poisoned"]
         assert "global step 1" in poisoned and "non-finite gradients on ranks [1]" in poisoned
         assert r["skipped"] == 1 and r["global_step"] == 2, r
+        # the poisoned gradient, a view of DDP's bucket, is named from per-gradient flags
+        assert f"(rank 1: {results[1]['poisoned_name']})" in r["poisoned"], r["poisoned"]
+    assert results[1]["bucket_views"] and results[1]["poisoned_name"], results[1]
     assert len(results[0]["warnings"]) == 1 and not results[1]["warnings"]
     assert "global step 1, batch [2]" in results[0]["warnings"][0], results[0]["warnings"]
     assert "inputs on rank 1 (batch 2)" in results[0]["warnings"][0], results[0]["warnings"]

@@ -21,7 +21,13 @@ from torch.utils.data import DataLoader
 
 from lightning_mmpar import MultimodalParallelStrategy
 from lightning_mmpar.parallel import comm
-from lightning_mmpar.parallel.finite import NonFiniteGuard, _nonfinite_flags, nonfinite_weights
+from lightning_mmpar.parallel.finite import (
+    NonFiniteGuard,
+    _grads_finite,
+    _holders,
+    _nonfinite_flags,
+    nonfinite_weights,
+)
 from lightning_mmpar.testing import quiet_trainer
 
 NAN = float("nan")
@@ -84,6 +90,85 @@ def test_flags_are_one_fused_pass_and_float16_is_widened() -> None:
     big = torch.full((4,), 60000.0, dtype=torch.float16)  # norm 120000 > float16's max
     inf = torch.tensor([1.0, float("inf")], dtype=torch.float16)
     assert _nonfinite_flags([big, inf, torch.ones(2)]).tolist() == [False, True, False]
+
+
+def _bucketed(net: nn.Module, fill: float = 1.0, extra: int = 0) -> Tensor:
+    """Every gradient of ``net`` a view of one flat buffer of the parameters' dtype (torch DDP's
+    bucket under ``gradient_as_bucket_view``) with ``extra`` entries beyond them; the buffer."""
+    params = list(net.parameters())
+    flat = torch.full((sum(p.numel() for p in params) + extra,), fill, dtype=params[0].dtype)
+    offset = 0
+    for p in params:
+        p.grad = flat[offset : offset + p.numel()].view_as(p)
+        offset += p.numel()
+    return flat
+
+
+def test_bucketed_gradients_are_checked_through_their_bucket() -> None:
+    """The fast check reads the one buffer the gradients view, once (a gradient of its own is
+    read as itself); when it fails the names come from the per-gradient flags, and a NaN in
+    the buffer outside every gradient is a false alarm they clear: the step goes ahead."""
+    net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    flat = _bucketed(net, extra=1)
+    grads = [p.grad for p in net.parameters()]
+    assert [h is flat for h in _holders(grads)] == [True]  # type: ignore[arg-type]
+    own = torch.ones(2)
+    assert [h is flat for h in _holders([own, *grads])] == [False, True]  # type: ignore[list-item]
+    guard = NonFiniteGuard("raise")
+    assert _check(guard, net) is None
+    flat[-1] = NAN  # in the buffer, in no gradient
+    assert not bool(_grads_finite(grads))  # type: ignore[arg-type]
+    assert _check(guard, net) is None
+    net[1].weight.grad[0, 1] = float("inf")  # type: ignore[index]
+    msg = (
+        "Non-finite training step at global step 7, a batch of this step: non-finite gradients "
+        "on ranks [0] (rank 0: 1.weight). The optimizer step did not run"
+    )
+    with pytest.raises(RuntimeError, match="^" + re.escape(msg)):
+        _check(guard, net)
+
+
+def test_float16_bucket_is_widened_and_a_view_of_another_dtype_is_read_as_itself() -> None:
+    """A float16 bucket whose norm overflows float16 with finite entries passes, an inf in it
+    is named; a gradient viewing a buffer of another dtype is checked as
+    itself, not through that buffer (``torch.view_as_real``)."""
+    net = nn.Linear(2, 2).half()
+    flat = _bucketed(net, fill=60000.0)  # norm 147,000 > float16's max
+    guard = NonFiniteGuard("raise")
+    assert _check(guard, net) is None
+    flat[-1] = float("inf")
+    with pytest.raises(RuntimeError, match=r"non-finite gradients on ranks \[0\] \(rank 0: bias\)"):
+        _check(guard, net)
+    pairs = torch.zeros(3, dtype=torch.complex64)
+    grad = torch.view_as_real(pairs)  # float32 [3, 2] viewing a complex64 buffer
+    pairs[1] = complex(NAN, 0.0)
+    assert grad._base is pairs and [h is grad for h in _holders([grad])] == [True]
+    assert not bool(_grads_finite([grad]))
+
+
+def test_dtensor_gradients_are_read_through_their_local_shards_bucket(
+    one_process_world: None,
+) -> None:
+    """DTensor gradients (tensor parallelism, FSDP2) whose local shards view one buffer (FSDP2's
+    reduce-scatter output) are checked through that buffer; a NaN in one shard is named."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    net = nn.Linear(2, 3)
+    flat = _bucketed(net)
+    for p in net.parameters():
+        p.grad = DTensor.from_local(p.grad, mesh, [Shard(0)], run_check=False)  # type: ignore[arg-type]
+    grads = [p.grad for p in net.parameters()]
+    assert [h is flat for h in _holders(grads)] == [True]  # type: ignore[arg-type]
+    guard = NonFiniteGuard("raise")
+    assert _check(guard, net) is None
+    flat[0] = NAN
+    with pytest.raises(
+        RuntimeError, match=r"non-finite gradients on ranks \[0\] \(rank 0: weight\)"
+    ):
+        _check(guard, net)
 
 
 def test_non_finite_inputs_alone_are_not_acted_on_and_a_redo_replaces_flags() -> None:
