@@ -6,10 +6,19 @@ are checked before the optimizer step, and the run stops naming the rank). Here:
 * :class:`NonFiniteGuard` records, per batch of the current optimizer step (the accumulation
   window), whether the batch's floating tensors are finite (the *inputs*) and whether the loss
   this rank computed is finite; these are device flags, no host sync. Before the optimizer step
-  :meth:`NonFiniteGuard.check` adds whether this rank's local gradient pieces are finite (one
-  fused ``torch._foreach_norm``: a NaN or inf entry makes the norm non-finite; a norm beyond
-  the float32 range counts too, as in Megatron) and exchanges one ``[3]`` vector per rank (one
-  ``all_gather``, one host sync), so every rank takes the same decision: go ahead, raise
+  :meth:`NonFiniteGuard.check` adds whether this rank's local gradient pieces are finite and
+  exchanges one ``[3]`` vector per rank (one ``all_gather``, one host sync). The gradient
+  check takes the 2-norm of each tensor that holds gradients, once: a gradient viewing a
+  larger buffer of its dtype is read through that buffer (under torch's DDP, which the
+  package runs with ``gradient_as_bucket_view``, the gradients are views of a few flat
+  buckets: a few norms instead of one per gradient, as Megatron-LM's ``check_grads`` takes
+  the norm of each bucket). A NaN or inf entry makes its buffer's norm non-finite. The check
+  errs only towards failing: a buffer's norm bounds each of its views' (up to rounding), and
+  a buffer may hold entries outside this step's gradients. Only when it fails on some rank
+  does that rank take one norm per gradient (one fused ``torch._foreach_norm``), which names
+  the parameters (up to 3 per rank) or clears the false alarm; a gradient whose norm is
+  beyond the float32 range counts as non-finite, as in Megatron (float16 is widened first).
+  Every rank then takes the same decision: go ahead, raise
   ``RuntimeError`` naming the global step, the batch indices and the ranks with non-finite
   inputs, loss or gradients (and up to 3 parameter names per rank), or skip the step by setting
   every gradient to ``None`` (torch optimizers then leave weights and state untouched, as

@@ -16,7 +16,10 @@ Gradients (:func:`replicate_module`) under ``data_parallel="ddp"``: torch's comp
 ``replicate`` (``torch.distributed._composable.replicate``: a ``DistributedDataParallel`` over
 the module's parameters, its forward hooks on the module) over the ``dp`` group, so bucketed
 all-reduces overlap backward (torchtitan's ``apply_ddp``), and gradient accumulation skips them
-(:func:`set_gradient_sync`, DDP's ``no_sync``). Expert modules are ``ignored_modules``: their
+(:func:`set_gradient_sync`, DDP's ``no_sync``). With ``gradient_as_bucket_view``: after the
+reduce each gradient is a view of its flat bucket, with the same values (no copy from bucket
+to gradient; torch's DDP documentation: peak memory lower by the gradients' size), so the
+non-finite guard reads a few buckets (:mod:`~lightning_mmpar.parallel.finite`). Expert modules are ``ignored_modules``: their
 weights average over ``edp``, not ``dp``, after backward
 (:class:`~lightning_mmpar.parallel.data.GradientSync`). :func:`ddp_fallback` names the layouts
 where the package keeps its own all-reduce after backward instead.
@@ -141,7 +144,9 @@ def replicate_module(
     modules ignored (module docstring); ``None`` (nothing done) when ``module`` has no trainable
     parameter outside them. Buffers are not broadcast in forward (``forward_sync_buffers=False``,
     as before: a rank's buffers evolve with its own batches) and the set-up broadcast is
-    :func:`broadcast_module_state`'s (``init_sync=False``). ``replicate`` builds its
+    :func:`broadcast_module_state`'s (``init_sync=False``); gradients are views of DDP's buckets
+    (``gradient_as_bucket_view=True``: a gradient set to ``None``, as an optimizer's
+    ``zero_grad`` does, becomes one again at the next reduce). ``replicate`` builds its
     ``DistributedDataParallel`` at the first forward. Returns ``module``."""
     ignored = expert_data.expert_modules(module)
     skip = {id(p) for m in ignored for p in m.parameters()}
