@@ -19,8 +19,8 @@ all-reduces overlap backward (torchtitan's ``apply_ddp``), and gradient accumula
 (:func:`set_gradient_sync`, DDP's ``no_sync``). With ``gradient_as_bucket_view``: after the
 reduce each gradient is a view of its flat bucket, with the same values (no copy from bucket
 to gradient; torch's DDP documentation: peak memory lower by the gradients' size), so the
-non-finite guard reads a few buckets (:mod:`~lightning_mmpar.parallel.finite`). Expert modules are ``ignored_modules``: their
-weights average over ``edp``, not ``dp``, after backward
+non-finite guard reads a few buckets (:mod:`~lightning_mmpar.parallel.finite`). Expert modules
+are ``ignored_modules``: their weights average over ``edp``, not ``dp``, after backward
 (:class:`~lightning_mmpar.parallel.data.GradientSync`). :func:`ddp_fallback` names the layouts
 where the package keeps its own all-reduce after backward instead.
 """
