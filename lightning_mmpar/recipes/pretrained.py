@@ -215,10 +215,19 @@ def _key(part: str, name: str, tensors: TensorFile, hf: bool) -> str:
     return _language_key(name, tensors)
 
 
-def _read(tensors: TensorFile, key: str, shape: tuple[int, ...], index: Index) -> Tensor:
+VOCAB_PARAMS = ("embed_tokens.weight", "lm_head.weight")
+"""Endings of the parameters whose rows are the vocabulary: the only ones the loader pads with
+zero rows past the checkpoint's (:func:`vocab_rows`); any other tensor with fewer rows than
+the model's parameter is refused, not padded."""
+
+
+def _read(tensors: TensorFile, key: str, shape: tuple[int, ...], index: Index, name: str) -> Tensor:
     """``checkpoint[key]`` viewed with our global ``shape``, sliced by ``index``: open_clip's
-    fused ``[3 D, ...]`` rows as ``[3, D, ...]``, and vocabulary rows past the checkpoint's
-    as zeros."""
+    fused ``[3 D, ...]`` rows as ``[3, D, ...]``, and, for a vocabulary parameter (``name``
+    ends with one of :data:`VOCAB_PARAMS`), rows past the checkpoint's as zeros.
+
+    Raises:
+        ValueError: the checkpoint's shape fits none of these (a cut or mis-sized tensor)."""
     have = tensors.shapes[key]
     if have == shape:
         return tensors.read(key, index)
@@ -229,7 +238,8 @@ def _read(tensors: TensorFile, key: str, shape: tuple[int, ...], index: Index) -
             for c in range(index[0].start, index[0].stop)
         ]
         return torch.stack(parts)
-    if len(have) == len(shape) and have[1:] == shape[1:] and have[0] < shape[0]:  # padded vocab
+    padded = len(have) == len(shape) and have[1:] == shape[1:] and have[0] < shape[0]
+    if padded and name.endswith(VOCAB_PARAMS):
         rows = index[0]
         top = min(rows.stop, have[0])
         out = torch.zeros(
@@ -348,7 +358,7 @@ def load_towers(
                 keys[name], later[id(param)] = (key, param, []), name
                 continue
             elif key in tensors.shapes:
-                local = _read(tensors, key, tuple(param.shape), index).to(param.dtype)
+                local = _read(tensors, key, tuple(param.shape), index, name).to(param.dtype)
                 report.read[name] = (tuple(param.shape), index)
             else:
                 value = fresh.get(f"{tower}.{_LAYER.sub(_layer0, pname)}")
@@ -403,7 +413,7 @@ def load_deferred(module: Any, device: torch.device) -> None:
         held = [sub._parameters[attr] for sub, attr in spots]  # FSDP's replacement first
         param = next((p for p in held if p is not meta), meta)
         index = _local_index(param)[1]
-        local = _read(tensors, key, tuple(param.shape), index).to(param.dtype)
+        local = _read(tensors, key, tuple(param.shape), index, name).to(param.dtype)
         value = _marked(param, _as_param(param, local, device))
         assign(spots, value)
         report.read[name] = (tuple(param.shape), index)

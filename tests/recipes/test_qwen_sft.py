@@ -125,3 +125,32 @@ def test_qwen_sft_yaml_trains_the_example_on_assistant_tokens(tmp_path: Path) ->
     vision = cli.model.qwen_model.vision
     merger = {id(p) for p in vision.merger.parameters()}
     assert not any(p.requires_grad for p in vision.parameters() if id(p) not in merger)
+
+
+def test_a_cut_vit_tensor_is_refused_not_zero_padded(tmp_path: Path) -> None:
+    """A checkpoint tensor with fewer rows than the model's parameter is refused by the
+    recipe's per-rank loader naming it and both shapes; only the vocabulary parameters
+    (``recipes.pretrained.VOCAB_PARAMS``) are padded with zero rows (before: the ViT's fused
+    ``attn.qkv`` cut by 3 rows loaded as q / k / v with a zero last row, silently)."""
+    from safetensors.torch import load_file, save_file
+
+    paths = write_tiny_qwen(tmp_path / "tiny")
+    (weights,) = Path(paths["model"]).glob("*.safetensors")
+    state = load_file(str(weights))
+    key = "visual.blocks.0.attn.qkv.weight"  # the Qwen2-VL checkpoint naming the example writes
+    state[key] = state[key][:-3].contiguous()
+    save_file(state, str(weights), metadata={"format": "pt"})
+    config = yaml.safe_load(YAML.read_text())
+    config["trainer"] |= {"devices": 1, "max_steps": 1, "logger": False}
+    config["trainer"] |= {"enable_progress_bar": False, "default_root_dir": str(tmp_path / "run")}
+    config["trainer"]["strategy"]["init_args"]["tensor_parallel"] = 1
+    config["model"]["pretrained"]["hf"] = str(paths["model"])
+    config["data"]["init_args"] |= {
+        "train_file": str(paths["train_file"]),
+        "image_root": str(paths["image_root"]),
+    }
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(
+        ValueError, match=r"'blocks\.0\.attn\.q_proj\.weight' has shape \[\d+, \d+\]"
+    ):
+        run_cli(["fit", "--config", str(tmp_path / "c.yaml")])
