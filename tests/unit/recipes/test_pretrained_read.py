@@ -39,7 +39,8 @@ def test_a_shorter_tensor_of_another_parameter_is_refused() -> None:
     tensors = _file("blocks.0.attn.q_proj.weight", torch.ones(31, 32))
     with pytest.raises(
         ValueError,
-        match=r"'blocks\.0\.attn\.q_proj\.weight' has shape \[31, 32\], the model's parameter \[32, 32\]",
+        match=r"'blocks\.0\.attn\.q_proj\.weight' has shape \[31, 32\], "
+        r"the model's parameter \[32, 32\]",
     ):
         _read(
             tensors,
