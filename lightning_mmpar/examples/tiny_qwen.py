@@ -11,8 +11,8 @@
                             preprocessor_config.json (Qwen2VLImageProcessor: 4 px patches,
                             merge 2, 64 to 1024 pixels)
     runs/tiny_qwen/data/    train.json (LLaVA format: text-only, one-image and two-image
-                            conversations), images/*.png (squares of three sizes: image
-                            grids of 4 x 6, 8 x 4 and 4 x 4 patches)
+                            conversations), images/*.png (24 x 16, 16 x 32 and 16 x 16
+                            pixels: image grids of 4 x 6, 8 x 4 and 4 x 4 patches)
 
 what ``recipes/qwen_sft_cpu.yaml`` fine-tunes (``model.pretrained.hf``). Nothing touches the
 network; the same seed writes the same files. A real checkpoint directory

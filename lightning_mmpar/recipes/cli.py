@@ -64,7 +64,7 @@ from lightning_mmpar.callbacks.fp8_training import FP8Training
 from lightning_mmpar.data.conversations import RaggedDataModule
 from lightning_mmpar.data.digits import DigitsCaptions
 from lightning_mmpar.data.transforms import ImagePreprocess
-from lightning_mmpar.models.hf import FAMILIES, hf_data_args
+from lightning_mmpar.models.hf import FAMILIES, check_model_type, hf_data_args
 from lightning_mmpar.models.hf.checkpoint import hf_config
 from lightning_mmpar.models.hf.qwen3_convert import is_qwen3_moe_vl_dir
 from lightning_mmpar.models.hf.qwen_convert import is_qwen_vl_dir
@@ -385,6 +385,9 @@ class ClipLlamaCLI(LightningCLI):
         (:func:`link_vision_preprocess`). The mapping's lines are printed once (rank 0), after
         every check passed; a refusal is a set-up error (:func:`main`: one line, exit 2)."""
         cfg = self.config[self.subcommand] if self.subcommand else self.config
+        with _setup_errors():  # an unsupported checkpoint, before anything reads it
+            if cfg.get("model.pretrained.hf"):
+                check_model_type(cfg.get("model.pretrained.hf"))
         link_vision_preprocess(cfg)
         with _setup_errors():  # nothing printed before a refusal: the lines come at the end
             linked = link_hf_data(cfg)

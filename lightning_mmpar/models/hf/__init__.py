@@ -45,6 +45,7 @@ from lightning_mmpar.models.hf.qwen_convert import QWEN_FAMILIES, qwen_vl_from_h
 __all__ = [
     "FAMILIES",
     "HFFamily",
+    "check_model_type",
     "family_of",
     "from_hf",
     "hf_data_args",
@@ -62,15 +63,15 @@ def _supported_model_types() -> list[str]:
     return sorted(FAMILIES.keys() | QWEN_FAMILIES.keys() | QWEN3_MOE_FAMILIES.keys())
 
 
-def _checked_hf_config(path: str | Path) -> Any:
-    """The transformers config of the directory ``path`` (:func:`~lightning_mmpar.models.hf.
-    checkpoint.hf_config`), once its ``model_type`` is known to be one this package loads:
-    checked on the raw JSON first, so an unknown type (``idefics2``, a typo) is refused here
-    rather than by transformers' ``AutoConfig``.
+def check_model_type(path: str | Path) -> str:
+    """The ``model_type`` of the checkpoint directory ``path``'s ``config.json``, read as JSON,
+    once it is one this package loads (transformers is not asked, so an unknown type -
+    ``idefics2``, ``bert``, a typo - is refused here rather than by transformers'
+    ``AutoConfig`` or by a later, unrelated check).
 
     Raises:
-        ValueError: no config.json or no ``model_type`` in it; an unsupported ``model_type``,
-            naming ``path``, the type found and :func:`_supported_model_types`.
+        ValueError: no config.json or no ``model_type`` string in it; an unsupported
+            ``model_type``, naming ``path``, the type found and the supported ones.
     """
     kind = model_type_of(path)
     if kind not in _supported_model_types():
@@ -78,6 +79,17 @@ def _checked_hf_config(path: str | Path) -> Any:
             f"{str(path)!r}: config.json model_type {kind!r} is not supported; supported: "
             f"{_supported_model_types()}."
         )
+    return kind
+
+
+def _checked_hf_config(path: str | Path) -> Any:
+    """The transformers config of the directory ``path`` (:func:`~lightning_mmpar.models.hf.
+    checkpoint.hf_config`) once :func:`check_model_type` accepts it.
+
+    Raises:
+        ValueError: as :func:`check_model_type`.
+    """
+    check_model_type(path)
     return hf_config(path)
 
 

@@ -66,19 +66,28 @@ def model_type_of(path: str | Path) -> str:
     """
     file = Path(path) / "config.json"
     if not file.is_file():
-        raise ValueError(
-            f"{str(path)!r} has no config.json: pass a directory written by transformers' "
-            "save_pretrained."
+        given = Path(path)
+        hint = (
+            f"pass its directory, {str(given.parent)!r}"
+            if given.is_file()
+            else "pass a directory written by transformers' save_pretrained"
         )
+        raise ValueError(f"{str(path)!r} has no config.json: {hint}.")
     try:
         config = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{str(file)!r} is not valid JSON ({err}).") from err
-    kind = config.get("model_type") if isinstance(config, dict) else None
-    if not isinstance(kind, str):
+    if not isinstance(config, dict):
         raise ValueError(
-            f"{str(file)!r} has no 'model_type' key (found {kind!r}): pass a directory "
-            "written by transformers' save_pretrained."
+            f"{str(file)!r} holds a JSON {type(config).__name__}, not an object: pass a "
+            "directory written by transformers' save_pretrained."
+        )
+    kind = config.get("model_type")
+    if not isinstance(kind, str):
+        found = "no 'model_type' key" if kind is None else f"'model_type' {kind!r}"
+        raise ValueError(
+            f"{str(file)!r} has {found}; a string such as 'llava' or 'qwen2_vl' is needed: "
+            "pass a directory written by transformers' save_pretrained."
         )
     return kind
 

@@ -210,8 +210,8 @@ def _check_expert_shape(key: str, shape: tuple[int, ...], config: Qwen3MoeVLConf
         raise ValueError(
             f"{key} has shape {list(shape)}; the config (num_experts {moe.num_experts}, "
             f"hidden_size {config.language.hidden_size}, moe_intermediate_size {moe.ffn_width}) "
-            f"expects {list(memory)} (or the transposed {list(hub)}): a truncated expert tensor, "
-            "or one expert-parallel rank's experts; write every expert of it."
+            f"expects {list(memory)} (or the transposed {list(hub)}): a cut or mis-sized expert "
+            "tensor, or one expert-parallel rank's experts; write every expert of it."
         )
     return tuple(shape) == memory
 

@@ -176,10 +176,12 @@ def test_unknown_model_type_names_the_supported_ones(tmp_path: Path) -> None:
             {"model_type": "qwen2vl"},
             r"'qwen2vl' is not supported; supported: \['llava', 'qwen2_5_vl'",
         ),
-        ({"architectures": ["X"]}, r"has no 'model_type' key \(found None\)"),
-        (None, r"has no config.json"),
+        ({"architectures": ["X"]}, r"has no 'model_type' key; a string such as 'llava'"),
+        ({"model_type": 3}, r"has 'model_type' 3; a string such as 'llava'"),
+        (["llava"], r"holds a JSON list, not an object"),
+        (None, r"has no config.json: pass a directory"),
     ],
-    ids=["idefics2", "typo", "no model_type", "no config.json"],
+    ids=["idefics2", "typo", "no model_type", "model_type 3", "a list", "no config.json"],
 )
 def test_unsupported_model_type_is_refused_before_transformers(
     config: dict[str, Any] | None, expected: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -201,6 +203,29 @@ def test_unsupported_model_type_is_refused_before_transformers(
         with pytest.raises(ValueError, match=expected) as err:
             call(tmp_path)
         assert str(tmp_path) in str(err.value)
+
+
+def test_a_config_file_instead_of_its_directory_names_the_directory(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"model_type": "llava"}')
+    with pytest.raises(ValueError, match=rf"has no config.json: pass its directory, '{tmp_path}'"):
+        from_hf(tmp_path / "config.json")
+
+
+def test_recipe_cli_refuses_an_unsupported_checkpoint_first(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--model.pretrained.hf`` of a directory whose model_type the package does not load: the
+    recipe CLI's one-line set-up error (exit 2) names it, before any link reads the directory
+    (before: the image-size check or transformers' own error spoke first)."""
+    from lightning_mmpar.recipes.cli import main
+
+    (tmp_path / "config.json").write_text('{"model_type": "bert"}')
+    recipe = Path(__file__).resolve().parents[3] / "recipes" / "qwen_sft_cpu.yaml"
+    with pytest.raises(SystemExit) as done:
+        main(["fit", "--config", str(recipe), "--model.pretrained.hf", str(tmp_path)])
+    assert done.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model_type 'bert' is not supported" in err[0], err
 
 
 def test_image_processor_is_read_from_the_checkpoint(checkpoint: Path, tmp_path: Path) -> None:
