@@ -607,6 +607,7 @@ def run_cli(args: list[str] | None = None) -> ClipLlamaCLI:
         args=args,
         save_config_kwargs={"overwrite": True},
         parser_class=RecipeArgumentParser,
+        parser_kwargs={"allow_abbrev": False},  # --trainer.max_step is a typo, not max_steps
     )
 
 

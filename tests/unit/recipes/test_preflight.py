@@ -295,6 +295,10 @@ def test_cli_prints_setup_errors_and_unknown_options_without_traceback(
     err = capsys.readouterr().err
     assert "--trainer.max_stepz: did you mean --trainer.max_steps" in err
     assert "usage:" not in err and "fit --help lists every option" in err  # short, not a dump
+    with pytest.raises(SystemExit) as exit_:  # a prefix is a typo, not an abbreviation
+        main(["fit", "--config", YAML, "--trainer.max_step", "5"])
+    assert exit_.value.code == 2
+    assert "--trainer.max_step: did you mean --trainer.max_steps" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # an argument of the data module's class
         main(["fit", "--config", YAML, "--data.batch_sise", "24"])
     assert "batch_sise (RecipeDigitsCaptions): did you mean batch_size?" in capsys.readouterr().err
