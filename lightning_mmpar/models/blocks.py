@@ -66,6 +66,7 @@ __all__ = [
     "VisionPool",
     "VisionStem",
     "clamp_logit_scale_",
+    "owned",
 ]
 
 MAX_LOGIT_SCALE = 100.0
@@ -158,7 +159,7 @@ def _broadcast_rows(x: Tensor, rows: int) -> Tensor:
     return x.unsqueeze(0).expand(rows, *x.shape).contiguous()
 
 
-def _owned(x: Tensor) -> Tensor:
+def owned(x: Tensor) -> Tensor:
     """``x``, copied when it is a view (a linear layer over a 4-d input, ``expand``,
     ``unflatten``): a block returns no view of another tensor, which FSDP2 warns "can cause
     backward to fail or produce wrong gradients" (its pre-backward hooks go on the outputs).
@@ -271,7 +272,7 @@ class VisionPool(FusionBlock):
             pooled, tokens = pool_tokens(sel, self.ln_post, self.proj, self.config)
             return (scatter_slots(tokens, mask, dummy), scatter_slots(pooled, mask, dummy), *rest)
         pooled, tokens = pool_tokens(x, self.ln_post, self.proj, self.config)
-        return (_owned(tokens), _owned(pooled), *rest)
+        return (owned(tokens), owned(pooled), *rest)
 
     def _tally(self, tally: CostTally, n: int, t: int) -> None:
         width, out = self.proj.shape
@@ -314,7 +315,7 @@ class Bridge(FusionBlock):
         image_sample: Tensor,
         image_position: Tensor,
     ) -> tuple[Tensor, ...]:
-        img = _owned(self.projector(tokens))
+        img = owned(self.projector(tokens))
         ht = self.embed_tokens(ids)
         h = ht
         if self.image_token_id is not None:
@@ -346,7 +347,7 @@ class Bridge(FusionBlock):
             hp = h.new_zeros(*p_ids.shape, h.shape[-1])
         else:
             hp = _broadcast_rows(self.embed_tokens(p_ids[0]), p_ids.shape[0])
-        img = _owned(self.projector(tokens))
+        img = owned(self.projector(tokens))
         return tuple(Streams(img, pooled, h, h.clone(), last, hp, p_last))
 
     def _tally(self, tally: CostTally, n: int, t: int) -> None:
@@ -464,7 +465,7 @@ class DecoderLayer(FusionBlock):
                 text_packed=text_kw,
                 image_padding=image_pad,
             )
-            return tuple(s._replace(img=_owned(img.unflatten(1, (i, n))), h=h, ht=ht))
+            return tuple(s._replace(img=owned(img.unflatten(1, (i, n))), h=h, ht=ht))
         h = self.layer(s.h, img, None, **fused_kw)
         none = img.new_zeros(b, 0, img.shape[-1])
         ht = self._text(s.ht, lambda: self.layer(s.ht, none, None, **text_kw))
@@ -559,7 +560,7 @@ class Head(FusionBlock):
                 logits=self.lm_head(self.norm(h)),
                 image_features=F.normalize(self.image_head(pooled), dim=-1),
                 text_features=F.normalize(text, dim=-1),
-                logit_scale=_owned(scale.expand(h.shape[0])),
+                logit_scale=owned(scale.expand(h.shape[0])),
                 momentum_image=momentum[0],
                 momentum_text=momentum[1],
                 class_features=classes,

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from torch import Tensor, nn
 
 from lightning_mmpar.models.block_cost import CostTally
-from lightning_mmpar.models.blocks import FusionBlock
+from lightning_mmpar.models.blocks import FusionBlock, owned
 from lightning_mmpar.models.hf.mrope import MRopeAttention
 from lightning_mmpar.models.hf.qwen_vision import (
     QwenPatchMerger,
@@ -170,7 +170,7 @@ class QwenMergerBlock(FusionBlock):
         self, x: Tensor, position: Tensor, frame: Tensor, slot: Tensor, *rest: Tensor
     ) -> tuple[Tensor, ...]:
         kept = (slot,) if self.keeps_slot else ()
-        return (*self.merger(x, frame), *kept, *rest)
+        return (*(owned(t) for t in self.merger(x, frame)), *kept, *rest)
 
     def _tally(self, tally: CostTally, n: int, t: int) -> None:
         tally.linear(n, self.merger.mlp[0])

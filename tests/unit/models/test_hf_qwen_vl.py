@@ -263,3 +263,25 @@ def test_block_costs_grow_with_the_tokens_they_run_on() -> None:
             assert base == more_images == more_text == 0
         else:
             assert more_text > base > 0 and more_images == base
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl_moe"])
+def test_no_block_returns_a_view(family: str) -> None:
+    """Every pipeline block's outputs own their storage (FSDP2 warns that a wrapped module
+    returning a view can lose its pre-backward hook: it did for the patch merger), on a batch
+    with text-only, one- and two-image samples."""
+    from lightning_mmpar.models.hf.qwen3_convert import qwen3_moe_vl_from_transformers
+    from tests.unit.models import qwen3_moe_cases as mc
+
+    model = (
+        qwen_vl_from_transformers(qc.hf_model(family))
+        if family == "qwen2_vl"
+        else qwen3_moe_vl_from_transformers(mc.hf_model())
+    )
+    state = model.pipeline_inputs(qc.collate(pack=True))
+    with torch.no_grad():
+        for block in model.pipeline_blocks():
+            state = block(*state)
+            state = state if isinstance(state, tuple) else (state,)
+            views = [i for i, t in enumerate(state) if t._base is not None]
+            assert not views, (type(block).__name__, views)
