@@ -128,6 +128,11 @@ class ClipLlamaModule(CaptionGeneration, LightningModule):
     fixed_image_size: ClassVar[bool] = True
     """The ViT takes images of ``fusion.vision.image_size`` only (the data's must match);
     ``False`` for a dynamic-resolution model."""
+    loss_is_dp_share: ClassVar[bool] = True
+    """Each dp rank's loss is its share of the global batch's, already scaled by ``dp`` (the
+    caption term's ``sum_CE_r / N * dp``, :class:`~lightning_mmpar.recipes.losses.RecipeLoss`):
+    ``mm_parallel`` logs ``train_loss`` / ``val_loss`` / ``test_loss`` as the plain mean of the
+    ranks' values, not weighted by their rows."""
     _hf_modules: ClassVar[list[type[ClipLlamaModule]]] = []
     """Subclasses that train a transformers directory of their own kind (:meth:`handles_hf`),
     registered by defining ``handles_hf``."""

@@ -6,10 +6,11 @@ strategy: through the pipeline schedule (``pp > 1``) or as one chunk of every bl
 ``PipelineModule`` runs its own steps (Lightning's). A pipelined training step keeps the
 schedule's gradients aside (:class:`~lightning_mmpar.strategy.gradient_stash.GradientStash`)
 until the strategy's ``backward``; every step logs ``train_loss`` / ``val_loss`` /
-``test_loss``, the per-sample mean over the data-parallel group (:meth:`PipelinedSteps._log`),
-or, for a ``pipeline_loss`` that returns ``(sum, token count)`` or a
-:class:`~lightning_mmpar.parallel.token_loss.TokenMean`, the mean over the batch's target tokens
-on every dp rank.
+``test_loss``, the per-sample mean over the data-parallel group (:meth:`PipelinedSteps._log`);
+the mean of the ranks' shares for a module whose loss is each rank's share of the global
+batch's (``loss_is_dp_share = True``, the recipe's); or, for a ``pipeline_loss`` that returns
+``(sum, token count)`` or a :class:`~lightning_mmpar.parallel.token_loss.TokenMean`, the mean
+over the batch's target tokens on every dp rank.
 
 Token losses, from a pipelined module or from any module's own ``training_step`` (a
 ``TokenMean``, e.g. :func:`lightning_mmpar.losses.caption_loss`'s result, alone or as a dict's
@@ -104,22 +105,34 @@ class PipelinedSteps(Strategy):
         return as_token_mean(module.pipeline_loss(self._chunk(*inputs), target))
 
     def _log(self, name: str, loss: Tensor, batch: Any) -> None:
-        """Log the per-sample mean over the data-parallel group, weighted by samples.
+        """Log the loss of the data-parallel group's global batch, identical on every rank.
 
-        Each dp rank contributes ``(loss * B_r, B_r)``; the logged value is their ratio and its
-        ``batch_size`` the global batch, so Lightning's epoch mean of validation/test losses is
-        the mean over samples, as on one process (not a mean of batch means). A
-        :class:`~lightning_mmpar.parallel.token_loss.TokenMean` contributes ``(sum, tokens)``
-        instead: the value is the token mean of the global batch, weighted by its tokens.
+        A per-sample mean: each dp rank contributes ``(loss * B_r, B_r)`` and the value is
+        their ratio, the mean over the global batch's samples (rows) as on one process. A module
+        with ``loss_is_dp_share = True`` returns on each rank its share of the global batch's
+        loss, already scaled by ``dp`` (the recipe's caption term, ``sum_CE_r / N * dp``): the
+        value is the plain mean of the ranks' shares, whatever rows each rank holds (weighting
+        them by rows is wrong when packing gives the ranks different row counts). A
+        :class:`~lightning_mmpar.parallel.token_loss.TokenMean` contributes ``(sum, tokens)``:
+        the value is the token mean of the global batch. The logged ``batch_size`` is the
+        global batch (samples; tokens for a ``TokenMean``), so Lightning's epoch mean of
+        validation/test losses weighs every batch by its size, as on one process (not a mean
+        of batch means).
         """
         if isinstance(loss, TokenMean):
-            pair = torch.stack([loss.token_sum.detach().double(), loss.tokens.double()])
+            sums = torch.stack([loss.token_sum.detach().double(), loss.tokens.double()])
+            sums = torch.cat([sums, sums[1:]])
         else:
-            samples = float(extract_batch_size(batch))
-            pair = torch.stack([loss.detach().float() * samples, loss.new_tensor(samples).float()])
-        pair = comm.all_reduce(pair, "sum", self.parallel_dims.get_group("dp"))
-        value = (pair[0] / pair[1].clamp(min=1)).float()
-        self._module.log(name, value, prog_bar=True, batch_size=int(pair[1].item()))
+            samples = loss.new_tensor(float(extract_batch_size(batch))).float()
+            weight = samples.new_ones(()) if self._dp_share_loss() else samples
+            sums = torch.stack([loss.detach().float() * weight, weight, samples])
+        sums = comm.all_reduce(sums, "sum", self.parallel_dims.get_group("dp"))
+        value = (sums[0] / sums[1].clamp(min=1)).float()
+        self._module.log(name, value, prog_bar=True, batch_size=int(sums[2].item()))
+
+    def _dp_share_loss(self) -> bool:
+        """The module's loss is each dp rank's share of the global batch's (``_log``)."""
+        return bool(getattr(self._module, "loss_is_dp_share", False))
 
     def _backward_loss(self, out: Any) -> Any:
         """A training step's result with a token loss replaced by its sum (recorded for the

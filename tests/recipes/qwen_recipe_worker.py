@@ -103,6 +103,10 @@ LAYOUTS: tuple[pm.Layout, ...] = (
     pm.Layout("qwen recipe tp2 x pp2", 4, pm._pp("1f1b", 2, 2, 1, tensor_parallel=2)),
     pm.Layout("qwen3 recipe ep2 x tp2", 4, {"expert_parallel": 2, "tensor_parallel": 2}),
 )
+UNEVEN = "qwen recipe dp2 fsdp"
+"""The layout whose dp ranks hold 3 and 1 of the batch's 4 rows (as packing gives ranks
+different row counts): its logged ``train_loss`` is still one process's (the mean of the
+ranks' shares, not their row-weighted mean)."""
 FAMILIES = {"qwen": "qwen2_vl", "qwen2.5": "qwen2_5_vl", "qwen3": "qwen3_vl_moe"}
 """A recipe layout's first word -> the family of the directory it trains."""
 
@@ -175,8 +179,7 @@ def run(layout: pm.Layout | None, rank: int = 0, name: str = "qwen2_vl") -> dict
     strategy: Any = "auto"
     devices = 1
     if layout is not None:
-        dp = layout.dims.dp
-        data = [pm.dp_slice(b, dp, layout.dims.rank_coords(rank)["dp"]) for b in data]
+        data = [dp_rows(b, layout, rank) for b in data]
         strategy, devices = MultimodalParallelStrategy(**layout.strategy), layout.world
     m = module(source, 128, layout.vision_parallel if layout else "tp")
     m.text_length = TOKENS
@@ -193,6 +196,17 @@ def run(layout: pm.Layout | None, rank: int = 0, name: str = "qwen2_vl") -> dict
         "experts_read": _experts_read(m),
         "checkpoint": (ckpt, source) if saved else None,
     }
+
+
+def dp_rows(batch: dict[str, Tensor], layout: pm.Layout, rank: int) -> dict[str, Tensor]:
+    """This rank's rows of ``batch``: an even share (:func:`~tests.recipes.parity_matrix_worker.
+    dp_slice`), or under :data:`UNEVEN` all rows but the last on dp rank 0, the last on 1."""
+    dp, coord = layout.dims.dp, layout.dims.rank_coords(rank)["dp"]
+    if layout.name != UNEVEN:
+        return pm.dp_slice(batch, dp, coord)
+    cut = batch["input_ids"].shape[0] - 1
+    rows = slice(0, cut) if coord == 0 else slice(cut, None)
+    return {k: v[rows] if isinstance(v, Tensor) else v for k, v in batch.items()}
 
 
 def reference(cache: dict[str, Any], layout: pm.Layout) -> dict[str, Any]:
