@@ -417,6 +417,12 @@ class ConversationDataModule(RaggedDataModule):
         kwargs = getattr(strategy, "distributed_sampler_kwargs", None) or {}
         return int(kwargs.get("rank", 0)), int(kwargs.get("num_replicas", 1))
 
+    def val_dataloader(self) -> DataLoader[dict[str, torch.Tensor]] | list[Any]:
+        """The validation samples in order; ``[]`` when there are none (``val_fraction`` 0 and
+        no ``val_file`` / ``val_shards``): Lightning then skips validation."""
+        self.setup("fit")
+        return self._loader("val", False) if "val" in self.datasets else []
+
     def dataset(self, split: str = "train") -> Dataset[dict[str, Any]]:
         """The split's dataset (after :meth:`setup`)."""
         self.setup("fit")

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.pytorch import LightningModule, Trainer
 from PIL import Image
 
 from lightning_mmpar.data import ConversationDataModule
@@ -230,6 +231,55 @@ def test_batches_padded_and_packed(tmp_path: Path) -> None:
     empty = {k: v[n:] for k, v in rows.items()}
     assert (empty["sample_ids"] == -1).all() and (empty["labels"] == IGNORE_INDEX).all()
     assert (empty["input_ids"] == module.pad_token_id).all() and not empty["image_mask"].any()
+
+
+class _Counting(LightningModule):
+    """One weight trained on the rows' token counts; counts the validation batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(()))
+        self.val_batches = 0
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.w * (batch["sample_ids"] >= 0).float().mean()
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.val_batches += 1
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize(("val_fraction", "val_batches"), [(0.0, 0), (0.25, 1)])
+def test_val_fraction_zero_trains_without_validation(
+    tmp_path: Path, val_fraction: float, val_batches: int
+) -> None:
+    """``val_fraction: 0`` (no val file) is no validation: the loader is ``[]`` and fit
+    skips the loop; it raised ``no val data`` at the first validation before."""
+    module = ConversationDataModule(
+        train_file=str(_write(tmp_path, RECORDS * 4)),
+        image_root=str(tmp_path),
+        image_size=16,
+        batch_size=3,
+        max_tokens=64,
+        pack=True,
+        val_fraction=val_fraction,
+    )
+    model = _Counting()
+    trainer = Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(model, datamodule=module)
+    assert trainer.global_step == len(module.datasets["train"]) // 3
+    assert model.val_batches == val_batches
+    assert (module.val_dataloader() == []) == (val_fraction == 0)
 
 
 def _shard(path: Path, samples: list[tuple[str, dict[str, Any], list[str]]]) -> None:
