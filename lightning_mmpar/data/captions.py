@@ -251,9 +251,10 @@ class CaptionsDataModule(ClassPrompts, pl.LightningDataModule):
         batches on every dp rank)."""
         return self._loader("train", True)
 
-    def val_dataloader(self) -> DataLoader[dict[str, torch.Tensor]]:
-        """The validation file in order."""
-        return self._loader("val", False)
+    def val_dataloader(self) -> DataLoader[dict[str, torch.Tensor]] | list[Any]:
+        """The validation file in order; ``[]`` without ``val_file`` (no validation: Lightning
+        skips the loop)."""
+        return self._loader("val", False) if self.files["val"] is not None else []
 
     def predict_dataloader(self) -> DataLoader[dict[str, torch.Tensor]]:
         """The validation file in order (``predict`` captions it)."""

@@ -194,9 +194,10 @@ class WebDatasetCaptions(ClassPrompts, pl.LightningDataModule):
         dropped; a torchdata ``StatefulDataLoader`` whose state Lightning checkpoints."""
         return self._loader("train", True)
 
-    def val_dataloader(self) -> DataLoader[dict[str, torch.Tensor]]:
-        """This dp rank's share of the validation shards, in order."""
-        return self._loader("val", False)
+    def val_dataloader(self) -> DataLoader[dict[str, torch.Tensor]] | list[Any]:
+        """This dp rank's share of the validation shards, in order; ``[]`` without
+        ``val_shards`` (no validation: Lightning skips the loop)."""
+        return self._loader("val", False) if "val" in self.urls else []
 
     def predict_dataloader(self) -> DataLoader[dict[str, torch.Tensor]]:
         """As :meth:`val_dataloader` (``predict`` captions the validation images)."""

@@ -128,3 +128,4 @@ def test_valid_small_config_still_loads(tmp_path: Path) -> None:
     dm = CaptionsDataModule(train_file=str(file), num_workers=0, max_vocab=5, batch_size=1)
     dm.setup()
     assert dm.tokenizer is not None and dm.tokenizer.vocab_size == 5
+    assert dm.val_dataloader() == []  # no val_file: no validation (raised "no val data")

@@ -72,6 +72,7 @@ def test_split_by_dp_rank_and_worker_covers_every_sample_once(tmp_path: Path) ->
     seen = []
     for rank in (0, 1):
         dm = _module(pattern, rank, 2, num_workers=2)
+        assert dm.val_dataloader() == []  # no val_shards: no validation (raised "no val data")
         seen.append(_ids(dm, list(dm.train_dataloader())))
     assert len(seen[0]) == len(seen[1]) == 8  # equal batch counts on both dp ranks
     assert sorted(seen[0] + seen[1]) == list(range(16))  # every sample exactly once
