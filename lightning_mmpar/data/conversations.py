@@ -235,8 +235,8 @@ class RaggedDataModule(pl.LightningDataModule):
         """Shuffled (seeded by ``seed`` and the epoch), last partial batch dropped."""
         return self._loader("train", True)
 
-    def val_dataloader(self) -> DataLoader[dict[str, torch.Tensor]]:
-        """The validation samples in order."""
+    def val_dataloader(self) -> DataLoader[dict[str, torch.Tensor]] | list[Any]:
+        """The validation samples in order (a subclass without a validation split: ``[]``)."""
         return self._loader("val", False)
 
 
