@@ -180,6 +180,16 @@ def test_plan_rejects_layouts_over_the_memory_limit_with_the_reason(
             "--samples-per-row (2) prices packed rows; the YAML's data (RecipeDigitsCaptions) "
             "puts one sample per row",
         ),
+        (  # DigitsVQA: 1.5 images per sample, 6 image slots per row
+            ["--config", VQA, "--gpus", "4", "--samples-per-row", "40"],
+            "--samples-per-row (40 samples per row) at 1.5 images per sample puts 60 images in "
+            "a row; the YAML's data.max_images_per_row is 6: give --samples-per-row <= 4",
+        ),
+        (  # 64 tokens per row
+            ["--config", VQA, "--gpus", "4", "--samples-per-row", "3", "--text-length", "30"],
+            "--samples-per-row (3 samples per row) at 30 tokens each (--text-length) needs 90 "
+            "tokens; the YAML's data.max_tokens is 64: give --samples-per-row <= 2.13333",
+        ),
         (
             ["--config", CPU, "--gpus", "4", "--image-tokens", "10"],
             "--image-tokens (10) must be a square number of patches",
@@ -494,3 +504,35 @@ def test_caption_data_gets_no_noncolocated_layout(
     assert f"error: {vision_ranks_refusal(data, 2)}\n" in capsys.readouterr().err
     assert cli.main([*argv, "--vision-ranks", "0", "--top", "1"]) == 0
     assert "no non-colocated layout" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("gpus", "rows"), [(8, "3.6"), (8, "1.5"), (4, "2.5")])
+def test_packed_fragment_keeps_the_global_batch_and_sets_rows_multiple(
+    gpus: int, rows: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--samples-per-row``: the fragment's ``data.batch_size`` x dp x accumulation is the
+    YAML's 32 samples per step (dp divides the samples, not the rounded rows), and its
+    ``data.rows_multiple`` (the YAML says 2) makes every packed batch's rows split into the
+    layout's micro-batches (each over tp under vision_parallel='dp'), so the recipe's
+    pre-launch check and the strategy accept it whatever rows packing gives."""
+    out = tmp_path / "f.yaml"
+    argv = ["--config", VQA, "--gpus", str(gpus), "--samples-per-row", rows, "--device", "cpu"]
+    assert cli.main([*argv, "--write-yaml", str(out)]) == 0
+    assert "32 samples per step in " in capsys.readouterr().out
+    run = cli._prepare(cli._parser().parse_args(argv))
+    ranked = [p.layout for p in cli._rank(cli._parser().parse_args(argv), run)[0]]
+    frags = [yaml.safe_load(out.read_text())]
+    frags += [cli.fragment(x, None, 1, float(rows), global_batch=32, packs=True) for x in ranked]
+    assert {x.dp_size for x in ranked} > {1}
+    for frag in frags:
+        init = frag["trainer"]["strategy"]["init_args"]
+        dp = (frag["trainer"]["devices"] - init["vision_ranks"]) // (
+            init["tensor_parallel"] * init["pipeline_parallel"]
+        )
+        assert frag["data"]["batch_size"] * dp * frag["trainer"]["accumulate_grad_batches"] == 32
+        step = init["micro_batches"] or 1
+        if frag["model"]["plan"]["vision_parallel"] == "dp" and not init["vision_ranks"]:
+            step *= init["tensor_parallel"]
+        assert frag["data"]["rows_multiple"] == step
+    with pytest.raises(ValueError, match="not divisible by the layout's dp x accumulate"):
+        cli.fragment(ParallelLayout(dp=3), samples_per_row=2.0, global_batch=32)
