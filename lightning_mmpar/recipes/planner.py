@@ -23,7 +23,6 @@ status 2 and the reason.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import inspect
 import math
 import sys
@@ -357,7 +356,9 @@ def _global_batch(config: dict[str, Any], args: argparse.Namespace) -> int:
     return int(data_args(config).get("batch_size", 1)) * dp
 
 
-def _table(ranked: Sequence[Prediction]) -> str:
+def _table(ranked: Sequence[Prediction], own: str | None = None) -> str:
+    """The ranking, one row per layout; the YAML's own layout (``own``, its
+    :func:`describe`) marked ``(the YAML's)``."""
     rows = [
         (
             "#",
@@ -373,7 +374,7 @@ def _table(ranked: Sequence[Prediction]) -> str:
         rows.append(
             (
                 str(i),
-                describe(p.layout),
+                describe(p.layout) + (" (the YAML's)" if describe(p.layout) == own else ""),
                 f"{p.memory.total / GIB:.2f}",
                 f"{p.comm_total_bytes / 1e9:.3f}",
                 f"{p.bubble:.3f}",
@@ -463,15 +464,18 @@ class _Planning:
 def _prepare(args: argparse.Namespace) -> _Planning:
     """Read ``--config`` and ``--topo``; build the model on the meta device."""
     _check_numbers(args)
-    config = with_checkpoint(load_recipe(args.config), args.hf_config)
+    recipe = load_recipe(args.config)
+    pretrained = (recipe.get("model") or {}).get("pretrained") or {}
+    reads = bool(args.hf_config) or any(pretrained.values())  # a Qwen plan drops it: ask first
+    config = with_checkpoint(recipe, args.hf_config)
     device = DEVICES[args.device]
     precision = args.precision or str((config.get("trainer") or {}).get("precision", "32-true"))
     device.peak(precision)
     config, image_note = _with_image_tokens(config, args.image_tokens)
     module, data = build_module(config)
-    refused = vision_ranks_refusal(data)  # no + V vision candidate for such data
+    refused = vision_ranks_refusal(data, pretrained=reads)  # no + V vision candidate then
     if args.vision_ranks and refused is not None:  # as the recipe's preflight refuses it
-        raise ValueError(vision_ranks_refusal(data, args.vision_ranks))
+        raise ValueError(vision_ranks_refusal(data, args.vision_ranks, pretrained=reads))
     text_length, text_note = _text_length(args, data)
     vision = module.fusion_config.vision
     merged = f", the ViT's {vision.grid**2} patches merged" if vision.spatial_merge > 1 else ""
@@ -733,6 +737,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as err:
         parser.error(str(err))
     limit = run.device.memory_gib if args.memory_gib is None else args.memory_gib
+    own_lines, own = _own_layout(args, run, ranked)  # may join the ranking
     samples = _global_batch(run.config, args)
     rows = samples / run.samples_per_row
     in_rows = f" in {rows:.3g} packed rows" if run.samples_per_row != 1 else ""
@@ -745,8 +750,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(run.workload)
     if run.towers_refused is not None and args.vision_ranks is None and not args.no_noncolocated:
         print(f"no non-colocated layout (+ V vision): {run.towers_refused}")
-    print(_table(ranked[: args.top]) if ranked else "no layout fits")
-    print("\n".join(_own_layout(args, run, ranked)))
+    print(_table(ranked[: args.top], own) if ranked else "no layout fits")
+    print("\n".join(own_lines))
     print("\n".join(_rejected(rejected, 8)))
     if not ranked:
         if args.write_yaml:
@@ -770,27 +775,53 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _own_layout(args: argparse.Namespace, run: _Planning, ranked: list[Prediction]) -> list[str]:
-    """Where the YAML's own layout ranks and why (:mod:`lightning_mmpar.recipes.yaml_layout`),
-    at ``--global-batch`` when given (its micro-batch size scaled to it, as the candidates')."""
+def _own_layout(
+    args: argparse.Namespace, run: _Planning, ranked: list[Prediction]
+) -> tuple[list[str], str | None]:
+    """Where the YAML's own layout ranks and why (:mod:`lightning_mmpar.recipes.yaml_layout`)
+    and its :func:`describe` (``None``: not priced), at the candidates' global batch (samples
+    per step: ``--global-batch``, else the YAML's ``data.batch_size`` x its dp; its micro-batch
+    size scaled to it, in rows for packed data). One that the candidates miss (a micro-batch
+    count or an accumulation they do not enumerate) and that runs and fits joins ``ranked``
+    (``ranked`` is changed): the table holds every layout the planner prices."""
     own = yaml_layout(run.config, run.base, args.gpus)
-    if args.global_batch is not None and not isinstance(own, str):
-        per_step = own.dp_size * own.num_micro_batches
-        if args.global_batch % per_step:
+    if not isinstance(own, str):
+        samples, rows = _global_batch(run.config, args), run.samples_per_row
+        ranks = own.dp_size * own.accumulate * (own.num_micro_batches if rows == 1 else 1)
+        if samples % ranks:
+            what = "dp x accumulation" + (" x micro-batches" if rows == 1 else "")
             return [
-                f"the YAML's layout ({describe(own)}): not priced at --global-batch "
-                f"{args.global_batch}, which its dp x micro-batches ({per_step}) do not divide"
-            ]
-        own = dataclasses.replace(own, micro_batch_size=args.global_batch // per_step)
-    if run.samples_per_row != 1 and not isinstance(own, str):  # its batch's samples in rows
-        own = _row_micro_batch(own, own.local_batch / run.samples_per_row, own.num_micro_batches)
+                f"the YAML's layout ({describe(own)}): not priced at the planner's {samples} "
+                f"samples per step, which its {what} ({ranks}) on {args.gpus} devices does not "
+                f"divide; give --global-batch a multiple of {ranks} to compare it"
+            ], None
+        per_rank = samples // (own.dp_size * own.accumulate)
+        m = own.num_micro_batches
+        own = (
+            replace(own, micro_batch_size=per_rank // m)
+            if rows == 1
+            else _row_micro_batch(own, per_rank / rows, m)
+        )
 
     def price(layout: ParallelLayout) -> Prediction:
         spec = run.model(layout)
         graph, overlap = run.graph, args.tower_overlap
         return _predict(spec, layout, run.device, graph, args.memory_gib, run.place, overlap)
 
-    return report(own, ranked, price, run.facts, args.gpus)
+    if isinstance(own, str):
+        return report(own, ranked, price, run.facts, args.gpus), None
+    name = describe(own)
+    if refusal(own, run.facts, args.gpus) is None and all(
+        describe(p.layout) != name for p in ranked
+    ):
+        try:
+            mine: Prediction | None = price(own)
+        except ValueError:
+            mine = None
+        if mine is not None and mine.fits:  # not enumerated: ranked with the candidates
+            ranked.append(mine)
+            ranked.sort(key=lambda p: (p.step_seconds, p.memory.total))
+    return report(own, ranked, price, run.facts, args.gpus), name
 
 
 def _placement(args: argparse.Namespace, run: _Planning, best: Prediction) -> Any:

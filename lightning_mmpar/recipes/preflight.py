@@ -136,7 +136,8 @@ def preflight(
     ``ckpt_path`` is validated (:func:`~lightning_mmpar.parallel.checkpoint.validate_checkpoint`:
     complete, undamaged files, the same hyper-parameters apart from :data:`RESUME_MAY_CHANGE`).
     Other strategies and modules get the checks that apply. ``vision_ranks`` with the digits
-    caption data (one image per sample, not ragged) is refused. With ``fit`` (the CLI's ``fit``),
+    caption data (one image per sample, not ragged) or with pretrained towers is refused
+    (:func:`vision_ranks_refusal`). With ``fit`` (the CLI's ``fit``),
     the digits data must leave every data-parallel rank a training batch
     (:func:`check_training_batches`).
 
@@ -151,7 +152,8 @@ def preflight(
         if facts.batch_name == PACKED_ROWS and str(err).startswith(PACKED_ROWS):
             raise ValueError(f"{err}{_PACKED_NOTE}") from None
         raise
-    refused = vision_ranks_refusal(datamodule, layout.vision_ranks)
+    used = isinstance(model, ClipLlamaModule) and model.pretrained.used
+    refused = vision_ranks_refusal(datamodule, layout.vision_ranks, pretrained=used)
     if layout.vision_ranks and refused is not None:
         raise ValueError(refused)
     if fit and isinstance(datamodule, DigitsCaptions):
@@ -167,17 +169,28 @@ def preflight(
         validate_checkpoint(ckpt_path, hparams, ignore=ignore)
 
 
-def vision_ranks_refusal(datamodule: Any, vision_ranks: int | None = None) -> str | None:
-    """Why ``datamodule`` cannot feed non-colocated towers (``vision_ranks`` > 0: the vision
-    tower on ranks of its own), or ``None`` when it can: they take ragged batches
-    (``pixel_values``, ``image_mask``), which the digits caption data (one image per sample)
-    does not give. :func:`preflight` raises it as a ``ValueError``; the layout planner
-    (:mod:`lightning_mmpar.recipes.planner`) offers no non-colocated layout for such data and
-    refuses ``--vision-ranks N`` with it. ``vision_ranks`` (the count refused) goes in the text
-    when given."""
+def vision_ranks_refusal(
+    datamodule: Any, vision_ranks: int | None = None, *, pretrained: bool = False
+) -> str | None:
+    """Why the run cannot put the vision tower on ranks of its own (non-colocated towers,
+    ``vision_ranks`` > 0), or ``None`` when it can: with ``pretrained`` (the model reads
+    pretrained towers, ``model.pretrained``), which the vision ranks do not read yet
+    (:meth:`~lightning_mmpar.recipes.module.ClipLlamaModule.use_tower_role` refuses them), or
+    with a ``datamodule`` that cannot feed them: they take ragged batches (``pixel_values``,
+    ``image_mask``), which the digits caption data (one image per sample) does not give.
+    :func:`preflight` raises it as a ``ValueError``; the layout planner
+    (:mod:`lightning_mmpar.recipes.planner`) offers no non-colocated layout then and refuses
+    ``--vision-ranks N`` with it. ``vision_ranks`` (the count refused) goes in the text when
+    given."""
+    count = "" if vision_ranks is None else f"{vision_ranks}: "
+    if pretrained:
+        return (
+            f"vision_ranks ({count}the vision tower on ranks of its own, non-colocated towers) "
+            "does not read pretrained towers yet (model.pretrained); train from scratch or set "
+            "vision_ranks=0."
+        )
     if not isinstance(datamodule, DigitsCaptions):
         return None
-    count = "" if vision_ranks is None else f"{vision_ranks}: "
     return (
         f"vision_ranks ({count}the vision tower on ranks of its own) takes ragged batches "
         f"(pixel_values, image_mask); data {type(datamodule).__name__} gives one image per "
