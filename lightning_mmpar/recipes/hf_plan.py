@@ -6,7 +6,8 @@ device. With ``model.pretrained.hf`` (or their ``--hf-config``, which sets it) t
 architecture is the checkpoint's (:func:`~lightning_mmpar.models.hf.hf_fusion_config`: only
 ``config.json`` is read, no weights, tokenizer or data needed), and the YAML's data section is
 replaced by :class:`CheckpointShapes`: the shapes the cost model needs (the checkpoint's
-vocabulary, the YAML data's ``max_tokens`` / ``max_length`` and ``batch_size``), without
+vocabulary, the YAML data's ``max_tokens`` / ``max_length``, ``batch_size`` and packing
+options), without
 reading the data files or the tokenizer. A Qwen2-VL, Qwen2.5-VL or Qwen3-VL-MoE checkpoint is
 priced as a fusion model of its shapes instead (``model.fusion``:
 :func:`~lightning_mmpar.models.hf.qwen_plan.qwen_plan_fusion_config`, at the YAML data's
@@ -40,7 +41,11 @@ DEFAULT_TEXT_LENGTH = 2048
 class CheckpointShapes(LightningDataModule):
     """A data module of shapes only (module docstring): ``vocab_size``, ``max_length`` (text
     tokens per sample), ``batch_size`` (per dp rank) and ``images_per_sample`` (``None``: the
-    planner's default, 1). It has no loaders: the planner and partitioner never train."""
+    planner's default, 1); for the YAML's ragged data its row options as its ``collate_args``
+    (``pack``: several samples per row, ``max_tokens``, ``max_images_per_row``,
+    ``rows_multiple``), what the planner reads of packing (``--samples-per-row``, the
+    fragment's ``data.rows_multiple``). It has no loaders: the planner and partitioner never
+    train."""
 
     def __init__(
         self,
@@ -49,6 +54,10 @@ class CheckpointShapes(LightningDataModule):
         max_length: int = DEFAULT_TEXT_LENGTH,
         batch_size: int = 1,
         images_per_sample: float | None = None,
+        pack: bool | None = None,
+        max_tokens: int | None = None,
+        max_images_per_row: int | None = None,
+        rows_multiple: int | None = None,
     ) -> None:
         super().__init__()
         for name, value in (("vocab_size", vocab_size), ("max_length", max_length)):
@@ -56,6 +65,18 @@ class CheckpointShapes(LightningDataModule):
                 raise ValueError(f"CheckpointShapes: {name} ({value}) must be >= 1.")
         self.vocab_size, self.max_length, self.batch_size = vocab_size, max_length, batch_size
         self.images_per_sample = images_per_sample
+        rows = {
+            "pack": pack,
+            "max_tokens": max_tokens,
+            "max_images_per_row": max_images_per_row,
+            "rows_multiple": rows_multiple,
+        }
+        if pack is not None or max_tokens is not None:  # the YAML's data is ragged
+            self.collate_args = {k: v for k, v in rows.items() if v is not None}
+
+
+_ROW_OPTIONS = ("pack", "max_tokens", "max_images_per_row", "rows_multiple")
+"""The YAML data's row options :class:`CheckpointShapes` keeps."""
 
 
 def checkpoint_dir(path: str | Path) -> Path:
@@ -106,6 +127,7 @@ def with_checkpoint(config: dict[str, Any], hf: str | Path | None = None) -> dic
     }
     if data.get("images_per_sample") is not None:
         shapes["images_per_sample"] = float(data["images_per_sample"])
+    shapes |= {k: data[k] for k in _ROW_OPTIONS if data.get(k) is not None}  # packing kept
     name = f"{CheckpointShapes.__module__}.{CheckpointShapes.__name__}"
     out["data"] = {"class_path": name, "init_args": shapes}
     return out

@@ -23,7 +23,6 @@ status 2 and the reason.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import inspect
 import math
 import sys
@@ -37,7 +36,14 @@ import yaml
 
 from lightning_mmpar.layout import LayoutFacts, ParallelLayout
 from lightning_mmpar.layout.cost import DEVICES, GIB, DeviceSpec, Prediction, default_graph, predict
-from lightning_mmpar.layout.planner import Rejected, _predict, describe, plan, refusal
+from lightning_mmpar.layout.planner import (
+    Rejected,
+    _predict,
+    candidate_layouts,
+    describe,
+    plan,
+    refusal,
+)
 from lightning_mmpar.parallel.activation import LAYERS
 from lightning_mmpar.plans.fusion import fusion_facts
 from lightning_mmpar.plans.fusion_cost import fusion_model_spec
@@ -135,6 +141,9 @@ def fragment(
     placement: Sequence[int] | None = None,
     nodes: int = 1,
     samples_per_row: float = 1.0,
+    *,
+    global_batch: int | None = None,
+    packs: bool = False,
 ) -> dict[str, Any]:
     """The YAML the recipe accepts for ``layout``: ``trainer.strategy`` (class and every layout
     init arg, defaults included, so that merged over a recipe YAML none of the recipe's own
@@ -144,12 +153,17 @@ def fragment(
     another world; left out for a layout whose ``dp`` is not known yet),
     ``trainer.accumulate_grad_batches``, ``model.plan`` (sequence
     parallelism, vision mode) and ``data.batch_size`` (per data-parallel rank; for a layout
-    priced in packed rows of ``samples_per_row`` samples, the samples that fill its rows,
-    :func:`_batch_samples`); ``placement``: the device order when it is not Megatron's (and the
-    strategy takes one), else null.
+    priced in packed rows of ``samples_per_row`` samples, the samples of ``global_batch``,
+    the YAML's samples per step, per dp rank and accumulated batch: :func:`_batch_samples`);
+    with ``packs`` (the data packs several samples per row, so a batch's row count varies)
+    also ``data.rows_multiple``, the rows every batch is padded to a multiple of: the
+    layout's micro-batches under a pipeline, times ``tp`` under ``vision_parallel='dp'``
+    (:func:`_rows_multiple`); ``placement``: the device order when it is not Megatron's (and
+    the strategy takes one), else null.
 
     Raises:
-        ValueError: ``nodes`` does not divide the layout's processes.
+        ValueError: ``nodes`` does not divide the layout's processes; ``global_batch`` not
+            divisible by the layout's dp x accumulate.
     """
     processes = None if layout.dp is None else layout.world + layout.vision_ranks
     if processes is not None and (nodes < 1 or processes % nodes):
@@ -188,21 +202,56 @@ def fragment(
             "accumulate_grad_batches": layout.accumulate,
         },
         "model": {"plan": plan_options},
-        "data": {"batch_size": _batch_samples(layout, samples_per_row)},
+        "data": _data_fragment(layout, samples_per_row, global_batch, packs),
     }
 
 
-def _batch_samples(layout: ParallelLayout, samples_per_row: float) -> int:
-    """``data.batch_size`` whose samples fill ``layout``'s rows per dp rank at
-    ``samples_per_row``, rounded up to the multiple the recipe's pre-launch check asks of
-    ``data.batch_size`` (micro-batches under a pipeline, times ``tp`` under
-    ``vision_parallel='dp'``); the layout's own batch at one sample per row."""
-    if samples_per_row == 1:
-        return layout.local_batch
+def _data_fragment(
+    layout: ParallelLayout, samples_per_row: float, global_batch: int | None, packs: bool
+) -> dict[str, Any]:
+    """The fragment's ``data`` section (:func:`fragment`)."""
+    data: dict[str, Any] = {"batch_size": _batch_samples(layout, samples_per_row, global_batch)}
+    if packs or samples_per_row != 1:
+        data["rows_multiple"] = _rows_multiple(layout)
+    return data
+
+
+def _rows_multiple(layout: ParallelLayout) -> int:
+    """``data.rows_multiple`` for packed data under ``layout``: every batch's rows a multiple
+    of what the strategy splits them into, the micro-batches under a pipeline (torch's
+    pipeline stages take equal micro-batches), times ``tp`` under colocated
+    ``vision_parallel='dp'`` (each micro-batch's images split over the tensor-parallel ranks:
+    :func:`~lightning_mmpar.layout.value.check_vision_batch`); 1 otherwise. A packed batch's
+    row count varies, so ``data.batch_size`` cannot guarantee it; the collator pads with empty
+    rows (:class:`~lightning_mmpar.data.conversations.RowsCollator`)."""
     step = layout.num_micro_batches if layout.pp > 1 else 1
     if layout.vision_parallel == "dp" and layout.tp > 1 and not layout.vision_ranks:
         step *= layout.tp
-    return max(1, math.ceil(layout.local_batch * samples_per_row / step)) * step
+    return step
+
+
+def _batch_samples(
+    layout: ParallelLayout, samples_per_row: float, global_batch: int | None = None
+) -> int:
+    """``data.batch_size`` (samples per dp rank and batch) of ``layout``: the layout's own
+    batch at one sample per row; in packed rows, ``global_batch`` (samples per optimizer
+    step) over dp x accumulate, so the step keeps its samples, else (no ``global_batch``) the
+    samples of its rows, rounded.
+
+    Raises:
+        ValueError: ``global_batch`` not divisible by dp x accumulate.
+    """
+    if samples_per_row == 1:
+        return layout.local_batch
+    if global_batch is None:
+        return max(1, round(layout.local_batch * samples_per_row))
+    ranks = layout.dp_size * layout.accumulate
+    if global_batch % ranks:
+        raise ValueError(
+            f"the global batch ({global_batch} samples) is not divisible by the layout's dp x "
+            f"accumulate ({ranks}: {describe(layout)}); give --global-batch a multiple of {ranks}."
+        )
+    return global_batch // ranks
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -307,7 +356,9 @@ def _global_batch(config: dict[str, Any], args: argparse.Namespace) -> int:
     return int(data_args(config).get("batch_size", 1)) * dp
 
 
-def _table(ranked: Sequence[Prediction]) -> str:
+def _table(ranked: Sequence[Prediction], own: str | None = None) -> str:
+    """The ranking, one row per layout; the YAML's own layout (``own``, its
+    :func:`describe`) marked ``(the YAML's)``."""
     rows = [
         (
             "#",
@@ -323,7 +374,7 @@ def _table(ranked: Sequence[Prediction]) -> str:
         rows.append(
             (
                 str(i),
-                describe(p.layout),
+                describe(p.layout) + (" (the YAML's)" if describe(p.layout) == own else ""),
                 f"{p.memory.total / GIB:.2f}",
                 f"{p.comm_total_bytes / 1e9:.3f}",
                 f"{p.bubble:.3f}",
@@ -405,20 +456,26 @@ class _Planning:
     vision_ranks_refusal`): no ``+ V vision`` candidate is ranked."""
     samples_per_row: float = 1.0
     """Samples one priced row holds (``--samples-per-row``): the layouts' batches are rows."""
+    packs: bool = False
+    """The data packs several samples per row (``data.pack: true``): a batch's rows vary, the
+    fragment sets ``data.rows_multiple``."""
 
 
 def _prepare(args: argparse.Namespace) -> _Planning:
     """Read ``--config`` and ``--topo``; build the model on the meta device."""
     _check_numbers(args)
-    config = with_checkpoint(load_recipe(args.config), args.hf_config)
+    recipe = load_recipe(args.config)
+    pretrained = (recipe.get("model") or {}).get("pretrained") or {}
+    reads = bool(args.hf_config) or any(pretrained.values())  # a Qwen plan drops it: ask first
+    config = with_checkpoint(recipe, args.hf_config)
     device = DEVICES[args.device]
     precision = args.precision or str((config.get("trainer") or {}).get("precision", "32-true"))
     device.peak(precision)
     config, image_note = _with_image_tokens(config, args.image_tokens)
     module, data = build_module(config)
-    refused = vision_ranks_refusal(data)  # no + V vision candidate for such data
+    refused = vision_ranks_refusal(data, pretrained=reads)  # no + V vision candidate then
     if args.vision_ranks and refused is not None:  # as the recipe's preflight refuses it
-        raise ValueError(vision_ranks_refusal(data, args.vision_ranks))
+        raise ValueError(vision_ranks_refusal(data, args.vision_ranks, pretrained=reads))
     text_length, text_note = _text_length(args, data)
     vision = module.fusion_config.vision
     merged = f", the ViT's {vision.grid**2} patches merged" if vision.spatial_merge > 1 else ""
@@ -450,7 +507,14 @@ def _prepare(args: argparse.Namespace) -> _Planning:
         workload,
         refused,
         rows,
+        _packs(data),
     )
+
+
+def _packs(data: Any) -> bool:
+    """Whether ``data`` packs several samples per row (its ``collate_args``' ``pack``)."""
+    collate = getattr(data, "collate_args", None)
+    return isinstance(collate, dict) and bool(collate.get("pack"))
 
 
 def _text_length(args: argparse.Namespace, data: Any) -> tuple[int, str]:
@@ -489,7 +553,7 @@ def _samples_per_row(args: argparse.Namespace, data: Any, images: float) -> tupl
     else 1 (a packing module does not know its rows' mean without reading the data: the line
     asks for it). Each priced row then carries ``S x images_per_sample``
     images (the vision work, its activations and the image stream scale with them) and a
-    step's samples fill ``1 / S`` as many rows (:func:`_rows`).
+    step's samples fill ``1 / S`` as many rows (:func:`_in_rows`).
 
     Raises:
         ValueError: ``--samples-per-row`` above 1 for data that does not pack.
@@ -512,15 +576,41 @@ def _samples_per_row(args: argparse.Namespace, data: Any, images: float) -> tupl
         rows, source = 1.0, "the default; pass --samples-per-row, your rows' mean"
     else:
         return 1.0, ""
+    _check_row_limits(rows, source, images, data, args.text_length)
     return rows, (
         f", {rows:g} sample{'' if rows == 1 else 's'} per packed row ({source}): "
         f"{images * rows:g} image{'' if images * rows == 1 else 's'} per row"
     )
 
 
-def _rows(samples: int, samples_per_row: float) -> int:
-    """Rows ``samples`` fill at ``samples_per_row`` (at least one)."""
-    return max(1, round(samples / samples_per_row))
+def _check_row_limits(
+    rows: float, source: str, images: float, data: Any, text_length: int | None
+) -> None:
+    """``rows`` samples (from ``source``) fit one packed row of ``data``: their ``images`` per
+    sample in its ``max_images_per_row`` image slots, at least one token each (their
+    ``text_length`` tokens each when given) in its ``max_tokens``.
+
+    Raises:
+        ValueError: a limit exceeded, naming the option, the value and the limit.
+    """
+    collate = getattr(data, "collate_args", None) or {}
+    slots, budget = collate.get("max_images_per_row"), collate.get("max_tokens")
+    where = f"{source} ({rows:g} samples per row)"
+    if slots is not None and images * rows > slots:
+        most = f"{slots / images:g}" if images else "any"
+        raise ValueError(
+            f"{where} at {images:g} images per sample puts {images * rows:g} images in a row; "
+            f"the YAML's data.max_images_per_row is {slots}: give --samples-per-row <= {most}, "
+            "or raise data.max_images_per_row."
+        )
+    tokens = text_length or 1
+    if budget is not None and tokens * rows > budget:
+        each = f"{tokens} tokens each (--text-length)" if text_length else "one token each"
+        raise ValueError(
+            f"{where} at {each} needs {tokens * rows:g} tokens; the YAML's data.max_tokens "
+            f"is {budget}: give --samples-per-row <= {budget / tokens:g}, or raise "
+            "data.max_tokens."
+        )
 
 
 def _with_image_tokens(config: dict[str, Any], tokens: int | None) -> tuple[dict[str, Any], str]:
@@ -551,27 +641,63 @@ def _rank(args: argparse.Namespace, run: _Planning) -> tuple[list[Prediction], l
     """:func:`~lightning_mmpar.layout.planner.plan` over the YAML's global batch."""
     fusion = run.module.fusion_config
     moe = fusion.language.moe or fusion.adapter.moe
+    enumerate_args: dict[str, Any] = {
+        "global_batch": _global_batch(run.config, args),
+        "max_tp": args.max_tp,
+        "experts": moe.num_experts if moe is not None else 0,
+        "base": run.base,
+        "vision_ranks": vision_counts(
+            args.gpus,
+            args.vision_ranks,
+            args.no_noncolocated or run.towers_refused is not None,
+            fsdp=args.vision_fsdp,
+        ),
+        "vision_data_parallel": ("ddp", "fsdp") if args.vision_fsdp else ("ddp",),
+    }
+    candidates = None
+    if run.samples_per_row != 1:  # dp and accumulation divide the samples, the rest is rows
+        blocks = len(run.model(run.base).blocks)
+        whole = candidate_layouts(
+            args.gpus, blocks, micro_batch_counts=lambda pp, n: [1], **enumerate_args
+        )
+        candidates = [x for c in whole for x in _in_rows(c, run.samples_per_row)]
+        enumerate_args = {}
     return plan(
         run.model,
         args.gpus,
         run.device,
         run.graph,
         args.memory_gib,
+        candidates=candidates,
         facts=run.facts,
         placement=run.place,
-        global_batch=_rows(_global_batch(run.config, args), run.samples_per_row),
-        max_tp=args.max_tp,
-        experts=moe.num_experts if moe is not None else 0,
-        base=run.base,
-        vision_ranks=vision_counts(
-            args.gpus,
-            args.vision_ranks,
-            args.no_noncolocated or run.towers_refused is not None,
-            fsdp=args.vision_fsdp,
-        ),
-        vision_data_parallel=("ddp", "fsdp") if args.vision_fsdp else ("ddp",),
         tower_overlap=args.tower_overlap,
+        **enumerate_args,
     )
+
+
+def _in_rows(layout: ParallelLayout, samples_per_row: float) -> list[ParallelLayout]:
+    """``layout`` (a whole batch of ``local_batch`` samples per dp rank, one micro-batch) in
+    packed rows of ``samples_per_row`` samples: its ``local_batch / samples_per_row`` rows
+    (a mean) split into ``m`` micro-batches, ``m`` one without a pipeline, else ``pp``,
+    ``2 pp``, ``4 pp`` and one row each (those up to the rows), each micro-batch's rows
+    rounded up to a whole row (to a multiple of ``tp`` under colocated
+    ``vision_parallel='dp'``): the empty rows ``data.rows_multiple`` pads a batch with are
+    priced too."""
+    rows = layout.local_batch / samples_per_row
+    counts = [1]
+    if layout.pp > 1:
+        pp, most = layout.pp, max(layout.pp, math.ceil(rows))
+        counts = sorted({m for m in (pp, 2 * pp, 4 * pp, most) if m <= most})
+    return [_row_micro_batch(layout, rows, m) for m in counts]
+
+
+def _row_micro_batch(layout: ParallelLayout, rows: float, micro_batches: int) -> ParallelLayout:
+    """``layout`` with ``rows`` (a mean) per dp rank and batch in ``micro_batches``, each of
+    the whole rows ``data.rows_multiple`` pads them to (:func:`_in_rows`)."""
+    unit = _rows_multiple(replace(layout, pp=1))
+    size = max(1, math.ceil(rows / micro_batches / unit)) * unit
+    return replace(layout, micro_batches=micro_batches, micro_batch_size=size)
 
 
 def vision_counts(
@@ -611,9 +737,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as err:
         parser.error(str(err))
     limit = run.device.memory_gib if args.memory_gib is None else args.memory_gib
+    own_lines, own = _own_layout(args, run, ranked)  # may join the ranking
     samples = _global_batch(run.config, args)
-    rows = _rows(samples, run.samples_per_row)
-    in_rows = f" in {_plural(rows, 'packed row')}" if run.samples_per_row != 1 else ""
+    rows = samples / run.samples_per_row
+    in_rows = f" in {rows:.3g} packed rows" if run.samples_per_row != 1 else ""
     print(
         f"{args.config}: {len(run.model(run.base).blocks)} blocks, {args.gpus} x {args.device} "
         f"({run.precision}, {limit:g} GiB), {samples} samples per step{in_rows}, "
@@ -623,8 +750,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(run.workload)
     if run.towers_refused is not None and args.vision_ranks is None and not args.no_noncolocated:
         print(f"no non-colocated layout (+ V vision): {run.towers_refused}")
-    print(_table(ranked[: args.top]) if ranked else "no layout fits")
-    print("\n".join(_own_layout(args, run, ranked)))
+    print(_table(ranked[: args.top], own) if ranked else "no layout fits")
+    print("\n".join(own_lines))
     print("\n".join(_rejected(rejected, 8)))
     if not ranked:
         if args.write_yaml:
@@ -632,7 +759,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     nodes = int((run.config.get("trainer") or {}).get("num_nodes", 1) or 1)
     nodes = nodes if args.gpus % nodes == 0 else 1  # the YAML's nodes, when they divide --gpus
-    out = fragment(ranked[0].layout, _placement(args, run, ranked[0]), nodes, run.samples_per_row)
+    out = fragment(
+        ranked[0].layout,
+        _placement(args, run, ranked[0]),
+        nodes,
+        run.samples_per_row,
+        global_batch=samples,
+        packs=run.packs,
+    )
     build_module(_merge(run.config, {"model": out["model"], "data": out["data"]}))  # it parses
     text = yaml.safe_dump(out, sort_keys=False)
     print(f"\nYAML fragment of the best layout:\n{text}", end="")
@@ -641,28 +775,53 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _own_layout(args: argparse.Namespace, run: _Planning, ranked: list[Prediction]) -> list[str]:
-    """Where the YAML's own layout ranks and why (:mod:`lightning_mmpar.recipes.yaml_layout`),
-    at ``--global-batch`` when given (its micro-batch size scaled to it, as the candidates')."""
+def _own_layout(
+    args: argparse.Namespace, run: _Planning, ranked: list[Prediction]
+) -> tuple[list[str], str | None]:
+    """Where the YAML's own layout ranks and why (:mod:`lightning_mmpar.recipes.yaml_layout`)
+    and its :func:`describe` (``None``: not priced), at the candidates' global batch (samples
+    per step: ``--global-batch``, else the YAML's ``data.batch_size`` x its dp; its micro-batch
+    size scaled to it, in rows for packed data). One that the candidates miss (a micro-batch
+    count or an accumulation they do not enumerate) and that runs and fits joins ``ranked``
+    (``ranked`` is changed): the table holds every layout the planner prices."""
     own = yaml_layout(run.config, run.base, args.gpus)
-    if args.global_batch is not None and not isinstance(own, str):
-        per_step = own.dp_size * own.num_micro_batches
-        if args.global_batch % per_step:
+    if not isinstance(own, str):
+        samples, rows = _global_batch(run.config, args), run.samples_per_row
+        ranks = own.dp_size * own.accumulate * (own.num_micro_batches if rows == 1 else 1)
+        if samples % ranks:
+            what = "dp x accumulation" + (" x micro-batches" if rows == 1 else "")
             return [
-                f"the YAML's layout ({describe(own)}): not priced at --global-batch "
-                f"{args.global_batch}, which its dp x micro-batches ({per_step}) do not divide"
-            ]
-        own = dataclasses.replace(own, micro_batch_size=args.global_batch // per_step)
-    if run.samples_per_row != 1 and not isinstance(own, str):  # its batch's samples in rows
-        rows = _rows(own.local_batch, run.samples_per_row) // own.num_micro_batches
-        own = dataclasses.replace(own, micro_batch_size=max(1, rows))
+                f"the YAML's layout ({describe(own)}): not priced at the planner's {samples} "
+                f"samples per step, which its {what} ({ranks}) on {args.gpus} devices does not "
+                f"divide; give --global-batch a multiple of {ranks} to compare it"
+            ], None
+        per_rank = samples // (own.dp_size * own.accumulate)
+        m = own.num_micro_batches
+        own = (
+            replace(own, micro_batch_size=per_rank // m)
+            if rows == 1
+            else _row_micro_batch(own, per_rank / rows, m)
+        )
 
     def price(layout: ParallelLayout) -> Prediction:
         spec = run.model(layout)
         graph, overlap = run.graph, args.tower_overlap
         return _predict(spec, layout, run.device, graph, args.memory_gib, run.place, overlap)
 
-    return report(own, ranked, price, run.facts, args.gpus)
+    if isinstance(own, str):
+        return report(own, ranked, price, run.facts, args.gpus), None
+    name = describe(own)
+    if refusal(own, run.facts, args.gpus) is None and all(
+        describe(p.layout) != name for p in ranked
+    ):
+        try:
+            mine: Prediction | None = price(own)
+        except ValueError:
+            mine = None
+        if mine is not None and mine.fits:  # not enumerated: ranked with the candidates
+            ranked.append(mine)
+            ranked.sort(key=lambda p: (p.step_seconds, p.memory.total))
+    return report(own, ranked, price, run.facts, args.gpus), name
 
 
 def _placement(args: argparse.Namespace, run: _Planning, best: Prediction) -> Any:

@@ -71,9 +71,11 @@ def layout_and_facts(
 ) -> tuple[ParallelLayout, LayoutFacts]:
     """The run's layout (the ``mm_parallel`` strategy's, with the recipe model's
     ``plan`` options; one rank of everything under another strategy) and what it is
-    checked against: the world size, ``data.batch_size``, ``data.max_length`` and the recipe
-    model's facts (:func:`~lightning_mmpar.plans.fusion.fusion_facts` of its configuration at
-    this tp, pipeline blocks counted on the meta device)."""
+    checked against: the world size, ``data.batch_size`` (for data that packs several samples
+    per row, ``data.rows_multiple``: a batch's row count varies, every one a multiple of it),
+    ``data.max_length`` and the recipe model's facts
+    (:func:`~lightning_mmpar.plans.fusion.fusion_facts` of its configuration at this tp,
+    pipeline blocks counted on the meta device)."""
     strategy = trainer.strategy
     layout = ParallelLayout(dp=None)
     if isinstance(strategy, MultimodalParallelStrategy):
@@ -84,6 +86,9 @@ def layout_and_facts(
         "batch_size": batch if isinstance(batch, int) else None,
         "sequence_length": length if isinstance(length, int) else None,
     }
+    rows = _packed_rows_multiple(datamodule)
+    if rows is not None:  # a packed batch's rows vary: only their multiple is known
+        run |= {"batch_size": rows, "batch_name": PACKED_ROWS}
     if not isinstance(model, ClipLlamaModule):
         return layout, LayoutFacts(**run)
     options = model.plan_options
@@ -92,6 +97,23 @@ def layout_and_facts(
     )
     fusion = model._resolved_config(layout.tp)
     return layout, replace(fusion_facts(fusion, count_blocks=layout.pp > 1), **run)
+
+
+PACKED_ROWS = "data.rows_multiple"
+"""What a packed batch's rows are checked with (:func:`layout_and_facts`)."""
+_PACKED_NOTE = (
+    " data.pack: true puts the data.batch_size samples in a varying number of rows, padded to "
+    "a multiple of data.rows_multiple; the rows are what the pipeline splits."
+)
+
+
+def _packed_rows_multiple(datamodule: Any) -> int | None:
+    """``data.rows_multiple`` of a data module that packs samples into rows, else ``None``."""
+    collate = getattr(datamodule, "collate_args", None)
+    if not isinstance(collate, dict) or not collate.get("pack"):
+        return None
+    rows = collate.get("rows_multiple", 1)
+    return rows if isinstance(rows, int) else None
 
 
 def preflight(
@@ -108,13 +130,14 @@ def preflight(
     One :func:`lightning_mmpar.layout.validate` of the layout (:func:`layout_and_facts`): the
     strategy's own rules (run again with the world size), every sharded size vs tp, MoE layers
     vs ep and sequence parallelism, the text length vs sequence parallelism, pipeline stages vs
-    blocks, ``data.batch_size`` vs micro-batches and, under ``vision_parallel='dp'``, each
-    micro-batch vs tp; then ``data.image_size`` vs the ViT's
+    blocks, ``data.batch_size`` (packed data: ``data.rows_multiple``) vs micro-batches and,
+    under ``vision_parallel='dp'``, each micro-batch vs tp; then ``data.image_size`` vs the ViT's
     (:func:`~lightning_mmpar.recipes.options.check_image_size`); under ``mm_parallel`` a
     ``ckpt_path`` is validated (:func:`~lightning_mmpar.parallel.checkpoint.validate_checkpoint`:
     complete, undamaged files, the same hyper-parameters apart from :data:`RESUME_MAY_CHANGE`).
     Other strategies and modules get the checks that apply. ``vision_ranks`` with the digits
-    caption data (one image per sample, not ragged) is refused. With ``fit`` (the CLI's ``fit``),
+    caption data (one image per sample, not ragged) or with pretrained towers is refused
+    (:func:`vision_ranks_refusal`). With ``fit`` (the CLI's ``fit``),
     the digits data must leave every data-parallel rank a training batch
     (:func:`check_training_batches`).
 
@@ -123,8 +146,14 @@ def preflight(
         FileNotFoundError: ``ckpt_path`` or a file of it is missing.
     """
     layout, facts = layout_and_facts(trainer, model, datamodule)
-    validate(layout, facts)
-    refused = vision_ranks_refusal(datamodule, layout.vision_ranks)
+    try:
+        validate(layout, facts)
+    except ValueError as err:
+        if facts.batch_name == PACKED_ROWS and str(err).startswith(PACKED_ROWS):
+            raise ValueError(f"{err}{_PACKED_NOTE}") from None
+        raise
+    used = isinstance(model, ClipLlamaModule) and model.pretrained.used
+    refused = vision_ranks_refusal(datamodule, layout.vision_ranks, pretrained=used)
     if layout.vision_ranks and refused is not None:
         raise ValueError(refused)
     if fit and isinstance(datamodule, DigitsCaptions):
@@ -140,17 +169,28 @@ def preflight(
         validate_checkpoint(ckpt_path, hparams, ignore=ignore)
 
 
-def vision_ranks_refusal(datamodule: Any, vision_ranks: int | None = None) -> str | None:
-    """Why ``datamodule`` cannot feed non-colocated towers (``vision_ranks`` > 0: the vision
-    tower on ranks of its own), or ``None`` when it can: they take ragged batches
-    (``pixel_values``, ``image_mask``), which the digits caption data (one image per sample)
-    does not give. :func:`preflight` raises it as a ``ValueError``; the layout planner
-    (:mod:`lightning_mmpar.recipes.planner`) offers no non-colocated layout for such data and
-    refuses ``--vision-ranks N`` with it. ``vision_ranks`` (the count refused) goes in the text
-    when given."""
+def vision_ranks_refusal(
+    datamodule: Any, vision_ranks: int | None = None, *, pretrained: bool = False
+) -> str | None:
+    """Why the run cannot put the vision tower on ranks of its own (non-colocated towers,
+    ``vision_ranks`` > 0), or ``None`` when it can: with ``pretrained`` (the model reads
+    pretrained towers, ``model.pretrained``), which the vision ranks do not read yet
+    (:meth:`~lightning_mmpar.recipes.module.ClipLlamaModule.use_tower_role` refuses them), or
+    with a ``datamodule`` that cannot feed them: they take ragged batches (``pixel_values``,
+    ``image_mask``), which the digits caption data (one image per sample) does not give.
+    :func:`preflight` raises it as a ``ValueError``; the layout planner
+    (:mod:`lightning_mmpar.recipes.planner`) offers no non-colocated layout then and refuses
+    ``--vision-ranks N`` with it. ``vision_ranks`` (the count refused) goes in the text when
+    given."""
+    count = "" if vision_ranks is None else f"{vision_ranks}: "
+    if pretrained:
+        return (
+            f"vision_ranks ({count}the vision tower on ranks of its own, non-colocated towers) "
+            "does not read pretrained towers yet (model.pretrained); train from scratch or set "
+            "vision_ranks=0."
+        )
     if not isinstance(datamodule, DigitsCaptions):
         return None
-    count = "" if vision_ranks is None else f"{vision_ranks}: "
     return (
         f"vision_ranks ({count}the vision tower on ranks of its own) takes ragged batches "
         f"(pixel_values, image_mask); data {type(datamodule).__name__} gives one image per "

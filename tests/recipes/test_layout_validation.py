@@ -342,3 +342,33 @@ def test_every_layout_the_planner_ranks_the_strategy_accepts(
     assert ranked
     refused = {describe(x): strategy_refusal(x, world, module) for x in ranked}
     assert not {k: v for k, v in refused.items() if v is not None}
+
+
+def test_preflight_names_rows_multiple_for_packed_data() -> None:
+    """Packed data (``data.pack: true``): a batch of ``data.batch_size`` samples fills a
+    varying number of rows (2 samples can pack into 1 row, which 2 micro-batches cannot
+    split), so the batch / micro-batch rule is checked on ``data.rows_multiple``, the fix."""
+    config = _config(ROOT / "recipes" / "digits_vqa_cpu.yaml")
+    layout = ParallelLayout(tp=2, pp=2, dp=1, micro_batches=2, micro_batch_size=1)
+    for rows, refused in ((1, True), (2, False), (4, False)):
+        config["data"]["init_args"] |= {"batch_size": 2, "rows_multiple": rows}
+        module, data = build_module(config, meta=False)
+        trainer = Trainer(
+            strategy=MultimodalParallelStrategy(**_strategy_args(layout)),
+            accelerator="cpu",
+            devices=4,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        if not refused:
+            preflight(trainer, module, data)
+            continue
+        with pytest.raises(ValueError) as err:
+            preflight(trainer, module, data)
+        assert str(err.value).startswith(
+            "data.rows_multiple (1) must be divisible by micro_batches (2) under pipeline "
+            "parallelism; use a multiple of 2"
+        )
+        assert "padded to a multiple of data.rows_multiple" in str(err.value)

@@ -180,6 +180,16 @@ def test_plan_rejects_layouts_over_the_memory_limit_with_the_reason(
             "--samples-per-row (2) prices packed rows; the YAML's data (RecipeDigitsCaptions) "
             "puts one sample per row",
         ),
+        (  # DigitsVQA: 1.5 images per sample, 6 image slots per row
+            ["--config", VQA, "--gpus", "4", "--samples-per-row", "40"],
+            "--samples-per-row (40 samples per row) at 1.5 images per sample puts 60 images in "
+            "a row; the YAML's data.max_images_per_row is 6: give --samples-per-row <= 4",
+        ),
+        (  # 64 tokens per row
+            ["--config", VQA, "--gpus", "4", "--samples-per-row", "3", "--text-length", "30"],
+            "--samples-per-row (3 samples per row) at 30 tokens each (--text-length) needs 90 "
+            "tokens; the YAML's data.max_tokens is 64: give --samples-per-row <= 2.13333",
+        ),
         (
             ["--config", CPU, "--gpus", "4", "--image-tokens", "10"],
             "--image-tokens (10) must be a square number of patches",
@@ -361,7 +371,10 @@ def test_llava_from_config_json_alone(capsys: pytest.CaptureFixture[str]) -> Non
     assert cli.main(["--config", LLAVA_YAML, "--gpus", "16", "--device", "h200"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "59 blocks, 16 x h200 (bf16-mixed" in lines[0]
-    assert "2048 text tokens per sample" in lines[2] and "576 image tokens per image" in lines[2]
+    assert (
+        "2048 tokens per row (the YAML's data.max_tokens" in lines[2]
+        and "576 image tokens per image" in lines[2]
+    )
     header = next(i for i, ln in enumerate(lines) if ln.startswith("#") and "layout (" in ln)
     ranked = [ln for ln in lines[header + 1 :] if ln[:1].isdigit()]
     assert ranked and not any(" sp " in ln for ln in ranked)
@@ -494,3 +507,101 @@ def test_caption_data_gets_no_noncolocated_layout(
     assert f"error: {vision_ranks_refusal(data, 2)}\n" in capsys.readouterr().err
     assert cli.main([*argv, "--vision-ranks", "0", "--top", "1"]) == 0
     assert "no non-colocated layout" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("gpus", "rows"), [(8, "3.6"), (8, "1.5"), (4, "2.5")])
+def test_packed_fragment_keeps_the_global_batch_and_sets_rows_multiple(
+    gpus: int, rows: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--samples-per-row``: the fragment's ``data.batch_size`` x dp x accumulation is the
+    YAML's 32 samples per step (dp divides the samples, not the rounded rows), and its
+    ``data.rows_multiple`` (the YAML says 2) makes every packed batch's rows split into the
+    layout's micro-batches (each over tp under vision_parallel='dp'), so the recipe's
+    pre-launch check and the strategy accept it whatever rows packing gives."""
+    out = tmp_path / "f.yaml"
+    argv = ["--config", VQA, "--gpus", str(gpus), "--samples-per-row", rows, "--device", "cpu"]
+    assert cli.main([*argv, "--write-yaml", str(out)]) == 0
+    assert "32 samples per step in " in capsys.readouterr().out
+    run = cli._prepare(cli._parser().parse_args(argv))
+    ranked = [p.layout for p in cli._rank(cli._parser().parse_args(argv), run)[0]]
+    frags = [yaml.safe_load(out.read_text())]
+    frags += [cli.fragment(x, None, 1, float(rows), global_batch=32, packs=True) for x in ranked]
+    assert {x.dp_size for x in ranked} > {1}
+    for frag in frags:
+        init = frag["trainer"]["strategy"]["init_args"]
+        dp = (frag["trainer"]["devices"] - init["vision_ranks"]) // (
+            init["tensor_parallel"] * init["pipeline_parallel"]
+        )
+        assert frag["data"]["batch_size"] * dp * frag["trainer"]["accumulate_grad_batches"] == 32
+        step = init["micro_batches"] or 1
+        if frag["model"]["plan"]["vision_parallel"] == "dp" and not init["vision_ranks"]:
+            step *= init["tensor_parallel"]
+        assert frag["data"]["rows_multiple"] == step
+    with pytest.raises(ValueError, match="not divisible by the layout's dp x accumulate"):
+        cli.fragment(ParallelLayout(dp=3), samples_per_row=2.0, global_batch=32)
+
+
+def test_shipped_qwen_recipe_packs_and_refuses_noncolocated_towers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """recipes/qwen_sft_cpu.yaml (``model.pretrained.hf``, ``data.pack: true``; here on the
+    config-only Qwen2-VL-7B directory, no weights or data read): the planner reads the packing
+    from the YAML's data (``--samples-per-row`` is priced, not refused as one sample per row)
+    and, since the vision ranks do not read pretrained towers (the recipe refuses them), offers
+    no non-colocated layout and refuses ``--vision-ranks N`` with the pre-launch check's rule."""
+    from lightning_mmpar.recipes.preflight import vision_ranks_refusal
+
+    config = yaml.safe_load((ROOT / "recipes" / "qwen_sft_cpu.yaml").read_text())
+    config["model"]["pretrained"]["hf"] = str(ROOT / "recipes" / "hf" / "qwen2-vl-7b-instruct")
+    path = tmp_path / "qwen.yaml"
+    path.write_text(yaml.safe_dump(config))
+    argv = ["--config", str(path), "--gpus", "8", "--top", "50"]
+    assert cli.main([*argv, "--samples-per-row", "2.5", "--write-yaml", str(tmp_path / "f")]) == 0
+    out = capsys.readouterr().out
+    assert "2.5 samples per packed row (--samples-per-row): 2.5 images per row" in out
+    assert (
+        f"no non-colocated layout (+ V vision): {vision_ranks_refusal(None, pretrained=True)}"
+        in out
+    )
+    assert re.search(r"\+ \d+ vision", out) is None
+    assert "rows_multiple" in yaml.safe_load((tmp_path / "f").read_text())["data"]
+    with pytest.raises(SystemExit) as err:
+        cli.main([*argv, "--vision-ranks", "2"])
+    assert err.value.code == 2
+    assert vision_ranks_refusal(None, 2, pretrained=True) in capsys.readouterr().err
+    assert cli.main(argv) == 0  # its tp 2 on 8 devices: dp 4, which 3 samples do not fill
+    own = next(ln for ln in capsys.readouterr().out.splitlines() if "the YAML's layout" in ln)
+    assert own == (
+        "the YAML's layout (tp 2 pp 1 v 1 dp 4 ep 1 mb 1x3 fsdp): not priced at the planner's "
+        "3 samples per step, which its dp x accumulation x micro-batches (4) on 8 devices does "
+        "not divide; give --global-batch a multiple of 4 to compare it"
+    )
+
+
+def _ranked_rows(out: str) -> list[str]:
+    lines = out.splitlines()
+    header = next(i for i, ln in enumerate(lines) if re.match(r"#\s+layout", ln))
+    return [ln for ln in lines[header + 1 :] if re.match(r"\d+ ", ln)]
+
+
+def test_the_yamls_own_layout_is_priced_at_the_planners_batch_and_ranked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The YAML's own layout is compared at the candidates' samples per step (it was priced at
+    its per-rank batch on the planner's dp: 4 x 3 samples against the candidates' 3, "faster"
+    than the #1 yet absent from the table); one that fits but is not enumerated (3
+    micro-batches on a pipeline of 2) joins the ranking, marked, at the rank its line says."""
+    config = yaml.safe_load(Path(VQA).read_text())
+    config["trainer"]["strategy"]["init_args"]["micro_batches"] = 3
+    config["data"]["init_args"]["batch_size"] = 24
+    path = tmp_path / "vqa.yaml"
+    path.write_text(yaml.safe_dump(config))
+    argv = ["--config", str(path), "--device", "cpu", "--top", "500", "--no-noncolocated"]
+    assert cli.main([*argv, "--gpus", "4"]) == 0
+    out = capsys.readouterr().out
+    own = next(ln for ln in out.splitlines() if ln.startswith("the YAML's layout"))
+    rows = _ranked_rows(out)
+    marked = [r for r in rows if "(the YAML's)" in r]
+    assert len(marked) == 1 and "tp 2 pp 2 v 1 dp 1 ep 1 mb 3x8 fsdp (the YAML's)" in marked[0]
+    assert own.startswith("the YAML's layout: tp 2 pp 2 v 1 dp 1 ep 1 mb 3x8 fsdp: rank ")
+    assert f"rank {marked[0].split()[0]} of {len(rows)}," in own
