@@ -63,6 +63,8 @@ def batches(steps: int = 2) -> list[dict[str, Any]]:
 LAYOUTS: tuple[pm.Layout, ...] = (
     pm.Layout("ragged dp2 fsdp", 2, {"data_parallel": "fsdp"}),
     pm.Layout("ragged dp2 ddp", 2, {"data_parallel": "ddp"}),
+    # packing gives dp ranks different row counts: rank 0 holds 3 rows, rank 1 one
+    pm.Layout("ragged dp2 fsdp, rows 3 / 1", 2, {"data_parallel": "fsdp"}),
     # one optimizer step over both batches: the caption term is the token mean of the window
     # (its tokens summed over the dp ranks before its first batch), as on one process
     pm.Layout("ragged dp2 fsdp, accumulate 2", 2, {"data_parallel": "fsdp"}, accumulate=2),
@@ -79,6 +81,27 @@ LAYOUTS: tuple[pm.Layout, ...] = (
         sequence_parallel=True,
     ),
 )
+
+
+UNEVEN_ROWS: dict[str, tuple[tuple[int, int], ...]] = {
+    "ragged dp2 fsdp, rows 3 / 1": ((0, 3), (3, 4))
+}
+"""Layouts whose dp ranks take these row ranges of every global batch (others: equal slices)."""
+
+
+def _rows(batch: dict[str, Any], start: int, stop: int) -> dict[str, Any]:
+    return {k: v[start:stop] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def local_batches(layout: pm.Layout, rank: int) -> list[dict[str, Any]]:
+    """This rank's part of every global batch of the layout: its dp slice, or the row range of
+    :data:`UNEVEN_ROWS`."""
+    dp_rank = layout.dims.rank_coords(rank)["dp"]
+    data = _data(layout.accumulate)
+    if layout.name in UNEVEN_ROWS:
+        start, stop = UNEVEN_ROWS[layout.name][dp_rank]
+        return [_rows(b, start, stop) for b in data]
+    return [pm.dp_slice(b, layout.dims.dp, dp_rank) for b in data]
 
 
 def accumulation_batches() -> list[dict[str, Any]]:
@@ -104,8 +127,7 @@ def reference(moe: str | None, accumulate: int = 1) -> rw.Recorder:
 
 def run_layout(layout: pm.Layout, rank: int) -> dict[str, Any]:
     start = time.perf_counter()
-    coords = layout.dims.rank_coords(rank)
-    local = [pm.dp_slice(b, layout.dims.dp, coords["dp"]) for b in _data(layout.accumulate)]
+    local = local_batches(layout, rank)
     module = pm.build(VOCAB, layout.moe, layout.sequence_parallel)
     module.text_length = TOKENS
     strategy = MultimodalParallelStrategy(**layout.strategy)
