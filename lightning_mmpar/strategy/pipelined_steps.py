@@ -119,16 +119,18 @@ class PipelinedSteps(Strategy):
         validation/test losses weighs every batch by its size, as on one process (not a mean
         of batch means).
         """
+        share = not isinstance(loss, TokenMean) and self._dp_share_loss()
         if isinstance(loss, TokenMean):
-            sums = torch.stack([loss.token_sum.detach().double(), loss.tokens.double()])
-            sums = torch.cat([sums, sums[1:]])
+            pair = torch.stack([loss.token_sum.detach().double(), loss.tokens.double()])
         else:
-            samples = loss.new_tensor(float(extract_batch_size(batch))).float()
-            weight = samples.new_ones(()) if self._dp_share_loss() else samples
-            sums = torch.stack([loss.detach().float() * weight, weight, samples])
-        sums = comm.all_reduce(sums, "sum", self.parallel_dims.get_group("dp"))
-        value = (sums[0] / sums[1].clamp(min=1)).float()
-        self._module.log(name, value, prog_bar=True, batch_size=int(sums[2].item()))
+            samples = float(extract_batch_size(batch))
+            weight = 1.0 if share else samples
+            pair = torch.stack([loss.detach().float() * weight, loss.new_tensor(samples).float()])
+        group = self.parallel_dims.get_group("dp")
+        pair = comm.all_reduce(pair, "sum", group)  # one [2] sum, whatever the kind of loss
+        divisor = float(comm.group_size(group)) if share else pair[1].clamp(min=1)
+        value = (pair[0] / divisor).float()
+        self._module.log(name, value, prog_bar=True, batch_size=int(pair[1].item()))
 
     def _dp_share_loss(self) -> bool:
         """The module's loss is each dp rank's share of the global batch's (``_log``)."""
