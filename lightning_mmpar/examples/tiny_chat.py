@@ -123,6 +123,26 @@ def write_conversations(data: str | Path, sizes: Mapping[str, tuple[int, int]]) 
     return train
 
 
+def write_example(
+    root: str | Path,
+    write_model: Callable[[Path, int], None],
+    sizes: Mapping[str, tuple[int, int]],
+    seed: int,
+) -> dict[str, Path]:
+    """``write_model(root/model, seed)`` (the model directory with its tokenizer and image
+    processor) and the conversations with images of ``sizes`` under ``root/data``.
+
+    Returns ``{"model": root/model, "train_file": root/data/train.json, "image_root":
+    root/data}``.
+    """
+    root = Path(root)
+    model, data = root / "model", root / "data"
+    model.mkdir(parents=True, exist_ok=True)
+    write_model(model, seed)
+    train = write_conversations(data, sizes)
+    return {"model": model, "train_file": train, "image_root": data}
+
+
 def main_of(write: Callable[..., dict[str, Path]], doc: str, argv: list[str] | None) -> None:
     """The command line of a writer (``python -m <example> OUT [--seed N]``): ``write(OUT,
     seed=N)``, then each written path printed; ``doc``'s first line is the help text."""

@@ -27,7 +27,7 @@ from lightning_mmpar.examples.tiny_chat import (
     WORDS,
     main_of,
     word_level_tokenizer,
-    write_conversations,
+    write_example,
 )
 
 __all__ = ["CHAT_TEMPLATE", "RECORDS", "write_tiny_llava"]
@@ -99,12 +99,11 @@ def write_tiny_llava(root: str | Path, *, seed: int = 0) -> dict[str, Path]:
     Returns ``{"model": root/model, "train_file": root/data/train.json, "image_root":
     root/data}``.
     """
-    root = Path(root)
-    model, data = root / "model", root / "data"
-    model.mkdir(parents=True, exist_ok=True)
-    _model(model, _tokenizer(model), seed)
-    train = write_conversations(data, dict.fromkeys(COLOURS, IMAGE_SIZE))
-    return {"model": model, "train_file": train, "image_root": data}
+    return write_example(root, _write_model, dict.fromkeys(COLOURS, IMAGE_SIZE), seed)
+
+
+def _write_model(path: Path, seed: int) -> None:
+    _model(path, _tokenizer(path), seed)
 
 
 def main(argv: list[str] | None = None) -> None:

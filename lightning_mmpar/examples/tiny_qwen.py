@@ -32,7 +32,7 @@ from lightning_mmpar.examples.tiny_chat import (
     WORDS,
     main_of,
     word_level_tokenizer,
-    write_conversations,
+    write_example,
 )
 
 __all__ = ["CHAT_TEMPLATE", "RECORDS", "write_tiny_qwen"]
@@ -101,12 +101,11 @@ def write_tiny_qwen(root: str | Path, *, seed: int = 0) -> dict[str, Path]:
     Returns ``{"model": root/model, "train_file": root/data/train.json, "image_root":
     root/data}``.
     """
-    root = Path(root)
-    model, data = root / "model", root / "data"
-    model.mkdir(parents=True, exist_ok=True)
-    _model(model, _tokenizer(model), seed)
-    train = write_conversations(data, IMAGE_SIZES)
-    return {"model": model, "train_file": train, "image_root": data}
+    return write_example(root, _write_model, IMAGE_SIZES, seed)
+
+
+def _write_model(path: Path, seed: int) -> None:
+    _model(path, _tokenizer(path), seed)
 
 
 def main(argv: list[str] | None = None) -> None:
