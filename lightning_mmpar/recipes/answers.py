@@ -37,7 +37,8 @@ def _decode_chunk(
     device: torch.device,
     max_new_tokens: int,
 ) -> list[list[int]]:
-    """Generated ids of each row (equal prompt lengths), ``max_new_tokens`` steps."""
+    """Generated ids of each row (equal prompt lengths), ``max_new_tokens`` steps; rows the
+    collator adds to reach its ``rows_multiple`` (empty, after the prompts) are dropped."""
     length = len(rows[0]["input_ids"])
     out: list[list[int]] = [[] for _ in rows]
     for t in range(max_new_tokens):
@@ -46,7 +47,7 @@ def _decode_chunk(
             ids = torch.cat([row["input_ids"], torch.tensor(new, dtype=torch.long)])
             samples.append({**row, "input_ids": ids, "labels": torch.full_like(ids, IGNORE_INDEX)})
         batch = {k: v.to(device) for k, v in collate(samples).items()}
-        nxt = next_token(batch, length + t - 1).tolist()
+        nxt = next_token(batch, length + t - 1).tolist()[: len(rows)]  # rows_multiple's pad rows
         for generated, token in zip(out, nxt, strict=True):
             generated.append(int(token))
     return out

@@ -43,6 +43,12 @@ def test_greedy_answers_of_an_oracle_and_a_broken_model() -> None:
     lengths = {len(p["input_ids"]) for p in prompts}
     chunks = sum(-(-sum(len(p["input_ids"]) == n for p in prompts) // 4) for n in lengths)
     assert len(calls) == 5 * chunks and {rows for rows, _, _ in calls} == {4}
+
+    def padded(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return collate(samples + samples[-1:] * (-len(samples) % 3))  # rows_multiple 3's rows
+
+    got = greedy_answers(prompts, model, padded, chunk=4, max_new_tokens=5, **kwargs)
+    assert got == answers and {rows for rows, _, _ in calls[-5:]} == {6}  # pad rows dropped
     wrong = greedy_answers(
         prompts,
         lambda b, p: torch.full((b["input_ids"].shape[0],), 7),
