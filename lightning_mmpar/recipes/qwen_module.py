@@ -201,7 +201,7 @@ class QwenVLRecipeModule(ClipLlamaModule):
         """Block 0's inputs (:meth:`QwenVLModel.pipeline_inputs`) and the labels ``[B, T]``;
         the caption loss learns the batch's token count here."""
         if self._loss is not None:
-            self._loss.start_batch(batch["labels"])
+            self._loss.start_batch(batch["labels"], self._window())
         return QwenVLModel.pipeline_inputs(batch), batch["labels"]
 
     def pipeline_batch_coupled(self) -> bool:

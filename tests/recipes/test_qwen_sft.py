@@ -154,3 +154,43 @@ def test_a_cut_vit_tensor_is_refused_not_zero_padded(tmp_path: Path) -> None:
         ValueError, match=r"'blocks\.0\.attn\.q_proj\.weight' has shape \[\d+, \d+\]"
     ):
         run_cli(["fit", "--config", str(tmp_path / "c.yaml")])
+
+
+class Returned(FirstStep):
+    """:class:`FirstStep` plus the loss each training step back-propagates (Lightning's
+    ``outputs["loss"]``: the step's returned loss divided by ``accumulate_grad_batches``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.returned: list[float] = []
+
+    def on_train_batch_end(self, trainer: Any, module: Any, out: Any, batch: Any, i: int) -> None:
+        super().on_train_batch_end(trainer, module, out, batch, i)
+        self.returned.append(float(out["loss"] if isinstance(out, dict) else out))
+
+
+def test_a_one_batch_accumulation_window_trains_and_logs_the_batch_mean(tmp_path: Path) -> None:
+    """``accumulate_grad_batches=2`` over an epoch of one batch (a window of one batch): the
+    loss back-propagated and the logged ``train_loss`` are the batch's token mean, equal to
+    transformers' cross-entropy (the window's token mean, as for the recipe's fusion module;
+    before: the Qwen module ignored the window, so both were half of it)."""
+    paths = write_tiny_qwen(tmp_path / "tiny")
+    config = yaml.safe_load(YAML.read_text())
+    config["trainer"] |= {"devices": 1, "max_steps": 1, "logger": False}
+    config["trainer"] |= {"enable_progress_bar": False, "default_root_dir": str(tmp_path / "run")}
+    config["trainer"] |= {"accumulate_grad_batches": 2}
+    config["trainer"]["strategy"]["init_args"]["tensor_parallel"] = 1
+    config["trainer"]["callbacks"] = [{"class_path": f"{__name__}.Returned"}]
+    config["model"]["pretrained"]["hf"] = str(paths["model"])
+    config["data"]["init_args"] |= {
+        "train_file": str(paths["train_file"]),
+        "image_root": str(paths["image_root"]),
+        "batch_size": 6,
+    }
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    cli = run_cli(["fit", "--config", str(tmp_path / "c.yaml")])
+    rec = cli.trainer.callbacks[0]
+    assert isinstance(rec, Returned) and len(rec.losses) == 1 == cli.trainer.global_step
+    theirs = _transformers_loss(paths["model"], rec.batch)
+    assert math.isclose(rec.losses[0], theirs, rel_tol=1e-5), (rec.losses, theirs)
+    assert math.isclose(rec.returned[0], theirs, rel_tol=1e-5), (rec.returned, theirs)
