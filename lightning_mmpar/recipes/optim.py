@@ -110,9 +110,13 @@ class StepLambdaLR(torch.optim.lr_scheduler.LambdaLR):
 
 def recipe_optimizer(module: Any) -> Any:
     """``configure_optimizers`` of the recipe: AdamW over :func:`parameter_groups`, linear
-    warm-up and cosine decay per step."""
+    warm-up and cosine decay per step. A rank with no trainable parameter (a pipeline stage of
+    a frozen tower's blocks) gets one empty group ``frozen``: it steps nothing and still joins
+    every collective of the step."""
     o: OptimConfig = module.optim
     groups = parameter_groups(module, module.fusion_model, o)
+    if not groups:  # a pipeline stage of frozen blocks only (a frozen ViT's): nothing to step
+        groups = [{"params": [], "weight_decay": 0.0, "name": "frozen", "lr": o.lr}]
     opt = torch.optim.AdamW(groups, lr=o.lr, foreach=False)
     total = max(1, int(module.trainer.estimated_stepping_batches))
     sched = StepLambdaLR(opt, penv.warmup_cosine(o, total))

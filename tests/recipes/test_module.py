@@ -245,6 +245,27 @@ def test_projector_freezing_and_its_own_rate() -> None:
         assert rates.get("projector", lr) == lr and rates["adapter"] == 2e-3
 
 
+def test_a_rank_with_nothing_to_train_gets_an_empty_optimizer() -> None:
+    """A pipeline stage of frozen blocks only (a frozen ViT's) holds no trainable parameter:
+    the recipe's optimizer has one empty group (torch refuses an empty parameter list; before,
+    fit failed there on every rank: 2 processes, Qwen2-VL, ``partition [3]``, the first stage
+    the frozen ViT's stem and two layers, trained equal to one process by hand)."""
+    from lightning_mmpar.recipes.optim import recipe_optimizer
+    from lightning_mmpar.recipes.options import OptimConfig
+    from tests.builders import tiny_fusion_config
+
+    module = ClipLlamaModule(
+        fusion=tiny_fusion_config("recipe"), optim=OptimConfig(lr=1e-3), vocab_size=64
+    )
+    module._trainer = SimpleNamespace(estimated_stepping_batches=4)  # type: ignore[assignment]
+    module.configure_model()
+    for p in module.parameters():
+        p.requires_grad_(False)
+    opt = recipe_optimizer(module)["optimizer"]
+    assert [(g["name"], g["params"]) for g in opt.param_groups] == [("frozen", [])]
+    opt.step()  # nothing to step, no error
+
+
 def test_overflow_counts_are_logged_cumulatively() -> None:
     """A ragged batch's ``overflow [B, 2]`` (the collator's truncated / dropped samples, which
     travel with the batch from DataLoader workers) is logged as cumulative ``data/truncated``
