@@ -218,7 +218,7 @@ def _format(s: dict[str, Any], path: Path, plots: list[Path]) -> str:
         f"run summary  ({lay['strategy']}: world {lay['world'] + vision} = tp {lay['tp']} x pp "
         f"{lay['pp']} x dp {lay['dp']}"
         + (f" (ep {lay['ep']})" if lay.get("ep", 1) > 1 else "")
-        + (f" + {vision} vision ranks" if vision else "")
+        + (f" + {vision} vision rank{'s' if vision > 1 else ''}" if vision else "")
         + f", virtual stages {lay['virtual']})",
         f"  steps {s['steps']}"
         + (f" ({s['skipped_steps']} skipped: non-finite)" if s.get("skipped_steps") else "")
