@@ -88,7 +88,8 @@ def test_no_greedy_decoding_with_the_tower_on_its_own_ranks(tmp_path: Path) -> N
     assert "greedy decoding  not run: the vision tower is on ranks of its own" in printed
     # the header counts every process: the language world plus the tower's own ranks
     world = summary.summary["layout"]["world"]
-    assert f"world {world + 1} = tp 1 x pp 1 x dp {world} + 1 vision rank, virtual" in printed, printed
+    header = f"world {world + 1} = tp 1 x pp 1 x dp {world} + 1 vision rank, virtual"
+    assert header in printed, printed
     assert json.loads((tmp_path / "summary.json").read_text())["greedy_decoding"] == NOT_DECODED
     trainer.strategy = SimpleNamespace(config=SimpleNamespace(vision_ranks=0))  # colocated
     summary.on_fit_end(trainer, module)  # type: ignore[arg-type]
