@@ -18,11 +18,24 @@ from typing import Any, TypeAlias
 from lightning_mmpar.layout.cost import DeviceSpec, Prediction, predict
 from lightning_mmpar.layout.value import LayoutFacts, ParallelLayout, validate
 
-__all__ = ["Rejected", "candidate_layouts", "describe", "divisors", "plan", "refusal"]
+__all__ = [
+    "Rejected",
+    "candidate_layouts",
+    "describe",
+    "divisors",
+    "plan",
+    "ranking_key",
+    "refusal",
+]
 
 Facts: TypeAlias = LayoutFacts | Callable[[Any], LayoutFacts] | None
 """What the model tells about a layout: one :class:`LayoutFacts`, or a function of the layout
 (a model's padded vocabulary depends on tp), or nothing known."""
+
+
+def ranking_key(prediction: Prediction) -> tuple[float, int]:
+    """The planner's order: the faster step first, then the smaller memory per rank."""
+    return prediction.step_seconds, prediction.memory.total
 
 
 @dataclass(frozen=True)
@@ -250,7 +263,7 @@ def plan(
             ranked.append(pred)
         else:
             rejected.append(Rejected(layout, pred.reason, pred))
-    ranked.sort(key=lambda p: (p.step_seconds, p.memory.total))
+    ranked.sort(key=ranking_key)
     return ranked, rejected
 
 

@@ -38,6 +38,10 @@ DEFAULT_TEXT_LENGTH = 2048
 """Text tokens per sample when the YAML's data gives none (LLaVA-1.5's ``model_max_length``)."""
 
 
+_ROW_OPTIONS = ("pack", "max_tokens", "max_images_per_row", "rows_multiple")
+"""The YAML data's row options :class:`CheckpointShapes` keeps (its arguments of these names)."""
+
+
 class CheckpointShapes(LightningDataModule):
     """A data module of shapes only (module docstring): ``vocab_size``, ``max_length`` (text
     tokens per sample), ``batch_size`` (per dp rank) and ``images_per_sample`` (``None``: the
@@ -65,18 +69,11 @@ class CheckpointShapes(LightningDataModule):
                 raise ValueError(f"CheckpointShapes: {name} ({value}) must be >= 1.")
         self.vocab_size, self.max_length, self.batch_size = vocab_size, max_length, batch_size
         self.images_per_sample = images_per_sample
-        rows = {
-            "pack": pack,
-            "max_tokens": max_tokens,
-            "max_images_per_row": max_images_per_row,
-            "rows_multiple": rows_multiple,
-        }
+        rows = (pack, max_tokens, max_images_per_row, rows_multiple)
         if pack is not None or max_tokens is not None:  # the YAML's data is ragged
-            self.collate_args = {k: v for k, v in rows.items() if v is not None}
-
-
-_ROW_OPTIONS = ("pack", "max_tokens", "max_images_per_row", "rows_multiple")
-"""The YAML data's row options :class:`CheckpointShapes` keeps."""
+            self.collate_args = {
+                k: v for k, v in zip(_ROW_OPTIONS, rows, strict=True) if v is not None
+            }
 
 
 def checkpoint_dir(path: str | Path) -> Path:

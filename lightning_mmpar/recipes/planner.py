@@ -42,6 +42,7 @@ from lightning_mmpar.layout.planner import (
     candidate_layouts,
     describe,
     plan,
+    ranking_key,
     refusal,
 )
 from lightning_mmpar.parallel.activation import LAYERS
@@ -50,7 +51,7 @@ from lightning_mmpar.plans.fusion_cost import fusion_model_spec
 from lightning_mmpar.recipes.hf_plan import with_checkpoint
 from lightning_mmpar.recipes.module import ClipLlamaModule
 from lightning_mmpar.recipes.partition import _strategy_args, build_module, data_args, load_recipe
-from lightning_mmpar.recipes.preflight import vision_ranks_refusal
+from lightning_mmpar.recipes.preflight import packs, vision_ranks_refusal
 from lightning_mmpar.recipes.yaml_layout import report, yaml_layout
 from lightning_mmpar.strategy import MultimodalParallelStrategy
 
@@ -507,14 +508,8 @@ def _prepare(args: argparse.Namespace) -> _Planning:
         workload,
         refused,
         rows,
-        _packs(data),
+        packs(data),
     )
-
-
-def _packs(data: Any) -> bool:
-    """Whether ``data`` packs several samples per row (its ``collate_args``' ``pack``)."""
-    collate = getattr(data, "collate_args", None)
-    return isinstance(collate, dict) and bool(collate.get("pack"))
 
 
 def _text_length(args: argparse.Namespace, data: Any) -> tuple[int, str]:
@@ -558,10 +553,8 @@ def _samples_per_row(args: argparse.Namespace, data: Any, images: float) -> tupl
     Raises:
         ValueError: ``--samples-per-row`` above 1 for data that does not pack.
     """
-    collate = getattr(data, "collate_args", None)
-    packs = isinstance(collate, dict) and bool(collate.get("pack"))
     given = args.samples_per_row
-    if given is not None and given > 1 and not packs:
+    if given is not None and given > 1 and not packs(data):
         raise ValueError(
             f"--samples-per-row ({given:g}) prices packed rows; the YAML's data "
             f"({type(data).__name__}) puts one sample per row: give data.pack: true or leave "
@@ -572,7 +565,7 @@ def _samples_per_row(args: argparse.Namespace, data: Any, images: float) -> tupl
         rows, source = float(given), "--samples-per-row"
     elif known is not None:
         rows, source = float(known), f"the YAML's {type(data).__name__}.samples_per_row"
-    elif packs:
+    elif packs(data):
         rows, source = 1.0, "the default; pass --samples-per-row, your rows' mean"
     else:
         return 1.0, ""
@@ -820,7 +813,7 @@ def _own_layout(
             mine = None
         if mine is not None and mine.fits:  # not enumerated: ranked with the candidates
             ranked.append(mine)
-            ranked.sort(key=lambda p: (p.step_seconds, p.memory.total))
+            ranked.sort(key=ranking_key)
     return report(own, ranked, price, run.facts, args.gpus), name
 
 

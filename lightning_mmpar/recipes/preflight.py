@@ -42,6 +42,7 @@ __all__ = [
     "RESUME_MAY_CHANGE",
     "check_training_batches",
     "layout_and_facts",
+    "packs",
     "preflight",
     "vision_ranks_refusal",
 ]
@@ -107,12 +108,19 @@ _PACKED_NOTE = (
 )
 
 
+def packs(datamodule: Any) -> bool:
+    """Whether ``datamodule`` packs several samples per row (its ``collate_args``' ``pack``):
+    a batch's row count then varies (the planner's ``--samples-per-row``, the check of
+    ``data.rows_multiple``)."""
+    collate = getattr(datamodule, "collate_args", None)
+    return isinstance(collate, dict) and bool(collate.get("pack"))
+
+
 def _packed_rows_multiple(datamodule: Any) -> int | None:
     """``data.rows_multiple`` of a data module that packs samples into rows, else ``None``."""
-    collate = getattr(datamodule, "collate_args", None)
-    if not isinstance(collate, dict) or not collate.get("pack"):
+    if not packs(datamodule):
         return None
-    rows = collate.get("rows_multiple", 1)
+    rows = datamodule.collate_args.get("rows_multiple", 1)
     return rows if isinstance(rows, int) else None
 
 

@@ -87,6 +87,24 @@ def _scored(batch: dict[str, torch.Tensor], tokenizer: Any) -> list[str]:
     return runs
 
 
+def _one_process_config(
+    tmp_path: Path, paths: dict[str, Path], config: dict[str, Any], **trainer: Any
+) -> Path:
+    """``config`` (the shipped YAML's) at one process and tp 1 on the example's directory and
+    data, ``trainer`` options over it, written to ``tmp_path/c.yaml`` (its path)."""
+    config["trainer"] |= {"devices": 1, "logger": False, **trainer}
+    config["trainer"] |= {"enable_progress_bar": False, "default_root_dir": str(tmp_path / "run")}
+    config["trainer"]["strategy"]["init_args"]["tensor_parallel"] = 1
+    config["model"]["pretrained"]["hf"] = str(paths["model"])
+    config["data"]["init_args"] |= {
+        "train_file": str(paths["train_file"]),
+        "image_root": str(paths["image_root"]),
+    }
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
 def test_qwen_sft_yaml_trains_the_example_on_assistant_tokens(tmp_path: Path) -> None:
     paths = write_tiny_qwen(tmp_path / "tiny")
     assert isinstance(from_hf(paths["model"]), QwenVLModel)
@@ -95,17 +113,9 @@ def test_qwen_sft_yaml_trains_the_example_on_assistant_tokens(tmp_path: Path) ->
     config = yaml.safe_load(YAML.read_text())
     assert config["trainer"]["devices"] == 2
     assert config["trainer"]["strategy"]["init_args"]["tensor_parallel"] == 2
-    config["trainer"] |= {"devices": 1, "max_steps": 2, "logger": False}
-    config["trainer"] |= {"enable_progress_bar": False, "default_root_dir": str(tmp_path / "run")}
-    config["trainer"]["strategy"]["init_args"]["tensor_parallel"] = 1
-    config["trainer"]["callbacks"] = [{"class_path": "tests.recipes.test_llava_sft.FirstStep"}]
-    config["model"]["pretrained"]["hf"] = str(paths["model"])
-    config["data"]["init_args"] |= {
-        "train_file": str(paths["train_file"]),
-        "image_root": str(paths["image_root"]),
-    }
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
-    cli = run_cli(["fit", "--config", str(tmp_path / "c.yaml")])
+    first_step = [{"class_path": "tests.recipes.test_llava_sft.FirstStep"}]
+    path = _one_process_config(tmp_path, paths, config, max_steps=2, callbacks=first_step)
+    cli = run_cli(["fit", "--config", str(path)])
     assert type(cli.model) is QwenVLRecipeModule and cli.trainer.global_step == 2
     data, rec = cli.datamodule, cli.trainer.callbacks[0]
     assert isinstance(rec, FirstStep)
@@ -140,20 +150,11 @@ def test_a_cut_vit_tensor_is_refused_not_zero_padded(tmp_path: Path) -> None:
     key = "visual.blocks.0.attn.qkv.weight"  # the Qwen2-VL checkpoint naming the example writes
     state[key] = state[key][:-3].contiguous()
     save_file(state, str(weights), metadata={"format": "pt"})
-    config = yaml.safe_load(YAML.read_text())
-    config["trainer"] |= {"devices": 1, "max_steps": 1, "logger": False}
-    config["trainer"] |= {"enable_progress_bar": False, "default_root_dir": str(tmp_path / "run")}
-    config["trainer"]["strategy"]["init_args"]["tensor_parallel"] = 1
-    config["model"]["pretrained"]["hf"] = str(paths["model"])
-    config["data"]["init_args"] |= {
-        "train_file": str(paths["train_file"]),
-        "image_root": str(paths["image_root"]),
-    }
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    path = _one_process_config(tmp_path, paths, yaml.safe_load(YAML.read_text()), max_steps=1)
     with pytest.raises(
         ValueError, match=r"'blocks\.0\.attn\.q_proj\.weight' has shape \[\d+, \d+\]"
     ):
-        run_cli(["fit", "--config", str(tmp_path / "c.yaml")])
+        run_cli(["fit", "--config", str(path)])
 
 
 class Returned(FirstStep):
@@ -176,19 +177,12 @@ def test_a_one_batch_accumulation_window_trains_and_logs_the_batch_mean(tmp_path
     before: the Qwen module ignored the window, so both were half of it)."""
     paths = write_tiny_qwen(tmp_path / "tiny")
     config = yaml.safe_load(YAML.read_text())
-    config["trainer"] |= {"devices": 1, "max_steps": 1, "logger": False}
-    config["trainer"] |= {"enable_progress_bar": False, "default_root_dir": str(tmp_path / "run")}
-    config["trainer"] |= {"accumulate_grad_batches": 2}
-    config["trainer"]["strategy"]["init_args"]["tensor_parallel"] = 1
-    config["trainer"]["callbacks"] = [{"class_path": f"{__name__}.Returned"}]
-    config["model"]["pretrained"]["hf"] = str(paths["model"])
-    config["data"]["init_args"] |= {
-        "train_file": str(paths["train_file"]),
-        "image_root": str(paths["image_root"]),
-        "batch_size": 6,
-    }
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
-    cli = run_cli(["fit", "--config", str(tmp_path / "c.yaml")])
+    config["data"]["init_args"]["batch_size"] = 6  # the example's 6 conversations: one batch
+    returned = [{"class_path": f"{__name__}.Returned"}]
+    path = _one_process_config(
+        tmp_path, paths, config, max_steps=1, accumulate_grad_batches=2, callbacks=returned
+    )
+    cli = run_cli(["fit", "--config", str(path)])
     rec = cli.trainer.callbacks[0]
     assert isinstance(rec, Returned) and len(rec.losses) == 1 == cli.trainer.global_step
     theirs = _transformers_loss(paths["model"], rec.batch)

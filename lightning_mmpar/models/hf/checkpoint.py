@@ -39,30 +39,11 @@ _OURS = ("config.json", "generation_config.json", INDEX)
 """Files ``write_hf`` writes itself (the rest of the source directory is copied)."""
 
 
-def hf_config(path: str | Path) -> Any:
-    """The transformers config object of a local directory (``AutoConfig``).
+def _config_file(path: str | Path) -> Path:
+    """``path/config.json``.
 
     Raises:
-        ValueError: no ``config.json`` in ``path``.
-    """
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ValueError(
-            f"{str(path)!r} has no config.json: pass a directory written by transformers' "
-            "save_pretrained."
-        )
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(str(path), local_files_only=True)
-
-
-def model_type_of(path: str | Path) -> str:
-    """``config.json``'s ``model_type`` in the directory ``path``, read as JSON (transformers
-    is not asked, so a caller can refuse an unsupported type with its own message first).
-
-    Raises:
-        ValueError: no ``config.json`` in ``path``, one that is not a JSON object, or one
-            without a ``model_type`` string (naming the path).
+        ValueError: it is missing (a path to the file itself: its directory named).
     """
     file = Path(path) / "config.json"
     if not file.is_file():
@@ -73,6 +54,30 @@ def model_type_of(path: str | Path) -> str:
             else "pass a directory written by transformers' save_pretrained"
         )
         raise ValueError(f"{str(path)!r} has no config.json: {hint}.")
+    return file
+
+
+def hf_config(path: str | Path) -> Any:
+    """The transformers config object of a local directory (``AutoConfig``).
+
+    Raises:
+        ValueError: no ``config.json`` in ``path``.
+    """
+    _config_file(path)
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(Path(path)), local_files_only=True)
+
+
+def model_type_of(path: str | Path) -> str:
+    """``config.json``'s ``model_type`` in the directory ``path``, read as JSON (transformers
+    is not asked, so a caller can refuse an unsupported type with its own message first).
+
+    Raises:
+        ValueError: no ``config.json`` in ``path``, one that is not a JSON object, or one
+            without a ``model_type`` string (naming the path).
+    """
+    file = _config_file(path)
     try:
         config = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
